@@ -1,0 +1,69 @@
+"""The schedulable pipeline engine: tasks with lookaheads, streams and dependencies, executed
+batch-ahead over a ring of in-flight batches.
+
+Imports only the standard library, torch and nvtx (a test enforces it), so it can be reused
+without torchrec, Hydra or pydantic.
+"""
+
+from recsys_pipe.engine.context import TaskContext
+from recsys_pipe.engine.deps import (
+    Dependency,
+    DependencyGraph,
+    Edge,
+    EventWait,
+    compile_dependencies,
+    infer_cross_stream_event_deps,
+    topological_sort,
+    validate,
+)
+from recsys_pipe.engine.errors import (
+    PipelineBrokenError,
+    Problem,
+    ScheduleValidationError,
+    SchedulingError,
+    TaskFailedError,
+)
+from recsys_pipe.engine.executor import Executor, SequentialExecutor
+from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
+from recsys_pipe.engine.schedule import Schedule, Stage
+from recsys_pipe.engine.slots import BatchRing, SlotStore
+from recsys_pipe.engine.streams import NoOpEvent, NoOpStream, StreamPool
+from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, FnTask, Task
+from recsys_pipe.engine.threaded import NcclLockAborted, NcclOrderedLock, ThreadedExecutor, resolve_thread_map
+
+__all__ = [
+    "BATCH_CPU",
+    "STEP_RESULT",
+    "BatchRing",
+    "DataSlot",
+    "Dependency",
+    "DependencyGraph",
+    "Edge",
+    "EventWait",
+    "Executor",
+    "FnTask",
+    "NcclLockAborted",
+    "NcclOrderedLock",
+    "NoOpEvent",
+    "NoOpStream",
+    "PipelineBrokenError",
+    "Problem",
+    "SchedulablePipeline",
+    "Schedule",
+    "ScheduleValidationError",
+    "SchedulingError",
+    "SequentialExecutor",
+    "SlotStore",
+    "Stage",
+    "StreamPool",
+    "Task",
+    "TaskContext",
+    "TaskFailedError",
+    "ThreadedExecutor",
+    "compile_dependencies",
+    "fires",
+    "infer_cross_stream_event_deps",
+    "resolve_thread_map",
+    "topological_sort",
+    "validate",
+]

@@ -1,0 +1,133 @@
+"""Named streams and the events that order them.
+
+On CUDA the pool holds real `torch.cuda.Stream`s and records `torch.cuda.Event`s. On a machine
+without a GPU every stream and event is a no-op object with the same interface, so the same
+schedule runs unchanged on a laptop (and CPU tensors never see `record_stream`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Iterable, Mapping
+
+import torch
+
+DEFAULT_STREAM = "default"
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+class NoOpEvent:
+    """CPU stand-in for `torch.cuda.Event`: CPU work is already ordered by the CPU."""
+
+    __slots__ = ()
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_NOOP_EVENT = NoOpEvent()
+
+
+class NoOpStream:
+    """CPU stand-in for `torch.cuda.Stream`."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = DEFAULT_STREAM):
+        self.name = name
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> NoOpEvent:
+        return _NOOP_EVENT
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"NoOpStream({self.name!r})"
+
+
+class StreamPool:
+    """Streams by name. `use(name)` makes one current; `record_event`/`wait_*` order them.
+
+    Any object with `wait_event`, `wait_stream` and `record_event` works as a stream, which is
+    how the recording backend in `recsys_pipe.engine.testing` observes what the engine emits.
+    """
+
+    def __init__(self, streams: Mapping[str, Any]):
+        if not streams:
+            raise ValueError("a StreamPool needs at least one stream")
+        self._streams = dict(streams)
+        self._cuda = {n for n, s in self._streams.items() if isinstance(s, torch.cuda.Stream)}
+
+    @classmethod
+    def create(cls, names: Iterable[str], device: torch.device | str | None = None) -> "StreamPool":
+        """Real CUDA streams when `device` is CUDA (`default` is the device's default stream),
+        no-op streams otherwise."""
+        names = list(dict.fromkeys(names))
+        device = torch.device(device) if device is not None else None
+        if device is None or device.type != "cuda":
+            return cls({n: NoOpStream(n) for n in names})
+        streams = {
+            n: torch.cuda.default_stream(device) if n == DEFAULT_STREAM else torch.cuda.Stream(device)
+            for n in names
+        }
+        return cls(streams)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._streams)
+
+    @property
+    def is_cuda(self) -> bool:
+        return bool(self._cuda)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._streams
+
+    def get(self, name: str) -> Any:
+        try:
+            return self._streams[name]
+        except KeyError:
+            raise KeyError(f"stream '{name}' is not in the pool (have: {', '.join(self._streams)})") from None
+
+    def use(self, name: str, label: Any = None) -> ContextManager:
+        """Make stream `name` current for the enclosed work. `label` names the work for
+        observing backends; real streams ignore it."""
+        if name in self._cuda:
+            return torch.cuda.stream(self._streams[name])
+        scope = getattr(self._streams[name], "scope", None)
+        return scope(label) if scope is not None else _NULL_CONTEXT
+
+    def record_event(self, name: str) -> Any:
+        return self._streams[name].record_event()
+
+    def wait_event(self, name: str, event: Any) -> None:
+        self._streams[name].wait_event(event)
+
+    def wait_stream(self, name: str, other: str) -> None:
+        self._streams[name].wait_stream(self._streams[other])
+
+    def synchronize(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def __repr__(self) -> str:
+        return f"StreamPool({self._streams!r})"
