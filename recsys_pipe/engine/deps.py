@@ -335,4 +335,6 @@ def _find_cycle(remaining: set[str], succ: dict[str, list[str]], names: list[str
         path.append(node)
         node = preds[node][0]
     cycle = path[seen[node]:][::-1]  # walked backwards: reverse into producer -> consumer order
+    first = min(range(len(cycle)), key=lambda i: names.index(cycle[i]))  # start at the earliest declared
+    cycle = cycle[first:] + cycle[:first]
     return cycle + [cycle[0]]

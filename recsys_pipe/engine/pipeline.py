@@ -185,8 +185,8 @@ class SchedulablePipeline:
                     task.run(ctx)
                 finally:
                     nvtx.pop_range()
-                if task.name in self._needs_event:
-                    ring.at(task.lookahead).record_event(task.name, pool.record_event(task.stream))
+            if task.name in self._needs_event:  # after all of the task's work on its stream
+                ring.at(task.lookahead).record_event(task.name, pool.record_event(task.stream))
         except Exception as exc:
             raise TaskFailedError(task.name, batch_index, i) from exc
 

@@ -1,0 +1,28 @@
+"""Two ranks, real collectives (gloo): the ordered lock keeps threaded ranks in lockstep."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_two_ranks_different_thread_maps_never_deadlock_and_match_sequential(tmp_path):
+    worker = Path(__file__).parent / "dist" / "nccl_order_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+         str(worker), str(tmp_path)],
+        capture_output=True, text=True, timeout=150, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["ok"] for r in ranks)
+    assert ranks[0]["results"] == ranks[1]["results"]  # all_reduce: identical on both ranks
+    assert len(ranks[0]["results"]) == 6 * 10
+    # batch b on rank 0 contributes b+1, on rank 1 b+11: the sum proves matching collectives
+    assert ranks[0]["results"]["backward:3"] == [4.0 + 14.0] * 11

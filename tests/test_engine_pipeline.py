@@ -1,0 +1,204 @@
+"""SchedulablePipeline semantics (SPEC §2–§4): firing mask, ring flow, progress/drain, reset."""
+
+import logging
+
+import pytest
+from _schedules import Trace, build, run_all, schedule_specs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recsys_pipe.engine import (
+    BatchRing,
+    PipelineBrokenError,
+    SchedulablePipeline,
+    Schedule,
+    Stage,
+    Task,
+    TaskFailedError,
+    fires,
+)
+from recsys_pipe.engine.testing import check_happens_before, recording_pool
+
+
+def three_level(log):
+    """h2d (la 2, memcpy) -> dist (la 1, data_dist) -> train (la 0): SPEC §6.4 without prefetch."""
+    def h2d(ctx):
+        log.append((ctx.iter_count, "h2d", ctx.batch_index))
+        ctx.slots.set("gpu", ("gpu", ctx.slots["batch_cpu"]))
+
+    def dist(ctx):
+        log.append((ctx.iter_count, "dist", ctx.batch_index))
+        ctx.slots.set("dist", ("dist", ctx.slots["gpu"]))
+
+    def train(ctx):
+        log.append((ctx.iter_count, "train", ctx.batch_index))
+        ctx.slots.set("step_result", ("trained", ctx.slots["dist"]))
+
+    return Schedule.single_stage([
+        Task.from_fn("train", train, reads=["dist"], writes=["step_result"]),
+        Task.from_fn("dist", dist, stream="data_dist", lookahead=1, reads=["gpu"], writes=["dist"], depends_on=["h2d"]),
+        Task.from_fn("h2d", h2d, stream="memcpy", lookahead=2, reads=["batch_cpu"], writes=["gpu"]),
+    ])
+
+
+def test_batch_flows_through_a_three_level_ring():
+    log = []
+    with SchedulablePipeline(three_level(log)) as pipe:
+        results = run_all(pipe, range(4))
+    assert results == [("trained", ("dist", ("gpu", b))) for b in range(4)]
+
+
+def test_prefill_steady_drain_pattern():
+    """Rows of seed 001 §6.4: iteration i runs h2d on batch i, dist on i-1, train on i-2."""
+    log = []
+    m = 4
+    pipe = SchedulablePipeline(three_level(log))
+    it = iter(range(m))
+    first = pipe.progress(it)
+    assert first[0] == "trained"
+    assert [(i, name, b) for i, name, b in log] == [
+        (0, "h2d", 0),  # prefill
+        (1, "dist", 0), (1, "h2d", 1),  # prefill
+        (2, "train", 0), (2, "dist", 1), (2, "h2d", 2),  # steady: progress #1 returns batch 0
+    ]
+    run_all(pipe, it)
+    by_iter = {}
+    for i, name, b in log:
+        by_iter.setdefault(i, []).append((name, b))
+    assert by_iter[3] == [("train", 1), ("dist", 2), ("h2d", 3)]
+    assert by_iter[4] == [("train", 2), ("dist", 3)]  # drain: iterator exhausted, no h2d
+    assert by_iter[5] == [("train", 3)]
+    assert max(by_iter) == 5
+
+
+@given(lookaheads=st.lists(st.integers(0, 4), min_size=1, max_size=6), m=st.integers(0, 9))
+@settings(max_examples=60, deadline=None)
+def test_mask_matches_formula_and_every_batch_runs_once(lookaheads, m):
+    seen = []
+
+    def body(ctx):
+        seen.append((ctx.task.name, ctx.batch_index, ctx.iter_count, ctx.slots["batch_cpu"]))
+
+    tasks = [Task.from_fn(f"t{i}", body, lookahead=la, reads=["batch_cpu"]) for i, la in enumerate(lookaheads)]
+    pipe = SchedulablePipeline(Schedule.single_stage(tasks))
+    results = run_all(pipe, [f"batch{b}" for b in range(m)])
+    assert len(results) == m
+    L = max(lookaheads)
+    for name, batch, i, payload in seen:
+        la = lookaheads[int(name[1:])]
+        assert fires(la, L, i, m) and batch == i - L + la
+        assert payload == f"batch{batch}"  # each task saw its own batch's data
+    assert sorted((n, b) for n, b, _, _ in seen) == sorted((f"t{i}", b) for i in range(len(lookaheads)) for b in range(m))
+
+
+@given(specs=schedule_specs(), m=st.integers(0, 7))
+@settings(max_examples=80, deadline=None)
+def test_random_schedules_no_batch_lost_and_data_from_right_producer(specs, m):
+    trace = Trace()
+    schedule = build(specs, trace)
+    pool, log = recording_pool(schedule.stream_slots)
+    with SchedulablePipeline(schedule, pool) as pipe:
+        results = run_all(pipe, range(m))
+    assert len(results) == m
+    assert sorted(trace.reads) == sorted((s["name"], b) for s in specs for b in range(m))
+    assert check_happens_before(log, schedule) == []
+    from recsys_pipe.engine.testing import required_producers
+    tasks = {t.name: t for t in schedule.tasks}
+    for (name, batch), seen in trace.reads.items():
+        task = tasks[name]
+        for slot, value in zip(task.reads, seen):
+            if slot.name == "batch_cpu":
+                assert value == batch - task.lookahead + slot.batch_offset
+                continue
+            producers = [(p, pb) for p, pb, why in required_producers(schedule, task, batch) if why == f"reads {slot}"]
+            (producer,) = producers
+            assert value == trace.writes.get(producer), f"{name}[{batch}] read {slot} from the wrong batch"
+
+
+def test_happens_before_checker_catches_missing_waits():
+    """Not vacuous: a backend that drops waits must be caught on a cross-stream schedule."""
+    trace = Trace()
+    schedule = build([
+        {"name": "a", "lookahead": 1, "stream": "s1", "writes": ["x"]},
+        {"name": "b", "lookahead": 0, "stream": "default", "reads": ["x"], "writes": ["step_result"]},
+    ], trace)
+    pool, log = recording_pool(schedule.stream_slots, drop_waits=True)
+    run_all(SchedulablePipeline(schedule, pool), range(3))
+    violations = check_happens_before(log, schedule)
+    assert len(violations) == 3 and "b[batch 0] (reads x@0) is not ordered after a[batch 0]" in violations[0]
+
+
+def test_new_iterator_resets_and_drops_stale_batches(caplog):
+    log = []
+    pipe = SchedulablePipeline(three_level(log))
+    train = iter(range(100, 110))
+    assert pipe.progress(train)[1][1][1] == 100
+    assert pipe.progress(train)[1][1][1] == 101
+    with caplog.at_level(logging.WARNING):
+        evaluation = iter(range(200, 203))
+        assert [r[1][1][1] for r in run_all(pipe, evaluation)] == [200, 201, 202]
+    assert "dropping 2 in-flight batch(es)" in caplog.text
+    trained = [b for _, name, b in log if name == "train"]
+    assert trained == [0, 1, 0, 1, 2]  # batch indices restart with the new iterator
+    with pytest.raises(StopIteration):
+        pipe.progress(evaluation)  # still exhausted: no restart for the same object
+
+
+def test_step_and_drain_push_mode():
+    log = []
+    pipe = SchedulablePipeline(three_level(log))
+    assert [pipe.step(b) for b in range(4)] == [None, None, ("trained", ("dist", ("gpu", 0))),
+                                                ("trained", ("dist", ("gpu", 1)))]
+    assert pipe.drain() == [("trained", ("dist", ("gpu", 2))), ("trained", ("dist", ("gpu", 3)))]
+    assert pipe.drain() == []
+
+
+def test_lookahead_zero_step_returns_its_own_result():
+    pipe = SchedulablePipeline(Schedule.single_stage([
+        Task.from_fn("double", lambda ctx: ctx.slots.set("step_result", 2 * ctx.slots["batch_cpu"]),
+                     reads=["batch_cpu"], writes=["step_result"])]))
+    assert [pipe.step(x) for x in (1, 2, 3)] == [2, 4, 6]
+
+
+def test_failure_names_task_and_batch_and_breaks_pipeline():
+    def boom(ctx):
+        if ctx.batch_index == 2:
+            raise ValueError("bad batch")
+
+    pipe = SchedulablePipeline(Schedule.single_stage([Task.from_fn("fwd", boom, lookahead=1)]))
+    it = iter(range(5))
+    pipe.progress(it)
+    with pytest.raises(TaskFailedError, match="task 'fwd' failed on batch 2") as info:
+        run_all(pipe, it)
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(PipelineBrokenError, match="stopped after a failure"):
+        pipe.progress(it)
+
+
+def test_init_runs_once_per_task_before_first_iteration():
+    calls = []
+
+    class Counted(Task):
+        name = "counted"
+
+        def init(self, ctx):
+            calls.append(("init", ctx.state))
+
+        def run(self, ctx):
+            calls.append(("run", ctx.batch_index))
+
+    pipe = SchedulablePipeline(Schedule(stages=(Stage((Counted(),)),)), state="shared")
+    run_all(pipe, range(2))
+    assert calls == [("init", "shared"), ("run", 0), ("run", 1)]
+
+
+def test_ring_rotation():
+    ring = BatchRing(3)
+    for k in range(3):
+        ring.at(k).set("b", k)
+    ring.advance()
+    assert [ring.at(k).get("b") for k in range(3)] == [1, 2, None]
+    with pytest.raises(IndexError):
+        ring.at(3)
+    with pytest.raises(KeyError, match="slot 'b' is empty"):
+        ring.at(2)["b"]
