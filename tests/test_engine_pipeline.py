@@ -202,3 +202,16 @@ def test_ring_rotation():
         ring.at(3)
     with pytest.raises(KeyError, match="slot 'b' is empty"):
         ring.at(2)["b"]
+
+
+def test_seed_first_batch_trains_the_peeked_batch_once():
+    log = []
+    pipe = SchedulablePipeline(three_level(log))
+    it = iter(range(5))
+    peek = next(it)
+    pipe.seed_first_batch(it, {"batch_cpu": peek, "prepared_by": "bootstrap"})
+    assert pipe.ring.at(2)["prepared_by"] == "bootstrap"
+    results = run_all(pipe, it)
+    assert [r[1][1][1] for r in results] == [0, 1, 2, 3, 4]
+    assert [b for _, name, b in log if name == "train"] == [0, 1, 2, 3, 4]
+    assert sorted(b for _, name, b in log if name == "h2d") == [0, 1, 2, 3, 4]

@@ -10,7 +10,7 @@ before raising StopIteration. Every pulled batch passes through every task exact
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import nvtx
 
@@ -52,6 +52,7 @@ class SchedulablePipeline:
         self._iteration = 0
         self._pulled = 0
         self._exhausted = False
+        self._seeded = False
         self._broken: str | None = None
         self._closed = False
         for task in self.graph.order:
@@ -75,6 +76,24 @@ class SchedulablePipeline:
             completed, result = self._run_iteration(pull=True)
             if completed:
                 return result
+
+    def seed_first_batch(self, batch_iter: Iterable, slot_values: Mapping[str, Any]) -> None:
+        """Start over with `batch_iter`, whose first batch the caller already pulled and began
+        preparing (e.g. to run a model rewrite on it).
+
+        `slot_values` (at least `batch_cpu`) go into that batch's store at the deepest
+        lookahead, and the first iteration pulls nothing, so the batch is trained like any
+        other and none is lost. Tasks see the values already there and can skip work done.
+        """
+        self._check_usable()
+        if BATCH_CPU not in slot_values:
+            raise ValueError(f"seed_first_batch needs '{BATCH_CPU}' among the slot values")
+        self._reset(batch_iter)
+        store = self.ring.at(self.max_lookahead)
+        for name, value in slot_values.items():
+            store.set(name, value)
+        self._pulled = 1
+        self._seeded = True
 
     def step(self, batch: Any) -> Any:
         """Push one batch and run one internal iteration; return the `step_result` of the batch
@@ -132,12 +151,15 @@ class SchedulablePipeline:
         self._iteration = 0
         self._pulled = 0
         self._exhausted = False
+        self._seeded = False
         self.ring.clear()
 
     def _run_iteration(self, pull: bool) -> tuple[bool, Any]:
         i = self._iteration
         L = self.max_lookahead
-        if pull and not self._exhausted:
+        if self._seeded:  # the first batch was pulled by seed_first_batch
+            self._seeded = False
+        elif pull and not self._exhausted:
             try:
                 batch = next(self._iterator)
             except StopIteration:
