@@ -1,0 +1,127 @@
+"""MovieLens ratings -> per-user interaction sequences -> :class:`Sample`.
+
+Reads both public layouts: ml-1m ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``, no
+header) and ml-20m/25m ``ratings.csv`` (header ``userId,movieId,rating,timestamp``). Each user's
+ratings are sorted by time and cut, from the most recent end, into windows of at most
+``max_seq_len`` ratings (kept in time order); the last ``num_candidates`` ratings of a window are the ranking
+candidates. The action of a rating is ``round(2 * rating)`` (half stars in ml-20m), so actions
+are ``1..10`` and ``0`` stays the masked candidate action; task ``k`` is ``rating >= thresholds[k]``.
+
+Movie and user ids are remapped to dense ``[0, n)`` in sorted raw-id order. Pure Python: ml-1m
+loads in a few seconds, ml-20m in a minute or so.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple, Union
+
+from torch.utils.data import Dataset
+
+from recsys_pipe.data.batch import Sample
+from recsys_pipe.data.spec import DataSpec
+
+Rating = Tuple[int, int, float, int]
+"""(user id, movie id, rating, unix timestamp) as found in the file."""
+
+NUM_ACTIONS = 11
+
+
+def read_ratings(path: Union[str, Path]) -> List[Rating]:
+    """Parse a MovieLens ratings file; the layout is detected from its first line."""
+    path = Path(path)
+    with path.open(newline="", encoding="latin-1") as f:
+        first = f.readline()
+        f.seek(0)
+        if "::" in first:
+            rows = (line.rstrip("\n").split("::") for line in f if line.strip())
+        elif first.lower().startswith("userid,"):
+            reader = csv.reader(f)
+            next(reader)
+            rows = (r for r in reader if r)
+        else:
+            raise ValueError(f"{path}: not a MovieLens ratings file (first line {first[:60]!r})")
+        return [(int(u), int(m), float(r), int(t)) for u, m, r, t in rows]
+
+
+def _user_sequences(ratings: Sequence[Rating]) -> Tuple[Dict[int, List[Rating]], Dict[int, int], Dict[int, int]]:
+    """Group by user, sort each by (timestamp, movie), and build dense id maps."""
+    by_user: Dict[int, List[Rating]] = defaultdict(list)
+    for r in ratings:
+        by_user[r[0]].append(r)
+    for seq in by_user.values():
+        seq.sort(key=lambda r: (r[3], r[1]))
+    movie_index = {m: i for i, m in enumerate(sorted({r[1] for r in ratings}))}
+    user_index = {u: i for i, u in enumerate(sorted(by_user))}
+    return by_user, movie_index, user_index
+
+
+class MovieLensDataset(Dataset[Sample]):
+    """This rank's share of the MovieLens windows (rank ``r`` of ``w`` gets every w-th window).
+
+    Args:
+        path: ``ratings.dat`` (ml-1m) or ``ratings.csv`` (ml-20m).
+        max_seq_len: max ratings per window (history + candidates).
+        num_candidates: trailing ratings of each window that are ranking candidates.
+        thresholds: one binary task per threshold, positive when ``rating >= threshold``.
+        min_history: windows with fewer history ratings are dropped.
+    """
+
+    def __init__(
+        self,
+        path: Union[str, Path],
+        max_seq_len: int,
+        num_candidates: int,
+        rank: int = 0,
+        world_size: int = 1,
+        thresholds: Sequence[float] = (4.0, 5.0),
+        min_history: int = 1,
+    ) -> None:
+        if not 0 < num_candidates < max_seq_len:
+            raise ValueError(f"need 0 < num_candidates ({num_candidates}) < max_seq_len ({max_seq_len})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        by_user, movie_index, user_index = _user_sequences(read_ratings(path))
+        self.thresholds = tuple(thresholds)
+        self.rank = rank
+        self.world_size = world_size
+        self.spec = DataSpec(
+            num_items=len(movie_index),
+            num_actions=NUM_ACTIONS,
+            num_tasks=len(self.thresholds),
+            num_users=len(user_index),
+        )
+        min_len = num_candidates + min_history
+        self._windows: List[Tuple[int, List[Rating]]] = []
+        for raw_user in sorted(by_user):
+            seq = by_user[raw_user]
+            ends = range(len(seq), min_len - 1, -max_seq_len)  # newest window first ...
+            for end in reversed(ends):  # ... stored oldest first
+                self._windows.append((user_index[raw_user], seq[max(0, end - max_seq_len) : end]))
+        self._movie_index = movie_index
+        self._num_candidates = num_candidates
+
+    @property
+    def num_windows(self) -> int:
+        """Windows over all ranks (before the per-rank split)."""
+        return len(self._windows)
+
+    def __len__(self) -> int:
+        return len(self._windows) // self.world_size
+
+    def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        global_index = index * self.world_size + self.rank
+        user, window = self._windows[global_index]
+        n_hist = len(window) - self._num_candidates
+        return Sample(
+            sample_id=global_index,
+            user=user,
+            items=[self._movie_index[r[1]] for r in window],
+            timestamps=[r[3] for r in window],
+            history_actions=[round(2 * r[2]) for r in window[:n_hist]],
+            labels=[[float(r[2] >= th) for th in self.thresholds] for r in window[n_hist:]],
+        )

@@ -1,0 +1,253 @@
+"""HSTU ranking model (Hierarchical Sequential Transduction Units, Zhai et al. 2024).
+
+Layout, chosen for torchrec's sparse-dist pipeline:
+
+* :class:`HSTUModel` holds the ``EmbeddingCollection`` as the direct attribute ``ec`` and its
+  ``forward(batch)`` is two calls: ``self.ec(batch.sparse_features)`` and the dense
+  :class:`HSTURanker`. ``_rewrite_model`` FX-traces that forward with the ranker as a leaf
+  (it holds no sharded module), finds the ``ec`` call whose argument is the ``getattr`` chain
+  ``batch.sparse_features``, and can then run the EC's input_dist ahead of the forward.
+  Anything data-dependent lives inside the ranker, which FX never traces.
+* The ranker works on jagged token values ``[T, D]``: LayerNorm, projections and the output
+  MLP never see padding. Only the attention pads to ``[B, N, ...]`` and back, with fbgemm's
+  ``jagged_to_padded_dense`` / ``dense_to_jagged``.
+
+Sequence of a sample: ``[user?] history_1 .. history_h candidate_1 .. candidate_c``; a token is
+``item_emb + action_emb`` (candidates carry the masked action, so their label stays hidden).
+Attention is causal, and a candidate is visible only to itself, so candidates are scored
+independently of each other. The multi-task head reads the candidate tokens of the last layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.distributed.types import Awaitable
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Batch
+
+ModelOutput = Tuple[torch.Tensor, Dict[str, torch.Tensor]]
+TIME_BUCKET_WIDTH = 0.301
+"""Time gaps are bucketed by ``ln(gap_seconds) / TIME_BUCKET_WIDTH`` (generative-recommenders'
+choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
+
+
+@dataclass(frozen=True)
+class HSTUConfig:
+    """Model sizes. Vocabulary sizes come from the data source's ``DataSpec``.
+
+    ``max_seq_len`` counts item tokens (history + candidates) per sample, as in ``DataConfig``,
+    and must be at least the data's: it is the static padded attention length, and longer
+    sequences would be cut silently (checking would cost a device sync per step).
+    ``num_users > 0`` adds the contextual ``user`` table and one token per sample (the data
+    must then be built with ``use_user_feature=True``).
+    """
+
+    num_items: int
+    num_actions: int
+    num_tasks: int
+    num_users: int = 0
+    embedding_dim: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    max_seq_len: int = 32
+    dropout: float = 0.0
+    relative_bias: bool = True
+    num_time_buckets: int = 64
+
+    def __post_init__(self) -> None:
+        if self.embedding_dim % self.num_heads:
+            raise ValueError(f"embedding_dim {self.embedding_dim} not divisible by num_heads {self.num_heads}")
+
+    @property
+    def padded_len(self) -> int:
+        """Attention length N: item tokens plus the contextual token."""
+        return self.max_seq_len + (1 if self.num_users > 0 else 0)
+
+
+def embedding_tables(cfg: HSTUConfig) -> list[EmbeddingConfig]:
+    """One table per feature, named ``<feature>_table`` (``items`` would shadow
+    ``ModuleDict.items``); all share ``embedding_dim`` (a sharded EC requires it)."""
+    sizes = {ITEM_KEY: cfg.num_items, ACTION_KEY: cfg.num_actions}
+    if cfg.num_users > 0:
+        sizes[USER_KEY] = cfg.num_users
+    return [
+        EmbeddingConfig(name=f"{feature}_table", embedding_dim=cfg.embedding_dim, num_embeddings=n, feature_names=[feature])
+        for feature, n in sizes.items()
+    ]
+
+
+class RelativeBias(nn.Module):
+    """Learned attention bias from relative position and bucketed log time gap (shared by heads)."""
+
+    def __init__(self, max_len: int, num_time_buckets: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.num_time_buckets = num_time_buckets
+        self.position = nn.Parameter(torch.zeros(2 * max_len - 1))
+        self.time = nn.Parameter(torch.zeros(num_time_buckets + 1))
+
+    def forward(self, timestamps: torch.Tensor) -> torch.Tensor:
+        """``timestamps``: padded ``[B, N]`` -> bias ``[B, N, N]`` (query, key)."""
+        n = self.max_len
+        pos = torch.arange(n, device=timestamps.device)
+        position_bias = self.position[pos[None, :] - pos[:, None] + n - 1]
+        gap = (timestamps[:, :, None] - timestamps[:, None, :]).abs().clamp(min=1).float()
+        bucket = (torch.log(gap) / TIME_BUCKET_WIDTH).long().clamp(max=self.num_time_buckets)
+        return position_bias[None] + self.time[bucket]
+
+
+class HSTULayer(nn.Module):
+    """One HSTU block on jagged tokens; see the module docstring for the equations."""
+
+    def __init__(self, cfg: HSTUConfig) -> None:
+        super().__init__()
+        d = cfg.embedding_dim
+        self.num_heads = cfg.num_heads
+        self.max_len = cfg.padded_len
+        self.input_norm = nn.LayerNorm(d)
+        self.uvqk = nn.Linear(d, 4 * d)
+        self.attn_norm = nn.LayerNorm(d)
+        self.output = nn.Linear(d, d)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """``x`` jagged ``[T, D]``; ``mask``/``bias`` ``[B, N, N]`` -> jagged ``[T, D]``."""
+        n, h = self.max_len, self.num_heads
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
+        qkv = torch.cat([q, k, v], dim=-1)
+        padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [n], 0.0)
+        b = padded.shape[0]
+        q, k, v = padded.view(b, n, 3, h, -1).unbind(dim=2)
+        scores = torch.einsum("bnhd,bmhd->bhnm", q, k)
+        if bias is not None:
+            scores = scores + bias[:, None]
+        attn = F.silu(scores) / n * mask[:, None]
+        out = torch.einsum("bhnm,bmhd->bnhd", attn, v).reshape(b, n, -1)
+        out = torch.ops.fbgemm.dense_to_jagged(out, [offsets])[0]
+        return x + self.output(self.dropout(u * self.attn_norm(out)))
+
+
+class HSTURanker(nn.Module):
+    """Everything after the embedding lookup: sequence assembly, HSTU stack, multi-task head.
+
+    Kept as one module so the FX trace of :class:`HSTUModel` treats it as a leaf.
+    """
+
+    def __init__(self, cfg: HSTUConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.embedding_dim
+        self.input_dropout = nn.Dropout(cfg.dropout)
+        self.bias = RelativeBias(cfg.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
+        self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(d)
+        self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, cfg.num_tasks))
+
+    def forward(
+        self,
+        embeddings: Dict[str, JaggedTensor],
+        timestamps: torch.Tensor,
+        num_candidates: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> ModelOutput:
+        if isinstance(embeddings, Awaitable):  # sharded EC output is lazy
+            embeddings = embeddings.wait()
+        items, actions = embeddings[ITEM_KEY], embeddings[ACTION_KEY]
+        tokens = items.values() + actions.values()
+        lengths = items.lengths().long()
+        if self.cfg.num_users > 0:
+            tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        mask = _attention_mask(lengths, num_candidates, self.cfg.padded_len)
+        bias = None
+        if self.bias is not None:
+            padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.cfg.padded_len, 0)
+            bias = self.bias(padded_ts)
+        x = self.input_dropout(tokens)
+        for layer in self.layers:
+            x = layer(x, offsets, mask, bias)
+        rows = _candidate_rows(offsets, num_candidates, labels.shape[0])
+        logits = self.head(self.final_norm(x)[rows])
+        task_losses = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(dim=0)
+        aux = {
+            "logits": logits.detach(),
+            "labels": labels,
+            "task_losses": task_losses.detach(),
+            "num_candidates": torch.tensor(labels.shape[0], device=logits.device),
+            "num_tokens": offsets[-1].detach(),
+        }
+        return task_losses.sum(), aux
+
+
+class HSTUModel(nn.Module):
+    """EmbeddingCollection (``ec``, sharded by DMP) + :class:`HSTURanker` (``ranker``, dense/DDP).
+
+    ``forward(batch) -> (loss, aux)``: loss is the sum over tasks of the mean BCE over the
+    batch's candidates; ``aux`` has ``logits``/``labels`` ``[C, num_tasks]`` for metrics,
+    per-task losses and the candidate/token counts.
+    """
+
+    def __init__(self, cfg: HSTUConfig, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ec = EmbeddingCollection(tables=embedding_tables(cfg), device=device)
+        self.ranker = HSTURanker(cfg)
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        embeddings = self.ec(batch.sparse_features)
+        return self.ranker(embeddings, batch.timestamps, batch.num_candidates, batch.labels)
+
+
+def _prepend_context(
+    tokens: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, context: JaggedTensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Put each sample's contextual tokens before its item tokens (jagged concat per sample).
+
+    Contextual tokens take the sample's first item timestamp, so they sit at time gap 0.
+    """
+    ctx_lengths = context.lengths().long()
+    ctx_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(ctx_lengths)
+    item_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    total = ctx_lengths + lengths
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(total)
+    num_ctx, num_total = context.values().shape[0], context.values().shape[0] + tokens.shape[0]
+    sample = torch.repeat_interleave(torch.arange(total.numel(), device=total.device), total, output_size=num_total)
+    local = torch.arange(num_total, device=total.device) - offsets[sample]
+    is_ctx = local < ctx_lengths[sample]
+    index = torch.where(is_ctx, ctx_offsets[sample] + local, num_ctx + item_offsets[sample] + local - ctx_lengths[sample])
+    merged = torch.cat([context.values(), tokens])[index]
+    first_ts = timestamps[item_offsets[:-1]].repeat_interleave(ctx_lengths, output_size=num_ctx)
+    merged_ts = torch.cat([first_ts, timestamps])[index]
+    return merged, merged_ts, total
+
+
+def _attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, N, N]`` float mask: causal over valid tokens; candidate keys only for themselves."""
+    pos = torch.arange(n, device=lengths.device)
+    valid = pos[None] < lengths[:, None]
+    candidate = valid & (pos[None] >= (lengths - num_candidates)[:, None])
+    causal = pos[:, None] >= pos[None, :]
+    eye = torch.eye(n, dtype=torch.bool, device=lengths.device)
+    allowed = valid[:, :, None] & valid[:, None, :] & causal & (~candidate[:, None, :] | eye)
+    return allowed.float()
+
+
+def _candidate_rows(offsets: torch.Tensor, num_candidates: torch.Tensor, total: int) -> torch.Tensor:
+    """Jagged row indices of the ``total`` candidate tokens (the last ``num_candidates[b]`` of
+    sample b). Sizes come from host-known shapes, so no device sync on CUDA."""
+    device = offsets.device
+    sample = torch.repeat_interleave(torch.arange(num_candidates.numel(), device=device), num_candidates, output_size=total)
+    cand_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(num_candidates)
+    within = torch.arange(total, device=device) - cand_offsets[sample]
+    return offsets[sample + 1] - num_candidates[sample] + within
