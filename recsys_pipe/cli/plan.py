@@ -1,0 +1,71 @@
+"""`recsys-plan`: compile a plan from the Hydra config and show its schedule; never trains.
+
+    recsys-plan pipeline=hstu_prefetch thread_map=per_task pipeline.tasks.h2d.lookahead=3
+    recsys-plan pipeline=serial plot=true        # + PNG timing diagram and DAG in the run dir
+
+Same config tree and loader as `recsys-train`, so a plan that prints here is the plan that
+trains, and a plan refused here (exit 2, `error: <path>: <message>`) is refused there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig
+
+from recsys_pipe.cli._hydra import hydra_app
+from recsys_pipe.config import PlanCommandConfig, compile_plan, load_run_config, render_plan, structure_only
+
+__all__ = ["plan_task", "run", "main"]
+
+
+def _output_dir() -> Path | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def plan_task(cfg: DictConfig) -> None:
+    """Validate, compile, print; write plan.txt (+ PNGs with plot=true) into the run dir."""
+    run_cfg = load_run_config(cfg, PlanCommandConfig)
+    plan = compile_plan(run_cfg.pipeline, resolve_fn=None if run_cfg.check_fns else structure_only)
+    text = render_plan(plan, run_cfg.num_batches)
+    print(text)
+    out = _output_dir()
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.txt").write_text(text + "\n")
+    written = [out / "plan.txt"]
+    if run_cfg.plot:
+        from recsys_pipe.cli.plot import plot_dag, plot_timing, write_dot
+
+        written.append(plot_timing(plan, out / "plan_timing.png", run_cfg.num_batches))
+        written.append(plot_dag(plan, out / "plan_dag.png"))
+        written.extend(write_dot(plan, out / "plan_dag.dot"))
+    print()
+    print(f"run dir: {out}  (resolved config: {out / '.hydra' / 'config.yaml'})")
+    for p in written:
+        print(f"wrote {p}")
+    sys.stdout.flush()
+
+
+_app = hydra_app(plan_task, config_name="plan", prog="recsys-plan")
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run `recsys-plan` in-process with `argv`; returns the exit code (0, 1 or 2)."""
+    return _app.run(argv)
+
+
+def main() -> None:
+    """Console-script entry point (`recsys-plan`)."""
+    _app.main()
+
+
+if __name__ == "__main__":
+    main()

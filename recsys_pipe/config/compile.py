@@ -1,0 +1,273 @@
+"""Compile a validated plan (`PlanConfig`) into the engine's Schedule, StreamPool and executor.
+
+Why a separate compile step: the pydantic models check each value in isolation; whether the
+plan *as a whole* makes sense (names refer to real tasks and streams, no cycles, no future
+reads, ...) is the engine validator's job. This module runs both and reports every problem with
+its config path, so `recsys-plan` and `recsys-train` refuse a wrong plan before any process
+group starts, with one precise message per mistake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from pydantic import ValidationError
+
+from recsys_pipe.config.errors import (
+    ConfigError,
+    ConfigProblem,
+    problems_from_validation_error,
+    suggest,
+    task_path,
+)
+from recsys_pipe.config.resolve import FnResolveError, ResolveFn, import_fn, structure_only
+from recsys_pipe.config.schema import PlanConfig, TaskConfig, ThreadMapConfig
+from recsys_pipe.engine import (
+    DependencyGraph,
+    Problem,
+    Schedule,
+    ScheduleValidationError,
+    SequentialExecutor,
+    Stage,
+    StreamPool,
+    Task,
+    ThreadedExecutor,
+    compile_dependencies,
+    resolve_thread_map,
+)
+
+__all__ = ["CompiledPlan", "CpuEdge", "compile_plan", "build_pipeline_parts", "plan_from_any", "thread_assignment"]
+
+DEFAULT_STREAM = "default"
+
+
+@dataclass(frozen=True)
+class CpuEdge:
+    """An ordering edge between two tasks of one iteration, as the executor sees it.
+
+    kind: the declaration behind it ("slot", "depends_on", "same_progress_sync",
+    "cross_iter(Δ=0)") or "stream_fifo" (the previous task on the same stream, which the
+    threaded executor enforces across threads). `cross_thread`: whether it costs a CPU wait.
+    """
+
+    producer: str
+    consumer: str
+    kind: str
+    cross_thread: bool
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """A plan compiled for the engine, plus what `recsys-plan` shows about it."""
+
+    config: PlanConfig
+    schedule: Schedule
+    stream_pool: StreamPool
+    executor: SequentialExecutor | ThreadedExecutor
+    graph: DependencyGraph
+    #: task name -> CPU thread id (what the threaded executor uses; "main" when sequential).
+    thread_of: Mapping[str, str]
+
+    @property
+    def parts(self) -> tuple[Schedule, StreamPool, SequentialExecutor | ThreadedExecutor]:
+        """(schedule, stream_pool, executor): what `SchedulablePipeline` takes."""
+        return self.schedule, self.stream_pool, self.executor
+
+    @property
+    def order(self) -> tuple[Task, ...]:
+        return self.graph.order
+
+    @property
+    def threaded(self) -> bool:
+        return isinstance(self.executor, ThreadedExecutor)
+
+    def fn_paths(self) -> dict[str, str]:
+        """task name -> `fn` import path, in topological order."""
+        return {t.name: self.config.tasks[t.name].fn for t in self.order}
+
+    def cpu_edges(self) -> list[CpuEdge]:
+        """In-iteration edges (declarations, then same-stream FIFO), each flagged cross-thread."""
+        edges: list[CpuEdge] = []
+        seen: set[tuple[str, str]] = set()
+        for e in self.graph.edges:
+            seen.add((e.producer, e.consumer))
+            edges.append(CpuEdge(e.producer, e.consumer, e.kind,
+                                 self.thread_of[e.producer] != self.thread_of[e.consumer]))
+        last_on_stream: dict[str, str] = {}
+        for t in self.order:
+            prev = last_on_stream.get(t.stream)
+            if prev is not None and (prev, t.name) not in seen:
+                edges.append(CpuEdge(prev, t.name, "stream_fifo", self.thread_of[prev] != self.thread_of[t.name]))
+            last_on_stream[t.stream] = t.name
+        return edges
+
+
+def plan_from_any(plan: Any, prefix: str = "pipeline") -> PlanConfig:
+    """Validate a plan given as PlanConfig, a mapping or an OmegaConf node."""
+    if isinstance(plan, PlanConfig):
+        return plan
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(plan, DictConfig):
+            from recsys_pipe.config.load import to_container
+
+            plan = to_container(plan, prefix=prefix)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    try:
+        return PlanConfig.model_validate(plan)
+    except ValidationError as exc:
+        raise ConfigError(problems_from_validation_error(exc, PlanConfig, prefix.split(".") if prefix else ())) from None
+
+
+def thread_assignment(plan: PlanConfig, tasks: Sequence[Task]) -> dict[str, str]:
+    """task name -> thread id: the plan's thread map, overridden by each task's `thread:`."""
+    tm = plan.thread_map
+    spec: Any
+    if tm.strategy == "single":
+        spec = {"default": tm.thread}
+    elif tm.strategy == "dict":
+        spec = {**tm.map, "default": tm.default}
+    else:
+        spec = tm.strategy
+    base = resolve_thread_map(spec)
+    return {t.name: plan.tasks[t.name].thread or str(base(t)) for t in tasks}
+
+
+def compile_plan(
+    plan: Any,
+    *,
+    resolve_fn: ResolveFn | None = None,
+    device: Any = None,
+    prefix: str = "pipeline",
+) -> CompiledPlan:
+    """Validate and compile a plan; raise ConfigError listing every problem with its path.
+
+    resolve_fn: how `fn` paths become functions; default imports them (`import_fn`), pass
+    `structure_only` to compile without importing task code. device: for the StreamPool (CUDA
+    streams on a CUDA device, no-op streams otherwise). prefix: config path of the plan node.
+    """
+    cfg = plan_from_any(plan, prefix)
+    resolve = resolve_fn or import_fn
+    problems: list[ConfigProblem] = []
+
+    stream_slots = _check_streams(cfg, prefix, problems)
+    _check_references(cfg, prefix, stream_slots, problems)
+    _check_thread_map(cfg.thread_map, cfg, prefix, problems)
+
+    engine: list[ConfigProblem] = []
+    tasks: list[Task] = []
+    for name, tc in cfg.tasks.items():
+        fn = _resolve(resolve, name, tc, prefix, problems)
+        try:
+            tasks.append(_build_task(name, fn, tc))
+        except ScheduleValidationError as exc:
+            engine.extend(_engine_problems(exc.problems, prefix))
+
+    graph = None
+    if len(tasks) == len(cfg.tasks):
+        schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=stream_slots)
+        try:
+            graph = compile_dependencies(schedule)
+        except ScheduleValidationError as exc:
+            engine.extend(_engine_problems(exc.problems, prefix))
+    if problems or engine:
+        # Our own checks carry suggestions; drop the engine's repeat of a path they reported.
+        own = {p.path for p in problems}
+        raise ConfigError(problems + [p for p in engine if p.path not in own])
+    assert graph is not None
+
+    stream_pool = StreamPool.create(stream_slots, device=device)
+    if cfg.executor == "threaded":
+        thread_of = thread_assignment(cfg, graph.order)
+        executor: SequentialExecutor | ThreadedExecutor = ThreadedExecutor(thread_map=dict(thread_of))
+    else:
+        thread_of = {t.name: "main" for t in graph.order}
+        executor = SequentialExecutor()
+    return CompiledPlan(cfg, graph.schedule, stream_pool, executor, graph, thread_of)
+
+
+def build_pipeline_parts(
+    plan_cfg: Any, *, resolve_fn: ResolveFn | None = None, device: Any = None
+) -> tuple[Schedule, StreamPool, SequentialExecutor | ThreadedExecutor]:
+    """(schedule, stream_pool, executor) for `SchedulablePipeline`, from the `pipeline` config."""
+    return compile_plan(plan_cfg, resolve_fn=resolve_fn, device=device).parts
+
+
+# -- checks -------------------------------------------------------------------------------------
+
+
+def _check_streams(cfg: PlanConfig, prefix: str, problems: list[ConfigProblem]) -> tuple[str, ...]:
+    seen: dict[str, int] = {}
+    for i, s in enumerate(cfg.streams):
+        if s in seen:
+            problems.append(ConfigProblem(f"{prefix}.streams[{i}]", f"stream '{s}' is listed twice"))
+        seen.setdefault(s, i)
+    # The default stream always exists; declaring it is optional.
+    return tuple(dict.fromkeys([DEFAULT_STREAM, *cfg.streams]))
+
+
+def _check_references(cfg: PlanConfig, prefix: str, streams: tuple[str, ...], problems: list[ConfigProblem]) -> None:
+    names = list(cfg.tasks)
+    known = ", ".join(names)
+    for name, tc in cfg.tasks.items():
+        if tc.stream not in streams:
+            problems.append(ConfigProblem(
+                task_path(prefix, name, "stream"),
+                f"unknown stream '{tc.stream}'{suggest(tc.stream, streams)}; declared in {prefix}.streams: "
+                f"{', '.join(streams)}"))
+        for field in ("depends_on", "cross_iter_depends_on", "same_progress_sync"):
+            for i, entry in enumerate(getattr(tc, field)):
+                dep = entry if isinstance(entry, str) else entry[0]
+                if dep not in cfg.tasks:
+                    problems.append(ConfigProblem(
+                        task_path(prefix, name, field, i),
+                        f"unknown task '{dep}'{suggest(dep, names)} (known: {known})"))
+
+
+def _check_thread_map(tm: ThreadMapConfig, cfg: PlanConfig, prefix: str, problems: list[ConfigProblem]) -> None:
+    names = list(cfg.tasks)
+    for task in tm.map:
+        if task not in cfg.tasks and task not in tm.absent_ok:
+            problems.append(ConfigProblem(
+                f"{prefix}.thread_map.map.{task}",
+                f"unknown task '{task}'{suggest(task, names)} (known: {', '.join(names)}; list tasks that may "
+                f"be absent from a plan in {prefix}.thread_map.absent_ok)"))
+
+
+def _resolve(resolve: ResolveFn, name: str, tc: TaskConfig, prefix: str, problems: list[ConfigProblem]) -> Any:
+    try:
+        fn = resolve(tc.fn)
+        if not callable(fn):
+            raise FnResolveError(f"'{tc.fn}' resolved to a {type(fn).__name__}, not a function")
+        return fn
+    except FnResolveError as exc:
+        problems.append(ConfigProblem(task_path(prefix, name, "fn"), f"cannot resolve '{tc.fn}': {exc}"
+                                      if tc.fn not in str(exc) else str(exc)))
+    except Exception as exc:  # noqa: BLE001 - a custom resolver's failure is still a config problem
+        problems.append(ConfigProblem(task_path(prefix, name, "fn"),
+                                      f"cannot resolve '{tc.fn}': {type(exc).__name__}: {exc}"))
+    return structure_only(tc.fn)
+
+
+def _build_task(name: str, fn: Any, tc: TaskConfig) -> Task:
+    return Task.from_fn(
+        name,
+        fn,
+        stream=tc.stream,
+        lookahead=tc.lookahead,
+        reads=tuple(tc.reads),
+        writes=tuple(tc.writes),
+        depends_on=tuple(tc.depends_on),
+        cross_iter_depends_on=tuple(tc.cross_iter_depends_on),
+        same_progress_sync=tuple(tc.same_progress_sync),
+        nccl=tc.nccl,
+        nvtx_tag=tc.nvtx_tag,
+        priority=tc.priority,
+    )
+
+
+def _engine_problems(problems: Sequence[Problem], prefix: str) -> list[ConfigProblem]:
+    return [ConfigProblem(task_path(prefix, p.task, p.field, p.index), p.message) for p in problems]

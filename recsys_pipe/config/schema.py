@@ -1,0 +1,216 @@
+"""Pydantic models of the run config and of the plan (the `pipeline:` node).
+
+Why pydantic: the user's whole interface is YAML plus command-line overrides, so every value is
+checked here, with a path, before anything is built. Every model forbids unknown keys, so a
+typo (`lookahed: 3`) is an error instead of a silently ignored setting. Types are strict where
+a silent coercion would hide a mistake (`lookahead: 1.5`, `nccl: "yes"`).
+
+These models only describe shapes and value ranges. Cross-references (unknown task or stream
+names) and the engine's schedule rules are checked by `recsys_pipe.config.compile`, which
+reports them with the same `path: message` format.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+__all__ = [
+    "Slot",
+    "CrossIterDep",
+    "TaskConfig",
+    "ThreadMapConfig",
+    "PlanConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimizerConfig",
+    "SparseOptimizerConfig",
+    "TrainerConfig",
+    "RunConfig",
+    "PlanCommandConfig",
+    "TASK_FIELDS",
+]
+
+
+class _Strict(BaseModel):
+    """Base: unknown keys are errors; values are validated on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _slot(value: Any) -> Any:
+    """A slot is `name` (the task's own batch) or `[name, batch_offset]`."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("a slot name must be non-empty")
+        return value
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        name, offset = value
+        if isinstance(name, str) and name and isinstance(offset, int) and not isinstance(offset, bool):
+            return (name, offset)
+    raise ValueError(f"a slot is a name or [name, batch_offset], got {value!r}")
+
+
+def _cross_iter(value: Any) -> Any:
+    """A cross-iteration dependency is `name` (meaning [name, -1]) or `[name, -N]`."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("expected a task name")
+        return value
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        name, offset = value
+        if isinstance(name, str) and name and isinstance(offset, int) and not isinstance(offset, bool):
+            return (name, offset)
+    raise ValueError(f"expected a task name or [name, -N], got {value!r}")
+
+
+#: `reads`/`writes` item: bare name (own batch) or (name, batch_offset).
+Slot = Annotated[Union[str, tuple[str, int]], BeforeValidator(_slot)]
+#: `cross_iter_depends_on` item: bare name (= (name, -1)) or (name, -N).
+CrossIterDep = Annotated[Union[str, tuple[str, int]], BeforeValidator(_cross_iter)]
+TaskName = Annotated[StrictStr, Field(min_length=1)]
+
+
+class TaskConfig(_Strict):
+    """One task of the plan. Its name is its key in `pipeline.tasks`."""
+
+    fn: StrictStr = Field(description="import path of the task function `fn(ctx) -> None`, e.g. pkg.module.func")
+    stream: StrictStr = Field("default", min_length=1, description="stream name; must be listed in pipeline.streams")
+    lookahead: StrictInt = Field(0, ge=0, description="how many batches ahead of the trained batch this task runs")
+    reads: list[Slot] = Field(default_factory=list, description="slots consumed: name or [name, batch_offset]")
+    writes: list[Slot] = Field(default_factory=list, description="slots produced: name or [name, batch_offset]")
+    depends_on: list[TaskName] = Field(default_factory=list, description="same-batch dependencies")
+    cross_iter_depends_on: list[CrossIterDep] = Field(
+        default_factory=list, description="name (= [name, -1]) or [name, -N]: wait for that task on batch K-N"
+    )
+    same_progress_sync: list[TaskName] = Field(
+        default_factory=list, description="wait for these tasks' work in the same iteration, whatever batch"
+    )
+    nccl: StrictBool = Field(False, description="issues collectives: takes a ticket of the ordered NCCL lock")
+    thread: StrictStr | None = Field(None, min_length=1, description="CPU thread id; overrides pipeline.thread_map")
+    nvtx_tag: StrictStr | None = Field(None, description="NVTX range label (default: the task name)")
+    priority: StrictInt = Field(0, description="scheduling hint passed to the engine")
+
+
+#: Field names of a task, in declaration order (used for suggestions and the Hydra skeleton).
+TASK_FIELDS: tuple[str, ...] = tuple(TaskConfig.model_fields)
+
+
+class ThreadMapConfig(_Strict):
+    """Which CPU thread submits each task (threaded executor only).
+
+    strategy:
+      by_stream  thread id = the task's stream name
+      per_task   one thread per task
+      single     every task on thread `thread`
+      dict       `map` {task: thread}, `default` for tasks not listed
+    A task's own `thread:` wins over the map.
+    """
+
+    name: StrictStr | None = Field(None, description="label shown by recsys-plan")
+    strategy: Literal["by_stream", "per_task", "single", "dict"] = "by_stream"
+    map: dict[str, StrictStr] = Field(default_factory=dict, description="strategy=dict: {task: thread}")
+    default: StrictStr = Field("default", min_length=1, description="strategy=dict: thread of unlisted tasks")
+    thread: StrictStr = Field("main", min_length=1, description="strategy=single: the one thread id")
+    absent_ok: list[StrictStr] = Field(
+        default_factory=list, description="task names `map` may list although the plan lacks them (optional tasks)"
+    )
+
+    @model_validator(mode="after")
+    def _map_only_with_dict(self) -> "ThreadMapConfig":
+        if self.map and self.strategy != "dict":
+            raise ValueError(f"'map' is only used with strategy 'dict' (strategy is '{self.strategy}')")
+        return self
+
+
+class PlanConfig(_Strict):
+    """The plan: the tasks of one training iteration and how they are executed."""
+
+    name: StrictStr | None = Field(None, description="plan name shown by recsys-plan")
+    description: StrictStr = ""
+    executor: Literal["sequential", "threaded"] = "sequential"
+    streams: list[Annotated[StrictStr, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["default"], description="stream names; 'default' is always available"
+    )
+    thread_map: ThreadMapConfig = Field(default_factory=ThreadMapConfig)
+    tasks: dict[str, TaskConfig] = Field(description="task name -> task; YAML order breaks topological ties")
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> "PlanConfig":
+        if not self.tasks:
+            raise ValueError("a plan needs at least one task")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """Model choice. Only `name` is fixed here; the model builder validates its own fields."""
+
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+
+
+class DataConfig(BaseModel):
+    """Data source choice. Only `name` is fixed here; the data builder validates its own fields."""
+
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+
+
+class SparseOptimizerConfig(_Strict):
+    """Optimizer fused into the sharded embedding tables (torchrec/fbgemm)."""
+
+    name: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    lr: float = Field(0.01, gt=0)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class OptimizerConfig(_Strict):
+    """Dense optimizer plus the fused sparse (embedding) optimizer."""
+
+    name: Literal["sgd", "adam", "adamw", "adagrad"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    sparse: SparseOptimizerConfig = Field(default_factory=SparseOptimizerConfig)
+
+
+class TrainerConfig(_Strict):
+    """Training-loop settings."""
+
+    max_steps: StrictInt | None = Field(100, ge=1, description="stop after this many steps (null: whole dataset)")
+    log_every: StrictInt = Field(10, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class RunConfig(_Strict):
+    """Everything `recsys-train` needs, as composed by Hydra from conf/config.yaml."""
+
+    pipeline: PlanConfig
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    seed: StrictInt = 0
+    debug: StrictBool = False
+
+
+class PlanCommandConfig(RunConfig):
+    """`recsys-plan`'s config: the run config plus the printer's own options (conf/plan.yaml)."""
+
+    plot: StrictBool = False
+    check_fns: StrictBool = True
+    num_batches: StrictInt = Field(4, ge=1, le=64)

@@ -1,0 +1,66 @@
+"""An OmegaConf structured-config skeleton of the `pipeline` node, derived from the pydantic models.
+
+Why: Hydra closes the composed config (struct mode), so a command-line override of a key the
+YAML did not spell out -- `pipeline.tasks.zero_grad.lookahead=1` when the YAML relies on the
+default 0 -- would be refused without `+`. Merging the YAML into this skeleton gives every task
+every field (with its default), so any field of any task is overridable by path, and a key that
+is not a task field (`lookahed`) is refused by OmegaConf at composition time, with its path.
+
+Values are typed `Any` on purpose: type and range checks stay in the pydantic models, which
+produce the project's `path: message` errors. The skeleton is generated from those models, so
+there is one source of truth for field names and defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+from omegaconf import MISSING
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from recsys_pipe.config.schema import PlanConfig, TaskConfig, ThreadMapConfig
+
+__all__ = ["plan_skeleton", "root_skeleton"]
+
+
+def _dataclass_of(model: type[BaseModel], overrides: dict[str, Any] | None = None) -> type:
+    """A dataclass with the model's field names and defaults, every value typed Any."""
+    overrides = overrides or {}
+    fields = []
+    for name, info in model.model_fields.items():
+        if name in overrides:
+            tp, spec = overrides[name]
+        elif info.default_factory is not None:
+            tp, spec = Any, dataclasses.field(default_factory=info.default_factory)
+        elif info.default is PydanticUndefined:
+            tp, spec = Any, dataclasses.field(default=MISSING)
+        else:
+            tp, spec = Any, dataclasses.field(default=info.default)
+        fields.append((name, tp, spec))
+    return dataclasses.make_dataclass(model.__name__, fields)
+
+
+_TaskSkeleton = _dataclass_of(TaskConfig)
+_ThreadMapSkeleton = _dataclass_of(
+    ThreadMapConfig, {"map": (Dict[str, Any], dataclasses.field(default_factory=dict))}
+)
+_PlanSkeleton = _dataclass_of(
+    PlanConfig,
+    {
+        "thread_map": (_ThreadMapSkeleton, dataclasses.field(default_factory=_ThreadMapSkeleton)),
+        "tasks": (Dict[str, _TaskSkeleton], dataclasses.field(default_factory=dict)),
+    },
+)
+
+
+def plan_skeleton() -> type:
+    """The structured-config class of the `pipeline` node (tasks: Dict[str, TaskConfig])."""
+    return _PlanSkeleton
+
+
+def root_skeleton() -> dict[str, Any]:
+    """The node to register in Hydra's ConfigStore: `{pipeline: <skeleton>}`; the rest of the
+    root config stays free-form (validated by `RunConfig`)."""
+    return {"pipeline": _PlanSkeleton}

@@ -1,0 +1,288 @@
+"""`recsys-plan`: output, Hydra conventions, pictures, and the catalogue of refused configs.
+
+Runs the CLI in-process through `recsys_pipe.cli.plan.run(argv) -> exit code` (fast); a few
+subprocess runs prove the installed console script and its exit codes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recsys_pipe.cli.plan import run
+
+RECSYS_PLAN = shutil.which("recsys-plan") or str(Path(sys.executable).with_name("recsys-plan"))
+
+
+def plan(tmp_path: Path, *argv: str) -> int:
+    return run([*argv, f"hydra.run.dir={tmp_path}"])
+
+
+# -- happy paths ----------------------------------------------------------------------------------
+
+
+def test_prints_the_resolved_plan(tmp_path, capsys):
+    assert plan(tmp_path, "pipeline=hstu_prefetch") == 0
+    out = capsys.readouterr().out
+    for fragment in [
+        "plan: hstu_prefetch",
+        "executor: threaded",
+        "in-flight batches: 3",
+        "tasks, in topological order",
+        "CPU dependency edges",
+        "event waits",
+        "same_progress_sync",
+        "progress() returns",
+    ]:
+        assert fragment in out, fragment
+    assert re.search(r"prefetch_embeddings +-> +backward +same_progress_sync", out)
+    # the resolved config and the text are saved in the run dir
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert (tmp_path / "plan.txt").read_text().startswith("plan: hstu_prefetch")
+
+
+def test_overrides_show_in_output_and_saved_config(tmp_path, capsys):
+    assert plan(tmp_path, "thread_map=per_task", "pipeline.tasks.h2d.lookahead=3") == 0
+    out = capsys.readouterr().out
+    assert "in-flight batches: 4" in out
+    assert "thread map: per_task" in out
+    saved = (tmp_path / ".hydra" / "overrides.yaml").read_text()
+    assert "pipeline.tasks.h2d.lookahead=3" in saved
+    assert "lookahead: 3" in (tmp_path / ".hydra" / "config.yaml").read_text()
+
+
+def test_plot_writes_pngs(tmp_path, capsys):
+    assert plan(tmp_path, "pipeline=hstu_prefetch", "plot=true") == 0
+    for name in ("plan_timing.png", "plan_dag.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    assert (tmp_path / "plan_dag.dot").read_text().startswith("digraph plan")
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_help_lists_groups_and_options(capsys):
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "recsys-plan: compile a training plan" in out
+    assert "pipeline: hstu_prefetch, hstu_sparse_dist, serial, sparse_dist" in out
+    assert "thread_map: by_stream, hstu_default, per_task, single" in out
+    for group in ("model:", "data:", "optimizer:", "trainer:"):
+        assert group in out
+
+
+def test_cfg_job_prints_composed_config(capsys):
+    assert run(["--cfg", "job", "pipeline=serial", "thread_map=single"]) == 0
+    out = capsys.readouterr().out
+    assert "name: serial" in out and "strategy: single" in out and "executor: sequential" in out
+
+
+def test_multirun_sweeps_thread_maps(tmp_path, capsys):
+    code = run(["-m", "thread_map=by_stream,per_task,hstu_default", f"hydra.sweep.dir={tmp_path}"])
+    assert code == 0
+    texts = [(tmp_path / str(i) / "plan.txt").read_text() for i in range(3)]
+    assert "thread map: by_stream" in texts[0]
+    assert "thread map: per_task" in texts[1]
+    assert "thread map: hstu_default" in texts[2]
+
+
+def test_structure_only_mode(tmp_path, capsys):
+    assert plan(tmp_path, "check_fns=false", "pipeline.tasks.forward.fn=not_imported_xyz.forward") == 0
+
+
+def _user_conf(tmp_path: Path, name: str, body: str) -> str:
+    conf = tmp_path / "user_conf"
+    (conf / "pipeline").mkdir(parents=True, exist_ok=True)
+    (conf / "pipeline" / f"{name}.yaml").write_text(body)
+    return f"hydra.searchpath=[file://{conf}]"
+
+
+def test_user_plan_file_extends_a_shipped_plan(tmp_path, capsys):
+    searchpath = _user_conf(tmp_path, "my_plan", """\
+defaults:
+  - hstu_sparse_dist
+  - _self_
+name: my_plan
+tasks:
+  aux_stats:
+    fn: recsys_pipe.train.tasks.zero_grad
+    stream: memcpy
+    lookahead: 2
+    cross_iter_depends_on: [h2d]
+""")
+    assert plan(tmp_path / "run", searchpath, "pipeline=my_plan") == 0
+    out = capsys.readouterr().out
+    assert "plan: my_plan" in out
+    assert re.search(r"\baux_stats +2 +memcpy", out)
+
+
+def test_typo_in_a_plan_file_is_refused_with_its_path(tmp_path, capsys):
+    searchpath = _user_conf(tmp_path, "typo_plan", "defaults:\n  - serial\n  - _self_\ntasks:\n  h2d:\n    lookahed: 1\n")
+    assert plan(tmp_path / "run", searchpath, "pipeline=typo_plan") == 2
+    err = capsys.readouterr().err
+    assert "pipeline.tasks.h2d.lookahed" in err and "Traceback" not in err
+
+
+# -- the catalogue of refused configs -------------------------------------------------------------
+
+# (id, overrides, path that must be named, message fragment)
+BAD = [
+    ("unknown-dep", ["pipeline.tasks.forward.depends_on=[fwd]"],
+     "pipeline.tasks.forward.depends_on[0]", "unknown task 'fwd'"),
+    ("unknown-sync", ["pipeline.tasks.backward.same_progress_sync=[prefetch]"],
+     "pipeline.tasks.backward.same_progress_sync[0]", "unknown task 'prefetch'"),
+    ("unknown-cross-iter", ["pipeline.tasks.h2d.cross_iter_depends_on=[h2e]"],
+     "pipeline.tasks.h2d.cross_iter_depends_on[0]", "did you mean 'h2d'"),
+    ("cycle", ["pipeline.tasks.zero_grad.depends_on=[forward]"],
+     "pipeline.tasks.", "cyclic dependency"),
+    ("cycle-sync", ["pipeline.tasks.forward.same_progress_sync=[backward]"],
+     "pipeline.tasks.", "cyclic dependency"),
+    ("self-dep", ["pipeline.tasks.forward.depends_on=[forward]"],
+     "pipeline.tasks.forward.depends_on[0]", "itself"),
+    ("unknown-stream", ["pipeline.tasks.h2d.stream=memcopy"],
+     "pipeline.tasks.h2d.stream", "did you mean 'memcpy'"),
+    ("stream-twice", ["pipeline.streams=[default,memcpy,memcpy,data_dist]"],
+     "pipeline.streams[2]", "listed twice"),
+    ("name-in-two-fields", ["pipeline.tasks.forward.same_progress_sync=[zero_grad]"],
+     "pipeline.tasks.forward.", "only one of"),
+    ("cross-iter-delta-negative", ["pipeline.tasks.h2d.cross_iter_depends_on=[optimizer_step]"],
+     "pipeline.tasks.h2d.cross_iter_depends_on[0]", "future read"),
+    ("cross-iter-offset-positive", ["pipeline.tasks.forward.cross_iter_depends_on=[[h2d,1]]"],
+     "pipeline.tasks.forward.cross_iter_depends_on[0]", "negative"),
+    ("cross-stream-out-of-ring", ["pipeline.tasks.h2d.cross_iter_depends_on=[[start_input_dist,-3]]"],
+     "pipeline.tasks.h2d.cross_iter_depends_on[0]", "rotated out of the ring"),
+    ("two-waits-different-offsets", ["pipeline.tasks.start_input_dist.cross_iter_depends_on=[h2d]"],
+     "pipeline.tasks.start_input_dist.cross_iter_depends_on[0]", "waited on twice"),
+    ("depends-on-future-read", ["pipeline.tasks.h2d.depends_on=[zero_grad]"],
+     "pipeline.tasks.h2d.depends_on[0]", "future read"),
+    ("slot-future-read", ["pipeline.tasks.start_input_dist.reads=[[global_tokens,1]]"],
+     "pipeline.tasks.start_input_dist.reads[0]", "future read"),
+    ("slot-never-written", ["pipeline.tasks.forward.reads=[no_such_slot]"],
+     "pipeline.tasks.forward.reads[0]", "no task writes slot 'no_such_slot'"),
+    ("slot-two-writers", ["pipeline.tasks.backward.writes=[loss]"],
+     "pipeline.tasks.backward.writes[0]", "at most one writer"),
+    ("slot-reserved", ["pipeline.tasks.h2d.writes=[batch_cpu]"],
+     "pipeline.tasks.h2d.writes[0]", "reserved"),
+    ("slot-negative-offset", ["pipeline.tasks.forward.reads=[[batch_gpu,-1]]"],
+     "pipeline.tasks.forward.reads[0]", ">= 0"),
+    ("slot-bad-shape", ["pipeline.tasks.forward.reads=[[batch_gpu,1,2]]"],
+     "pipeline.tasks.forward.reads[0]", "[name, batch_offset]"),
+    ("fn-no-attribute", ["pipeline.tasks.forward.fn=recsys_pipe.train.tasks.fwd"],
+     "pipeline.tasks.forward.fn", "has no attribute 'fwd'"),
+    ("fn-no-module", ["pipeline.tasks.forward.fn=no_such_pkg_xyz.tasks.forward"],
+     "pipeline.tasks.forward.fn", "No module named 'no_such_pkg_xyz'"),
+    ("fn-not-a-path", ["pipeline.tasks.forward.fn=forward"],
+     "pipeline.tasks.forward.fn", "not an import path"),
+    ("typo-key-plus", ["+pipeline.tasks.h2d.lookahed=3"],
+     "pipeline.tasks.h2d.lookahed", "did you mean 'lookahead'"),
+    ("typo-key-override", ["pipeline.tasks.h2d.lookahed=3"],
+     "pipeline.tasks.h2d.lookahed", "lookahed"),
+    ("typo-plan-key", ["+pipeline.executer=threaded"],
+     "pipeline.executer", "did you mean 'executor'"),
+    ("typo-trainer-key", ["+trainer.max_step=3"],
+     "trainer.max_step", "did you mean 'max_steps'"),
+    ("lookahead-not-int", ["pipeline.tasks.h2d.lookahead=two"],
+     "pipeline.tasks.h2d.lookahead", "integer"),
+    ("lookahead-float", ["pipeline.tasks.h2d.lookahead=1.5"],
+     "pipeline.tasks.h2d.lookahead", "integer"),
+    ("lookahead-negative", ["pipeline.tasks.h2d.lookahead=-1"],
+     "pipeline.tasks.h2d.lookahead", "greater than or equal to 0"),
+    ("nccl-not-bool", ["pipeline.tasks.backward.nccl=maybe"],
+     "pipeline.tasks.backward.nccl", "boolean"),
+    ("depends-on-not-list", ["pipeline.tasks.forward.depends_on=zero_grad"],
+     "pipeline.tasks.forward.depends_on", "list"),
+    ("executor-unknown", ["pipeline.executor=parallel"],
+     "pipeline.executor", "'sequential' or 'threaded'"),
+    ("thread-map-strategy", ["pipeline.thread_map.strategy=round_robin"],
+     "pipeline.thread_map.strategy", "by_stream"),
+    ("thread-map-unknown-task", ["+pipeline.thread_map.map.fwd=io"],
+     "pipeline.thread_map.map.fwd", "unknown task 'fwd'"),
+    ("thread-map-map-without-dict", ["thread_map=per_task", "+pipeline.thread_map.map.h2d=io"],
+     "pipeline.thread_map", "only used with strategy 'dict'"),
+    ("thread-empty", ["pipeline.tasks.forward.thread=''"],
+     "pipeline.tasks.forward.thread", "at least 1 character"),
+    ("fn-missing", ["pipeline.tasks.forward.fn=???"],
+     "pipeline.tasks.forward.fn", "missing required value"),
+    ("priority-not-int", ["pipeline.tasks.h2d.priority=high"],
+     "pipeline.tasks.h2d.priority", "integer"),
+    ("bad-interpolation", ["pipeline.description=${nope}"],
+     "pipeline.description", "nope"),
+    ("num-batches", ["num_batches=0"],
+     "num_batches", "greater than or equal to 1"),
+    ("unknown-pipeline-option", ["pipeline=nope"],
+     "pipeline/nope", "Available options"),
+    ("unknown-thread-map-option", ["thread_map=round_robin"],
+     "thread_map/round_robin", "Available options"),
+    ("override-syntax", ["pipeline.tasks.h2d.lookahead=["],
+     "", "no viable alternative"),
+]
+
+
+@pytest.mark.parametrize("overrides,path,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_config_exits_2_naming_the_path(tmp_path, capsys, overrides, path, fragment):
+    assert plan(tmp_path, *overrides) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert path in err, err
+    assert fragment in err, err
+    assert "Traceback" not in err
+    assert "in-flight batches" not in captured.out  # nothing was compiled/printed as a plan
+
+
+def test_catalogue_is_big_enough():
+    assert len(BAD) >= 30
+
+
+def test_error_lines_are_one_per_problem(tmp_path, capsys):
+    code = plan(tmp_path, "pipeline.tasks.forward.depends_on=[fwd]", "pipeline.tasks.h2d.stream=memcopy")
+    assert code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert lines == [
+        "error: pipeline.tasks.h2d.stream: unknown stream 'memcopy' (did you mean 'memcpy'?); declared in "
+        "pipeline.streams: default, memcpy, data_dist",
+        "error: pipeline.tasks.forward.depends_on[0]: unknown task 'fwd' (did you mean 'forward'?) (known: h2d, "
+        "start_input_dist, wait_input_dist, zero_grad, global_tokens_allreduce, forward, backward, "
+        "finalize_model_grads, optimizer_step)",
+    ]
+    assert "recsys-plan: 2 config errors" in err
+
+
+def test_debug_true_shows_traceback(tmp_path, capsys):
+    assert plan(tmp_path, "pipeline.tasks.forward.depends_on=[fwd]", "debug=true") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "error: pipeline.tasks.forward.depends_on[0]" in err
+
+
+# -- the installed console script -----------------------------------------------------------------
+
+
+def _script(tmp_path: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([RECSYS_PLAN, *argv, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_console_script_ok(tmp_path):
+    proc = _script(tmp_path, "pipeline=serial")
+    assert proc.returncode == 0, proc.stderr
+    assert "plan: serial" in proc.stdout
+
+
+def test_console_script_plan_error_exit_2(tmp_path):
+    proc = _script(tmp_path, "pipeline.tasks.forward.depends_on=[fwd]")
+    assert proc.returncode == 2
+    assert "error: pipeline.tasks.forward.depends_on[0]: unknown task 'fwd'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_console_script_hydra_error_exit_2_full_error_traceback(tmp_path):
+    proc = _script(tmp_path, "pipeline=nope")
+    assert proc.returncode == 2 and "Could not find 'pipeline/nope'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _script(tmp_path, "pipeline.tasks.forward.depends_on=[fwd]", env={"HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 2 and "Traceback" in proc.stderr

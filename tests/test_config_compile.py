@@ -1,0 +1,294 @@
+"""The plan compiler: shipped plans compile, overrides change the compiled schedule as expected,
+compiled plans run on the engine, and the loader's helpers map errors to config paths."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
+from recsys_pipe.config import (
+    CompiledPlan,
+    ConfigError,
+    PlanCommandConfig,
+    PlanConfig,
+    RunConfig,
+    build_pipeline_parts,
+    compile_plan,
+    firing_table,
+    format_path,
+    import_fn,
+    load_run_config,
+    render_plan,
+    structure_only,
+)
+from recsys_pipe.config.resolve import FnResolveError
+from recsys_pipe.engine import (
+    BATCH_CPU,
+    STEP_RESULT,
+    SchedulablePipeline,
+    Schedule,
+    SequentialExecutor,
+    StreamPool,
+    ThreadedExecutor,
+)
+
+PIPELINES = sorted(p.stem for p in (CONF_DIR / "pipeline").glob("*.yaml"))
+THREAD_MAPS = sorted(p.stem for p in (CONF_DIR / "thread_map").glob("*.yaml"))
+
+
+def compose_cfg(*overrides: str, config_name: str = "plan"):
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def compiled(*overrides: str, resolve_fn=structure_only) -> CompiledPlan:
+    run = load_run_config(compose_cfg(*overrides), PlanCommandConfig)
+    return compile_plan(run.pipeline, resolve_fn=resolve_fn)
+
+
+def test_required_options_are_shipped():
+    assert {"serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch"} <= set(PIPELINES)
+    assert {"by_stream", "per_task", "single", "hstu_default"} <= set(THREAD_MAPS)
+    for group in ("model", "data", "optimizer", "trainer"):
+        assert list((CONF_DIR / group).glob("*.yaml")), group
+
+
+@pytest.mark.parametrize("pipeline,thread_map", list(itertools.product(PIPELINES, THREAD_MAPS)))
+def test_every_shipped_plan_compiles(pipeline, thread_map):
+    plan = compiled(f"pipeline={pipeline}", f"thread_map={thread_map}")
+    assert plan.config.name == pipeline
+    assert len(plan.order) == len(plan.config.tasks)
+    text = render_plan(plan)
+    assert "tasks, in topological order" in text and "progress() returns" in text
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_shipped_plans_resolve_their_task_functions(pipeline):
+    plan = compiled(f"pipeline={pipeline}", resolve_fn=import_fn)
+    assert all(callable(t.fn) for t in plan.order)
+
+
+def test_recsys_train_config_validates_too():
+    run = load_run_config(compose_cfg(config_name="config"))
+    assert isinstance(run, RunConfig) and not isinstance(run, PlanCommandConfig)
+    schedule, pool, executor = build_pipeline_parts(run.pipeline, resolve_fn=structure_only)
+    assert isinstance(schedule, Schedule) and isinstance(pool, StreamPool)
+    assert isinstance(executor, ThreadedExecutor)  # default plan hstu_sparse_dist is threaded
+
+
+def test_serial_and_pipelined_plans_list_the_same_task_functions():
+    fns = {p: set(compiled(f"pipeline={p}").fn_paths().values()) for p in PIPELINES}
+    assert fns["serial"] == fns["sparse_dist"] == fns["hstu_sparse_dist"]
+    assert fns["hstu_prefetch"] - fns["serial"] == {"recsys_pipe.train.tasks.prefetch_embeddings"}
+    assert fns["serial"] <= fns["hstu_prefetch"]
+
+
+def test_serial_plan_is_one_batch_sequential_default_stream():
+    plan = compiled("pipeline=serial")
+    assert isinstance(plan.executor, SequentialExecutor)
+    assert plan.graph.in_flight_batches == 1
+    assert {t.stream for t in plan.order} == {"default"}
+    assert not any(plan.graph.event_waits.values())
+    assert [t.name for t in plan.order][:3] == ["h2d", "start_input_dist", "wait_input_dist"]
+
+
+def test_hstu_plans_match_spec_table():
+    native = compiled("pipeline=hstu_sparse_dist")
+    la = {t.name: (t.lookahead, t.stream) for t in native.order}
+    assert la["h2d"] == (2, "memcpy")
+    assert la["start_input_dist"] == la["wait_input_dist"] == (1, "data_dist")
+    assert la["forward"] == la["optimizer_step"] == (0, "default")
+    assert {t.name for t in native.order if t.nccl} == {
+        "start_input_dist", "wait_input_dist", "global_tokens_allreduce", "backward", "finalize_model_grads"}
+    assert native.graph.in_flight_batches == 3
+
+    pf = compiled("pipeline=hstu_prefetch")
+    t = pf.graph.task("prefetch_embeddings")
+    assert (t.lookahead, t.stream) == (1, "prefetch")
+    assert pf.graph.task("backward").same_progress_sync == ("prefetch_embeddings",)
+    order = [t.name for t in pf.order]
+    assert order.index("forward") < order.index("prefetch_embeddings") < order.index("backward")
+    assert any(e.producer == "prefetch_embeddings" and e.consumer == "backward" for e in pf.graph.edges)
+
+
+def test_default_thread_map_is_io_compute():
+    plan = compiled()
+    assert plan.thread_of["h2d"] == "io"
+    assert {plan.thread_of[n] for n in plan.thread_of if n != "h2d"} == {"compute"}
+    assert plan.executor.thread_map == dict(plan.thread_of)
+
+
+@pytest.mark.parametrize(
+    "choice,expected",
+    [
+        ("per_task", lambda t: t.name),
+        ("by_stream", lambda t: t.stream),
+        ("single", lambda t: "main"),
+        ("hstu_default", lambda t: "io" if t.name == "h2d" else "compute"),
+    ],
+)
+def test_thread_map_override_changes_threads(choice, expected):
+    plan = compiled("pipeline=hstu_prefetch", f"thread_map={choice}")
+    assert plan.thread_of == {t.name: expected(t) for t in plan.order}
+    assert isinstance(plan.executor, ThreadedExecutor)
+    assert all(plan.executor.thread_of(t) == expected(t) for t in plan.order)
+
+
+def test_cross_thread_edges_follow_the_thread_map():
+    single = compiled("thread_map=single")
+    assert not any(e.cross_thread for e in single.cpu_edges())
+    per_task = compiled("thread_map=per_task")
+    assert all(e.cross_thread for e in per_task.cpu_edges())
+    kinds = {e.kind for e in per_task.cpu_edges()}
+    assert {"slot", "depends_on", "stream_fifo"} <= kinds
+
+
+def test_per_task_thread_overrides_the_map():
+    plan = compiled("pipeline.tasks.forward.thread=fwd", "thread_map=hstu_default")
+    assert plan.thread_of["forward"] == "fwd"
+    assert plan.thread_of["backward"] == "compute"
+
+
+def test_lookahead_override_changes_schedule():
+    base = compiled("pipeline=hstu_prefetch")
+    deeper = compiled("pipeline=hstu_prefetch", "pipeline.tasks.h2d.lookahead=3")
+    assert base.graph.max_lookahead == 2 and deeper.graph.max_lookahead == 3
+    assert deeper.graph.in_flight_batches == 4
+    assert deeper.graph.task("h2d").lookahead == 3
+    # start_input_dist still reads h2d's output for its own batch: the wait stays at its la (1).
+    waits = {w.producer: w.slot_offset for w in deeper.graph.event_waits["start_input_dist"]}
+    assert waits == {"h2d": 1}
+    delta = {(d.producer, d.consumer): d.delta for d in deeper.graph.dependencies}
+    assert delta[("h2d", "start_input_dist")] == 2
+    table = firing_table(deeper, 4)
+    assert table.phases[:3] == ("prefill",) * 3 and table.num_iterations == 7
+    assert table.rows[0].tasks == ("h2d",) and table.rows[0].cells[:4] == (0, 1, 2, 3)
+
+
+def test_lookahead_override_on_defaulted_field():
+    # zero_grad's YAML does not spell out `lookahead`: the skeleton makes it overridable anyway.
+    plan = compiled("pipeline.tasks.zero_grad.lookahead=1", "pipeline.tasks.forward.depends_on=[]",
+                    "pipeline.tasks.zero_grad.stream=memcpy")
+    assert plan.graph.task("zero_grad").lookahead == 1
+
+
+def test_add_and_remove_overrides():
+    plan = compiled("~pipeline.tasks.zero_grad", "pipeline.tasks.forward.depends_on=[]",
+                    "+pipeline.tasks.forward.nvtx_tag=fwd_nvtx")
+    assert "zero_grad" not in plan.thread_of
+    assert plan.graph.task("forward").nvtx_tag == "fwd_nvtx"
+
+
+def test_executor_override():
+    plan = compiled("pipeline=hstu_sparse_dist", "pipeline.executor=sequential")
+    assert isinstance(plan.executor, SequentialExecutor)
+    assert set(plan.thread_of.values()) == {"main"}
+
+
+def test_sparse_dist_is_torchrec_layout_on_one_thread():
+    plan = compiled("pipeline=sparse_dist")
+    assert isinstance(plan.executor, SequentialExecutor)
+    assert plan.graph.task("h2d").lookahead == 2 and plan.graph.task("start_input_dist").lookahead == 1
+
+
+# -- compiled plans run ---------------------------------------------------------------------------
+
+
+def _stub(path: str):
+    """A task body that writes, for every declared slot, the raw batch it processes."""
+
+    def body(ctx):
+        batch = ctx.slots[BATCH_CPU]
+        for slot in ctx.task.reads:
+            if slot.name != BATCH_CPU:
+                assert ctx.ring.at(slot.batch_offset)[slot.name] == batch, (ctx.task.name, slot)
+        for slot in ctx.task.writes:
+            ctx.ring.at(slot.batch_offset).set(slot.name, batch)
+
+    return body
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("overrides", [(), ("thread_map=per_task", "pipeline.tasks.h2d.lookahead=3")])
+def test_compiled_plans_run_every_batch_once_in_order(pipeline, overrides):
+    plan = compiled(f"pipeline={pipeline}", *overrides, resolve_fn=_stub)
+    schedule, pool, executor = plan.parts
+    with SchedulablePipeline(schedule, pool, executor) as pipe:
+        batches = iter(range(7))
+        results = []
+        while True:
+            try:
+                results.append(pipe.progress(batches))
+            except StopIteration:
+                break
+    assert results == list(range(7))
+
+
+# -- pieces ---------------------------------------------------------------------------------------
+
+
+def test_format_path():
+    assert format_path(("pipeline", "tasks", "h2d", "reads", 0)) == "pipeline.tasks.h2d.reads[0]"
+    assert format_path(()) == ""
+
+
+def test_compile_from_plain_dict_reports_paths():
+    plan = {
+        "executor": "threaded",
+        "streams": ["default", "side"],
+        "tasks": {
+            "a": {"fn": "x.y", "stream": "side", "writes": ["v"]},
+            "b": {"fn": "x.y", "reads": ["v"], "depends_on": ["c"], "lookahed": 1},
+        },
+    }
+    with pytest.raises(ConfigError) as info:
+        compile_plan(plan, resolve_fn=structure_only)
+    assert info.value.paths == ["pipeline.tasks.b.lookahed"]
+    del plan["tasks"]["b"]["lookahed"]
+    with pytest.raises(ConfigError) as info:
+        compile_plan(plan, resolve_fn=structure_only)
+    assert info.value.paths == ["pipeline.tasks.b.depends_on[0]"]
+    assert "unknown task 'c'" in str(info.value)
+    plan["tasks"]["b"]["depends_on"] = []
+    compiled_plan = compile_plan(plan, resolve_fn=structure_only)
+    assert [w.producer for w in compiled_plan.graph.event_waits["b"]] == ["a"]
+
+
+def test_all_problems_reported_at_once():
+    plan = PlanConfig.model_validate({
+        "tasks": {
+            "a": {"fn": "no_such_module_xyz.f", "stream": "nope"},
+            "b": {"fn": "os.path.join", "depends_on": ["zz"], "reads": ["missing"]},
+        }
+    })
+    with pytest.raises(ConfigError) as info:
+        compile_plan(plan)
+    assert set(info.value.paths) == {
+        "pipeline.tasks.a.fn", "pipeline.tasks.a.stream", "pipeline.tasks.b.depends_on[0]", "pipeline.tasks.b.reads[0]"}
+
+
+@pytest.mark.parametrize(
+    "path,fragment",
+    [
+        ("recsys_pipe.train.tasks.nope", "has no attribute"),
+        ("no_such_pkg_xyz.mod.f", "No module named"),
+        ("forward", "not an import path"),
+        ("recsys_pipe.config", "not a function"),
+        ("recsys_pipe.config.schema.TASK_FIELDS", "not a function"),
+    ],
+)
+def test_import_fn_errors(path, fragment):
+    with pytest.raises(FnResolveError, match=fragment):
+        import_fn(path)
+
+
+def test_import_fn_forms():
+    import os.path
+
+    assert import_fn("os.path.join") is os.path.join
+    assert import_fn("os.path:join") is os.path.join
+    assert import_fn("recsys_pipe.config.PlanConfig.model_validate") == PlanConfig.model_validate
