@@ -194,6 +194,12 @@ class TrainerConfig(_Strict):
     log_every: StrictInt = Field(10, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    eval_every: StrictInt = Field(0, ge=0, description="evaluate every N steps, and before step 1 (0: never)")
+    eval_batches: StrictInt = Field(8, ge=0, description="held-out batches per rank for evaluation")
+    progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
+    output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
+    dense_ddp: Literal["torch", "megatron"] = Field(
+        "torch", description="data parallelism of the dense part: torch DDP, or megatron-core DDP (CUDA only)")
 
 
 class RunConfig(_Strict):

@@ -1,0 +1,147 @@
+"""The recommendation-training task functions (SPEC §8), one per stage of a torchrec step.
+
+Each is `fn(ctx)` over its batch's slots (`ctx.slots`) and the shared `TrainState`
+(`ctx.state`), built on torchrec's own pipeline machinery. Plans in conf/pipeline/ reference
+them by import path; the same functions serve the serial and the pipelined plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline.utils import _prefetch_embeddings, _start_data_dist
+
+from recsys_pipe.engine import TaskContext
+from recsys_pipe.train.state import BATCH_GPU, INPUT_DIST_SPLITS, TORCHREC_CTX, TrainState
+
+__all__ = [
+    "StepResult",
+    "backward",
+    "finalize_model_grads",
+    "forward",
+    "global_tokens_allreduce",
+    "h2d",
+    "optimizer_step",
+    "prefetch_embeddings",
+    "start_input_dist",
+    "wait_input_dist",
+    "zero_grad",
+]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `progress()` returns for one batch (the `step_result` slot)."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    labels: torch.Tensor
+    sample_ids: torch.Tensor
+    global_tokens: torch.Tensor | None
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_ids.numel())
+
+
+def h2d(ctx: TaskContext) -> None:
+    """batch_cpu -> batch_gpu on the memcpy stream, plus the batch's torchrec context."""
+    slots, state = ctx.slots, ctx.state
+    if BATCH_GPU in slots:  # the bootstrap batch: moved already
+        return
+    batch = slots["batch_cpu"].to(state.device, non_blocking=True)
+    if state.streams.is_cuda:  # the caching allocator must not recycle it while others read it
+        for name in state.streams.names:
+            if name != ctx.task.stream:
+                batch.record_stream(state.streams.get(name))
+    slots.set(BATCH_GPU, batch)
+    slots.set(TORCHREC_CTX, state.new_context(ctx.batch_index))
+
+
+def start_input_dist(ctx: TaskContext) -> None:
+    """torchrec `_start_data_dist`: per-module input dists and the fused splits all-to-all."""
+    slots, state = ctx.slots, ctx.state
+    if INPUT_DIST_SPLITS in slots:  # the bootstrap batch: started by the model rewrite
+        return
+    context = slots[TORCHREC_CTX]
+    _start_data_dist(state.pipelined_modules, slots[BATCH_GPU], context)
+    slots.set(INPUT_DIST_SPLITS, context.fused_splits_awaitables)
+
+
+def wait_input_dist(ctx: TaskContext) -> None:
+    """Wait for the splits; this issues the tensors all-to-all (torchrec's wait_sparse_data_dist)."""
+    context = ctx.slots[TORCHREC_CTX]
+    for names, awaitable in context.fused_splits_awaitables:
+        for name, request in zip(names, awaitable.wait()):
+            context.input_dist_tensors_requests[name] = request
+    context.input_dist_splits_requests.clear()
+    context.fused_splits_awaitables.clear()
+    ctx.slots.set("input_dist_tensors", context.input_dist_tensors_requests)
+
+
+def prefetch_embeddings(ctx: TaskContext) -> None:
+    """Wait for the input tensors and warm the embedding cache (`module.prefetch`) for the
+    batch the next forward will train. CPU kernels have no cache: the wait is the real work."""
+    slots, state = ctx.slots, ctx.state
+    context = slots[TORCHREC_CTX]
+    data = _prefetch_embeddings(slots[BATCH_GPU], context, state.pipelined_modules, state.device,
+                                torch.cuda.stream, state.stream("data_dist"), state.stream("default"))
+    for name, dist_input in data.items():  # what torchrec's public prefetch_embeddings does
+        context.module_input_post_prefetch[name] = dist_input
+        context.module_contexts_post_prefetch[name] = context.module_contexts.pop(name)
+    slots.set("prefetched_input", context.module_input_post_prefetch)
+
+
+def zero_grad(ctx: TaskContext) -> None:
+    if ctx.state.training:
+        ctx.state.optimizer.zero_grad()
+
+
+def global_tokens_allreduce(ctx: TaskContext) -> None:
+    """Candidates trained this step over all ranks (for throughput and loss bookkeeping)."""
+    tokens = ctx.slots[BATCH_GPU].num_candidates.sum().reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tokens)
+    ctx.slots.set("global_tokens", tokens)
+
+
+def forward(ctx: TaskContext) -> None:
+    """model(batch) through the rewritten forward: the embedding lookup uses this batch's
+    already distributed input (`set_context` ties the shared pipelined forwards to it)."""
+    slots, state = ctx.slots, ctx.state
+    for module in state.pipelined_modules:
+        module.forward.set_context(slots[TORCHREC_CTX])
+    with torch.set_grad_enabled(state.training):  # grad mode is per thread: set it explicitly
+        loss, aux = state.model(slots[BATCH_GPU])
+    slots.set("loss", loss)
+    slots.set("model_out", aux)
+
+
+def backward(ctx: TaskContext) -> None:
+    """loss.backward(): output-dist backward, fused embedding update, DDP all-reduce."""
+    if ctx.state.training:
+        ctx.slots["loss"].backward()
+
+
+def finalize_model_grads(ctx: TaskContext) -> None:
+    """megatron-core's finalize_model_grads when that DDP is used; torch DDP already
+    all-reduced the dense gradients during backward."""
+    state = ctx.state
+    if state.training and state.finalize_grads is not None:
+        state.finalize_grads()
+
+
+def optimizer_step(ctx: TaskContext) -> None:
+    slots, state = ctx.slots, ctx.state
+    if state.training:
+        state.optimizer.step()
+    aux = slots["model_out"]
+    slots.set("step_result", StepResult(
+        loss=slots["loss"].detach(),
+        logits=aux["logits"].detach(),
+        labels=aux["labels"],
+        sample_ids=slots[BATCH_GPU].sample_ids,
+        global_tokens=slots.get("global_tokens"),
+    ))

@@ -1,0 +1,189 @@
+"""The training loop: one plan-driven pipeline for training, one for evaluation, same model.
+
+Evaluation runs through its own pipeline (same plan, optimizer work switched off) over the
+held-out loader, so the training pipeline keeps its in-flight batches across an evaluation:
+no training batch is dropped or replayed, and no training batch leaks into evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MultilabelAUROC
+from tqdm import tqdm
+
+from recsys_pipe.config import RunConfig, compile_plan
+from recsys_pipe.data import DataConfig, SyntheticConfig, make_dataloader
+from recsys_pipe.engine import SchedulablePipeline
+from recsys_pipe.models import HSTUConfig, HSTUModel, make_optimizer, make_sharded_model
+from recsys_pipe.train.distributed import DistInfo
+from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.state import TrainState
+from recsys_pipe.train.tasks import StepResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    steps: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    sample_ids: list[torch.Tensor] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+
+def data_config(run: RunConfig) -> DataConfig:
+    fields = run.data.model_dump()
+    fields["synthetic"] = SyntheticConfig(**(fields.pop("synthetic", None) or {}))
+    fields.pop("eval_batches", None)
+    return DataConfig(**fields)
+
+
+def build_model(run: RunConfig, info: DistInfo, spec: Any) -> tuple[torch.nn.Module, Any]:
+    """HSTU with sharded embedding tables; same initial weights on every rank (seeded)."""
+    fields = {k: v for k, v in run.model.model_dump().items() if k not in ("name", "sharding")}
+    use_user = run.data.model_dump().get("use_user_feature", False)
+    cfg = HSTUConfig(num_items=spec.num_items, num_actions=spec.num_actions, num_tasks=spec.num_tasks,
+                     num_users=spec.num_users if use_user else 0, **fields)
+    torch.manual_seed(run.seed)
+    embedding_opt, embedding_kwargs = sparse_optimizer(run.optimizer.sparse)
+    model = make_sharded_model(HSTUModel(cfg), dist.group.WORLD, info.device,
+                               sharding_type=run.model.model_dump().get("sharding", "table_wise"),
+                               embedding_optimizer=embedding_opt, embedding_optimizer_kwargs=embedding_kwargs)
+    return model, make_optimizer(model, dense_optimizer_factory(run.optimizer))
+
+
+class Trainer:
+    """Builds everything from a validated RunConfig (after the process group exists)."""
+
+    def __init__(self, run: RunConfig, info: DistInfo, run_dir: str | None = None):
+        self.run, self.info, self.run_dir = run, info, run_dir
+        data_cfg = data_config(run)
+        self.train_loader = make_dataloader(data_cfg, info.rank, info.world_size)
+        eval_batches = run.trainer.eval_batches
+        self.eval_loader = (make_dataloader(data_cfg, info.rank, info.world_size, split="eval",
+                                            num_batches=eval_batches) if eval_batches else None)
+        self.spec = self.train_loader.dataset.spec
+        model, optimizer = build_model(run, info, self.spec)
+        train_plan = compile_plan(run.pipeline, device=info.device)
+        names = {t.name for t in train_plan.order}
+        self.state = TrainState(model=model, optimizer=optimizer, device=info.device,
+                                streams=train_plan.stream_pool, prefetch="prefetch_embeddings" in names)
+        self.pipeline = SchedulablePipeline(*train_plan.parts, state=self.state)
+        self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
+        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a") if run_dir and info.is_main else None
+
+    # -- loop -----------------------------------------------------------------------------------
+
+    def fit(self, batches: Iterator | None = None) -> TrainSummary:
+        """Train until `trainer.max_steps` or the end of the data; evaluate every
+        `trainer.eval_every` steps (and before the first step)."""
+        cfg = self.run.trainer
+        it = iter(self.train_loader) if batches is None else batches
+        summary = TrainSummary()
+        try:
+            first = next(it)
+        except StopIteration:
+            raise RuntimeError("the training loader yielded no batch (check data.num_batches)") from None
+        self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
+        if self.eval_loader is not None and cfg.eval_every:
+            summary.evals.append(self._log_eval(0))
+        bar = tqdm(total=cfg.max_steps, desc="train", unit="step", disable=not self.info.is_main or not cfg.progress_bar,
+                   dynamic_ncols=True)
+        window_start, window_samples = time.perf_counter(), 0
+        start = time.perf_counter()
+        while cfg.max_steps is None or summary.steps < cfg.max_steps:
+            try:
+                result: StepResult = self.pipeline.progress(it)
+            except StopIteration:
+                break
+            summary.steps += 1
+            samples = result.num_samples * self.info.world_size
+            summary.samples += samples
+            window_samples += samples
+            summary.losses.append(float(result.loss))
+            summary.sample_ids.append(result.sample_ids.cpu())
+            bar.update(1)
+            if summary.steps % cfg.log_every == 0:
+                now = time.perf_counter()
+                loss = self._global_mean(result.loss)
+                self._write({"step": summary.steps, "loss": loss,
+                             "samples_per_s": round(window_samples / (now - window_start), 2)})
+                bar.set_postfix(loss=f"{loss:.4f}")
+                window_start, window_samples = now, 0
+            if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every == 0:
+                summary.evals.append(self._log_eval(summary.steps))
+        summary.seconds = time.perf_counter() - start
+        bar.close()
+        if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every:
+            summary.evals.append(self._log_eval(summary.steps))
+        return summary
+
+    def evaluate(self) -> dict[str, Any]:
+        """Loss and per-task AUC over the held-out loader, aggregated over all ranks."""
+        assert self.eval_loader is not None
+        num_tasks = self.spec.num_tasks
+        auroc = MultilabelAUROC(num_labels=num_tasks, average=None).to(self.info.device)
+        mean_loss = MeanMetric().to(self.info.device)
+        if self._eval_pipeline is None:  # same plan and streams, its own executor threads
+            plan = compile_plan(self.run.pipeline, device=self.info.device)
+            self._eval_pipeline = SchedulablePipeline(plan.schedule, self.state.streams, plan.executor,
+                                                      state=self.state.for_eval())
+        self.state.model.train(False)
+        try:
+            it = iter(self.eval_loader)
+            while True:
+                try:
+                    result: StepResult = self._eval_pipeline.progress(it)
+                except StopIteration:
+                    break
+                auroc.update(torch.sigmoid(result.logits), result.labels.int())
+                mean_loss.update(result.loss)
+            per_task = auroc.compute().tolist()
+            return {"eval_loss": float(mean_loss.compute()), "auc": sum(per_task) / num_tasks,
+                    "auc_per_task": [round(a, 5) for a in per_task]}
+        finally:
+            self.state.model.train(True)
+
+    def close(self) -> None:
+        self.pipeline.shutdown()
+        if self._eval_pipeline is not None:
+            self._eval_pipeline.shutdown()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _log_eval(self, step: int) -> dict[str, Any]:
+        metrics = {"step": step, **self.evaluate()}
+        self._write(metrics)
+        if self.info.is_main:
+            log.info("eval at step %d: loss %.4f, auc %.4f", step, metrics["eval_loss"], metrics["auc"])
+        return metrics
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().reshape(1).clone()
+        if self.info.world_size > 1:
+            dist.all_reduce(value)
+            value /= self.info.world_size
+        return float(value)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
