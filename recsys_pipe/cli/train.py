@@ -50,10 +50,10 @@ def train_task(cfg: DictConfig) -> None:
         device = resolve_device(run.trainer.device)
     except RuntimeError as exc:
         raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
-    if run.trainer.dense_ddp == "megatron" and device.type != "cuda":
-        raise ConfigError(ConfigProblem(
-            "trainer.dense_ddp", "megatron-core DDP needs CUDA (its gradient buffers are CUDA-only); "
-            "use trainer.dense_ddp=torch on the CPU"))
+    if run.trainer.dense_ddp == "megatron":
+        why = ("megatron-core DDP needs CUDA (its gradient buffers are CUDA-only)" if device.type != "cuda" else
+               "megatron-core DDP is not wired into the trainer yet (it needs a GPU to build and verify)")
+        raise ConfigError(ConfigProblem("trainer.dense_ddp", f"{why}; use trainer.dense_ddp=torch"))
 
     import torch.distributed as dist
 

@@ -1,0 +1,147 @@
+"""Worker for test_train_parity: run under torchrun with 2 ranks (gloo, CPU).
+
+Trains the same batches from the same initial weights through every shipped plan (sequential
+and threaded executors) and through torchrec's own TrainPipelineSparseDist, and records
+per-step losses, trained sample ids and final parameters (dense and every local embedding
+shard). Also runs the train/eval interleaving and learning-signal checks. Writes
+rank<r>.json into the directory given as argv[1]; the test asserts on it.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
+from recsys_pipe.config import load_run_config
+from recsys_pipe.data import make_dataloader
+from recsys_pipe.train import Trainer, build_model, data_config, init_distributed
+
+STEPS = 24
+VARIANTS = {
+    "serial": ["pipeline=serial"],
+    "sparse_dist": ["pipeline=sparse_dist"],
+    "hstu_sparse_dist/sequential": ["pipeline=hstu_sparse_dist", "pipeline.executor=sequential"],
+    "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", "pipeline.executor=threaded"],
+    "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
+    "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "pipeline.executor=threaded"],
+    "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", "pipeline.executor=threaded", "thread_map=per_task"],
+}
+COMMON = ["optimizer=sgd", "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.device=cpu",
+          "trainer.backend=gloo", "data.batch_size=16", f"data.num_batches={STEPS}", "trainer.max_steps=null"]
+
+
+def run_config(overrides):
+    register_schemas()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return load_run_config(compose("config", overrides=COMMON + overrides))
+
+
+def local_params(model):
+    out = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            for j, shard in enumerate(value.local_shards()):
+                out[f"{name}#shard{j}"] = shard.tensor.detach().clone()
+        else:
+            out[name] = value.detach().clone()
+    return out
+
+
+def train_variant(info, overrides, batches):
+    trainer = Trainer(run_config(overrides), info)
+    try:
+        summary = trainer.fit(iter(batches))
+        return summary, local_params(trainer.state.model)
+    finally:
+        trainer.close()
+
+
+def train_torchrec(info, batches):
+    run = run_config(["pipeline=serial"])
+    spec = make_dataloader(data_config(run), info.rank, info.world_size).dataset.spec
+    model, opt = build_model(run, info, spec)
+
+    def fwd(batch):
+        loss, _ = model(batch)
+        return loss, (loss.detach(), batch.sample_ids)
+
+    pipe = TrainPipelineSparseDist(model, opt, info.device, execute_all_batches=True, custom_model_fwd=fwd)
+    it, losses, ids = iter(batches), [], []
+    while True:
+        try:
+            loss, sample_ids = pipe.progress(it)
+        except StopIteration:
+            break
+        losses.append(float(loss))
+        ids.append(sample_ids.tolist())
+    return losses, ids, local_params(model)
+
+
+def main():
+    torch.set_num_threads(1)
+    info = init_distributed("cpu", "gloo")
+    out = {"variants": {}}
+    base = run_config(["pipeline=serial"])
+    loader = make_dataloader(data_config(base), info.rank, info.world_size)
+    batches = list(loader)
+    out["loader_ids"] = [b.sample_ids.tolist() for b in batches]
+
+    for name, overrides in VARIANTS.items():
+        start = time.perf_counter()
+        summary, params = train_variant(info, overrides, batches)
+        out["variants"][name] = {
+            "losses": summary.losses,
+            "sample_ids": [ids.tolist() for ids in summary.sample_ids],
+            "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()},
+            "seconds": time.perf_counter() - start,
+        }
+        if name == "serial":
+            initial_trainer = Trainer(run_config(overrides), info)
+            initial = local_params(initial_trainer.state.model)
+            initial_trainer.close()
+            out["unchanged_by_training"] = [k for k, v in params.items() if torch.equal(v, initial[k])]
+            out["num_params"] = len(params)
+
+    losses, ids, params = train_torchrec(info, batches)
+    out["variants"]["torchrec_TrainPipelineSparseDist"] = {
+        "losses": losses, "sample_ids": ids, "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()}}
+
+    # train -> eval -> train in one session: evaluation between steps must not change training
+    interleaved = Trainer(run_config(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"]), info)
+    try:
+        summary = interleaved.fit(iter(batches))
+        out["interleaved"] = {"losses": summary.losses, "sample_ids": [s.tolist() for s in summary.sample_ids],
+                              "evals": summary.evals}
+        eval_ids = [b.sample_ids.tolist() for b in interleaved.eval_loader]
+        out["eval_ids"] = eval_ids
+    finally:
+        interleaved.close()
+
+    # learning signal: AUC on held-out data after training vs before the first step
+    learn = Trainer(run_config(["pipeline=hstu_prefetch", "data.num_batches=80", "data.batch_size=32",
+                                "optimizer=adam", "trainer.eval_every=80", "trainer.eval_batches=4"]), info)
+    try:
+        summary = learn.fit()
+        out["learning"] = {"evals": summary.evals, "first_loss": summary.losses[0],
+                           "last_losses": summary.losses[-10:], "first_losses": summary.losses[:10]}
+    finally:
+        learn.close()
+
+    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
