@@ -102,8 +102,10 @@ def test_hstu_plans_match_spec_table():
     assert la["h2d"] == (2, "memcpy")
     assert la["start_input_dist"] == la["wait_input_dist"] == (1, "data_dist")
     assert la["forward"] == la["optimizer_step"] == (0, "default")
+    # forward too: its embedding lookup issues the output all-to-all
     assert {t.name for t in native.order if t.nccl} == {
-        "start_input_dist", "wait_input_dist", "global_tokens_allreduce", "backward", "finalize_model_grads"}
+        "start_input_dist", "wait_input_dist", "global_tokens_allreduce", "forward", "backward",
+        "finalize_model_grads"}
     assert native.graph.in_flight_batches == 3
 
     pf = compiled("pipeline=hstu_prefetch")
@@ -113,6 +115,7 @@ def test_hstu_plans_match_spec_table():
     order = [t.name for t in pf.order]
     assert order.index("forward") < order.index("prefetch_embeddings") < order.index("backward")
     assert any(e.producer == "prefetch_embeddings" and e.consumer == "backward" for e in pf.graph.edges)
+    assert any(e.producer == "forward" and e.consumer == "prefetch_embeddings" for e in pf.graph.edges)
 
 
 def test_default_thread_map_is_io_compute():
