@@ -3,6 +3,17 @@
 Each is `fn(ctx)` over its batch's slots (`ctx.slots`) and the shared `TrainState`
 (`ctx.state`), built on torchrec's own pipeline machinery. Plans in conf/pipeline/ reference
 them by import path; the same functions serve the serial and the pipelined plans.
+
+torchrec 1.8 facts these functions rely on (verified on 2 gloo ranks, bitwise against a plain
+loop and `TrainPipelineSparseDist`):
+- contexts are per batch: `_start_data_dist` never clears a v1 context;
+- one `PipelinedForward` per sharded module serves every batch, so `forward` must
+  `set_context` the batch's context first; it pops that batch's input-dist results;
+- `forward` issues a collective (the embedding output all-to-all), hence `nccl: true`;
+- the public `prefetch_embeddings` returns early without a data_dist stream (always on CPU),
+  so `prefetch_embeddings` calls `_prefetch_embeddings` and fills the two post-prefetch maps
+  itself, as torchrec does; `PrefetchPipelinedForward` has no fallback if it did not run;
+- on CPU every stream argument is None: a stream makes the forwards `record_stream` CPU tensors.
 """
 
 from __future__ import annotations
