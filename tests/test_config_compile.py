@@ -27,7 +27,6 @@ from recsys_pipe.config import (
 from recsys_pipe.config.resolve import FnResolveError
 from recsys_pipe.engine import (
     BATCH_CPU,
-    STEP_RESULT,
     SchedulablePipeline,
     Schedule,
     SequentialExecutor,

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_pipe.data import ITEM_KEY, Batch, DataConfig, SyntheticConfig, make_dataloader
 from recsys_pipe.models import HSTUConfig, HSTUModel, embedding_tables
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -150,18 +145,3 @@ def test_learns_synthetic_structure() -> None:
     scores = [float(a.compute()) for a in aucs]
     assert last < first - 0.1, (first, last)
     assert min(scores) > 0.6 and sum(scores) / len(scores) > 0.65, scores
-
-
-@pytest.mark.slow
-def test_two_rank_pipeline_parity() -> None:
-    """The prototype: plain loop, TrainPipelineSparseDist and the hand-driven (prefetch) pipelines
-    give bitwise-equal losses and parameters on 2 gloo ranks."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "scripts" / "proto_torchrec_pipeline.py"), "--steps", "6"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0 and "PARITY OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -33,7 +33,7 @@ def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> P
     drain), cells = the batch those tasks process; bottom row = what progress() returns."""
     plt = _pyplot()
     table = firing_table(plan, num_batches)
-    n_cols, n_rows = table.num_iterations, len(table.rows) + 1
+    n_cols = table.num_iterations
     cmap = plt.get_cmap("tab10")
     labels = [f"la {r.lookahead} · {r.stream}\n" + "\n".join(textwrap.wrap(", ".join(r.tasks), 34))
               for r in table.rows] + ["progress()\nreturns"]

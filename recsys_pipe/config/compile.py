@@ -108,7 +108,7 @@ def plan_from_any(plan: Any, prefix: str = "pipeline") -> PlanConfig:
     if isinstance(plan, PlanConfig):
         return plan
     try:
-        from omegaconf import DictConfig, OmegaConf
+        from omegaconf import DictConfig
 
         if isinstance(plan, DictConfig):
             from recsys_pipe.config.load import to_container

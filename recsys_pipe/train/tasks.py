@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline.utils import _prefetch_embeddings, _start_data_dist
 
 from recsys_pipe.engine import TaskContext
-from recsys_pipe.train.state import BATCH_GPU, INPUT_DIST_SPLITS, TORCHREC_CTX, TrainState
+from recsys_pipe.train.state import BATCH_GPU, INPUT_DIST_SPLITS, TORCHREC_CTX
 
 __all__ = [
     "StepResult",

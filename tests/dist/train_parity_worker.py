@@ -15,13 +15,12 @@ import time
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
 from recsys_pipe.config import load_run_config
 from recsys_pipe.data import make_dataloader
-from recsys_pipe.train import Trainer, build_model, data_config, init_distributed
+from recsys_pipe.train import Trainer, build_model, data_config, init_distributed, local_parameters
 
 STEPS = 24
 VARIANTS = {
@@ -43,22 +42,11 @@ def run_config(overrides):
         return load_run_config(compose("config", overrides=COMMON + overrides))
 
 
-def local_params(model):
-    out = {}
-    for name, value in model.state_dict().items():
-        if isinstance(value, ShardedTensor):
-            for j, shard in enumerate(value.local_shards()):
-                out[f"{name}#shard{j}"] = shard.tensor.detach().clone()
-        else:
-            out[name] = value.detach().clone()
-    return out
-
-
 def train_variant(info, overrides, batches):
     trainer = Trainer(run_config(overrides), info)
     try:
         summary = trainer.fit(iter(batches))
-        return summary, local_params(trainer.state.model)
+        return summary, local_parameters(trainer.state.model)
     finally:
         trainer.close()
 
@@ -81,7 +69,7 @@ def train_torchrec(info, batches):
             break
         losses.append(float(loss))
         ids.append(sample_ids.tolist())
-    return losses, ids, local_params(model)
+    return losses, ids, local_parameters(model)
 
 
 def main():
@@ -104,7 +92,7 @@ def main():
         }
         if name == "serial":
             initial_trainer = Trainer(run_config(overrides), info)
-            initial = local_params(initial_trainer.state.model)
+            initial = local_parameters(initial_trainer.state.model)
             initial_trainer.close()
             out["unchanged_by_training"] = [k for k, v in params.items() if torch.equal(v, initial[k])]
             out["num_params"] = len(params)
