@@ -75,8 +75,8 @@ def train_task(cfg: DictConfig) -> None:
         if info.is_main:
             last = summary.evals[-1] if summary.evals else {}
             log.info("trained %d steps, %d samples, %.1f samples/s; loss %.4f -> %.4f%s", summary.steps,
-                     summary.samples, summary.samples_per_s, summary.losses[0] if summary.losses else float("nan"),
-                     summary.losses[-1] if summary.losses else float("nan"),
+                     summary.samples, summary.samples_per_s, summary.first_loss or float("nan"),
+                     summary.last_loss or float("nan"),
                      f"; eval auc {summary.evals[0]['auc']:.4f} -> {last['auc']:.4f}" if last else "")
     except KeyboardInterrupt:
         log.warning("interrupted: stopping without a further step (the last completed optimizer step stands)")

@@ -34,9 +34,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainSummary:
+    """What a `fit` did. Per-step `losses` and `sample_ids` are kept only with
+    `fit(record_steps=True)` (parity checks): a long run must not grow memory per step."""
+
     steps: int = 0
     samples: int = 0
     seconds: float = 0.0
+    first_loss: float | None = None
+    last_loss: float | None = None
     losses: list[float] = field(default_factory=list)
     sample_ids: list[torch.Tensor] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
@@ -49,7 +54,6 @@ class TrainSummary:
 def data_config(run: RunConfig) -> DataConfig:
     fields = run.data.model_dump()
     fields["synthetic"] = SyntheticConfig(**(fields.pop("synthetic", None) or {}))
-    fields.pop("eval_batches", None)
     return DataConfig(**fields)
 
 
@@ -89,9 +93,14 @@ class Trainer:
 
     # -- loop -----------------------------------------------------------------------------------
 
-    def fit(self, batches: Iterator | None = None) -> TrainSummary:
+    def fit(self, batches: Iterator | None = None, record_steps: bool = False) -> TrainSummary:
         """Train until `trainer.max_steps` or the end of the data; evaluate every
-        `trainer.eval_every` steps (and before the first step)."""
+        `trainer.eval_every` steps (and before the first step).
+
+        The loss is read back to the host only at log steps (and, with `record_steps`, every
+        step): reading it every step would make the host wait for the device each iteration
+        and undo the pipelining on CUDA.
+        """
         cfg = self.run.trainer
         it = iter(self.train_loader) if batches is None else batches
         summary = TrainSummary()
@@ -115,8 +124,12 @@ class Trainer:
             samples = result.num_samples * self.info.world_size
             summary.samples += samples
             window_samples += samples
-            summary.losses.append(float(result.loss))
-            summary.sample_ids.append(result.sample_ids.cpu())
+            if record_steps:
+                summary.losses.append(float(result.loss))
+                summary.sample_ids.append(result.sample_ids.cpu())
+            if summary.steps == 1:
+                summary.first_loss = float(result.loss)
+            last = result
             bar.update(1)
             if summary.steps % cfg.log_every == 0:
                 now = time.perf_counter()
@@ -128,6 +141,8 @@ class Trainer:
             if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every == 0:
                 summary.evals.append(self._log_eval(summary.steps))
         summary.seconds = time.perf_counter() - start
+        if summary.steps:
+            summary.last_loss = float(last.loss)
         bar.close()
         if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every:
             summary.evals.append(self._log_eval(summary.steps))

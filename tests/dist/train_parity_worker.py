@@ -45,7 +45,7 @@ def run_config(overrides):
 def train_variant(info, overrides, batches):
     trainer = Trainer(run_config(overrides), info)
     try:
-        summary = trainer.fit(iter(batches))
+        summary = trainer.fit(iter(batches), record_steps=True)
         return summary, local_parameters(trainer.state.model)
     finally:
         trainer.close()
@@ -104,7 +104,7 @@ def main():
     # train -> eval -> train in one session: evaluation between steps must not change training
     interleaved = Trainer(run_config(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"]), info)
     try:
-        summary = interleaved.fit(iter(batches))
+        summary = interleaved.fit(iter(batches), record_steps=True)
         out["interleaved"] = {"losses": summary.losses, "sample_ids": [s.tolist() for s in summary.sample_ids],
                               "evals": summary.evals}
         eval_ids = [b.sample_ids.tolist() for b in interleaved.eval_loader]
@@ -116,7 +116,7 @@ def main():
     learn = Trainer(run_config(["pipeline=hstu_prefetch", "data.num_batches=80", "data.batch_size=32",
                                 "optimizer=adam", "trainer.eval_every=80", "trainer.eval_batches=4"]), info)
     try:
-        summary = learn.fit()
+        summary = learn.fit(record_steps=True)
         out["learning"] = {"evals": summary.evals, "first_loss": summary.losses[0],
                            "last_losses": summary.losses[-10:], "first_losses": summary.losses[:10]}
     finally:
