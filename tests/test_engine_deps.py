@@ -223,3 +223,15 @@ def test_all_problems_are_reported_at_once():
 def test_data_slot_equality():
     assert DataSlot("x", 1) == DataSlot("x", 1) != DataSlot("x", 2)
     assert len({DataSlot("x", 1), DataSlot("x", 1), DataSlot("y", 1)}) == 2
+
+
+def test_cpu_edges_are_declared_edges_plus_same_stream_fifo():
+    from recsys_pipe.engine import Edge, cpu_edges
+
+    a, b = t("a", stream="memcpy"), t("b", depends_on=["a"])
+    c, d = t("c", stream="memcpy"), t("d")
+    graph = compile_dependencies(sched(a, b, c, d))
+    assert cpu_edges(graph) == (Edge("a", "b", "depends_on"), Edge("a", "c", "stream_fifo"),
+                                Edge("b", "d", "stream_fifo"))
+    # restricted to the tasks that fire: FIFO links the previous *firing* task on the stream
+    assert cpu_edges(graph, [a, c, d]) == (Edge("a", "c", "stream_fifo"),)

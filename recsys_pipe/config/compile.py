@@ -34,6 +34,7 @@ from recsys_pipe.engine import (
     Task,
     ThreadedExecutor,
     compile_dependencies,
+    cpu_edges,
     resolve_thread_map,
 )
 
@@ -88,19 +89,8 @@ class CompiledPlan:
 
     def cpu_edges(self) -> list[CpuEdge]:
         """In-iteration edges (declarations, then same-stream FIFO), each flagged cross-thread."""
-        edges: list[CpuEdge] = []
-        seen: set[tuple[str, str]] = set()
-        for e in self.graph.edges:
-            seen.add((e.producer, e.consumer))
-            edges.append(CpuEdge(e.producer, e.consumer, e.kind,
-                                 self.thread_of[e.producer] != self.thread_of[e.consumer]))
-        last_on_stream: dict[str, str] = {}
-        for t in self.order:
-            prev = last_on_stream.get(t.stream)
-            if prev is not None and (prev, t.name) not in seen:
-                edges.append(CpuEdge(prev, t.name, "stream_fifo", self.thread_of[prev] != self.thread_of[t.name]))
-            last_on_stream[t.stream] = t.name
-        return edges
+        return [CpuEdge(e.producer, e.consumer, e.kind, self.thread_of[e.producer] != self.thread_of[e.consumer])
+                for e in cpu_edges(self.graph)]
 
 
 def plan_from_any(plan: Any, prefix: str = "pipeline") -> PlanConfig:

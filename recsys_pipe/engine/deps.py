@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from recsys_pipe.engine.errors import Problem, ScheduleValidationError, SchedulingError
 from recsys_pipe.engine.schedule import Schedule
@@ -120,6 +120,25 @@ def compile_dependencies(schedule: Schedule, stream_pool: StreamPool | None = No
         edges=edges,
         event_waits=MappingProxyType({k: tuple(v) for k, v in waits.items()}),
     )
+
+
+def cpu_edges(graph: DependencyGraph, tasks: Sequence[Task] | None = None) -> tuple[Edge, ...]:
+    """Edges that order tasks of one iteration on the CPU, among `tasks` (those firing, in
+    topological order; default all): the declared in-iteration edges, then same-stream FIFO
+    (the previous task on the same stream), which keeps a stream's submission order when a
+    thread map splits its tasks over threads. The threaded executor enforces exactly these
+    (across threads); `recsys-plan` prints them."""
+    tasks = graph.order if tasks is None else tasks
+    names = {t.name for t in tasks}
+    edges = [e for e in graph.edges if e.producer in names and e.consumer in names]
+    declared = {(e.producer, e.consumer) for e in edges}
+    last_on_stream: dict[str, str] = {}
+    for t in tasks:
+        previous = last_on_stream.get(t.stream)
+        if previous is not None and (previous, t.name) not in declared:
+            edges.append(Edge(previous, t.name, "stream_fifo"))
+        last_on_stream[t.stream] = t.name
+    return tuple(edges)
 
 
 def validate(schedule: Schedule, stream_pool: StreamPool | None = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from recsys_pipe.engine.errors import Problem, ScheduleValidationError
 
@@ -256,11 +256,4 @@ def _normalise_cross_iter(value: Any, own: str, bad: Callable) -> tuple[tuple[st
         else:
             entries.append((name, offset))
     return tuple(entries)
-
-
-def iter_dependency_names(task: Task) -> Iterable[tuple[str, int, str]]:
-    """(field, index, producer name) for every entry of the three dependency fields."""
-    for field in DEPENDENCY_FIELDS:
-        for index, entry in enumerate(getattr(task, field)):
-            yield field, index, entry[0] if isinstance(entry, tuple) else entry
 

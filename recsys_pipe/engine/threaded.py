@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from recsys_pipe.engine.deps import DependencyGraph
+from recsys_pipe.engine.deps import DependencyGraph, cpu_edges
 from recsys_pipe.engine.executor import RunTask
 from recsys_pipe.engine.task import Task
 
@@ -236,14 +236,8 @@ class ThreadedExecutor:
         index = {t.name: i for i, t in enumerate(tasks)}
         thread = [self._assign(self.thread_of(t)) for t in tasks]
         preds: list[set[int]] = [set() for _ in tasks]
-        for edge in graph.edges:
-            if edge.producer in index and edge.consumer in index:
-                preds[index[edge.consumer]].add(index[edge.producer])
-        last_on_stream: dict[str, int] = {}
-        for i, t in enumerate(tasks):  # same-stream FIFO across threads
-            if t.stream in last_on_stream:
-                preds[i].add(last_on_stream[t.stream])
-            last_on_stream[t.stream] = i
+        for edge in cpu_edges(graph, tasks):
+            preds[index[edge.consumer]].add(index[edge.producer])
         cross = [tuple(sorted(p for p in preds[i] if thread[p] != thread[i])) for i in range(len(tasks))]
         signals = {p for waits in cross for p in waits}
         tickets: dict[int, int] = {}
