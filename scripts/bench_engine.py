@@ -68,8 +68,12 @@ def overhead(executor_factory, iterations: int, repeats: int, num_tasks: int) ->
         plain.append(plain_loop(schedule, iterations))
     calls = iterations * num_tasks
     e, p = statistics.median(engine) / calls * 1e6, statistics.median(plain) / calls * 1e6
-    return {"engine_us_per_task": round(e, 3), "plain_us_per_task": round(p, 3),
-            "overhead_us_per_task": round(e - p, 3), "ratio_vs_plain": round(e / p, 1)}
+    return {
+        "engine_us_per_task": round(e, 3),
+        "plain_us_per_task": round(p, 3),
+        "overhead_us_per_task": round(e - p, 3),
+        "ratio_vs_plain": round(e / p, 1),
+    }
 
 
 def overlap(iterations: int, sleep_ms: float, repeats: int) -> dict:
@@ -86,12 +90,14 @@ def overlap(iterations: int, sleep_ms: float, repeats: int) -> dict:
             durations[ctx.iter_count][THREAD_OF[ctx.task.name]] += spent
 
     THREAD_OF = {"h2d": "io", "input_dist": "io", "forward": "compute", "backward": "compute"}
-    schedule = Schedule.single_stage([
-        Task.from_fn("h2d", sleeper, lookahead=2, stream="memcpy"),
-        Task.from_fn("input_dist", sleeper, lookahead=1, stream="data_dist", depends_on=["h2d"]),
-        Task.from_fn("forward", sleeper, lookahead=0),
-        Task.from_fn("backward", sleeper, lookahead=0, depends_on=["forward"]),
-    ])
+    schedule = Schedule.single_stage(
+        [
+            Task.from_fn("h2d", sleeper, lookahead=2, stream="memcpy"),
+            Task.from_fn("input_dist", sleeper, lookahead=1, stream="data_dist", depends_on=["h2d"]),
+            Task.from_fn("forward", sleeper, lookahead=0),
+            Task.from_fn("backward", sleeper, lookahead=0, depends_on=["forward"]),
+        ]
+    )
     threaded_times, ideal_times, serial_times = [], [], []
     for _ in range(repeats):
         durations.clear()
@@ -102,10 +108,13 @@ def overlap(iterations: int, sleep_ms: float, repeats: int) -> dict:
         with SchedulablePipeline(schedule, executor="sequential") as pipe:
             serial_times.append(drive(pipe, iterations))
     t, ideal, s = (statistics.median(x) for x in (threaded_times, ideal_times, serial_times))
-    return {"iteration_ms_threaded": round(t / iterations * 1e3, 3),
-            "iteration_ms_ideal": round(ideal / iterations * 1e3, 3),
-            "iteration_ms_serial": round(s / iterations * 1e3, 3),
-            "ratio_vs_ideal": round(t / ideal, 4), "ratio_vs_serial": round(t / s, 4)}
+    return {
+        "iteration_ms_threaded": round(t / iterations * 1e3, 3),
+        "iteration_ms_ideal": round(ideal / iterations * 1e3, 3),
+        "iteration_ms_serial": round(s / iterations * 1e3, 3),
+        "ratio_vs_ideal": round(t / ideal, 4),
+        "ratio_vs_serial": round(t / s, 4),
+    }
 
 
 def main() -> None:
@@ -120,13 +129,19 @@ def main() -> None:
     seq = overhead(lambda: "sequential", args.iterations, args.repeats, args.tasks)
     thr = overhead(lambda: ThreadedExecutor("by_stream"), args.iterations, args.repeats, args.tasks)
     ovl = overlap(args.overlap_iterations, args.sleep_ms, max(1, args.repeats // 2))
-    print(f"sequential: {seq['engine_us_per_task']:.2f} µs/task vs plain loop {seq['plain_us_per_task']:.3f} µs/task "
-          f"-> overhead {seq['overhead_us_per_task']:.2f} µs/task (target <= 20), {seq['ratio_vs_plain']}x")
-    print(f"threaded:   {thr['engine_us_per_task']:.2f} µs/task -> overhead {thr['overhead_us_per_task']:.2f} µs/task "
-          f"(target <= 60)")
-    print(f"overlap:    {ovl['iteration_ms_threaded']} ms/iter threaded, ideal {ovl['iteration_ms_ideal']} ms, "
-          f"serial {ovl['iteration_ms_serial']} ms -> {ovl['ratio_vs_ideal']}x ideal (target <= 1.05), "
-          f"{ovl['ratio_vs_serial']}x serial")
+    print(
+        f"sequential: {seq['engine_us_per_task']:.2f} µs/task vs plain loop {seq['plain_us_per_task']:.3f} µs/task "
+        f"-> overhead {seq['overhead_us_per_task']:.2f} µs/task (target <= 20), {seq['ratio_vs_plain']}x"
+    )
+    print(
+        f"threaded:   {thr['engine_us_per_task']:.2f} µs/task -> overhead {thr['overhead_us_per_task']:.2f} µs/task "
+        f"(target <= 60)"
+    )
+    print(
+        f"overlap:    {ovl['iteration_ms_threaded']} ms/iter threaded, ideal {ovl['iteration_ms_ideal']} ms, "
+        f"serial {ovl['iteration_ms_serial']} ms -> {ovl['ratio_vs_ideal']}x ideal (target <= 1.05), "
+        f"{ovl['ratio_vs_serial']}x serial"
+    )
     print(json.dumps({"sequential": seq, "threaded": thr, "overlap": ovl}))
 
 

@@ -47,8 +47,19 @@ NPROC = 2
 if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:
     # Plain `python scripts/bench_train.py`: re-execute under torchrun with 2 ranks.
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node", str(NPROC), os.path.abspath(__file__), *sys.argv[1:]])
+    os.execv(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(NPROC),
+            os.path.abspath(__file__),
+            *sys.argv[1:],
+        ],
+    )
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads its OpenMP runtime
 if ROOT not in sys.path:
@@ -60,7 +71,8 @@ import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -73,6 +85,7 @@ TAIL = 2  # untimed steps after the window: the max lookahead, so the window nev
 
 
 # -- timing ---------------------------------------------------------------------------------------
+
 
 class TaskTimer:
     """Accumulates task-body time per CPU thread by wrapping `FnTask.run` (instrumented runs only)."""
@@ -116,8 +129,14 @@ class Window:
     """Wraps a `progress(it)` callable: times steps [warmup, warmup + steps) after a barrier,
     records every step's loss tensor, optionally times the task bodies in the window."""
 
-    def __init__(self, progress: Callable[[Any], Any], loss_of: Callable[[Any], torch.Tensor], warmup: int,
-                 steps: int, timer: TaskTimer | None = None):
+    def __init__(
+        self,
+        progress: Callable[[Any], Any],
+        loss_of: Callable[[Any], torch.Tensor],
+        warmup: int,
+        steps: int,
+        timer: TaskTimer | None = None,
+    ):
         self.progress, self.loss_of = progress, loss_of
         self.warmup, self.steps = warmup, steps
         self.timer = timer
@@ -163,6 +182,7 @@ class Window:
 
 # -- variants -------------------------------------------------------------------------------------
 
+
 def run_config(plan: str, batch_size: int, num_batches: int, extra: tuple[str, ...] = ()) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -172,10 +192,19 @@ def run_config(plan: str, batch_size: int, num_batches: int, extra: tuple[str, .
 
     register_schemas()
     GlobalHydra.instance().clear()
-    overrides = [f"pipeline={plan}", "trainer.progress_bar=false", "trainer.eval_every=0",
-                 "trainer.eval_batches=0", "trainer.max_steps=null", "trainer.device=cpu", "trainer.backend=gloo",
-                 f"trainer.log_every={num_batches + 1}",  # no metrics all-reduce inside the timed window
-                 f"data.batch_size={batch_size}", f"data.num_batches={num_batches}", *extra]
+    overrides = [
+        f"pipeline={plan}",
+        "trainer.progress_bar=false",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=0",
+        "trainer.max_steps=null",
+        "trainer.device=cpu",
+        "trainer.backend=gloo",
+        f"trainer.log_every={num_batches + 1}",  # no metrics all-reduce inside the timed window
+        f"data.batch_size={batch_size}",
+        f"data.num_batches={num_batches}",
+        *extra,
+    ]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return load_run_config(compose("config", overrides=overrides))
 
@@ -240,6 +269,7 @@ def max_over_ranks(value: float) -> float:
 
 # -- main -----------------------------------------------------------------------------------------
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50, help="timed steps per run (default 50)")
@@ -272,33 +302,41 @@ def main() -> None:
         return runner(runs[name], info, batches, window_factory)
 
     if main_rank:
-        print(f"bench_train: {world} ranks (gloo, CPU, 1 intra-op thread each), batch {args.batch_size}/rank, "
-              f"{args.warmup} warm-up + {args.steps} timed + {TAIL} tail steps, {args.repeats} repetition(s)",
-              flush=True)
+        print(
+            f"bench_train: {world} ranks (gloo, CPU, 1 intra-op thread each), batch {args.batch_size}/rank, "
+            f"{args.warmup} warm-up + {args.steps} timed + {TAIL} tail steps, {args.repeats} repetition(s)",
+            flush=True,
+        )
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}  # CPU seconds of the window, max over ranks
     losses: dict[str, list[torch.Tensor]] = {v: [] for v in VARIANTS}
     for rep in range(args.repeats):
-        order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
+        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
         for name in order:
             window = run_variant(name, make_window())
             seconds[name].append(max_over_ranks(window.seconds))
             cpu[name].append(max_over_ranks(window.cpu_seconds))
             losses[name].append(torch.stack(window.losses))
         if main_rank:
-            print(f"  repetition {rep + 1}/{args.repeats}: " + ", ".join(
-                f"{v} {args.batch_size * world * args.steps / seconds[v][-1]:.0f}" for v in VARIANTS) + " samples/s",
-                flush=True)
+            print(
+                f"  repetition {rep + 1}/{args.repeats}: "
+                + ", ".join(f"{v} {args.batch_size * world * args.steps / seconds[v][-1]:.0f}" for v in VARIANTS)
+                + " samples/s",
+                flush=True,
+            )
 
     # Same computation: every variant, every repetition, bitwise-equal per-step losses.
     reference = losses["serial"][0]
-    mismatches = [f"{v}[rep {r}]" for v in VARIANTS for r, got in enumerate(losses[v])
-                  if not torch.equal(got, reference)]
+    mismatches = [
+        f"{v}[rep {r}]" for v in VARIANTS for r, got in enumerate(losses[v]) if not torch.equal(got, reference)
+    ]
     ok = torch.tensor([0 if mismatches else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok.item():
-        raise AssertionError(f"rank {rank}: per-step losses differ from serial for {mismatches or 'another rank'}; "
-                             "the variants do not compute the same thing")
+        raise AssertionError(
+            f"rank {rank}: per-step losses differ from serial for {mismatches or 'another rank'}; "
+            "the variants do not compute the same thing"
+        )
 
     # Engine share: one instrumented run per engine plan.
     engine: dict[str, dict[str, float]] = {}
@@ -312,13 +350,24 @@ def main() -> None:
                     raise AssertionError(f"rank {rank}: instrumented {plan} run trained different losses")
                 busiest = max(timer.per_thread.values())
                 share = (window.in_progress - busiest) / window.in_progress
-                stats = torch.tensor([share, window.in_progress / args.steps, busiest / args.steps,
-                                      (window.in_progress - busiest) / args.steps], dtype=torch.float64)
+                stats = torch.tensor(
+                    [
+                        share,
+                        window.in_progress / args.steps,
+                        busiest / args.steps,
+                        (window.in_progress - busiest) / args.steps,
+                    ],
+                    dtype=torch.float64,
+                )
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the worse rank
-                engine[plan] = {"share": float(stats[0]), "step_ms": float(stats[1]) * 1e3,
-                                "task_ms": float(stats[2]) * 1e3, "engine_us": float(stats[3]) * 1e6,
-                                "threads": {k: round(v / args.steps * 1e3, 3) for k, v in timer.per_thread.items()},
-                                "tasks": {k: round(v / args.steps * 1e3, 3) for k, v in timer.per_task.items()}}
+                engine[plan] = {
+                    "share": float(stats[0]),
+                    "step_ms": float(stats[1]) * 1e3,
+                    "task_ms": float(stats[2]) * 1e3,
+                    "engine_us": float(stats[3]) * 1e6,
+                    "threads": {k: round(v / args.steps * 1e3, 3) for k, v in timer.per_thread.items()},
+                    "tasks": {k: round(v / args.steps * 1e3, 3) for k, v in timer.per_task.items()},
+                }
         finally:
             uninstall()
 
@@ -331,41 +380,55 @@ def main() -> None:
     vs_serial = {v: sps[v] / sps["serial"] for v in (*PIPELINED, TORCHREC)}
     if main_rank:
         print()
-        print(f"{'variant':<17} {'samples/s':>10} {'(min..max)':>16} {'ms/step':>8} {'CPU ms/step':>12} "
-              f"{'vs torchrec':>12} {'vs serial':>10} {'engine share':>13} {'engine µs/step':>15}")
+        print(
+            f"{'variant':<17} {'samples/s':>10} {'(min..max)':>16} {'ms/step':>8} {'CPU ms/step':>12} "
+            f"{'vs torchrec':>12} {'vs serial':>10} {'engine share':>13} {'engine µs/step':>15}"
+        )
         for v in VARIANTS:
             lo, hi = spread[v]
             share = f"{engine[v]['share'] * 100:.1f} %" if v in engine else "-"
             us = f"{engine[v]['engine_us']:.0f}" if v in engine else "-"
-            print(f"{v:<17} {sps[v]:>10.1f} {f'({lo:.0f}..{hi:.0f})':>16} "
-                  f"{samples / sps[v] / args.steps * 1e3:>8.2f} {cpu_ms[v]:>12.2f} "
-                  f"{(f'{vs_torchrec[v]:.3f}x' if v in vs_torchrec else '-'):>12} "
-                  f"{(f'{vs_serial[v]:.3f}x' if v in vs_serial else '-'):>10} {share:>13} {us:>15}")
+            print(
+                f"{v:<17} {sps[v]:>10.1f} {f'({lo:.0f}..{hi:.0f})':>16} "
+                f"{samples / sps[v] / args.steps * 1e3:>8.2f} {cpu_ms[v]:>12.2f} "
+                f"{(f'{vs_torchrec[v]:.3f}x' if v in vs_torchrec else '-'):>12} "
+                f"{(f'{vs_serial[v]:.3f}x' if v in vs_serial else '-'):>10} {share:>13} {us:>15}"
+            )
         if engine:
-            print("\nengine share (instrumented run, worse rank): time in progress() per step, task bodies of the busiest "
-                  "thread per step, per-thread task ms/step:")
+            print(
+                "\nengine share (instrumented run, worse rank): time in progress() per step, task bodies of the "
+                "busiest "
+                "thread per step, per-thread task ms/step:"
+            )
             for plan, e in engine.items():
-                print(f"  {plan:<17} {e['step_ms']:.2f} ms/step in progress(), {e['task_ms']:.2f} ms task bodies "
-                      f"-> engine {e['engine_us']:.0f} µs/step ({e['share'] * 100:.1f} %)")
+                print(
+                    f"  {plan:<17} {e['step_ms']:.2f} ms/step in progress(), {e['task_ms']:.2f} ms task bodies "
+                    f"-> engine {e['engine_us']:.0f} µs/step ({e['share'] * 100:.1f} %)"
+                )
                 print(f"    rank 0 task ms/step by thread {e['threads']}")
                 print(f"    rank 0 task ms/step by task   {e['tasks']}")
         targets = {p: {"vs_torchrec": vs_torchrec[p] >= 1.0, "vs_serial": vs_serial[p] >= 1.0} for p in PIPELINED}
         print(f"\ntargets (pipelined >= 1.0x torchrec and >= serial): {targets}")
         print("per-step losses bitwise equal across all variants and repetitions: yes", flush=True)
-        print(json.dumps({
-            "samples_per_s": {v: round(sps[v], 2) for v in VARIANTS},
-            "ratio_vs_torchrec": {p: round(r, 4) for p, r in vs_torchrec.items()},
-            "ratio_vs_serial": {p: round(r, 4) for p, r in vs_serial.items()},
-            "engine_share": {p: round(e["share"], 4) for p, e in engine.items()},
-            "cpu_ms_per_step": {v: round(cpu_ms[v], 3) for v in VARIANTS},
-            "engine_us_per_step": {p: round(e["engine_us"], 1) for p, e in engine.items()},
-            "steps": args.steps,
-            "repeats": args.repeats,
-            "world_size": world,
-            "batch_size": args.batch_size,
-            "warmup": args.warmup,
-            "targets_met": targets,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "samples_per_s": {v: round(sps[v], 2) for v in VARIANTS},
+                    "ratio_vs_torchrec": {p: round(r, 4) for p, r in vs_torchrec.items()},
+                    "ratio_vs_serial": {p: round(r, 4) for p, r in vs_serial.items()},
+                    "engine_share": {p: round(e["share"], 4) for p, e in engine.items()},
+                    "cpu_ms_per_step": {v: round(cpu_ms[v], 3) for v in VARIANTS},
+                    "engine_us_per_step": {p: round(e["engine_us"], 1) for p, e in engine.items()},
+                    "steps": args.steps,
+                    "repeats": args.repeats,
+                    "world_size": world,
+                    "batch_size": args.batch_size,
+                    "warmup": args.warmup,
+                    "targets_met": targets,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
@@ -376,7 +439,7 @@ if __name__ == "__main__":
             dist.barrier()
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - report, then exit without the interpreter's gloo teardown
+    except BaseException:
         traceback.print_exc()
         code = 1
     finally:

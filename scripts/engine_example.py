@@ -27,10 +27,14 @@ def train(ctx):
 
 
 def plan(lookahead: int) -> Schedule:
-    return Schedule.single_stage([
-        Task.from_fn("prepare", prepare, stream="memcpy", lookahead=lookahead, reads=["batch_cpu"], writes=["batch"]),
-        Task.from_fn("train", train, reads=["batch"], writes=["step_result"]),
-    ])
+    return Schedule.single_stage(
+        [
+            Task.from_fn(
+                "prepare", prepare, stream="memcpy", lookahead=lookahead, reads=["batch_cpu"], writes=["batch"]
+            ),
+            Task.from_fn("train", train, reads=["batch"], writes=["step_result"]),
+        ]
+    )
 
 
 def batches(n: int):

@@ -67,8 +67,16 @@ def schedule_specs(draw, max_tasks: int = 6, max_lookahead: int = 3, streams=STR
     for i in range(n):
         la = draw(st.integers(0, max_lookahead))
         stream = draw(st.sampled_from(streams))
-        spec = {"name": f"t{i}", "lookahead": la, "stream": stream, "writes": [f"v{i}"],
-                "reads": [], "depends_on": [], "cross_iter_depends_on": [], "same_progress_sync": []}
+        spec = {
+            "name": f"t{i}",
+            "lookahead": la,
+            "stream": stream,
+            "writes": [f"v{i}"],
+            "reads": [],
+            "depends_on": [],
+            "cross_iter_depends_on": [],
+            "same_progress_sync": [],
+        }
         used: set[str] = set()
         if draw(st.booleans()):
             spec["reads"].append("batch_cpu")
@@ -92,9 +100,10 @@ def schedule_specs(draw, max_tasks: int = 6, max_lookahead: int = 3, streams=STR
                     spec["cross_iter_depends_on"].append((pname, -big_n))
             elif choice == "sync":
                 spec["same_progress_sync"].append(pname)
-        if draw(st.booleans()) and i == n - 1 or (la == 0 and draw(st.booleans())):
-            if not any("step_result" in s["writes"] for s in specs):
-                spec["writes"].append("step_result")
+        if (draw(st.booleans()) and i == n - 1 or (la == 0 and draw(st.booleans()))) and not any(
+            "step_result" in s["writes"] for s in specs
+        ):
+            spec["writes"].append("step_result")
         specs.append(spec)
     order = draw(st.permutations(range(n)))
     shuffled = [specs[i] for i in order]

@@ -20,16 +20,40 @@ PLANS = {"serial", "hstu_sparse_dist", "hstu_prefetch"}
 @pytest.mark.timeout(180)
 def test_bench_train_runs_and_reports_ratios():
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(ROOT / "scripts" / "bench_train.py"), "--steps", "3", "--warmup", "1", "--repeats", "1",
-         "--batch-size", "8"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "scripts" / "bench_train.py"),
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"samples_per_s", "ratio_vs_torchrec", "ratio_vs_serial", "engine_share", "steps", "repeats",
-            "world_size"} <= set(report)
+    assert {
+        "samples_per_s",
+        "ratio_vs_torchrec",
+        "ratio_vs_serial",
+        "engine_share",
+        "steps",
+        "repeats",
+        "world_size",
+    } <= set(report)
     assert set(report["samples_per_s"]) == PLANS | {"torchrec_sdd"}
     assert set(report["ratio_vs_torchrec"]) >= {"hstu_sparse_dist", "hstu_prefetch"}
     assert set(report["ratio_vs_serial"]) >= {"hstu_sparse_dist", "hstu_prefetch"}

@@ -103,7 +103,10 @@ def _user_conf(tmp_path: Path, name: str, body: str) -> str:
 
 
 def test_user_plan_file_extends_a_shipped_plan(tmp_path, capsys):
-    searchpath = _user_conf(tmp_path, "my_plan", """\
+    searchpath = _user_conf(
+        tmp_path,
+        "my_plan",
+        """\
 defaults:
   - hstu_sparse_dist
   - _self_
@@ -114,7 +117,8 @@ tasks:
     stream: memcpy
     lookahead: 2
     cross_iter_depends_on: [h2d]
-""")
+""",
+    )
     assert plan(tmp_path / "run", searchpath, "pipeline=my_plan") == 0
     out = capsys.readouterr().out
     assert "plan: my_plan" in out
@@ -122,7 +126,9 @@ tasks:
 
 
 def test_typo_in_a_plan_file_is_refused_with_its_path(tmp_path, capsys):
-    searchpath = _user_conf(tmp_path, "typo_plan", "defaults:\n  - serial\n  - _self_\ntasks:\n  h2d:\n    lookahed: 1\n")
+    searchpath = _user_conf(
+        tmp_path, "typo_plan", "defaults:\n  - serial\n  - _self_\ntasks:\n  h2d:\n    lookahed: 1\n"
+    )
     assert plan(tmp_path / "run", searchpath, "pipeline=typo_plan") == 2
     err = capsys.readouterr().err
     assert "pipeline.tasks.h2d.lookahed" in err and "Traceback" not in err
@@ -132,94 +138,150 @@ def test_typo_in_a_plan_file_is_refused_with_its_path(tmp_path, capsys):
 
 # (id, overrides, path that must be named, message fragment)
 BAD = [
-    ("unknown-dep", ["pipeline.tasks.forward.depends_on=[fwd]"],
-     "pipeline.tasks.forward.depends_on[0]", "unknown task 'fwd'"),
-    ("unknown-sync", ["pipeline.tasks.backward.same_progress_sync=[prefetch]"],
-     "pipeline.tasks.backward.same_progress_sync[0]", "unknown task 'prefetch'"),
-    ("unknown-cross-iter", ["pipeline.tasks.h2d.cross_iter_depends_on=[h2e]"],
-     "pipeline.tasks.h2d.cross_iter_depends_on[0]", "did you mean 'h2d'"),
-    ("cycle", ["pipeline.tasks.zero_grad.depends_on=[forward]"],
-     "pipeline.tasks.", "cyclic dependency"),
-    ("cycle-sync", ["pipeline.tasks.forward.same_progress_sync=[backward]"],
-     "pipeline.tasks.", "cyclic dependency"),
-    ("self-dep", ["pipeline.tasks.forward.depends_on=[forward]"],
-     "pipeline.tasks.forward.depends_on[0]", "itself"),
-    ("unknown-stream", ["pipeline.tasks.h2d.stream=memcopy"],
-     "pipeline.tasks.h2d.stream", "did you mean 'memcpy'"),
-    ("stream-twice", ["pipeline.streams=[default,memcpy,memcpy,data_dist]"],
-     "pipeline.streams[2]", "listed twice"),
-    ("name-in-two-fields", ["pipeline.tasks.forward.same_progress_sync=[zero_grad]"],
-     "pipeline.tasks.forward.", "only one of"),
-    ("cross-iter-delta-negative", ["pipeline.tasks.h2d.cross_iter_depends_on=[optimizer_step]"],
-     "pipeline.tasks.h2d.cross_iter_depends_on[0]", "future read"),
-    ("cross-iter-offset-positive", ["pipeline.tasks.forward.cross_iter_depends_on=[[h2d,1]]"],
-     "pipeline.tasks.forward.cross_iter_depends_on[0]", "negative"),
-    ("cross-stream-out-of-ring", ["pipeline.tasks.h2d.cross_iter_depends_on=[[start_input_dist,-3]]"],
-     "pipeline.tasks.h2d.cross_iter_depends_on[0]", "rotated out of the ring"),
-    ("two-waits-different-offsets", ["pipeline.tasks.start_input_dist.cross_iter_depends_on=[h2d]"],
-     "pipeline.tasks.start_input_dist.cross_iter_depends_on[0]", "waited on twice"),
-    ("depends-on-future-read", ["pipeline.tasks.h2d.depends_on=[zero_grad]"],
-     "pipeline.tasks.h2d.depends_on[0]", "future read"),
-    ("slot-future-read", ["pipeline.tasks.start_input_dist.reads=[[global_tokens,1]]"],
-     "pipeline.tasks.start_input_dist.reads[0]", "future read"),
-    ("slot-never-written", ["pipeline.tasks.forward.reads=[no_such_slot]"],
-     "pipeline.tasks.forward.reads[0]", "no task writes slot 'no_such_slot'"),
-    ("slot-two-writers", ["pipeline.tasks.backward.writes=[loss]"],
-     "pipeline.tasks.backward.writes[0]", "at most one writer"),
-    ("slot-reserved", ["pipeline.tasks.h2d.writes=[batch_cpu]"],
-     "pipeline.tasks.h2d.writes[0]", "reserved"),
-    ("slot-negative-offset", ["pipeline.tasks.forward.reads=[[batch_gpu,-1]]"],
-     "pipeline.tasks.forward.reads[0]", ">= 0"),
-    ("slot-bad-shape", ["pipeline.tasks.forward.reads=[[batch_gpu,1,2]]"],
-     "pipeline.tasks.forward.reads[0]", "[name, batch_offset]"),
-    ("fn-no-attribute", ["pipeline.tasks.forward.fn=recsys_pipe.train.tasks.fwd"],
-     "pipeline.tasks.forward.fn", "has no attribute 'fwd'"),
-    ("fn-no-module", ["pipeline.tasks.forward.fn=no_such_pkg_xyz.tasks.forward"],
-     "pipeline.tasks.forward.fn", "No module named 'no_such_pkg_xyz'"),
-    ("fn-not-a-path", ["pipeline.tasks.forward.fn=forward"],
-     "pipeline.tasks.forward.fn", "not an import path"),
-    ("typo-key-plus", ["+pipeline.tasks.h2d.lookahed=3"],
-     "pipeline.tasks.h2d.lookahed", "did you mean 'lookahead'"),
-    ("typo-key-override", ["pipeline.tasks.h2d.lookahed=3"],
-     "pipeline.tasks.h2d.lookahed", "lookahed"),
-    ("typo-plan-key", ["+pipeline.executer=threaded"],
-     "pipeline.executer", "did you mean 'executor'"),
-    ("typo-trainer-key", ["+trainer.max_step=3"],
-     "trainer.max_step", "did you mean 'max_steps'"),
-    ("lookahead-not-int", ["pipeline.tasks.h2d.lookahead=two"],
-     "pipeline.tasks.h2d.lookahead", "integer"),
-    ("lookahead-float", ["pipeline.tasks.h2d.lookahead=1.5"],
-     "pipeline.tasks.h2d.lookahead", "integer"),
-    ("lookahead-negative", ["pipeline.tasks.h2d.lookahead=-1"],
-     "pipeline.tasks.h2d.lookahead", "greater than or equal to 0"),
-    ("nccl-not-bool", ["pipeline.tasks.backward.nccl=maybe"],
-     "pipeline.tasks.backward.nccl", "boolean"),
-    ("depends-on-not-list", ["pipeline.tasks.forward.depends_on=zero_grad"],
-     "pipeline.tasks.forward.depends_on", "list"),
-    ("executor-unknown", ["pipeline.executor=parallel"],
-     "pipeline.executor", "'sequential' or 'threaded'"),
-    ("thread-map-strategy", ["pipeline.thread_map.strategy=round_robin"],
-     "pipeline.thread_map.strategy", "by_stream"),
-    ("thread-map-unknown-task", ["+pipeline.thread_map.map.fwd=io"],
-     "pipeline.thread_map.map.fwd", "unknown task 'fwd'"),
-    ("thread-map-map-without-dict", ["thread_map=per_task", "+pipeline.thread_map.map.h2d=io"],
-     "pipeline.thread_map", "only used with strategy 'dict'"),
-    ("thread-empty", ["pipeline.tasks.forward.thread=''"],
-     "pipeline.tasks.forward.thread", "at least 1 character"),
-    ("fn-missing", ["pipeline.tasks.forward.fn=???"],
-     "pipeline.tasks.forward.fn", "missing required value"),
-    ("priority-not-int", ["pipeline.tasks.h2d.priority=high"],
-     "pipeline.tasks.h2d.priority", "integer"),
-    ("bad-interpolation", ["pipeline.description=${nope}"],
-     "pipeline.description", "nope"),
-    ("num-batches", ["num_batches=0"],
-     "num_batches", "greater than or equal to 1"),
-    ("unknown-pipeline-option", ["pipeline=nope"],
-     "pipeline/nope", "Available options"),
-    ("unknown-thread-map-option", ["thread_map=round_robin"],
-     "thread_map/round_robin", "Available options"),
-    ("override-syntax", ["pipeline.tasks.h2d.lookahead=["],
-     "", "no viable alternative"),
+    (
+        "unknown-dep",
+        ["pipeline.tasks.forward.depends_on=[fwd]"],
+        "pipeline.tasks.forward.depends_on[0]",
+        "unknown task 'fwd'",
+    ),
+    (
+        "unknown-sync",
+        ["pipeline.tasks.backward.same_progress_sync=[prefetch]"],
+        "pipeline.tasks.backward.same_progress_sync[0]",
+        "unknown task 'prefetch'",
+    ),
+    (
+        "unknown-cross-iter",
+        ["pipeline.tasks.h2d.cross_iter_depends_on=[h2e]"],
+        "pipeline.tasks.h2d.cross_iter_depends_on[0]",
+        "did you mean 'h2d'",
+    ),
+    ("cycle", ["pipeline.tasks.zero_grad.depends_on=[forward]"], "pipeline.tasks.", "cyclic dependency"),
+    ("cycle-sync", ["pipeline.tasks.forward.same_progress_sync=[backward]"], "pipeline.tasks.", "cyclic dependency"),
+    ("self-dep", ["pipeline.tasks.forward.depends_on=[forward]"], "pipeline.tasks.forward.depends_on[0]", "itself"),
+    ("unknown-stream", ["pipeline.tasks.h2d.stream=memcopy"], "pipeline.tasks.h2d.stream", "did you mean 'memcpy'"),
+    ("stream-twice", ["pipeline.streams=[default,memcpy,memcpy,data_dist]"], "pipeline.streams[2]", "listed twice"),
+    (
+        "name-in-two-fields",
+        ["pipeline.tasks.forward.same_progress_sync=[zero_grad]"],
+        "pipeline.tasks.forward.",
+        "only one of",
+    ),
+    (
+        "cross-iter-delta-negative",
+        ["pipeline.tasks.h2d.cross_iter_depends_on=[optimizer_step]"],
+        "pipeline.tasks.h2d.cross_iter_depends_on[0]",
+        "future read",
+    ),
+    (
+        "cross-iter-offset-positive",
+        ["pipeline.tasks.forward.cross_iter_depends_on=[[h2d,1]]"],
+        "pipeline.tasks.forward.cross_iter_depends_on[0]",
+        "negative",
+    ),
+    (
+        "cross-stream-out-of-ring",
+        ["pipeline.tasks.h2d.cross_iter_depends_on=[[start_input_dist,-3]]"],
+        "pipeline.tasks.h2d.cross_iter_depends_on[0]",
+        "rotated out of the ring",
+    ),
+    (
+        "two-waits-different-offsets",
+        ["pipeline.tasks.start_input_dist.cross_iter_depends_on=[h2d]"],
+        "pipeline.tasks.start_input_dist.cross_iter_depends_on[0]",
+        "waited on twice",
+    ),
+    (
+        "depends-on-future-read",
+        ["pipeline.tasks.h2d.depends_on=[zero_grad]"],
+        "pipeline.tasks.h2d.depends_on[0]",
+        "future read",
+    ),
+    (
+        "slot-future-read",
+        ["pipeline.tasks.start_input_dist.reads=[[global_tokens,1]]"],
+        "pipeline.tasks.start_input_dist.reads[0]",
+        "future read",
+    ),
+    (
+        "slot-never-written",
+        ["pipeline.tasks.forward.reads=[no_such_slot]"],
+        "pipeline.tasks.forward.reads[0]",
+        "no task writes slot 'no_such_slot'",
+    ),
+    (
+        "slot-two-writers",
+        ["pipeline.tasks.backward.writes=[loss]"],
+        "pipeline.tasks.backward.writes[0]",
+        "at most one writer",
+    ),
+    ("slot-reserved", ["pipeline.tasks.h2d.writes=[batch_cpu]"], "pipeline.tasks.h2d.writes[0]", "reserved"),
+    (
+        "slot-negative-offset",
+        ["pipeline.tasks.forward.reads=[[batch_gpu,-1]]"],
+        "pipeline.tasks.forward.reads[0]",
+        ">= 0",
+    ),
+    (
+        "slot-bad-shape",
+        ["pipeline.tasks.forward.reads=[[batch_gpu,1,2]]"],
+        "pipeline.tasks.forward.reads[0]",
+        "[name, batch_offset]",
+    ),
+    (
+        "fn-no-attribute",
+        ["pipeline.tasks.forward.fn=recsys_pipe.train.tasks.fwd"],
+        "pipeline.tasks.forward.fn",
+        "has no attribute 'fwd'",
+    ),
+    (
+        "fn-no-module",
+        ["pipeline.tasks.forward.fn=no_such_pkg_xyz.tasks.forward"],
+        "pipeline.tasks.forward.fn",
+        "No module named 'no_such_pkg_xyz'",
+    ),
+    ("fn-not-a-path", ["pipeline.tasks.forward.fn=forward"], "pipeline.tasks.forward.fn", "not an import path"),
+    ("typo-key-plus", ["+pipeline.tasks.h2d.lookahed=3"], "pipeline.tasks.h2d.lookahed", "did you mean 'lookahead'"),
+    ("typo-key-override", ["pipeline.tasks.h2d.lookahed=3"], "pipeline.tasks.h2d.lookahed", "lookahed"),
+    ("typo-plan-key", ["+pipeline.executer=threaded"], "pipeline.executer", "did you mean 'executor'"),
+    ("typo-trainer-key", ["+trainer.max_step=3"], "trainer.max_step", "did you mean 'max_steps'"),
+    ("lookahead-not-int", ["pipeline.tasks.h2d.lookahead=two"], "pipeline.tasks.h2d.lookahead", "integer"),
+    ("lookahead-float", ["pipeline.tasks.h2d.lookahead=1.5"], "pipeline.tasks.h2d.lookahead", "integer"),
+    (
+        "lookahead-negative",
+        ["pipeline.tasks.h2d.lookahead=-1"],
+        "pipeline.tasks.h2d.lookahead",
+        "greater than or equal to 0",
+    ),
+    ("nccl-not-bool", ["pipeline.tasks.backward.nccl=maybe"], "pipeline.tasks.backward.nccl", "boolean"),
+    (
+        "depends-on-not-list",
+        ["pipeline.tasks.forward.depends_on=zero_grad"],
+        "pipeline.tasks.forward.depends_on",
+        "list",
+    ),
+    ("executor-unknown", ["pipeline.executor=parallel"], "pipeline.executor", "'sequential' or 'threaded'"),
+    ("thread-map-strategy", ["pipeline.thread_map.strategy=round_robin"], "pipeline.thread_map.strategy", "by_stream"),
+    (
+        "thread-map-unknown-task",
+        ["+pipeline.thread_map.map.fwd=io"],
+        "pipeline.thread_map.map.fwd",
+        "unknown task 'fwd'",
+    ),
+    (
+        "thread-map-map-without-dict",
+        ["thread_map=per_task", "+pipeline.thread_map.map.h2d=io"],
+        "pipeline.thread_map",
+        "only used with strategy 'dict'",
+    ),
+    ("thread-empty", ["pipeline.tasks.forward.thread=''"], "pipeline.tasks.forward.thread", "at least 1 character"),
+    ("fn-missing", ["pipeline.tasks.forward.fn=???"], "pipeline.tasks.forward.fn", "missing required value"),
+    ("priority-not-int", ["pipeline.tasks.h2d.priority=high"], "pipeline.tasks.h2d.priority", "integer"),
+    ("bad-interpolation", ["pipeline.description=${nope}"], "pipeline.description", "nope"),
+    ("num-batches", ["num_batches=0"], "num_batches", "greater than or equal to 1"),
+    ("unknown-pipeline-option", ["pipeline=nope"], "pipeline/nope", "Available options"),
+    ("unknown-thread-map-option", ["thread_map=round_robin"], "thread_map/round_robin", "Available options"),
+    ("override-syntax", ["pipeline.tasks.h2d.lookahead=["], "", "no viable alternative"),
 ]
 
 
@@ -263,8 +325,14 @@ def test_debug_true_shows_traceback(tmp_path, capsys):
 
 
 def _script(tmp_path: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([RECSYS_PLAN, *argv, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [RECSYS_PLAN, *argv, f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_console_script_ok(tmp_path):

@@ -41,8 +41,9 @@ def test_readme_main_job_trains_with_prefetch_plan_on_two_ranks(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_single_process_run_writes_run_dir(tmp_path):
-    proc = run([str(BIN / "recsys-train"), "pipeline=serial", "trainer=smoke", f"trainer.output_dir={tmp_path}/r"],
-               tmp_path)
+    proc = run(
+        [str(BIN / "recsys-train"), "pipeline=serial", "trainer=smoke", f"trainer.output_dir={tmp_path}/r"], tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = metrics(tmp_path / "r")
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
@@ -50,12 +51,15 @@ def test_single_process_run_writes_run_dir(tmp_path):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("override, path", [
-    ("trainer.dense_ddp=megatron", "trainer.dense_ddp"),
-    ("pipeline.tasks.forward.depends_on=[fwd]", "pipeline.tasks.forward.depends_on[0]"),
-    ("pipeline.tasks.h2d.fn=recsys_pipe.train.tasks.nope", "pipeline.tasks.h2d.fn"),
-    ("trainer.max_steps=0", "trainer.max_steps"),
-])
+@pytest.mark.parametrize(
+    "override, path",
+    [
+        ("trainer.dense_ddp=megatron", "trainer.dense_ddp"),
+        ("pipeline.tasks.forward.depends_on=[fwd]", "pipeline.tasks.forward.depends_on[0]"),
+        ("pipeline.tasks.h2d.fn=recsys_pipe.train.tasks.nope", "pipeline.tasks.h2d.fn"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+    ],
+)
 def test_config_errors_exit_2_before_any_process_group(tmp_path, override, path):
     proc = run([str(BIN / "recsys-train"), override, f"trainer.output_dir={tmp_path}/r"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]

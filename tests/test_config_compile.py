@@ -103,8 +103,13 @@ def test_hstu_plans_match_spec_table():
     assert la["forward"] == la["optimizer_step"] == (0, "default")
     # forward too: its embedding lookup issues the output all-to-all
     assert {t.name for t in native.order if t.nccl} == {
-        "start_input_dist", "wait_input_dist", "global_tokens_allreduce", "forward", "backward",
-        "finalize_model_grads"}
+        "start_input_dist",
+        "wait_input_dist",
+        "global_tokens_allreduce",
+        "forward",
+        "backward",
+        "finalize_model_grads",
+    }
     assert native.graph.in_flight_batches == 3
 
     pf = compiled("pipeline=hstu_prefetch")
@@ -173,14 +178,18 @@ def test_lookahead_override_changes_schedule():
 
 def test_lookahead_override_on_defaulted_field():
     # zero_grad's YAML does not spell out `lookahead`: the skeleton makes it overridable anyway.
-    plan = compiled("pipeline.tasks.zero_grad.lookahead=1", "pipeline.tasks.forward.depends_on=[]",
-                    "pipeline.tasks.zero_grad.stream=memcpy")
+    plan = compiled(
+        "pipeline.tasks.zero_grad.lookahead=1",
+        "pipeline.tasks.forward.depends_on=[]",
+        "pipeline.tasks.zero_grad.stream=memcpy",
+    )
     assert plan.graph.task("zero_grad").lookahead == 1
 
 
 def test_add_and_remove_overrides():
-    plan = compiled("~pipeline.tasks.zero_grad", "pipeline.tasks.forward.depends_on=[]",
-                    "+pipeline.tasks.forward.nvtx_tag=fwd_nvtx")
+    plan = compiled(
+        "~pipeline.tasks.zero_grad", "pipeline.tasks.forward.depends_on=[]", "+pipeline.tasks.forward.nvtx_tag=fwd_nvtx"
+    )
     assert "zero_grad" not in plan.thread_of
     assert plan.graph.task("forward").nvtx_tag == "fwd_nvtx"
 
@@ -261,16 +270,22 @@ def test_compile_from_plain_dict_reports_paths():
 
 
 def test_all_problems_reported_at_once():
-    plan = PlanConfig.model_validate({
-        "tasks": {
-            "a": {"fn": "no_such_module_xyz.f", "stream": "nope"},
-            "b": {"fn": "os.path.join", "depends_on": ["zz"], "reads": ["missing"]},
+    plan = PlanConfig.model_validate(
+        {
+            "tasks": {
+                "a": {"fn": "no_such_module_xyz.f", "stream": "nope"},
+                "b": {"fn": "os.path.join", "depends_on": ["zz"], "reads": ["missing"]},
+            }
         }
-    })
+    )
     with pytest.raises(ConfigError) as info:
         compile_plan(plan)
     assert set(info.value.paths) == {
-        "pipeline.tasks.a.fn", "pipeline.tasks.a.stream", "pipeline.tasks.b.depends_on[0]", "pipeline.tasks.b.reads[0]"}
+        "pipeline.tasks.a.fn",
+        "pipeline.tasks.a.stream",
+        "pipeline.tasks.b.depends_on[0]",
+        "pipeline.tasks.b.reads[0]",
+    }
 
 
 @pytest.mark.parametrize(

@@ -42,8 +42,9 @@ def test_minimal_config_validates_with_defaults():
 
 
 def test_slots_accept_name_or_pair():
-    plan = PlanConfig.model_validate({"tasks": {"a": {"fn": "m.f", "reads": ["x", ["y", 2]],
-                                                      "cross_iter_depends_on": ["b", ["c", -2]]}}})
+    plan = PlanConfig.model_validate(
+        {"tasks": {"a": {"fn": "m.f", "reads": ["x", ["y", 2]], "cross_iter_depends_on": ["b", ["c", -2]]}}}
+    )
     assert plan.tasks["a"].reads == ["x", ("y", 2)]
     assert plan.tasks["a"].cross_iter_depends_on == ["b", ("c", -2)]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
@@ -28,12 +27,12 @@ SMALL = SyntheticConfig(num_items=100, num_users=50, num_clusters=4, num_samples
 
 
 def _cfg(**kw) -> DataConfig:
-    base = dict(batch_size=8, max_seq_len=12, num_candidates=3, synthetic=SMALL)
+    base = {"batch_size": 8, "max_seq_len": 12, "num_candidates": 3, "synthetic": SMALL}
     base.update(kw)
     return DataConfig(**base)
 
 
-def _batches(cfg: DataConfig, rank: int = 0, world_size: int = 1, n: int = 3) -> List[Batch]:
+def _batches(cfg: DataConfig, rank: int = 0, world_size: int = 1, n: int = 3) -> list[Batch]:
     it = iter(make_dataloader(cfg, rank, world_size))
     return [next(it) for _ in range(n)]
 
@@ -62,7 +61,7 @@ def test_synthetic_batch_layout(use_user: bool) -> None:
     assert torch.equal(batch.num_candidates, torch.full((cfg.batch_size,), cfg.num_candidates))
     assert batch.labels.shape == (cfg.batch_size * cfg.num_candidates, spec.num_tasks)
     assert batch.labels.dtype == torch.float32 and set(batch.labels.unique().tolist()) <= {0.0, 1.0}
-    assert 0 <= int(items.values().min()) and int(items.values().max()) < spec.num_items
+    assert int(items.values().min()) >= 0 and int(items.values().max()) < spec.num_items
     assert int(actions.values().max()) < spec.num_actions
     for seq_actions, seq_ts in zip(actions.to_dense(), torch.split(batch.timestamps, lengths.tolist())):
         assert (seq_actions[-cfg.num_candidates :] == MASKED_ACTION).all()
@@ -110,7 +109,7 @@ def test_batch_is_pipelineable(monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_batches_equal(moved, batch)
 
     # CPU tensors can neither be pinned nor record a stream: count the calls instead.
-    calls: List[str] = []
+    calls: list[str] = []
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: calls.append("record"))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: calls.append("pin") or t.clone())
     batch.record_stream(object())
@@ -144,9 +143,16 @@ def test_num_batches_and_seeded_shuffle() -> None:
 
 # (user, movie, rating, timestamp), deliberately out of time order
 RATINGS = [
-    (7, 50, 4.0, 300), (7, 10, 5.0, 100), (7, 30, 2.0, 200), (7, 20, 3.5, 400),
-    (7, 40, 1.0, 500), (7, 60, 4.5, 600), (7, 10, 3.0, 700),
-    (3, 20, 5.0, 10), (3, 30, 4.0, 20), (3, 60, 1.0, 30),
+    (7, 50, 4.0, 300),
+    (7, 10, 5.0, 100),
+    (7, 30, 2.0, 200),
+    (7, 20, 3.5, 400),
+    (7, 40, 1.0, 500),
+    (7, 60, 4.5, 600),
+    (7, 10, 3.0, 700),
+    (3, 20, 5.0, 10),
+    (3, 30, 4.0, 20),
+    (3, 60, 1.0, 30),
     (9, 10, 2.0, 5),
 ]
 
@@ -197,7 +203,9 @@ def test_movielens_rank_split_and_loader(tmp_path: Path) -> None:
     parts = [MovieLensDataset(path, 4, 1, rank=r, world_size=2) for r in range(2)]
     assert [len(p) for p in parts] == [1, 1]
     assert parts[0][0].sample_id == 0 and parts[1][0].sample_id == 1
-    cfg = DataConfig(name="movielens", path=str(path), batch_size=2, max_seq_len=4, num_candidates=1, use_user_feature=True)
+    cfg = DataConfig(
+        name="movielens", path=str(path), batch_size=2, max_seq_len=4, num_candidates=1, use_user_feature=True
+    )
     (batch,) = list(make_dataloader(cfg))
     assert batch.sparse_features.keys() == [ITEM_KEY, ACTION_KEY, USER_KEY]
     assert batch.labels.shape == (2, 2)

@@ -100,8 +100,11 @@ def test_seed_section_3_6_ring_rotation_example():
     assert order.index("start_input_dist") < order.index("wait_input_dist") < order.index("prefetch_embeddings")
     assert order.index("prefetch_embeddings") < order.index("backward")
     assert {(e.producer, e.consumer) for e in graph.edges} == {
-        ("start_input_dist", "wait_input_dist"), ("wait_input_dist", "prefetch_embeddings"),
-        ("forward", "backward"), ("prefetch_embeddings", "backward")}
+        ("start_input_dist", "wait_input_dist"),
+        ("wait_input_dist", "prefetch_embeddings"),
+        ("forward", "backward"),
+        ("prefetch_embeddings", "backward"),
+    }
 
 
 def test_slot_read_offsets_and_topo_membership():
@@ -192,8 +195,13 @@ def test_rule7_acyclic_names_the_cycle():
     assert str(info.value.problems[0].message) == "cyclic dependency: a -> b -> c -> a"
     assert info.value.problems[0].task == "b" and info.value.problems[0].field == "depends_on"
     # the same declarations across lookaheads are ring-rotated, not a cycle
-    validate(sched(t("a", lookahead=0, depends_on=["b"]), t("b", lookahead=1, cross_iter_depends_on=["a"]),
-                   streams=("default",)))
+    validate(
+        sched(
+            t("a", lookahead=0, depends_on=["b"]),
+            t("b", lookahead=1, cross_iter_depends_on=["a"]),
+            streams=("default",),
+        )
+    )
 
 
 def test_rule8_one_wait_per_consumer_producer_pair():
@@ -231,7 +239,10 @@ def test_cpu_edges_are_declared_edges_plus_same_stream_fifo():
     a, b = t("a", stream="memcpy"), t("b", depends_on=["a"])
     c, d = t("c", stream="memcpy"), t("d")
     graph = compile_dependencies(sched(a, b, c, d))
-    assert cpu_edges(graph) == (Edge("a", "b", "depends_on"), Edge("a", "c", "stream_fifo"),
-                                Edge("b", "d", "stream_fifo"))
+    assert cpu_edges(graph) == (
+        Edge("a", "b", "depends_on"),
+        Edge("a", "c", "stream_fifo"),
+        Edge("b", "d", "stream_fifo"),
+    )
     # restricted to the tasks that fire: FIFO links the previous *firing* task on the stream
     assert cpu_edges(graph, [a, c, d]) == (Edge("a", "c", "stream_fifo"),)

@@ -15,9 +15,20 @@ def test_two_ranks_different_thread_maps_never_deadlock_and_match_sequential(tmp
     worker = Path(__file__).parent / "dist" / "nccl_order_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-         str(worker), str(tmp_path)],
-        capture_output=True, text=True, timeout=150, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--standalone",
+            str(worker),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

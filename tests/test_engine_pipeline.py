@@ -22,6 +22,7 @@ from recsys_pipe.engine.testing import check_happens_before, recording_pool
 
 def three_level(log):
     """h2d (la 2, memcpy) -> dist (la 1, data_dist) -> train (la 0): SPEC §6.4 without prefetch."""
+
     def h2d(ctx):
         log.append((ctx.iter_count, "h2d", ctx.batch_index))
         ctx.slots.set("gpu", ("gpu", ctx.slots["batch_cpu"]))
@@ -34,11 +35,15 @@ def three_level(log):
         log.append((ctx.iter_count, "train", ctx.batch_index))
         ctx.slots.set("step_result", ("trained", ctx.slots["dist"]))
 
-    return Schedule.single_stage([
-        Task.from_fn("train", train, reads=["dist"], writes=["step_result"]),
-        Task.from_fn("dist", dist, stream="data_dist", lookahead=1, reads=["gpu"], writes=["dist"], depends_on=["h2d"]),
-        Task.from_fn("h2d", h2d, stream="memcpy", lookahead=2, reads=["batch_cpu"], writes=["gpu"]),
-    ])
+    return Schedule.single_stage(
+        [
+            Task.from_fn("train", train, reads=["dist"], writes=["step_result"]),
+            Task.from_fn(
+                "dist", dist, stream="data_dist", lookahead=1, reads=["gpu"], writes=["dist"], depends_on=["h2d"]
+            ),
+            Task.from_fn("h2d", h2d, stream="memcpy", lookahead=2, reads=["batch_cpu"], writes=["gpu"]),
+        ]
+    )
 
 
 def test_batch_flows_through_a_three_level_ring():
@@ -58,8 +63,11 @@ def test_prefill_steady_drain_pattern():
     assert first[0] == "trained"
     assert [(i, name, b) for i, name, b in log] == [
         (0, "h2d", 0),  # prefill
-        (1, "dist", 0), (1, "h2d", 1),  # prefill
-        (2, "train", 0), (2, "dist", 1), (2, "h2d", 2),  # steady: progress #1 returns batch 0
+        (1, "dist", 0),
+        (1, "h2d", 1),  # prefill
+        (2, "train", 0),
+        (2, "dist", 1),
+        (2, "h2d", 2),  # steady: progress #1 returns batch 0
     ]
     run_all(pipe, it)
     by_iter = {}
@@ -88,7 +96,9 @@ def test_mask_matches_formula_and_every_batch_runs_once(lookaheads, m):
         la = lookaheads[int(name[1:])]
         assert fires(la, L, i, m) and batch == i - L + la
         assert payload == f"batch{batch}"  # each task saw its own batch's data
-    assert sorted((n, b) for n, b, _, _ in seen) == sorted((f"t{i}", b) for i in range(len(lookaheads)) for b in range(m))
+    assert sorted((n, b) for n, b, _, _ in seen) == sorted(
+        (f"t{i}", b) for i in range(len(lookaheads)) for b in range(m)
+    )
 
 
 @given(specs=schedule_specs(), m=st.integers(0, 7))
@@ -103,6 +113,7 @@ def test_random_schedules_no_batch_lost_and_data_from_right_producer(specs, m):
     assert sorted(trace.reads) == sorted((s["name"], b) for s in specs for b in range(m))
     assert check_happens_before(log, schedule) == []
     from recsys_pipe.engine.testing import required_producers
+
     tasks = {t.name: t for t in schedule.tasks}
     for (name, batch), seen in trace.reads.items():
         task = tasks[name]
@@ -118,10 +129,13 @@ def test_random_schedules_no_batch_lost_and_data_from_right_producer(specs, m):
 def test_happens_before_checker_catches_missing_waits():
     """Not vacuous: a backend that drops waits must be caught on a cross-stream schedule."""
     trace = Trace()
-    schedule = build([
-        {"name": "a", "lookahead": 1, "stream": "s1", "writes": ["x"]},
-        {"name": "b", "lookahead": 0, "stream": "default", "reads": ["x"], "writes": ["step_result"]},
-    ], trace)
+    schedule = build(
+        [
+            {"name": "a", "lookahead": 1, "stream": "s1", "writes": ["x"]},
+            {"name": "b", "lookahead": 0, "stream": "default", "reads": ["x"], "writes": ["step_result"]},
+        ],
+        trace,
+    )
     pool, log = recording_pool(schedule.stream_slots, drop_waits=True)
     run_all(SchedulablePipeline(schedule, pool), range(3))
     violations = check_happens_before(log, schedule)
@@ -147,16 +161,29 @@ def test_new_iterator_resets_and_drops_stale_batches(caplog):
 def test_step_and_drain_push_mode():
     log = []
     pipe = SchedulablePipeline(three_level(log))
-    assert [pipe.step(b) for b in range(4)] == [None, None, ("trained", ("dist", ("gpu", 0))),
-                                                ("trained", ("dist", ("gpu", 1)))]
+    assert [pipe.step(b) for b in range(4)] == [
+        None,
+        None,
+        ("trained", ("dist", ("gpu", 0))),
+        ("trained", ("dist", ("gpu", 1))),
+    ]
     assert pipe.drain() == [("trained", ("dist", ("gpu", 2))), ("trained", ("dist", ("gpu", 3)))]
     assert pipe.drain() == []
 
 
 def test_lookahead_zero_step_returns_its_own_result():
-    pipe = SchedulablePipeline(Schedule.single_stage([
-        Task.from_fn("double", lambda ctx: ctx.slots.set("step_result", 2 * ctx.slots["batch_cpu"]),
-                     reads=["batch_cpu"], writes=["step_result"])]))
+    pipe = SchedulablePipeline(
+        Schedule.single_stage(
+            [
+                Task.from_fn(
+                    "double",
+                    lambda ctx: ctx.slots.set("step_result", 2 * ctx.slots["batch_cpu"]),
+                    reads=["batch_cpu"],
+                    writes=["step_result"],
+                )
+            ]
+        )
+    )
     assert [pipe.step(x) for x in (1, 2, 3)] == [2, 4, 6]
 
 

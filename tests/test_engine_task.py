@@ -26,8 +26,15 @@ def test_class_attribute_form_is_normalised():
 
 
 def test_from_fn_matches_class_form():
-    t = Task.from_fn("count_tokens", lambda ctx: None, lookahead=2, reads=["batch_gpu"],
-                     writes=[("tokens", 2)], cross_iter_depends_on=["h2d"], depends_on=["prep"])
+    t = Task.from_fn(
+        "count_tokens",
+        lambda ctx: None,
+        lookahead=2,
+        reads=["batch_gpu"],
+        writes=[("tokens", 2)],
+        cross_iter_depends_on=["h2d"],
+        depends_on=["prep"],
+    )
     c = CountTokens()
     for field in ("reads", "writes", "cross_iter_depends_on", "depends_on", "lookahead", "stream"):
         assert getattr(t, field) == getattr(c, field)
@@ -41,20 +48,23 @@ def test_replace_reresolves_bare_slots_at_new_lookahead():
     assert t.lookahead == 2 and t3.fn is t.fn
 
 
-@pytest.mark.parametrize("fields, field, fragment", [
-    ({"lookahead": -1}, "lookahead", ">= 0"),
-    ({"lookahead": 1.5}, "lookahead", ">= 0"),
-    ({"depends_on": ["a"], "same_progress_sync": ["a"]}, "same_progress_sync", "only one of"),
-    ({"depends_on": ["a"], "cross_iter_depends_on": [("a", -1)]}, "cross_iter_depends_on", "only one of"),
-    ({"cross_iter_depends_on": [("a", 0)]}, "cross_iter_depends_on", "negative"),
-    ({"cross_iter_depends_on": [("a", 2)]}, "cross_iter_depends_on", "negative"),
-    ({"reads": [("x", -1)]}, "reads", ">= 0"),
-    ({"writes": [42]}, "writes", "name or [name, batch_offset]"),
-    ({"depends_on": ["t"]}, "depends_on", "itself"),
-    ({"depends_on": ["a", "a"]}, "depends_on", "twice"),
-    ({"stream": ""}, "stream", "non-empty"),
-    ({"nccl": "yes"}, "nccl", "true or false"),
-])
+@pytest.mark.parametrize(
+    "fields, field, fragment",
+    [
+        ({"lookahead": -1}, "lookahead", ">= 0"),
+        ({"lookahead": 1.5}, "lookahead", ">= 0"),
+        ({"depends_on": ["a"], "same_progress_sync": ["a"]}, "same_progress_sync", "only one of"),
+        ({"depends_on": ["a"], "cross_iter_depends_on": [("a", -1)]}, "cross_iter_depends_on", "only one of"),
+        ({"cross_iter_depends_on": [("a", 0)]}, "cross_iter_depends_on", "negative"),
+        ({"cross_iter_depends_on": [("a", 2)]}, "cross_iter_depends_on", "negative"),
+        ({"reads": [("x", -1)]}, "reads", ">= 0"),
+        ({"writes": [42]}, "writes", "name or [name, batch_offset]"),
+        ({"depends_on": ["t"]}, "depends_on", "itself"),
+        ({"depends_on": ["a", "a"]}, "depends_on", "twice"),
+        ({"stream": ""}, "stream", "non-empty"),
+        ({"nccl": "yes"}, "nccl", "true or false"),
+    ],
+)
 def test_task_level_mistakes_raise_at_construction(fields, field, fragment):
     with pytest.raises(ScheduleValidationError) as info:
         Task.from_fn("t", lambda ctx: None, **fields)

@@ -30,7 +30,7 @@ THREAD_MAPS = {
     "none": lambda: None,
     "per_task": lambda: "per_task",
     "dict": lambda: {"t0": "io", "t2": "io", "default": "compute"},
-    "callable": lambda: (lambda task: "even" if task.lookahead % 2 == 0 else "odd"),
+    "callable": lambda: lambda task: "even" if task.lookahead % 2 == 0 else "odd",
     "single": lambda: {"default": "main"},
 }
 
@@ -49,8 +49,14 @@ HAND_WRITTEN = [
     {"name": "t1", "lookahead": 1, "stream": "s2", "reads": ["v0"], "writes": ["v1"], "depends_on": ["t0"]},
     {"name": "t2", "lookahead": 1, "stream": "s2", "reads": ["v1"], "writes": ["v2"], "depends_on": ["t1"]},
     {"name": "t3", "lookahead": 0, "stream": "default", "reads": ["v2"], "writes": ["v3"]},
-    {"name": "t4", "lookahead": 0, "stream": "default", "reads": ["v3"], "writes": ["step_result"],
-     "same_progress_sync": ["t2"]},
+    {
+        "name": "t4",
+        "lookahead": 0,
+        "stream": "default",
+        "reads": ["v3"],
+        "writes": ["step_result"],
+        "same_progress_sync": ["t2"],
+    },
     {"name": "t5", "lookahead": 2, "stream": "s1", "writes": ["v5"], "cross_iter_depends_on": [("t0", -1)]},
 ]
 
@@ -64,12 +70,18 @@ def test_threaded_equals_sequential_on_hand_written_schedule(thread_map):
     assert results == ref_results and len(results) == 9
 
 
-@given(specs=schedule_specs(), m=st.integers(0, 6), thread_map=st.sampled_from(sorted(THREAD_MAPS)),
-       seed=st.integers(0, 1000))
+@given(
+    specs=schedule_specs(),
+    m=st.integers(0, 6),
+    thread_map=st.sampled_from(sorted(THREAD_MAPS)),
+    seed=st.integers(0, 1000),
+)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_threaded_equals_sequential_on_random_schedules(specs, m, thread_map, seed):
     ref, ref_results, _ = traced_run(specs, "sequential", m)
-    got, results, violations = traced_run(specs, ThreadedExecutor(THREAD_MAPS[thread_map]()), m, jitter=0.001, seed=seed)
+    got, results, violations = traced_run(
+        specs, ThreadedExecutor(THREAD_MAPS[thread_map]()), m, jitter=0.001, seed=seed
+    )
     assert violations == []
     assert got.reads == ref.reads and got.writes == ref.writes
     assert results == ref_results
@@ -103,7 +115,7 @@ def test_nccl_ticket_order_is_topological_order_under_random_delays():
     assert topo_nccl == ["shuffle", "start_dist", "wait_dist", "tokens", "backward", "finalize"]
     run_all(pipe, range(12))
     assert sorted(issued) == list(range(14))
-    for i, names in issued.items():  # issue order == topological order of that iteration's nccl tasks
+    for _i, names in issued.items():  # issue order == topological order of that iteration's nccl tasks
         assert names == [name for name in topo_nccl if name in names]
     assert executor.lock.history == list(range(len(issued[13])))  # the last iteration's tickets
     pipe.shutdown()
@@ -127,8 +139,13 @@ def test_failure_wakes_a_waiter_blocked_on_the_nccl_lock():
     assert not thread.is_alive() and len(errors) == 1
 
 
-@given(specs=schedule_specs(max_tasks=5), m=st.integers(1, 5), fail_at=st.data(),
-       thread_map=st.sampled_from(sorted(THREAD_MAPS)), nccl=st.booleans())
+@given(
+    specs=schedule_specs(max_tasks=5),
+    m=st.integers(1, 5),
+    fail_at=st.data(),
+    thread_map=st.sampled_from(sorted(THREAD_MAPS)),
+    nccl=st.booleans(),
+)
 @settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_failure_injection_always_surfaces_and_never_hangs(specs, m, fail_at, thread_map, nccl):
     victim = fail_at.draw(st.sampled_from([s["name"] for s in specs]))
@@ -190,9 +207,15 @@ def test_thread_map_strategies_resolve_as_specified():
         resolve_thread_map("by_thread")
 
 
-@pytest.mark.parametrize("thread_map, max_workers, expected", [
-    ("by_stream", None, 3), ("per_task", None, 6), ({"default": "x"}, None, 1), ("per_task", 2, 2),
-])
+@pytest.mark.parametrize(
+    "thread_map, max_workers, expected",
+    [
+        ("by_stream", None, 3),
+        ("per_task", None, 6),
+        ({"default": "x"}, None, 1),
+        ("per_task", 2, 2),
+    ],
+)
 def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, expected):
     executor = ThreadedExecutor(thread_map, max_workers=max_workers)
     before = threading.active_count()

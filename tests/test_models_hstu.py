@@ -14,7 +14,6 @@ from recsys_pipe.data import ITEM_KEY, Batch, DataConfig, SyntheticConfig, make_
 from recsys_pipe.models import HSTUConfig, HSTUModel, embedding_tables
 
 
-
 @pytest.fixture(autouse=True)
 def _one_intra_op_thread():
     """On a loaded 2-core box, 2 OpenMP threads can turn a 1 s training test into 20 s."""
@@ -108,7 +107,7 @@ def test_samples_do_not_interact_through_padding() -> None:
 
 
 def test_fx_trace_exposes_ec_input_as_batch_attribute() -> None:
-    """What torchrec's _rewrite_model relies on: ``ec`` is called on ``batch.sparse_features``."""
+    """What torchrec's _rewrite_model relies on: `ec` is called on `batch.sparse_features`."""
     model, _ = _setup()
     graph = Tracer(leaf_modules=["ec", "ranker"]).trace(model)
     (ec_call,) = [n for n in graph.nodes if n.op == "call_module" and n.target == "ec"]

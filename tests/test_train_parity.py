@@ -23,9 +23,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(ROOT / "tests" / "dist" / "train_parity_worker.py"), str(out)],
-        capture_output=True, text=True, timeout=500, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "tests" / "dist" / "train_parity_worker.py"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

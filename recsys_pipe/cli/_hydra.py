@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -50,7 +51,7 @@ def _debug_requested(cfg: Any = None) -> bool:
         return True
     try:
         return bool(cfg is not None and cfg.get("debug", False) is True)
-    except Exception:  # noqa: BLE001 - a broken config must not hide the real error
+    except Exception:
         return False
 
 
@@ -60,8 +61,11 @@ def report_config_error(error: ConfigError, prog: str, stream: Any = None) -> No
     for p in error.problems:
         print(f"error: {p}", file=stream)
     n = len(error.problems)
-    print(f"{prog}: {n} config error{'s' if n != 1 else ''}, nothing was started. "
-          f"`{prog} --help` lists the groups and keys; debug=true shows a traceback.", file=stream)
+    print(
+        f"{prog}: {n} config error{'s' if n != 1 else ''}, nothing was started. "
+        f"`{prog} --help` lists the groups and keys; debug=true shows a traceback.",
+        file=stream,
+    )
 
 
 class HydraApp:
@@ -108,8 +112,11 @@ class HydraApp:
             if code == 1 and not self._started:
                 # Hydra failed before our task ran: composing the config (override syntax, unknown
                 # group option, key not in the config) failed. It printed why; that is a config error.
-                print(f"{self.prog}: the config could not be composed (see above), nothing was started. "
-                      f"`{self.prog} --help` lists the groups and keys.", file=sys.stderr)
+                print(
+                    f"{self.prog}: the config could not be composed (see above), nothing was started. "
+                    f"`{self.prog} --help` lists the groups and keys.",
+                    file=sys.stderr,
+                )
                 return EXIT_CONFIG_ERROR
             return code
         except Exception:  # HYDRA_FULL_ERROR=1 re-raises instead of exiting

@@ -10,8 +10,8 @@ trains, and a plan refused here (exit 2, `error: <path>: <message>`) is refused 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import DictConfig
 

@@ -35,8 +35,9 @@ def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> P
     table = firing_table(plan, num_batches)
     n_cols = table.num_iterations
     cmap = plt.get_cmap("tab10")
-    labels = [f"la {r.lookahead} · {r.stream}\n" + "\n".join(textwrap.wrap(", ".join(r.tasks), 34))
-              for r in table.rows] + ["progress()\nreturns"]
+    labels = [
+        f"la {r.lookahead} · {r.stream}\n" + "\n".join(textwrap.wrap(", ".join(r.tasks), 34)) for r in table.rows
+    ] + ["progress()\nreturns"]
     heights = [max(1.0, 0.32 * label.count("\n") + 0.6) for label in labels]
     fig_h = 1.3 + 0.55 * sum(heights)
     fig, ax = plt.subplots(figsize=(3.2 + 1.05 * n_cols, fig_h))
@@ -49,12 +50,21 @@ def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> P
         cells = table.rows[row_i].cells if row_i < len(table.rows) else table.returns
         for i, batch in enumerate(cells):
             if batch is None:
-                ax.add_patch(plt.Rectangle((i + 0.04, y + 0.08), 0.92, h - 0.16, fill=False,
-                                           edgecolor="#cccccc", linestyle=":"))
+                ax.add_patch(
+                    plt.Rectangle((i + 0.04, y + 0.08), 0.92, h - 0.16, fill=False, edgecolor="#cccccc", linestyle=":")
+                )
                 continue
             ax.add_patch(plt.Rectangle((i + 0.04, y + 0.08), 0.92, h - 0.16, color=cmap(batch % 10), alpha=0.85))
-            ax.text(i + 0.5, y + h / 2, f"batch {batch}", ha="center", va="center", fontsize=9,
-                    color="white", fontweight="bold")
+            ax.text(
+                i + 0.5,
+                y + h / 2,
+                f"batch {batch}",
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="white",
+                fontweight="bold",
+            )
     for i, phase in enumerate(table.phases):
         ax.add_patch(plt.Rectangle((i, y_top), 1, 0.55, color=_PHASE_COLOURS.get(phase, "#eeeeee")))
         ax.text(i + 0.5, y_top + 0.275, f"i={i}\n{phase}", ha="center", va="center", fontsize=8)
@@ -67,8 +77,11 @@ def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> P
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
     name = plan.config.name or "plan"
-    ax.set_title(f"{name}: batch processed per internal iteration; {plan.graph.in_flight_batches} batches "
-                 f"in flight (max lookahead {plan.graph.max_lookahead}), {num_batches} batches shown", fontsize=10)
+    ax.set_title(
+        f"{name}: batch processed per internal iteration; {plan.graph.in_flight_batches} batches "
+        f"in flight (max lookahead {plan.graph.max_lookahead}), {num_batches} batches shown",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -115,29 +128,59 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
     for t in plan.order:
         x, y = pos[t.name]
         label = f"{t.name}\n{plan.thread_of[t.name]}" + (" · nccl" if t.nccl else "")
-        boxes[t.name] = ax.text(x, y, label, ha="center", va="center", fontsize=7, zorder=3,
-                                bbox=dict(boxstyle="round,pad=0.35", facecolor=colour.get(t.stream, "#dddddd"),
-                                          edgecolor="black"))
+        boxes[t.name] = ax.text(
+            x,
+            y,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            zorder=3,
+            bbox={"boxstyle": "round,pad=0.35", "facecolor": colour.get(t.stream, "#dddddd"), "edgecolor": "black"},
+        )
 
     def arrow(a: str, b: str, style: str, col: str, rad: float, label: str | None = None) -> None:
-        ax.annotate("", xy=pos[b], xytext=pos[a], zorder=2,
-                    arrowprops=dict(arrowstyle="-|>", color=col, linestyle=style, lw=1.1,
-                                    patchA=boxes[a].get_bbox_patch(), patchB=boxes[b].get_bbox_patch(),
-                                    shrinkA=2, shrinkB=2, connectionstyle=f"arc3,rad={rad}"))
+        ax.annotate(
+            "",
+            xy=pos[b],
+            xytext=pos[a],
+            zorder=2,
+            arrowprops={
+                "arrowstyle": "-|>",
+                "color": col,
+                "linestyle": style,
+                "lw": 1.1,
+                "patchA": boxes[a].get_bbox_patch(),
+                "patchB": boxes[b].get_bbox_patch(),
+                "shrinkA": 2,
+                "shrinkB": 2,
+                "connectionstyle": f"arc3,rad={rad}",
+            },
+        )
         if label:
             (x1, y1), (x2, y2) = pos[a], pos[b]
             ax.text((x1 + x2) / 2, (y1 + y2) / 2 + 0.18, label, fontsize=7, color=col, ha="center", zorder=4)
 
-    kind_colour = {"slot": "#1f77b4", "depends_on": "#d62728", "same_progress_sync": "#9467bd",
-                   "cross_iter(Δ=0)": "#8c564b", "stream_fifo": "#999999"}
+    kind_colour = {
+        "slot": "#1f77b4",
+        "depends_on": "#d62728",
+        "same_progress_sync": "#9467bd",
+        "cross_iter(Δ=0)": "#8c564b",
+        "stream_fifo": "#999999",
+    }
     order = {t.name: i for i, t in enumerate(plan.order)}
     top = 0.3  # head room for arcs that skip over boxes in a lane (an arc rises ~rad * length / 2)
     for e in plan.cpu_edges():
         if order[e.consumer] - order[e.producer] > 1 and pos[e.producer][1] == pos[e.consumer][1]:
             top = max(top, 0.3 * abs(pos[e.consumer][0] - pos[e.producer][0]) / 2 + 0.2 + pos[e.producer][1])
         skip = order[e.consumer] - order[e.producer] > 1 and pos[e.producer][1] == pos[e.consumer][1]
-        arrow(e.producer, e.consumer, ":" if e.kind == "stream_fifo" else "-", kind_colour.get(e.kind, "black"),
-              rad=(0.3 if e.kind == "stream_fifo" else -0.3) if skip else 0.0)
+        arrow(
+            e.producer,
+            e.consumer,
+            ":" if e.kind == "stream_fifo" else "-",
+            kind_colour.get(e.kind, "black"),
+            rad=(0.3 if e.kind == "stream_fifo" else -0.3) if skip else 0.0,
+        )
     seen = set()
     for d in plan.graph.dependencies:
         if d.in_iteration or (d.producer, d.consumer) in seen:
@@ -145,16 +188,20 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
         seen.add((d.producer, d.consumer))
         arrow(d.producer, d.consumer, "--", "#7f7f7f", rad=-0.15, label=f"Δ={d.delta}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[s]) for s in streams]
-    handles += [plt.Line2D([0], [0], color=c, linestyle=":" if k == "stream_fifo" else "-")
-                for k, c in kind_colour.items()]
+    handles += [
+        plt.Line2D([0], [0], color=c, linestyle=":" if k == "stream_fifo" else "-") for k, c in kind_colour.items()
+    ]
     handles += [plt.Line2D([0], [0], color="#7f7f7f", linestyle="--")]
     names = [f"stream {s}" for s in streams] + list(kind_colour) + ["cross-iteration (ring)"]
     ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_xlim(-sx * 1.3, (n - 1) * sx + sx * 0.6)
     ax.set_ylim(-(len(lanes) - 0.5) * sy - 0.5, sy / 2 + top)
     ax.axis("off")
-    ax.set_title(f"{plan.config.name or 'plan'}: tasks in execution order (left to right), one lane per "
-                 "lookahead and stream; boxes show the CPU thread", fontsize=9)
+    ax.set_title(
+        f"{plan.config.name or 'plan'}: tasks in execution order (left to right), one lane per "
+        "lookahead and stream; boxes show the CPU thread",
+        fontsize=9,
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -51,8 +51,11 @@ def train_task(cfg: DictConfig) -> None:
     except RuntimeError as exc:
         raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
     if run.trainer.dense_ddp == "megatron":
-        why = ("megatron-core DDP needs CUDA (its gradient buffers are CUDA-only)" if device.type != "cuda" else
-               "megatron-core DDP is not wired into the trainer yet (it needs a GPU to build and verify)")
+        why = (
+            "megatron-core DDP needs CUDA (its gradient buffers are CUDA-only)"
+            if device.type != "cuda"
+            else "megatron-core DDP is not wired into the trainer yet (it needs a GPU to build and verify)"
+        )
         raise ConfigError(ConfigProblem("trainer.dense_ddp", f"{why}; use trainer.dense_ddp=torch"))
 
     import torch.distributed as dist
@@ -68,16 +71,27 @@ def train_task(cfg: DictConfig) -> None:
             container = OmegaConf.to_container(cfg, resolve=True)
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml({k: v for k, v in container.items() if k != "hydra"}))
-            log.info("run dir %s | plan %s | %d rank(s) on %s (%s)", run_dir, run.pipeline.name,
-                     info.world_size, info.device, info.backend)
+            log.info(
+                "run dir %s | plan %s | %d rank(s) on %s (%s)",
+                run_dir,
+                run.pipeline.name,
+                info.world_size,
+                info.device,
+                info.backend,
+            )
         trainer = Trainer(run, info, run_dir)
         summary = trainer.fit()
         if info.is_main:
             last = summary.evals[-1] if summary.evals else {}
-            log.info("trained %d steps, %d samples, %.1f samples/s; loss %.4f -> %.4f%s", summary.steps,
-                     summary.samples, summary.samples_per_s, summary.first_loss or float("nan"),
-                     summary.last_loss or float("nan"),
-                     f"; eval auc {summary.evals[0]['auc']:.4f} -> {last['auc']:.4f}" if last else "")
+            log.info(
+                "trained %d steps, %d samples, %.1f samples/s; loss %.4f -> %.4f%s",
+                summary.steps,
+                summary.samples,
+                summary.samples_per_s,
+                summary.first_loss or float("nan"),
+                summary.last_loss or float("nan"),
+                f"; eval auc {summary.evals[0]['auc']:.4f} -> {last['auc']:.4f}" if last else "",
+            )
     except KeyboardInterrupt:
         log.warning("interrupted: stopping without a further step (the last completed optimizer step stands)")
         if trainer is not None:

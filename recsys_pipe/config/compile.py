@@ -9,8 +9,9 @@ group starts, with one precise message per mistake.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -89,8 +90,10 @@ class CompiledPlan:
 
     def cpu_edges(self) -> list[CpuEdge]:
         """In-iteration edges (declarations, then same-stream FIFO), each flagged cross-thread."""
-        return [CpuEdge(e.producer, e.consumer, e.kind, self.thread_of[e.producer] != self.thread_of[e.consumer])
-                for e in cpu_edges(self.graph)]
+        return [
+            CpuEdge(e.producer, e.consumer, e.kind, self.thread_of[e.producer] != self.thread_of[e.consumer])
+            for e in cpu_edges(self.graph)
+        ]
 
 
 def plan_from_any(plan: Any, prefix: str = "pipeline") -> PlanConfig:
@@ -109,7 +112,9 @@ def plan_from_any(plan: Any, prefix: str = "pipeline") -> PlanConfig:
     try:
         return PlanConfig.model_validate(plan)
     except ValidationError as exc:
-        raise ConfigError(problems_from_validation_error(exc, PlanConfig, prefix.split(".") if prefix else ())) from None
+        raise ConfigError(
+            problems_from_validation_error(exc, PlanConfig, prefix.split(".") if prefix else ())
+        ) from None
 
 
 def thread_assignment(plan: PlanConfig, tasks: Sequence[Task]) -> dict[str, str]:
@@ -204,27 +209,36 @@ def _check_references(cfg: PlanConfig, prefix: str, streams: tuple[str, ...], pr
     known = ", ".join(names)
     for name, tc in cfg.tasks.items():
         if tc.stream not in streams:
-            problems.append(ConfigProblem(
-                task_path(prefix, name, "stream"),
-                f"unknown stream '{tc.stream}'{suggest(tc.stream, streams)}; declared in {prefix}.streams: "
-                f"{', '.join(streams)}"))
+            problems.append(
+                ConfigProblem(
+                    task_path(prefix, name, "stream"),
+                    f"unknown stream '{tc.stream}'{suggest(tc.stream, streams)}; declared in {prefix}.streams: "
+                    f"{', '.join(streams)}",
+                )
+            )
         for field in ("depends_on", "cross_iter_depends_on", "same_progress_sync"):
             for i, entry in enumerate(getattr(tc, field)):
                 dep = entry if isinstance(entry, str) else entry[0]
                 if dep not in cfg.tasks:
-                    problems.append(ConfigProblem(
-                        task_path(prefix, name, field, i),
-                        f"unknown task '{dep}'{suggest(dep, names)} (known: {known})"))
+                    problems.append(
+                        ConfigProblem(
+                            task_path(prefix, name, field, i),
+                            f"unknown task '{dep}'{suggest(dep, names)} (known: {known})",
+                        )
+                    )
 
 
 def _check_thread_map(tm: ThreadMapConfig, cfg: PlanConfig, prefix: str, problems: list[ConfigProblem]) -> None:
     names = list(cfg.tasks)
     for task in tm.map:
         if task not in cfg.tasks and task not in tm.absent_ok:
-            problems.append(ConfigProblem(
-                f"{prefix}.thread_map.map.{task}",
-                f"unknown task '{task}'{suggest(task, names)} (known: {', '.join(names)}; list tasks that may "
-                f"be absent from a plan in {prefix}.thread_map.absent_ok)"))
+            problems.append(
+                ConfigProblem(
+                    f"{prefix}.thread_map.map.{task}",
+                    f"unknown task '{task}'{suggest(task, names)} (known: {', '.join(names)}; list tasks that may "
+                    f"be absent from a plan in {prefix}.thread_map.absent_ok)",
+                )
+            )
 
 
 def _resolve(resolve: ResolveFn, name: str, tc: TaskConfig, prefix: str, problems: list[ConfigProblem]) -> Any:
@@ -234,11 +248,15 @@ def _resolve(resolve: ResolveFn, name: str, tc: TaskConfig, prefix: str, problem
             raise FnResolveError(f"'{tc.fn}' resolved to a {type(fn).__name__}, not a function")
         return fn
     except FnResolveError as exc:
-        problems.append(ConfigProblem(task_path(prefix, name, "fn"), f"cannot resolve '{tc.fn}': {exc}"
-                                      if tc.fn not in str(exc) else str(exc)))
-    except Exception as exc:  # noqa: BLE001 - a custom resolver's failure is still a config problem
-        problems.append(ConfigProblem(task_path(prefix, name, "fn"),
-                                      f"cannot resolve '{tc.fn}': {type(exc).__name__}: {exc}"))
+        problems.append(
+            ConfigProblem(
+                task_path(prefix, name, "fn"), f"cannot resolve '{tc.fn}': {exc}" if tc.fn not in str(exc) else str(exc)
+            )
+        )
+    except Exception as exc:
+        problems.append(
+            ConfigProblem(task_path(prefix, name, "fn"), f"cannot resolve '{tc.fn}': {type(exc).__name__}: {exc}")
+        )
     return structure_only(tc.fn)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import difflib
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -129,7 +130,7 @@ def _message(err: dict[str, Any]) -> str:
     msg = str(err["msg"])
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
-            msg = msg[len(prefix):]
+            msg = msg[len(prefix) :]
     if "input" in err and err["type"] not in {"missing"} and not isinstance(err["input"], (dict, BaseModel)):
         shown = repr(err["input"])
         if len(shown) > 60:

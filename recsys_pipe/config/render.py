@@ -46,9 +46,7 @@ def firing_table(plan: CompiledPlan, num_batches: int = 4) -> FiringTable:
     """The firing mask of SPEC §3 (`L - k <= i < M + L - k`, batch `i - L + k`) per row."""
     L, M = plan.graph.max_lookahead, num_batches
     iterations = range(M + L)
-    phases = tuple(
-        "prefill" if i < L and i < M else "drain" if i >= M else "steady" for i in iterations
-    )
+    phases = tuple("prefill" if i < L and i < M else "drain" if i >= M else "steady" for i in iterations)
     groups: dict[tuple[int, str], list[str]] = {}
     stream_rank = {s: r for r, s in enumerate(plan.schedule.stream_slots)}
     for t in plan.order:
@@ -81,7 +79,7 @@ def describe_thread_map(tm: ThreadMapConfig) -> str:
 
 def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(h), *(len(r[c]) for r in rows)) if rows else len(h) for c, h in enumerate(headers)]
-    fmt = lambda cells: indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    fmt = lambda cells: indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
@@ -96,8 +94,9 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
     out.append(f"executor: {cfg.executor}    streams: {', '.join(plan.schedule.stream_slots)}")
     if plan.threaded:
         threads = list(dict.fromkeys(plan.thread_of[t.name] for t in plan.order))
-        out.append(f"thread map: {describe_thread_map(cfg.thread_map)} -> {len(threads)} thread(s): "
-                   f"{', '.join(threads)}")
+        out.append(
+            f"thread map: {describe_thread_map(cfg.thread_map)} -> {len(threads)} thread(s): {', '.join(threads)}"
+        )
     else:
         out.append("thread map: not used (sequential executor: every task on the calling thread)")
     out.append(f"max lookahead: {graph.max_lookahead} -> in-flight batches: {graph.in_flight_batches}")
@@ -128,8 +127,11 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
     else:
         out.append("  (none)")
 
-    out += ["", "event waits (cross-stream; consumer's stream waits on the producer's event found at",
-            "ring slot offset k = the batch k iterations ahead of the one being trained):"]
+    out += [
+        "",
+        "event waits (cross-stream; consumer's stream waits on the producer's event found at",
+        "ring slot offset k = the batch k iterations ahead of the one being trained):",
+    ]
     wrows = []
     for t in plan.order:
         for w in graph.event_waits.get(t.name, ()):
@@ -151,8 +153,11 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
         )
 
     table = firing_table(plan, num_batches)
-    out += ["", f"timing: batch processed per internal iteration i ({num_batches} batches; prefill "
-            f"i < {graph.max_lookahead}, drain i >= {num_batches}):"]
+    out += [
+        "",
+        f"timing: batch processed per internal iteration i ({num_batches} batches; prefill "
+        f"i < {graph.max_lookahead}, drain i >= {num_batches}):",
+    ]
     headers = ["row", *(f"i={i}" for i in range(table.num_iterations))]
     trows = [["phase", *table.phases]]
     for r in table.rows:

@@ -9,7 +9,8 @@ error naming the import failure.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["FnResolveError", "import_fn", "structure_only", "ResolveFn"]
 
@@ -48,7 +49,7 @@ def import_fn(path: str) -> Callable[..., Any]:
                     raise FnResolveError(f"importing '{module_name}' failed: {type(exc).__name__}: {exc}") from exc
                 missing = missing or exc
                 continue
-            except Exception as exc:  # noqa: BLE001 - any import-time failure is the user's to see
+            except Exception as exc:
                 raise FnResolveError(f"importing '{module_name}' failed: {type(exc).__name__}: {exc}") from exc
             parts = names[cut:]
             break
@@ -58,8 +59,11 @@ def import_fn(path: str) -> Callable[..., Any]:
     where = module.__name__
     for part in parts:
         if not hasattr(obj, part):
-            raise FnResolveError(f"module '{module.__name__}' has no attribute '{'.'.join(parts)}'"
-                                 if obj is module else f"'{where}' has no attribute '{part}'")
+            raise FnResolveError(
+                f"module '{module.__name__}' has no attribute '{'.'.join(parts)}'"
+                if obj is module
+                else f"'{where}' has no attribute '{part}'"
+            )
         obj = getattr(obj, part)
         where += f".{part}"
     if not callable(obj) or isinstance(obj, type(importlib)):
@@ -72,7 +76,7 @@ def _import(module_name: str, path: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise FnResolveError(f"cannot import '{path}': {exc}") from exc
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise FnResolveError(f"importing '{module_name}' failed: {type(exc).__name__}: {exc}") from exc
 
 

@@ -12,7 +12,7 @@ reports them with the same `path: message` format.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -75,9 +75,9 @@ def _cross_iter(value: Any) -> Any:
 
 
 #: `reads`/`writes` item: bare name (own batch) or (name, batch_offset).
-Slot = Annotated[Union[str, tuple[str, int]], BeforeValidator(_slot)]
+Slot = Annotated[str | tuple[str, int], BeforeValidator(_slot)]
 #: `cross_iter_depends_on` item: bare name (= (name, -1)) or (name, -N).
-CrossIterDep = Annotated[Union[str, tuple[str, int]], BeforeValidator(_cross_iter)]
+CrossIterDep = Annotated[str | tuple[str, int], BeforeValidator(_cross_iter)]
 TaskName = Annotated[StrictStr, Field(min_length=1)]
 
 
@@ -127,7 +127,7 @@ class ThreadMapConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _map_only_with_dict(self) -> "ThreadMapConfig":
+    def _map_only_with_dict(self) -> ThreadMapConfig:
         if self.map and self.strategy != "dict":
             raise ValueError(f"'map' is only used with strategy 'dict' (strategy is '{self.strategy}')")
         return self
@@ -146,7 +146,7 @@ class PlanConfig(_Strict):
     tasks: dict[str, TaskConfig] = Field(description="task name -> task; YAML order breaks topological ties")
 
     @model_validator(mode="after")
-    def _non_empty(self) -> "PlanConfig":
+    def _non_empty(self) -> PlanConfig:
         if not self.tasks:
             raise ValueError("a plan needs at least one task")
         return self
@@ -199,7 +199,8 @@ class TrainerConfig(_Strict):
     progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
     output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
     dense_ddp: Literal["torch", "megatron"] = Field(
-        "torch", description="data parallelism of the dense part: torch DDP, or megatron-core DDP (CUDA only)")
+        "torch", description="data parallelism of the dense part: torch DDP, or megatron-core DDP (CUDA only)"
+    )
 
 
 class RunConfig(_Strict):

@@ -14,7 +14,7 @@ there is one source of truth for field names and defaults.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any
 
 from omegaconf import MISSING
 from pydantic import BaseModel
@@ -43,14 +43,12 @@ def _dataclass_of(model: type[BaseModel], overrides: dict[str, Any] | None = Non
 
 
 _TaskSkeleton = _dataclass_of(TaskConfig)
-_ThreadMapSkeleton = _dataclass_of(
-    ThreadMapConfig, {"map": (Dict[str, Any], dataclasses.field(default_factory=dict))}
-)
+_ThreadMapSkeleton = _dataclass_of(ThreadMapConfig, {"map": (dict[str, Any], dataclasses.field(default_factory=dict))})
 _PlanSkeleton = _dataclass_of(
     PlanConfig,
     {
         "thread_map": (_ThreadMapSkeleton, dataclasses.field(default_factory=_ThreadMapSkeleton)),
-        "tasks": (Dict[str, _TaskSkeleton], dataclasses.field(default_factory=dict)),
+        "tasks": (dict[str, _TaskSkeleton], dataclasses.field(default_factory=dict)),
     },
 )
 

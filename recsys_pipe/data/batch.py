@@ -1,15 +1,15 @@
 """The training batch: one object that torchrec's pipeline machinery can move and split.
 
 torchrec's sparse-dist pipeline finds the sharded embedding call in the model by FX tracing and
-re-reads its input from the batch with the same attribute path (``batch.sparse_features``), so
-the KJT has to be a plain attribute of the object handed to ``model.forward``. Everything else
+re-reads its input from the batch with the same attribute path (`batch.sparse_features`), so
+the KJT has to be a plain attribute of the object handed to `model.forward`. Everything else
 the dense part needs rides along as plain tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -26,16 +26,16 @@ MASKED_ACTION = 0
 class Sample:
     """One user sequence before collation (plain Python, cheap to build in a worker).
 
-    ``items``/``timestamps`` cover history followed by ``len(labels)`` candidates;
-    ``history_actions`` covers only the history (candidate actions are what is predicted).
+    `items`/`timestamps` cover history followed by `len(labels)` candidates;
+    `history_actions` covers only the history (candidate actions are what is predicted).
     """
 
     sample_id: int
     user: int
-    items: List[int]
-    timestamps: List[int]
-    history_actions: List[int]
-    labels: List[List[float]]
+    items: list[int]
+    timestamps: list[int]
+    history_actions: list[int]
+    labels: list[list[float]]
 
 
 @dataclass
@@ -43,14 +43,14 @@ class Batch(Pipelineable):
     """A collated batch of sequences.
 
     Attributes:
-        sparse_features: KJT with keys ``item``, ``action`` (same lengths: one token per
-            interaction, candidates last with action :data:`MASKED_ACTION`) and, optionally,
-            ``user`` (one contextual id per sample).
-        timestamps: ``[num_item_tokens]`` int64, aligned with the ``item`` values.
-        num_candidates: ``[B]`` int64, how many trailing item tokens of each sample are
+        sparse_features: KJT with keys `item`, `action` (same lengths: one token per
+            interaction, candidates last with action `MASKED_ACTION`) and, optionally,
+            `user` (one contextual id per sample).
+        timestamps: `[num_item_tokens]` int64, aligned with the `item` values.
+        num_candidates: `[B]` int64, how many trailing item tokens of each sample are
             ranking candidates.
-        labels: ``[sum(num_candidates), num_tasks]`` float32, one row per candidate.
-        sample_ids: ``[B]`` int64, globally unique ids (identity checks across pipelines).
+        labels: `[sum(num_candidates), num_tasks]` float32, one row per candidate.
+        sample_ids: `[B]` int64, globally unique ids (identity checks across pipelines).
     """
 
     sparse_features: KeyedJaggedTensor
@@ -59,7 +59,7 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     sample_ids: torch.Tensor
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return Batch(
             sparse_features=self.sparse_features.to(device, non_blocking=non_blocking),
             timestamps=self.timestamps.to(device, non_blocking=non_blocking),
@@ -73,8 +73,8 @@ class Batch(Pipelineable):
         for t in (self.timestamps, self.num_candidates, self.labels, self.sample_ids):
             t.record_stream(stream)
 
-    def pin_memory(self) -> "Batch":
-        """Called by the DataLoader (``pin_memory=True``) so ``to(non_blocking=True)`` is async."""
+    def pin_memory(self) -> Batch:
+        """Called by the DataLoader (`pin_memory=True`) so `to(non_blocking=True)` is async."""
         return Batch(
             sparse_features=self.sparse_features.pin_memory(),
             timestamps=self.timestamps.pin_memory(),
@@ -89,7 +89,7 @@ class Batch(Pipelineable):
 
 
 def collate(samples: Sequence[Sample], use_user_feature: bool = False) -> Batch:
-    """Collate samples (each with at least one candidate) into a :class:`Batch`."""
+    """Collate samples (each with at least one candidate) into a `Batch`."""
     lengths = [len(s.items) for s in samples]
     items = [i for s in samples for i in s.items]
     actions = [a for s in samples for a in s.history_actions + [MASKED_ACTION] * len(s.labels)]

@@ -1,10 +1,10 @@
-"""Build the per-rank DataLoader of :class:`Batch` from a plain config."""
+"""Build the per-rank DataLoader of `Batch` from a plain config."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
@@ -13,24 +13,24 @@ from recsys_pipe.data.batch import collate
 from recsys_pipe.data.movielens import MovieLensDataset
 from recsys_pipe.data.synthetic import SyntheticConfig, SyntheticSequenceDataset
 
-SequenceDataset = Union[SyntheticSequenceDataset, MovieLensDataset]
+SequenceDataset = SyntheticSequenceDataset | MovieLensDataset
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Data source and batch shape (field names mirror the YAML ``data`` group).
+    """Data source and batch shape (field names mirror the YAML `data` group).
 
-    ``name`` is ``"synthetic"`` (the embedded default) or ``"movielens"`` (needs ``path``).
-    ``num_batches`` caps the batches per rank (``None``: the whole per-rank share).
-    ``max_seq_len`` counts item tokens (history + candidates) per sample; the optional ``user``
-    contextual token is extra. Batches are ``drop_last`` so every rank trains the same number
+    `name` is `"synthetic"` (the embedded default) or `"movielens"` (needs `path`).
+    `num_batches` caps the batches per rank (`None`: the whole per-rank share).
+    `max_seq_len` counts item tokens (history + candidates) per sample; the optional `user`
+    contextual token is extra. Batches are `drop_last` so every rank trains the same number
     of equally sized batches (a rank with one batch more would hang the collectives).
     """
 
     name: str = "synthetic"
-    path: Optional[str] = None
+    path: str | None = None
     batch_size: int = 32
-    num_batches: Optional[int] = None
+    num_batches: int | None = None
     seed: int = 0
     max_seq_len: int = 32
     num_candidates: int = 4
@@ -42,7 +42,7 @@ class DataConfig:
 
 
 def make_dataset(cfg: DataConfig, rank: int = 0, world_size: int = 1) -> SequenceDataset:
-    """This rank's disjoint share of the configured source; ``.spec`` sizes the model."""
+    """This rank's disjoint share of the configured source; `.spec` sizes the model."""
     if cfg.name == "synthetic":
         return SyntheticSequenceDataset(cfg.synthetic, cfg.seed, cfg.max_seq_len, cfg.num_candidates, rank, world_size)
     if cfg.name == "movielens":
@@ -52,14 +52,15 @@ def make_dataset(cfg: DataConfig, rank: int = 0, world_size: int = 1) -> Sequenc
     raise ValueError(f"unknown data.name {cfg.name!r}; expected 'synthetic' or 'movielens'")
 
 
-def make_dataloader(cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train",
-                    num_batches: Optional[int] = None) -> DataLoader:
-    """DataLoader of :class:`Batch` for one rank (``loader.dataset.spec`` sizes the model).
+def make_dataloader(
+    cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train", num_batches: int | None = None
+) -> DataLoader:
+    """DataLoader of `Batch` for one rank (`loader.dataset.spec` sizes the model).
 
-    ``split="train"`` reads this rank's share from its start (``cfg.num_batches`` batches, or
-    all); ``split="eval"`` reads ``num_batches`` held-out batches from the end of the share, so
+    `split="train"` reads this rank's share from its start (`cfg.num_batches` batches, or
+    all); `split="eval"` reads `num_batches` held-out batches from the end of the share, so
     evaluation never sees a training sample while the world (clusters, chains) is the same.
-    Shuffling, if on, is seeded by ``cfg.seed``: the batch order is reproducible too.
+    Shuffling, if on, is seeded by `cfg.seed`: the batch order is reproducible too.
     """
     dataset = make_dataset(cfg, rank, world_size)
     if split not in ("train", "eval"):

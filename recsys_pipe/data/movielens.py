@@ -1,13 +1,13 @@
-"""MovieLens ratings -> per-user interaction sequences -> :class:`Sample`.
+"""MovieLens ratings -> per-user interaction sequences -> `Sample`.
 
-Reads both public layouts: ml-1m ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``, no
-header) and ml-20m/25m ``ratings.csv`` (header ``userId,movieId,rating,timestamp``). Each user's
+Reads both public layouts: ml-1m `ratings.dat` (`UserID::MovieID::Rating::Timestamp`, no
+header) and ml-20m/25m `ratings.csv` (header `userId,movieId,rating,timestamp`). Each user's
 ratings are sorted by time and cut, from the most recent end, into windows of at most
-``max_seq_len`` ratings (kept in time order); the last ``num_candidates`` ratings of a window are the ranking
-candidates. The action of a rating is ``round(2 * rating)`` (half stars in ml-20m), so actions
-are ``1..10`` and ``0`` stays the masked candidate action; task ``k`` is ``rating >= thresholds[k]``.
+`max_seq_len` ratings (kept in time order); the last `num_candidates` ratings of a window are the ranking
+candidates. The action of a rating is `round(2 * rating)` (half stars in ml-20m), so actions
+are `1..10` and `0` stays the masked candidate action; task `k` is `rating >= thresholds[k]`.
 
-Movie and user ids are remapped to dense ``[0, n)`` in sorted raw-id order. Pure Python: ml-1m
+Movie and user ids are remapped to dense `[0, n)` in sorted raw-id order. Pure Python: ml-1m
 loads in a few seconds, ml-20m in a minute or so.
 """
 
@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import csv
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple, Union
 
 from torch.utils.data import Dataset
 
 from recsys_pipe.data.batch import Sample
 from recsys_pipe.data.spec import DataSpec
 
-Rating = Tuple[int, int, float, int]
+Rating = tuple[int, int, float, int]
 """(user id, movie id, rating, unix timestamp) as found in the file."""
 
 NUM_ACTIONS = 11
 
 
-def read_ratings(path: Union[str, Path]) -> List[Rating]:
+def read_ratings(path: str | Path) -> list[Rating]:
     """Parse a MovieLens ratings file; the layout is detected from its first line."""
     path = Path(path)
     with path.open(newline="", encoding="latin-1") as f:
@@ -46,9 +46,9 @@ def read_ratings(path: Union[str, Path]) -> List[Rating]:
         return [(int(u), int(m), float(r), int(t)) for u, m, r, t in rows]
 
 
-def _user_sequences(ratings: Sequence[Rating]) -> Tuple[Dict[int, List[Rating]], Dict[int, int], Dict[int, int]]:
+def _user_sequences(ratings: Sequence[Rating]) -> tuple[dict[int, list[Rating]], dict[int, int], dict[int, int]]:
     """Group by user, sort each by (timestamp, movie), and build dense id maps."""
-    by_user: Dict[int, List[Rating]] = defaultdict(list)
+    by_user: dict[int, list[Rating]] = defaultdict(list)
     for r in ratings:
         by_user[r[0]].append(r)
     for seq in by_user.values():
@@ -59,19 +59,19 @@ def _user_sequences(ratings: Sequence[Rating]) -> Tuple[Dict[int, List[Rating]],
 
 
 class MovieLensDataset(Dataset[Sample]):
-    """This rank's share of the MovieLens windows (rank ``r`` of ``w`` gets every w-th window).
+    """This rank's share of the MovieLens windows (rank `r` of `w` gets every w-th window).
 
     Args:
-        path: ``ratings.dat`` (ml-1m) or ``ratings.csv`` (ml-20m).
+        path: `ratings.dat` (ml-1m) or `ratings.csv` (ml-20m).
         max_seq_len: max ratings per window (history + candidates).
         num_candidates: trailing ratings of each window that are ranking candidates.
-        thresholds: one binary task per threshold, positive when ``rating >= threshold``.
+        thresholds: one binary task per threshold, positive when `rating >= threshold`.
         min_history: windows with fewer history ratings are dropped.
     """
 
     def __init__(
         self,
-        path: Union[str, Path],
+        path: str | Path,
         max_seq_len: int,
         num_candidates: int,
         rank: int = 0,
@@ -94,7 +94,7 @@ class MovieLensDataset(Dataset[Sample]):
             num_users=len(user_index),
         )
         min_len = num_candidates + min_history
-        self._windows: List[Tuple[int, List[Rating]]] = []
+        self._windows: list[tuple[int, list[Rating]]] = []
         for raw_user in sorted(by_user):
             seq = by_user[raw_user]
             ends = range(len(seq), min_len - 1, -max_seq_len)  # newest window first ...

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Sizes a model needs to match a data source (ids are in ``[0, num_*)``).
+    """Sizes a model needs to match a data source (ids are in `[0, num_*)`).
 
-    ``num_actions`` includes the masked action id 0 used for candidate tokens;
-    ``num_users`` sizes the optional contextual ``user`` table.
+    `num_actions` includes the masked action id 0 used for candidate tokens;
+    `num_users` sizes the optional contextual `user` table.
     """
 
     num_items: int

@@ -7,9 +7,9 @@ the item's home cluster and a per-item quality. A user's history therefore revea
 (which items and which actions), and the cluster plus the candidate item determine the labels:
 loss falls and AUC rises well above 0.5 when a sequence model trains on it.
 
-Every sample is generated from its own RNG seeded by ``(seed, global index)``, so a sample is the
-same whatever the rank count, worker count or access order; rank ``r`` of ``w`` owns global
-indices ``r, r + w, r + 2w, ...`` (disjoint across ranks, equal counts on all ranks).
+Every sample is generated from its own RNG seeded by `(seed, global index)`, so a sample is the
+same whatever the rank count, worker count or access order; rank `r` of `w` owns global
+indices `r, r + w, r + 2w, ...` (disjoint across ranks, equal counts on all ranks).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import List
 
 import torch
 from torch.utils.data import Dataset
@@ -46,22 +45,22 @@ class _World:
 
     def __init__(self, cfg: SyntheticConfig, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.user_cluster: List[int] = torch.randint(cfg.num_clusters, (cfg.num_users,), generator=g).tolist()
+        self.user_cluster: list[int] = torch.randint(cfg.num_clusters, (cfg.num_users,), generator=g).tolist()
         item_cluster = torch.randperm(cfg.num_items, generator=g) % cfg.num_clusters
-        self.home_items: List[List[int]] = [
+        self.home_items: list[list[int]] = [
             torch.nonzero(item_cluster == c).flatten().tolist() for c in range(cfg.num_clusters)
         ]
-        self.successor: List[List[int]] = [
+        self.successor: list[list[int]] = [
             torch.randperm(cfg.num_items, generator=g).tolist() for _ in range(cfg.num_clusters)
         ]
         affinity = torch.randn(cfg.num_clusters, cfg.num_clusters, cfg.num_tasks, generator=g)
         quality = torch.randn(cfg.num_items, cfg.num_tasks, generator=g)
         logits = cfg.affinity_scale * affinity[:, item_cluster] + cfg.quality_scale * quality[None]
-        self.prob: List[List[List[float]]] = torch.sigmoid(logits).tolist()
+        self.prob: list[list[list[float]]] = torch.sigmoid(logits).tolist()
 
 
 class SyntheticSequenceDataset(Dataset[Sample]):
-    """This rank's share of the synthetic samples (map-style: index -> :class:`Sample`).
+    """This rank's share of the synthetic samples (map-style: index -> `Sample`).
 
     Args:
         cfg: world parameters.

@@ -21,8 +21,9 @@ class TaskContext:
 
     __slots__ = ("task", "batch_index", "iter_count", "ring", "stream_pool", "state")
 
-    def __init__(self, task: "Task", batch_index: int | None, iter_count: int, ring: BatchRing,
-                 stream_pool: StreamPool, state: Any):
+    def __init__(
+        self, task: Task, batch_index: int | None, iter_count: int, ring: BatchRing, stream_pool: StreamPool, state: Any
+    ):
         self.task = task
         self.batch_index = batch_index
         self.iter_count = iter_count

@@ -17,9 +17,9 @@ the event has rotated down to `producer.lookahead - Δ`; below 0 it has left the
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 from recsys_pipe.engine.errors import Problem, ScheduleValidationError, SchedulingError
 from recsys_pipe.engine.schedule import Schedule
@@ -100,7 +100,11 @@ def compile_dependencies(schedule: Schedule, stream_pool: StreamPool | None = No
     """Validate `schedule` (all rules) and compile it; raises ScheduleValidationError."""
     problems, deps, stage_orders = _analyse(schedule, stream_pool)
     if problems:
-        error = SchedulingError if all(p.message.startswith("cyclic dependency") for p in problems) else ScheduleValidationError
+        error = (
+            SchedulingError
+            if all(p.message.startswith("cyclic dependency") for p in problems)
+            else ScheduleValidationError
+        )
         raise error(problems)
     tasks = {t.name: t for t in schedule.tasks}
     waits: dict[str, list[EventWait]] = {t.name: [] for t in schedule.tasks}
@@ -177,7 +181,9 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
                 problems.append(Problem(f"stage {s} holds {t!r}, which is not a Task"))
                 continue
             if t.name in by_name:  # rule 1
-                problems.append(Problem("task name is used by more than one task; names must be unique", t.name, "name"))
+                problems.append(
+                    Problem("task name is used by more than one task; names must be unique", t.name, "name")
+                )
                 continue
             by_name[t.name] = t
             stage_of[t.name] = s
@@ -193,21 +199,40 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
                 if slot.batch_offset < 0:
                     problems.append(Problem(f"slot offsets must be >= 0, got {slot}", t.name, field_name, i))
         if t.stream not in schedule.stream_slots:
-            problems.append(Problem(
-                f"stream '{t.stream}' is not declared (declared: {', '.join(schedule.stream_slots)})", t.name, "stream"))
+            problems.append(
+                Problem(
+                    f"stream '{t.stream}' is not declared (declared: {', '.join(schedule.stream_slots)})",
+                    t.name,
+                    "stream",
+                )
+            )
         elif pool is not None and t.stream not in pool:
-            problems.append(Problem(f"stream '{t.stream}' is not in the stream pool (pool has: "
-                                    f"{', '.join(pool.names)})", t.name, "stream"))
+            problems.append(
+                Problem(
+                    f"stream '{t.stream}' is not in the stream pool (pool has: {', '.join(pool.names)})",
+                    t.name,
+                    "stream",
+                )
+            )
 
     writers: dict[DataSlot, str] = {}
     for t in tasks:  # rule 4
         for i, slot in enumerate(t.writes):
             if slot.name == BATCH_CPU:
-                problems.append(Problem(f"slot '{BATCH_CPU}' is reserved: the engine writes the pulled batch "
-                                        "there", t.name, "writes", i))
+                problems.append(
+                    Problem(
+                        f"slot '{BATCH_CPU}' is reserved: the engine writes the pulled batch there", t.name, "writes", i
+                    )
+                )
             elif slot in writers:
-                problems.append(Problem(f"slot {slot} is already written by '{writers[slot]}'; each slot "
-                                        "has at most one writer", t.name, "writes", i))
+                problems.append(
+                    Problem(
+                        f"slot {slot} is already written by '{writers[slot]}'; each slot has at most one writer",
+                        t.name,
+                        "writes",
+                        i,
+                    )
+                )
             else:
                 writers[slot] = t.name
 
@@ -224,9 +249,11 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
                     continue  # a task reading back what it wrote itself: no dependency
                 if candidates:
                     found = ", ".join(f"'{n}' at offset {k}" for k, n in candidates)
-                    msg = (f"future read: slot '{slot.name}' is read at offset {slot.batch_offset} but only "
-                           f"written at a smaller offset ({found}); a value written at offset k is visible "
-                           f"at offsets <= k")
+                    msg = (
+                        f"future read: slot '{slot.name}' is read at offset {slot.batch_offset} but only "
+                        f"written at a smaller offset ({found}); a value written at offset k is visible "
+                        f"at offsets <= k"
+                    )
                 else:
                     msg = f"no task writes slot '{slot.name}'"
                 problems.append(Problem(msg, c.name, "reads", i))
@@ -241,10 +268,16 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
             if x is None:
                 continue
             if x.lookahead < c.lookahead:
-                problems.append(Problem(
-                    f"future read: '{name}' has lookahead {x.lookahead} < this task's {c.lookahead}, so it "
-                    f"has not processed this batch yet; depends_on needs the producer's lookahead >= the "
-                    f"consumer's (use cross_iter_depends_on for an earlier batch)", c.name, "depends_on", i))
+                problems.append(
+                    Problem(
+                        f"future read: '{name}' has lookahead {x.lookahead} < this task's {c.lookahead}, so it "
+                        f"has not processed this batch yet; depends_on needs the producer's lookahead >= the "
+                        f"consumer's (use cross_iter_depends_on for an earlier batch)",
+                        c.name,
+                        "depends_on",
+                        i,
+                    )
+                )
                 continue
             deps.append(Dependency(name, c.name, "depends_on", "depends_on", i, x.lookahead - c.lookahead, c.lookahead))
 
@@ -255,13 +288,21 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
             n = -offset
             delta = x.lookahead + n - c.lookahead
             if delta < 0:
-                problems.append(Problem(
-                    f"future read: ('{name}', {offset}) gives Δ = {x.lookahead} + {n} - {c.lookahead} = {delta} < 0: "
-                    f"'{name}' has not processed batch K-{n} when this task processes batch K",
-                    c.name, "cross_iter_depends_on", i))
+                problems.append(
+                    Problem(
+                        f"future read: ('{name}', {offset}) gives Δ = {x.lookahead} + {n} - {c.lookahead} = {delta} "
+                        f"< 0: "
+                        f"'{name}' has not processed batch K-{n} when this task processes batch K",
+                        c.name,
+                        "cross_iter_depends_on",
+                        i,
+                    )
+                )
                 continue
             slot_offset = x.lookahead if delta == 0 else c.lookahead - n
-            deps.append(Dependency(name, c.name, "cross_iter_depends_on", "cross_iter_depends_on", i, delta, slot_offset))
+            deps.append(
+                Dependency(name, c.name, "cross_iter_depends_on", "cross_iter_depends_on", i, delta, slot_offset)
+            )
 
         for i, name in enumerate(c.same_progress_sync):
             x = _lookup(by_name, name, c, "same_progress_sync", i, known, problems)
@@ -275,23 +316,41 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
         if x.stream == c.stream:
             continue
         if d.slot_offset < 0:
-            problems.append(Problem(
-                f"cross-stream wait on '{d.producer}' (stream '{x.stream}') would look up its event at ring "
-                f"offset {d.slot_offset} (Δ = {d.delta}), which has rotated out of the ring; put both tasks "
-                f"on one stream or raise this task's lookahead", c.name, d.field, d.index))
+            problems.append(
+                Problem(
+                    f"cross-stream wait on '{d.producer}' (stream '{x.stream}') would look up its event at ring "
+                    f"offset {d.slot_offset} (Δ = {d.delta}), which has rotated out of the ring; put both tasks "
+                    f"on one stream or raise this task's lookahead",
+                    c.name,
+                    d.field,
+                    d.index,
+                )
+            )
             continue
         first = pair_offsets.setdefault((d.producer, d.consumer), d)
         if first.slot_offset != d.slot_offset:
-            problems.append(Problem(
-                f"'{d.producer}' is waited on twice with different ring offsets ({first.field} gives "
-                f"{first.slot_offset}, {d.field} gives {d.slot_offset}); at most one cross-stream wait per "
-                f"(consumer, producer) pair", c.name, d.field, d.index))
+            problems.append(
+                Problem(
+                    f"'{d.producer}' is waited on twice with different ring offsets ({first.field} gives "
+                    f"{first.slot_offset}, {d.field} gives {d.slot_offset}); at most one cross-stream wait per "
+                    f"(consumer, producer) pair",
+                    c.name,
+                    d.field,
+                    d.index,
+                )
+            )
 
     for d in deps:  # stages run in order: an in-iteration edge may not point backwards
         if d.in_iteration and stage_of[d.producer] > stage_of[d.consumer]:
-            problems.append(Problem(
-                f"'{d.producer}' runs in stage {stage_of[d.producer]}, after this task's stage "
-                f"{stage_of[d.consumer]}, but must run before it in the same iteration", d.consumer, d.field, d.index))
+            problems.append(
+                Problem(
+                    f"'{d.producer}' runs in stage {stage_of[d.producer]}, after this task's stage "
+                    f"{stage_of[d.consumer]}, but must run before it in the same iteration",
+                    d.consumer,
+                    d.field,
+                    d.index,
+                )
+            )
 
     if problems:
         return problems, tuple(deps), ()
@@ -353,7 +412,7 @@ def _find_cycle(remaining: set[str], succ: dict[str, list[str]], names: list[str
         seen[node] = len(path)
         path.append(node)
         node = preds[node][0]
-    cycle = path[seen[node]:][::-1]  # walked backwards: reverse into producer -> consumer order
+    cycle = path[seen[node] :][::-1]  # walked backwards: reverse into producer -> consumer order
     first = min(range(len(cycle)), key=lambda i: names.index(cycle[i]))  # start at the earliest declared
     cycle = cycle[first:] + cycle[:first]
     return cycle + [cycle[0]]

@@ -6,8 +6,8 @@ engine (the Hydra plan compiler) can point at the exact config path without pars
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,7 @@ class TaskFailedError(RuntimeError):
         self.task = task
         self.batch_index = batch_index
         self.iteration = iteration
-        super().__init__(
-            f"task '{task}' failed on batch {batch_index} (internal iteration {iteration})"
-        )
+        super().__init__(f"task '{task}' failed on batch {batch_index} (internal iteration {iteration})")
 
 
 class PipelineBrokenError(RuntimeError):

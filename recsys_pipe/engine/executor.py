@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from recsys_pipe.engine.deps import DependencyGraph
 from recsys_pipe.engine.task import Task

@@ -10,7 +10,8 @@ before raising StopIteration. Every pulled batch passes through every task exact
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import nvtx
 
@@ -35,8 +36,14 @@ def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) 
 class SchedulablePipeline:
     """Runs `schedule` batch-ahead over an iterator; see the module docstring for semantics."""
 
-    def __init__(self, schedule: Schedule, stream_pool: StreamPool | None = None,
-                 executor: str | Executor = "sequential", *, state: Any = None):
+    def __init__(
+        self,
+        schedule: Schedule,
+        stream_pool: StreamPool | None = None,
+        executor: str | Executor = "sequential",
+        *,
+        state: Any = None,
+    ):
         self.graph: DependencyGraph = compile_dependencies(schedule, stream_pool)
         self.schedule = schedule
         self.stream_pool = stream_pool if stream_pool is not None else StreamPool.create(schedule.stream_slots)
@@ -121,7 +128,7 @@ class SchedulablePipeline:
             self._closed = True
             self.executor.shutdown()
 
-    def __enter__(self) -> "SchedulablePipeline":
+    def __enter__(self) -> SchedulablePipeline:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -141,12 +148,16 @@ class SchedulablePipeline:
         if self._broken is not None:
             raise PipelineBrokenError(
                 f"this pipeline stopped after a failure ({self._broken}); the failed iteration was left "
-                "half done, so it will not continue. Build a new pipeline (and restore from a checkpoint).")
+                "half done, so it will not continue. Build a new pipeline (and restore from a checkpoint)."
+            )
 
     def _reset(self, batch_iter: Any) -> None:
         if self.in_flight > 0:
-            log.warning("new batch iterator: dropping %d in-flight batch(es) of the previous one that "
-                        "were prepared but not trained", self.in_flight)
+            log.warning(
+                "new batch iterator: dropping %d in-flight batch(es) of the previous one that "
+                "were prepared but not trained",
+                self.in_flight,
+            )
         self._iterator = batch_iter
         self._iteration = 0
         self._pulled = 0

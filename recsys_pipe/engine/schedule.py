@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from recsys_pipe.engine.task import Task
 
@@ -30,7 +30,7 @@ class Schedule:
         object.__setattr__(self, "stream_slots", tuple(self.stream_slots))
 
     @classmethod
-    def single_stage(cls, tasks: Iterable[Task], stream_slots: Iterable[str] | None = None) -> "Schedule":
+    def single_stage(cls, tasks: Iterable[Task], stream_slots: Iterable[str] | None = None) -> Schedule:
         """A one-stage schedule; streams default to those the tasks use, `default` first."""
         tasks = tuple(tasks)
         if stream_slots is None:

@@ -7,7 +7,8 @@ internal iteration until batch K is trained and its store is dropped.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _MISSING = object()
 

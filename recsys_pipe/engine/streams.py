@@ -8,7 +8,9 @@ schedule runs unchanged on a laptop (and CPU tensors never see `record_stream`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -78,7 +80,7 @@ class StreamPool:
         self._cuda = {n for n, s in self._streams.items() if isinstance(s, torch.cuda.Stream)}
 
     @classmethod
-    def create(cls, names: Iterable[str], device: torch.device | str | None = None) -> "StreamPool":
+    def create(cls, names: Iterable[str], device: torch.device | str | None = None) -> StreamPool:
         """Real CUDA streams when `device` is CUDA (`default` is the device's default stream),
         no-op streams otherwise."""
         names = list(dict.fromkeys(names))
@@ -86,8 +88,7 @@ class StreamPool:
         if device is None or device.type != "cuda":
             return cls({n: NoOpStream(n) for n in names})
         streams = {
-            n: torch.cuda.default_stream(device) if n == DEFAULT_STREAM else torch.cuda.Stream(device)
-            for n in names
+            n: torch.cuda.default_stream(device) if n == DEFAULT_STREAM else torch.cuda.Stream(device) for n in names
         }
         return cls(streams)
 
@@ -108,7 +109,7 @@ class StreamPool:
         except KeyError:
             raise KeyError(f"stream '{name}' is not in the pool (have: {', '.join(self._streams)})") from None
 
-    def use(self, name: str, label: Any = None) -> ContextManager:
+    def use(self, name: str, label: Any = None) -> AbstractContextManager:
         """Make stream `name` current for the enclosed work. `label` names the work for
         observing backends; real streams ignore it."""
         if name in self._cuda:

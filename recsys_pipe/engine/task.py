@@ -9,8 +9,9 @@ immediately, where the user wrote them, instead of surfacing later as a scheduli
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from recsys_pipe.engine.errors import Problem, ScheduleValidationError
 
@@ -83,7 +84,7 @@ class Task:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_fn(cls, name: str, fn: Callable[["TaskContext"], Any], **fields: Any) -> "Task":
+    def from_fn(cls, name: str, fn: Callable[[TaskContext], Any], **fields: Any) -> Task:
         """A task whose `run(ctx)` calls `fn(ctx)`."""
         if not callable(fn):
             raise ScheduleValidationError(
@@ -91,7 +92,7 @@ class Task:
             )
         return FnTask(name, fn, **fields)
 
-    def replace(self, **changes: Any) -> "Task":
+    def replace(self, **changes: Any) -> Task:
         """A copy with some declared fields changed (bare slot names re-resolve at the new lookahead)."""
         unknown = sorted(set(changes) - set(TASK_FIELDS))
         if unknown:
@@ -133,8 +134,12 @@ class Task:
             for index, entry in enumerate(getattr(self, field)):
                 dep = entry[0] if isinstance(entry, tuple) else entry
                 if dep in seen and seen[dep] != field:
-                    bad(field, f"'{dep}' is already listed in {seen[dep]}; a producer may appear "
-                        "in only one of depends_on, cross_iter_depends_on, same_progress_sync", index)
+                    bad(
+                        field,
+                        f"'{dep}' is already listed in {seen[dep]}; a producer may appear "
+                        "in only one of depends_on, cross_iter_depends_on, same_progress_sync",
+                        index,
+                    )
                 seen.setdefault(dep, field)
 
         if not isinstance(raw["nccl"], bool):
@@ -153,10 +158,10 @@ class Task:
 
     # -- behaviour ----------------------------------------------------------------------------
 
-    def init(self, ctx: "TaskContext") -> None:
+    def init(self, ctx: TaskContext) -> None:
         """Called once when a pipeline is built, before the first iteration."""
 
-    def run(self, ctx: "TaskContext") -> None:
+    def run(self, ctx: TaskContext) -> None:
         raise NotImplementedError(f"task '{self.name}' does not implement run(ctx)")
 
     @property
@@ -171,11 +176,11 @@ class Task:
 class FnTask(Task):
     """A Task built by `Task.from_fn`: `run(ctx)` is `fn(ctx)`."""
 
-    def __init__(self, name: str, fn: Callable[["TaskContext"], Any], **fields: Any):
+    def __init__(self, name: str, fn: Callable[[TaskContext], Any], **fields: Any):
         self.fn = fn
         super().__init__(name, **fields)
 
-    def run(self, ctx: "TaskContext") -> None:
+    def run(self, ctx: TaskContext) -> None:
         self.fn(ctx)
 
     def __repr__(self) -> str:
@@ -245,8 +250,11 @@ def _normalise_cross_iter(value: Any, own: str, bad: Callable) -> tuple[tuple[st
             bad(field, f"expected a task name or [name, -N], got {item!r}", index)
             continue
         if not _is_int(offset) or offset >= 0:
-            bad(field, f"offset for '{name}' must be a negative integer -N (the batch N before "
-                f"this one), got {offset!r}", index)
+            bad(
+                field,
+                f"offset for '{name}' must be a negative integer -N (the batch N before this one), got {offset!r}",
+                index,
+            )
         elif not name:
             bad(field, "expected a task name", index)
         elif name == own:
@@ -256,4 +264,3 @@ def _normalise_cross_iter(value: Any, own: str, bad: Callable) -> tuple[tuple[st
         else:
             entries.append((name, offset))
     return tuple(entries)
-

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from recsys_pipe.engine.schedule import Schedule
 from recsys_pipe.engine.streams import StreamPool
@@ -71,7 +72,7 @@ class RecordingStream:
         if not self.drop_waits:
             self.log.append(StreamOp(self.name, "wait_event", event.id))
 
-    def wait_stream(self, other: "RecordingStream") -> None:
+    def wait_stream(self, other: RecordingStream) -> None:
         if not self.drop_waits:
             self.log.append(StreamOp(self.name, "wait_stream", other.name))
 
@@ -101,8 +102,13 @@ def required_producers(schedule: Schedule, task: Task, batch: int) -> list[tuple
     for slot in c.reads:
         if slot.name == BATCH_CPU:
             continue
-        writers = sorted((w.batch_offset, t.name) for t in schedule.tasks if t is not c
-                         for w in t.writes if w.name == slot.name and w.batch_offset >= slot.batch_offset)
+        writers = sorted(
+            (w.batch_offset, t.name)
+            for t in schedule.tasks
+            if t is not c
+            for w in t.writes
+            if w.name == slot.name and w.batch_offset >= slot.batch_offset
+        )
         if writers:
             k, name = writers[0]
             # The value in ring.at(j) now was written k - j iterations ago into ring.at(k);
@@ -159,6 +165,8 @@ def check_happens_before(log: StreamLog, schedule: Schedule) -> list[str]:
                 continue  # that producer instance never ran (prefill / drain / before batch 0)
             stream, n = position
             if clock.get(stream, 0) < n:
-                violations.append(f"{name}[batch {batch}] ({why}) is not ordered after "
-                                  f"{producer}[batch {producer_batch}] on stream '{stream}'")
+                violations.append(
+                    f"{name}[batch {batch}] ({why}) is not ordered after "
+                    f"{producer}[batch {producer_batch}] on stream '{stream}'"
+                )
     return violations

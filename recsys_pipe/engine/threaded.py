@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from recsys_pipe.engine.deps import DependencyGraph, cpu_edges
 from recsys_pipe.engine.executor import RunTask
@@ -144,7 +145,7 @@ class _Worker:
                 return
             try:
                 job()
-            except BaseException:  # noqa: BLE001 - a chain reports its own errors; keep serving
+            except BaseException:
                 pass
 
 
@@ -196,11 +197,12 @@ class ThreadedExecutor:
         if state.errors:
             raise state.errors[0]
 
-    def _run_chain(self, chain: tuple[_Step, ...], run: RunTask, state: _IterationState,
-                   finished: threading.Event) -> None:
+    def _run_chain(
+        self, chain: tuple[_Step, ...], run: RunTask, state: _IterationState, finished: threading.Event
+    ) -> None:
         position = 0
         try:
-            for position, step in enumerate(chain):
+            for position, step in enumerate(chain):  # noqa: B007 - read in `finally`
                 if state.cancelled.is_set():
                     break
                 for index in step.waits_for:

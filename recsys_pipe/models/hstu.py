@@ -2,18 +2,18 @@
 
 Layout, chosen for torchrec's sparse-dist pipeline:
 
-* :class:`HSTUModel` holds the ``EmbeddingCollection`` as the direct attribute ``ec`` and its
-  ``forward(batch)`` is two calls: ``self.ec(batch.sparse_features)`` and the dense
-  :class:`HSTURanker`. ``_rewrite_model`` FX-traces that forward with the ranker as a leaf
-  (it holds no sharded module), finds the ``ec`` call whose argument is the ``getattr`` chain
-  ``batch.sparse_features``, and can then run the EC's input_dist ahead of the forward.
+* `HSTUModel` holds the `EmbeddingCollection` as the direct attribute `ec` and its
+  `forward(batch)` is two calls: `self.ec(batch.sparse_features)` and the dense
+  `HSTURanker`. `_rewrite_model` FX-traces that forward with the ranker as a leaf
+  (it holds no sharded module), finds the `ec` call whose argument is the `getattr` chain
+  `batch.sparse_features`, and can then run the EC's input_dist ahead of the forward.
   Anything data-dependent lives inside the ranker, which FX never traces.
-* The ranker works on jagged token values ``[T, D]``: LayerNorm, projections and the output
-  MLP never see padding. Only the attention pads to ``[B, N, ...]`` and back, with fbgemm's
-  ``jagged_to_padded_dense`` / ``dense_to_jagged``.
+* The ranker works on jagged token values `[T, D]`: LayerNorm, projections and the output
+  MLP never see padding. Only the attention pads to `[B, N, ...]` and back, with fbgemm's
+  `jagged_to_padded_dense` / `dense_to_jagged`.
 
-Sequence of a sample: ``[user?] history_1 .. history_h candidate_1 .. candidate_c``; a token is
-``item_emb + action_emb`` (candidates carry the masked action, so their label stays hidden).
+Sequence of a sample: `[user?] history_1 .. history_h candidate_1 .. candidate_c`; a token is
+`item_emb + action_emb` (candidates carry the masked action, so their label stays hidden).
 Attention is causal, and a candidate is visible only to itself, so candidates are scored
 independently of each other. The multi-task head reads the candidate tokens of the last layer.
 """
@@ -21,7 +21,6 @@ independently of each other. The multi-task head reads the candidate tokens of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
@@ -34,21 +33,21 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Batch
 
-ModelOutput = Tuple[torch.Tensor, Dict[str, torch.Tensor]]
+ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 TIME_BUCKET_WIDTH = 0.301
-"""Time gaps are bucketed by ``ln(gap_seconds) / TIME_BUCKET_WIDTH`` (generative-recommenders'
+"""Time gaps are bucketed by `ln(gap_seconds) / TIME_BUCKET_WIDTH` (generative-recommenders'
 choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
 
 
 @dataclass(frozen=True)
 class HSTUConfig:
-    """Model sizes. Vocabulary sizes come from the data source's ``DataSpec``.
+    """Model sizes. Vocabulary sizes come from the data source's `DataSpec`.
 
-    ``max_seq_len`` counts item tokens (history + candidates) per sample, as in ``DataConfig``,
+    `max_seq_len` counts item tokens (history + candidates) per sample, as in `DataConfig`,
     and must be at least the data's: it is the static padded attention length, and longer
     sequences would be cut silently (checking would cost a device sync per step).
-    ``num_users > 0`` adds the contextual ``user`` table and one token per sample (the data
-    must then be built with ``use_user_feature=True``).
+    `num_users > 0` adds the contextual `user` table and one token per sample (the data
+    must then be built with `use_user_feature=True`).
     """
 
     num_items: int
@@ -74,13 +73,15 @@ class HSTUConfig:
 
 
 def embedding_tables(cfg: HSTUConfig) -> list[EmbeddingConfig]:
-    """One table per feature, named ``<feature>_table`` (``items`` would shadow
-    ``ModuleDict.items``); all share ``embedding_dim`` (a sharded EC requires it)."""
+    """One table per feature, named `<feature>_table` (`items` would shadow
+    `ModuleDict.items`); all share `embedding_dim` (a sharded EC requires it)."""
     sizes = {ITEM_KEY: cfg.num_items, ACTION_KEY: cfg.num_actions}
     if cfg.num_users > 0:
         sizes[USER_KEY] = cfg.num_users
     return [
-        EmbeddingConfig(name=f"{feature}_table", embedding_dim=cfg.embedding_dim, num_embeddings=n, feature_names=[feature])
+        EmbeddingConfig(
+            name=f"{feature}_table", embedding_dim=cfg.embedding_dim, num_embeddings=n, feature_names=[feature]
+        )
         for feature, n in sizes.items()
     ]
 
@@ -96,7 +97,7 @@ class RelativeBias(nn.Module):
         self.time = nn.Parameter(torch.zeros(num_time_buckets + 1))
 
     def forward(self, timestamps: torch.Tensor) -> torch.Tensor:
-        """``timestamps``: padded ``[B, N]`` -> bias ``[B, N, N]`` (query, key)."""
+        """`timestamps`: padded `[B, N]` -> bias `[B, N, N]` (query, key)."""
         n = self.max_len
         pos = torch.arange(n, device=timestamps.device)
         position_bias = self.position[pos[None, :] - pos[:, None] + n - 1]
@@ -120,9 +121,9 @@ class HSTULayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: Optional[torch.Tensor]
+        self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """``x`` jagged ``[T, D]``; ``mask``/``bias`` ``[B, N, N]`` -> jagged ``[T, D]``."""
+        """`x` jagged `[T, D]`; `mask`/`bias` `[B, N, N]` -> jagged `[T, D]`."""
         n, h = self.max_len, self.num_heads
         u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
         qkv = torch.cat([q, k, v], dim=-1)
@@ -141,7 +142,7 @@ class HSTULayer(nn.Module):
 class HSTURanker(nn.Module):
     """Everything after the embedding lookup: sequence assembly, HSTU stack, multi-task head.
 
-    Kept as one module so the FX trace of :class:`HSTUModel` treats it as a leaf.
+    Kept as one module so the FX trace of `HSTUModel` treats it as a leaf.
     """
 
     def __init__(self, cfg: HSTUConfig) -> None:
@@ -156,7 +157,7 @@ class HSTURanker(nn.Module):
 
     def forward(
         self,
-        embeddings: Dict[str, JaggedTensor],
+        embeddings: dict[str, JaggedTensor],
         timestamps: torch.Tensor,
         num_candidates: torch.Tensor,
         labels: torch.Tensor,
@@ -191,14 +192,14 @@ class HSTURanker(nn.Module):
 
 
 class HSTUModel(nn.Module):
-    """EmbeddingCollection (``ec``, sharded by DMP) + :class:`HSTURanker` (``ranker``, dense/DDP).
+    """EmbeddingCollection (`ec`, sharded by DMP) + `HSTURanker` (`ranker`, dense/DDP).
 
-    ``forward(batch) -> (loss, aux)``: loss is the sum over tasks of the mean BCE over the
-    batch's candidates; ``aux`` has ``logits``/``labels`` ``[C, num_tasks]`` for metrics,
+    `forward(batch) -> (loss, aux)`: loss is the sum over tasks of the mean BCE over the
+    batch's candidates; `aux` has `logits`/`labels` `[C, num_tasks]` for metrics,
     per-task losses and the candidate/token counts.
     """
 
-    def __init__(self, cfg: HSTUConfig, device: Optional[torch.device] = None) -> None:
+    def __init__(self, cfg: HSTUConfig, device: torch.device | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.ec = EmbeddingCollection(tables=embedding_tables(cfg), device=device)
@@ -211,7 +212,7 @@ class HSTUModel(nn.Module):
 
 def _prepend_context(
     tokens: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, context: JaggedTensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Put each sample's contextual tokens before its item tokens (jagged concat per sample).
 
     Contextual tokens take the sample's first item timestamp, so they sit at time gap 0.
@@ -225,7 +226,9 @@ def _prepend_context(
     sample = torch.repeat_interleave(torch.arange(total.numel(), device=total.device), total, output_size=num_total)
     local = torch.arange(num_total, device=total.device) - offsets[sample]
     is_ctx = local < ctx_lengths[sample]
-    index = torch.where(is_ctx, ctx_offsets[sample] + local, num_ctx + item_offsets[sample] + local - ctx_lengths[sample])
+    index = torch.where(
+        is_ctx, ctx_offsets[sample] + local, num_ctx + item_offsets[sample] + local - ctx_lengths[sample]
+    )
     merged = torch.cat([context.values(), tokens])[index]
     first_ts = timestamps[item_offsets[:-1]].repeat_interleave(ctx_lengths, output_size=num_ctx)
     merged_ts = torch.cat([first_ts, timestamps])[index]
@@ -233,7 +236,7 @@ def _prepend_context(
 
 
 def _attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int) -> torch.Tensor:
-    """``[B, N, N]`` float mask: causal over valid tokens; candidate keys only for themselves."""
+    """`[B, N, N]` float mask: causal over valid tokens; candidate keys only for themselves."""
     pos = torch.arange(n, device=lengths.device)
     valid = pos[None] < lengths[:, None]
     candidate = valid & (pos[None] >= (lengths - num_candidates)[:, None])
@@ -244,10 +247,12 @@ def _attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int)
 
 
 def _candidate_rows(offsets: torch.Tensor, num_candidates: torch.Tensor, total: int) -> torch.Tensor:
-    """Jagged row indices of the ``total`` candidate tokens (the last ``num_candidates[b]`` of
+    """Jagged row indices of the `total` candidate tokens (the last `num_candidates[b]` of
     sample b). Sizes come from host-known shapes, so no device sync on CUDA."""
     device = offsets.device
-    sample = torch.repeat_interleave(torch.arange(num_candidates.numel(), device=device), num_candidates, output_size=total)
+    sample = torch.repeat_interleave(
+        torch.arange(num_candidates.numel(), device=device), num_candidates, output_size=total
+    )
     cand_offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(num_candidates)
     within = torch.arange(total, device=device) - cand_offsets[sample]
     return offsets[sample + 1] - num_candidates[sample] + within

@@ -30,7 +30,7 @@ class DistInfo:
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto": this rank's GPU when CUDA is available, else the CPU."""
+    """ "auto": this rank's GPU when CUDA is available, else the CPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -49,8 +49,15 @@ def _free_port() -> int:
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300) -> DistInfo:
     """Join the torchrun group (env://), or make a 1-rank group when run as a plain process."""
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+        os.environ.update(
+            {
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(_free_port()),
+            }
+        )
     dev = resolve_device(device)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -58,8 +65,9 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         raise RuntimeError("trainer.backend=nccl needs trainer.device=cuda; use gloo on the CPU")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=dev if dev.type == "cuda" else None)
+    dist.init_process_group(
+        backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None
+    )
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), dev, backend)
 
 

@@ -9,8 +9,9 @@ whose tasks skip the optimizer work.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ class TrainState:
             return None
         return self.streams.get(name)
 
-    def for_eval(self) -> "TrainState":
+    def for_eval(self) -> TrainState:
         """The same model, modules and streams, with the optimizer work switched off."""
         return dataclasses.replace(self, training=False)
 
@@ -98,7 +99,8 @@ class TrainState:
         if not modules or not_pipelined:
             raise RuntimeError(
                 f"torchrec could not pipeline the model's sharded modules (pipelined: {len(modules)}, "
-                f"not pipelined: {not_pipelined}); their input must be an attribute of the batch")
+                f"not pipelined: {not_pipelined}); their input must be an attribute of the batch"
+            )
         if model is not self.model:  # only with apply_jit, which we never ask for
             raise RuntimeError("torchrec's rewrite returned a new model object; views of this state would be stale")
         self.pipelined_modules[:] = modules  # in place: views made by for_eval() share the list
@@ -107,5 +109,9 @@ class TrainState:
         _override_input_dist_forwards(modules)
         if self.streams.is_cuda:  # one-time: later tasks order on events, the bootstrap did not
             torch.cuda.synchronize(self.device)
-        return {"batch_cpu": cpu_batch, BATCH_GPU: batch, TORCHREC_CTX: context,
-                INPUT_DIST_SPLITS: context.fused_splits_awaitables}
+        return {
+            "batch_cpu": cpu_batch,
+            BATCH_GPU: batch,
+            TORCHREC_CTX: context,
+            INPUT_DIST_SPLITS: context.fused_splits_awaitables,
+        }

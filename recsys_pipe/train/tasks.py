@@ -97,8 +97,15 @@ def prefetch_embeddings(ctx: TaskContext) -> None:
     batch the next forward will train. CPU kernels have no cache: the wait is the real work."""
     slots, state = ctx.slots, ctx.state
     context = slots[TORCHREC_CTX]
-    data = _prefetch_embeddings(slots[BATCH_GPU], context, state.pipelined_modules, state.device,
-                                torch.cuda.stream, state.stream("data_dist"), state.stream("default"))
+    data = _prefetch_embeddings(
+        slots[BATCH_GPU],
+        context,
+        state.pipelined_modules,
+        state.device,
+        torch.cuda.stream,
+        state.stream("data_dist"),
+        state.stream("default"),
+    )
     for name, dist_input in data.items():  # what torchrec's public prefetch_embeddings does
         context.module_input_post_prefetch[name] = dist_input
         context.module_contexts_post_prefetch[name] = context.module_contexts.pop(name)
@@ -149,10 +156,13 @@ def optimizer_step(ctx: TaskContext) -> None:
     if state.training:
         state.optimizer.step()
     aux = slots["model_out"]
-    slots.set("step_result", StepResult(
-        loss=slots["loss"].detach(),
-        logits=aux["logits"].detach(),
-        labels=aux["labels"],
-        sample_ids=slots[BATCH_GPU].sample_ids,
-        global_tokens=slots.get("global_tokens"),
-    ))
+    slots.set(
+        "step_result",
+        StepResult(
+            loss=slots["loss"].detach(),
+            logits=aux["logits"].detach(),
+            labels=aux["labels"],
+            sample_ids=slots[BATCH_GPU].sample_ids,
+            global_tokens=slots.get("global_tokens"),
+        ),
+    )

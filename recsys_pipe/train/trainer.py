@@ -11,8 +11,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,13 +62,23 @@ def build_model(run: RunConfig, info: DistInfo, spec: Any) -> tuple[torch.nn.Mod
     """HSTU with sharded embedding tables; same initial weights on every rank (seeded)."""
     fields = {k: v for k, v in run.model.model_dump().items() if k not in ("name", "sharding")}
     use_user = run.data.model_dump().get("use_user_feature", False)
-    cfg = HSTUConfig(num_items=spec.num_items, num_actions=spec.num_actions, num_tasks=spec.num_tasks,
-                     num_users=spec.num_users if use_user else 0, **fields)
+    cfg = HSTUConfig(
+        num_items=spec.num_items,
+        num_actions=spec.num_actions,
+        num_tasks=spec.num_tasks,
+        num_users=spec.num_users if use_user else 0,
+        **fields,
+    )
     torch.manual_seed(run.seed)
     embedding_opt, embedding_kwargs = sparse_optimizer(run.optimizer.sparse)
-    model = make_sharded_model(HSTUModel(cfg), dist.group.WORLD, info.device,
-                               sharding_type=run.model.model_dump().get("sharding", "table_wise"),
-                               embedding_optimizer=embedding_opt, embedding_optimizer_kwargs=embedding_kwargs)
+    model = make_sharded_model(
+        HSTUModel(cfg),
+        dist.group.WORLD,
+        info.device,
+        sharding_type=run.model.model_dump().get("sharding", "table_wise"),
+        embedding_optimizer=embedding_opt,
+        embedding_optimizer_kwargs=embedding_kwargs,
+    )
     return model, make_optimizer(model, dense_optimizer_factory(run.optimizer))
 
 
@@ -79,17 +90,31 @@ class Trainer:
         data_cfg = data_config(run)
         self.train_loader = make_dataloader(data_cfg, info.rank, info.world_size)
         eval_batches = run.trainer.eval_batches
-        self.eval_loader = (make_dataloader(data_cfg, info.rank, info.world_size, split="eval",
-                                            num_batches=eval_batches) if eval_batches else None)
+        self.eval_loader = (
+            make_dataloader(data_cfg, info.rank, info.world_size, split="eval", num_batches=eval_batches)
+            if eval_batches
+            else None
+        )
         self.spec = self.train_loader.dataset.spec
         model, optimizer = build_model(run, info, self.spec)
         train_plan = compile_plan(run.pipeline, device=info.device)
         names = {t.name for t in train_plan.order}
-        self.state = TrainState(model=model, optimizer=optimizer, device=info.device,
-                                streams=train_plan.stream_pool, prefetch="prefetch_embeddings" in names)
+        self.state = TrainState(
+            model=model,
+            optimizer=optimizer,
+            device=info.device,
+            streams=train_plan.stream_pool,
+            prefetch="prefetch_embeddings" in names,
+        )
         self.pipeline = SchedulablePipeline(*train_plan.parts, state=self.state)
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
-        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a") if run_dir and info.is_main else None
+        self._metrics = (
+            open(  # noqa: SIM115 - closed by close()
+                os.path.join(run_dir, "metrics.jsonl"), "a"
+            )
+            if run_dir and info.is_main
+            else None
+        )
 
     # -- loop -----------------------------------------------------------------------------------
 
@@ -111,8 +136,13 @@ class Trainer:
         self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
         if self.eval_loader is not None and cfg.eval_every:
             summary.evals.append(self._log_eval(0))
-        bar = tqdm(total=cfg.max_steps, desc="train", unit="step", disable=not self.info.is_main or not cfg.progress_bar,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.max_steps,
+            desc="train",
+            unit="step",
+            disable=not self.info.is_main or not cfg.progress_bar,
+            dynamic_ncols=True,
+        )
         window_start, window_samples = time.perf_counter(), 0
         start = time.perf_counter()
         while cfg.max_steps is None or summary.steps < cfg.max_steps:
@@ -134,8 +164,13 @@ class Trainer:
             if summary.steps % cfg.log_every == 0:
                 now = time.perf_counter()
                 loss = self._global_mean(result.loss)
-                self._write({"step": summary.steps, "loss": loss,
-                             "samples_per_s": round(window_samples / (now - window_start), 2)})
+                self._write(
+                    {
+                        "step": summary.steps,
+                        "loss": loss,
+                        "samples_per_s": round(window_samples / (now - window_start), 2),
+                    }
+                )
                 bar.set_postfix(loss=f"{loss:.4f}")
                 window_start, window_samples = now, 0
             if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every == 0:
@@ -156,8 +191,9 @@ class Trainer:
         mean_loss = MeanMetric().to(self.info.device)
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
             plan = compile_plan(self.run.pipeline, device=self.info.device)
-            self._eval_pipeline = SchedulablePipeline(plan.schedule, self.state.streams, plan.executor,
-                                                      state=self.state.for_eval())
+            self._eval_pipeline = SchedulablePipeline(
+                plan.schedule, self.state.streams, plan.executor, state=self.state.for_eval()
+            )
         self.state.model.train(False)
         try:
             it = iter(self.eval_loader)
@@ -169,8 +205,11 @@ class Trainer:
                 auroc.update(torch.sigmoid(result.logits), result.labels.int())
                 mean_loss.update(result.loss)
             per_task = auroc.compute().tolist()
-            return {"eval_loss": float(mean_loss.compute()), "auc": sum(per_task) / num_tasks,
-                    "auc_per_task": [round(a, 5) for a in per_task]}
+            return {
+                "eval_loss": float(mean_loss.compute()),
+                "auc": sum(per_task) / num_tasks,
+                "auc_per_task": [round(a, 5) for a in per_task],
+            }
         finally:
             self.state.model.train(True)
 
