@@ -184,14 +184,8 @@ class Window:
 
 
 def run_config(plan: str, batch_size: int, num_batches: int, extra: tuple[str, ...] = ()) -> Any:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from recsys_pipe.testing import load_run
 
-    from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
-    from recsys_pipe.config import load_run_config
-
-    register_schemas()
-    GlobalHydra.instance().clear()
     overrides = [
         f"pipeline={plan}",
         "trainer.progress_bar=false",
@@ -205,14 +199,13 @@ def run_config(plan: str, batch_size: int, num_batches: int, extra: tuple[str, .
         f"data.num_batches={num_batches}",
         *extra,
     ]
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return load_run_config(compose("config", overrides=overrides))
+    return load_run(*overrides)
 
 
 def run_engine_plan(run: Any, info: Any, batches: list, make_window: Callable[..., Window]) -> Window:
-    from recsys_pipe.train import Trainer
+    from recsys_pipe.train import Trainer, training_plan
 
-    trainer = Trainer(run, info)
+    trainer = Trainer(run, training_plan(run), info)
     try:
         window = make_window(trainer.pipeline.progress, lambda result: result.loss)
         trainer.pipeline.progress = window  # instance attribute: fit() calls it per step
@@ -254,10 +247,9 @@ _SPECS: dict = {}
 
 def _spec(run: Any, info: Any) -> Any:
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.train import data_config
 
     if "spec" not in _SPECS:
-        _SPECS["spec"] = make_dataloader(data_config(run), info.rank, info.world_size).dataset.spec
+        _SPECS["spec"] = make_dataloader(run.data, info.rank, info.world_size).dataset.spec
     return _SPECS["spec"]
 
 
@@ -283,7 +275,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.train import data_config, init_distributed
+    from recsys_pipe.train import init_distributed
 
     info = init_distributed("cpu", "gloo")
     rank, world = info.rank, info.world_size
@@ -291,7 +283,7 @@ def main() -> None:
     total = args.warmup + args.steps + TAIL
     runs = {plan: run_config(plan, args.batch_size, total) for plan in ENGINE_PLANS}
     runs[TORCHREC] = runs["serial"]  # build_model reads model/optimizer/seed, identical in every plan
-    batches = list(make_dataloader(data_config(runs["serial"]), rank, world))  # data loading is not timed
+    batches = list(make_dataloader(runs["serial"].data, rank, world))  # data loading is not timed
     assert len(batches) == total, (len(batches), total)
 
     def make_window(timer: TaskTimer | None = None):

@@ -47,6 +47,29 @@ def test_prints_the_resolved_plan(tmp_path, capsys):
     assert (tmp_path / "plan.txt").read_text().startswith("plan: hstu_prefetch")
 
 
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize("pipeline", ["serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch"])
+@pytest.mark.parametrize("thread_map", ["hstu_default", "by_stream", "per_task"])
+def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline, thread_map):
+    """The plans are Hydra derivations of one task set (serial <- sparse_dist <- hstu_sparse_dist <-
+    hstu_prefetch); each must compile to exactly the schedule it printed as a stand-alone file."""
+    assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}") == 0
+    expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()
+    assert (tmp_path / "plan.txt").read_text() == expected
+
+
+def test_derived_plans_restate_only_what_differs():
+    from recsys_pipe.cli._hydra import CONF_DIR
+
+    texts = {p.stem: p.read_text() for p in (CONF_DIR / "pipeline").glob("*.yaml")}
+    assert texts["serial"].count("fn: ") == 9  # the one full task set
+    assert texts["sparse_dist"].count("fn: ") == 0 and "- serial" in texts["sparse_dist"]
+    assert texts["hstu_sparse_dist"].count("fn: ") == 0 and "- sparse_dist" in texts["hstu_sparse_dist"]
+    assert texts["hstu_prefetch"].count("fn: ") == 1 and "- hstu_sparse_dist" in texts["hstu_prefetch"]
+
+
 def test_overrides_show_in_output_and_saved_config(tmp_path, capsys):
     assert plan(tmp_path, "thread_map=per_task", "pipeline.tasks.h2d.lookahead=3") == 0
     out = capsys.readouterr().out

@@ -54,7 +54,6 @@ def test_single_process_run_writes_run_dir(tmp_path):
 @pytest.mark.parametrize(
     "override, path",
     [
-        ("trainer.dense_ddp=megatron", "trainer.dense_ddp"),
         ("pipeline.tasks.forward.depends_on=[fwd]", "pipeline.tasks.forward.depends_on[0]"),
         ("pipeline.tasks.h2d.fn=recsys_pipe.train.tasks.nope", "pipeline.tasks.h2d.fn"),
         ("trainer.max_steps=0", "trainer.max_steps"),

@@ -6,47 +6,32 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
+from recsys_pipe.cli._hydra import CONF_DIR
+from recsys_pipe.cli.plan import PlanCommandConfig
 from recsys_pipe.config import (
     CompiledPlan,
     ConfigError,
-    PlanCommandConfig,
     PlanConfig,
-    RunConfig,
-    build_pipeline_parts,
     compile_plan,
     firing_table,
     format_path,
     import_fn,
-    load_run_config,
     render_plan,
     structure_only,
 )
 from recsys_pipe.config.resolve import FnResolveError
-from recsys_pipe.engine import (
-    BATCH_CPU,
-    SchedulablePipeline,
-    Schedule,
-    SequentialExecutor,
-    StreamPool,
-    ThreadedExecutor,
-)
+from recsys_pipe.engine import BATCH_CPU, StreamPool
+from recsys_pipe.testing import compose
+from recsys_pipe.train import RunConfig, build_pipeline, load_run_config, training_plan
 
 PIPELINES = sorted(p.stem for p in (CONF_DIR / "pipeline").glob("*.yaml"))
 THREAD_MAPS = sorted(p.stem for p in (CONF_DIR / "thread_map").glob("*.yaml"))
 
 
-def compose_cfg(*overrides: str, config_name: str = "plan"):
-    register_schemas()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides))
-
-
 def compiled(*overrides: str, resolve_fn=structure_only) -> CompiledPlan:
-    run = load_run_config(compose_cfg(*overrides), PlanCommandConfig)
-    return compile_plan(run.pipeline, resolve_fn=resolve_fn)
+    run = load_run_config(compose(*overrides, config_name="plan"), PlanCommandConfig)
+    return training_plan(run, resolve_fn=resolve_fn)
 
 
 def test_required_options_are_shipped():
@@ -72,11 +57,10 @@ def test_shipped_plans_resolve_their_task_functions(pipeline):
 
 
 def test_recsys_train_config_validates_too():
-    run = load_run_config(compose_cfg(config_name="config"))
+    run = load_run_config(compose(config_name="train"))
     assert isinstance(run, RunConfig) and not isinstance(run, PlanCommandConfig)
-    schedule, pool, executor = build_pipeline_parts(run.pipeline, resolve_fn=structure_only)
-    assert isinstance(schedule, Schedule) and isinstance(pool, StreamPool)
-    assert isinstance(executor, ThreadedExecutor)  # default plan hstu_sparse_dist is threaded
+    plan = training_plan(run, resolve_fn=structure_only)
+    assert plan.threaded and plan.config.name == "hstu_sparse_dist"  # the default plan
 
 
 def test_serial_and_pipelined_plans_list_the_same_task_functions():
@@ -88,7 +72,7 @@ def test_serial_and_pipelined_plans_list_the_same_task_functions():
 
 def test_serial_plan_is_one_batch_sequential_default_stream():
     plan = compiled("pipeline=serial")
-    assert isinstance(plan.executor, SequentialExecutor)
+    assert not plan.threaded
     assert plan.graph.in_flight_batches == 1
     assert {t.stream for t in plan.order} == {"default"}
     assert not any(plan.graph.event_waits.values())
@@ -126,7 +110,6 @@ def test_default_thread_map_is_io_compute():
     plan = compiled()
     assert plan.thread_of["h2d"] == "io"
     assert {plan.thread_of[n] for n in plan.thread_of if n != "h2d"} == {"compute"}
-    assert plan.executor.thread_map == dict(plan.thread_of)
 
 
 @pytest.mark.parametrize(
@@ -140,9 +123,8 @@ def test_default_thread_map_is_io_compute():
 )
 def test_thread_map_override_changes_threads(choice, expected):
     plan = compiled("pipeline=hstu_prefetch", f"thread_map={choice}")
+    assert plan.threaded
     assert plan.thread_of == {t.name: expected(t) for t in plan.order}
-    assert isinstance(plan.executor, ThreadedExecutor)
-    assert all(plan.executor.thread_of(t) == expected(t) for t in plan.order)
 
 
 def test_cross_thread_edges_follow_the_thread_map():
@@ -196,13 +178,13 @@ def test_add_and_remove_overrides():
 
 def test_executor_override():
     plan = compiled("pipeline=hstu_sparse_dist", "pipeline.executor=sequential")
-    assert isinstance(plan.executor, SequentialExecutor)
+    assert not plan.threaded
     assert set(plan.thread_of.values()) == {"main"}
 
 
 def test_sparse_dist_is_torchrec_layout_on_one_thread():
     plan = compiled("pipeline=sparse_dist")
-    assert isinstance(plan.executor, SequentialExecutor)
+    assert not plan.threaded
     assert plan.graph.task("h2d").lookahead == 2 and plan.graph.task("start_input_dist").lookahead == 1
 
 
@@ -227,8 +209,8 @@ def _stub(path: str):
 @pytest.mark.parametrize("overrides", [(), ("thread_map=per_task", "pipeline.tasks.h2d.lookahead=3")])
 def test_compiled_plans_run_every_batch_once_in_order(pipeline, overrides):
     plan = compiled(f"pipeline={pipeline}", *overrides, resolve_fn=_stub)
-    schedule, pool, executor = plan.parts
-    with SchedulablePipeline(schedule, pool, executor) as pipe:
+    pool = StreamPool.create(plan.schedule.stream_slots)
+    with build_pipeline(plan, pool, state=None) as pipe:
         batches = iter(range(7))
         results = []
         while True:

@@ -6,33 +6,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torchrec.streamable import Pipelineable
 
+from recsys_pipe.config import ConfigError
 from recsys_pipe.data import (
     ACTION_KEY,
+    DATA_SOURCES,
     ITEM_KEY,
     MASKED_ACTION,
     USER_KEY,
     Batch,
-    DataConfig,
+    MovieLensDataConfig,
     MovieLensDataset,
     SyntheticConfig,
+    SyntheticDataConfig,
     SyntheticSequenceDataset,
     make_dataloader,
-    make_dataset,
     read_ratings,
 )
 
 SMALL = SyntheticConfig(num_items=100, num_users=50, num_clusters=4, num_samples=400)
 
 
-def _cfg(**kw) -> DataConfig:
+def _cfg(**kw) -> SyntheticDataConfig:
     base = {"batch_size": 8, "max_seq_len": 12, "num_candidates": 3, "synthetic": SMALL}
     base.update(kw)
-    return DataConfig(**base)
+    return SyntheticDataConfig(**base)
 
 
-def _batches(cfg: DataConfig, rank: int = 0, world_size: int = 1, n: int = 3) -> list[Batch]:
+def _batches(cfg: SyntheticDataConfig, rank: int = 0, world_size: int = 1, n: int = 3) -> list[Batch]:
     it = iter(make_dataloader(cfg, rank, world_size))
     return [next(it) for _ in range(n)]
 
@@ -49,7 +52,8 @@ def _assert_batches_equal(a: Batch, b: Batch) -> None:
 def test_synthetic_batch_layout(use_user: bool) -> None:
     cfg = _cfg(use_user_feature=use_user)
     batch = _batches(cfg, n=1)[0]
-    spec = make_dataset(cfg).spec
+    spec = cfg.dataset(0, 1).spec
+    assert (spec.num_users > 0) == use_user  # a user table only when batches carry the feature
     kjt = batch.sparse_features.to_dict()
     assert set(kjt) == {ITEM_KEY, ACTION_KEY} | ({USER_KEY} if use_user else set())
     items, actions = kjt[ITEM_KEY], kjt[ACTION_KEY]
@@ -120,11 +124,21 @@ def test_batch_is_pipelineable(monkeypatch: pytest.MonkeyPatch) -> None:
     _assert_batches_equal(pinned, batch)
 
 
-def test_unknown_source_rejected() -> None:
-    with pytest.raises(ValueError, match="unknown data.name"):
-        make_dataset(DataConfig(name="nope"))
-    with pytest.raises(ValueError, match="needs data.path"):
-        make_dataset(DataConfig(name="movielens"))
+def test_sources_are_looked_up_by_name() -> None:
+    assert DATA_SOURCES.config_class("synthetic", "data") is SyntheticDataConfig
+    assert DATA_SOURCES.config_class("movielens", "data") is MovieLensDataConfig
+    with pytest.raises(ConfigError) as info:
+        DATA_SOURCES.config_class("synthetik", "data")
+    assert str(info.value) == (
+        "data.name: unknown data source 'synthetik' (did you mean 'synthetic'?); known: synthetic, movielens"
+    )
+
+
+def test_movielens_needs_an_existing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="no such file"):
+        MovieLensDataConfig(path=str(tmp_path / "missing.dat"))
+    with pytest.raises(ValidationError, match="num_candidates .12. must be < max_seq_len .12."):
+        _cfg(num_candidates=12)
 
 
 def test_num_batches_and_seeded_shuffle() -> None:
@@ -181,7 +195,7 @@ def test_read_ratings_rejects_other_files(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fmt", ["ml-1m", "ml-20m"])
 def test_movielens_sequences(tmp_path: Path, fmt: str) -> None:
-    ds = MovieLensDataset(_write(tmp_path, fmt), max_seq_len=4, num_candidates=1)
+    ds = MovieLensDataset(_write(tmp_path, fmt), max_seq_len=4, num_candidates=1, use_user_feature=True)
     assert ds.spec.num_items == 6 and ds.spec.num_users == 3 and ds.spec.num_tasks == 2
     # user 3 -> one window; user 7 (7 ratings) -> windows [4:8) and [0:3) from the end;
     # user 9 has a single rating, too short for 1 history + 1 candidate.
@@ -203,9 +217,7 @@ def test_movielens_rank_split_and_loader(tmp_path: Path) -> None:
     parts = [MovieLensDataset(path, 4, 1, rank=r, world_size=2) for r in range(2)]
     assert [len(p) for p in parts] == [1, 1]
     assert parts[0][0].sample_id == 0 and parts[1][0].sample_id == 1
-    cfg = DataConfig(
-        name="movielens", path=str(path), batch_size=2, max_seq_len=4, num_candidates=1, use_user_feature=True
-    )
+    cfg = MovieLensDataConfig(path=str(path), batch_size=2, max_seq_len=4, num_candidates=1, use_user_feature=True)
     (batch,) = list(make_dataloader(cfg))
     assert batch.sparse_features.keys() == [ITEM_KEY, ACTION_KEY, USER_KEY]
     assert batch.labels.shape == (2, 2)

@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.train_pipeline.tracing import Tracer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_pipe.data import ITEM_KEY, Batch, DataConfig, SyntheticConfig, make_dataloader
-from recsys_pipe.models import HSTUConfig, HSTUModel, embedding_tables
+from recsys_pipe.data import ITEM_KEY, Batch, DataSpec, SyntheticConfig, SyntheticDataConfig, make_dataloader
+from recsys_pipe.models import MODELS, HSTUConfig, embedding_tables
 
 
 @pytest.fixture(autouse=True)
@@ -26,20 +27,10 @@ def _one_intra_op_thread():
 def _setup(use_user: bool = False, relative_bias: bool = True, **data_kw):
     data_kw = {"batch_size": 8, "max_seq_len": 12, "num_candidates": 3, **data_kw}
     synthetic = SyntheticConfig(num_items=100, num_users=50, num_clusters=4)
-    cfg = DataConfig(use_user_feature=use_user, synthetic=synthetic, **data_kw)
+    cfg = SyntheticDataConfig(use_user_feature=use_user, synthetic=synthetic, **data_kw)
     loader = make_dataloader(cfg)
-    spec = loader.dataset.spec
     torch.manual_seed(0)
-    model = HSTUModel(
-        HSTUConfig(
-            num_items=spec.num_items,
-            num_actions=spec.num_actions,
-            num_tasks=spec.num_tasks,
-            num_users=spec.num_users if use_user else 0,
-            max_seq_len=cfg.max_seq_len,
-            relative_bias=relative_bias,
-        )
-    )
+    model = HSTUConfig(max_seq_len=cfg.max_seq_len, relative_bias=relative_bias).build(loader.dataset.spec)
     return model, loader
 
 
@@ -63,7 +54,7 @@ def test_forward_contract(use_user: bool, relative_bias: bool) -> None:
     loss, aux = model(batch)
     n_cand = int(batch.num_candidates.sum())
     assert loss.dim() == 0 and torch.isfinite(loss)
-    assert aux["logits"].shape == aux["labels"].shape == (n_cand, model.cfg.num_tasks)
+    assert aux["logits"].shape == aux["labels"].shape == (n_cand, loader.dataset.spec.num_tasks)
     assert not aux["logits"].requires_grad
     assert int(aux["num_candidates"]) == n_cand
     extra = batch.batch_size if use_user else 0
@@ -76,6 +67,7 @@ def test_forward_contract(use_user: bool, relative_bias: bool) -> None:
 
 def test_candidates_are_scored_independently_and_see_history() -> None:
     model, loader = _setup()
+    num_items = loader.dataset.spec.num_items
     batch = next(iter(loader))
     items = batch.sparse_features[ITEM_KEY].values()
     first_len = int(batch.sparse_features[ITEM_KEY].lengths()[0])
@@ -84,11 +76,11 @@ def test_candidates_are_scored_independently_and_see_history() -> None:
         base = model(batch)[1]["logits"]
         # change the first sample's first candidate: only its own logits may move
         cand = items.clone()
-        cand[first_len - n_c] = (cand[first_len - n_c] + 1) % model.cfg.num_items
+        cand[first_len - n_c] = (cand[first_len - n_c] + 1) % num_items
         moved = model(_with_items(batch, cand))[1]["logits"]
         # change the first sample's first history item: all its candidates move, no one else's
         hist = items.clone()
-        hist[0] = (hist[0] + 1) % model.cfg.num_items
+        hist[0] = (hist[0] + 1) % num_items
         hist_moved = model(_with_items(batch, hist))[1]["logits"]
     assert not torch.allclose(moved[0], base[0])
     torch.testing.assert_close(moved[1:], base[1:], rtol=0, atol=1e-6)
@@ -117,19 +109,22 @@ def test_fx_trace_exposes_ec_input_as_batch_attribute() -> None:
 
 
 def test_tables_share_dim_and_avoid_moduledict_names() -> None:
-    cfg = HSTUConfig(num_items=10, num_actions=3, num_tasks=1, num_users=4)
-    tables = embedding_tables(cfg)
+    cfg = HSTUConfig()
+    tables = embedding_tables(cfg, DataSpec(num_items=10, num_actions=3, num_tasks=1, num_users=4))
     assert {t.embedding_dim for t in tables} == {cfg.embedding_dim}
     assert [t.feature_names for t in tables] == [["item"], ["action"], ["user"]]
-    with pytest.raises(ValueError, match="divisible"):
-        HSTUConfig(num_items=10, num_actions=3, num_tasks=1, embedding_dim=30, num_heads=4)
+    no_user = embedding_tables(cfg, DataSpec(num_items=10, num_actions=3, num_tasks=1, num_users=0))
+    assert [t.feature_names for t in no_user] == [["item"], ["action"]]
+    with pytest.raises(ValidationError, match="embedding_dim .30. is not divisible by num_heads .4."):
+        HSTUConfig(embedding_dim=30, num_heads=4)
+    assert MODELS.config_class("hstu", "model") is HSTUConfig
 
 
 def test_learns_synthetic_structure() -> None:
     """A few seconds of single-process training: loss falls and AUC is well above chance."""
     model, loader = _setup(batch_size=64, max_seq_len=16, num_candidates=4)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    aucs = [BinaryAUROC() for _ in range(model.cfg.num_tasks)]
+    aucs = [BinaryAUROC() for _ in range(loader.dataset.spec.num_tasks)]
     losses = []
     for step, batch in zip(range(100), loader):
         loss, aux = model(batch)

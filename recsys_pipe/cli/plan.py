@@ -14,11 +14,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig
+from pydantic import Field, StrictBool, StrictInt
 
 from recsys_pipe.cli._hydra import hydra_app
-from recsys_pipe.config import PlanCommandConfig, compile_plan, load_run_config, render_plan, structure_only
+from recsys_pipe.config import render_plan, structure_only
+from recsys_pipe.train.config import RunConfig, load_run_config
+from recsys_pipe.train.plan import training_plan
 
-__all__ = ["plan_task", "run", "main"]
+__all__ = ["PlanCommandConfig", "plan_task", "run", "main"]
+
+
+class PlanCommandConfig(RunConfig):
+    """`recsys-plan`'s config: the run config plus the printer's own options (conf/plan.yaml)."""
+
+    plot: StrictBool = Field(False, description="also draw plan_timing.png and plan_dag.png into the run dir")
+    check_fns: StrictBool = Field(True, description="import every task fn (false: check the structure only)")
+    num_batches: StrictInt = Field(4, ge=1, le=64, description="batches drawn in the timing table")
 
 
 def _output_dir() -> Path | None:
@@ -32,7 +43,7 @@ def _output_dir() -> Path | None:
 def plan_task(cfg: DictConfig) -> None:
     """Validate, compile, print; write plan.txt (+ PNGs with plot=true) into the run dir."""
     run_cfg = load_run_config(cfg, PlanCommandConfig)
-    plan = compile_plan(run_cfg.pipeline, resolve_fn=None if run_cfg.check_fns else structure_only)
+    plan = training_plan(run_cfg, resolve_fn=None if run_cfg.check_fns else structure_only)
     text = render_plan(plan, run_cfg.num_batches)
     print(text)
     out = _output_dir()

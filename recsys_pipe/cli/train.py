@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from recsys_pipe.cli._hydra import hydra_app
-from recsys_pipe.config import ConfigError, ConfigProblem, compile_plan, load_run_config
+from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.train.config import load_run_config
+from recsys_pipe.train.plan import training_plan
 
 __all__ = ["train_task", "run", "main"]
 
@@ -43,20 +45,13 @@ def _setup_logging(rank: int, run_dir: str) -> None:
 
 def train_task(cfg: DictConfig) -> None:
     run = load_run_config(cfg)
-    compile_plan(run.pipeline)  # the plan and its task functions, checked before any group starts
+    plan = training_plan(run)  # compiled once, task functions imported, before any group starts
     from recsys_pipe.train.distributed import resolve_device
 
     try:
-        device = resolve_device(run.trainer.device)
+        resolve_device(run.trainer.device)
     except RuntimeError as exc:
         raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
-    if run.trainer.dense_ddp == "megatron":
-        why = (
-            "megatron-core DDP needs CUDA (its gradient buffers are CUDA-only)"
-            if device.type != "cuda"
-            else "megatron-core DDP is not wired into the trainer yet (it needs a GPU to build and verify)"
-        )
-        raise ConfigError(ConfigProblem("trainer.dense_ddp", f"{why}; use trainer.dense_ddp=torch"))
 
     import torch.distributed as dist
 
@@ -79,7 +74,7 @@ def train_task(cfg: DictConfig) -> None:
                 info.device,
                 info.backend,
             )
-        trainer = Trainer(run, info, run_dir)
+        trainer = Trainer(run, plan, info, run_dir)
         summary = trainer.fit()
         if info.is_main:
             last = summary.evals[-1] if summary.evals else {}

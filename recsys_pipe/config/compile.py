@@ -1,4 +1,4 @@
-"""Compile a validated plan (`PlanConfig`) into the engine's Schedule, StreamPool and executor.
+"""Compile a validated plan (`PlanConfig`) into the engine's dependency graph and thread assignment.
 
 Why a separate compile step: the pydantic models check each value in isolation; whether the
 plan *as a whole* makes sense (names refer to real tasks and streams, no cycles, no future
@@ -29,17 +29,14 @@ from recsys_pipe.engine import (
     Problem,
     Schedule,
     ScheduleValidationError,
-    SequentialExecutor,
     Stage,
-    StreamPool,
     Task,
-    ThreadedExecutor,
     compile_dependencies,
     cpu_edges,
     resolve_thread_map,
 )
 
-__all__ = ["CompiledPlan", "CpuEdge", "compile_plan", "build_pipeline_parts", "plan_from_any", "thread_assignment"]
+__all__ = ["CompiledPlan", "CpuEdge", "compile_plan", "plan_from_any", "thread_assignment"]
 
 DEFAULT_STREAM = "default"
 
@@ -61,20 +58,21 @@ class CpuEdge:
 
 @dataclass(frozen=True)
 class CompiledPlan:
-    """A plan compiled for the engine, plus what `recsys-plan` shows about it."""
+    """A validated plan compiled for the engine, plus what `recsys-plan` shows about it.
+
+    Compiled once per run and handed forward: the trainer builds its training and evaluation
+    pipelines from the same object. It holds declarations only; the runtime objects (streams,
+    worker threads) are created by the layer that runs the plan.
+    """
 
     config: PlanConfig
-    schedule: Schedule
-    stream_pool: StreamPool
-    executor: SequentialExecutor | ThreadedExecutor
     graph: DependencyGraph
     #: task name -> CPU thread id (what the threaded executor uses; "main" when sequential).
     thread_of: Mapping[str, str]
 
     @property
-    def parts(self) -> tuple[Schedule, StreamPool, SequentialExecutor | ThreadedExecutor]:
-        """(schedule, stream_pool, executor): what `SchedulablePipeline` takes."""
-        return self.schedule, self.stream_pool, self.executor
+    def schedule(self) -> Schedule:
+        return self.graph.schedule
 
     @property
     def order(self) -> tuple[Task, ...]:
@@ -82,7 +80,7 @@ class CompiledPlan:
 
     @property
     def threaded(self) -> bool:
-        return isinstance(self.executor, ThreadedExecutor)
+        return self.config.executor == "threaded"
 
     def fn_paths(self) -> dict[str, str]:
         """task name -> `fn` import path, in topological order."""
@@ -131,18 +129,11 @@ def thread_assignment(plan: PlanConfig, tasks: Sequence[Task]) -> dict[str, str]
     return {t.name: plan.tasks[t.name].thread or str(base(t)) for t in tasks}
 
 
-def compile_plan(
-    plan: Any,
-    *,
-    resolve_fn: ResolveFn | None = None,
-    device: Any = None,
-    prefix: str = "pipeline",
-) -> CompiledPlan:
+def compile_plan(plan: Any, *, resolve_fn: ResolveFn | None = None, prefix: str = "pipeline") -> CompiledPlan:
     """Validate and compile a plan; raise ConfigError listing every problem with its path.
 
     resolve_fn: how `fn` paths become functions; default imports them (`import_fn`), pass
-    `structure_only` to compile without importing task code. device: for the StreamPool (CUDA
-    streams on a CUDA device, no-op streams otherwise). prefix: config path of the plan node.
+    `structure_only` to compile without importing task code. prefix: config path of the plan node.
     """
     cfg = plan_from_any(plan, prefix)
     resolve = resolve_fn or import_fn
@@ -174,21 +165,11 @@ def compile_plan(
         raise ConfigError(problems + [p for p in engine if p.path not in own])
     assert graph is not None
 
-    stream_pool = StreamPool.create(stream_slots, device=device)
     if cfg.executor == "threaded":
         thread_of = thread_assignment(cfg, graph.order)
-        executor: SequentialExecutor | ThreadedExecutor = ThreadedExecutor(thread_map=dict(thread_of))
     else:
         thread_of = {t.name: "main" for t in graph.order}
-        executor = SequentialExecutor()
-    return CompiledPlan(cfg, graph.schedule, stream_pool, executor, graph, thread_of)
-
-
-def build_pipeline_parts(
-    plan_cfg: Any, *, resolve_fn: ResolveFn | None = None, device: Any = None
-) -> tuple[Schedule, StreamPool, SequentialExecutor | ThreadedExecutor]:
-    """(schedule, stream_pool, executor) for `SchedulablePipeline`, from the `pipeline` config."""
-    return compile_plan(plan_cfg, resolve_fn=resolve_fn, device=device).parts
+    return CompiledPlan(cfg, graph, thread_of)
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -231,12 +212,11 @@ def _check_references(cfg: PlanConfig, prefix: str, streams: tuple[str, ...], pr
 def _check_thread_map(tm: ThreadMapConfig, cfg: PlanConfig, prefix: str, problems: list[ConfigProblem]) -> None:
     names = list(cfg.tasks)
     for task in tm.map:
-        if task not in cfg.tasks and task not in tm.absent_ok:
+        if task not in cfg.tasks:
             problems.append(
                 ConfigProblem(
                     f"{prefix}.thread_map.map.{task}",
-                    f"unknown task '{task}'{suggest(task, names)} (known: {', '.join(names)}; list tasks that may "
-                    f"be absent from a plan in {prefix}.thread_map.absent_ok)",
+                    f"unknown task '{task}'{suggest(task, names)} (known: {', '.join(names)})",
                 )
             )
 

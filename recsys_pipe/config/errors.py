@@ -107,7 +107,7 @@ def problems_from_validation_error(
             if valid:
                 message += f"; valid keys: {', '.join(valid)}"
         elif kind == "missing":
-            message = "missing required key"
+            message = "missing list item" if loc and isinstance(loc[-1], int) else "missing required key"
         else:
             message = _message(err)
         problems.append(ConfigProblem(path, message))

@@ -1,12 +1,11 @@
-"""Turn the Hydra-composed config into validated pydantic models.
+"""Turn the Hydra-composed config into validated pydantic sections.
 
-Shared by `recsys-plan` and `recsys-train`: both call `load_run_config(cfg)` first, so both
-refuse exactly the same configs with exactly the same messages.
+Shared by `recsys-plan` and `recsys-train` (through `recsys_pipe.train.config.load_run_config`),
+so both refuse exactly the same configs with exactly the same messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -14,9 +13,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from recsys_pipe.config.errors import ConfigError, ConfigProblem, problems_from_validation_error
-from recsys_pipe.config.schema import RunConfig
 
-__all__ = ["to_container", "load_run_config"]
+__all__ = ["to_container", "validate_section"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -35,19 +33,14 @@ def to_container(cfg: Any, prefix: str = "") -> Any:
         raise ConfigError(ConfigProblem(_join(prefix, getattr(exc, "full_key", "") or ""), message)) from None
 
 
-def load_run_config(cfg: Any, model: type[M] = RunConfig) -> M:  # type: ignore[assignment]
-    """Validate the whole composed config (DictConfig or mapping) into `model` (RunConfig).
-
-    Raises ConfigError with one problem per field error. This checks shapes and values only;
-    `compile_plan(run.pipeline)` checks the plan as a schedule.
-    """
-    data = to_container(cfg)
-    if isinstance(data, Mapping):
-        data = {k: v for k, v in data.items() if k != "hydra"}
+def validate_section(model: type[M], data: Any, prefix: str = "") -> M:
+    """`model.model_validate(data)` with every error reported as a ConfigError problem whose path
+    starts with `prefix` (the section's place in the run config, e.g. `data`)."""
+    data = to_container(data, prefix)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(problems_from_validation_error(exc, model)) from None
+        raise ConfigError(problems_from_validation_error(exc, model, prefix.split(".") if prefix else ())) from None
 
 
 def _join(prefix: str, key: str) -> str:

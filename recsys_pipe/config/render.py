@@ -43,7 +43,7 @@ class FiringTable:
 
 
 def firing_table(plan: CompiledPlan, num_batches: int = 4) -> FiringTable:
-    """The firing mask of SPEC §3 (`L - k <= i < M + L - k`, batch `i - L + k`) per row."""
+    """The firing mask (`L - k <= i < M + L - k`, batch `i - L + k`) per row."""
     L, M = plan.graph.max_lookahead, num_batches
     iterations = range(M + L)
     phases = tuple("prefill" if i < L and i < M else "drain" if i >= M else "steady" for i in iterations)

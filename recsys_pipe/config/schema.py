@@ -1,13 +1,15 @@
-"""Pydantic models of the run config and of the plan (the `pipeline:` node).
+"""Pydantic models of the plan (the `pipeline:` node) and `Section`, the base of every config.
 
 Why pydantic: the user's whole interface is YAML plus command-line overrides, so every value is
-checked here, with a path, before anything is built. Every model forbids unknown keys, so a
-typo (`lookahed: 3`) is an error instead of a silently ignored setting. Types are strict where
-a silent coercion would hide a mistake (`lookahead: 1.5`, `nccl: "yes"`).
+checked, with a path, before anything is built. Every section forbids unknown keys, so a typo
+(`lookahed: 3`) is an error instead of a silently ignored setting. Types are strict where a
+silent coercion would hide a mistake (`lookahead: 1.5`, `nccl: "yes"`).
 
-These models only describe shapes and value ranges. Cross-references (unknown task or stream
-names) and the engine's schedule rules are checked by `recsys_pipe.config.compile`, which
-reports them with the same `path: message` format.
+Each component owns its config next to its code (data sources in `recsys_pipe.data`, models in
+`recsys_pipe.models`, optimizers and the trainer in `recsys_pipe.train`); they all derive from
+`Section`. These plan models only describe shapes and value ranges; cross-references (unknown
+task or stream names) and the engine's schedule rules are checked by `recsys_pipe.config.compile`,
+which reports them with the same `path: message` format.
 """
 
 from __future__ import annotations
@@ -28,22 +30,17 @@ from pydantic import (
 __all__ = [
     "Slot",
     "CrossIterDep",
+    "Section",
     "TaskConfig",
     "ThreadMapConfig",
     "PlanConfig",
-    "ModelConfig",
-    "DataConfig",
-    "OptimizerConfig",
-    "SparseOptimizerConfig",
-    "TrainerConfig",
-    "RunConfig",
-    "PlanCommandConfig",
     "TASK_FIELDS",
 ]
 
 
-class _Strict(BaseModel):
-    """Base: unknown keys are errors; values are validated on assignment too."""
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors; values are validated on
+    assignment too. Field descriptions are what `--help` shows for each key."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -81,7 +78,7 @@ CrossIterDep = Annotated[str | tuple[str, int], BeforeValidator(_cross_iter)]
 TaskName = Annotated[StrictStr, Field(min_length=1)]
 
 
-class TaskConfig(_Strict):
+class TaskConfig(Section):
     """One task of the plan. Its name is its key in `pipeline.tasks`."""
 
     fn: StrictStr = Field(description="import path of the task function `fn(ctx) -> None`, e.g. pkg.module.func")
@@ -106,7 +103,7 @@ class TaskConfig(_Strict):
 TASK_FIELDS: tuple[str, ...] = tuple(TaskConfig.model_fields)
 
 
-class ThreadMapConfig(_Strict):
+class ThreadMapConfig(Section):
     """Which CPU thread submits each task (threaded executor only).
 
     strategy:
@@ -118,13 +115,12 @@ class ThreadMapConfig(_Strict):
     """
 
     name: StrictStr | None = Field(None, description="label shown by recsys-plan")
-    strategy: Literal["by_stream", "per_task", "single", "dict"] = "by_stream"
+    strategy: Literal["by_stream", "per_task", "single", "dict"] = Field(
+        "by_stream", description="by_stream | per_task | single | dict (map + default)"
+    )
     map: dict[str, StrictStr] = Field(default_factory=dict, description="strategy=dict: {task: thread}")
     default: StrictStr = Field("default", min_length=1, description="strategy=dict: thread of unlisted tasks")
     thread: StrictStr = Field("main", min_length=1, description="strategy=single: the one thread id")
-    absent_ok: list[StrictStr] = Field(
-        default_factory=list, description="task names `map` may list although the plan lacks them (optional tasks)"
-    )
 
     @model_validator(mode="after")
     def _map_only_with_dict(self) -> ThreadMapConfig:
@@ -133,16 +129,22 @@ class ThreadMapConfig(_Strict):
         return self
 
 
-class PlanConfig(_Strict):
+class PlanConfig(Section):
     """The plan: the tasks of one training iteration and how they are executed."""
 
     name: StrictStr | None = Field(None, description="plan name shown by recsys-plan")
-    description: StrictStr = ""
-    executor: Literal["sequential", "threaded"] = "sequential"
+    description: StrictStr = Field("", description="one line shown by recsys-plan")
+    executor: Literal["sequential", "threaded"] = Field(
+        "sequential", description="sequential: one thread, topological order; threaded: threads from thread_map"
+    )
     streams: list[Annotated[StrictStr, Field(min_length=1)]] = Field(
         default_factory=lambda: ["default"], description="stream names; 'default' is always available"
     )
-    thread_map: ThreadMapConfig = Field(default_factory=ThreadMapConfig)
+    thread_map: ThreadMapConfig = Field(default_factory=ThreadMapConfig, description="CPU thread of each task")
+    torchrec_context: Literal["base", "prefetch"] = Field(
+        "base",
+        description="torchrec pipeline context created per batch: prefetch for plans that prefetch embeddings",
+    )
     tasks: dict[str, TaskConfig] = Field(description="task name -> task; YAML order breaks topological ties")
 
     @model_validator(mode="after")
@@ -150,74 +152,3 @@ class PlanConfig(_Strict):
         if not self.tasks:
             raise ValueError("a plan needs at least one task")
         return self
-
-
-class ModelConfig(BaseModel):
-    """Model choice. Only `name` is fixed here; the model builder validates its own fields."""
-
-    model_config = ConfigDict(extra="allow")
-    name: StrictStr
-
-
-class DataConfig(BaseModel):
-    """Data source choice. Only `name` is fixed here; the data builder validates its own fields."""
-
-    model_config = ConfigDict(extra="allow")
-    name: StrictStr
-
-
-class SparseOptimizerConfig(_Strict):
-    """Optimizer fused into the sharded embedding tables (torchrec/fbgemm)."""
-
-    name: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
-    lr: float = Field(0.01, gt=0)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-
-
-class OptimizerConfig(_Strict):
-    """Dense optimizer plus the fused sparse (embedding) optimizer."""
-
-    name: Literal["sgd", "adam", "adamw", "adagrad"] = "adam"
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    momentum: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    sparse: SparseOptimizerConfig = Field(default_factory=SparseOptimizerConfig)
-
-
-class TrainerConfig(_Strict):
-    """Training-loop settings."""
-
-    max_steps: StrictInt | None = Field(100, ge=1, description="stop after this many steps (null: whole dataset)")
-    log_every: StrictInt = Field(10, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    eval_every: StrictInt = Field(0, ge=0, description="evaluate every N steps, and before step 1 (0: never)")
-    eval_batches: StrictInt = Field(8, ge=0, description="held-out batches per rank for evaluation")
-    progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
-    output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
-    dense_ddp: Literal["torch", "megatron"] = Field(
-        "torch", description="data parallelism of the dense part: torch DDP, or megatron-core DDP (CUDA only)"
-    )
-
-
-class RunConfig(_Strict):
-    """Everything `recsys-train` needs, as composed by Hydra from conf/config.yaml."""
-
-    pipeline: PlanConfig
-    model: ModelConfig
-    data: DataConfig
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    seed: StrictInt = 0
-    debug: StrictBool = False
-
-
-class PlanCommandConfig(RunConfig):
-    """`recsys-plan`'s config: the run config plus the printer's own options (conf/plan.yaml)."""
-
-    plot: StrictBool = False
-    check_fns: StrictBool = True
-    num_batches: StrictInt = Field(4, ge=1, le=64)

@@ -1,78 +1,94 @@
-"""Build the per-rank DataLoader of `Batch` from a plain config."""
+"""The per-rank DataLoader of `Batch`es, and `DataConfig`, the base of every data source's config.
+
+A data source is a `DataConfig` subclass next to its dataset (`SyntheticDataConfig`,
+`MovieLensDataConfig`), registered by name in `recsys_pipe.data.registry`. The subclass builds
+the rank's dataset; this module turns it into batches the same way for every source.
+"""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from recsys_pipe.data.batch import collate
-from recsys_pipe.data.movielens import MovieLensDataset
-from recsys_pipe.data.synthetic import SyntheticConfig, SyntheticSequenceDataset
+from recsys_pipe.config import Section
 
-SequenceDataset = SyntheticSequenceDataset | MovieLensDataset
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Data source and batch shape (field names mirror the YAML `data` group).
-
-    `name` is `"synthetic"` (the embedded default) or `"movielens"` (needs `path`).
-    `num_batches` caps the batches per rank (`None`: the whole per-rank share).
-    `max_seq_len` counts item tokens (history + candidates) per sample; the optional `user`
-    contextual token is extra. Batches are `drop_last` so every rank trains the same number
-    of equally sized batches (a rank with one batch more would hang the collectives).
-    """
-
-    name: str = "synthetic"
-    path: str | None = None
-    batch_size: int = 32
-    num_batches: int | None = None
-    seed: int = 0
-    max_seq_len: int = 32
-    num_candidates: int = 4
-    use_user_feature: bool = False
-    shuffle: bool = False
-    num_workers: int = 0
-    pin_memory: bool = False
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+__all__ = ["DataConfig", "SequenceDataConfig", "make_dataloader"]
 
 
-def make_dataset(cfg: DataConfig, rank: int = 0, world_size: int = 1) -> SequenceDataset:
-    """This rank's disjoint share of the configured source; `.spec` sizes the model."""
-    if cfg.name == "synthetic":
-        return SyntheticSequenceDataset(cfg.synthetic, cfg.seed, cfg.max_seq_len, cfg.num_candidates, rank, world_size)
-    if cfg.name == "movielens":
-        if cfg.path is None:
-            raise ValueError("data.name=movielens needs data.path (ratings.dat or ratings.csv)")
-        return MovieLensDataset(cfg.path, cfg.max_seq_len, cfg.num_candidates, rank, world_size)
-    raise ValueError(f"unknown data.name {cfg.name!r}; expected 'synthetic' or 'movielens'")
+class DataConfig(Section):
+    """Batch shape and loading, shared by every data source (`data.*`)."""
+
+    name: StrictStr = Field(description="data source: a name registered in recsys_pipe.data.registry")
+    batch_size: StrictInt = Field(32, ge=1, description="samples per batch per rank")
+    num_batches: StrictInt | None = Field(
+        None, ge=1, description="training batches per rank (null: the whole share of the data)"
+    )
+    seed: StrictInt = Field(0, description="data seed (synthetic world, shuffling)")
+    shuffle: StrictBool = Field(False, description="shuffle the training samples (seeded by data.seed)")
+    num_workers: StrictInt = Field(0, ge=0, description="DataLoader worker processes")
+    pin_memory: StrictBool = Field(False, description="pin host batches (CUDA: asynchronous host-to-device copies)")
+
+    def dataset(self, rank: int, world_size: int) -> Dataset:
+        """This rank's disjoint share of the source; `.spec` (a `DataSpec`) sizes the model."""
+        raise NotImplementedError(f"data source '{self.name}' does not build a dataset")
+
+    def collate_fn(self) -> Callable[[list], Any]:
+        """Turns a list of samples into one batch."""
+        raise NotImplementedError(f"data source '{self.name}' has no collate function")
+
+
+class SequenceDataConfig(DataConfig):
+    """Sources of user interaction sequences (`Sample` -> `Batch`)."""
+
+    max_seq_len: StrictInt = Field(32, ge=2, description="max item tokens per sample (history + candidates)")
+    num_candidates: StrictInt = Field(4, ge=1, description="trailing tokens of each sample that are ranked")
+    use_user_feature: StrictBool = Field(False, description="add the user id as a contextual token")
+
+    @field_validator("num_candidates")
+    @classmethod
+    def _candidates_fit(cls, num_candidates: int, info: ValidationInfo) -> int:
+        max_seq_len = info.data.get("max_seq_len")
+        if isinstance(max_seq_len, int) and num_candidates >= max_seq_len:
+            raise ValueError(
+                f"num_candidates ({num_candidates}) must be < max_seq_len ({max_seq_len}): "
+                "a sample needs at least one history token"
+            )
+        return num_candidates
+
+    def collate_fn(self) -> Callable[[list], Any]:
+        from functools import partial
+
+        from recsys_pipe.data.batch import collate
+
+        return partial(collate, use_user_feature=self.use_user_feature)
 
 
 def make_dataloader(
     cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train", num_batches: int | None = None
 ) -> DataLoader:
-    """DataLoader of `Batch` for one rank (`loader.dataset.spec` sizes the model).
+    """DataLoader of batches for one rank (`loader.dataset.spec` sizes the model).
 
-    `split="train"` reads this rank's share from its start (`cfg.num_batches` batches, or
-    all); `split="eval"` reads `num_batches` held-out batches from the end of the share, so
-    evaluation never sees a training sample while the world (clusters, chains) is the same.
-    Shuffling, if on, is seeded by `cfg.seed`: the batch order is reproducible too.
+    `split="train"` reads this rank's share from its start (`cfg.num_batches` batches, or all);
+    `split="eval"` reads `num_batches` held-out batches from the end of the share, so evaluation
+    never sees a training sample. Shuffling, if on, is seeded by `cfg.seed`: the batch order is
+    reproducible too. Batches are `drop_last` so every rank trains the same number of equally
+    sized batches (a rank with one batch more would hang the collectives).
     """
-    dataset = make_dataset(cfg, rank, world_size)
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    dataset = cfg.dataset(rank, world_size)
     batches = cfg.num_batches if split == "train" else num_batches
     if split == "eval" and batches is None:
         raise ValueError("split='eval' needs num_batches")
     num_samples = len(dataset) if batches is None else batches * cfg.batch_size
     if num_samples > len(dataset):
         raise ValueError(
-            f"{batches} batches x batch_size={cfg.batch_size} exceeds the "
-            f"{len(dataset)} samples of rank {rank}/{world_size}"
+            f"{batches} batches x batch_size={cfg.batch_size} exceeds the {len(dataset)} samples of "
+            f"rank {rank}/{world_size}"
         )
     if split == "eval":
         sampler: Iterable[int] = range(len(dataset) - num_samples, len(dataset))
@@ -88,5 +104,5 @@ def make_dataloader(
         drop_last=True,
         num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory,
-        collate_fn=functools.partial(collate, use_user_feature=cfg.use_user_feature),
+        collate_fn=cfg.collate_fn(),
     )

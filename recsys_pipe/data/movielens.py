@@ -14,14 +14,20 @@ loads in a few seconds, ml-20m in a minute or so.
 from __future__ import annotations
 
 import csv
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
+from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.data.batch import Sample
+from recsys_pipe.data.loader import SequenceDataConfig
 from recsys_pipe.data.spec import DataSpec
+
+__all__ = ["MovieLensDataConfig", "MovieLensDataset", "read_ratings"]
 
 Rating = tuple[int, int, float, int]
 """(user id, movie id, rating, unix timestamp) as found in the file."""
@@ -58,6 +64,27 @@ def _user_sequences(ratings: Sequence[Rating]) -> tuple[dict[int, list[Rating]],
     return by_user, movie_index, user_index
 
 
+class MovieLensDataConfig(SequenceDataConfig):
+    """`data=movielens`: a MovieLens ratings file (`data.path`, ratings.dat or ratings.csv)."""
+
+    name: Literal["movielens"] = "movielens"
+    path: StrictStr = Field(description="MovieLens ratings.dat (ml-1m) or ratings.csv (ml-20m/25m)")
+
+    @field_validator("path")
+    @classmethod
+    def _readable_file(cls, path: str) -> str:
+        if not os.path.isfile(path):
+            raise ValueError(f"no such file: {path}")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"file is not readable: {path}")
+        return path
+
+    def dataset(self, rank: int, world_size: int) -> MovieLensDataset:
+        return MovieLensDataset(
+            self.path, self.max_seq_len, self.num_candidates, rank, world_size, use_user_feature=self.use_user_feature
+        )
+
+
 class MovieLensDataset(Dataset[Sample]):
     """This rank's share of the MovieLens windows (rank `r` of `w` gets every w-th window).
 
@@ -67,6 +94,7 @@ class MovieLensDataset(Dataset[Sample]):
         num_candidates: trailing ratings of each window that are ranking candidates.
         thresholds: one binary task per threshold, positive when `rating >= threshold`.
         min_history: windows with fewer history ratings are dropped.
+        use_user_feature: whether batches carry the user id (the spec then sizes a user table).
     """
 
     def __init__(
@@ -78,6 +106,7 @@ class MovieLensDataset(Dataset[Sample]):
         world_size: int = 1,
         thresholds: Sequence[float] = (4.0, 5.0),
         min_history: int = 1,
+        use_user_feature: bool = False,
     ) -> None:
         if not 0 < num_candidates < max_seq_len:
             raise ValueError(f"need 0 < num_candidates ({num_candidates}) < max_seq_len ({max_seq_len})")
@@ -91,7 +120,7 @@ class MovieLensDataset(Dataset[Sample]):
             num_items=len(movie_index),
             num_actions=NUM_ACTIONS,
             num_tasks=len(self.thresholds),
-            num_users=len(user_index),
+            num_users=len(user_index) if use_user_feature else 0,
         )
         min_len = num_candidates + min_history
         self._windows: list[tuple[int, list[Rating]]] = []

@@ -10,7 +10,7 @@ class DataSpec:
     """Sizes a model needs to match a data source (ids are in `[0, num_*)`).
 
     `num_actions` includes the masked action id 0 used for candidate tokens;
-    `num_users` sizes the optional contextual `user` table.
+    `num_users` sizes the contextual `user` table; 0 when the batches carry no user feature.
     """
 
     num_items: int

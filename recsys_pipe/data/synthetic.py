@@ -16,28 +16,58 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field, StrictInt, ValidationInfo, field_validator
 from torch.utils.data import Dataset
 
+from recsys_pipe.config import Section
 from recsys_pipe.data.batch import Sample
+from recsys_pipe.data.loader import SequenceDataConfig
 from recsys_pipe.data.spec import DataSpec
 
+__all__ = ["SyntheticConfig", "SyntheticDataConfig", "SyntheticSequenceDataset"]
 
-@dataclass(frozen=True)
-class SyntheticConfig:
-    """Parameters of the synthetic world (sequence shape comes from the loader)."""
 
-    num_items: int = 1000
-    num_users: int = 1000
-    num_clusters: int = 8
-    num_tasks: int = 2
-    num_samples: int = 1_000_000
-    min_seq_len: int = 8
-    chain_prob: float = 0.8
-    affinity_scale: float = 2.5
-    quality_scale: float = 1.0
+class SyntheticConfig(Section):
+    """Parameters of the synthetic world (`data.synthetic.*`; sequence shape is in `data.*`)."""
+
+    num_items: StrictInt = Field(1000, ge=2, description="item vocabulary")
+    num_users: StrictInt = Field(1000, ge=1, description="user vocabulary")
+    num_clusters: StrictInt = Field(8, ge=1, description="user/item clusters with their own transition chains")
+    num_tasks: StrictInt = Field(2, ge=1, le=8, description="binary engagement tasks (labels per candidate)")
+    num_samples: StrictInt = Field(1_000_000, ge=1, description="samples over all ranks")
+    min_seq_len: StrictInt = Field(8, ge=2, description="shortest sequence (raised to num_candidates + 1)")
+    chain_prob: float = Field(0.8, ge=0, le=1, description="probability that the next item follows the chain")
+    affinity_scale: float = Field(2.5, ge=0, description="weight of the cluster affinity in the label logits")
+    quality_scale: float = Field(1.0, ge=0, description="weight of the per-item quality in the label logits")
+
+    @field_validator("num_clusters")
+    @classmethod
+    def _clusters_have_items(cls, num_clusters: int, info: ValidationInfo) -> int:
+        num_items = info.data.get("num_items")
+        if isinstance(num_items, int) and num_clusters > num_items:
+            raise ValueError(f"num_clusters ({num_clusters}) must be <= num_items ({num_items})")
+        return num_clusters
+
+
+class SyntheticDataConfig(SequenceDataConfig):
+    """`data=synthetic`: learnable user histories generated on the fly (no download)."""
+
+    name: Literal["synthetic"] = "synthetic"
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="the generated world")
+
+    def dataset(self, rank: int, world_size: int) -> SyntheticSequenceDataset:
+        return SyntheticSequenceDataset(
+            self.synthetic,
+            self.seed,
+            self.max_seq_len,
+            self.num_candidates,
+            rank,
+            world_size,
+            use_user_feature=self.use_user_feature,
+        )
 
 
 class _World:
@@ -68,6 +98,7 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         max_seq_len: max item tokens per sample (history + candidates).
         num_candidates: trailing tokens of each sample that are ranking candidates.
         rank, world_size: which disjoint share of the global samples this dataset serves.
+        use_user_feature: whether batches carry the user id (the spec then sizes a user table).
     """
 
     def __init__(
@@ -78,6 +109,7 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         num_candidates: int,
         rank: int = 0,
         world_size: int = 1,
+        use_user_feature: bool = False,
     ) -> None:
         if not 0 < num_candidates < max_seq_len:
             raise ValueError(f"need 0 < num_candidates ({num_candidates}) < max_seq_len ({max_seq_len})")
@@ -95,7 +127,7 @@ class SyntheticSequenceDataset(Dataset[Sample]):
             num_items=cfg.num_items,
             num_actions=2**cfg.num_tasks + 1,
             num_tasks=cfg.num_tasks,
-            num_users=cfg.num_users,
+            num_users=cfg.num_users if use_user_feature else 0,
         )
 
     def __len__(self) -> int:

@@ -20,18 +20,22 @@ independently of each other. The multi-task head reads the candidate tokens of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 import torch.nn.functional as F
+from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validator
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
+from recsys_pipe.config import ConfigProblem
+from recsys_pipe.data import DataConfig, DataSpec, SequenceDataConfig
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Batch
+from recsys_pipe.models.base import ModelConfig
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 TIME_BUCKET_WIDTH = 0.301
@@ -39,45 +43,57 @@ TIME_BUCKET_WIDTH = 0.301
 choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
 
 
-@dataclass(frozen=True)
-class HSTUConfig:
-    """Model sizes. Vocabulary sizes come from the data source's `DataSpec`.
+class HSTUConfig(ModelConfig):
+    """`model=hstu_small`: sizes of the HSTU ranker (`model.*`). Vocabulary sizes come from the
+    data source's `DataSpec`."""
 
-    `max_seq_len` counts item tokens (history + candidates) per sample, as in `DataConfig`,
-    and must be at least the data's: it is the static padded attention length, and longer
-    sequences would be cut silently (checking would cost a device sync per step).
-    `num_users > 0` adds the contextual `user` table and one token per sample (the data
-    must then be built with `use_user_feature=True`).
-    """
+    name: Literal["hstu"] = "hstu"
+    embedding_dim: StrictInt = Field(32, ge=1, description="embedding and model width")
+    num_layers: StrictInt = Field(2, ge=1, description="HSTU blocks")
+    num_heads: StrictInt = Field(2, ge=1, description="attention heads (must divide embedding_dim)")
+    max_seq_len: StrictInt = Field(
+        32, ge=2, description="static padded attention length in item tokens; must be >= data.max_seq_len"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on tokens and attention outputs")
+    relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
+    num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
 
-    num_items: int
-    num_actions: int
-    num_tasks: int
-    num_users: int = 0
-    embedding_dim: int = 32
-    num_layers: int = 2
-    num_heads: int = 2
-    max_seq_len: int = 32
-    dropout: float = 0.0
-    relative_bias: bool = True
-    num_time_buckets: int = 64
+    @field_validator("num_heads")
+    @classmethod
+    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
+        dim = info.data.get("embedding_dim")
+        if isinstance(dim, int) and dim % num_heads:
+            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
+        return num_heads
 
-    def __post_init__(self) -> None:
-        if self.embedding_dim % self.num_heads:
-            raise ValueError(f"embedding_dim {self.embedding_dim} not divisible by num_heads {self.num_heads}")
+    def build(self, spec: DataSpec) -> HSTUModel:
+        return HSTUModel(self, spec)
 
-    @property
-    def padded_len(self) -> int:
-        """Attention length N: item tokens plus the contextual token."""
-        return self.max_seq_len + (1 if self.num_users > 0 else 0)
+    def check_data(self, data: DataConfig) -> list[ConfigProblem]:
+        if not isinstance(data, SequenceDataConfig):
+            return [ConfigProblem("data.name", f"model 'hstu' needs a sequence data source, got '{data.name}'")]
+        if data.max_seq_len > self.max_seq_len:
+            return [
+                ConfigProblem(
+                    "data.max_seq_len",
+                    f"{data.max_seq_len} exceeds model.max_seq_len ({self.max_seq_len}), the model's padded "
+                    "attention length: longer sequences would be cut",
+                )
+            ]
+        return []
 
 
-def embedding_tables(cfg: HSTUConfig) -> list[EmbeddingConfig]:
+def padded_len(cfg: HSTUConfig, spec: DataSpec) -> int:
+    """Attention length N: item tokens plus the contextual user token, if the data has one."""
+    return cfg.max_seq_len + (1 if spec.num_users > 0 else 0)
+
+
+def embedding_tables(cfg: HSTUConfig, spec: DataSpec) -> list[EmbeddingConfig]:
     """One table per feature, named `<feature>_table` (`items` would shadow
     `ModuleDict.items`); all share `embedding_dim` (a sharded EC requires it)."""
-    sizes = {ITEM_KEY: cfg.num_items, ACTION_KEY: cfg.num_actions}
-    if cfg.num_users > 0:
-        sizes[USER_KEY] = cfg.num_users
+    sizes = {ITEM_KEY: spec.num_items, ACTION_KEY: spec.num_actions}
+    if spec.num_users > 0:
+        sizes[USER_KEY] = spec.num_users
     return [
         EmbeddingConfig(
             name=f"{feature}_table", embedding_dim=cfg.embedding_dim, num_embeddings=n, feature_names=[feature]
@@ -109,11 +125,11 @@ class RelativeBias(nn.Module):
 class HSTULayer(nn.Module):
     """One HSTU block on jagged tokens; see the module docstring for the equations."""
 
-    def __init__(self, cfg: HSTUConfig) -> None:
+    def __init__(self, cfg: HSTUConfig, max_len: int) -> None:
         super().__init__()
         d = cfg.embedding_dim
         self.num_heads = cfg.num_heads
-        self.max_len = cfg.padded_len
+        self.max_len = max_len
         self.input_norm = nn.LayerNorm(d)
         self.uvqk = nn.Linear(d, 4 * d)
         self.attn_norm = nn.LayerNorm(d)
@@ -145,15 +161,16 @@ class HSTURanker(nn.Module):
     Kept as one module so the FX trace of `HSTUModel` treats it as a leaf.
     """
 
-    def __init__(self, cfg: HSTUConfig) -> None:
+    def __init__(self, cfg: HSTUConfig, spec: DataSpec) -> None:
         super().__init__()
-        self.cfg = cfg
         d = cfg.embedding_dim
+        self.padded_len = padded_len(cfg, spec)
+        self.with_user = spec.num_users > 0
         self.input_dropout = nn.Dropout(cfg.dropout)
-        self.bias = RelativeBias(cfg.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
-        self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.num_layers))
+        self.bias = RelativeBias(self.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
+        self.layers = nn.ModuleList(HSTULayer(cfg, self.padded_len) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(d)
-        self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, cfg.num_tasks))
+        self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, spec.num_tasks))
 
     def forward(
         self,
@@ -167,13 +184,13 @@ class HSTURanker(nn.Module):
         items, actions = embeddings[ITEM_KEY], embeddings[ACTION_KEY]
         tokens = items.values() + actions.values()
         lengths = items.lengths().long()
-        if self.cfg.num_users > 0:
+        if self.with_user:
             tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        mask = _attention_mask(lengths, num_candidates, self.cfg.padded_len)
+        mask = _attention_mask(lengths, num_candidates, self.padded_len)
         bias = None
         if self.bias is not None:
-            padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.cfg.padded_len, 0)
+            padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
             bias = self.bias(padded_ts)
         x = self.input_dropout(tokens)
         for layer in self.layers:
@@ -199,11 +216,10 @@ class HSTUModel(nn.Module):
     per-task losses and the candidate/token counts.
     """
 
-    def __init__(self, cfg: HSTUConfig, device: torch.device | None = None) -> None:
+    def __init__(self, cfg: HSTUConfig, spec: DataSpec, device: torch.device | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.ec = EmbeddingCollection(tables=embedding_tables(cfg), device=device)
-        self.ranker = HSTURanker(cfg)
+        self.ec = EmbeddingCollection(tables=embedding_tables(cfg, spec), device=device)
+        self.ranker = HSTURanker(cfg, spec)
 
     def forward(self, batch: Batch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)

@@ -1,22 +1,31 @@
-"""Training adapter: the torchrec task functions, their shared state, and the training loop."""
+"""Training adapter: the run config, the torchrec task functions, their shared state, the loop."""
 
+from recsys_pipe.train.config import RunConfig, TrainerConfig, load_run_config
 from recsys_pipe.train.distributed import DistInfo, init_distributed, resolve_device, shared_run_dir, teardown
+from recsys_pipe.train.optim import OptimizerConfig, SparseOptimizerConfig
 from recsys_pipe.train.params import local_parameters
+from recsys_pipe.train.plan import training_plan
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
-from recsys_pipe.train.trainer import Trainer, TrainSummary, build_model, data_config
+from recsys_pipe.train.trainer import Trainer, TrainSummary, build_model, build_pipeline
 
 __all__ = [
     "DistInfo",
+    "OptimizerConfig",
+    "RunConfig",
+    "SparseOptimizerConfig",
     "StepResult",
     "TrainState",
     "TrainSummary",
     "Trainer",
+    "TrainerConfig",
     "build_model",
-    "data_config",
+    "build_pipeline",
     "init_distributed",
+    "load_run_config",
     "local_parameters",
     "resolve_device",
     "shared_run_dir",
     "teardown",
+    "training_plan",
 ]

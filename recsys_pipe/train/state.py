@@ -43,13 +43,18 @@ class TrainState:
     optimizer: Any
     device: torch.device
     streams: StreamPool
-    prefetch: bool = False
+    #: the plan's `pipeline.torchrec_context`: "prefetch" for plans that prefetch embeddings
+    torchrec_context: str = "base"
     training: bool = True
     #: called by finalize_model_grads (megatron-core's finalize_model_grads); None with torch
     #: DDP, which all-reduces gradients during backward.
     finalize_grads: Callable[[], None] | None = None
     #: torchrec modules whose forward was split by the model rewrite (set by bootstrap).
     pipelined_modules: list = field(default_factory=list)
+
+    @property
+    def prefetch(self) -> bool:
+        return self.torchrec_context == "prefetch"
 
     @property
     def context_type(self) -> type:
@@ -75,7 +80,7 @@ class TrainState:
         return bool(self.pipelined_modules)
 
     def bootstrap(self, cpu_batch: Any) -> dict[str, Any]:
-        """Rewrite the model on the first batch (SPEC §8) and return that batch's slots.
+        """Rewrite the model on the first batch and return that batch's slots.
 
         torchrec's rewrite FX-traces the model on a real device batch, replaces each sharded
         module's forward by a pipelined one, and needs one input dist started to install the

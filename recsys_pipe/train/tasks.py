@@ -1,4 +1,4 @@
-"""The recommendation-training task functions (SPEC §8), one per stage of a torchrec step.
+"""The recommendation-training task functions, one per stage of a torchrec step.
 
 Each is `fn(ctx)` over its batch's slots (`ctx.slots`) and the shared `TrainState`
 (`ctx.state`), built on torchrec's own pipeline machinery. Plans in conf/pipeline/ reference

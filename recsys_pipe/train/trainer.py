@@ -21,10 +21,11 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MultilabelAUROC
 from tqdm import tqdm
 
-from recsys_pipe.config import RunConfig, compile_plan
-from recsys_pipe.data import DataConfig, SyntheticConfig, make_dataloader
-from recsys_pipe.engine import SchedulablePipeline
-from recsys_pipe.models import HSTUConfig, HSTUModel, make_optimizer, make_sharded_model
+from recsys_pipe.config import CompiledPlan
+from recsys_pipe.data import DataSpec, make_dataloader
+from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
+from recsys_pipe.models import make_optimizer, make_sharded_model
+from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.distributed import DistInfo
 from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
 from recsys_pipe.train.state import TrainState
@@ -52,61 +53,53 @@ class TrainSummary:
         return self.samples / self.seconds if self.seconds else 0.0
 
 
-def data_config(run: RunConfig) -> DataConfig:
-    fields = run.data.model_dump()
-    fields["synthetic"] = SyntheticConfig(**(fields.pop("synthetic", None) or {}))
-    return DataConfig(**fields)
-
-
-def build_model(run: RunConfig, info: DistInfo, spec: Any) -> tuple[torch.nn.Module, Any]:
-    """HSTU with sharded embedding tables; same initial weights on every rank (seeded)."""
-    fields = {k: v for k, v in run.model.model_dump().items() if k not in ("name", "sharding")}
-    use_user = run.data.model_dump().get("use_user_feature", False)
-    cfg = HSTUConfig(
-        num_items=spec.num_items,
-        num_actions=spec.num_actions,
-        num_tasks=spec.num_tasks,
-        num_users=spec.num_users if use_user else 0,
-        **fields,
-    )
+def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[torch.nn.Module, Any]:
+    """The configured model with sharded embedding tables, and its combined optimizer; the same
+    initial weights on every rank (seeded)."""
     torch.manual_seed(run.seed)
     embedding_opt, embedding_kwargs = sparse_optimizer(run.optimizer.sparse)
     model = make_sharded_model(
-        HSTUModel(cfg),
+        run.model.build(spec),
         dist.group.WORLD,
         info.device,
-        sharding_type=run.model.model_dump().get("sharding", "table_wise"),
+        sharding_type=run.model.sharding,
         embedding_optimizer=embedding_opt,
         embedding_optimizer_kwargs=embedding_kwargs,
     )
     return model, make_optimizer(model, dense_optimizer_factory(run.optimizer))
 
 
-class Trainer:
-    """Builds everything from a validated RunConfig (after the process group exists)."""
+def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
+    """A pipeline running `plan` on `streams`, with its own executor (and worker threads)."""
+    executor = ThreadedExecutor(thread_map=dict(plan.thread_of)) if plan.threaded else SequentialExecutor()
+    return SchedulablePipeline(plan.schedule, streams, executor, state=state)
 
-    def __init__(self, run: RunConfig, info: DistInfo, run_dir: str | None = None):
-        self.run, self.info, self.run_dir = run, info, run_dir
-        data_cfg = data_config(run)
-        self.train_loader = make_dataloader(data_cfg, info.rank, info.world_size)
+
+class Trainer:
+    """Builds everything from a validated RunConfig and its compiled plan (after the process
+    group exists): loaders, model, streams, the training pipeline; the evaluation pipeline is
+    derived from the same plan and streams when first needed."""
+
+    def __init__(self, run: RunConfig, plan: CompiledPlan, info: DistInfo, run_dir: str | None = None):
+        self.run, self.plan, self.info, self.run_dir = run, plan, info, run_dir
+        self.train_loader = make_dataloader(run.data, info.rank, info.world_size)
         eval_batches = run.trainer.eval_batches
         self.eval_loader = (
-            make_dataloader(data_cfg, info.rank, info.world_size, split="eval", num_batches=eval_batches)
+            make_dataloader(run.data, info.rank, info.world_size, split="eval", num_batches=eval_batches)
             if eval_batches
             else None
         )
         self.spec = self.train_loader.dataset.spec
         model, optimizer = build_model(run, info, self.spec)
-        train_plan = compile_plan(run.pipeline, device=info.device)
-        names = {t.name for t in train_plan.order}
+        streams = StreamPool.create(plan.schedule.stream_slots, info.device)
         self.state = TrainState(
             model=model,
             optimizer=optimizer,
             device=info.device,
-            streams=train_plan.stream_pool,
-            prefetch="prefetch_embeddings" in names,
+            streams=streams,
+            torchrec_context=plan.config.torchrec_context,
         )
-        self.pipeline = SchedulablePipeline(*train_plan.parts, state=self.state)
+        self.pipeline = build_pipeline(plan, streams, self.state)
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
         self._metrics = (
             open(  # noqa: SIM115 - closed by close()
@@ -190,10 +183,7 @@ class Trainer:
         auroc = MultilabelAUROC(num_labels=num_tasks, average=None).to(self.info.device)
         mean_loss = MeanMetric().to(self.info.device)
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
-            plan = compile_plan(self.run.pipeline, device=self.info.device)
-            self._eval_pipeline = SchedulablePipeline(
-                plan.schedule, self.state.streams, plan.executor, state=self.state.for_eval()
-            )
+            self._eval_pipeline = build_pipeline(self.plan, self.state.streams, self.state.for_eval())
         self.state.model.train(False)
         try:
             it = iter(self.eval_loader)

@@ -34,15 +34,17 @@ def build(results, rng):
     def t(name, **kw):
         return Task.from_fn(name, collective, nccl=True, **kw)
 
-    return Schedule.single_stage([
-        t("shuffle", stream="memcpy", lookahead=2),
-        t("start_dist", stream="data_dist", lookahead=1, depends_on=["shuffle"]),
-        t("wait_dist", stream="data_dist", lookahead=1, depends_on=["start_dist"]),
-        t("tokens", lookahead=0),
-        Task.from_fn("forward", compute, lookahead=0),
-        t("backward", lookahead=0, depends_on=["forward"]),
-        t("finalize", lookahead=0, depends_on=["backward"]),
-    ])
+    return Schedule.single_stage(
+        [
+            t("shuffle", stream="memcpy", lookahead=2),
+            t("start_dist", stream="data_dist", lookahead=1, depends_on=["shuffle"]),
+            t("wait_dist", stream="data_dist", lookahead=1, depends_on=["start_dist"]),
+            t("tokens", lookahead=0),
+            Task.from_fn("forward", compute, lookahead=0),
+            t("backward", lookahead=0, depends_on=["forward"]),
+            t("finalize", lookahead=0, depends_on=["backward"]),
+        ]
+    )
 
 
 def drive(executor, seed):

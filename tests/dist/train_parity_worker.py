@@ -14,13 +14,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
-from recsys_pipe.config import load_run_config
 from recsys_pipe.data import make_dataloader
-from recsys_pipe.train import Trainer, build_model, data_config, init_distributed, local_parameters
+from recsys_pipe.testing import load_run
+from recsys_pipe.train import Trainer, build_model, init_distributed, local_parameters, training_plan
 
 STEPS = 24
 VARIANTS = {
@@ -32,18 +30,29 @@ VARIANTS = {
     "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "pipeline.executor=threaded"],
     "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", "pipeline.executor=threaded", "thread_map=per_task"],
 }
-COMMON = ["optimizer=sgd", "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.device=cpu",
-          "trainer.backend=gloo", "data.batch_size=16", f"data.num_batches={STEPS}", "trainer.max_steps=null"]
+COMMON = [
+    "optimizer=sgd",
+    "trainer.progress_bar=false",
+    "trainer.eval_every=0",
+    "trainer.device=cpu",
+    "trainer.backend=gloo",
+    "data.batch_size=16",
+    f"data.num_batches={STEPS}",
+    "trainer.max_steps=null",
+]
 
 
 def run_config(overrides):
-    register_schemas()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return load_run_config(compose("config", overrides=COMMON + overrides))
+    return load_run(*COMMON, *overrides)
+
+
+def make_trainer(overrides, info):
+    run = run_config(overrides)
+    return Trainer(run, training_plan(run), info)
 
 
 def train_variant(info, overrides, batches):
-    trainer = Trainer(run_config(overrides), info)
+    trainer = make_trainer(overrides, info)
     try:
         summary = trainer.fit(iter(batches), record_steps=True)
         return summary, local_parameters(trainer.state.model)
@@ -53,7 +62,7 @@ def train_variant(info, overrides, batches):
 
 def train_torchrec(info, batches):
     run = run_config(["pipeline=serial"])
-    spec = make_dataloader(data_config(run), info.rank, info.world_size).dataset.spec
+    spec = make_dataloader(run.data, info.rank, info.world_size).dataset.spec
     model, opt = build_model(run, info, spec)
 
     def fwd(batch):
@@ -77,7 +86,7 @@ def main():
     info = init_distributed("cpu", "gloo")
     out = {"variants": {}}
     base = run_config(["pipeline=serial"])
-    loader = make_dataloader(data_config(base), info.rank, info.world_size)
+    loader = make_dataloader(base.data, info.rank, info.world_size)
     batches = list(loader)
     out["loader_ids"] = [b.sample_ids.tolist() for b in batches]
 
@@ -91,7 +100,7 @@ def main():
             "seconds": time.perf_counter() - start,
         }
         if name == "serial":
-            initial_trainer = Trainer(run_config(overrides), info)
+            initial_trainer = make_trainer(overrides, info)
             initial = local_parameters(initial_trainer.state.model)
             initial_trainer.close()
             out["unchanged_by_training"] = [k for k, v in params.items() if torch.equal(v, initial[k])]
@@ -99,26 +108,45 @@ def main():
 
     losses, ids, params = train_torchrec(info, batches)
     out["variants"]["torchrec_TrainPipelineSparseDist"] = {
-        "losses": losses, "sample_ids": ids, "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()}}
+        "losses": losses,
+        "sample_ids": ids,
+        "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()},
+    }
 
     # train -> eval -> train in one session: evaluation between steps must not change training
-    interleaved = Trainer(run_config(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"]), info)
+    interleaved = make_trainer(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"], info)
     try:
         summary = interleaved.fit(iter(batches), record_steps=True)
-        out["interleaved"] = {"losses": summary.losses, "sample_ids": [s.tolist() for s in summary.sample_ids],
-                              "evals": summary.evals}
+        out["interleaved"] = {
+            "losses": summary.losses,
+            "sample_ids": [s.tolist() for s in summary.sample_ids],
+            "evals": summary.evals,
+        }
         eval_ids = [b.sample_ids.tolist() for b in interleaved.eval_loader]
         out["eval_ids"] = eval_ids
     finally:
         interleaved.close()
 
     # learning signal: AUC on held-out data after training vs before the first step
-    learn = Trainer(run_config(["pipeline=hstu_prefetch", "data.num_batches=80", "data.batch_size=32",
-                                "optimizer=adam", "trainer.eval_every=80", "trainer.eval_batches=4"]), info)
+    learn = make_trainer(
+        [
+            "pipeline=hstu_prefetch",
+            "data.num_batches=80",
+            "data.batch_size=32",
+            "optimizer=adam",
+            "trainer.eval_every=80",
+            "trainer.eval_batches=4",
+        ],
+        info,
+    )
     try:
         summary = learn.fit(record_steps=True)
-        out["learning"] = {"evals": summary.evals, "first_loss": summary.losses[0],
-                           "last_losses": summary.losses[-10:], "first_losses": summary.losses[:10]}
+        out["learning"] = {
+            "evals": summary.evals,
+            "first_loss": summary.losses[0],
+            "last_losses": summary.losses[-10:],
+            "first_losses": summary.losses[:10],
+        }
     finally:
         learn.close()
 

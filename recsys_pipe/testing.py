@@ -1,0 +1,64 @@
+"""Helpers shared by the test suite and the benchmark scripts: compose a config as the CLIs do,
+launch torchrun workers, read what they wrote.
+
+(The engine's own test backend -- recording streams and the happens-before checker -- is
+`recsys_pipe.engine.testing`.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_torchrun", "compose", "load_run", "read_rank_results", "run_torchrun"]
+
+
+def compose(*overrides: str, config_name: str = "config") -> Any:
+    """The DictConfig Hydra composes for `recsys-train` (config_name="train"/"config") or
+    `recsys-plan` ("plan") with these command-line overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
+def load_run(*overrides: str, config_name: str = "config") -> Any:
+    """The validated `RunConfig` for these overrides (raises ConfigError like the CLIs)."""
+    from recsys_pipe.train.config import load_run_config
+
+    return load_run_config(compose(*overrides, config_name=config_name))
+
+
+def run_torchrun(
+    script: str | os.PathLike, *args: str, nproc: int = 2, timeout: float = 500, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node N script args...` with one
+    intra-op thread per rank; output captured, bounded by `timeout` (raises TimeoutExpired)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.run(
+        [*command, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def read_rank_results(directory: str | os.PathLike, nproc: int = 2) -> list[Any]:
+    """The `rank<r>.json` files a torchrun worker wrote, in rank order."""
+    return [json.loads(Path(directory, f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def check_torchrun(proc: subprocess.CompletedProcess, tail: int = 4000) -> None:
+    """Assert a torchrun launch succeeded, showing the end of its output if not."""
+    assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]

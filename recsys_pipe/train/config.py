@@ -1,0 +1,107 @@
+"""The run config: `TrainerConfig` (the training loop's settings) and `RunConfig`, which composes
+every component's own config into what `recsys-train` runs.
+
+Each section is owned by the code it configures: the plan by `recsys_pipe.config`, the data
+source and model by their registries (`data.name`, `model.name` pick the config class), the
+optimizers by `recsys_pipe.train.optim`, the loop by `TrainerConfig` here. `load_run_config`
+validates them all and the constraints between them, and reports every problem with its config
+path before anything is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import Field, SerializeAsAny, StrictBool, StrictInt, StrictStr, ValidationError
+
+from recsys_pipe.config import (
+    ConfigError,
+    ConfigProblem,
+    PlanConfig,
+    Registry,
+    Section,
+    to_container,
+    validate_section,
+)
+from recsys_pipe.config.errors import problems_from_validation_error
+from recsys_pipe.data.loader import DataConfig
+from recsys_pipe.data.registry import DATA_SOURCES
+from recsys_pipe.models.base import ModelConfig
+from recsys_pipe.models.registry import MODELS
+from recsys_pipe.train.optim import OptimizerConfig
+
+__all__ = ["RunConfig", "TrainerConfig", "load_run_config"]
+
+R = TypeVar("R", bound="RunConfig")
+
+
+class TrainerConfig(Section):
+    """The training loop (`trainer.*`)."""
+
+    max_steps: StrictInt | None = Field(100, ge=1, description="stop after this many steps (null: whole dataset)")
+    log_every: StrictInt = Field(10, ge=1, description="metrics line (step, loss, samples/s) every N steps")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: this rank's GPU if CUDA is visible")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on the CPU")
+    eval_every: StrictInt = Field(0, ge=0, description="evaluate every N steps, and before step 1 (0: never)")
+    eval_batches: StrictInt = Field(8, ge=0, description="held-out batches per rank for evaluation")
+    progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
+    output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
+
+
+class RunConfig(Section):
+    """Everything `recsys-train` needs, as composed by Hydra from conf/config.yaml."""
+
+    pipeline: PlanConfig = Field(description="the plan: tasks, streams, lookaheads, threads, dependencies")
+    model: SerializeAsAny[ModelConfig] = Field(description="the model; model.name picks its config and builder")
+    data: SerializeAsAny[DataConfig] = Field(description="the data source; data.name picks it")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="dense and embedding optimizers")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the training loop")
+    seed: StrictInt = Field(0, description="model initialisation seed")
+    debug: StrictBool = Field(False, description="show tracebacks for errors instead of one-line messages")
+
+    #: sections whose config class is picked by their `name` from a registry
+    COMPONENTS: ClassVar[dict[str, Registry]] = {"model": MODELS, "data": DATA_SOURCES}
+
+    @classmethod
+    def from_container(cls: type[R], data: Any) -> R:
+        """Validate a plain mapping (the composed config); ConfigError lists every problem."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(ConfigProblem("", f"the config must be a mapping, got {type(data).__name__}"))
+        sections = {k: v for k, v in data.items() if k != "hydra"}
+        problems: list[ConfigProblem] = []
+        failed: set[str] = set()
+        for key, registry in cls.COMPONENTS.items():
+            raw = sections.get(key)
+            if not isinstance(raw, Mapping):
+                continue  # missing or not a mapping: reported by the model validation below
+            try:
+                sections[key] = validate_section(registry.config_class(raw.get("name"), key), raw, key)
+            except ConfigError as exc:
+                problems += exc.problems
+                failed.add(key)
+                del sections[key]
+        run = None
+        try:
+            run = cls.model_validate(sections)
+        except ValidationError as exc:
+            problems += [p for p in problems_from_validation_error(exc, cls) if _section(p.path) not in failed]
+        if run is not None:
+            problems += run.model.check_data(run.data)
+        if problems:
+            raise ConfigError(problems)
+        assert run is not None
+        return run
+
+
+def load_run_config(cfg: Any, model: type[R] = RunConfig) -> R:  # type: ignore[assignment]
+    """Validate the Hydra-composed config (DictConfig or mapping) into `model` (RunConfig).
+
+    Raises ConfigError with one problem per field error and per broken cross-section constraint.
+    `compile_plan(run.pipeline)` then checks the plan as a schedule.
+    """
+    return model.from_container(to_container(cfg))
+
+
+def _section(path: str) -> str:
+    return path.split(".", 1)[0].split("[", 1)[0]
