@@ -64,7 +64,7 @@ def test_derived_plans_restate_only_what_differs():
     from recsys_pipe.cli._hydra import CONF_DIR
 
     texts = {p.stem: p.read_text() for p in (CONF_DIR / "pipeline").glob("*.yaml")}
-    assert texts["serial"].count("fn: ") == 9  # the one full task set
+    assert texts["serial"].count("fn: ") == 8  # the one full task set
     assert texts["sparse_dist"].count("fn: ") == 0 and "- serial" in texts["sparse_dist"]
     assert texts["hstu_sparse_dist"].count("fn: ") == 0 and "- sparse_dist" in texts["hstu_sparse_dist"]
     assert texts["hstu_prefetch"].count("fn: ") == 1 and "- hstu_sparse_dist" in texts["hstu_prefetch"]
@@ -222,7 +222,7 @@ BAD = [
     ),
     (
         "slot-future-read",
-        ["pipeline.tasks.start_input_dist.reads=[[global_tokens,1]]"],
+        ["pipeline.tasks.start_input_dist.reads=[[model_out,1]]"],
         "pipeline.tasks.start_input_dist.reads[0]",
         "future read",
     ),
@@ -332,7 +332,7 @@ def test_error_lines_are_one_per_problem(tmp_path, capsys):
         "error: pipeline.tasks.h2d.stream: unknown stream 'memcopy' (did you mean 'memcpy'?); declared in "
         "pipeline.streams: default, memcpy, data_dist",
         "error: pipeline.tasks.forward.depends_on[0]: unknown task 'fwd' (did you mean 'forward'?) (known: h2d, "
-        "start_input_dist, wait_input_dist, zero_grad, global_tokens_allreduce, forward, backward, "
+        "start_input_dist, wait_input_dist, zero_grad, forward, backward, "
         "finalize_model_grads, optimizer_step)",
     ]
     assert "recsys-plan: 2 config errors" in err

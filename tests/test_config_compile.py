@@ -89,7 +89,6 @@ def test_hstu_plans_match_spec_table():
     assert {t.name for t in native.order if t.nccl} == {
         "start_input_dist",
         "wait_input_dist",
-        "global_tokens_allreduce",
         "forward",
         "backward",
         "finalize_model_grads",
@@ -104,6 +103,38 @@ def test_hstu_plans_match_spec_table():
     assert order.index("forward") < order.index("prefetch_embeddings") < order.index("backward")
     assert any(e.producer == "prefetch_embeddings" and e.consumer == "backward" for e in pf.graph.edges)
     assert any(e.producer == "forward" and e.consumer == "prefetch_embeddings" for e in pf.graph.edges)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_global_token_normalisation_derives_the_all_reduce_task(pipeline):
+    local = compiled(f"pipeline={pipeline}")
+    assert "global_tokens_allreduce" not in local.thread_of  # no collective torchrec's loop lacks
+    derived = compiled(f"pipeline={pipeline}", "model.loss_normalization=global_tokens")
+    names = [t.name for t in derived.order]
+    task = derived.graph.task("global_tokens_allreduce")
+    assert task.nccl and (task.lookahead, task.stream) == (0, "default")
+    assert ("global_tokens", 0) in [(s.name, s.batch_offset) for s in derived.graph.task("forward").reads]
+    assert names.index("global_tokens_allreduce") < names.index("forward")
+    # otherwise the same plan: the same tasks in the same order
+    assert [n for n in names if n != "global_tokens_allreduce"] == [t.name for t in local.order]
+
+
+def test_a_global_tokens_task_needs_the_global_setting():
+    from recsys_pipe.config import TaskConfig
+    from recsys_pipe.train.plan import derive_plan
+
+    tokens = TaskConfig(
+        fn="recsys_pipe.train.tasks.global_tokens_allreduce", reads=["batch_gpu"], writes=["global_tokens"]
+    )
+    for setting, ok in (("local", False), ("global_tokens", True)):
+        run = load_run_config(compose(f"model.loss_normalization={setting}"))
+        plan = run.pipeline.model_copy(update={"tasks": {**run.pipeline.tasks, "tokens": tokens}})
+        if ok:  # the plan's own all-reduce task is used as it is
+            assert list(derive_plan(plan, run).tasks) == list(plan.tasks)
+        else:
+            with pytest.raises(ConfigError, match="model.loss_normalization=local") as info:
+                derive_plan(plan, run)
+            assert info.value.paths == ["pipeline.tasks.tokens"]
 
 
 def test_default_thread_map_is_io_compute():
@@ -133,7 +164,11 @@ def test_cross_thread_edges_follow_the_thread_map():
     per_task = compiled("thread_map=per_task")
     assert all(e.cross_thread for e in per_task.cpu_edges())
     kinds = {e.kind for e in per_task.cpu_edges()}
-    assert {"slot", "depends_on", "stream_fifo"} <= kinds
+    assert {"slot", "depends_on"} <= kinds
+    # the derived all-reduce has no declared edge to zero_grad: stream FIFO orders them
+    derived = compiled("thread_map=per_task", "model.loss_normalization=global_tokens")
+    fifo = [(e.producer, e.consumer) for e in derived.cpu_edges() if e.kind == "stream_fifo"]
+    assert fifo == [("zero_grad", "global_tokens_allreduce")]
 
 
 def test_per_task_thread_overrides_the_map():

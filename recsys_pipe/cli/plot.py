@@ -1,7 +1,7 @@
 """Pictures of a compiled plan (matplotlib; graphviz optional): `recsys-plan plot=true`.
 
 Why pictures: the timing diagram shows at a glance how many batches overlap and when each
-stage of the pipeline fills and drains (seed 001 §6.4); the DAG shows what waits on what.
+stage of the pipeline fills and drains; the DAG shows what waits on what.
 Lives in the CLI layer because the plan compiler must not depend on matplotlib.
 """
 

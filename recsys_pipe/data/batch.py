@@ -87,6 +87,11 @@ class Batch(Pipelineable):
     def batch_size(self) -> int:
         return int(self.sample_ids.numel())
 
+    def num_loss_tokens(self) -> torch.Tensor:
+        """How many terms the loss averages over (the candidates), as a 1-element tensor on the
+        batch's device: computed there, so reading it never waits for the device."""
+        return self.num_candidates.sum().reshape(1)
+
 
 def collate(samples: Sequence[Sample], use_user_feature: bool = False) -> Batch:
     """Collate samples (each with at least one candidate) into a `Batch`."""

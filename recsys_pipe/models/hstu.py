@@ -197,10 +197,12 @@ class HSTURanker(nn.Module):
             x = layer(x, offsets, mask, bias)
         rows = _candidate_rows(offsets, num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])
-        task_losses = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(dim=0)
+        per_token = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        task_losses = per_token.mean(dim=0)
         aux = {
             "logits": logits.detach(),
             "labels": labels,
+            "loss_sum": per_token.sum(),
             "task_losses": task_losses.detach(),
             "num_candidates": torch.tensor(labels.shape[0], device=logits.device),
             "num_tokens": offsets[-1].detach(),
@@ -212,8 +214,9 @@ class HSTUModel(nn.Module):
     """EmbeddingCollection (`ec`, sharded by DMP) + `HSTURanker` (`ranker`, dense/DDP).
 
     `forward(batch) -> (loss, aux)`: loss is the sum over tasks of the mean BCE over the
-    batch's candidates; `aux` has `logits`/`labels` `[C, num_tasks]` for metrics,
-    per-task losses and the candidate/token counts.
+    batch's candidates; `aux` has `logits`/`labels` `[C, num_tasks]` for metrics, `loss_sum`
+    (the BCE summed over candidates and tasks, for global-token normalisation), per-task losses
+    and the candidate/token counts.
     """
 
     def __init__(self, cfg: HSTUConfig, spec: DataSpec, device: torch.device | None = None) -> None:

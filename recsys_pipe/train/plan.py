@@ -1,24 +1,67 @@
-"""The plan a training run executes: `run.pipeline`, compiled once and checked against the adapter.
+"""The plan a training run executes: `run.pipeline`, derived for the run's settings, compiled once.
 
 Both CLIs call `training_plan(run)`, so `recsys-plan` shows exactly what `recsys-train` runs,
 and the trainer receives the compiled object instead of compiling again.
+
+Derivation: a setting that needs extra work per step adds its task to whatever plan was chosen,
+instead of every plan file carrying it. `model.loss_normalization=global_tokens` adds
+`global_tokens_allreduce` (the loss-token count summed over ranks) before `forward`, which reads
+it; with the default `local` normalisation no plan issues that collective.
 """
 
 from __future__ import annotations
 
-from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, compile_plan
+from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, PlanConfig, TaskConfig, compile_plan
 from recsys_pipe.config.resolve import ResolveFn
 from recsys_pipe.train.config import RunConfig
+from recsys_pipe.train.state import BATCH_GPU, GLOBAL_TOKENS
 
-__all__ = ["training_plan"]
+__all__ = ["derive_plan", "training_plan"]
 
+_TASKS = "recsys_pipe.train.tasks"
 #: task functions that need torchrec's prefetch context (`pipeline.torchrec_context: prefetch`)
-PREFETCH_FNS = frozenset({"recsys_pipe.train.tasks.prefetch_embeddings"})
+PREFETCH_FNS = frozenset({f"{_TASKS}.prefetch_embeddings"})
+GLOBAL_TOKENS_TASK = "global_tokens_allreduce"
+
+
+def derive_plan(plan: PlanConfig, run: RunConfig) -> PlanConfig:
+    """`plan` with the tasks the run's settings need (see the module docstring)."""
+    writers = [name for name, task in plan.tasks.items() if any(_slot_name(s) == GLOBAL_TOKENS for s in task.writes)]
+    if run.model.loss_normalization == "local":
+        if writers:
+            raise ConfigError(
+                ConfigProblem(
+                    f"pipeline.tasks.{writers[0]}",
+                    f"writes '{GLOBAL_TOKENS}' (global-token loss normalisation) but model.loss_normalization=local; "
+                    "set model.loss_normalization=global_tokens or remove the task",
+                )
+            )
+        return plan
+    if writers:  # the plan places the all-reduce itself
+        return plan
+    forwards = [name for name, task in plan.tasks.items() if task.fn == f"{_TASKS}.forward"]
+    if not forwards:
+        raise ConfigError(
+            ConfigProblem("model.loss_normalization", f"global_tokens needs a task running {_TASKS}.forward")
+        )
+    tasks: dict[str, TaskConfig] = {}
+    for name, task in plan.tasks.items():
+        if name == forwards[0]:
+            tasks[GLOBAL_TOKENS_TASK] = TaskConfig(
+                fn=f"{_TASKS}.{GLOBAL_TOKENS_TASK}",
+                reads=[BATCH_GPU],
+                writes=[GLOBAL_TOKENS],
+                nccl=True,
+                thread=task.thread,
+            )
+            task = task.model_copy(update={"reads": [*task.reads, GLOBAL_TOKENS]})
+        tasks[name] = task
+    return plan.model_copy(update={"tasks": tasks})
 
 
 def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> CompiledPlan:
-    """Compile `run.pipeline`; ConfigError (with config paths) if it cannot train this run."""
-    plan = compile_plan(run.pipeline, resolve_fn=resolve_fn)
+    """Derive and compile `run.pipeline`; ConfigError (with config paths) if it cannot train this run."""
+    plan = compile_plan(derive_plan(run.pipeline, run), resolve_fn=resolve_fn)
     prefetching = sorted(name for name, fn in plan.fn_paths().items() if fn in PREFETCH_FNS)
     if prefetching and plan.config.torchrec_context != "prefetch":
         raise ConfigError(
@@ -29,3 +72,7 @@ def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> Compil
             )
         )
     return plan
+
+
+def _slot_name(slot: str | tuple[str, int]) -> str:
+    return slot if isinstance(slot, str) else slot[0]

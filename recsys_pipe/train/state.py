@@ -32,6 +32,7 @@ from recsys_pipe.engine import StreamPool
 BATCH_GPU = "batch_gpu"
 TORCHREC_CTX = "torchrec_ctx"
 INPUT_DIST_SPLITS = "input_dist_splits"
+GLOBAL_TOKENS = "global_tokens"
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline.utils import _prefetch_embeddings, _start_data_dist
 
 from recsys_pipe.engine import TaskContext
-from recsys_pipe.train.state import BATCH_GPU, INPUT_DIST_SPLITS, TORCHREC_CTX
+from recsys_pipe.train.state import BATCH_GPU, GLOBAL_TOKENS, INPUT_DIST_SPLITS, TORCHREC_CTX
 
 __all__ = [
     "StepResult",
@@ -118,21 +118,28 @@ def zero_grad(ctx: TaskContext) -> None:
 
 
 def global_tokens_allreduce(ctx: TaskContext) -> None:
-    """Candidates trained this step over all ranks (for throughput and loss bookkeeping)."""
-    tokens = ctx.slots[BATCH_GPU].num_candidates.sum().reshape(1)
+    """The loss tokens of this step summed over all ranks (`model.loss_normalization=global_tokens`
+    adds this task to the plan; `forward` divides by it)."""
+    tokens = ctx.slots[BATCH_GPU].num_loss_tokens()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tokens)
-    ctx.slots.set("global_tokens", tokens)
+    ctx.slots.set(GLOBAL_TOKENS, tokens)
 
 
 def forward(ctx: TaskContext) -> None:
     """model(batch) through the rewritten forward: the embedding lookup uses this batch's
-    already distributed input (`set_context` ties the shared pipelined forwards to it)."""
+    already distributed input (`set_context` ties the shared pipelined forwards to it). With a
+    `global_tokens` slot (global-token normalisation) the loss is the model's `loss_sum` times the
+    world size over all ranks' tokens, so DDP's average over ranks gives the global mean."""
     slots, state = ctx.slots, ctx.state
     for module in state.pipelined_modules:
         module.forward.set_context(slots[TORCHREC_CTX])
     with torch.set_grad_enabled(state.training):  # grad mode is per thread: set it explicitly
         loss, aux = state.model(slots[BATCH_GPU])
+        tokens = slots.get(GLOBAL_TOKENS)
+        if tokens is not None:  # normalise by all ranks' tokens; DDP then averages over ranks
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            loss = aux["loss_sum"] * world / tokens.squeeze(0)
     slots.set("loss", loss)
     slots.set("model_out", aux)
 
@@ -163,6 +170,6 @@ def optimizer_step(ctx: TaskContext) -> None:
             logits=aux["logits"].detach(),
             labels=aux["labels"],
             sample_ids=slots[BATCH_GPU].sample_ids,
-            global_tokens=slots.get("global_tokens"),
+            global_tokens=slots.get(GLOBAL_TOKENS),
         ),
     )

@@ -29,6 +29,9 @@ VARIANTS = {
     "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
     "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "pipeline.executor=threaded"],
     "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", "pipeline.executor=threaded", "thread_map=per_task"],
+    # global-token loss normalisation: the derived all-reduce task, serial and pipelined
+    "global/serial": ["pipeline=serial", "model.loss_normalization=global_tokens"],
+    "global/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "model.loss_normalization=global_tokens"],
 }
 COMMON = [
     "optimizer=sgd",
