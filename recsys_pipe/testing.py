@@ -1,5 +1,5 @@
 """Helpers shared by the test suite and the benchmark scripts: compose a config as the CLIs do,
-launch torchrun workers, read what they wrote.
+launch torchrun workers, read what they wrote, inject faults into a training run.
 
 (The engine's own test backend -- recording streams and the happens-before checker -- is
 `recsys_pipe.engine.testing`.)
@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_torchrun", "compose", "load_run", "read_rank_results", "run_torchrun"]
+__all__ = [
+    "FAULT_ENV",
+    "FAULT_OVERRIDE",
+    "check_torchrun",
+    "compose",
+    "inject_fault",
+    "zero_grad_with_fault",
+    "load_run",
+    "read_rank_results",
+    "run_torchrun",
+]
+
+#: environment variable naming the fault `inject_fault` injects: "<kind>:<rank>:<step>"
+FAULT_ENV = "RECSYS_PIPE_FAULT"
+#: the override that makes any shipped plan inject that fault: its zero_grad task (the first
+#: of each training step) goes through `zero_grad_with_fault`
+FAULT_OVERRIDE = "pipeline.tasks.zero_grad.fn=recsys_pipe.testing.zero_grad_with_fault"
 
 
 def compose(*overrides: str, config_name: str = "config") -> Any:
@@ -62,3 +80,39 @@ def read_rank_results(directory: str | os.PathLike, nproc: int = 2) -> list[Any]
 def check_torchrun(proc: subprocess.CompletedProcess, tail: int = 4000) -> None:
     """Assert a torchrun launch succeeded, showing the end of its output if not."""
     assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
+
+
+def zero_grad_with_fault(ctx: Any) -> None:
+    """The `zero_grad` task, after `inject_fault` (see `FAULT_OVERRIDE`)."""
+    from recsys_pipe.train.tasks import zero_grad
+
+    inject_fault(ctx)
+    zero_grad(ctx)
+
+
+def inject_fault(ctx: Any) -> None:
+    """Inject the fault `$RECSYS_PIPE_FAULT` names from a task, for failure tests.
+
+    `RECSYS_PIPE_FAULT=<kind>:<rank>:<step>` fires on that rank in that training step (1-based,
+    counted from the start of this process's training) of the task that calls it:
+    `sigkill` (the process dies), `sigterm` (as a scheduler's preemption), `raise` (an exception
+    in the task), `hang` (the rank stops responding). Evaluation never fires it.
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or not ctx.state.training:
+        return
+    kind, rank, step = spec.split(":")
+    import torch.distributed as dist
+
+    if dist.get_rank() != int(rank) or ctx.batch_index + 1 != int(step):
+        return
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    elif kind == "hang":
+        time.sleep(3600)
+    else:
+        raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} (sigkill, sigterm, raise, hang)")

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ def run(args, tmp_path, timeout=300):
 
 
 def metrics(run_root):
-    (path,) = Path(run_root).glob("recsys-train/*/metrics.jsonl")
+    (path,) = Path(run_root).glob("recsys-train/*/metrics.jsonl")  # exactly one run
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -36,11 +38,15 @@ def test_readme_main_job_trains_with_prefetch_plan_on_two_ranks(tmp_path):
     assert sum(losses[-5:]) < sum(losses[:5])
     run_dirs = list((tmp_path / "runs" / "recsys-train").iterdir())
     assert len(run_dirs) == 1  # one directory for both ranks
-    assert {p.name for p in run_dirs[0].iterdir()} == {"config.yaml", "train.log", "metrics.jsonl"}
+    names = {p.name for p in run_dirs[0].iterdir()}
+    assert {"config.yaml", "train.log", "metrics.jsonl"} <= names
+    assert any(name.startswith("events.out.tfevents") for name in names)  # TensorBoard, rank 0 only
 
 
 @pytest.mark.timeout(200)
-def test_single_process_run_writes_run_dir(tmp_path):
+def test_single_process_run_writes_run_dir_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     proc = run(
         [str(BIN / "recsys-train"), "pipeline=serial", "trainer=smoke", f"trainer.output_dir={tmp_path}/r"], tmp_path
     )
@@ -48,6 +54,82 @@ def test_single_process_run_writes_run_dir(tmp_path):
     records = metrics(tmp_path / "r")
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
     assert [r["step"] for r in records if "auc" in r] == [0, 4, 8]
+    assert "step 8 | epoch 1 | loss " in proc.stderr and " samples/s | lr 0.001 | mem " in proc.stderr
+    (run_dir,) = (tmp_path / "r" / "recsys-train").iterdir()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/samples_per_s", "train/lr", "eval/auc", "eval/loss"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 9))
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records if "loss" in r])
+
+
+@pytest.mark.timeout(200)
+def test_epochs_reshuffle_evaluate_at_epoch_ends_and_say_why_training_stopped(tmp_path):
+    proc = run(
+        [
+            str(BIN / "recsys-train"),
+            "pipeline=hstu_prefetch",
+            "trainer=smoke",
+            "trainer.epochs=3",
+            "data.num_batches=4",
+            "data.shuffle=true",
+            "trainer.max_steps=20",
+            "trainer.eval_every=100",
+            "trainer.precision=bf16",
+            f"trainer.output_dir={tmp_path}/r",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    err = proc.stderr
+    assert "trainer.max_steps=20 exceeds trainer.epochs=3 x 4 batches per epoch: training stops after step 12" in err
+    for epoch in (1, 2, 3):
+        assert f"epoch {epoch}/3 done at step {4 * epoch}" in err
+    assert "training stopped at step 12: epochs done (3 epoch(s) of 4 batches)" in err
+    assert "the data ran out at step 12, before trainer.max_steps=20" in err
+    records = metrics(tmp_path / "r")
+    assert [r["step"] for r in records if "auc" in r] == [0, 4, 8, 12]  # before step 1 and at each epoch end
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 12 and all(0 < loss < 10 for loss in losses)  # bf16 autocast trains
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_checkpoints_exits_75_and_latest_resumes(tmp_path):
+    """A real SIGTERM to a single-process run (as a scheduler sends it), then a requeued run with
+    resume_from=latest continues from the step it stopped after."""
+    args = [
+        str(BIN / "recsys-train"),
+        "pipeline=hstu_sparse_dist",
+        "trainer=smoke",
+        "trainer.max_steps=null",
+        "data.num_batches=5000",
+        "trainer.eval_every=0",
+        f"trainer.output_dir={tmp_path}/r",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list((tmp_path / "r").glob("recsys-train/*/metrics.jsonl")):
+            time.sleep(0.05)
+        while time.monotonic() < deadline and len(metrics(tmp_path / "r")) < 3:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    stopped = max(r["step"] for r in metrics(tmp_path / "r") if "loss" in r)
+    assert f"SIGTERM received: stopped after step {stopped} on every rank" in err
+    assert f"checkpoint step {stopped} -> " in err
+    again = run([*args, "trainer.max_steps=" + str(stopped + 2), "trainer.resume_from=latest"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {tmp_path}/r/recsys-train/" in again.stderr and f"step {stopped}, epoch 1" in again.stderr
+    newest = max((tmp_path / "r" / "recsys-train").iterdir(), key=lambda p: p.stat().st_mtime)
+    resumed = [json.loads(line) for line in (newest / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed if "loss" in r] == [stopped + 1, stopped + 2]
 
 
 @pytest.mark.timeout(200)

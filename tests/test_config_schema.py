@@ -135,8 +135,8 @@ def _fields(model, prefix=""):
     from pydantic import BaseModel
 
     out = set()
-    for name in type(model).model_fields:
-        out.add(prefix + name)
+    for name, info in type(model).model_fields.items():
+        out.add(prefix + (info.alias or name))  # YAML spells a field by its alias (checkpoint.async)
         value = getattr(model, name)
         if isinstance(value, BaseModel):
             out |= _fields(value, f"{prefix}{name}.")

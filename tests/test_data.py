@@ -143,7 +143,7 @@ def test_movielens_needs_an_existing_file(tmp_path: Path) -> None:
 
 def test_num_batches_and_seeded_shuffle() -> None:
     assert len(make_dataloader(_cfg(num_batches=5))) == 5
-    with pytest.raises(ValueError, match="exceeds"):
+    with pytest.raises(ConfigError, match="data.num_batches: 1000 batches x data.batch_size=8"):
         make_dataloader(_cfg(num_batches=1000))
     shuffled = [b.sample_ids for b in make_dataloader(_cfg(num_batches=4, shuffle=True), 1, 2)]
     again = [b.sample_ids for b in make_dataloader(_cfg(num_batches=4, shuffle=True), 1, 2)]

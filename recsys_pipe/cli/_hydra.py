@@ -26,12 +26,23 @@ from omegaconf import DictConfig
 
 from recsys_pipe.config import ConfigError
 
-__all__ = ["CONF_DIR", "EXIT_CONFIG_ERROR", "HydraApp", "hydra_app", "register_schemas", "report_config_error"]
+__all__ = [
+    "CONF_DIR",
+    "EXIT_CONFIG_ERROR",
+    "EXIT_PREEMPTED",
+    "HydraApp",
+    "hydra_app",
+    "register_schemas",
+    "report_config_error",
+]
 
 #: The packaged config tree (the repo-root `conf` is a symlink to it).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 #: Exit code of every config error (argparse uses 2 for usage errors too).
 EXIT_CONFIG_ERROR = 2
+#: Exit code after a SIGTERM made every rank save a checkpoint and stop: resumable
+#: (sysexits' EX_TEMPFAIL, "temporary failure, retry"; distinct from a kill by SIGTERM, 143).
+EXIT_PREEMPTED = 75
 #: Name under which the pipeline skeleton is registered; conf/config.yaml lists it first.
 SCHEMA_NAME = "recsys_schema"
 

@@ -2,21 +2,25 @@
 
     recsys-train pipeline=serial trainer.max_steps=20
     torchrun --nproc_per_node 2 --no-python recsys-train pipeline=hstu_prefetch
+    recsys-train trainer.checkpoint.interval=100 trainer.resume_from=latest
 
 Every config problem (including an invalid plan or a task `fn` that does not import) exits 2
 on every rank before any process group starts. Rank 0 alone writes the run directory.
+Exit codes: 0 done, 2 config or input error, 75 stopped by SIGTERM after saving a checkpoint
+(resumable), 130 Ctrl-C.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_pipe.cli._hydra import hydra_app
+from recsys_pipe.cli._hydra import EXIT_PREEMPTED, hydra_app
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.train.config import load_run_config
 from recsys_pipe.train.plan import training_plan
@@ -46,22 +50,28 @@ def _setup_logging(rank: int, run_dir: str) -> None:
 def train_task(cfg: DictConfig) -> None:
     run = load_run_config(cfg)
     plan = training_plan(run)  # compiled once, task functions imported, before any group starts
+    from recsys_pipe.train.checkpoint import resolve_resume
     from recsys_pipe.train.distributed import resolve_device
 
     try:
         resolve_device(run.trainer.device)
     except RuntimeError as exc:
         raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
+    resolve_resume(run.trainer.resume_from, run.trainer.output_dir)  # a bad path is a config error
 
     import torch.distributed as dist
 
     from recsys_pipe.train import Trainer, init_distributed, shared_run_dir, teardown
+    from recsys_pipe.train.trainer import PREEMPTED
 
     info = init_distributed(run.trainer.device, run.trainer.backend)
     trainer = None
     try:
         run_dir = shared_run_dir(run.trainer.output_dir, "recsys-train")
         _setup_logging(info.rank, run_dir)
+        # rank 0 picks the checkpoint: `latest` must mean the same directory on every rank
+        resume = [resolve_resume(run.trainer.resume_from, run.trainer.output_dir) if info.is_main else None]
+        dist.broadcast_object_list(resume, src=0)
         if info.is_main:
             container = OmegaConf.to_container(cfg, resolve=True)
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -75,19 +85,33 @@ def train_task(cfg: DictConfig) -> None:
                 info.backend,
             )
         trainer = Trainer(run, plan, info, run_dir)
+        if resume[0] is not None:
+            trainer.restore(str(resume[0]))
+        elif run.trainer.resume_from == "latest" and info.is_main:
+            log.info("trainer.resume_from=latest: no checkpoint under %s, starting from step 0", run.trainer.output_dir)
         summary = trainer.fit()
         if info.is_main:
             last = summary.evals[-1] if summary.evals else {}
             log.info(
-                "trained %d steps, %d samples, %.1f samples/s; loss %.4f -> %.4f%s",
+                "trained %d steps (%d -> %d), %d samples, %.1f samples/s; loss %.4f -> %.4f%s",
                 summary.steps,
+                summary.start_step,
+                summary.end_step,
                 summary.samples,
                 summary.samples_per_s,
                 summary.first_loss or float("nan"),
                 summary.last_loss or float("nan"),
                 f"; eval auc {summary.evals[0]['auc']:.4f} -> {last['auc']:.4f}" if last else "",
             )
+        if summary.stop_reason == PREEMPTED:
+            trainer.close()
+            trainer = None
+            teardown()
+            if info.is_main:
+                log.warning("exiting with code %d (preempted, resumable from %s)", EXIT_PREEMPTED, summary.checkpoint)
+            raise SystemExit(EXIT_PREEMPTED)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
         log.warning("interrupted: stopping without a further step (the last completed optimizer step stands)")
         if trainer is not None:
             trainer.close()

@@ -5,7 +5,7 @@ Each source is a `DataConfig` subclass next to its dataset, registered by name i
 """
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, Batch, Sample, collate
-from recsys_pipe.data.loader import DataConfig, SequenceDataConfig, make_dataloader
+from recsys_pipe.data.loader import DataConfig, EpochSampler, RankData, SequenceDataConfig, make_dataloader
 from recsys_pipe.data.movielens import MovieLensDataConfig, MovieLensDataset, read_ratings
 from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.data.spec import DataSpec
@@ -20,8 +20,10 @@ __all__ = [
     "Batch",
     "DataConfig",
     "DataSpec",
+    "EpochSampler",
     "MovieLensDataConfig",
     "MovieLensDataset",
+    "RankData",
     "Sample",
     "SequenceDataConfig",
     "SyntheticConfig",

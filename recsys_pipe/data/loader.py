@@ -3,32 +3,46 @@
 A data source is a `DataConfig` subclass next to its dataset (`SyntheticDataConfig`,
 `MovieLensDataConfig`), registered by name in `recsys_pipe.data.registry`. The subclass builds
 the rank's dataset; this module turns it into batches the same way for every source.
+
+Training reads its batches by *position*: batch `p` of a run is batch `p % P` of epoch `p // P`
+(P batches per epoch), and epoch `e`'s sample order is fixed by `(data.seed + e)`. So the number
+of batches trained is the whole data state of a run: a checkpoint stores it, and a resumed run
+builds its loader from that position (`RankData.train_loader(start=p)`).
+
+Why not torchdata's `StatefulDataLoader`: its state is the position of the next batch it
+*yields*. A pipelined plan pulls batches ahead of the one it trains (up to its maximum lookahead,
+plus the loader's own prefetch), so that state would have to be snapshotted per pulled batch and
+carried through the ring to know what was trained. Our datasets are map-style and deterministic
+per index, so the position of the next batch to train is enough and exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from recsys_pipe.config import Section
+from recsys_pipe.config import ConfigError, ConfigProblem, Section
 
-__all__ = ["DataConfig", "SequenceDataConfig", "make_dataloader"]
+__all__ = ["DataConfig", "EpochSampler", "RankData", "SequenceDataConfig", "make_dataloader"]
 
 
 class DataConfig(Section):
     """Batch shape and loading, shared by every data source (`data.*`)."""
 
+    #: the config key that decides how many samples the source has (named by "too small" errors)
+    SIZE_KEY: ClassVar[str] = "data"
+
     name: StrictStr = Field(description="data source: a name registered in recsys_pipe.data.registry")
     batch_size: StrictInt = Field(32, ge=1, description="samples per batch per rank")
     num_batches: StrictInt | None = Field(
-        None, ge=1, description="training batches per rank (null: the whole share of the data)"
+        None, ge=1, description="training batches per rank per epoch (null: the whole share minus held-out batches)"
     )
-    seed: StrictInt = Field(0, description="data seed (synthetic world, shuffling)")
-    shuffle: StrictBool = Field(False, description="shuffle the training samples (seeded by data.seed)")
+    seed: StrictInt = Field(0, description="data seed (synthetic world; epoch e is shuffled with seed + e)")
+    shuffle: StrictBool = Field(False, description="shuffle the training samples every epoch (seeded by data.seed)")
     num_workers: StrictInt = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: StrictBool = Field(False, description="pin host batches (CUDA: asynchronous host-to-device copies)")
 
@@ -67,42 +81,158 @@ class SequenceDataConfig(DataConfig):
         return partial(collate, use_user_feature=self.use_user_feature)
 
 
+class EpochSampler(Sampler[int]):
+    """Sample indices of `epochs` passes over `range(num_samples)`, starting at batch `start`.
+
+    Each epoch uses the first `batches_per_epoch * batch_size` indices of its order: identity, or
+    with `shuffle` a permutation of all `num_samples` drawn from a generator seeded `seed + epoch`
+    (a different subset is left over each epoch). Batches therefore never straddle epochs, and
+    one DataLoader (with its workers) serves every epoch without a pause at the boundaries.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        batches_per_epoch: int,
+        epochs: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        start: int = 0,
+    ) -> None:
+        if batches_per_epoch * batch_size > num_samples:
+            raise ValueError(f"{batches_per_epoch} batches of {batch_size} exceed {num_samples} samples")
+        if not 0 <= start <= epochs * batches_per_epoch:
+            raise ValueError(f"start batch {start} outside [0, {epochs * batches_per_epoch}]")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.batches_per_epoch = batches_per_epoch
+        self.epochs = epochs
+        self.shuffle = shuffle
+        self.seed = seed
+        self.start = start
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The indices epoch `epoch` trains, in order."""
+        used = self.batches_per_epoch * self.batch_size
+        if not self.shuffle:
+            return list(range(used))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator)[:used].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        if self.batches_per_epoch == 0:
+            return
+        first_epoch, first_batch = divmod(self.start, self.batches_per_epoch)
+        for epoch in range(first_epoch, self.epochs):
+            skip = first_batch * self.batch_size if epoch == first_epoch else 0
+            yield from self.epoch_order(epoch)[skip:]
+
+    def __len__(self) -> int:
+        return (self.epochs * self.batches_per_epoch - self.start) * self.batch_size
+
+
+class RankData:
+    """This rank's share of a data source, split once into training and held-out batches.
+
+    The last `eval_batches` batches of the share are held out for evaluation; training reads
+    `data.num_batches` batches per epoch from the start of the share (default: all that is not
+    held out). Sizes that do not fit are a `ConfigError` naming the keys to change.
+    """
+
+    def __init__(self, cfg: DataConfig, rank: int = 0, world_size: int = 1, eval_batches: int = 0) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.eval_batches = eval_batches
+        self.dataset = cfg.dataset(rank, world_size)
+        size = len(self.dataset)
+        batch = cfg.batch_size
+        held_out = eval_batches * batch
+        if cfg.num_batches is not None:
+            if (cfg.num_batches * batch) + held_out > size:
+                raise ConfigError(
+                    ConfigProblem(
+                        "data.num_batches",
+                        f"{cfg.num_batches} batches x data.batch_size={batch} plus trainer.eval_batches={eval_batches} "
+                        f"held-out batches need {cfg.num_batches * batch + held_out} samples, but rank {rank} of "
+                        f"{world_size} has {size}",
+                    )
+                )
+            self.batches_per_epoch = cfg.num_batches
+        else:
+            self.batches_per_epoch = (size - held_out) // batch if size > held_out else 0
+        if self.batches_per_epoch < 1:
+            raise ConfigError(
+                ConfigProblem(
+                    cfg.SIZE_KEY,
+                    f"too little data: rank {rank} of {world_size} gets {size} samples, fewer than one training "
+                    f"batch (data.batch_size={batch}) plus trainer.eval_batches={eval_batches} held-out batches "
+                    f"({batch + held_out} samples); lower data.batch_size or trainer.eval_batches, or use fewer ranks",
+                )
+            )
+
+    @property
+    def spec(self) -> Any:
+        """The dataset's `DataSpec` (vocabulary sizes for the model)."""
+        return self.dataset.spec
+
+    def train_sampler(self, epochs: int = 1, start: int = 0) -> EpochSampler:
+        cfg = self.cfg
+        return EpochSampler(
+            len(self.dataset) - self.eval_batches * cfg.batch_size,
+            cfg.batch_size,
+            self.batches_per_epoch,
+            epochs=epochs,
+            shuffle=cfg.shuffle,
+            seed=cfg.seed,
+            start=start,
+        )
+
+    def train_loader(self, epochs: int = 1, start: int = 0) -> DataLoader:
+        """Training batches of `epochs` epochs from batch position `start` (across epochs)."""
+        return self._loader(self.train_sampler(epochs, start))
+
+    def eval_loader(self) -> DataLoader | None:
+        """The held-out batches (the tail of the share), or None without `eval_batches`."""
+        if not self.eval_batches:
+            return None
+        size = len(self.dataset)
+        return self._loader(range(size - self.eval_batches * self.cfg.batch_size, size))
+
+    def _loader(self, sampler: Any) -> DataLoader:
+        cfg = self.cfg
+        return DataLoader(
+            self.dataset,
+            batch_size=cfg.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=cfg.num_workers,
+            pin_memory=cfg.pin_memory,
+            collate_fn=cfg.collate_fn(),
+            # its own generator: creating an iterator must not draw from the global torch RNG,
+            # whose state a checkpoint restores (and dropout consumes)
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+
+
 def make_dataloader(
     cfg: DataConfig, rank: int = 0, world_size: int = 1, split: str = "train", num_batches: int | None = None
 ) -> DataLoader:
     """DataLoader of batches for one rank (`loader.dataset.spec` sizes the model).
 
-    `split="train"` reads this rank's share from its start (`cfg.num_batches` batches, or all);
-    `split="eval"` reads `num_batches` held-out batches from the end of the share, so evaluation
-    never sees a training sample. Shuffling, if on, is seeded by `cfg.seed`: the batch order is
-    reproducible too. Batches are `drop_last` so every rank trains the same number of equally
-    sized batches (a rank with one batch more would hang the collectives).
+    `split="train"` reads one epoch of this rank's share from its start (`cfg.num_batches`
+    batches, or all); `split="eval"` reads `num_batches` held-out batches from the end of the
+    share. Batches are `drop_last` so every rank trains the same number of equally sized batches
+    (a rank with one batch more would hang the collectives). The trainer uses `RankData`, which
+    also keeps the held-out tail out of training and resumes at a batch position.
     """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    dataset = cfg.dataset(rank, world_size)
-    batches = cfg.num_batches if split == "train" else num_batches
-    if split == "eval" and batches is None:
-        raise ValueError("split='eval' needs num_batches")
-    num_samples = len(dataset) if batches is None else batches * cfg.batch_size
-    if num_samples > len(dataset):
-        raise ValueError(
-            f"{batches} batches x batch_size={cfg.batch_size} exceeds the {len(dataset)} samples of "
-            f"rank {rank}/{world_size}"
-        )
+    if split == "train":
+        return RankData(cfg, rank, world_size).train_loader()
     if split == "eval":
-        sampler: Iterable[int] = range(len(dataset) - num_samples, len(dataset))
-    elif cfg.shuffle:
-        generator = torch.Generator().manual_seed(cfg.seed)
-        sampler = RandomSampler(dataset, num_samples=num_samples, generator=generator)
-    else:
-        sampler = range(num_samples)
-    return DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory,
-        collate_fn=cfg.collate_fn(),
-    )
+        if num_batches is None:
+            raise ValueError("split='eval' needs num_batches")
+        loader = RankData(cfg, rank, world_size, eval_batches=num_batches).eval_loader()
+        assert loader is not None
+        return loader
+    raise ValueError(f"split must be 'train' or 'eval', got {split!r}")

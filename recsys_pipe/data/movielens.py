@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
@@ -66,6 +66,8 @@ def _user_sequences(ratings: Sequence[Rating]) -> tuple[dict[int, list[Rating]],
 
 class MovieLensDataConfig(SequenceDataConfig):
     """`data=movielens`: a MovieLens ratings file (`data.path`, ratings.dat or ratings.csv)."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["movielens"] = "movielens"
     path: StrictStr = Field(description="MovieLens ratings.dat (ml-1m) or ratings.csv (ml-20m/25m)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, StrictInt, ValidationInfo, field_validator
@@ -54,6 +54,8 @@ class SyntheticConfig(Section):
 
 class SyntheticDataConfig(SequenceDataConfig):
     """`data=synthetic`: learnable user histories generated on the fly (no download)."""
+
+    SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
 
     name: Literal["synthetic"] = "synthetic"
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="the generated world")

@@ -29,6 +29,7 @@ from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
+from recsys_pipe.train.checkpoint import CheckpointConfig
 from recsys_pipe.train.optim import OptimizerConfig
 
 __all__ = ["RunConfig", "TrainerConfig", "load_run_config"]
@@ -39,14 +40,33 @@ R = TypeVar("R", bound="RunConfig")
 class TrainerConfig(Section):
     """The training loop (`trainer.*`)."""
 
-    max_steps: StrictInt | None = Field(100, ge=1, description="stop after this many steps (null: whole dataset)")
-    log_every: StrictInt = Field(10, ge=1, description="metrics line (step, loss, samples/s) every N steps")
+    epochs: StrictInt = Field(
+        1, ge=1, description="passes over the training data (each reshuffled with data.seed + epoch)"
+    )
+    max_steps: StrictInt | None = Field(100, ge=1, description="stop after this many steps at most (null: all epochs)")
+    log_every: StrictInt = Field(
+        10, ge=1, description="summary line and metrics record (loss, samples/s, lr) every N steps"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: this rank's GPU if CUDA is visible")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on the CPU")
-    eval_every: StrictInt = Field(0, ge=0, description="evaluate every N steps, and before step 1 (0: never)")
-    eval_batches: StrictInt = Field(8, ge=0, description="held-out batches per rank for evaluation")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: autocast the model's forward to bfloat16 (CPU and CUDA); weights stay fp32"
+    )
+    eval_every: StrictInt = Field(
+        0, ge=0, description="evaluate every N steps, at epoch ends, before step 1 and after the last (0: never)"
+    )
+    eval_batches: StrictInt = Field(
+        8, ge=0, description="held-out batches per rank (the tail of its share) for evaluation"
+    )
     progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
     output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
+    tensorboard: StrictBool = Field(True, description="write TensorBoard event files into the run directory")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="when to save checkpoints")
+    resume_from: StrictStr | None = Field(
+        None,
+        min_length=1,
+        description="continue from a checkpoint dir, a run dir (its newest checkpoint) or 'latest' (under output_dir)",
+    )
 
 
 class RunConfig(Section):

@@ -1,4 +1,10 @@
-"""Process-group lifetime for one training run: env:// under torchrun, a 1-rank group alone.
+"""Process-group lifetime for one training process: env:// under torchrun, a 1-rank group alone.
+
+Besides the training group (gloo on the CPU, NCCL on CUDA), `init_distributed` makes two small
+gloo groups with their own connections: `control` (the per-step preemption agreement) and
+`checkpoint` (DCP's collectives, which an asynchronous save issues from a background thread).
+Collectives of one group must be issued in the same order on every rank; separate groups keep
+these side channels from ever interleaving with training's collectives.
 
 Teardown is deliberate (barrier, destroy, short pause): on gloo, letting the interpreter tear
 the group down aborted roughly one run in ten.
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+__all__ = ["DistInfo", "init_distributed", "resolve_device", "shared_run_dir", "teardown", "unique_dir"]
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -23,6 +31,12 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
+    #: processes of this rank's node (torchrun's LOCAL_WORLD_SIZE); < world_size across nodes
+    local_world_size: int = 1
+    #: gloo group of the per-step preemption agreement
+    control_group: dist.ProcessGroup | None = None
+    #: gloo group of checkpoint collectives
+    checkpoint_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -46,14 +60,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_INFO: DistInfo | None = None
+
+
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300) -> DistInfo:
-    """Join the torchrun group (env://), or make a 1-rank group when run as a plain process."""
+    """Join the torchrun group (env://), or make a 1-rank group when run as a plain process.
+
+    Idempotent within a process: a Hydra sweep (`-m`) runs several jobs in one process, and
+    every job of it reuses the group made for the first (re-initialising one under torchrun
+    would rendezvous again on a store that already holds the first round's keys, and hang).
+    """
+    global _INFO
+    if _INFO is not None and dist.is_initialized():
+        return _INFO
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(
             {
                 "RANK": "0",
                 "WORLD_SIZE": "1",
                 "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(_free_port()),
             }
@@ -65,30 +91,58 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         raise RuntimeError("trainer.backend=nccl needs trainer.device=cuda; use gloo on the CPU")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(
-        backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+    world_size = dist.get_world_size()
+    _INFO = DistInfo(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        device=dev,
+        backend=backend,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        control_group=dist.new_group(backend="gloo", timeout=timeout),
+        checkpoint_group=dist.new_group(backend="gloo", timeout=timeout),
     )
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), dev, backend)
+    return _INFO
+
+
+def unique_dir(base: str | os.PathLike, name: str) -> str:
+    """Create `<base>/<name>`, or `<name>-2`, `<name>-3`, ... if taken, and return it.
+
+    `os.mkdir` either creates a directory or fails, atomically, so two runs started in the same
+    second (two shells, or two jobs of a sweep) never end up in one directory."""
+    os.makedirs(base, exist_ok=True)
+    for n in range(1, 10_000):
+        path = os.path.join(base, name if n == 1 else f"{name}-{n}")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"no free run directory name under {base}")
 
 
 def shared_run_dir(base: str, name: str) -> str:
-    """One run directory for all ranks: rank 0 picks the timestamp and broadcasts it (each
-    process stamping its own time would split a run across directories)."""
-    stamp = [datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")]
-    dist.broadcast_object_list(stamp, src=0)
-    path = os.path.join(base, name, stamp[0])
+    """One new run directory for all ranks: rank 0 creates `<base>/<name>/<time>` (unique, see
+    `unique_dir`) and broadcasts its path (each process stamping its own time would split a run
+    across directories)."""
+    path = [None]
     if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    return path
+        path[0] = unique_dir(os.path.join(base, name), datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    dist.broadcast_object_list(path, src=0)
+    assert path[0] is not None
+    return path[0]
 
 
 def teardown() -> None:
     """Barrier, destroy the group, let gloo's threads wind down."""
+    global _INFO
     if not dist.is_initialized():
         return
     try:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        _INFO = None
         time.sleep(0.2)

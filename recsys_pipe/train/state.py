@@ -52,6 +52,13 @@ class TrainState:
     finalize_grads: Callable[[], None] | None = None
     #: torchrec modules whose forward was split by the model rewrite (set by bootstrap).
     pipelined_modules: list = field(default_factory=list)
+    #: `trainer.precision=bf16`: the forward runs under autocast to this dtype
+    autocast_dtype: torch.dtype | None = None
+
+    def autocast(self) -> torch.autocast:
+        """The forward's autocast context (disabled without `autocast_dtype`). Autocast state is
+        per thread, so the task running the forward enters it itself."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     @property
     def prefetch(self) -> bool:

@@ -134,7 +134,8 @@ def forward(ctx: TaskContext) -> None:
     slots, state = ctx.slots, ctx.state
     for module in state.pipelined_modules:
         module.forward.set_context(slots[TORCHREC_CTX])
-    with torch.set_grad_enabled(state.training):  # grad mode is per thread: set it explicitly
+    # grad mode and autocast are per thread: set them explicitly
+    with torch.set_grad_enabled(state.training), state.autocast():
         loss, aux = state.model(slots[BATCH_GPU])
         tokens = slots.get(GLOBAL_TOKENS)
         if tokens is not None:  # normalise by all ranks' tokens; DDP then averages over ranks

@@ -3,35 +3,51 @@
 Evaluation runs through its own pipeline (same plan, optimizer work switched off) over the
 held-out loader, so the training pipeline keeps its in-flight batches across an evaluation:
 no training batch is dropped or replayed, and no training batch leaks into evaluation.
+
+Epochs are one continuous stream of batches (`RankData.train_loader(epochs, start)`): the
+pipeline never drains or restarts at an epoch boundary, it just keeps pulling; the loop notices
+an epoch end by counting trained batches. Checkpoints store the position of the next batch to
+*train*: batches already pulled, moved or input-distributed for later steps are simply pulled
+again from that position by a resumed run, which refills the ring exactly as the uninterrupted
+run had it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
+import random
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MultilabelAUROC
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from recsys_pipe.config import CompiledPlan
-from recsys_pipe.data import DataSpec, make_dataloader
+from recsys_pipe.data import DataSpec, RankData
 from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.models import make_optimizer, make_sharded_model
+from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.distributed import DistInfo
-from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.metrics import MetricsWriter
+from recsys_pipe.train.optim import TrainOptimizer, dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.preemption import StopRequest
+from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
 
 log = logging.getLogger(__name__)
+
+#: `TrainSummary.stop_reason` values
+MAX_STEPS, EPOCHS_DONE, DATA_EXHAUSTED, PREEMPTED = "max_steps reached", "epochs done", "data exhausted", "preempted"
 
 
 @dataclass
@@ -40,6 +56,7 @@ class TrainSummary:
     `fit(record_steps=True)` (parity checks): a long run must not grow memory per step."""
 
     steps: int = 0
+    start_step: int = 0
     samples: int = 0
     seconds: float = 0.0
     first_loss: float | None = None
@@ -47,6 +64,14 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
     sample_ids: list[torch.Tensor] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    #: why training stopped: one of MAX_STEPS, EPOCHS_DONE, DATA_EXHAUSTED, PREEMPTED
+    stop_reason: str = ""
+    #: the last checkpoint written (a directory), if any
+    checkpoint: str | None = None
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + self.steps
 
     @property
     def samples_per_s(self) -> float:
@@ -75,62 +100,195 @@ def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -
     return SchedulablePipeline(plan.schedule, streams, executor, state=state)
 
 
+class _Progress:
+    """The checkpointed part of the loop itself: step, data position and the run's data layout
+    (so a resume on another world size can map the position onto its own batches)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "step": t.step,
+            "position": t.position,
+            "batches_per_epoch": t.data.batches_per_epoch,
+            "batch_size": t.run.data.batch_size,
+            "world_size": t.info.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        t.step = int(state["step"])
+        t.position = int(state["position"])
+        old = (int(state["world_size"]), int(state["batch_size"]), int(state["batches_per_epoch"]))
+        new = (t.info.world_size, t.run.data.batch_size, t.data.batches_per_epoch)
+        if old != new:
+            # another data layout: keep the epoch, skip as many samples of it as were trained
+            epoch, batch = divmod(t.position, old[2])
+            batch = min(batch * old[0] * old[1] // (new[0] * new[1]), new[2])
+            t.position = epoch * new[2] + batch
+            if t.info.is_main:
+                log.warning(
+                    "resuming a checkpoint of %d rank(s) x %d batches/epoch on %d rank(s) x %d batches/epoch: the "
+                    "data split differs, so training continues from the same epoch (%d) and share of samples "
+                    "(batch %d), not bitwise as the original run would have",
+                    old[0],
+                    old[2],
+                    new[0],
+                    new[2],
+                    epoch + 1,
+                    batch,
+                )
+
+
+class _TrainingState:
+    """`Stateful` view of everything the ranks share in a checkpoint: model (sharded tables and
+    dense weights), both optimizers, LR scheduler and the loop's progress."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.progress = _Progress(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "model": t.state.model.state_dict(),
+            "optim": t.optimizer.state_dict(),
+            "progress": self.progress.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        t.state.model.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optim"])
+        self.progress.load_state_dict(state["progress"])
+
+
 class Trainer:
     """Builds everything from a validated RunConfig and its compiled plan (after the process
-    group exists): loaders, model, streams, the training pipeline; the evaluation pipeline is
-    derived from the same plan and streams when first needed."""
+    group exists): data, model, optimizer with its schedule, streams, the training pipeline;
+    the evaluation pipeline is derived from the same plan and streams when first needed.
 
-    def __init__(self, run: RunConfig, plan: CompiledPlan, info: DistInfo, run_dir: str | None = None):
+    With a `run_dir`, rank 0 writes metrics there and every rank takes part in checkpoints
+    (`trainer.checkpoint.*`). `restore(path)` loads a checkpoint before `fit()`.
+    """
+
+    def __init__(
+        self,
+        run: RunConfig,
+        plan: CompiledPlan,
+        info: DistInfo,
+        run_dir: str | None = None,
+        data: RankData | None = None,
+    ):
         self.run, self.plan, self.info, self.run_dir = run, plan, info, run_dir
-        self.train_loader = make_dataloader(run.data, info.rank, info.world_size)
-        eval_batches = run.trainer.eval_batches
-        self.eval_loader = (
-            make_dataloader(run.data, info.rank, info.world_size, split="eval", num_batches=eval_batches)
-            if eval_batches
-            else None
-        )
-        self.spec = self.train_loader.dataset.spec
+        cfg = run.trainer
+        self.data = data or RankData(run.data, info.rank, info.world_size, eval_batches=cfg.eval_batches)
+        self.eval_loader = self.data.eval_loader()
+        self.spec = self.data.spec
+        # python and numpy draw from OS entropy unless seeded; torch is seeded by build_model
+        random.seed(run.seed)
+        np.random.seed(run.seed)
         model, optimizer = build_model(run, info, self.spec)
+        self.optimizer = TrainOptimizer(optimizer, run.optimizer, self.planned_steps)
         streams = StreamPool.create(plan.schedule.stream_slots, info.device)
         self.state = TrainState(
             model=model,
-            optimizer=optimizer,
+            optimizer=self.optimizer,
             device=info.device,
             streams=streams,
             torchrec_context=plan.config.torchrec_context,
+            autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
         )
         self.pipeline = build_pipeline(plan, streams, self.state)
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
-        self._metrics = (
-            open(  # noqa: SIM115 - closed by close()
-                os.path.join(run_dir, "metrics.jsonl"), "a"
-            )
-            if run_dir and info.is_main
-            else None
+        #: optimizer steps taken (over the whole run, across resumes)
+        self.step = 0
+        #: the next training batch to train, counted across epochs
+        self.position = 0
+        self.metrics = MetricsWriter(run_dir if info.is_main else None, tensorboard=cfg.tensorboard)
+        self.checkpointer = (
+            Checkpointer(run_dir, cfg.checkpoint, info.checkpoint_group, info.rank) if run_dir is not None else None
         )
+        if self.checkpointer is not None and info.is_main:
+            self.checkpointer.on_published = lambda c: log.info("checkpoint step %d -> %s", c.step, c.path)
+        self.stop = StopRequest(info.control_group)
+
+    @property
+    def planned_steps(self) -> int:
+        """Steps this configuration trains in all: `trainer.epochs` epochs, capped by `max_steps`."""
+        cfg = self.run.trainer
+        steps = cfg.epochs * self.data.batches_per_epoch
+        return min(steps, cfg.max_steps) if cfg.max_steps is not None else steps
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
+        Each rank's RNG states (`RngState`) are saved next to it."""
+        return {"train": _TrainingState(self)}
+
+    def restore(self, path: str) -> None:
+        """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
+        data position and (if the checkpoint has this rank's) RNG states."""
+        self.optimizer.prepare_load()
+        with_rng = load_checkpoint(
+            path, self.checkpoint_state(), RngState(self.info.device), self.info.rank, self.info.checkpoint_group
+        )
+        if self.info.is_main:
+            log.info(
+                "resumed from %s: step %d, epoch %d, batch %d of the epoch%s",
+                path,
+                self.step,
+                self.position // self.data.batches_per_epoch + 1,
+                self.position % self.data.batches_per_epoch,
+                "" if with_rng else " (the checkpoint has no RNG state of this rank: fresh RNG)",
+            )
+
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        assert self.checkpointer is not None
+        self.checkpointer.save(self.step, self.checkpoint_state(), RngState(self.info.device), blocking=blocking)
 
     # -- loop -----------------------------------------------------------------------------------
 
     def fit(self, batches: Iterator | None = None, record_steps: bool = False) -> TrainSummary:
-        """Train until `trainer.max_steps` or the end of the data; evaluate every
-        `trainer.eval_every` steps (and before the first step).
+        """Train `trainer.epochs` epochs (capped by `trainer.max_steps`) from the current
+        position; evaluate every `trainer.eval_every` steps, at each epoch end, before the first
+        step and after the last; checkpoint every `trainer.checkpoint.interval` steps, at the end,
+        and when a SIGTERM asks to stop (then on every rank after the same step).
 
         The loss is read back to the host only at log steps (and, with `record_steps`, every
         step): reading it every step would make the host wait for the device each iteration
-        and undo the pipelining on CUDA.
+        and undo the pipelining on CUDA. `batches` replaces the training data by any iterator
+        (one pass, no epochs).
         """
         cfg = self.run.trainer
-        it = iter(self.train_loader) if batches is None else batches
-        summary = TrainSummary()
+        per_epoch = self.data.batches_per_epoch if batches is None else None
+        summary = TrainSummary(start_step=self.step)
+        if cfg.max_steps is not None and self.step >= cfg.max_steps:
+            summary.stop_reason = MAX_STEPS
+            return summary
+        if batches is None and self.position >= cfg.epochs * self.data.batches_per_epoch:
+            summary.stop_reason = EPOCHS_DONE
+            return summary
+        self._warn_if_data_ends_first()
+        it = iter(self.data.train_loader(cfg.epochs, self.position)) if batches is None else batches
         try:
             first = next(it)
         except StopIteration:
-            raise RuntimeError("the training loader yielded no batch (check data.num_batches)") from None
+            summary.stop_reason = DATA_EXHAUSTED
+            log.warning("the training data yielded no batch")
+            return summary
         self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
-        if self.eval_loader is not None and cfg.eval_every:
+        evaluating = self.eval_loader is not None and cfg.eval_every > 0
+        last_eval = last_checkpoint = None
+        if evaluating and self.step == 0:
             summary.evals.append(self._log_eval(0))
+            last_eval = 0
         bar = tqdm(
-            total=cfg.max_steps,
+            total=self.planned_steps,
+            initial=self.step,
             desc="train",
             unit="step",
             disable=not self.info.is_main or not cfg.progress_bar,
@@ -138,42 +296,69 @@ class Trainer:
         )
         window_start, window_samples = time.perf_counter(), 0
         start = time.perf_counter()
-        while cfg.max_steps is None or summary.steps < cfg.max_steps:
-            try:
-                result: StepResult = self.pipeline.progress(it)
-            except StopIteration:
-                break
-            summary.steps += 1
-            samples = result.num_samples * self.info.world_size
-            summary.samples += samples
-            window_samples += samples
-            if record_steps:
-                summary.losses.append(float(result.loss))
-                summary.sample_ids.append(result.sample_ids.cpu())
-            if summary.steps == 1:
-                summary.first_loss = float(result.loss)
-            last = result
-            bar.update(1)
-            if summary.steps % cfg.log_every == 0:
-                now = time.perf_counter()
-                loss = self._global_mean(result.loss)
-                self._write(
-                    {
-                        "step": summary.steps,
-                        "loss": loss,
-                        "samples_per_s": round(window_samples / (now - window_start), 2),
-                    }
-                )
-                bar.set_postfix(loss=f"{loss:.4f}")
-                window_start, window_samples = now, 0
-            if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every == 0:
-                summary.evals.append(self._log_eval(summary.steps))
+        with self.stop, logging_redirect_tqdm():
+            while True:
+                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                    summary.stop_reason = MAX_STEPS
+                    break
+                try:
+                    result: StepResult = self.pipeline.progress(it)
+                except StopIteration:
+                    summary.stop_reason = EPOCHS_DONE if per_epoch else DATA_EXHAUSTED
+                    break
+                self.step += 1
+                self.position += 1
+                summary.steps += 1
+                samples = result.num_samples * self.info.world_size
+                summary.samples += samples
+                window_samples += samples
+                if record_steps:
+                    summary.losses.append(float(result.loss))
+                    summary.sample_ids.append(result.sample_ids.cpu())
+                if summary.steps == 1:
+                    summary.first_loss = float(result.loss)
+                last = result
+                bar.update(1)
+                if self.step % cfg.log_every == 0:
+                    now = time.perf_counter()
+                    loss = self._log_step(result, window_samples / (now - window_start))
+                    bar.set_postfix(loss=f"{loss:.4f}")
+                    window_start, window_samples = now, 0
+                epoch_end = per_epoch is not None and self.position % per_epoch == 0
+                if epoch_end and self.info.is_main:
+                    log.info("epoch %d/%d done at step %d", self.position // per_epoch, cfg.epochs, self.step)
+                if evaluating and (epoch_end or self.step % cfg.eval_every == 0):
+                    summary.evals.append(self._log_eval(self.step))
+                    last_eval = self.step
+                stop = self.stop.should_stop()
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
+                    if stop or self.checkpointer.due(self.step):
+                        self.save_checkpoint(blocking=stop)
+                        last_checkpoint = self.step
+                if stop:
+                    summary.stop_reason = PREEMPTED
+                    log.warning(
+                        "%s received: stopped after step %d on every rank%s",
+                        self.stop.signal_name or "stop request",
+                        self.step,
+                        f"; checkpoint {self.checkpointer.last.path}" if self.checkpointer else " (no run dir)",
+                    )
+                    break
+            self.stop.drain()
         summary.seconds = time.perf_counter() - start
         if summary.steps:
             summary.last_loss = float(last.loss)
         bar.close()
-        if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every:
-            summary.evals.append(self._log_eval(summary.steps))
+        if summary.stop_reason != PREEMPTED:
+            if evaluating and last_eval != self.step:
+                summary.evals.append(self._log_eval(self.step))
+            if self.checkpointer is not None and self.checkpointer.cfg.interval and last_checkpoint != self.step:
+                self.save_checkpoint()
+            self._log_stop(summary)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            summary.checkpoint = str(self.checkpointer.last.path) if self.checkpointer.last else None
         return summary
 
     def evaluate(self) -> dict[str, Any]:
@@ -192,8 +377,8 @@ class Trainer:
                     result: StepResult = self._eval_pipeline.progress(it)
                 except StopIteration:
                     break
-                auroc.update(torch.sigmoid(result.logits), result.labels.int())
-                mean_loss.update(result.loss)
+                auroc.update(torch.sigmoid(result.logits.float()), result.labels.int())
+                mean_loss.update(result.loss.float())
             per_task = auroc.compute().tolist()
             return {
                 "eval_loss": float(mean_loss.compute()),
@@ -207,27 +392,79 @@ class Trainer:
         self.pipeline.shutdown()
         if self._eval_pipeline is not None:
             self._eval_pipeline.shutdown()
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        self.metrics.close()
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _warn_if_data_ends_first(self) -> None:
+        cfg = self.run.trainer
+        available = cfg.epochs * self.data.batches_per_epoch
+        if self.info.is_main and cfg.max_steps is not None and cfg.max_steps > available:
+            log.warning(
+                "trainer.max_steps=%d exceeds trainer.epochs=%d x %d batches per epoch: training stops after step %d; "
+                "raise trainer.epochs to train longer",
+                cfg.max_steps,
+                cfg.epochs,
+                self.data.batches_per_epoch,
+                available,
+            )
+
+    def _log_stop(self, summary: TrainSummary) -> None:
+        cfg = self.run.trainer
+        if not self.info.is_main:
+            return
+        detail = {
+            MAX_STEPS: f"trainer.max_steps={cfg.max_steps}",
+            EPOCHS_DONE: f"{cfg.epochs} epoch(s) of {self.data.batches_per_epoch} batches",
+            DATA_EXHAUSTED: "the batch iterator ended",
+        }[summary.stop_reason]
+        log.info("training stopped at step %d: %s (%s)", self.step, summary.stop_reason, detail)
+        if summary.stop_reason != MAX_STEPS and cfg.max_steps is not None and self.step < cfg.max_steps:
+            log.warning("the data ran out at step %d, before trainer.max_steps=%d", self.step, cfg.max_steps)
+
+    def _log_step(self, result: StepResult, samples_per_s: float) -> float:
+        """Metrics record and console summary of a log step; returns the loss (mean over ranks)."""
+        loss = self._global_mean(result.loss)
+        record: dict[str, Any] = {
+            "step": self.step,
+            "loss": loss,
+            "samples_per_s": round(samples_per_s, 2),
+            "lr": self.optimizer.last_lr,
+        }
+        if self.optimizer.last_grad_norm is not None:
+            record["grad_norm"] = float(self.optimizer.last_grad_norm)
+        record["mem_gib"] = round(_memory_gib(self.info.device), 3)
+        self.metrics.write(record)
+        if self.info.is_main:
+            per_epoch = self.data.batches_per_epoch
+            log.info(
+                "step %d | epoch %d | loss %.4f | %.0f samples/s | lr %.3g | mem %.2f GiB",
+                self.step,
+                (self.position - 1) // per_epoch + 1,
+                loss,
+                samples_per_s,
+                record["lr"],
+                record["mem_gib"],
+            )
+        return loss
+
     def _log_eval(self, step: int) -> dict[str, Any]:
         metrics = {"step": step, **self.evaluate()}
-        self._write(metrics)
+        self.metrics.write(metrics)
         if self.info.is_main:
             log.info("eval at step %d: loss %.4f, auc %.4f", step, metrics["eval_loss"], metrics["auc"])
         return metrics
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        value = value.detach().reshape(1).clone()
+        value = value.detach().float().reshape(1).clone()
         if self.info.world_size > 1:
             dist.all_reduce(value)
             value /= self.info.world_size
         return float(value)
 
-    def _write(self, record: dict[str, Any]) -> None:
-        if self._metrics is not None:
-            self._metrics.write(json.dumps(record) + "\n")
-            self._metrics.flush()
+
+def _memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank: allocated device memory on CUDA, resident host memory else."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -1,0 +1,71 @@
+"""Where a run's numbers go: `metrics.jsonl` (one JSON object per log step and per evaluation)
+and TensorBoard event files, both in the run directory, written by rank 0 only.
+
+`tensorboard --logdir <trainer.output_dir>` then shows every run side by side: `train/loss`,
+`train/samples_per_s`, `train/lr`, `train/grad_norm` (with clipping), `eval/loss`, `eval/auc`
+and `eval/auc_task<k>`, all against the global step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["MetricsWriter"]
+
+#: metrics.jsonl key -> TensorBoard tag of training records (evaluation records: see `write`)
+_TRAIN_TAGS = {
+    "loss": "train/loss",
+    "samples_per_s": "train/samples_per_s",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+}
+
+
+class MetricsWriter:
+    """Appends records to `<run_dir>/metrics.jsonl` and mirrors them to TensorBoard.
+
+    Args:
+        run_dir: the run directory, or None to write nothing (ranks other than 0, tests).
+        tensorboard: also write TensorBoard event files (`torch.utils.tensorboard`).
+    """
+
+    def __init__(self, run_dir: str | None, tensorboard: bool = True):
+        self._jsonl = None
+        self._tb = None
+        if run_dir is None:
+            return
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed by close()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=run_dir)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One record with its `step`: training (`loss`, ...) or evaluation (`auc`, ...)."""
+        if self._jsonl is None:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is None:
+            return
+        step = record["step"]
+        if "auc" in record:
+            self._tb.add_scalar("eval/loss", record["eval_loss"], step)
+            self._tb.add_scalar("eval/auc", record["auc"], step)
+            for k, auc in enumerate(record.get("auc_per_task", [])):
+                self._tb.add_scalar(f"eval/auc_task{k}", auc, step)
+        else:
+            for key, tag in _TRAIN_TAGS.items():
+                if record.get(key) is not None:
+                    self._tb.add_scalar(tag, record[key], step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

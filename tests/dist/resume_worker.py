@@ -1,0 +1,136 @@
+"""Worker for test_resume: run under torchrun with 2 ranks (gloo, CPU), or alone for `reshard`.
+
+`main <out>` (2 ranks): for each plan, trains 15 steps with checkpoints, then a fresh trainer
+resumes from that run directory and trains to step 30; compares per-step losses and final
+parameters (dense tensors and every local embedding shard) with one uninterrupted 30-step run of
+the serial plan. The configuration exercises everything a checkpoint must restore: Adam moments,
+rowwise-Adagrad table state, a cosine LR schedule with warmup, gradient clipping, dropout (RNG),
+two shuffled epochs (the resume lands mid-epoch 1 and crosses into epoch 2) and evaluations.
+Writes rank<r>.json (and the step-15 parameters as rank<r>_step15.pt for `reshard`).
+
+`reshard <checkpoint> <out>` (1 process): loads a 2-rank checkpoint through DCP's resharding,
+writes the loaded parameters, then trains 5 more steps.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+
+from recsys_pipe.testing import load_run
+from recsys_pipe.train import Trainer, init_distributed, local_parameters, resolve_resume, training_plan
+
+CONFIG = [
+    "trainer=smoke",
+    "optimizer=adam",
+    "optimizer.schedule=cosine",
+    "optimizer.warmup_steps=5",
+    "optimizer.decay_steps=30",  # the first part stops at step 15: the schedule must not follow it
+    "optimizer.clip_grad_norm=0.5",
+    "model.dropout=0.1",
+    "data.batch_size=16",
+    "data.num_batches=20",
+    "data.shuffle=true",
+    "trainer.epochs=2",
+    "trainer.eval_every=10",
+    "trainer.eval_batches=2",
+    "trainer.log_every=5",
+    "trainer.tensorboard=false",
+]
+PLANS = {
+    "serial": ["pipeline=serial"],
+    "hstu_sparse_dist": ["pipeline=hstu_sparse_dist"],
+    "hstu_prefetch": ["pipeline=hstu_prefetch"],
+    "hstu_prefetch/async": ["pipeline=hstu_prefetch", "trainer.checkpoint.async=true"],
+}
+
+
+def trainer(info, run_dir, *overrides):
+    run = load_run(*CONFIG, *overrides)
+    if run_dir is not None and info.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+    return Trainer(run, training_plan(run), info, run_dir)
+
+
+def fit(t, restore=None):
+    try:
+        if restore is not None:
+            t.restore(restore)
+        summary = t.fit(record_steps=True)
+        return summary, local_parameters(t.state.model)
+    finally:
+        t.close()
+
+
+def digest(params):
+    return {k: hash(v.numpy().tobytes()) for k, v in params.items()}
+
+
+def main(out):
+    info = init_distributed("cpu", "gloo")
+    result = {"plans": {}}
+    ref, ref_params = fit(trainer(info, None, "pipeline=serial", "trainer.max_steps=30"))
+    result["reference"] = {"losses": ref.losses, "params": digest(ref_params), "evals": [e["step"] for e in ref.evals]}
+    for name, overrides in PLANS.items():
+        run_dir = os.path.join(out, name.replace("/", "_"))
+        first, params15 = fit(
+            trainer(info, run_dir, *overrides, "trainer.max_steps=15", "trainer.checkpoint.interval=15")
+        )
+        if name == "serial":
+            torch.save(params15, os.path.join(out, f"rank{info.rank}_step15.pt"))
+        dist.barrier()
+        path = str(resolve_resume(run_dir, "unused"))  # a run directory: its newest checkpoint
+        second, params = fit(trainer(info, None, *overrides, "trainer.max_steps=30"), restore=path)
+        result["plans"][name] = {
+            "checkpoint": os.path.relpath(path, out),
+            "first_losses": first.losses,
+            "first_stop": first.stop_reason,
+            "resumed_at": second.start_step,
+            "losses": second.losses,
+            "params": digest(params),
+            "num_params": len(params),
+            "stop": second.stop_reason,
+        }
+    # negative control: the same checkpoint without its RNG states must not resume bitwise
+    # (dropout draws from them), or the comparison above would not show they are restored
+    no_rng = os.path.join(out, "no_rng")
+    if info.is_main:
+        shutil.copytree(os.path.join(out, "serial", "checkpoints", "step_15"), no_rng)
+        shutil.rmtree(os.path.join(no_rng, "rng"))
+    dist.barrier()
+    control, _ = fit(trainer(info, None, "pipeline=serial", "trainer.max_steps=30"), restore=no_rng)
+    result["no_rng_losses"] = control.losses
+    with open(os.path.join(out, f"rank{info.rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reshard(checkpoint, out):
+    info = init_distributed("cpu", "gloo")
+    t = trainer(info, None, "pipeline=hstu_prefetch", "trainer.max_steps=20")
+    try:
+        t.restore(checkpoint)
+        loaded = local_parameters(t.state.model)
+        start = t.step, t.position
+        summary = t.fit(record_steps=True)
+    finally:
+        t.close()
+    torch.save(loaded, os.path.join(out, "resharded.pt"))
+    with open(os.path.join(out, "reshard.json"), "w") as f:
+        json.dump({"start": start, "losses": summary.losses, "end_step": summary.end_step}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "reshard":
+        reshard(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,286 @@
+"""Checkpoint and resume on 2 ranks (torchrun, gloo, CPU): a resumed run continues bitwise.
+
+Tolerance: bitwise (torch.equal / identical floats), as in the parity tests: CPU kernels are
+deterministic, so a resumed run that differs in any bit trained another batch, with another
+optimizer, schedule or RNG state than the uninterrupted run.
+
+The configuration makes every piece of state matter: Adam moments, rowwise-Adagrad table state,
+a cosine LR schedule with warmup, gradient clipping, dropout (RNG), two shuffled epochs (resumes
+land mid-epoch 1 and cross into epoch 2) and evaluations between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, check_torchrun, read_rank_results, run_torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist" / "resume_worker.py"
+BIN = Path(sys.executable).parent
+PLANS = ["serial", "hstu_sparse_dist", "hstu_prefetch"]
+CONFIG = [
+    "trainer=smoke",
+    "trainer.max_steps=30",
+    "trainer.log_every=1",
+    "trainer.eval_every=10",
+    "trainer.eval_batches=2",
+    "trainer.epochs=2",
+    "trainer.tensorboard=false",
+    "trainer.checkpoint.interval=10",
+    "data.batch_size=16",
+    "data.num_batches=20",
+    "data.shuffle=true",
+    "model.dropout=0.1",
+    "optimizer=adam",
+    "optimizer.schedule=cosine",
+    "optimizer.warmup_steps=5",
+    "optimizer.clip_grad_norm=0.5",
+]
+TIMEOUT = 240
+
+
+# -- in-process resume (tests/dist/resume_worker.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    check_torchrun(run_torchrun(WORKER, "main", str(out), timeout=TIMEOUT))
+    return out, read_rank_results(out)
+
+
+def test_resume_is_bitwise_for_every_plan_and_async_save(plain):
+    _, ranks = plain
+    for data in ranks:
+        ref = data["reference"]
+        assert len(ref["losses"]) == 30 and ref["evals"] == [0, 10, 20, 30]
+        for name, got in data["plans"].items():
+            assert got["checkpoint"].endswith("checkpoints/step_15"), name
+            assert got["first_stop"] == got["stop"] == "max_steps reached"
+            assert got["first_losses"] == ref["losses"][:15], name
+            assert got["resumed_at"] == 15, name
+            assert got["losses"] == ref["losses"][15:], f"{name}: steps 16..30 differ after resume"
+            assert got["params"] == ref["params"], f"{name}: final parameters differ after resume"
+            assert got["num_params"] > 10  # dense tensors and embedding shards
+        assert set(data["plans"]) == {*PLANS, "hstu_prefetch/async"}
+
+
+def test_resume_without_rng_state_is_not_bitwise(plain):
+    """Negative control: dropout draws from the RNG, so its restored state is what keeps the
+    resumed run bitwise above."""
+    _, ranks = plain
+    for data in ranks:
+        assert len(data["no_rng_losses"]) == 15
+        assert data["no_rng_losses"] != data["reference"]["losses"][15:]
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(plain, tmp_path):
+    """2 -> 1 ranks: DCP reshards the tables (each was on one rank, now both are on rank 0) and
+    training continues. Not bitwise: one rank splits the data differently."""
+    out, _ = plain
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "reshard", str(out / "serial" / "checkpoints" / "step_15"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    loaded = torch.load(tmp_path / "resharded.pt")
+    saved = [torch.load(out / f"rank{r}_step15.pt") for r in range(2)]
+    tables = [k for k in loaded if "#shard" in k]
+    assert len(tables) == 2  # item and action tables, both local now
+    for key, value in loaded.items():
+        holders = [s[key] for s in saved if key in s]
+        assert holders, key
+        assert all(torch.equal(value, h) for h in holders), key
+    report = json.loads((tmp_path / "reshard.json").read_text())
+    assert report["start"] == [15, 20]  # step 15; 480 samples of epoch 1 trained = all 20 batches of 1 rank
+    assert report["end_step"] == 20 and len(report["losses"]) == 5
+    assert all(0 < loss < 10 for loss in report["losses"])
+
+
+# -- the CLI: SIGKILL between checkpoints, SIGTERM, two torchrun agents -------------------------
+
+
+def _torchrun(*args: str, nproc: int = 2, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.run(
+        [*command, "--no-python", str(BIN / "recsys-train"), *CONFIG, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def _run_dir(output_dir: Path) -> Path:
+    (path,) = (output_dir / "recsys-train").iterdir()
+    return path
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _flat(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _flat(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+def _checkpoint(path: Path, tmp: Path) -> dict:
+    """Everything in a checkpoint, tables gathered whole (read without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp / f"{path.parent.parent.name}_{path.name}.pt"
+    dcp_to_torch_save(path, target)
+    state = dict(_flat(torch.load(target, weights_only=False)))
+    for rng in sorted((path / "rng").iterdir()):
+        state |= {f"{rng.stem}.{k}": v for k, v in _flat(torch.load(rng, weights_only=True))}
+    return state
+
+
+def _assert_same_checkpoint(a: Path, b: Path, tmp: Path) -> None:
+    left, right = _checkpoint(a, tmp), _checkpoint(b, tmp)
+    assert left.keys() == right.keys()
+    assert any(".ec." in k for k in left) and any(".momentum1" in k for k in left)  # tables and their state
+    assert any("rank1.torch" in k for k in left)  # every rank's RNG
+    for key, value in left.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, right[key]), key
+        else:
+            assert value == right[key], key
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 30-step run on 2 ranks (checkpoints at 10, 20, 30)."""
+    out = tmp_path_factory.mktemp("reference")
+    proc = _torchrun("pipeline=serial", f"trainer.output_dir={out}", cwd=out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _run_dir(out)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_sigkill_between_checkpoints_then_resume_is_bitwise(plan, reference, tmp_path):
+    killed = _torchrun(
+        f"pipeline={plan}",
+        FAULT_OVERRIDE,
+        f"trainer.output_dir={tmp_path}/a",
+        env={FAULT_ENV: "sigkill:0:17"},
+        cwd=tmp_path,
+    )
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
+    crashed = _run_dir(tmp_path / "a")
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_10"]  # 20 was never reached
+    resumed = _torchrun(
+        f"pipeline={plan}", f"trainer.output_dir={tmp_path}/b", f"trainer.resume_from={crashed}", cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    run_dir = _run_dir(tmp_path / "b")
+    losses, ref = _losses(run_dir), _losses(reference)
+    assert sorted(losses) == list(range(11, 31))
+    assert losses == {step: ref[step] for step in losses}
+    _assert_same_checkpoint(run_dir / "checkpoints" / "step_30", reference / "checkpoints" / "step_30", tmp_path)
+
+
+def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step(reference, tmp_path):
+    """Only rank 1 gets SIGTERM (at the start of step 7): both ranks stop after step 8 (the agreement is
+    one step late), save step_8, exit 75; resuming it continues bitwise."""
+    preempted = _torchrun(
+        "pipeline=hstu_prefetch",
+        "thread_map=per_task",
+        FAULT_OVERRIDE,
+        f"trainer.output_dir={tmp_path}/a",
+        env={FAULT_ENV: "sigterm:1:7"},
+        cwd=tmp_path,
+    )
+    assert preempted.returncode != 0
+    assert preempted.stderr.count("exitcode  : 75") == 2, preempted.stderr[-3000:]
+    assert "SIGTERM received: stopped after step 8 on every rank" in preempted.stderr
+    run_dir = _run_dir(tmp_path / "a")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_8"]
+    assert max(_losses(run_dir)) == 8
+    # what a requeued job runs: the same command plus resume_from=latest (newest under output_dir)
+    resumed = _torchrun(
+        "pipeline=hstu_prefetch", f"trainer.output_dir={tmp_path}/a", "trainer.resume_from=latest", cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    (new_dir,) = [p for p in (tmp_path / "a" / "recsys-train").iterdir() if p != run_dir]
+    losses, ref = _losses(new_dir), _losses(reference)
+    assert sorted(losses) == list(range(9, 31)) and losses == {step: ref[step] for step in losses}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_train_like_one_agent_with_two_processes(reference, tmp_path):
+    """`--nnodes 2` on one machine (c10d rendezvous on 127.0.0.1): one run directory, the same
+    per-step losses and final checkpoint as one agent with 2 processes."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv_id",
+                "multinode-test",
+                "--no-python",
+                str(BIN / "recsys-train"),
+                *CONFIG,
+                "pipeline=serial",
+                f"trainer.output_dir={tmp_path}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            start_new_session=True,
+        )
+        for node in range(2)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=TIMEOUT) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    for agent, (_, err) in zip(agents, outputs):
+        assert agent.returncode == 0, err[-4000:]
+    run_dir = _run_dir(tmp_path)  # exactly one run directory
+    assert "2 rank(s)" in (run_dir / "train.log").read_text()
+    assert _losses(run_dir) == _losses(reference)
+    _assert_same_checkpoint(run_dir / "checkpoints" / "step_30", reference / "checkpoints" / "step_30", tmp_path)
