@@ -37,17 +37,15 @@ FAULT_OVERRIDE = "pipeline.tasks.zero_grad.fn=recsys_pipe.testing.zero_grad_with
 
 def compose(*overrides: str, config_name: str = "config") -> Any:
     """The DictConfig Hydra composes for `recsys-train` (config_name="train"/"config") or
-    `recsys-plan` ("plan") with these command-line overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    `recsys-plan` ("plan") with these command-line overrides (without the `hydra` node)."""
+    from omegaconf import open_dict
 
-    from recsys_pipe.cli._hydra import CONF_DIR, register_schemas
+    from recsys_pipe.cli._hydra import compose_config
 
-    register_schemas()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+    cfg = compose_config(*overrides, config_name=config_name)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def load_run(*overrides: str, config_name: str = "config") -> Any:
@@ -96,7 +94,8 @@ def inject_fault(ctx: Any) -> None:
     `RECSYS_PIPE_FAULT=<kind>:<rank>:<step>` fires on that rank in that training step (1-based,
     counted from the start of this process's training) of the task that calls it:
     `sigkill` (the process dies), `sigterm` (as a scheduler's preemption), `raise` (an exception
-    in the task), `hang` (the rank stops responding). Evaluation never fires it.
+    in the task), `collective` (the rank's next collective fails), `hang` (the rank stops
+    responding). Evaluation never fires it.
     """
     spec = os.environ.get(FAULT_ENV)
     if not spec or not ctx.state.training:
@@ -112,7 +111,9 @@ def inject_fault(ctx: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    elif kind == "collective":  # this rank's process group goes away: its next collective fails
+        dist.destroy_process_group()
     elif kind == "hang":
         time.sleep(3600)
     else:
-        raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} (sigkill, sigterm, raise, hang)")
+        raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} (sigkill, sigterm, raise, collective, hang)")

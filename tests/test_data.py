@@ -189,7 +189,7 @@ def test_read_ratings_both_formats(tmp_path: Path, fmt: str) -> None:
 def test_read_ratings_rejects_other_files(tmp_path: Path) -> None:
     bad = tmp_path / "movies.csv"
     bad.write_text("movieId,title\n1,Toy Story\n")
-    with pytest.raises(ValueError, match="not a MovieLens ratings file"):
+    with pytest.raises(ConfigError, match="movies.csv:1: unrecognised first line 'movieId,title"):
         read_ratings(bad)
 
 

@@ -4,17 +4,19 @@ Why a wrapper around `@hydra.main`: we keep Hydra's real entry point (so `--help
 `-m` sweeps, `+`/`~` overrides and run dirs all behave as Hydra users expect) but fix its exit
 codes: any config problem -- a bad override, an unknown group option, a typo'd key, an invalid
 plan -- exits with code 2 and readable `error: <path>: <message>` lines, never a traceback
-(unless `HYDRA_FULL_ERROR=1` or `debug=true`). Hydra itself exits 1 for everything.
+(unless `HYDRA_FULL_ERROR=1` or `debug=true`). Hydra itself exits 1 for everything. `--help`
+ends with every key, its current value and its description (`recsys_pipe.cli.keys`).
 
 Usage from a CLI module:
 
     def task(cfg: DictConfig) -> None: ...          # may raise ConfigError
-    main = hydra_app(task, config_name="plan", prog="recsys-plan")
+    main = hydra_app(task, config_name="plan", prog="recsys-plan", schema="pkg.module:Config")
     # main() -> SystemExit(code); run(argv) -> code (in-process, for tests)
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import traceback
@@ -22,15 +24,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recsys_pipe.config import ConfigError
 
 __all__ = [
     "CONF_DIR",
     "EXIT_CONFIG_ERROR",
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
     "EXIT_PREEMPTED",
     "HydraApp",
+    "compose_config",
     "hydra_app",
     "register_schemas",
     "report_config_error",
@@ -38,23 +44,69 @@ __all__ = [
 
 #: The packaged config tree (the repo-root `conf` is a symlink to it).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-#: Exit code of every config error (argparse uses 2 for usage errors too).
+
+#: Training finished (max_steps reached, epochs done or data exhausted).
+EXIT_OK = 0
+#: A failure after start-up: an exception on this rank, or a failed peer (see the run's status.json).
+EXIT_FAILURE = 1
+#: Every config or input error: a bad value, data file, output path or checkpoint (argparse's code).
 EXIT_CONFIG_ERROR = 2
-#: Exit code after a SIGTERM made every rank save a checkpoint and stop: resumable
-#: (sysexits' EX_TEMPFAIL, "temporary failure, retry"; distinct from a kill by SIGTERM, 143).
+#: SIGTERM made every rank save a checkpoint and stop: resumable (sysexits' EX_TEMPFAIL,
+#: "temporary failure, retry"; distinct from being killed by SIGTERM, which shells show as 143).
 EXIT_PREEMPTED = 75
+#: Ctrl-C (SIGINT): stopped after the last completed step, nothing saved (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
 #: Name under which the pipeline skeleton is registered; conf/config.yaml lists it first.
 SCHEMA_NAME = "recsys_schema"
 
 
 def register_schemas() -> None:
     """Register the structured skeleton of the `pipeline` node (see config.structured) in
-    Hydra's ConfigStore. Idempotent; must run before Hydra composes conf/config.yaml."""
+    Hydra's ConfigStore, and the `recsys_sweep_dir` resolver. Idempotent; must run before Hydra
+    composes conf/config.yaml."""
     from hydra.core.config_store import ConfigStore
 
     from recsys_pipe.config.structured import root_skeleton
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=root_skeleton())
+    if not OmegaConf.has_resolver("recsys_sweep_dir"):
+        OmegaConf.register_new_resolver("recsys_sweep_dir", sweep_dir)
+
+
+_SWEEP_DIRS: dict[str, str] = {}
+
+
+def sweep_dir(base: str) -> str:
+    """`${recsys_sweep_dir:<base>}`: a new directory `<base>/<time>` for one `-m` sweep.
+
+    Unique (`-2`, `-3`, ... when two sweeps start in the same second) and, under torchrun, the
+    same for every rank: local rank 0 of global rank 0 creates it and publishes the path in
+    torchrun's store, the others read it there. Hydra resolves this more than once per sweep,
+    so the answer is kept per process.
+    """
+    if base in _SWEEP_DIRS:
+        return _SWEEP_DIRS[base]
+    from recsys_pipe.train.rundir import unique_dir
+
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        key = f"recsys_pipe/sweep_dir/{base}"
+        if os.environ.get("RANK") == "0":
+            store.set(key, unique_dir(base, stamp))
+        path = store.get(key).decode()  # waits for rank 0
+    else:
+        path = unique_dir(base, stamp)
+    _SWEEP_DIRS[base] = path
+    return path
 
 
 def _debug_requested(cfg: Any = None) -> bool:
@@ -80,12 +132,20 @@ def report_config_error(error: ConfigError, prog: str, stream: Any = None) -> No
 
 
 class HydraApp:
-    """A Hydra app whose failures map to exit codes: 0 ok, 2 config error, 1 runtime error."""
+    """A Hydra app whose failures map to exit codes: 0 ok, 2 config error, 1 runtime error.
 
-    def __init__(self, task: Callable[[DictConfig], Any], config_name: str, prog: str):
+    Args:
+        task: `task(cfg)`; raises ConfigError for bad input, SystemExit(code) to choose a code.
+        config_name: the primary config in the packaged conf/ tree.
+        prog: the command's name in messages.
+        schema: "module:Class" of the validated config, for `--help`'s key listing.
+    """
+
+    def __init__(self, task: Callable[[DictConfig], Any], config_name: str, prog: str, schema: str | None = None):
         self.task = task
         self.config_name = config_name
         self.prog = prog
+        self.schema = schema
         self._started = False
 
     def _task(self, cfg: DictConfig) -> Any:
@@ -117,7 +177,9 @@ class HydraApp:
         sys.argv = [self.prog, *argv]
         try:
             entry()
-            return 0
+            code = 0
+        except KeyboardInterrupt:  # Ctrl-C before or after training (training handles its own)
+            return EXIT_INTERRUPTED
         except SystemExit as exc:
             code = _exit_code(exc.code)
             if code == 1 and not self._started:
@@ -129,7 +191,6 @@ class HydraApp:
                     file=sys.stderr,
                 )
                 return EXIT_CONFIG_ERROR
-            return code
         except Exception:  # HYDRA_FULL_ERROR=1 re-raises instead of exiting
             if not self._started:
                 traceback.print_exc()
@@ -138,10 +199,52 @@ class HydraApp:
         finally:
             sys.argv = saved
             GlobalHydra.instance().clear()
+        if code == 0 and ("--help" in argv or "-h" in argv):
+            try:
+                self._print_keys([a for a in argv if a not in ("--help", "-h")])
+            except BrokenPipeError:  # `recsys-train --help | head`
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return code
+
+    def _print_keys(self, overrides: list[str]) -> None:
+        """`--help`'s last part: every key with its value (with `overrides`) and description."""
+        from recsys_pipe.cli.keys import describe_keys, format_keys
+        from recsys_pipe.config import import_fn, to_container
+
+        try:
+            cfg = compose_config(*(o for o in overrides if not o.startswith("-")), config_name=self.config_name)
+            footer = OmegaConf.select(cfg, "hydra.help.footer", default="")
+            with open_dict(cfg):
+                del cfg["hydra"]
+            values = to_container(cfg)
+        except Exception as exc:  # the groups listing above is still useful
+            print(f"(keys not listed: the config could not be composed: {exc})")
+            return
+        if self.schema:
+            print("== Keys ==")
+            print("Every key, its value with these overrides, and what it does (override any with path=value):\n")
+            print(format_keys(describe_keys(import_fn(self.schema), values)))
+        print(f"\n{footer}" if footer else "")
+        sys.stdout.flush()
 
     def main(self) -> None:
         """Console-script entry point."""
         sys.exit(self.run())
+
+
+def compose_config(*overrides: str, config_name: str = "config") -> DictConfig:
+    """The config Hydra composes for `config_name` with these command-line overrides, with its
+    `hydra` node (as `recsys-train`/`recsys-plan` would see it, without running anything)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def _exit_code(code: Any) -> int:
@@ -153,6 +256,6 @@ def _exit_code(code: Any) -> int:
     return 1
 
 
-def hydra_app(task: Callable[[DictConfig], Any], config_name: str, prog: str) -> HydraApp:
+def hydra_app(task: Callable[[DictConfig], Any], config_name: str, prog: str, schema: str | None = None) -> HydraApp:
     """Wrap `task(cfg)` as a Hydra app reading the packaged conf/ tree."""
-    return HydraApp(task, config_name, prog)
+    return HydraApp(task, config_name, prog, schema)

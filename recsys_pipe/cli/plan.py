@@ -65,7 +65,7 @@ def plan_task(cfg: DictConfig) -> None:
     sys.stdout.flush()
 
 
-_app = hydra_app(plan_task, config_name="plan", prog="recsys-plan")
+_app = hydra_app(plan_task, config_name="plan", prog="recsys-plan", schema="recsys_pipe.cli.plan:PlanCommandConfig")
 
 
 def run(argv: Sequence[str] | None = None) -> int:

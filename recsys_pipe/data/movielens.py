@@ -18,11 +18,12 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, NoReturn
 
 from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
+from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.batch import Sample
 from recsys_pipe.data.loader import SequenceDataConfig
 from recsys_pipe.data.spec import DataSpec
@@ -35,21 +36,70 @@ Rating = tuple[int, int, float, int]
 NUM_ACTIONS = 11
 
 
+#: timestamps must fit in int64 with room for differences between two of them
+MAX_TIMESTAMP = 2**62
+_LAYOUT = (
+    "expected MovieLens ratings: ml-1m `UserID::MovieID::Rating::Timestamp` lines, or ml-20m/25m CSV "
+    "with the header `userId,movieId,rating,timestamp`"
+)
+
+
 def read_ratings(path: str | Path) -> list[Rating]:
-    """Parse a MovieLens ratings file; the layout is detected from its first line."""
+    """Parse a MovieLens ratings file; the layout is detected from its first line.
+
+    A file that is not one (binary, another CSV, empty) or a bad row is a ConfigError at
+    `data.path` naming the file and line, so `recsys-train` reports it in one line (exit 2).
+    """
     path = Path(path)
-    with path.open(newline="", encoding="latin-1") as f:
-        first = f.readline()
-        f.seek(0)
-        if "::" in first:
-            rows = (line.rstrip("\n").split("::") for line in f if line.strip())
-        elif first.lower().startswith("userid,"):
-            reader = csv.reader(f)
-            next(reader)
-            rows = (r for r in reader if r)
-        else:
-            raise ValueError(f"{path}: not a MovieLens ratings file (first line {first[:60]!r})")
-        return [(int(u), int(m), float(r), int(t)) for u, m, r, t in rows]
+    try:
+        with path.open("rb") as raw:
+            head = raw.read(8192)
+        if b"\0" in head:
+            _fail(path, None, f"a binary file, not text; {_LAYOUT}")
+        with path.open(newline="", encoding="latin-1") as f:
+            first = f.readline()
+            f.seek(0)
+            if "::" in first:
+                rows = ((n, line.rstrip("\r\n").split("::")) for n, line in enumerate(f, 1) if line.strip())
+            elif first.lower().startswith("userid,"):
+                reader = csv.reader(f)
+                next(reader)
+                rows = ((reader.line_num, r) for r in reader if r)
+            elif not first.strip():
+                _fail(path, None, f"the file is empty; {_LAYOUT}")
+            else:
+                _fail(path, 1, f"unrecognised first line {_excerpt(first)}; {_LAYOUT}")
+            ratings = [_rating(path, n, row) for n, row in rows]
+    except OSError as exc:
+        _fail(path, None, f"cannot read the file ({exc.strerror or exc})")
+    if not ratings:
+        _fail(path, None, "the file has no ratings (header only)")
+    return ratings
+
+
+def _rating(path: Path, line: int, row: list[str]) -> Rating:
+    if len(row) != 4:
+        _fail(path, line, f"expected 4 fields (user, movie, rating, timestamp), got {len(row)}: {_excerpt(row)}")
+    user, movie, rating, stamp = row
+    try:
+        parsed = (int(user), int(movie), float(rating), int(stamp))
+    except ValueError:
+        _fail(path, line, f"fields must be integer user, movie, timestamp and a numeric rating: {_excerpt(row)}")
+    if not 0 < parsed[2] <= 5:  # MovieLens stars; also refuses nan and inf
+        _fail(path, line, f"rating {rating!r} is outside (0, 5]")
+    if not 0 <= parsed[3] < MAX_TIMESTAMP:
+        _fail(path, line, f"timestamp {stamp!r} is not a unix time in seconds")
+    return parsed
+
+
+def _excerpt(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fail(path: Path, line: int | None, message: str) -> NoReturn:
+    where = f"{path}:{line}" if line is not None else str(path)
+    raise ConfigError(ConfigProblem("data.path", f"{where}: {message}"))
 
 
 def _user_sequences(ratings: Sequence[Rating]) -> tuple[dict[int, list[Rating]], dict[int, int], dict[int, int]]:

@@ -62,6 +62,11 @@ class TrainerConfig(Section):
     output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
     tensorboard: StrictBool = Field(True, description="write TensorBoard event files into the run directory")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="when to save checkpoints")
+    peer_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a collective that waits longer for a peer fails, and a rank silent this long is declared dead",
+    )
     resume_from: StrictStr | None = Field(
         None,
         min_length=1,

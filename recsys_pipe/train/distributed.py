@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "resolve_device", "shared_run_dir", "teardown", "unique_dir"]
+__all__ = ["DistInfo", "init_distributed", "resolve_device", "teardown"]
 
 
 @dataclass(frozen=True)
@@ -105,34 +105,6 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         checkpoint_group=dist.new_group(backend="gloo", timeout=timeout),
     )
     return _INFO
-
-
-def unique_dir(base: str | os.PathLike, name: str) -> str:
-    """Create `<base>/<name>`, or `<name>-2`, `<name>-3`, ... if taken, and return it.
-
-    `os.mkdir` either creates a directory or fails, atomically, so two runs started in the same
-    second (two shells, or two jobs of a sweep) never end up in one directory."""
-    os.makedirs(base, exist_ok=True)
-    for n in range(1, 10_000):
-        path = os.path.join(base, name if n == 1 else f"{name}-{n}")
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            continue
-        return path
-    raise RuntimeError(f"no free run directory name under {base}")
-
-
-def shared_run_dir(base: str, name: str) -> str:
-    """One new run directory for all ranks: rank 0 creates `<base>/<name>/<time>` (unique, see
-    `unique_dir`) and broadcasts its path (each process stamping its own time would split a run
-    across directories)."""
-    path = [None]
-    if dist.get_rank() == 0:
-        path[0] = unique_dir(os.path.join(base, name), datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-    dist.broadcast_object_list(path, src=0)
-    assert path[0] is not None
-    return path[0]
 
 
 def teardown() -> None:

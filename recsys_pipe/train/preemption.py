@@ -40,14 +40,18 @@ class StopRequest:
         self._flag: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._previous: object = None
+        self._depth = 0
 
     def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
+        """Install the SIGTERM handler (nested entries keep the outermost one)."""
+        if self._depth == 0 and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        self._depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
+        self._depth -= 1
+        if self._depth == 0 and self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
             self._previous = None
 

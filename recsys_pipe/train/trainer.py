@@ -30,13 +30,14 @@ from torchmetrics.classification import MultilabelAUROC
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from recsys_pipe.config import CompiledPlan
+from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import DataSpec, RankData
 from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.models import make_optimizer, make_sharded_model
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.distributed import DistInfo
+from recsys_pipe.train.health import PeerHealth
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer, dense_optimizer_factory, sparse_optimizer
 from recsys_pipe.train.preemption import StopRequest
@@ -171,7 +172,9 @@ class Trainer:
     the evaluation pipeline is derived from the same plan and streams when first needed.
 
     With a `run_dir`, rank 0 writes metrics there and every rank takes part in checkpoints
-    (`trainer.checkpoint.*`). `restore(path)` loads a checkpoint before `fit()`.
+    (`trainer.checkpoint.*`). `restore(path)` loads a checkpoint before `fit()`. `data` is this
+    rank's `RankData` if the caller built it already (the CLI does, to check it before the
+    process group starts).
     """
 
     def __init__(
@@ -181,6 +184,8 @@ class Trainer:
         info: DistInfo,
         run_dir: str | None = None,
         data: RankData | None = None,
+        stop: StopRequest | None = None,
+        health: PeerHealth | None = None,
     ):
         self.run, self.plan, self.info, self.run_dir = run, plan, info, run_dir
         cfg = run.trainer
@@ -213,7 +218,10 @@ class Trainer:
         )
         if self.checkpointer is not None and info.is_main:
             self.checkpointer.on_published = lambda c: log.info("checkpoint step %d -> %s", c.step, c.path)
-        self.stop = StopRequest(info.control_group)
+        #: SIGTERM handling (the CLI passes the one it installed for the whole process)
+        self.stop = stop or StopRequest(info.control_group)
+        #: heartbeats carry the step (set by the CLI for multi-rank runs)
+        self.health = health
 
     @property
     def planned_steps(self) -> int:
@@ -233,9 +241,16 @@ class Trainer:
         """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
         data position and (if the checkpoint has this rank's) RNG states."""
         self.optimizer.prepare_load()
-        with_rng = load_checkpoint(
-            path, self.checkpoint_state(), RngState(self.info.device), self.info.rank, self.info.checkpoint_group
-        )
+        try:
+            with_rng = load_checkpoint(
+                path, self.checkpoint_state(), RngState(self.info.device), self.info.rank, self.info.checkpoint_group
+            )
+        except (RuntimeError, ValueError, KeyError) as exc:  # DCP's CheckpointException is a RuntimeError
+            reason = str(exc).strip().splitlines()
+            detail = next((line for line in reversed(reason) if "Error" in line), reason[0] if reason else "")
+            raise ConfigError(
+                ConfigProblem("trainer.resume_from", f"{path} does not fit this model and optimizer: {detail[:300]}")
+            ) from exc
         if self.info.is_main:
             log.info(
                 "resumed from %s: step %d, epoch %d, batch %d of the epoch%s",
@@ -309,6 +324,8 @@ class Trainer:
                 self.step += 1
                 self.position += 1
                 summary.steps += 1
+                if self.health is not None:
+                    self.health.step = self.step
                 samples = result.num_samples * self.info.world_size
                 summary.samples += samples
                 window_samples += samples

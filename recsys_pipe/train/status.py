@@ -1,0 +1,52 @@
+"""How a run ended, at a glance: `<run dir>/status.json` (the exit codes it records are defined
+by the CLI, `recsys_pipe.cli._hydra`).
+
+`status.json` is written when the run starts (`running`) and replaced (atomically) when it ends:
+`completed`, `failed` (with the message and the rank that failed first), `interrupted` (Ctrl-C)
+or `preempted` (SIGTERM; a checkpoint to resume from). A run directory whose status still says
+`running` after its processes are gone was killed without a chance to write (SIGKILL).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from typing import Any
+
+__all__ = ["RunStatus"]
+
+
+class RunStatus:
+    """Writes `<run_dir>/status.json`; every write replaces the file atomically.
+
+    Args:
+        run_dir: the run directory.
+        info: what stays the same for the run (world size, resumed_from, ...).
+    """
+
+    FILE = "status.json"
+
+    def __init__(self, run_dir: str, **info: Any):
+        self.path = os.path.join(run_dir, self.FILE)
+        self.info = {"started": _now(), "host": socket.gethostname(), **info}
+
+    def write(self, status: str, **fields: Any) -> None:
+        record = {"status": status, **self.info, "updated": _now(), **fields}
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, self.path)
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
