@@ -34,8 +34,12 @@ def draw_gantt(
     title: str = "",
     time_range: tuple[float, float] | None = None,
     legend_title: str = "batch",
+    time_unit: tuple[str, float] = ("ms", 1e3),
 ) -> Path:
-    """Draw `bars` on `rows` (top to bottom) into a PNG at `path`; times in seconds, shown in ms.
+    """Draw `bars` on `rows` (top to bottom) into a PNG at `path`.
+
+    `time_unit` is the axis label and the factor from bar times to it (default: seconds shown
+    in ms; `("", 1.0)` for unitless times).
 
     Bars are coloured by `group`, labelled with their text when wide enough, and outlined in
     black when `highlight` (the critical path). Returns the path written.
@@ -49,6 +53,7 @@ def draw_gantt(
         hi = max((b.end for b in bars), default=1.0)
     else:
         lo, hi = time_range
+    unit, scale = time_unit
     span = max(hi - lo, 1e-12)
     row_index = {r: k for k, r in enumerate(rows)}
     fig = Figure(figsize=(14, 1.0 + 0.55 * len(rows)))
@@ -64,21 +69,21 @@ def draw_gantt(
         groups.setdefault(bar.group, colour)
         ax.barh(
             y,
-            (bar.end - bar.start) * 1e3,
-            left=bar.start * 1e3,
+            (bar.end - bar.start) * scale,
+            left=bar.start * scale,
             height=0.7,
             color=colour,
             edgecolor="black" if bar.highlight else "white",
             linewidth=1.6 if bar.highlight else 0.5,
         )
         if (bar.end - bar.start) / span > 0.035:
-            mid = (max(bar.start, lo) + min(bar.end, hi)) / 2 * 1e3
+            mid = (max(bar.start, lo) + min(bar.end, hi)) / 2 * scale
             ax.text(mid, y, bar.label, ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(rows)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlim(lo * 1e3, hi * 1e3)
-    ax.set_xlabel("time (ms)")
+    ax.set_xlim(lo * scale, hi * scale)
+    ax.set_xlabel(f"time ({unit})" if unit else "time")
     ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title)
@@ -94,4 +99,4 @@ def draw_gantt(
 def _colours() -> list:
     from matplotlib import colormaps
 
-    return list(colormaps["tab10"].colors)
+    return list(colormaps["tab20"].colors)
