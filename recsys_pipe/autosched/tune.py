@@ -603,16 +603,20 @@ def _result(evaluator: _Evaluator, original: _Candidate, best: _Candidate, stopp
 
 
 def _readable_threads(before: dict[str, str], after: dict[str, str], graph: DependencyGraph) -> dict[str, str]:
-    """The tuned thread partition, each thread named after the input thread of its first task
-    where that name is still free (else t0, t1, ...)."""
+    """The tuned thread partition, each thread named after the input thread most of its tasks
+    came from (ties: the earliest task's), where that name is still free (else t0, t1, ...)."""
+    order = [t.name for t in graph.order]
+    groups: dict[str, list[str]] = {}
+    for n in order:
+        groups.setdefault(after[n], []).append(n)
     names: dict[str, str] = {}
     taken: set[str] = set()
-    for t in graph.order:
-        group = after[t.name]
-        if group not in names:
-            wish = before[t.name]
-            if wish in taken:
-                wish = next(f"t{k}" for k in range(len(after) + 1) if f"t{k}" not in taken)
-            names[group] = wish
-            taken.add(wish)
+    for group, members in groups.items():
+        origins = [before[n] for n in members]
+        wish = max(dict.fromkeys(origins), key=origins.count)
+        if wish in taken:
+            reserved = taken | set(before.values())
+            wish = next(f"t{k}" for k in range(len(after) + len(reserved) + 1) if f"t{k}" not in reserved)
+        names[group] = wish
+        taken.add(wish)
     return {n: names[after[n]] for n in after}
