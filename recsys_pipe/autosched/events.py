@@ -69,16 +69,6 @@ class Timeline:
     #: each span's predecessors on its first-come resources (whoever held them before it)
     followed: tuple[tuple[int, ...], ...]
 
-    def id_of(self, key: Hashable) -> int:
-        return self.keys.index(key)
-
-    def chain(self, span: int) -> list[int]:
-        """Span ids from the first unconstrained span to `span`, following binding constraints."""
-        out = [span]
-        while (b := self.bound[out[-1]]) is not None:
-            out.append(b.span)
-        return out[::-1]
-
 
 class EventEngine:
     """Build spans and constraints, then `run()` once."""
