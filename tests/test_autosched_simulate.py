@@ -223,6 +223,14 @@ def test_bad_input_is_named():
         simulate(p, costs(a=(1.0,), b=(1.0,)), iterations=5)
 
 
+def test_report_lists_step_utilisation_and_critical_path():
+    p = plan(T("a"), T("b", stream="s1"), T("c", writes=["step_result"]))
+    text = simulate(p, costs(a=(0.003,), b=(0.005,), c=(0.001,)), thread_map={"b": "B", "default": "A"}).report()
+    assert text.splitlines()[0] == "predicted step: 5 ms (12 batches played)"
+    assert [line.split() for line in text.splitlines() if "thread:B " in line] == [["thread:B", "100.0%", "(5", "ms)"]]
+    assert text.rstrip().endswith("b batch 11 on thread:B: barrier")
+
+
 def test_plot_writes_a_png(tmp_path):
     p = plan(T("a", stream="s1", lookahead=1, writes=["x"]), T("b", reads=["x"], writes=["step_result"]))
     r = simulate(p, costs(a=(1.0, 2.0), b=(1.0, 2.0)), "by_stream")

@@ -141,6 +141,22 @@ class SimResult:
         order = {"thread": 0, "stream": 1, "nccl": 2, "pcie": 3}
         return sorted(names, key=lambda r: (order.get(r.split(":")[0], 4), names.index(r)))
 
+    def report(self) -> str:
+        """The prediction as text: step time, utilisation per resource, the critical path."""
+        lines = [f"predicted step: {self.iteration_s * 1e3:.4g} ms ({self.num_batches} batches played)"]
+        if not self.settled:
+            lines[0] += "; did not settle into a repeating pattern: mean over the last iterations"
+        lines.append("utilisation per step (busy time):")
+        for r in self.rows:
+            lines.append(f"  {r:<24} {self.utilisation[r]:6.1%}  ({self.busy_per_iteration[r] * 1e3:.4g} ms)")
+        lines.append("critical path (each step started when the reason allowed it):")
+        for c in self.critical_path:
+            batch = "" if c.batch is None else f" batch {c.batch}"
+            lines.append(
+                f"  {c.start * 1e3:10.4f} .. {c.end * 1e3:10.4f} ms  {c.task}{batch} on {c.resource}: {c.reason}"
+            )
+        return "\n".join(lines)
+
     def plot(self, path: str | os.PathLike, iterations: int = 3, title: str | None = None) -> Path:
         """Gantt chart of the last `iterations` steady-state iterations (critical path outlined)."""
         from recsys_pipe.autosched.gantt import Bar, draw_gantt
@@ -454,7 +470,9 @@ def _summarise(
         window=(first, last),
         utilisation=utilisation,
         busy_per_iteration=busy,
-        critical_path=_critical_path(info, timeline, source, timeline.end[source] - iteration_s),
+        critical_path=_critical_path(
+            info, timeline, source, timeline.end[source] - iteration_s, 4 * len(playback.by_iteration[M - 1])
+        ),
         spans=tuple(spans),
         thread_of=dict(thread_of),
         num_batches=M,
@@ -463,10 +481,10 @@ def _summarise(
     )
 
 
-def _critical_path(info, timeline: Timeline, end: int, since: float) -> tuple[CriticalStep, ...]:
+def _critical_path(info, timeline: Timeline, end: int, since: float, longest: int) -> tuple[CriticalStep, ...]:
     chain = [end]
     eps = 1e-12 * max(1.0, abs(since))
-    while timeline.start[chain[-1]] >= since - eps and timeline.bound[chain[-1]] is not None:
+    while timeline.start[chain[-1]] >= since - eps and timeline.bound[chain[-1]] is not None and len(chain) < longest:
         chain.append(timeline.bound[chain[-1]].span)
     steps = []
     for k in reversed(chain):
