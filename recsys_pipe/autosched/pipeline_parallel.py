@@ -214,7 +214,8 @@ def _check_structure(schedule: PipelineSchedule) -> None:
     if comms or any(a.kind.startswith("RECV") for row in schedule.ranks for a in row):
         problems += _check_comms(schedule, seen, routes, stage_rank)
     if problems:
-        raise PipelineScheduleError("invalid pipeline schedule:\n  " + "\n  ".join(problems[:20]))
+        more = f"\n  (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise PipelineScheduleError("invalid pipeline schedule:\n  " + "\n  ".join(problems[:20]) + more)
 
 
 def _routes(seen) -> dict[int, list[int]]:
