@@ -13,9 +13,6 @@ from recsys_pipe.engine.deps import (
     EventWait,
     compile_dependencies,
     cpu_edges,
-    infer_cross_stream_event_deps,
-    topological_sort,
-    validate,
 )
 from recsys_pipe.engine.errors import (
     PipelineBrokenError,
@@ -64,8 +61,5 @@ __all__ = [
     "compile_dependencies",
     "cpu_edges",
     "fires",
-    "infer_cross_stream_event_deps",
     "resolve_thread_map",
-    "topological_sort",
-    "validate",
 ]
