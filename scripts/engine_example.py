@@ -52,12 +52,9 @@ def run(lookahead: int, executor: str) -> list[float]:
     pool = StreamPool.create(["default", "memcpy"], "cuda" if torch.cuda.is_available() else None)
     losses = []
     with SchedulablePipeline(plan(lookahead), pool, executor, state=state) as pipe:
-        it = batches(50)
-        while True:
-            try:
-                losses.append(pipe.progress(it))
-            except StopIteration:
-                return losses
+        for loss in pipe.iterate(batches(50)):  # one batch's step_result at a time, until drained
+            losses.append(loss)
+    return losses
 
 
 if __name__ == "__main__":
