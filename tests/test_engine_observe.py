@@ -177,8 +177,8 @@ def test_span_recorder_spans_threads_windows_and_clear(executor):
     elif executor == "by_stream":  # h2d and dist on workers, the default stream (2 tasks) on the caller
         assert threads["fwd"] == threads["bwd"] == threading.current_thread().name
         assert len({threads["h2d"], threads["dist"], threads["fwd"]}) == 3
-    else:  # one thread per task; the tie goes to the first in topological order
-        assert threads["h2d"] == threading.current_thread().name
+    else:  # one thread per task; the caller runs the first lookahead-0 task in topological order
+        assert threads["fwd"] == threading.current_thread().name
         assert len(set(threads.values())) == 4
     window = recorder.spans(2, 5)
     assert {s.iteration for s in window} == {2, 3, 4}

@@ -301,7 +301,7 @@ def test_thread_map_strategies_resolve_as_specified():
     ],
 )
 def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, expected):
-    """One CPU thread per thread id, the calling thread included: it runs the busiest one."""
+    """One CPU thread per thread id, the calling thread included: it runs the training step."""
     executor = ThreadedExecutor(thread_map, max_workers=max_workers)
     before = threading.active_count()
     ref, _, _ = traced_run(HAND_WRITTEN, "sequential", 6)
@@ -325,8 +325,10 @@ def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, ex
     assert all(len(names) == 1 for names in ran_on.values())  # a thread id keeps its OS thread
     threads = {name for names in ran_on.values() for name in names}
     assert len(threads) == expected and threading.current_thread().name in threads
-    if thread_map == "by_stream":  # s1 and s2 have two tasks each: the tie goes to s1 (t0 comes first)
-        assert ran_on["t0"] == ran_on["t5"] == {threading.current_thread().name}
+    if thread_map == "by_stream":  # the lookahead-0 tasks' stream runs on the caller
+        assert ran_on["t3"] == ran_on["t4"] == {threading.current_thread().name}
+    if thread_map == "per_task":  # one lookahead-0 task each: the first in topological order
+        assert ran_on["t3"] == {threading.current_thread().name}
     pipe.shutdown()
     assert threading.active_count() == before
 
@@ -351,7 +353,7 @@ def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_pipeline(raised_
     def slow(ctx):
         time.sleep(0.01)
 
-    # "b" and "c" on the caller (the busiest thread id), "a" on a worker
+    # "b" and "c" on the caller (the lookahead-0 stream), "a" on a worker
     tasks = [
         Task.from_fn("a", interrupt if raised_on == "worker" else slow, stream="s1"),
         Task.from_fn("b", interrupt if raised_on == "caller" else slow, depends_on=["a"]),

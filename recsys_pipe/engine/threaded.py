@@ -1,8 +1,9 @@
 """ThreadedExecutor: submit an iteration's tasks from several CPU threads.
 
 Each thread id (from the thread map) owns a chain: its share of the iteration's tasks in
-topological order. The chain with the most tasks runs on the thread that called `progress()`;
-every other thread id gets one long-lived worker. Cross-thread order is enforced only where
+topological order. The chain of the training step (the thread id holding most of the
+lowest-lookahead tasks) runs on the thread that called `progress()`; every other thread id gets
+one long-lived worker. Cross-thread order is enforced only where
 needed, by one-shot latches: same-iteration dependencies, same-stream FIFO (two threads feeding
 one stream must keep the topological submission order), and NCCL order — every `nccl` task
 starts after the previous `nccl` task in topological order has finished, so every rank issues
@@ -176,11 +177,14 @@ class _Worker:
 
 
 class ThreadedExecutor:
-    """Runs each thread id's tasks on one CPU thread: the busiest thread id (most tasks in the
-    schedule; ties: the one whose first task comes first in topological order) on the thread
-    calling `progress()`, every other on its own long-lived worker. Running one chain in place
-    saves a hand-off per iteration; that chain sees the caller's thread-local state (grad mode,
-    CUDA device), so call `progress()` from one thread.
+    """Runs each thread id's tasks on one CPU thread.
+
+    The training step runs on the thread calling `progress()`: the thread id holding the most
+    tasks of the schedule's lowest lookahead (ties: the one whose such task comes first in
+    topological order). Every other thread id gets its own long-lived worker. Running that chain
+    in place spares the critical chain a thread wake-up per iteration, and its tasks see the
+    caller's thread-local state (grad mode, current device), so call `progress()` from one
+    thread.
 
     `max_workers` caps the number of threads that run tasks, the calling thread included:
     surplus thread ids are folded onto existing ones, whose chains are merged in topological
@@ -273,11 +277,13 @@ class ThreadedExecutor:
         so the choice does not change between prefill, steady state and drain)."""
         caller = self._caller_of.get(id(graph))
         if caller is None:
+            lowest = min(t.lookahead for t in graph.order)
             count: dict[str, int] = {}
             for t in graph.order:  # assign in topological order: worker folding is deterministic
                 tid = self._assign(self.thread_of(t))
-                count[tid] = count.get(tid, 0) + 1
-            caller = max(count, key=count.__getitem__)  # first maximum: earliest first task
+                if t.lookahead == lowest:
+                    count[tid] = count.get(tid, 0) + 1
+            caller = max(count, key=count.__getitem__)  # first maximum: its task comes first
             self._caller_of[id(graph)] = caller
         return caller
 
