@@ -118,7 +118,7 @@ class _IterationState:
             self.running -= 1
             last = self.running == 0
         if last:
-            self.finished.release()
+            _open(self.finished)
 
     def open_all(self) -> None:
         """Wake every waiter (they see `cancelled` and stop): for a caller interrupted while it
@@ -222,15 +222,19 @@ class ThreadedExecutor:
                 plan = self._plans[key] = self._make_plan(tasks, graph)
             self._last = (tasks, plan)
         state = _IterationState(plan.num_latches, len(plan.workers))
-        for worker, chain in plan.workers:
-            worker.jobs.put((chain, run, state))
+        dispatched = 0
         try:
+            for worker, chain in plan.workers:
+                worker.jobs.put((chain, run, state))
+                dispatched += 1
             _run_chain(plan.caller, run, state)
             if plan.workers:
                 state.finished.acquire()
         except BaseException as exc:  # e.g. KeyboardInterrupt in the calling thread
             state.fail(exc)
             state.open_all()
+            for _ in range(len(plan.workers) - dispatched):  # chains that never started
+                state.worker_finished()
             # Workers stop at their next step. Count, not the latch: the interrupt may have come
             # just after the latch was taken. Bounded: a task stuck in a collective must not hang Ctrl-C.
             deadline = time.monotonic() + 30.0
