@@ -205,7 +205,7 @@ def test_plan_yaml_writes_every_dependency_form():
         [
             T("load", stream="memcpy", lookahead=2, reads=["batch_cpu"], writes=["x"], nccl=True),
             T("prep", lookahead=1, reads=[DataSlot("x", 2)], cross_iter_depends_on=[("load", -2)], nvtx_tag="my prep"),
-            T("step", depends_on=["prep"], same_progress_sync=["load"], priority=3, writes=["step_result"]),
+            T("step", depends_on=["prep"], same_progress_sync=["load"], nvtx_tag="s", writes=["step_result"]),
         ]
     )
     text = plan_yaml(s, {"load": "m.load", "prep": "m.prep", "step": "m.step"}, description="a: test")
@@ -213,7 +213,7 @@ def test_plan_yaml_writes_every_dependency_form():
     assert "    reads: [batch_cpu]\n    writes: [x]\n    nccl: true" in text
     assert "    reads: [[x, 2]]\n    cross_iter_depends_on: [[load, -2]]\n" in text
     assert '    nvtx_tag: "my prep"' in text
-    assert "    depends_on: [prep]\n    same_progress_sync: [load]\n    priority: 3" in text
+    assert "    depends_on: [prep]\n    same_progress_sync: [load]\n    nvtx_tag: s" in text
     assert "fn: test_autosched_tune.noop" in plan_yaml(Schedule.single_stage([T("x")]))  # from the function
     with pytest.raises(ValueError, match="no import path"):
         plan_yaml(Schedule.single_stage([Task.from_fn("x", lambda ctx: None)]))

@@ -299,7 +299,6 @@ BAD = [
     ),
     ("thread-empty", ["pipeline.tasks.forward.thread=''"], "pipeline.tasks.forward.thread", "at least 1 character"),
     ("fn-missing", ["pipeline.tasks.forward.fn=???"], "pipeline.tasks.forward.fn", "missing required value"),
-    ("priority-not-int", ["pipeline.tasks.h2d.priority=high"], "pipeline.tasks.h2d.priority", "integer"),
     ("bad-interpolation", ["pipeline.description=${nope}"], "pipeline.description", "nope"),
     ("num-batches", ["num_batches=0"], "num_batches", "greater than or equal to 1"),
     ("unknown-pipeline-option", ["pipeline=nope"], "pipeline/nope", "Available options"),

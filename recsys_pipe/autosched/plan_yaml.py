@@ -125,8 +125,6 @@ def _task_fields(task: Task, fn: str, thread: str | None) -> list[tuple[str, str
         fields.append(("thread", _scalar(thread)))
     if task.nvtx_tag is not None:
         fields.append(("nvtx_tag", _scalar(task.nvtx_tag)))
-    if task.priority:
-        fields.append(("priority", str(task.priority)))
     return fields
 
 
