@@ -13,6 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+GPU_WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
 BENCH_GPU = ROOT / "scripts" / "bench_gpu.py"
 BENCH_ENGINE = ROOT / "scripts" / "bench_engine.py"
 
@@ -112,6 +113,17 @@ def test_gpu_check_runs_every_step_and_summarises(tmp_path):
         "cuda_tests.log",
         "summary.txt",
     ]
+
+
+def test_gpu_wheels_arguments():
+    """(Downloading needs a package index: checked by hand, see README.)"""
+    out = run(["bash", str(GPU_WHEELS), "--help"])
+    assert out.returncode == 0 and "bash scripts/gpu_wheels.sh [--dir DIR] [REQUIREMENT ...]" in out.stdout
+    assert "set -euo" not in out.stdout  # the help is the comment block, nothing after it
+    out = run(["bash", str(GPU_WHEELS), "--bogus"])
+    assert out.returncode == 2 and out.stderr == "gpu_wheels: unknown option '--bogus' (see --help)\n"
+    out = run(["bash", str(GPU_WHEELS), "--dir"])
+    assert out.returncode == 2 and out.stderr == "gpu_wheels: --dir needs a directory\n"
 
 
 # -- bench_gpu.py --------------------------------------------------------------------------------------
