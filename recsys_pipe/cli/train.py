@@ -262,7 +262,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 #: fragments of the errors a collective raises when a peer is gone or stuck
-_COMM_ERRORS = ("gloo", "Connection closed", "Connection reset", "NCCL", "timed out", "Timed out", "ordered lock")
+_COMM_ERRORS = ("gloo", "Connection closed", "Connection reset", "NCCL", "timed out", "Timed out")
 
 
 def _is_communication_error(exc: BaseException) -> bool:

@@ -98,7 +98,7 @@ def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[torch.n
 def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
     """A pipeline running `plan` on `streams`, with its own executor (and worker threads)."""
     executor = ThreadedExecutor(thread_map=dict(plan.thread_of)) if plan.threaded else SequentialExecutor()
-    return SchedulablePipeline(plan.schedule, streams, executor, state=state)
+    return SchedulablePipeline(plan.graph, streams, executor, state=state)
 
 
 class _Progress:
@@ -388,12 +388,7 @@ class Trainer:
             self._eval_pipeline = build_pipeline(self.plan, self.state.streams, self.state.for_eval())
         self.state.model.train(False)
         try:
-            it = iter(self.eval_loader)
-            while True:
-                try:
-                    result: StepResult = self._eval_pipeline.progress(it)
-                except StopIteration:
-                    break
+            for result in self._eval_pipeline.iterate(self.eval_loader):
                 auroc.update(torch.sigmoid(result.logits.float()), result.labels.int())
                 mean_loss.update(result.loss.float())
             per_task = auroc.compute().tolist()
