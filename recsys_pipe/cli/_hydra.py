@@ -118,14 +118,16 @@ def _debug_requested(cfg: Any = None) -> bool:
         return False
 
 
-def report_config_error(error: ConfigError, prog: str, stream: Any = None) -> None:
-    """Print `error: <path>: <message>` per problem plus a one-line hint."""
+def report_config_error(error: ConfigError, prog: str, stream: Any = None, started: bool = False) -> None:
+    """Print `error: <path>: <message>` per problem plus a one-line hint (`started`: found after
+    the run started, e.g. a checkpoint that does not fit)."""
     stream = stream or sys.stderr
     for p in error.problems:
         print(f"error: {p}", file=stream)
     n = len(error.problems)
+    outcome = "the run stopped" if started else "nothing was started"
     print(
-        f"{prog}: {n} config error{'s' if n != 1 else ''}, nothing was started. "
+        f"{prog}: {n} config error{'s' if n != 1 else ''}, {outcome}. "
         f"`{prog} --help` lists the groups and keys; debug=true shows a traceback.",
         file=stream,
     )

@@ -103,8 +103,8 @@ def _preflight(run: RunConfig, requested: str | None, key: str) -> Any:
     data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
     if requested is None:
         check_output_dir(run.trainer.output_dir)
-    else:
-        check_unused(requested, key)
+    elif key == "hydra.run.dir":  # a sweep job's directory is claimed (atomically) by rank 0 later:
+        check_unused(requested, key)  # checking it here would race with a faster rank 0
     return data
 
 
@@ -126,7 +126,7 @@ def train_task(cfg: DictConfig) -> None:
         resume = [resolve_resume(run.trainer.resume_from, run.trainer.output_dir) if info.is_main else None]
         dist.broadcast_object_list(resume, src=0)
     except ConfigError as exc:  # e.g. the named run directory was taken meanwhile
-        report_config_error(exc, "recsys-train")
+        report_config_error(exc, "recsys-train", started=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
     _setup_logging(info.rank, run_dir, run.debug)
     status = RunStatus(
@@ -196,9 +196,12 @@ def _train(run, plan, info, run_dir, data, resume, stop, health, status) -> int:
         if trainer is not None:
             trainer.close()
         return EXIT_INTERRUPTED
-    except BaseException as exc:
-        code = EXIT_CONFIG_ERROR if isinstance(exc, ConfigError) else EXIT_FAILURE
-        failure = PeerFailure(info.rank, _one_line(exc))
+    except BaseException as exc:  # every failure is recorded, then the rank exits
+        bad_input = _config_error(exc)  # found late: a checkpoint that does not fit, an undeclared collective
+        code = EXIT_CONFIG_ERROR if bad_input is not None else EXIT_FAILURE
+        failure = PeerFailure(info.rank, _one_line(bad_input or exc))
+        if bad_input is not None:
+            report_config_error(bad_input, "recsys-train", started=True)
         if health is not None and _is_communication_error(exc):  # maybe a symptom of a peer's failure
             failure = health.diagnose() or failure
         first = _record(health, status, failure, code)
@@ -246,6 +249,16 @@ def _record(health: Any, status: Any, failure: Any, code: int) -> Any:
     if mine:
         status.write("failed", exit_code=code, failed_rank=first.rank, message=first.message)
     return first
+
+
+def _config_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError behind `exc` (itself, or what made a task fail), if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def _one_line(exc: BaseException) -> str:

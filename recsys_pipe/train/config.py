@@ -67,6 +67,10 @@ class TrainerConfig(Section):
         gt=0,
         description="a collective that waits longer for a peer fails, and a rank silent this long is declared dead",
     )
+    verify_collectives: Literal["off", "startup", "always"] = Field(
+        "startup",
+        description="fail a task that issues a collective without nccl: true (startup: first iterations only)",
+    )
     resume_from: StrictStr | None = Field(
         None,
         min_length=1,

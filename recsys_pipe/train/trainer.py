@@ -44,6 +44,7 @@ from recsys_pipe.train.preemption import StopRequest
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
+from recsys_pipe.train.verify import CollectiveGuard
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ class Trainer:
             torchrec_context=plan.config.torchrec_context,
             autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
         )
-        self.pipeline = build_pipeline(plan, streams, self.state)
+        self.pipeline = self._verified(build_pipeline(plan, streams, self.state))
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
         #: optimizer steps taken (over the whole run, across resumes)
         self.step = 0
@@ -385,7 +386,7 @@ class Trainer:
         auroc = MultilabelAUROC(num_labels=num_tasks, average=None).to(self.info.device)
         mean_loss = MeanMetric().to(self.info.device)
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
-            self._eval_pipeline = build_pipeline(self.plan, self.state.streams, self.state.for_eval())
+            self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
         self.state.model.train(False)
         try:
             for result in self._eval_pipeline.iterate(self.eval_loader):
@@ -407,6 +408,13 @@ class Trainer:
         self.metrics.close()
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _verified(self, pipeline: SchedulablePipeline) -> SchedulablePipeline:
+        """`pipeline` under `trainer.verify_collectives` (see `recsys_pipe.train.verify`)."""
+        mode = self.run.trainer.verify_collectives
+        if mode != "off":  # startup: long enough for every task to run in prefill and steady state
+            CollectiveGuard(pipeline, None if mode == "always" else self.plan.graph.max_lookahead + 2)
+        return pipeline
 
     def _warn_if_data_ends_first(self) -> None:
         cfg = self.run.trainer

@@ -1,0 +1,733 @@
+"""Every failure is a clear message and nothing hangs.
+
+- The catalogue of bad inputs: each is refused by `recsys-train` with exit code 2 and one line
+  naming the key (or the file and line), before any process group starts, without a traceback
+  (the model/data/optimizer value errors of test_config_errors.py complete it).
+- Fuzzing: random plans through the compiler, random MovieLens files through the reader.
+- Faults after start-up on 2 ranks (a rank killed, raising, failing a collective or hanging;
+  an undeclared collective; Ctrl-C), each bounded in time, and run directories of sweeps and
+  concurrent runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import recsys_pipe.train
+from recsys_pipe.cli import train as train_cli
+from recsys_pipe.config import ConfigError, compile_plan, structure_only
+from recsys_pipe.data import MovieLensDataConfig, RankData
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE
+
+
+def _write(name: str, content: str | bytes):
+    def make(tmp: Path) -> str:
+        path = tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    return make
+
+
+def _ml(rows: int) -> str:
+    return "".join(f"{u}::{m}::4::{1000 + m}\n" for u in range(rows) for m in range(5))
+
+
+def _unreadable(tmp: Path) -> str:
+    """A file this process cannot read: mode 000, or (as root, who may read anything) a
+    /proc file whose read fails."""
+    if os.geteuid() == 0:
+        return "/proc/self/mem"
+    path = tmp / "secret.dat"
+    path.write_text(_ml(10))
+    path.chmod(0)
+    return str(path)
+
+
+def _used_run_dir(tmp: Path) -> str:
+    (tmp / "taken").mkdir()
+    (tmp / "taken" / "status.json").write_text('{"status": "completed"}')
+    return str(tmp / "taken")
+
+
+def _partial_checkpoint(tmp: Path) -> str:
+    path = tmp / "run" / "checkpoints" / ".step_9.partial"
+    path.mkdir(parents=True)
+    return str(path)
+
+
+def _run_without_checkpoints(tmp: Path) -> str:
+    (tmp / "run").mkdir()
+    return str(tmp / "run")
+
+
+def _a_file(tmp: Path) -> str:
+    (tmp / "plain.txt").write_text("not a directory")
+    return str(tmp / "plain.txt")
+
+
+ML = ["data=movielens", "data.batch_size=2", "data.max_seq_len=4", "data.num_candidates=1", "trainer.eval_batches=0"]
+# (id, overrides (a callable gets the tmp dir and returns the value of `{}` in the override), world size,
+#  exit code, config path of the error, message fragment)
+CATALOGUE = [
+    # data files
+    ("empty file", [*ML, "data.path={}"], _write("r.dat", ""), 1, "data.path", "r.dat: the file is empty"),
+    (
+        "header only",
+        [*ML, "data.path={}"],
+        _write("r.csv", "userId,movieId,rating,timestamp\n"),
+        1,
+        "data.path",
+        "has no ratings (header only)",
+    ),
+    (
+        "short row (ml-1m)",
+        [*ML, "data.path={}"],
+        _write("r.dat", "1::2::4::100\n1::3::5::101\n1::4::3\n"),
+        1,
+        "data.path",
+        "r.dat:3: expected 4 fields (user, movie, rating, timestamp), got 3",
+    ),
+    (
+        "short row (csv)",
+        [*ML, "data.path={}"],
+        _write("r.csv", "userId,movieId,rating,timestamp\n1,2,4,100\n1,3\n"),
+        1,
+        "data.path",
+        "r.csv:3: expected 4 fields",
+    ),
+    (
+        "binary file",
+        [*ML, "data.path={}"],
+        _write("r.dat", bytes(range(256)) * 8),
+        1,
+        "data.path",
+        "r.dat: a binary file, not text",
+    ),
+    (
+        "not a number",
+        [*ML, "data.path={}"],
+        _write("r.dat", "1::2::4::100\nalice::3::5::101\n"),
+        1,
+        "data.path",
+        "r.dat:2: fields must be integer user, movie, timestamp and a numeric rating",
+    ),
+    (
+        "rating out of range",
+        [*ML, "data.path={}"],
+        _write("r.dat", "1::2::7::100\n"),
+        1,
+        "data.path",
+        "r.dat:1: rating '7'",
+    ),
+    ("rating nan", [*ML, "data.path={}"], _write("r.dat", "1::2::nan::100\n"), 1, "data.path", "outside (0, 5]"),
+    (
+        "negative timestamp",
+        [*ML, "data.path={}"],
+        _write("r.dat", "1::2::4::-5\n"),
+        1,
+        "data.path",
+        "r.dat:1: timestamp '-5' is not a unix time",
+    ),
+    (
+        "another csv",
+        [*ML, "data.path={}"],
+        _write("movies.csv", "movieId,title\n1,Toy Story\n"),
+        1,
+        "data.path",
+        "movies.csv:1: unrecognised first line",
+    ),
+    (
+        "too small for one batch per rank",
+        [*ML, "data.path={}", "data.batch_size=4"],
+        _write("r.dat", _ml(3)),
+        2,
+        "data.path",
+        "too little data: rank 1 of 2 gets 1 samples, fewer than one training batch (data.batch_size=4)",
+    ),
+    (
+        "too small with held-out batches",
+        [*ML, "data.path={}", "trainer.eval_batches=3"],
+        _write("r.dat", _ml(6)),
+        1,
+        "data.path",
+        "plus trainer.eval_batches=3 held-out batches",
+    ),
+    ("unreadable file", [*ML, "data.path={}"], _unreadable, 1, "data.path", "cannot read"),
+    ("a directory", [*ML, "data.path={}"], lambda tmp: str(tmp), 1, "data.path", "no such file"),
+    (
+        "num_batches beyond the share",
+        ["data.num_batches=40000"],
+        None,
+        2,
+        "data.num_batches",
+        "40000 batches x data.batch_size=32 plus trainer.eval_batches=8",
+    ),
+    (
+        "synthetic world too small",
+        ["data.synthetic.num_samples=100", "data.num_batches=null"],
+        None,
+        2,
+        "data.synthetic.num_samples",
+        "too little data: rank 1 of 2 gets 50 samples",
+    ),
+    # output paths and run directories
+    ("output dir under /proc", ["trainer.output_dir=/proc/x"], None, 1, "trainer.output_dir", "cannot create"),
+    (
+        "output dir is a file",
+        ["trainer.output_dir={}"],
+        _a_file,
+        1,
+        "trainer.output_dir",
+        "cannot create run directories",
+    ),
+    ("run dir used before", ["hydra.run.dir={}"], _used_run_dir, 1, "hydra.run.dir", "already holds a run"),
+    # resume
+    ("resume from nowhere", ["trainer.resume_from=/no/such/run"], None, 1, "trainer.resume_from", "no such checkpoint"),
+    (
+        "resume from a run without checkpoints",
+        ["trainer.resume_from={}"],
+        _run_without_checkpoints,
+        1,
+        "trainer.resume_from",
+        "holds no complete checkpoint",
+    ),
+    (
+        "resume from a half-written checkpoint",
+        ["trainer.resume_from={}"],
+        _partial_checkpoint,
+        1,
+        "trainer.resume_from",
+        "incomplete checkpoint",
+    ),
+    ("resume_from empty", ["trainer.resume_from=''"], None, 1, "trainer.resume_from", "at least 1 character"),
+    # lifecycle settings
+    ("epochs 0", ["trainer.epochs=0"], None, 1, "trainer.epochs", "greater than or equal to 1"),
+    (
+        "negative interval",
+        ["trainer.checkpoint.interval=-1"],
+        None,
+        1,
+        "trainer.checkpoint.interval",
+        "greater than or equal to 0",
+    ),
+    (
+        "keep_latest negative",
+        ["trainer.checkpoint.keep_latest=-1"],
+        None,
+        1,
+        "trainer.checkpoint.keep_latest",
+        "greater than or equal to 0",
+    ),
+    ("async not a bool", ["trainer.checkpoint.async=maybe"], None, 1, "trainer.checkpoint.async", "valid boolean"),
+    ("unknown checkpoint key", ["+trainer.checkpoint.every=5"], None, 1, "trainer.checkpoint.every", "unknown key"),
+    ("schedule name", ["optimizer.schedule=exp"], None, 1, "optimizer.schedule", "'constant', 'linear' or 'cosine'"),
+    ("warmup negative", ["optimizer.warmup_steps=-5"], None, 1, "optimizer.warmup_steps", "greater than or equal to 0"),
+    ("decay_steps 0", ["optimizer.decay_steps=0"], None, 1, "optimizer.decay_steps", "greater than or equal to 1"),
+    (
+        "min_lr_ratio above 1",
+        ["optimizer.min_lr_ratio=2"],
+        None,
+        1,
+        "optimizer.min_lr_ratio",
+        "less than or equal to 1",
+    ),
+    ("clip 0", ["optimizer.clip_grad_norm=0"], None, 1, "optimizer.clip_grad_norm", "greater than 0"),
+    ("precision", ["trainer.precision=fp8"], None, 1, "trainer.precision", "'fp32' or 'bf16'"),
+    ("peer timeout 0", ["trainer.peer_timeout_s=0"], None, 1, "trainer.peer_timeout_s", "greater than 0"),
+    ("verify mode", ["trainer.verify_collectives=sometimes"], None, 1, "trainer.verify_collectives", "'startup'"),
+    ("cuda without a GPU", ["trainer.device=cuda"], None, 1, "trainer.device", "no CUDA device is visible"),
+    # cross-field values
+    (
+        "thread_map dict on a by_stream plan",
+        ["pipeline.thread_map.strategy=by_stream"],
+        None,
+        1,
+        "pipeline.thread_map",
+        "only used with strategy 'dict'",
+    ),
+    (
+        "a task's unknown stream",
+        ["pipeline.tasks.h2d.stream=nope"],
+        None,
+        1,
+        "pipeline.tasks.h2d.stream",
+        "unknown stream 'nope'",
+    ),
+    (
+        "a future read",
+        ["pipeline.tasks.h2d.lookahead=0"],
+        None,
+        1,
+        "pipeline.tasks.start_input_dist.reads[0]",
+        "future read: slot 'batch_gpu' is read at offset 1",
+    ),
+]
+
+
+@pytest.fixture
+def no_process_group(monkeypatch):
+    """If a bad input slipped through, fail instead of starting a process group in the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was started for an input that should have been refused")
+
+    monkeypatch.setattr(recsys_pipe.train, "init_distributed", refuse)
+
+
+def test_the_catalogue_is_large_enough():
+    assert len(CATALOGUE) >= 40
+    assert len({case[0] for case in CATALOGUE}) == len(CATALOGUE)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, overrides, make, world, path, fragment", CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_bad_input_exits_2_naming_its_key(
+    name, overrides, make, world, path, fragment, tmp_path, capsys, monkeypatch, no_process_group
+):
+    if world > 1:  # what rank 1 of a torchrun job checks before the process group starts
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("RANK", "1")
+    value = make(tmp_path) if make else None
+    argv = [o.format(value) if "{}" in o else o for o in overrides]
+    if not any(a.startswith("trainer.output_dir") for a in argv):
+        argv.append(f"trainer.output_dir={tmp_path}/runs")
+    code = train_cli.run(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert lines and lines[0].startswith(f"error: {path}"), err
+    assert fragment in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs" / "recsys-train").exists()  # nothing started, no run directory
+
+
+# -- fuzzing ------------------------------------------------------------------------------------
+
+NAMES = ["a", "b", "c", "h2d", "forward"]
+SLOTS = ["x", "y", "batch_cpu", "step_result", "loss"]
+STREAMS = ["default", "memcpy", "s1", ""]
+FNS = [
+    "recsys_pipe.train.tasks.h2d",
+    "recsys_pipe.train.tasks.forward",
+    "recsys_pipe.train.tasks.nope",
+    "no_such_package.module.fn",
+    "recsys_pipe",
+    "os.path.join",
+    "",
+]
+junk = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=True), st.text(max_size=4), st.just([1, "x"])
+)
+slot = st.one_of(st.sampled_from(SLOTS), st.tuples(st.sampled_from(SLOTS), st.integers(-2, 4)).map(list), junk)
+name = st.one_of(st.sampled_from(NAMES), junk)
+cross = st.one_of(name, st.tuples(st.sampled_from(NAMES), st.integers(-3, 2)).map(list))
+task = st.fixed_dictionaries(
+    {"fn": st.one_of(st.sampled_from(FNS), junk)},
+    optional={
+        "stream": st.one_of(st.sampled_from(STREAMS), junk),
+        "lookahead": st.one_of(st.integers(-1, 4), junk),
+        "reads": st.one_of(st.lists(slot, max_size=3), junk),
+        "writes": st.lists(slot, max_size=3),
+        "depends_on": st.lists(name, max_size=2),
+        "cross_iter_depends_on": st.lists(cross, max_size=2),
+        "same_progress_sync": st.lists(name, max_size=2),
+        "nccl": st.one_of(st.booleans(), junk),
+        "thread": st.one_of(st.sampled_from(["io", "compute"]), junk),
+        "nvtx_tag": junk,
+        "bogus": junk,
+    },
+)
+plan = st.fixed_dictionaries(
+    {"tasks": st.one_of(st.dictionaries(st.sampled_from(NAMES), task, max_size=5), junk)},
+    optional={
+        "streams": st.one_of(st.lists(st.sampled_from(STREAMS), max_size=4), junk),
+        "executor": st.sampled_from(["sequential", "threaded", "parallel"]),
+        "thread_map": st.fixed_dictionaries(
+            {},
+            optional={
+                "strategy": st.one_of(st.sampled_from(["by_stream", "per_task", "single", "dict"]), junk),
+                "map": st.one_of(st.dictionaries(st.sampled_from(NAMES), st.sampled_from(["io", "x"])), junk),
+                "default": st.one_of(st.sampled_from(["compute"]), junk),
+                "thread": junk,
+            },
+        ),
+        "torchrec_context": st.one_of(st.sampled_from(["base", "prefetch"]), junk),
+        "name": junk,
+    },
+)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=plan, import_fns=st.booleans())
+def test_fuzzed_plans_compile_or_fail_with_config_paths(plan, import_fns):
+    """Random task fields, dependency names and offsets, streams and thread maps: the compiler
+    returns a plan or a ConfigError whose every problem names a config path, nothing else."""
+    try:
+        compiled = compile_plan(plan, resolve_fn=None if import_fns else structure_only)
+    except ConfigError as exc:
+        assert exc.problems
+        for problem in exc.problems:
+            assert problem.path.startswith("pipeline"), problem
+            assert problem.message.strip(), problem
+    else:
+        assert set(compiled.thread_of) == set(plan["tasks"])
+
+
+row = st.one_of(
+    st.tuples(st.integers(0, 5), st.integers(0, 8), st.sampled_from([0.5, 1.0, 3.5, 5.0]), st.integers(0, 10**9)).map(
+        lambda r: "::".join(map(str, r))
+    ),
+    st.lists(
+        st.sampled_from(["1", "2", "-3", "4.5", "nan", "inf", "x", "", " 7 ", "1e3", "99999999999999999999"]),
+        max_size=6,
+    ).map("::".join),
+    st.text(max_size=20),
+)
+#: a file that loads (4 users with 3 ratings each: 4 windows, 2 batches of 2)
+VALID = [f"{u}::{m}::{1 + m % 5}::{100 * u + m}" for u in range(4) for m in range(3)]
+
+
+def _splice(parts):
+    extra, position = parts
+    lines = VALID[:position] + extra + VALID[position:]
+    return "\n".join(lines)
+
+
+text_file = st.one_of(
+    st.lists(row, max_size=3).map(lambda extra: "\n".join(VALID + extra)),  # often still valid
+    st.tuples(st.lists(row, min_size=1, max_size=2), st.integers(0, len(VALID))).map(_splice),  # a bad row inside
+    st.lists(row, max_size=12).map("\n".join),
+)
+ratings = st.one_of(
+    text_file.map(lambda text: text.encode("latin-1", errors="replace")),
+    text_file.map(
+        lambda text: ("userId,movieId,rating,timestamp\n" + text.replace("::", ",")).encode("latin-1", errors="replace")
+    ),
+    st.binary(max_size=200),
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(content=ratings)
+def test_fuzzed_movielens_files_load_or_fail_with_a_file_error(content, tmp_path):
+    """Whatever is in the file: the data loads and every batch collates, or a ConfigError at
+    data.path says why; never another exception."""
+    path = tmp_path / "ratings.dat"
+    path.write_bytes(content)
+    cfg = MovieLensDataConfig(path=str(path), batch_size=2, max_seq_len=4, num_candidates=1, use_user_feature=True)
+    try:
+        data = RankData(cfg, 0, 1)
+    except ConfigError as exc:
+        assert [p.path for p in exc.problems] == ["data.path"], exc
+        return
+    for batch in data.train_loader(epochs=2):
+        assert batch.labels.shape[0] == int(batch.num_candidates.sum())
+
+
+def test_the_fuzzers_base_file_loads(tmp_path):
+    path = tmp_path / "ratings.dat"
+    path.write_text("\n".join(VALID))
+    data = RankData(MovieLensDataConfig(path=str(path), batch_size=2, max_seq_len=4, num_candidates=1), 0, 1)
+    assert len(list(data.train_loader())) == 2
+
+
+# -- --help -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cli", ["recsys-train", "recsys-plan"])
+def test_help_describes_every_key_in_one_line(cli, capsys):
+    from recsys_pipe.cli import plan as plan_cli
+    from recsys_pipe.cli.keys import describe_keys
+    from recsys_pipe.cli.plan import PlanCommandConfig
+    from recsys_pipe.config import to_container
+    from recsys_pipe.testing import compose
+    from recsys_pipe.train.config import RunConfig
+
+    run, schema, config = (
+        (train_cli.run, RunConfig, "train") if cli == "recsys-train" else (plan_cli.run, PlanCommandConfig, "plan")
+    )
+    assert run(["--help", "data=movielens", "data.path=/etc/hosts"]) == 0
+    out = capsys.readouterr().out
+    keys = describe_keys(schema, to_container(compose("data=movielens", "data.path=/etc/hosts", config_name=config)))
+    assert len(keys) > 80
+    lines = out.split("== Keys ==", 1)[1].splitlines()
+    for path, value, description in keys:
+        assert description, f"{path} has no description in the schema"
+        (line,) = [x for x in lines if x.startswith(f"  {path}=" if value else f"  {path}:")]
+        assert line.rstrip().endswith(description[:20]) or description[:30] in line, line
+    assert "  data.path=/etc/hosts" in out and "trainer.checkpoint.async=false" in out  # values with overrides
+    assert "pipeline.tasks.<name>.lookahead=0" in out  # task fields, once
+
+
+# -- run directories ----------------------------------------------------------------------------
+
+BIN = Path(sys.executable).parent
+SMOKE = ["trainer=smoke", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.tensorboard=false"]
+
+
+def _env(**extra: str) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}", **extra}
+
+
+def _status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+@pytest.mark.timeout(200)
+def test_runs_started_together_get_their_own_directories(tmp_path):
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "recsys-train"), *SMOKE, f"trainer.output_dir={tmp_path}"],
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=_env(),
+        )
+        for _ in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+    run_dirs = sorted((tmp_path / "recsys-train").iterdir())
+    assert len(run_dirs) == 2
+    for run_dir in run_dirs:
+        assert _status(run_dir)["status"] == "completed"
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3  # not interleaved
+
+
+@pytest.mark.timeout(200)
+def test_sweep_in_one_process_runs_each_job_in_its_own_hydra_dir_and_hydra_run_dir_is_honoured(tmp_path):
+    proc = subprocess.run(
+        [str(BIN / "recsys-train"), "-m", "thread_map=by_stream,per_task", *SMOKE, f"trainer.output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep,) = (tmp_path / "recsys-train" / "multirun").iterdir()
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    for job, thread_map in zip(jobs, ["by_stream", "per_task"]):
+        assert _status(job)["status"] == "completed"
+        assert (
+            f"thread_map: {thread_map}" in (job / "config.yaml").read_text()
+            or thread_map in (job / "config.yaml").read_text()
+        )
+        assert len((job / "metrics.jsonl").read_text().splitlines()) == 3
+    assert [p.name for p in (tmp_path / "recsys-train").iterdir()] == ["multirun"]  # nothing else
+    named = tmp_path / "named"
+    again = subprocess.run(
+        [str(BIN / "recsys-train"), *SMOKE, f"hydra.run.dir={named}"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _status(named)["status"] == "completed" and (named / "train.log").is_file()
+
+
+# -- faults on 2 ranks --------------------------------------------------------------------------
+
+FAULTS = [
+    # (plan overrides, fault kind, the failed rank's status message fragment)
+    (["pipeline=serial"], "sigkill", "stopped responding"),
+    (["pipeline=hstu_prefetch"], "raise", "RuntimeError: injected fault on rank"),
+    (["pipeline=hstu_prefetch", "thread_map=per_task"], "collective", "Default process group has not been initialized"),
+]
+
+
+def _torchrun(tmp: Path, *args: str, env: dict | None = None, timeout: float = 150) -> tuple:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--no-python",
+            str(BIN / "recsys-train"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp,
+        env=_env(**(env or {})),
+    )
+    return proc, time.monotonic() - start
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes still running whose command line mentions `marker` (our unique tmp dir)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("plan, kind, fragment", FAULTS, ids=[f[1] for f in FAULTS])
+def test_a_failed_rank_is_named_and_every_rank_exits(plan, kind, fragment, tmp_path):
+    rank, step = random.randrange(2), random.randrange(3, 12)
+    proc, seconds = _torchrun(
+        tmp_path,
+        *plan,
+        FAULT_OVERRIDE,
+        "trainer=smoke",
+        "trainer.max_steps=40",
+        "trainer.eval_every=0",
+        f"trainer.output_dir={tmp_path}/r",
+        env={FAULT_ENV: f"{kind}:{rank}:{step}"},
+    )
+    note = f"{kind} on rank {rank} at step {step}: "
+    assert proc.returncode != 0, note + proc.stderr[-3000:]
+    assert seconds < 90, note + f"took {seconds:.0f} s"
+    (run_dir,) = (tmp_path / "r" / "recsys-train").iterdir()
+    status = _status(run_dir)
+    assert status["status"] == "failed" and status["failed_rank"] == rank, note + str(status)
+    assert fragment in status["message"], note + str(status)
+    log = (run_dir / "train.log").read_text()
+    survivor = 1 - rank
+    assert f"[rank {survivor}][ERROR] rank {rank} failed" in log, note + log[-3000:]
+    assert "/recsys_pipe/" not in proc.stderr, note + "a rank printed a traceback"  # torchrun prints its own
+    assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_hung_rank_cannot_hang_the_job(tmp_path):
+    """Rank 1 stops inside a step: rank 0's collective times out after trainer.peer_timeout_s, it
+    records the failure, and rank 1's watchdog ends the hung process too."""
+    proc, seconds = _torchrun(
+        tmp_path,
+        "pipeline=hstu_prefetch",
+        FAULT_OVERRIDE,
+        "trainer=smoke",
+        "trainer.max_steps=40",
+        "trainer.eval_every=0",
+        "trainer.peer_timeout_s=8",
+        f"trainer.output_dir={tmp_path}/r",
+        env={FAULT_ENV: "hang:1:4"},
+    )
+    assert proc.returncode != 0
+    assert seconds < 100, f"took {seconds:.0f} s"
+    (run_dir,) = (tmp_path / "r" / "recsys-train").iterdir()
+    status = _status(run_dir)
+    assert status["status"] == "failed" and "Timed out" in status["message"], status
+    assert "[rank 1][ERROR] rank 0 failed" in (run_dir / "train.log").read_text()
+    assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_an_undeclared_collective_is_a_plan_error_not_a_gloo_abort(tmp_path):
+    """The plan's collective tasks are not declared nccl: true and every task has its own thread:
+    without verification gloo aborts ("collective mismatch", SIGABRT); with it (on by default
+    for the first iterations) every rank exits 2 naming a task's nccl field."""
+    undeclared = [
+        f"pipeline.tasks.{t}.nccl=false" for t in ("start_input_dist", "wait_input_dist", "forward", "backward")
+    ]
+    proc, _ = _torchrun(
+        tmp_path,
+        "pipeline=hstu_prefetch",
+        "thread_map=per_task",
+        *undeclared,
+        *SMOKE,
+        f"trainer.output_dir={tmp_path}/r",
+    )
+    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: pipeline.tasks.")]
+    assert errors and all(".nccl: task '" in e and "issues the collective c10d." in e for e in errors), errors
+    assert "mismatch" not in proc.stderr and "SIGABRT" not in proc.stderr
+    (run_dir,) = (tmp_path / "r" / "recsys-train").iterdir()
+    assert _status(run_dir)["exit_code"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_ctrl_c_under_torchrun_stops_every_rank_with_130(tmp_path):
+    args = [*SMOKE[:1], "trainer.max_steps=null", "data.num_batches=5000", "trainer.eval_every=0"]
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "--no-python",
+            str(BIN / "recsys-train"),
+            "pipeline=hstu_prefetch",
+            *args,
+            f"trainer.output_dir={tmp_path}/r",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        start_new_session=True,  # its own process group: the "terminal" we press Ctrl-C in
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            logs = list((tmp_path / "r").glob("recsys-train/*/metrics.jsonl"))
+            if logs and len(logs[0].read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        os.killpg(agent.pid, signal.SIGINT)
+        start = time.monotonic()
+        agent.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert seconds < 30
+    (run_dir,) = (tmp_path / "r" / "recsys-train").iterdir()
+    log = (run_dir / "train.log").read_text()
+    for rank in (0, 1):
+        assert f"[rank {rank}][WARNING] interrupted (Ctrl-C): stopping after step" in log, log[-2000:]
+    status = _status(run_dir)
+    assert status["status"] == "interrupted" and status["exit_code"] == 130
+    assert _leftovers(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_sweep_under_torchrun_runs_every_job_without_hanging(tmp_path):
+    proc, _ = _torchrun(tmp_path, "-m", "thread_map=by_stream,per_task", *SMOKE, f"trainer.output_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep,) = (tmp_path / "recsys-train" / "multirun").iterdir()  # one sweep dir for both ranks
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    for job in jobs:
+        status = _status(job)
+        assert status["status"] == "completed" and status["world_size"] == 2
