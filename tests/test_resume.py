@@ -77,6 +77,17 @@ def test_resume_is_bitwise_for_every_plan_and_async_save(plain):
         assert set(data["plans"]) == {*PLANS, "hstu_prefetch/async"}
 
 
+def test_epochs_train_every_batch_once_in_order_across_the_boundary(plain):
+    """Epoch 2 starts right after epoch 1 in the same pipeline: the 30 trained batches are the
+    loader's first 30 (20 of epoch 1, 10 of the reshuffled epoch 2), none lost or repeated."""
+    _, ranks = plain
+    for data in ranks:
+        ref = data["reference"]
+        assert ref["sample_ids"] == ref["loader_ids"]
+        assert ref["epoch_sizes"] == [320, 320]  # each epoch: 20 batches of 16 distinct samples
+        assert ref["loader_ids"][20] != ref["loader_ids"][0]  # epoch 2 is reshuffled
+
+
 def test_resume_without_rng_state_is_not_bitwise(plain):
     """Negative control: dropout draws from the RNG, so its restored state is what keeps the
     resumed run bitwise above."""

@@ -72,8 +72,17 @@ def digest(params):
 def main(out):
     info = init_distributed("cpu", "gloo")
     result = {"plans": {}}
-    ref, ref_params = fit(trainer(info, None, "pipeline=serial", "trainer.max_steps=30"))
-    result["reference"] = {"losses": ref.losses, "params": digest(ref_params), "evals": [e["step"] for e in ref.evals]}
+    t = trainer(info, None, "pipeline=serial", "trainer.max_steps=30")
+    loader_ids = [b.sample_ids.tolist() for b in t.data.train_loader(epochs=2)]  # both epochs, in order
+    ref, ref_params = fit(t)
+    result["reference"] = {
+        "losses": ref.losses,
+        "params": digest(ref_params),
+        "evals": [e["step"] for e in ref.evals],
+        "sample_ids": [ids.tolist() for ids in ref.sample_ids],
+        "loader_ids": loader_ids[:30],
+        "epoch_sizes": [len({i for b in loader_ids[e * 20 : (e + 1) * 20] for i in b}) for e in range(2)],
+    }
     for name, overrides in PLANS.items():
         run_dir = os.path.join(out, name.replace("/", "_"))
         first, params15 = fit(
