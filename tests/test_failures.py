@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -574,6 +575,13 @@ def _torchrun(tmp: Path, *args: str, env: dict | None = None, timeout: float = 1
     return proc, time.monotonic() - start
 
 
+def _assert_exit_codes(proc: subprocess.CompletedProcess, code: int) -> None:
+    """torchrun's summary: the ranks exited `code`, except any that torchrun itself stopped
+    (SIGTERM, -15) once the first had exited."""
+    codes = [int(c) for c in re.findall(r"exitcode\s*: (-?\d+)", proc.stderr)]
+    assert code in codes and set(codes) <= {code, -15}, proc.stderr[-3000:]
+
+
 def _leftovers(marker: str) -> list[str]:
     """Processes still running whose command line mentions `marker` (our unique tmp dir)."""
     found = []
@@ -620,6 +628,18 @@ def test_a_failed_rank_is_named_and_every_rank_exits(plan, kind, fragment, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_bad_input_under_torchrun_exits_2_on_every_rank_without_a_traceback(tmp_path):
+    short_row = tmp_path / "ratings.dat"
+    short_row.write_text("1::2::4::100\n1::3::5::101\n1::4::3\n")
+    proc, _ = _torchrun(tmp_path, *ML, f"data.path={short_row}", f"trainer.output_dir={tmp_path}/r")
+    _assert_exit_codes(proc, 2)
+    assert f"error: data.path: {short_row}:3: expected 4 fields" in proc.stderr
+    assert "/recsys_pipe/" not in proc.stderr  # no rank printed a traceback
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_a_hung_rank_cannot_hang_the_job(tmp_path):
     """Rank 1 stops inside a step: rank 0's collective times out after trainer.peer_timeout_s, it
     records the failure, and rank 1's watchdog ends the hung process too."""
@@ -660,7 +680,7 @@ def test_an_undeclared_collective_is_a_plan_error_not_a_gloo_abort(tmp_path):
         *SMOKE,
         f"trainer.output_dir={tmp_path}/r",
     )
-    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
+    _assert_exit_codes(proc, 2)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: pipeline.tasks.")]
     assert errors and all(".nccl: task '" in e and "issues the collective c10d." in e for e in errors), errors
     assert "mismatch" not in proc.stderr and "SIGABRT" not in proc.stderr
