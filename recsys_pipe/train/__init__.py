@@ -15,9 +15,11 @@ from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.status import RunStatus
 from recsys_pipe.train.tasks import StepResult
 from recsys_pipe.train.trainer import Trainer, TrainSummary, build_model, build_pipeline
+from recsys_pipe.train.verify import CollectiveGuard, UndeclaredCollectiveError
 
 __all__ = [
     "CheckpointConfig",
+    "CollectiveGuard",
     "Checkpointer",
     "DistInfo",
     "LrSchedule",
@@ -36,6 +38,7 @@ __all__ = [
     "TrainSummary",
     "Trainer",
     "TrainerConfig",
+    "UndeclaredCollectiveError",
     "build_model",
     "build_pipeline",
     "find_checkpoints",

@@ -284,9 +284,11 @@ class Trainer:
         summary = TrainSummary(start_step=self.step)
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
             summary.stop_reason = MAX_STEPS
-            return summary
-        if batches is None and self.position >= cfg.epochs * self.data.batches_per_epoch:
+        elif batches is None and self.position >= cfg.epochs * self.data.batches_per_epoch:
             summary.stop_reason = EPOCHS_DONE
+        if summary.stop_reason:  # e.g. resumed from the last checkpoint of a finished run
+            if self.info.is_main:
+                log.warning("nothing to train: at step %d, %s already", self.step, summary.stop_reason)
             return summary
         self._warn_if_data_ends_first()
         it = iter(self.data.train_loader(cfg.epochs, self.position)) if batches is None else batches
