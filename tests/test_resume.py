@@ -218,6 +218,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step(reference, 
     preempted = _torchrun(
         "pipeline=hstu_prefetch",
         "thread_map=per_task",
+        "trainer.preemption_check_s=0",  # agree every step: the stop step is known exactly
         FAULT_OVERRIDE,
         f"trainer.output_dir={tmp_path}/a",
         env={FAULT_ENV: "sigterm:1:7"},

@@ -159,17 +159,21 @@ def train_task(cfg: DictConfig) -> None:
             on_fatal=lambda failure: _record(health, status, failure, EXIT_FAILURE),
             exit_code=EXIT_FAILURE,
         ).start()
-    with StopRequest(info.control_group) as stop:
+    with StopRequest(info.control_group, run.trainer.preemption_check_s) as stop:
         code = _train(run, plan, info, run_dir, data, resume[0], stop, health, status)
     if code not in (0, EXIT_PREEMPTED):
         raise SystemExit(code)
     if health is not None:
         health.mark_done()
         health.stop()
-    if sweep:  # the next job of the sweep reuses the process group; main() tears it down
-        dist.barrier()
-    else:
-        teardown()
+    try:
+        if sweep:  # the next job of the sweep reuses the process group; main() tears it down
+            dist.barrier()
+        else:
+            teardown()
+    except Exception as exc:  # a peer failed after this rank had finished its part
+        log.error("a peer failed while rank %d was finishing: %s", info.rank, _one_line(exc))
+        raise SystemExit(EXIT_FAILURE) from None
     if code:
         raise SystemExit(code)
 

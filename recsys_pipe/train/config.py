@@ -67,6 +67,9 @@ class TrainerConfig(Section):
         gt=0,
         description="a collective that waits longer for a peer fails, and a rank silent this long is declared dead",
     )
+    preemption_check_s: float = Field(
+        0.5, ge=0, description="seconds between the ranks' checks for a SIGTERM (0: every step); a stop lags up to 2x"
+    )
     verify_collectives: Literal["off", "startup", "always"] = Field(
         "startup",
         description="fail a task that issues a collective without nccl: true (startup: first iterations only)",

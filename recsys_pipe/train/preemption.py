@@ -2,10 +2,15 @@
 every rank to finish its current step, save a checkpoint and exit.
 
 The signal reaches the ranks at slightly different times, but they must stop after the *same*
-step, or the checkpoint's collectives would pair different steps. So each rank contributes its
-flag to an all-reduce (max) issued after every step and waited for after the next one: the
-decision is one step late but identical everywhere, and the all-reduce runs on its own gloo
-group in the background, so it costs no wait in the training loop.
+step, or the checkpoint's collectives would pair different steps. So the ranks combine their
+flags in an all-reduce (max) on a gloo group of their own, issued at a check step and waited
+for at the next one: the decision is late by one check interval but identical everywhere, and
+the all-reduce runs in the background, so it costs no wait in the training loop.
+
+The check interval adapts to the step time (about `check_every_s` between checks, at least
+every step; `trainer.preemption_check_s`): an all-reduce every step cost short steps several
+percent on a small machine. The interval travels in the same all-reduce, so every rank schedules
+the next check at the same step.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 
 import torch
@@ -31,16 +37,22 @@ class StopRequest:
 
     Args:
         group: process group of the agreement all-reduce (None: single process).
+        check_every_s: seconds between two agreement all-reduces (0: every step); the stop
+            decision lags the signal by up to twice this.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, check_every_s: float = 0.5):
         self.group = group
+        self.check_every_s = check_every_s
         self.requested = threading.Event()
         self.signal_name: str | None = None
         self._flag: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._previous: object = None
         self._depth = 0
+        self._steps = 0  # should_stop() calls so far
+        self._next_check = 1
+        self._last_check: tuple[int, float] = (0, time.monotonic())
 
     def __enter__(self) -> StopRequest:
         """Install the SIGTERM handler (nested entries keep the outermost one)."""
@@ -69,18 +81,29 @@ class StopRequest:
         """True on every rank after the same step once any rank was asked to stop."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             return self.requested.is_set()
+        self._steps += 1
+        if self._steps < self._next_check:
+            return False
+        interval = 1
         if self._work is not None:
             self._work.wait()
             assert self._flag is not None
-            if bool(self._flag.item()):
+            stop, interval = (int(v) for v in self._flag.tolist())
+            if stop:
                 self._work = None
                 return True
-        self._flag = torch.tensor([1 if self.requested.is_set() else 0], dtype=torch.int32)
+        now = time.monotonic()
+        steps, then = self._last_check
+        per_step = (now - then) / max(1, self._steps - steps)
+        proposal = max(1, min(1000, int(self.check_every_s / max(per_step, 1e-6))))
+        self._last_check = (self._steps, now)
+        self._flag = torch.tensor([1 if self.requested.is_set() else 0, proposal], dtype=torch.int64)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._next_check = self._steps + max(1, interval)
         return False
 
     def drain(self) -> None:
-        """Complete the outstanding all-reduce (every rank issued the same number)."""
+        """Complete the outstanding all-reduce (every rank issued the same ones)."""
         if self._work is not None:
             self._work.wait()
             self._work = None

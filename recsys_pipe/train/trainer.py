@@ -220,7 +220,7 @@ class Trainer:
         if self.checkpointer is not None and info.is_main:
             self.checkpointer.on_published = lambda c: log.info("checkpoint step %d -> %s", c.step, c.path)
         #: SIGTERM handling (the CLI passes the one it installed for the whole process)
-        self.stop = stop or StopRequest(info.control_group)
+        self.stop = stop or StopRequest(info.control_group, cfg.preemption_check_s)
         #: heartbeats carry the step (set by the CLI for multi-rank runs)
         self.health = health
 
