@@ -8,6 +8,11 @@ Where the hooks run matters for what they can measure:
 
 - `iteration_started` / `iteration_finished` run on the thread that called `progress()`,
   before the iteration's first task and after its last one (also after a failure).
+- `tasks_done` runs on that thread too, once every task of the iteration returned and before
+  the ring rotates. Rotating drops the trained batch's slot values (device batch, torchrec
+  context, model outputs and their autograd graph), which any training loop pays when it lets
+  go of a batch: the time from `tasks_done` to `iteration_finished` is that release, so a
+  benchmark can report it apart from the engine's own cost. Not called when a task failed.
 - `task_started` / `task_finished` run on the thread that runs the task, inside the task's
   stream context and NVTX range, immediately around `task.run(ctx)`. On CUDA the current
   stream is the task's stream, so an observer can record CUDA events there to time the
@@ -39,6 +44,9 @@ class TaskObserver:
 
     def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
         """`task.run` returned (`failed=False`) or raised (`failed=True`)."""
+
+    def tasks_done(self, iteration: int) -> None:
+        """Every task of `iteration` returned; the ring rotates next (see the module docstring)."""
 
     def iteration_finished(self, iteration: int, failed: bool) -> None:
         """Every task of `iteration` has stopped; `failed` when one of them raised."""

@@ -261,6 +261,8 @@ class SchedulablePipeline:
             if observer is not None:
                 observer.iteration_finished(i, True)
             raise
+        if observer is not None:
+            observer.tasks_done(i)
         completed = 0 <= i - L < self._pulled
         result = self.ring.at(0).get(STEP_RESULT) if completed else None
         self.ring.advance()
