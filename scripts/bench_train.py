@@ -28,7 +28,7 @@ repetition, so a slow spell cancels out). Per-step losses of every variant and r
 asserted bitwise equal on the CPU (the numerics are the same there); on CUDA they are reported,
 not asserted. A repetition during which other jobs used more than `--max-other-load` of the
 machine's cores (its CPU use from /proc/stat minus this benchmark's) is discarded and run again
-(at most `--retries` times per batch size; the report counts them). On the CPU each rank is
+(after a pause, at most `--retries` times per batch size; the report counts them). On the CPU each rank is
 pinned to its own core (`--no-pin` to keep the OS's placement): with two ranks on two shared
 cores the scheduler otherwise moves ranks and their gloo threads around, which spread the
 per-repetition ratios about three times wider in our runs.
@@ -135,8 +135,8 @@ TORCHREC = "torchrec_sdd"
 TORCHREC_PREFETCH = "torchrec_prefetch"
 BATCH_SIZES = (32, 256, 1024)
 #: timed and warm-up steps per batch size (about 0.7-1.5 s of timed steps per run on 2 CPU cores)
-STEPS = {32: 48, 256: 12, 1024: 4}
-WARMUP = {32: 6, 256: 3, 1024: 2}
+STEPS = {32: 64, 256: 24, 1024: 8}
+WARMUP = {32: 6, 256: 4, 1024: 3}
 TAIL = 2  # untimed steps after the window: the largest lookahead, so the window never drains
 TARGET_SPEED = 1.0  # every pipelined plan >= 1.0x torchrec_sdd (median, CPU, batch 32 and 256)
 TARGET_SPEED_BATCHES = (32, 256)
@@ -376,8 +376,11 @@ def _attribute_gaps(spans: list[tuple[float, float, str | None]], lo: float, hi:
     task (garbage collections) cover time but name no position."""
     reach, pending = lo, 0.0
     for start, end, task in sorted(spans, key=lambda span: span[:2]):
+        if end <= lo or start >= hi:  # e.g. a collection in another iteration
+            continue
+        start, end = max(start, lo), min(end, hi)
         if start > reach:
-            pending += min(start, hi) - reach
+            pending += start - reach
         if task is not None and pending:
             gaps[f"before {task}"] = gaps.get(f"before {task}", 0.0) + pending
             pending = 0.0
@@ -689,7 +692,10 @@ def parse_args() -> argparse.Namespace:
         "(default 0.10)",
     )
     parser.add_argument(
-        "--retries", type=int, default=None, help="discarded repetitions allowed per batch size (default: --repeats)"
+        "--retries",
+        type=int,
+        default=None,
+        help="discarded repetitions allowed per batch size (default: twice --repeats)",
     )
     parser.add_argument(
         "--pin",
@@ -702,7 +708,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:  # a smoke test: keep whatever the machine gives
         args.batch_sizes, args.repeats, args.steps, args.warmup, args.retries = "16", 1, 3, 1, 0
     if args.retries is None:
-        args.retries = args.repeats
+        args.retries = 2 * args.repeats
     extra: dict[str, tuple[str, ...]] = {}
     for spec in args.plan:
         name, sep, overrides = spec.partition("=")
@@ -775,7 +781,7 @@ def main() -> None:
             report["observer_us_per_step"] = round(observer_cost_us(tasks), 2)
         records: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
         started = time.perf_counter()
-        rep = discarded = 0
+        rep = discarded = in_a_row = 0
         while rep < args.repeats:
             shift = rep % len(variants)
             this: dict[str, list[dict[str, Any]]] = {}
@@ -788,9 +794,16 @@ def main() -> None:
             line = f"  batch {batch_size} repetition {rep + 1}/{args.repeats} ({time.perf_counter() - started:.0f} s)"
             if other > args.max_other_load and discarded < args.retries:
                 discarded += 1  # every rank computed the same figure from the same gathered records
+                in_a_row += 1
+                pause = min(60, 10 * in_a_row)  # let a burst of other work pass
                 if main_rank:
-                    print(f"{line}: other jobs used {other:.0%} of the cores; discarded, run again", flush=True)
+                    print(
+                        f"{line}: other jobs used {other:.0%} of the cores; discarded, run again in {pause} s",
+                        flush=True,
+                    )
+                time.sleep(pause)
                 continue
+            in_a_row = 0
             for name, runs in this.items():
                 records[name].append(runs)
             rep += 1
