@@ -31,7 +31,7 @@ machine's cores (its CPU use from /proc/stat minus this benchmark's) is discarde
 (after a pause, at most `--retries` times per batch size; the report counts them). On the CPU each rank is
 pinned to its own core (`--no-pin` to keep the OS's placement): with two ranks on two shared
 cores the scheduler otherwise moves ranks and their gloo threads around, which spread the
-per-repetition ratios about three times wider in our runs.
+per-repetition ratios about twice as wide in our runs.
 
 What a column means (per rank; the larger of the ranks):
 
