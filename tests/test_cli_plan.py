@@ -93,8 +93,13 @@ def test_help_lists_groups_and_options(capsys):
     assert run(["--help"]) == 0
     out = capsys.readouterr().out
     assert "recsys-plan: compile a training plan" in out
-    assert "pipeline: hstu_prefetch, hstu_sparse_dist, serial, sparse_dist" in out
-    assert "thread_map: by_stream, hstu_default, per_task, single" in out
+    assert (
+        "pipeline: hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, hstu_sparse_dist_balanced, serial, "
+        "serial_balanced, sparse_dist" in out
+    )
+    assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_small" in out
+    assert "data: criteo, criteo_synthetic, custom, movielens, synthetic" in out
+    assert "thread_map: by_stream, hstu_balanced, hstu_default, per_task, single" in out
     for group in ("model:", "data:", "optimizer:", "trainer:"):
         assert group in out
 

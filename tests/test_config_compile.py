@@ -41,7 +41,14 @@ def test_required_options_are_shipped():
         assert list((CONF_DIR / group).glob("*.yaml")), group
 
 
-@pytest.mark.parametrize("pipeline,thread_map", list(itertools.product(PIPELINES, THREAD_MAPS)))
+def _combinable(pipeline: str, thread_map: str) -> bool:
+    """hstu_balanced names the shuffle tasks, which only the balanced plans have."""
+    return thread_map != "hstu_balanced" or pipeline.endswith("_balanced")
+
+
+@pytest.mark.parametrize(
+    "pipeline,thread_map", [c for c in itertools.product(PIPELINES, THREAD_MAPS) if _combinable(*c)]
+)
 def test_every_shipped_plan_compiles(pipeline, thread_map):
     plan = compiled(f"pipeline={pipeline}", f"thread_map={thread_map}")
     assert plan.config.name == pipeline
@@ -63,11 +70,33 @@ def test_recsys_train_config_validates_too():
     assert plan.threaded and plan.config.name == "hstu_sparse_dist"  # the default plan
 
 
+def test_hstu_balanced_thread_map_needs_the_shuffle_tasks():
+    with pytest.raises(ConfigError) as info:
+        compiled("pipeline=hstu_sparse_dist", "thread_map=hstu_balanced")
+    assert "pipeline.thread_map.map.start_shuffle" in info.value.paths
+
+
 def test_serial_and_pipelined_plans_list_the_same_task_functions():
     fns = {p: set(compiled(f"pipeline={p}").fn_paths().values()) for p in PIPELINES}
     assert fns["serial"] == fns["sparse_dist"] == fns["hstu_sparse_dist"]
     assert fns["hstu_prefetch"] - fns["serial"] == {"recsys_pipe.train.tasks.prefetch_embeddings"}
     assert fns["serial"] <= fns["hstu_prefetch"]
+    shuffles = {"recsys_pipe.train.tasks.start_shuffle", "recsys_pipe.train.tasks.finish_shuffle"}
+    assert fns["serial_balanced"] == fns["hstu_sparse_dist_balanced"] == fns["serial"] | shuffles
+    assert fns["hstu_prefetch_balanced"] == fns["hstu_prefetch"] | shuffles
+
+
+def test_balanced_plans_shuffle_at_h2d_lookahead_on_its_stream():
+    for name in ("hstu_sparse_dist_balanced", "hstu_prefetch_balanced"):
+        plan = compiled(f"pipeline={name}")
+        tasks = {t.name: t for t in plan.order}
+        for shuffle in ("start_shuffle", "finish_shuffle"):
+            assert (tasks[shuffle].lookahead, tasks[shuffle].stream, tasks[shuffle].nccl) == (2, "memcpy", True)
+            assert plan.thread_of[shuffle] == plan.thread_of["h2d"] == "io"
+        order = [t.name for t in plan.order]
+        # the partition is solved between the two halves, while the step's collectives run
+        assert order.index("start_shuffle") < order.index("start_input_dist")
+        assert order.index("finalize_model_grads") < order.index("finish_shuffle")
 
 
 def test_serial_plan_is_one_batch_sequential_default_stream():

@@ -7,20 +7,28 @@ Derivation: a setting that needs extra work per step adds its task to whatever p
 instead of every plan file carrying it. `model.loss_normalization=global_tokens` adds
 `global_tokens_allreduce` (the loss-token count summed over ranks) before `forward`, which reads
 it; with the default `local` normalisation no plan issues that collective.
+
+Checks against the model: plans that balance batches (`start_shuffle`) need a model with a
+per-sample workload model; `idle_tasks` names the tasks that have nothing to do for the model
+(the input-dist tasks of a model without torchrec tables), for `recsys-plan` to say so.
 """
 
 from __future__ import annotations
 
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, PlanConfig, TaskConfig, compile_plan
 from recsys_pipe.config.resolve import ResolveFn
+from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.state import BATCH_GPU, GLOBAL_TOKENS
 
-__all__ = ["derive_plan", "training_plan"]
+__all__ = ["derive_plan", "idle_tasks", "training_plan"]
 
 _TASKS = "recsys_pipe.train.tasks"
 #: task functions that need torchrec's prefetch context (`pipeline.torchrec_context: prefetch`)
 PREFETCH_FNS = frozenset({f"{_TASKS}.prefetch_embeddings"})
+#: task functions that distribute the input of torchrec-sharded tables
+INPUT_DIST_FNS = frozenset(f"{_TASKS}.{fn}" for fn in ("start_input_dist", "wait_input_dist", "prefetch_embeddings"))
+SHUFFLE_FNS = frozenset({f"{_TASKS}.start_shuffle", f"{_TASKS}.finish_shuffle"})
 GLOBAL_TOKENS_TASK = "global_tokens_allreduce"
 
 
@@ -71,7 +79,24 @@ def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> Compil
                 "context; set pipeline.torchrec_context=prefetch",
             )
         )
+    shuffles = sorted(name for name, fn in plan.fn_paths().items() if fn in SHUFFLE_FNS)
+    if shuffles and not run.model.has_sample_costs():
+        raise ConfigError(
+            ConfigProblem(
+                f"pipeline.tasks.{shuffles[0]}",
+                f"model '{run.model.label}' has no per-sample workload model (ModelConfig.sample_costs): all its "
+                "samples cost the same, so there is nothing to balance; use a plan without the shuffle tasks",
+            )
+        )
     return plan
+
+
+def idle_tasks(plan: CompiledPlan, run: RunConfig) -> dict[str, str]:
+    """Tasks of `plan` that have nothing to do for `run.model`, with the reason."""
+    if isinstance(run.model, ShardedModelConfig):
+        return {}
+    reason = "the model has no torchrec-sharded tables: no input to distribute"
+    return {name: reason for name, fn in plan.fn_paths().items() if fn in INPUT_DIST_FNS}
 
 
 def _slot_name(slot: str | tuple[str, int]) -> str:
