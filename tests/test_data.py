@@ -18,9 +18,9 @@ from recsys_pipe.data import (
     USER_KEY,
     MovieLensDataConfig,
     MovieLensDataset,
+    SequenceBatch,
     SyntheticConfig,
     SyntheticDataConfig,
-    SequenceBatch,
     SyntheticSequenceDataset,
     make_dataloader,
     read_ratings,
@@ -106,7 +106,11 @@ def test_loader_batches_disjoint_across_ranks() -> None:
 
 
 def test_batch_is_pipelineable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches implement torchrec's Pipelineable without importing torchrec; they become its
+    (virtual) subclasses when torchrec's sharding is loaded."""
     batch = _batches(_cfg(use_user_feature=True), n=1)[0]
+    import recsys_pipe.models.sharding  # noqa: F401  (registers the batches)
+
     assert isinstance(batch, Pipelineable)
     moved = batch.to(torch.device("cpu"), non_blocking=True)
     assert isinstance(moved, SequenceBatch)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from recsys_pipe.config import Component, ConfigProblem
 
@@ -83,8 +83,14 @@ class ShardedModelConfig(ModelConfig):
     sharding_constraints: dict[str, list[ShardingType]] = Field(
         default_factory=dict,
         description="model.sharding=planner only: {table: [allowed sharding types]}, types from row_wise, "
-        "column_wise, table_wise, table_row_wise, data_parallel",
+        "column_wise, table_wise, table_row_wise, data_parallel (null: none)",
     )
+
+    @field_validator("sharding_constraints", mode="before")
+    @classmethod
+    def _null_is_none(cls, value: object) -> object:
+        # null in the YAML, so `model.sharding_constraints={t: [...]}` can set it from the command line
+        return {} if value is None else value
 
     @model_validator(mode="after")
     def _constraints_need_planner(self) -> ShardedModelConfig:

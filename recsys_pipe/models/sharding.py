@@ -118,8 +118,8 @@ def sharding_plan(
                 ConfigProblem(
                     "model.sharding",
                     f"{cfg.sharding} is not offered by torchrec's {type(sharder).__name__} on {device_type} "
-                    f"(table(s) {', '.join(_tables(module))}); it offers {', '.join(offered)}: "
-                    "use model.sharding=planner with sharding_constraints",
+                    f"(module '{fqn}'); it offers {', '.join(offered)}: use model.sharding=planner, with "
+                    "model.sharding_constraints to choose per table",
                 )
             )
         per_table = {}
