@@ -24,6 +24,7 @@ always holds the builder that will run.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -162,8 +163,10 @@ def builder_config_class(fn: Callable[..., Any], base: type[BaseModel]) -> type[
     if annotation is inspect.Parameter.empty:
         return base
     if isinstance(annotation, str):  # `from __future__ import annotations`
-        try:
-            annotation = eval(annotation, getattr(fn, "__globals__", {}))
+        module = sys.modules.get(getattr(fn, "__module__", ""))
+        namespace = getattr(fn, "__globals__", None) or (vars(module) if module else {})  # a class has none
+        try:  # a name in the builder's own module
+            annotation = eval(annotation, namespace)
         except Exception as exc:
             raise TypeError(
                 f"the annotation '{params[0].annotation}' of {where}'s first parameter cannot be resolved: {exc}"
