@@ -74,6 +74,17 @@ class SyntheticDataConfig(SequenceDataConfig):
     builder: StrictStr | None = builder_field("recsys_pipe.data.synthetic:synthetic_dataset")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="the generated world")
 
+    def spec(self) -> DataSpec:
+        return _spec(self.synthetic, self.use_user_feature)
+
+
+def _spec(cfg: SyntheticConfig, use_user_feature: bool) -> DataSpec:
+    """Items, actions (the masked action 0, then one per combination of task outcomes) and users."""
+    vocab = {ITEM_KEY: cfg.num_items, ACTION_KEY: 2**cfg.num_tasks + 1}
+    if use_user_feature:
+        vocab[USER_KEY] = cfg.num_users
+    return DataSpec(num_tasks=cfg.num_tasks, vocab_sizes=vocab)
+
 
 def synthetic_dataset(cfg: SyntheticDataConfig, rank: int, world_size: int) -> SyntheticSequenceDataset:
     """Builder of `data=synthetic`: this rank's share of the generated samples."""
@@ -142,10 +153,7 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         self.world_size = world_size
         self._world = _World(cfg, seed)
         self._length_cdf = _zipf_cdf(self.max_seq_len - self.min_seq_len + 1, cfg.zipf_alpha)
-        vocab = {ITEM_KEY: cfg.num_items, ACTION_KEY: 2**cfg.num_tasks + 1}
-        if use_user_feature:
-            vocab[USER_KEY] = cfg.num_users
-        self.spec = DataSpec(num_tasks=cfg.num_tasks, vocab_sizes=vocab)
+        self.spec = _spec(cfg, use_user_feature)
         self.collate = partial(collate, use_user_feature=use_user_feature)
 
     def __len__(self) -> int:
