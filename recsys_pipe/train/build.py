@@ -33,12 +33,12 @@ SHUFFLE_FN = "recsys_pipe.train.tasks.start_shuffle"
 
 
 def _has_torchrec_tables(model: nn.Module) -> bool:
-    """Without importing torchrec: a model can only hold its tables if torchrec was imported."""
-    if "torchrec" not in sys.modules:
+    """Without importing torchrec: its table modules can only exist once torchrec loaded them."""
+    tables = sys.modules.get("torchrec.modules.embedding_modules")
+    if tables is None:
         return False
-    from recsys_pipe.models.sharding import has_torchrec_tables
-
-    return has_torchrec_tables(model)
+    kinds = (tables.EmbeddingCollection, tables.EmbeddingBagCollection)
+    return any(isinstance(m, kinds) for m in model.modules())
 
 
 def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[nn.Module, Any]:

@@ -15,6 +15,8 @@ per-sample workload model; `idle_tasks` names the tasks that have nothing to do 
 
 from __future__ import annotations
 
+import importlib
+
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, PlanConfig, TaskConfig, compile_plan
 from recsys_pipe.config.resolve import ResolveFn
 from recsys_pipe.models.base import ShardedModelConfig
@@ -68,7 +70,12 @@ def derive_plan(plan: PlanConfig, run: RunConfig) -> PlanConfig:
 
 
 def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> CompiledPlan:
-    """Derive and compile `run.pipeline`; ConfigError (with config paths) if it cannot train this run."""
+    """Derive and compile `run.pipeline`; ConfigError (with config paths) if it cannot train this run.
+
+    With the default `resolve_fn` (the task code is imported) this also checks that a model with
+    torchrec tables can import torchrec here."""
+    if resolve_fn is None and isinstance(run.model, ShardedModelConfig):
+        _require_torchrec(run)
     plan = compile_plan(derive_plan(run.pipeline, run), resolve_fn=resolve_fn)
     prefetching = sorted(name for name, fn in plan.fn_paths().items() if fn in PREFETCH_FNS)
     if prefetching and plan.config.torchrec_context != "prefetch":
@@ -89,6 +96,20 @@ def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> Compil
             )
         )
     return plan
+
+
+def _require_torchrec(run: RunConfig) -> None:
+    try:
+        importlib.import_module("torchrec.distributed.model_parallel")
+    except ImportError as exc:
+        path = "model.name" if run.model.name else "model.builder"
+        raise ConfigError(
+            ConfigProblem(
+                path,
+                f"model '{run.model.label}' has torchrec tables (a ShardedModelConfig), but torchrec cannot be "
+                f"imported here ({exc}); a model with plain torch tables, such as model=dlrm_torch, trains without it",
+            )
+        ) from None
 
 
 def idle_tasks(plan: CompiledPlan, run: RunConfig) -> dict[str, str]:
