@@ -93,6 +93,17 @@ def test_solve_shuffle_reports_the_balance():
     assert all(len(p) == 2 for p in plan.positions)
 
 
+def test_equal_costs_keep_every_batch_where_it_was():
+    """Nothing to balance (e.g. a model without a workload model): no sample moves, and the
+    shuffler returns the batch itself without exchanging anything."""
+    plan = solve_shuffle([1.0] * 8, 2)
+    assert plan.positions == [[0, 1, 2, 3], [4, 5, 6, 7]] and plan.imbalance_after == plan.imbalance_before == 1.0
+    balancer = BatchBalancer(lambda batch: torch.ones(batch.batch_size, dtype=torch.float64))
+    batch = _criteo_batches(1, 4)[0]
+    assert balancer.finish(batch, balancer.start(batch)) is batch
+    balancer.close()
+
+
 # -- selecting samples of jagged batches --------------------------------------------------------
 
 

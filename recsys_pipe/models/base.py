@@ -24,14 +24,14 @@ DDP (small vocabularies), and then needs no torchrec at all.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from pydantic import Field, field_validator, model_validator
 
 from recsys_pipe.config import Component, ConfigProblem
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from recsys_pipe.data import DataConfig, DataSpec
@@ -61,15 +61,12 @@ class ModelConfig(Component):
         """Problems with using this model on `data` (cross-section constraints); none by default."""
         return []
 
-    def sample_costs(self, batch: object) -> torch.Tensor:
+    def sample_costs(self, batch: Any) -> torch.Tensor:
         """Per-sample compute cost `[B]` (float64, any unit) of a batch, for the balanced batch
-        shuffler (`start_shuffle`). Models whose samples all cost the same have nothing to
-        balance and do not implement it."""
-        raise NotImplementedError(f"model '{self.label}' has no per-sample workload model")
-
-    @classmethod
-    def has_sample_costs(cls) -> bool:
-        return cls.sample_costs is not ModelConfig.sample_costs
+        shuffler (`start_shuffle`). By default every sample costs the same: there is nothing to
+        balance and the shuffler leaves the batches as loaded. Models whose cost depends on the
+        sample (sequence length) override it."""
+        return torch.ones(batch.batch_size, dtype=torch.float64, device=batch.sample_ids.device)
 
 
 class ShardedModelConfig(ModelConfig):

@@ -8,9 +8,8 @@ instead of every plan file carrying it. `model.loss_normalization=global_tokens`
 `global_tokens_allreduce` (the loss-token count summed over ranks) before `forward`, which reads
 it; with the default `local` normalisation no plan issues that collective.
 
-Checks against the model: plans that balance batches (`start_shuffle`) need a model with a
-per-sample workload model; `idle_tasks` names the tasks that have nothing to do for the model
-(the input-dist tasks of a model without torchrec tables), for `recsys-plan` to say so.
+`idle_tasks` names the tasks that have nothing to do for the model (the input-dist tasks of a
+model without torchrec tables), for `recsys-plan` to say so.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ _TASKS = "recsys_pipe.train.tasks"
 PREFETCH_FNS = frozenset({f"{_TASKS}.prefetch_embeddings"})
 #: task functions that distribute the input of torchrec-sharded tables
 INPUT_DIST_FNS = frozenset(f"{_TASKS}.{fn}" for fn in ("start_input_dist", "wait_input_dist", "prefetch_embeddings"))
-SHUFFLE_FNS = frozenset({f"{_TASKS}.start_shuffle", f"{_TASKS}.finish_shuffle"})
 GLOBAL_TOKENS_TASK = "global_tokens_allreduce"
 
 
@@ -84,15 +82,6 @@ def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> Compil
                 "pipeline.torchrec_context",
                 f"task(s) {', '.join(prefetching)} prefetch embeddings, which needs torchrec's prefetch "
                 "context; set pipeline.torchrec_context=prefetch",
-            )
-        )
-    shuffles = sorted(name for name, fn in plan.fn_paths().items() if fn in SHUFFLE_FNS)
-    if shuffles and not run.model.has_sample_costs():
-        raise ConfigError(
-            ConfigProblem(
-                f"pipeline.tasks.{shuffles[0]}",
-                f"model '{run.model.label}' has no per-sample workload model (ModelConfig.sample_costs): all its "
-                "samples cost the same, so there is nothing to balance; use a plan without the shuffle tasks",
             )
         )
     return plan

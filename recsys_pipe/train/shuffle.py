@@ -101,11 +101,16 @@ def _imbalance(sums: Sequence[float]) -> float:
 
 
 def solve_shuffle(costs: Sequence[float], world_size: int) -> ShufflePlan:
-    """The plan for the gathered per-sample `costs` of `world_size` equal batches (rank-major)."""
+    """The plan for the gathered per-sample `costs` of `world_size` equal batches (rank-major).
+    Never worse than the batches as loaded: when the partition does not lower the heaviest rank's
+    cost (e.g. every sample costs the same), every rank keeps its own batch."""
     batch_size = len(costs) // world_size
+    loaded = [list(range(r * batch_size, (r + 1) * batch_size)) for r in range(world_size)]
     positions = assign_to_ranks(karmarkar_karp(costs, world_size), batch_size)
-    before = [sum(costs[r * batch_size : (r + 1) * batch_size]) for r in range(world_size)]
+    before = [sum(costs[i] for i in part) for part in loaded]
     after = [sum(costs[i] for i in part) for part in positions]
+    if max(after) >= max(before):
+        positions, after = loaded, before
     return ShufflePlan(positions, _imbalance(before), _imbalance(after))
 
 
@@ -178,8 +183,11 @@ class BatchBalancer:
         self.stats.record(solved)
         rank, world = self._world()
         mine = solved.positions[rank]
+        batch_size = len(mine)
+        if all(part == list(range(r * batch_size, (r + 1) * batch_size)) for r, part in enumerate(solved.positions)):
+            return batch  # every rank keeps its batch (every rank sees the same plan): nothing to exchange
         if world == 1:
-            return batch if mine == list(range(len(mine))) else batch.select(torch.tensor(mine))
+            return batch.select(torch.tensor(mine))
         device = batch.sample_ids.device
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, batch.to("cpu"), group=self._group)

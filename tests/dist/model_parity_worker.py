@@ -42,6 +42,9 @@ GROUPS = {
             "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", *THREADED],
             "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
             "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", *THREADED, "thread_map=per_task"],
+            # DLRM's samples all cost the same: the balanced plans run and leave every batch in place
+            "serial_balanced": ["pipeline=serial_balanced"],
+            "hstu_prefetch_balanced/threaded": ["pipeline=hstu_prefetch_balanced"],
         },
     ),
     "dlrm_dcn": (
