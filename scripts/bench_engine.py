@@ -1,16 +1,29 @@
 #!/usr/bin/env python
-"""Engine cost and overlap, measured side by side in one process.
+"""The engine's own cost and its overlap, measured side by side in one process.
 
-1. Sequential executor overhead on no-op tasks against a plain Python loop calling the same
-   functions (µs/task and ratio). Target: <= 20 µs/task.
-2. Threaded executor overhead on the same no-op tasks. Target: <= 60 µs/task.
-3. Overlap: GIL-releasing tasks (time.sleep) on two thread groups. Reports measured iteration
-   time / ideal bound (max over threads of the summed measured task time per iteration; target
-   <= 1.05) and / the sequential time of the same schedule.
+Every repetition runs every configuration once (in a rotated order), so a slow spell of a
+shared machine hits all configurations alike; the figures are medians over repetitions, with
+min-max. Measures:
 
-The last line printed is one JSON object with all figures.
+1. sequential: no-op tasks (a 10-task chain over 3 lookaheads and 3 streams), engine time
+   minus a plain loop calling the same functions, per task. Target: <= 1.5 µs/task.
+2. threaded: the same schedule on `ThreadedExecutor("by_stream")` (3 threads). Target:
+   <= 5 µs/task.
+3. threaded scaling: 1, 2 and 4 threads x 10, 30 and 100 tasks (thread k runs the k-th
+   contiguous block of the chain), per task. Shows the fixed cost of waking worker threads
+   being spread over more tasks.
+4. overlap: GIL-releasing tasks (`time.sleep`) on two thread groups. Iteration time over the
+   ideal bound (per iteration, the largest summed task time of one thread, from a
+   `SpanRecorder`; target <= 1.05) and over the sequential time of the same schedule.
+5. plans: the shipped plans, composed and compiled as `recsys-train` does (their tasks,
+   lookaheads, streams, dependencies and nccl flags) with no-op task functions, per executor and
+   thread map: engine µs per training step, and that as a share of a `--step-ms` step (default 15 ms,
+   an HSTU step on a 2-core CPU). With no-op tasks every thread hand-off is on the critical
+   path, so this is an upper bound of what the engine adds to a real step. Target: <= 0.5 %.
 
-    .venv/bin/python scripts/bench_engine.py [--iterations N] [--repeats R] [--sleep-ms MS]
+The table goes to stdout; the last line is one JSON object with every figure.
+
+    .venv/bin/python scripts/bench_engine.py [--repeats R] [--iterations N] [--quick]
 """
 
 from __future__ import annotations
@@ -18,20 +31,34 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, Task, ThreadedExecutor
+from recsys_pipe.engine import SchedulablePipeline, Schedule, SpanRecorder, Task, ThreadedExecutor
+
+PLANS = ("serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch")
+THREAD_MAPS = ("hstu_default", "by_stream", "per_task", "single")
+SCALING = tuple((threads, tasks) for tasks in (10, 30, 100) for threads in (1, 2, 4))
+TARGETS = {
+    "sequential_us_per_task": 1.5,
+    "threaded_us_per_task": 5.0,
+    "overlap_ratio_vs_ideal": 1.05,
+    "plan_share_percent": 0.5,
+}
 
 
-def noop(ctx) -> None:
+def noop(ctx: Any) -> None:
     pass
 
 
-def noop_schedule(num_tasks: int) -> Schedule:
-    """A realistic shape: a chain of tasks over three lookaheads and three streams."""
+# -- schedules ------------------------------------------------------------------------------------
+
+
+def chain_schedule(num_tasks: int) -> Schedule:
+    """A chain of no-op tasks over three lookaheads and three streams (one per lookahead)."""
     streams = ("memcpy", "data_dist", "default")
-    tasks = []
+    tasks: list[Task] = []
     for i in range(num_tasks):
         la = 2 - min(2, i * 3 // num_tasks)
         deps = [f"t{i - 1}"] if i and tasks[-1].lookahead >= la else []
@@ -39,14 +66,27 @@ def noop_schedule(num_tasks: int) -> Schedule:
     return Schedule.single_stage(tasks, ("default", "memcpy", "data_dist"))
 
 
-def drive(pipe: SchedulablePipeline, iterations: int) -> float:
-    it = iter(range(iterations))
+def shipped_plan(name: str, thread_map: str | None = None) -> tuple[Schedule, dict[str, str] | None]:
+    """A shipped plan exactly as `recsys-train` composes and compiles it (Hydra config, plan
+    derivation, thread map), with every task function replaced by a no-op; and its thread of
+    each task (None for the sequential executor)."""
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train import training_plan
+
+    overrides = [f"pipeline={name}"] + ([f"thread_map={thread_map}"] if thread_map else [])
+    plan = training_plan(load_run(*overrides), resolve_fn=lambda path: noop)
+    return plan.schedule, (dict(plan.thread_of) if plan.threaded else None)
+
+
+# -- measures (one repetition each) ---------------------------------------------------------------
+
+
+def timed(pipe: SchedulablePipeline, batches: int) -> float:
+    """Seconds to train `batches` batches (prefill and drain included)."""
     start = time.perf_counter()
-    while True:
-        try:
-            pipe.progress(it)
-        except StopIteration:
-            return time.perf_counter() - start
+    for _ in pipe.iterate(range(batches)):
+        pass
+    return time.perf_counter() - start
 
 
 def plain_loop(schedule: Schedule, iterations: int) -> float:
@@ -58,38 +98,21 @@ def plain_loop(schedule: Schedule, iterations: int) -> float:
     return time.perf_counter() - start
 
 
-def overhead(executor_factory, iterations: int, repeats: int, num_tasks: int) -> dict:
-    schedule = noop_schedule(num_tasks)
-    engine, plain = [], []
-    for _ in range(repeats):
-        with SchedulablePipeline(schedule, executor=executor_factory()) as pipe:
-            drive(pipe, 20)  # warm: plans cached, workers started
-            engine.append(drive(pipe, iterations))
-        plain.append(plain_loop(schedule, iterations))
-    calls = iterations * num_tasks
-    e, p = statistics.median(engine) / calls * 1e6, statistics.median(plain) / calls * 1e6
-    return {
-        "engine_us_per_task": round(e, 3),
-        "plain_us_per_task": round(p, 3),
-        "overhead_us_per_task": round(e - p, 3),
-        "ratio_vs_plain": round(e / p, 1),
-    }
+def overhead_us_per_task(schedule: Schedule, executor: Any, iterations: int) -> float:
+    """Engine time minus a plain loop over the same functions, per task invocation."""
+    with SchedulablePipeline(schedule, executor=executor) as pipe:
+        timed(pipe, 20)  # warm: plans cached, workers started
+        engine = timed(pipe, iterations)
+    plain = plain_loop(schedule, iterations)
+    return (engine - plain) / (iterations * len(schedule.tasks)) * 1e6
 
 
-def overlap(iterations: int, sleep_ms: float, repeats: int) -> dict:
+def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
     """io thread: h2d (la 2) + input_dist (la 1); compute thread: forward + backward (la 0)."""
-    durations: dict[int, dict[str, float]] = {}
-    lock = threading.Lock()
 
-    def sleeper(ctx) -> None:
-        start = time.perf_counter()
+    def sleeper(ctx: Any) -> None:
         time.sleep(sleep_ms / 1e3)
-        spent = time.perf_counter() - start
-        with lock:
-            durations.setdefault(ctx.iter_count, {}).setdefault(THREAD_OF[ctx.task.name], 0.0)
-            durations[ctx.iter_count][THREAD_OF[ctx.task.name]] += spent
 
-    THREAD_OF = {"h2d": "io", "input_dist": "io", "forward": "compute", "backward": "compute"}
     schedule = Schedule.single_stage(
         [
             Task.from_fn("h2d", sleeper, lookahead=2, stream="memcpy"),
@@ -98,51 +121,151 @@ def overlap(iterations: int, sleep_ms: float, repeats: int) -> dict:
             Task.from_fn("backward", sleeper, lookahead=0, depends_on=["forward"]),
         ]
     )
-    threaded_times, ideal_times, serial_times = [], [], []
-    for _ in range(repeats):
-        durations.clear()
-        with SchedulablePipeline(schedule, executor=ThreadedExecutor(THREAD_OF)) as pipe:
-            elapsed = drive(pipe, iterations)
-        threaded_times.append(elapsed)
-        ideal_times.append(sum(max(per_thread.values()) for per_thread in durations.values()))
-        with SchedulablePipeline(schedule, executor="sequential") as pipe:
-            serial_times.append(drive(pipe, iterations))
-    t, ideal, s = (statistics.median(x) for x in (threaded_times, ideal_times, serial_times))
+    threads = {"h2d": "io", "input_dist": "io", "forward": "compute", "backward": "compute"}
+    recorder = SpanRecorder()
+    with SchedulablePipeline(schedule, executor=ThreadedExecutor(threads), observer=recorder) as pipe:
+        threaded = timed(pipe, iterations)
+    per_iteration: dict[int, dict[str, float]] = {}
+    for span in recorder.spans():
+        per_thread = per_iteration.setdefault(span.iteration, {})
+        per_thread[span.thread] = per_thread.get(span.thread, 0.0) + span.duration_s
+    ideal = sum(max(per_thread.values()) for per_thread in per_iteration.values())
+    with SchedulablePipeline(schedule, executor="sequential") as pipe:
+        serial = timed(pipe, iterations)
     return {
-        "iteration_ms_threaded": round(t / iterations * 1e3, 3),
-        "iteration_ms_ideal": round(ideal / iterations * 1e3, 3),
-        "iteration_ms_serial": round(s / iterations * 1e3, 3),
-        "ratio_vs_ideal": round(t / ideal, 4),
-        "ratio_vs_serial": round(t / s, 4),
+        "iteration_ms_threaded": threaded / iterations * 1e3,
+        "iteration_ms_ideal": ideal / iterations * 1e3,
+        "iteration_ms_serial": serial / iterations * 1e3,
+        "ratio_vs_ideal": threaded / ideal,
+        "ratio_vs_serial": threaded / serial,
+    }
+
+
+def plan_us_per_step(schedule: Schedule, executor: Any, steps: int) -> float:
+    with SchedulablePipeline(schedule, executor=executor) as pipe:
+        timed(pipe, 20)
+        return timed(pipe, steps) / steps * 1e6
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def summary(values: Iterable[float], digits: int = 3) -> dict[str, float]:
+    values = list(values)
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--tasks", type=int, default=10)
-    parser.add_argument("--overlap-iterations", type=int, default=200)
-    parser.add_argument("--sleep-ms", type=float, default=2.0)
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved repetitions (median and min-max)")
+    parser.add_argument("--iterations", type=int, default=2000, help="batches per no-op overhead run")
+    parser.add_argument("--overlap-iterations", type=int, default=100)
+    parser.add_argument("--sleep-ms", type=float, default=2.0, help="task duration in the overlap measure")
+    parser.add_argument("--step-ms", type=float, default=15.0, help="training step the plan share is relative to")
+    parser.add_argument("--quick", action="store_true", help="smoke test: few iterations, 2 repetitions")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.iterations, args.overlap_iterations, args.sleep_ms = 2, 100, 8, 1.0
 
-    seq = overhead(lambda: "sequential", args.iterations, args.repeats, args.tasks)
-    thr = overhead(lambda: ThreadedExecutor("by_stream"), args.iterations, args.repeats, args.tasks)
-    ovl = overlap(args.overlap_iterations, args.sleep_ms, max(1, args.repeats // 2))
-    print(
-        f"sequential: {seq['engine_us_per_task']:.2f} µs/task vs plain loop {seq['plain_us_per_task']:.3f} µs/task "
-        f"-> overhead {seq['overhead_us_per_task']:.2f} µs/task (target <= 20), {seq['ratio_vs_plain']}x"
-    )
-    print(
-        f"threaded:   {thr['engine_us_per_task']:.2f} µs/task -> overhead {thr['overhead_us_per_task']:.2f} µs/task "
-        f"(target <= 60)"
-    )
-    print(
-        f"overlap:    {ovl['iteration_ms_threaded']} ms/iter threaded, ideal {ovl['iteration_ms_ideal']} ms, "
-        f"serial {ovl['iteration_ms_serial']} ms -> {ovl['ratio_vs_ideal']}x ideal (target <= 1.05), "
-        f"{ovl['ratio_vs_serial']}x serial"
-    )
-    print(json.dumps({"sequential": seq, "threaded": thr, "overlap": ovl}))
+    chain10 = chain_schedule(10)
+    runs: dict[str, Callable[[], Any]] = {
+        "sequential": lambda: overhead_us_per_task(chain10, "sequential", args.iterations),
+        "threaded": lambda: overhead_us_per_task(chain10, ThreadedExecutor("by_stream"), args.iterations),
+        "overlap": lambda: overlap(args.overlap_iterations, args.sleep_ms),
+    }
+    for threads, tasks in SCALING:
+        schedule = chain_schedule(tasks)
+        iterations = max(20, args.iterations * 10 // tasks)
+
+        def blocks(task: Task, threads: int = threads, tasks: int = tasks) -> str:
+            return f"w{int(task.name[1:]) * threads // tasks}"
+
+        runs[f"scaling/{threads}x{tasks}"] = lambda s=schedule, b=blocks, n=iterations: overhead_us_per_task(
+            s, ThreadedExecutor(b), n
+        )
+    for plan in PLANS:
+        _, threads = shipped_plan(plan)
+        for tm in ("sequential",) if threads is None else THREAD_MAPS:
+            schedule, thread_of = shipped_plan(plan, None if tm == "sequential" else tm)
+
+            def make(thread_of: dict[str, str] | None = thread_of) -> Any:
+                return "sequential" if thread_of is None else ThreadedExecutor(dict(thread_of))
+
+            runs[f"plan/{plan}/{tm}"] = lambda s=schedule, m=make: plan_us_per_step(s, m(), args.iterations)
+
+    samples: dict[str, list] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(args.repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(runs[name]())
+
+    report: dict[str, Any] = {
+        "machine": {"repeats": args.repeats, "iterations": args.iterations, "step_ms": args.step_ms},
+        "sequential": {"overhead_us_per_task": summary(samples["sequential"])},
+        "threaded": {"overhead_us_per_task": summary(samples["threaded"])},
+        "scaling": {
+            f"{threads}x{tasks}": {"threads": threads, "tasks": tasks, **summary(samples[f"scaling/{threads}x{tasks}"])}
+            for threads, tasks in SCALING
+        },
+        "overlap": {key: summary([s[key] for s in samples["overlap"]], 4) for key in samples["overlap"][0]},
+        "plans": {},
+    }
+    for name in names:
+        if name.startswith("plan/"):
+            _, plan, tm = name.split("/")
+            us = summary(samples[name], 1)
+            share = summary((v / (args.step_ms * 1e3) * 100 for v in samples[name]), 3)
+            report["plans"][f"{plan}/{tm}"] = {"us_per_step": us, "share_percent": share}
+    worst_share = max(p["share_percent"]["median"] for p in report["plans"].values())
+    shipped = [p for key, p in report["plans"].items() if key.split("/")[1] in ("sequential", "hstu_default")]
+    met = {
+        "sequential_us_per_task": report["sequential"]["overhead_us_per_task"]["median"]
+        <= TARGETS["sequential_us_per_task"],
+        "threaded_us_per_task": report["threaded"]["overhead_us_per_task"]["median"] <= TARGETS["threaded_us_per_task"],
+        "overlap_ratio_vs_ideal": report["overlap"]["ratio_vs_ideal"]["median"] <= TARGETS["overlap_ratio_vs_ideal"],
+        "plan_share_percent_default_maps": all(
+            p["share_percent"]["median"] <= TARGETS["plan_share_percent"] for p in shipped
+        ),
+        "plan_share_percent_all_maps": worst_share <= TARGETS["plan_share_percent"],
+    }
+    report["targets"] = {"limits": TARGETS, "met": met}
+    print_table(report)
+    print(json.dumps(report))
+
+
+def fmt(s: dict[str, float], unit: str = "") -> str:
+    return f"{s['median']}{unit} ({s['min']}–{s['max']})"
+
+
+def print_table(report: dict[str, Any]) -> None:
+    m = report["machine"]
+    print(f"engine benchmark: medians (min–max) over {m['repeats']} interleaved repetitions")
+    print(f"{'measure':<44} {'result':<32} target")
+    rows = [
+        ("sequential overhead, µs/task", fmt(report["sequential"]["overhead_us_per_task"]), "<= 1.5"),
+        ("threaded overhead (3 threads), µs/task", fmt(report["threaded"]["overhead_us_per_task"]), "<= 5"),
+    ]
+    for s in report["scaling"].values():
+        rows.append((f"  threaded {s['threads']} thread(s) x {s['tasks']} tasks, µs/task", fmt(s), ""))
+    o = report["overlap"]
+    rows += [
+        ("overlap: iteration / ideal bound", fmt(o["ratio_vs_ideal"]), "<= 1.05"),
+        ("overlap: iteration / sequential", fmt(o["ratio_vs_serial"]), ""),
+        ("overlap: iteration ms (threaded)", fmt(o["iteration_ms_threaded"]), ""),
+    ]
+    for key, p in report["plans"].items():
+        rows.append(
+            (f"plan {key}, µs/step", fmt(p["us_per_step"]), f"{fmt(p['share_percent'], ' %')} of {m['step_ms']} ms")
+        )
+    for name, result, target in rows:
+        print(f"{name:<44} {result:<32} {target}")
+    met = report["targets"]["met"]
+    print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in met.items()))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ trains; the serial plan runs the same two task functions at lookahead 0. Both gi
 losses, because every batch still meets the same weights in the same order.
 """
 
+import statistics
+
 import torch
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, StreamPool, Task
+from recsys_pipe.engine import SchedulablePipeline, Schedule, SpanRecorder, StreamPool, Task, TaskObserver
 
 
 def prepare(ctx):  # runs on batch K+1 while train runs on batch K
@@ -45,23 +47,25 @@ def batches(n: int):
         yield x, x @ w
 
 
-def run(lookahead: int, executor: str) -> list[float]:
+def run(lookahead: int, executor: str, observer: TaskObserver | None = None) -> list[float]:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     state = (model, torch.optim.SGD(model.parameters(), lr=0.05))
     pool = StreamPool.create(["default", "memcpy"], "cuda" if torch.cuda.is_available() else None)
     losses = []
-    with SchedulablePipeline(plan(lookahead), pool, executor, state=state) as pipe:
-        it = batches(50)
-        while True:
-            try:
-                losses.append(pipe.progress(it))
-            except StopIteration:
-                return losses
+    with SchedulablePipeline(plan(lookahead), pool, executor, state=state, observer=observer) as pipe:
+        for loss in pipe.iterate(batches(50)):  # one batch's step_result at a time, until drained
+            losses.append(loss)
+    return losses
 
 
 if __name__ == "__main__":
     serial = run(lookahead=0, executor="sequential")
-    pipelined = run(lookahead=1, executor="threaded")
+    recorder = SpanRecorder()  # times every task invocation, on the thread that ran it
+    pipelined = run(lookahead=1, executor="threaded", observer=recorder)
     assert pipelined == serial, "pipelined plan must match the serial plan"
     print(f"50 batches, identical losses: first {serial[0]:.4f} -> last {serial[-1]:.4f}")
+    for task in ("prepare", "train"):
+        spans = [s for s in recorder.spans(first=5) if s.task == task]
+        median_us = statistics.median(s.duration_s for s in spans) * 1e6
+        print(f"  {task:<8} on thread {spans[0].thread}: median {median_us:.0f} µs over {len(spans)} batches")

@@ -112,13 +112,3 @@ def schedule_specs(draw, max_tasks: int = 6, max_lookahead: int = 3, streams=STR
     except ScheduleValidationError as exc:  # rule 8 conflicts etc.: fall back to the valid prefix
         raise AssertionError(f"generator produced an invalid schedule: {exc}") from exc
     return shuffled
-
-
-def run_all(pipe, batches) -> list:
-    it = iter(batches)
-    out = []
-    while True:
-        try:
-            out.append(pipe.progress(it))
-        except StopIteration:
-            return out

@@ -62,7 +62,7 @@ def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipe
 
 @pytest.mark.parametrize("pipeline", ["serial_balanced", "hstu_sparse_dist_balanced", "hstu_prefetch_balanced"])
 def test_balanced_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline):
-    """With their own default thread map (hstu_balanced: the shuffle tasks on io with h2d)."""
+    """With the default thread map (hstu_default: the shuffle tasks on io with h2d)."""
     assert plan(tmp_path, f"pipeline={pipeline}") == 0
     assert (tmp_path / "plan.txt").read_text() == (GOLDEN / f"plan_{pipeline}.default.txt").read_text()
 
@@ -112,7 +112,7 @@ def test_help_lists_groups_and_options(capsys):
     )
     assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_small" in out
     assert "data: criteo, criteo_synthetic, custom, movielens, synthetic" in out
-    assert "thread_map: by_stream, hstu_balanced, hstu_default, per_task, single" in out
+    assert "thread_map: by_stream, hstu_default, per_task, plan, single" in out
     for group in ("model:", "data:", "optimizer:", "trainer:"):
         assert group in out
 
@@ -317,7 +317,6 @@ BAD = [
     ),
     ("thread-empty", ["pipeline.tasks.forward.thread=''"], "pipeline.tasks.forward.thread", "at least 1 character"),
     ("fn-missing", ["pipeline.tasks.forward.fn=???"], "pipeline.tasks.forward.fn", "missing required value"),
-    ("priority-not-int", ["pipeline.tasks.h2d.priority=high"], "pipeline.tasks.h2d.priority", "integer"),
     ("bad-interpolation", ["pipeline.description=${nope}"], "pipeline.description", "nope"),
     ("num-batches", ["num_batches=0"], "num_batches", "greater than or equal to 1"),
     ("unknown-pipeline-option", ["pipeline=nope"], "pipeline/nope", "Available options"),
@@ -395,3 +394,75 @@ def test_console_script_hydra_error_exit_2_full_error_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     proc = _script(tmp_path, "pipeline.tasks.forward.depends_on=[fwd]", env={"HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+# -- costs: simulate and tune ---------------------------------------------------------------------
+
+COSTS_MS = {
+    "h2d": 2.0,
+    "start_input_dist": 1.0,
+    "wait_input_dist": 2.0,
+    "zero_grad": 0.2,
+    "forward": 4.0,
+    "backward": 6.0,
+    "finalize_model_grads": 0.1,
+    "optimizer_step": 1.0,
+}
+
+
+def _costs(tmp_path: Path, drop: str | None = None) -> Path:
+    import json
+
+    tasks = {n: {"cpu_s": ms / 1e3, "device_s": 0.0} for n, ms in COSTS_MS.items() if n != drop}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"tasks": tasks}))
+    return path
+
+
+def test_costs_print_the_simulated_step(tmp_path, capsys):
+    assert plan(tmp_path, "pipeline=serial", f"costs={_costs(tmp_path)}") == 0
+    out = capsys.readouterr().out
+    # one thread runs every task in turn: the step is the sum of the costs
+    assert f"predicted step: {sum(COSTS_MS.values()):.4g} ms" in out
+    assert "critical path" in out
+
+
+def test_tune_writes_a_plan_file_that_loads_as_tuned(tmp_path, capsys):
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train import training_plan
+
+    code = plan(tmp_path, "pipeline=hstu_sparse_dist", f"costs={_costs(tmp_path)}", "tune=true", "tune_time_limit_s=5")
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "predicted step of the configured plan 'hstu_sparse_dist': 14.3 ms" in out
+    best = float(re.search(r"predicted step of the best plan found 'hstu_sparse_dist_tuned': ([\d.]+) ms", out)[1])
+    assert best <= 14.3
+    written = tmp_path / "pipeline" / "hstu_sparse_dist_tuned.yaml"
+    assert f"hydra.searchpath=[file://{tmp_path.resolve()}]" in out
+    from omegaconf import OmegaConf
+
+    declared = OmegaConf.to_container(OmegaConf.load(written))["tasks"]
+    tuned = training_plan(
+        load_run("pipeline=hstu_sparse_dist_tuned", "thread_map=plan", f"hydra.searchpath=[file://{tmp_path}]")
+    )
+    assert [t.name for t in tuned.order] and set(declared) == set(tuned.thread_of)
+    for t in tuned.order:  # the plan that loads is the plan in the file
+        assert tuned.thread_of[t.name] == declared[t.name]["thread"]
+        assert t.lookahead == declared[t.name].get("lookahead", 0)
+        assert t.stream == declared[t.name].get("stream", "default")
+
+
+@pytest.mark.parametrize(
+    "args, path, fragment",
+    [
+        (["tune=true"], "tune", "tune=true needs costs=<costs.json>"),
+        (["costs=/nonexistent/costs.json"], "costs", "cannot read cost model"),
+        (["costs={costs_without_forward}"], "costs", "has no cost for task(s) forward"),
+    ],
+)
+def test_bad_costs_are_config_errors(tmp_path, capsys, args, path, fragment):
+    missing = _costs(tmp_path, drop="forward")
+    args = [a.replace("{costs_without_forward}", str(missing)) for a in args]
+    assert plan(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: " in err and fragment in err and "Traceback" not in err

@@ -41,14 +41,7 @@ def test_required_options_are_shipped():
         assert list((CONF_DIR / group).glob("*.yaml")), group
 
 
-def _combinable(pipeline: str, thread_map: str) -> bool:
-    """hstu_balanced names the shuffle tasks, which only the balanced plans have."""
-    return thread_map != "hstu_balanced" or pipeline.endswith("_balanced")
-
-
-@pytest.mark.parametrize(
-    "pipeline,thread_map", [c for c in itertools.product(PIPELINES, THREAD_MAPS) if _combinable(*c)]
-)
+@pytest.mark.parametrize("pipeline,thread_map", list(itertools.product(PIPELINES, THREAD_MAPS)))
 def test_every_shipped_plan_compiles(pipeline, thread_map):
     plan = compiled(f"pipeline={pipeline}", f"thread_map={thread_map}")
     assert plan.config.name == pipeline
@@ -68,12 +61,6 @@ def test_recsys_train_config_validates_too():
     assert isinstance(run, RunConfig) and not isinstance(run, PlanCommandConfig)
     plan = training_plan(run, resolve_fn=structure_only)
     assert plan.threaded and plan.config.name == "hstu_sparse_dist"  # the default plan
-
-
-def test_hstu_balanced_thread_map_needs_the_shuffle_tasks():
-    with pytest.raises(ConfigError) as info:
-        compiled("pipeline=hstu_sparse_dist", "thread_map=hstu_balanced")
-    assert "pipeline.thread_map.map.start_shuffle" in info.value.paths
 
 
 def test_serial_and_pipelined_plans_list_the_same_task_functions():

@@ -1,4 +1,4 @@
-"""Dependency math (SPEC §4, seed 001 §3.6 and Appendix A) and the validator rules (SPEC §5)."""
+"""Dependency math (ring offsets, Δ, event waits, topological order) and the validator rules."""
 
 import pytest
 
@@ -12,9 +12,6 @@ from recsys_pipe.engine import (
     StreamPool,
     Task,
     compile_dependencies,
-    infer_cross_stream_event_deps,
-    topological_sort,
-    validate,
 )
 
 STREAMS = ("default", "memcpy", "data_dist", "prefetch", "stats")
@@ -30,13 +27,17 @@ def sched(*tasks, streams=STREAMS):
 
 def problems_of(schedule, pool=None):
     with pytest.raises(ScheduleValidationError) as info:
-        validate(schedule, pool)
+        compile_dependencies(schedule, pool)
     return info.value.problems
 
 
-# -- Appendix A.5 worked examples ----------------------------------------------------------------
+def order_of(schedule):
+    return [x.name for x in compile_dependencies(schedule).order]
 
-A5 = [
+
+# -- worked examples: Δ and slot offset of cross_iter_depends_on -------------------------------------
+
+CROSS_ITER_CASES = [
     # X.la, C.la, N, Δ, slot_offset, cross-stream ok, same-stream ok
     (0, 0, 1, 1, -1, False, True),
     (1, 1, 1, 1, 0, True, True),
@@ -47,9 +48,9 @@ A5 = [
 ]
 
 
-@pytest.mark.parametrize("x_la, c_la, n, delta, slot_offset, cross_ok, same_ok", A5)
+@pytest.mark.parametrize("x_la, c_la, n, delta, slot_offset, cross_ok, same_ok", CROSS_ITER_CASES)
 @pytest.mark.parametrize("cross_stream", [True, False])
-def test_appendix_a5_worked_examples(x_la, c_la, n, delta, slot_offset, cross_ok, same_ok, cross_stream):
+def test_cross_iter_worked_examples(x_la, c_la, n, delta, slot_offset, cross_ok, same_ok, cross_stream):
     x = t("X", lookahead=x_la, stream="memcpy")
     c = t("C", lookahead=c_la, stream="default" if cross_stream else "memcpy", cross_iter_depends_on=[("X", -n)])
     ok = cross_ok if cross_stream else same_ok
@@ -80,7 +81,7 @@ def test_delta_zero_cross_iter_equals_same_progress_sync():
 
 
 def test_seed_section_3_6_ring_rotation_example():
-    """Five HSTU prefetch-variant tasks plus a hypothetical aux_stats task (seed 001 §3.6)."""
+    """Five HSTU prefetch-variant tasks plus a hypothetical aux_stats task on its own stream."""
     h2d = t("h2d", lookahead=2, stream="memcpy")
     start = t("start_input_dist", lookahead=1, stream="data_dist", depends_on=["h2d"])
     wait = t("wait_input_dist", lookahead=1, stream="data_dist", depends_on=["start_input_dist"])
@@ -89,12 +90,13 @@ def test_seed_section_3_6_ring_rotation_example():
     backward = t("backward", lookahead=0, depends_on=["forward"], same_progress_sync=["prefetch_embeddings"])
     aux = t("aux_stats", lookahead=2, stream="stats", cross_iter_depends_on=[("h2d", -1)])
     graph = compile_dependencies(sched(forward, backward, aux, h2d, start, wait, prefetch))
-    waits = infer_cross_stream_event_deps(graph.schedule)
-    assert waits["forward"] == [("prefetch_embeddings", "prefetch", 0)]  # ① after one advance
-    assert waits["backward"] == [("prefetch_embeddings", "prefetch", 1)]  # ② same progress
-    assert waits["aux_stats"] == [("h2d", "memcpy", 1)]  # ③ consumer.la - N
-    assert waits["start_input_dist"] == [("h2d", "memcpy", 1)]
-    assert waits["prefetch_embeddings"] == [("wait_input_dist", "data_dist", 1)]
+    waits = graph.event_waits
+    assert waits["forward"] == (EventWait("prefetch_embeddings", "prefetch", 0),)  # after one advance
+    assert waits["backward"] == (EventWait("prefetch_embeddings", "prefetch", 1),)  # same progress
+    assert waits["aux_stats"] == (EventWait("h2d", "memcpy", 1),)  # consumer.la - N
+    assert waits["start_input_dist"] == (EventWait("h2d", "memcpy", 1),)
+    assert waits["prefetch_embeddings"] == (EventWait("wait_input_dist", "data_dist", 1),)
+    assert waits["wait_input_dist"] == waits["h2d"] == ()  # same stream / no producer
     order = [x.name for x in graph.order]
     # solid edges only: start -> wait -> prefetch -> backward, forward -> backward
     assert order.index("start_input_dist") < order.index("wait_input_dist") < order.index("prefetch_embeddings")
@@ -126,7 +128,7 @@ def test_same_stream_edges_emit_no_wait():
 
 def test_topological_sort_breaks_ties_by_declaration_order():
     a, b, c, d = t("a"), t("b", depends_on=["d"]), t("c"), t("d")
-    assert [x.name for x in topological_sort(sched(a, b, c, d))] == ["a", "c", "d", "b"]
+    assert order_of(sched(a, b, c, d)) == ["a", "c", "d", "b"]
 
 
 def test_stages_run_in_order_and_edges_may_not_point_backwards():
@@ -135,7 +137,7 @@ def test_stages_run_in_order_and_edges_may_not_point_backwards():
     (problem,) = problems_of(schedule)
     assert (problem.task, problem.field) == ("b", "depends_on") and "stage 1" in problem.message
     ok = Schedule(stages=(Stage((a,)), Stage((b,))), stream_slots=("default",))
-    assert [x.name for x in topological_sort(ok)] == ["a", "b"]
+    assert order_of(ok) == ["a", "b"]
 
 
 # -- validator rules: one failing and one passing case each --------------------------------------
@@ -144,7 +146,7 @@ def test_stages_run_in_order_and_edges_may_not_point_backwards():
 def test_rule1_unique_names():
     (problem,) = problems_of(sched(t("a"), t("a")))
     assert problem.field == "name" and "unique" in problem.message
-    validate(sched(t("a"), t("b")))
+    compile_dependencies(sched(t("a"), t("b")))
 
 
 def test_rule2_lookahead_and_offsets_nonnegative():
@@ -152,7 +154,7 @@ def test_rule2_lookahead_and_offsets_nonnegative():
     bad.lookahead = -1  # bypasses construction checks: the validator still catches it
     (problem,) = problems_of(sched(bad))
     assert problem.field == "lookahead"
-    validate(sched(t("a", lookahead=0, writes=[("x", 0)])))
+    compile_dependencies(sched(t("a", lookahead=0, writes=[("x", 0)])))
 
 
 def test_rule3_streams_declared_and_in_pool():
@@ -161,14 +163,14 @@ def test_rule3_streams_declared_and_in_pool():
     pool = StreamPool.create(["default"])
     (problem,) = problems_of(sched(t("a", stream="memcpy")), pool)
     assert problem.field == "stream" and "not in the stream pool" in problem.message
-    validate(sched(t("a", stream="memcpy")), StreamPool.create(["default", "memcpy"]))
+    compile_dependencies(sched(t("a", stream="memcpy")), StreamPool.create(["default", "memcpy"]))
 
 
 def test_rule4_one_writer_per_slot():
     (problem,) = problems_of(sched(t("a", writes=["x"]), t("b", writes=["x"])))
     assert (problem.task, problem.field, problem.index) == ("b", "writes", 0)
     assert "already written by 'a'" in problem.message
-    validate(sched(t("a", writes=["x"]), t("b", lookahead=1, writes=["x"])))
+    compile_dependencies(sched(t("a", writes=["x"]), t("b", lookahead=1, writes=["x"])))
 
 
 def test_rule5_reads_resolve_to_a_writer():
@@ -176,7 +178,7 @@ def test_rule5_reads_resolve_to_a_writer():
     assert (problem.field, problem.index) == ("reads", 0) and "no task writes slot 'y'" in problem.message
     (problem,) = problems_of(sched(t("w", writes=["x"]), t("r", lookahead=1, reads=["x"])))
     assert "future read" in problem.message
-    validate(sched(t("w", lookahead=1, writes=["x"]), t("r", reads=["x", "batch_cpu"])))
+    compile_dependencies(sched(t("w", lookahead=1, writes=["x"]), t("r", reads=["x", "batch_cpu"])))
 
 
 def test_rule6_dependency_names_exist():
@@ -186,16 +188,18 @@ def test_rule6_dependency_names_exist():
     for field in ("cross_iter_depends_on", "same_progress_sync"):
         (problem,) = problems_of(sched(t("a", **{field: ["nope"]})))
         assert problem.field == field
-    validate(sched(t("h2d"), t("forward", depends_on=["h2d"])))
+    compile_dependencies(sched(t("h2d"), t("forward", depends_on=["h2d"])))
 
 
 def test_rule7_acyclic_names_the_cycle():
     with pytest.raises(SchedulingError) as info:
-        validate(sched(t("a", depends_on=["c"]), t("b", depends_on=["a"]), t("c", same_progress_sync=["b"]), t("d")))
+        compile_dependencies(
+            sched(t("a", depends_on=["c"]), t("b", depends_on=["a"]), t("c", same_progress_sync=["b"]), t("d"))
+        )
     assert str(info.value.problems[0].message) == "cyclic dependency: a -> b -> c -> a"
     assert info.value.problems[0].task == "b" and info.value.problems[0].field == "depends_on"
     # the same declarations across lookaheads are ring-rotated, not a cycle
-    validate(
+    compile_dependencies(
         sched(
             t("a", lookahead=0, depends_on=["b"]),
             t("b", lookahead=1, cross_iter_depends_on=["a"]),

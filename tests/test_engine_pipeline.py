@@ -1,9 +1,9 @@
-"""SchedulablePipeline semantics (SPEC §2–§4): firing mask, ring flow, progress/drain, reset."""
+"""SchedulablePipeline semantics: firing mask, ring flow, progress/drain, reset, observers."""
 
 import logging
 
 import pytest
-from _schedules import Trace, build, run_all, schedule_specs
+from _schedules import Trace, build, schedule_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +13,7 @@ from recsys_pipe.engine import (
     SchedulablePipeline,
     Schedule,
     Stage,
+    StreamPool,
     Task,
     TaskFailedError,
     fires,
@@ -21,7 +22,7 @@ from recsys_pipe.engine.testing import check_happens_before, recording_pool
 
 
 def three_level(log):
-    """h2d (la 2, memcpy) -> dist (la 1, data_dist) -> train (la 0): SPEC §6.4 without prefetch."""
+    """h2d (la 2, memcpy) -> dist (la 1, data_dist) -> train (la 0): the HSTU layout without prefetch."""
 
     def h2d(ctx):
         log.append((ctx.iter_count, "h2d", ctx.batch_index))
@@ -49,12 +50,12 @@ def three_level(log):
 def test_batch_flows_through_a_three_level_ring():
     log = []
     with SchedulablePipeline(three_level(log)) as pipe:
-        results = run_all(pipe, range(4))
+        results = list(pipe.iterate(range(4)))
     assert results == [("trained", ("dist", ("gpu", b))) for b in range(4)]
 
 
 def test_prefill_steady_drain_pattern():
-    """Rows of seed 001 §6.4: iteration i runs h2d on batch i, dist on i-1, train on i-2."""
+    """Prefill, steady state, drain: iteration i runs h2d on batch i, dist on i-1, train on i-2."""
     log = []
     m = 4
     pipe = SchedulablePipeline(three_level(log))
@@ -69,7 +70,7 @@ def test_prefill_steady_drain_pattern():
         (2, "dist", 1),
         (2, "h2d", 2),  # steady: progress #1 returns batch 0
     ]
-    run_all(pipe, it)
+    list(pipe.iterate(it))
     by_iter = {}
     for i, name, b in log:
         by_iter.setdefault(i, []).append((name, b))
@@ -89,7 +90,7 @@ def test_mask_matches_formula_and_every_batch_runs_once(lookaheads, m):
 
     tasks = [Task.from_fn(f"t{i}", body, lookahead=la, reads=["batch_cpu"]) for i, la in enumerate(lookaheads)]
     pipe = SchedulablePipeline(Schedule.single_stage(tasks))
-    results = run_all(pipe, [f"batch{b}" for b in range(m)])
+    results = list(pipe.iterate([f"batch{b}" for b in range(m)]))
     assert len(results) == m
     L = max(lookaheads)
     for name, batch, i, payload in seen:
@@ -108,7 +109,7 @@ def test_random_schedules_no_batch_lost_and_data_from_right_producer(specs, m):
     schedule = build(specs, trace)
     pool, log = recording_pool(schedule.stream_slots)
     with SchedulablePipeline(schedule, pool) as pipe:
-        results = run_all(pipe, range(m))
+        results = list(pipe.iterate(range(m)))
     assert len(results) == m
     assert sorted(trace.reads) == sorted((s["name"], b) for s in specs for b in range(m))
     assert check_happens_before(log, schedule) == []
@@ -137,7 +138,7 @@ def test_happens_before_checker_catches_missing_waits():
         trace,
     )
     pool, log = recording_pool(schedule.stream_slots, drop_waits=True)
-    run_all(SchedulablePipeline(schedule, pool), range(3))
+    list(SchedulablePipeline(schedule, pool).iterate(range(3)))
     violations = check_happens_before(log, schedule)
     assert len(violations) == 3 and "b[batch 0] (reads x@0) is not ordered after a[batch 0]" in violations[0]
 
@@ -150,7 +151,7 @@ def test_new_iterator_resets_and_drops_stale_batches(caplog):
     assert pipe.progress(train)[1][1][1] == 101
     with caplog.at_level(logging.WARNING):
         evaluation = iter(range(200, 203))
-        assert [r[1][1][1] for r in run_all(pipe, evaluation)] == [200, 201, 202]
+        assert [r[1][1][1] for r in pipe.iterate(evaluation)] == [200, 201, 202]
     assert "dropping 2 in-flight batch(es)" in caplog.text
     trained = [b for _, name, b in log if name == "train"]
     assert trained == [0, 1, 0, 1, 2]  # batch indices restart with the new iterator
@@ -196,7 +197,7 @@ def test_failure_names_task_and_batch_and_breaks_pipeline():
     it = iter(range(5))
     pipe.progress(it)
     with pytest.raises(TaskFailedError, match="task 'fwd' failed on batch 2") as info:
-        run_all(pipe, it)
+        list(pipe.iterate(it))
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(PipelineBrokenError, match="stopped after a failure"):
         pipe.progress(it)
@@ -215,7 +216,7 @@ def test_init_runs_once_per_task_before_first_iteration():
             calls.append(("run", ctx.batch_index))
 
     pipe = SchedulablePipeline(Schedule(stages=(Stage((Counted(),)),)), state="shared")
-    run_all(pipe, range(2))
+    list(pipe.iterate(range(2)))
     assert calls == [("init", "shared"), ("run", 0), ("run", 1)]
 
 
@@ -238,7 +239,67 @@ def test_seed_first_batch_trains_the_peeked_batch_once():
     peek = next(it)
     pipe.seed_first_batch(it, {"batch_cpu": peek, "prepared_by": "bootstrap"})
     assert pipe.ring.at(2)["prepared_by"] == "bootstrap"
-    results = run_all(pipe, it)
+    results = list(pipe.iterate(it))
     assert [r[1][1][1] for r in results] == [0, 1, 2, 3, 4]
     assert [b for _, name, b in log if name == "train"] == [0, 1, 2, 3, 4]
     assert sorted(b for _, name, b in log if name == "h2d") == [0, 1, 2, 3, 4]
+
+
+def test_iterate_yields_every_result_and_can_stop_early():
+    log = []
+    pipe = SchedulablePipeline(three_level(log))
+    assert [r[1][1][1] for r in pipe.iterate([10, 11, 12])] == [10, 11, 12]  # any iterable
+    it = iter(range(6))
+    seen = []
+    for result in pipe.iterate(it):
+        seen.append(result[1][1][1])
+        if len(seen) == 2:
+            break  # abandoned: batches 2 and 3 are in flight
+    assert seen == [0, 1] and pipe.in_flight == 2
+    assert pipe.progress(it)[1][1][1] == 2  # the same iterator carries on where it stopped
+    assert [r[1][1][1] for r in pipe.iterate(it)] == [3, 4, 5]
+    assert list(pipe.iterate(it)) == []  # exhausted and drained
+    assert [b for _, name, b in log if name == "train"] == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+
+
+def test_no_op_pools_skip_stream_work_and_recording_pools_do_not():
+    """No-op streams order nothing, so the engine records no completion events for them."""
+    assert StreamPool.create(["default", "memcpy"]).is_noop
+    schedule = three_level([])
+    recording, _ = recording_pool(schedule.stream_slots)
+    assert not recording.is_noop
+    for pool, recorded in ((StreamPool.create(schedule.stream_slots), False), (recording, True)):
+        pipe = SchedulablePipeline(schedule, pool)
+        it = iter(range(5))
+        pipe.progress(it)
+        events = [pipe.ring.at(k).event(name) for k, name in ((0, "h2d"), (1, "h2d"), (0, "dist"))]
+        assert all(e is not None for e in events) if recorded else events == [None, None, None]
+
+
+def test_a_precompiled_graph_is_used_as_is_and_its_streams_checked():
+    from recsys_pipe.engine import ScheduleValidationError, StreamPool, compile_dependencies
+
+    schedule = Schedule.single_stage(
+        [
+            Task.from_fn(
+                "prep",
+                lambda ctx: ctx.slots.set("x", ctx.slots["batch_cpu"]),
+                stream="side",
+                lookahead=1,
+                reads=["batch_cpu"],
+                writes=["x"],
+            ),
+            Task.from_fn(
+                "step",
+                lambda ctx: ctx.slots.set("step_result", ctx.slots["x"] * 2),
+                reads=["x"],
+                writes=["step_result"],
+            ),
+        ]
+    )
+    graph = compile_dependencies(schedule)
+    with SchedulablePipeline(graph, StreamPool.create(["default", "side"])) as pipe:
+        assert pipe.graph is graph
+        assert list(pipe.iterate(range(4))) == [0, 2, 4, 6]
+    with pytest.raises(ScheduleValidationError, match="stream 'side' is not in the stream pool"):
+        SchedulablePipeline(graph, StreamPool.create(["default"]))

@@ -1,17 +1,16 @@
-"""ThreadedExecutor (SPEC §6): same results as sequential, ordered collectives, no hangs."""
+"""ThreadedExecutor: same results as sequential, ordered collectives, no hangs."""
 
 import random
+import signal
 import threading
 import time
 
 import pytest
-from _schedules import Trace, build, run_all, schedule_specs
+from _schedules import Trace, build, schedule_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.engine import (
-    NcclLockAborted,
-    NcclOrderedLock,
     PipelineBrokenError,
     SchedulablePipeline,
     Schedule,
@@ -40,7 +39,7 @@ def traced_run(specs, executor, m, jitter=0.0, seed=0):
     schedule = build(specs, trace)
     pool, log = recording_pool(schedule.stream_slots)
     with SchedulablePipeline(schedule, pool, executor) as pipe:
-        results = run_all(pipe, range(m))
+        results = list(pipe.iterate(range(m)))
     return trace, results, check_happens_before(log, schedule)
 
 
@@ -113,63 +112,148 @@ def test_nccl_ticket_order_is_topological_order_under_random_delays():
     pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=executor)
     topo_nccl = [t.name for t in pipe.graph.order if t.nccl]
     assert topo_nccl == ["shuffle", "start_dist", "wait_dist", "tokens", "backward", "finalize"]
-    run_all(pipe, range(12))
+    list(pipe.iterate(range(12)))
     assert sorted(issued) == list(range(14))
     for _i, names in issued.items():  # issue order == topological order of that iteration's nccl tasks
         assert names == [name for name in topo_nccl if name in names]
-    assert executor.lock.history == list(range(len(issued[13])))  # the last iteration's tickets
     pipe.shutdown()
 
 
-def test_failure_wakes_a_waiter_blocked_on_the_nccl_lock():
-    lock = NcclOrderedLock()
-    errors = []
-
-    def waiter():
-        try:
-            lock.acquire(1)
-        except NcclLockAborted as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    lock.acquire(0)
-    lock.release(failed=True)
-    thread.join(5)
-    assert not thread.is_alive() and len(errors) == 1
+def draw_thread_map(data, names):
+    """A named thread map, or a random assignment of the tasks to 1-4 thread ids."""
+    choice = data.draw(st.sampled_from([*sorted(THREAD_MAPS), "random"]))
+    if choice != "random":
+        return THREAD_MAPS[choice]()
+    return {name: f"w{data.draw(st.integers(0, 3))}" for name in names}
 
 
-@given(
-    specs=schedule_specs(max_tasks=5),
-    m=st.integers(1, 5),
-    fail_at=st.data(),
-    thread_map=st.sampled_from(sorted(THREAD_MAPS)),
-    nccl=st.booleans(),
-)
+def nccl_checked_body(trace, events, lock, jitter_rng=None):
+    """Runs `trace.body`, logging the start and end of every nccl task (for the order checks)."""
+
+    def body(ctx):
+        if ctx.task.nccl:
+            with lock:
+                events.append(("start", ctx.task.name, ctx.iter_count))
+        if jitter_rng is not None:
+            with lock:
+                delay = jitter_rng.random() * 0.0005
+            time.sleep(delay)
+        trace.body(ctx)
+        if ctx.task.nccl:
+            with lock:
+                events.append(("end", ctx.task.name, ctx.iter_count))
+
+    return body
+
+
+def assert_nccl_order(events, order, ran):
+    """Per iteration: nccl tasks ran one at a time, in topological order."""
+    by_iteration = {}
+    for kind, name, i in events:
+        by_iteration.setdefault(i, []).append((kind, name))
+    for i, seq in by_iteration.items():
+        expected = [t.name for t in order if t.nccl and (t.name, i) in ran]
+        assert seq == [(kind, name) for name in expected for kind in ("start", "end")], f"iteration {i}: {seq}"
+
+
+@given(specs=schedule_specs(), m=st.integers(0, 6), data=st.data(), seed=st.integers(0, 1000))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_thread_assignment_and_nccl_flags_match_sequential(specs, m, data, seed):
+    """Stress for the latches: any split of the tasks over threads (and folding by max_workers)
+    gives the sequential results, the stream order, and one global order of collectives."""
+    names = [s["name"] for s in specs]
+    nccl = {name: data.draw(st.booleans()) for name in names}
+    specs = [{**s, "nccl": nccl[s["name"]]} for s in specs]
+    thread_map = draw_thread_map(data, names)
+    max_workers = data.draw(st.sampled_from([None, 1, 2]))
+    ref, ref_results, _ = traced_run(specs, "sequential", m)
+    trace, events, lock = Trace(), [], threading.Lock()
+    body = nccl_checked_body(trace, events, lock, random.Random(seed))
+    tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in specs]
+    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    pool, log = recording_pool(schedule.stream_slots)
+    with SchedulablePipeline(schedule, pool, ThreadedExecutor(thread_map, max_workers)) as pipe:
+        results = list(pipe.iterate(range(m)))
+        order = pipe.graph.order
+    assert check_happens_before(log, schedule) == []
+    assert trace.reads == ref.reads and trace.writes == ref.writes and results == ref_results
+    ran = {
+        (name, b + pipe.max_lookahead - next(t.lookahead for t in tasks if t.name == name)) for name, b in trace.reads
+    }
+    assert_nccl_order(events, order, ran)
+
+
+def test_long_run_per_task_threads_keeps_results_and_collective_order():
+    """Many iterations of an HSTU-shaped plan with one thread per task: every iteration makes
+    fresh latches, and none may leak into the next."""
+    specs = [
+        {"name": "h2d", "lookahead": 2, "stream": "s1", "reads": ["batch_cpu"], "writes": ["gpu"]},
+        {"name": "start", "lookahead": 1, "stream": "s2", "reads": ["gpu"], "writes": ["splits"], "nccl": True},
+        {"name": "wait", "lookahead": 1, "stream": "s2", "reads": ["splits"], "writes": ["dist"], "nccl": True},
+        {"name": "zero", "lookahead": 0},
+        {"name": "tokens", "lookahead": 0, "reads": ["gpu"], "writes": ["tok"], "nccl": True},
+        {"name": "fwd", "lookahead": 0, "reads": ["dist", "gpu"], "writes": ["loss"], "depends_on": ["zero"]},
+        {
+            "name": "pre",
+            "lookahead": 1,
+            "stream": "s1",
+            "reads": ["dist"],
+            "writes": ["pf"],
+            "same_progress_sync": ["fwd"],
+        },
+        {"name": "bwd", "lookahead": 0, "reads": ["loss", "tok"], "nccl": True, "same_progress_sync": ["pre"]},
+        {"name": "fin", "lookahead": 0, "depends_on": ["bwd"], "nccl": True},
+        {"name": "opt", "lookahead": 0, "reads": ["loss"], "writes": ["step_result"], "depends_on": ["fin"]},
+    ]
+    m = 400
+    ref, ref_results, _ = traced_run(specs, "sequential", m)
+    trace, events, lock = Trace(), [], threading.Lock()
+    body = nccl_checked_body(trace, events, lock)
+    tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in specs]
+    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    with SchedulablePipeline(schedule, executor=ThreadedExecutor("per_task")) as pipe:
+        results = list(pipe.iterate(range(m)))
+        order = pipe.graph.order
+    assert results == ref_results and trace.reads == ref.reads
+    ran = {(name, b + 2 - next(t.lookahead for t in tasks if t.name == name)) for name, b in trace.reads}
+    assert_nccl_order(events, order, ran)
+    assert len(events) == 2 * 5 * m
+
+
+@given(specs=schedule_specs(max_tasks=5), m=st.integers(1, 5), data=st.data())
 @settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_failure_injection_always_surfaces_and_never_hangs(specs, m, fail_at, thread_map, nccl):
-    victim = fail_at.draw(st.sampled_from([s["name"] for s in specs]))
-    batch = fail_at.draw(st.integers(0, m - 1))
-    trace = Trace()
+def test_failure_injection_always_surfaces_and_never_hangs(specs, m, data):
+    names = [s["name"] for s in specs]
+    victim = data.draw(st.sampled_from(names))
+    batch = data.draw(st.integers(0, m - 1))
+    nccl = {name: data.draw(st.booleans()) for name in names}
+    thread_map = draw_thread_map(data, names)
+    jitter = data.draw(st.sampled_from([0.0, 0.0005]))
+    trace = Trace(jitter=jitter)
 
     def body(ctx):
         if ctx.task.name == victim and ctx.batch_index == batch:
             raise RuntimeError("injected")
         trace.body(ctx)
 
-    tasks = [Task.from_fn(s["name"], body, nccl=nccl, **{k: v for k, v in s.items() if k != "name"}) for s in specs]
+    tasks = [
+        Task.from_fn(s["name"], body, nccl=nccl[s["name"]], **{k: v for k, v in s.items() if k != "name"})
+        for s in specs
+    ]
     schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
-    pipe = SchedulablePipeline(schedule, executor=ThreadedExecutor(THREAD_MAPS[thread_map]()))
+    before = threading.active_count()
+    pipe = SchedulablePipeline(schedule, executor=ThreadedExecutor(thread_map))
     it = iter(range(m))
     start = time.monotonic()
     with pytest.raises(TaskFailedError) as info:
-        run_all(pipe, it)
+        list(pipe.iterate(it))
     assert (info.value.task, info.value.batch_index) == (victim, batch)
     assert isinstance(info.value.__cause__, RuntimeError) and str(info.value.__cause__) == "injected"
     with pytest.raises(PipelineBrokenError):
         pipe.progress(it)
     pipe.shutdown()
     assert time.monotonic() - start < 10
+    assert threading.active_count() == before  # every worker left its chain and stopped
 
 
 def test_failure_cancels_tasks_not_yet_started():
@@ -217,28 +301,111 @@ def test_thread_map_strategies_resolve_as_specified():
     ],
 )
 def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, expected):
+    """One CPU thread per thread id, the calling thread included: it runs the training step."""
     executor = ThreadedExecutor(thread_map, max_workers=max_workers)
     before = threading.active_count()
     ref, _, _ = traced_run(HAND_WRITTEN, "sequential", 6)
     trace = Trace()
-    schedule = build(HAND_WRITTEN, trace)
-    pipe = SchedulablePipeline(schedule, executor=executor)
+    ran_on: dict[str, set[str]] = {}
+
+    def body(ctx):
+        ran_on.setdefault(ctx.task.name, set()).add(threading.current_thread().name)
+        trace.body(ctx)
+
+    tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in HAND_WRITTEN]
+    pipe = SchedulablePipeline(
+        Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2")), None, executor
+    )
     for _ in range(3):  # workers are long-lived: iterations create no threads
-        run_all(pipe, range(6))
+        list(pipe.iterate(range(6)))
         assert executor.num_threads == expected
-        assert threading.active_count() - before == expected
+        assert threading.active_count() - before == expected - 1
         assert trace.reads == ref.reads
         trace.reads.clear()
+    assert all(len(names) == 1 for names in ran_on.values())  # a thread id keeps its OS thread
+    threads = {name for names in ran_on.values() for name in names}
+    assert len(threads) == expected and threading.current_thread().name in threads
+    if thread_map == "by_stream":  # the lookahead-0 tasks' stream runs on the caller
+        assert ran_on["t3"] == ran_on["t4"] == {threading.current_thread().name}
+    if thread_map == "per_task":  # one lookahead-0 task each: the first in topological order
+        assert ran_on["t3"] == {threading.current_thread().name}
     pipe.shutdown()
     assert threading.active_count() == before
 
 
 def test_shutdown_is_prompt_and_idempotent():
     pipe = SchedulablePipeline(build(HAND_WRITTEN, Trace()), executor="threaded")
-    run_all(pipe, range(3))
+    list(pipe.iterate(range(3)))
     start = time.monotonic()
     pipe.shutdown()
     pipe.shutdown()
     assert time.monotonic() - start < 1
     with pytest.raises(PipelineBrokenError, match="shut down"):
         pipe.progress(iter(range(2)))
+
+
+@pytest.mark.parametrize("raised_on", ["caller", "worker"])
+def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_pipeline(raised_on):
+    def interrupt(ctx):
+        if ctx.batch_index == 1:
+            raise KeyboardInterrupt
+
+    def slow(ctx):
+        time.sleep(0.01)
+
+    # "b" and "c" on the caller (the lookahead-0 stream), "a" on a worker
+    tasks = [
+        Task.from_fn("a", interrupt if raised_on == "worker" else slow, stream="s1"),
+        Task.from_fn("b", interrupt if raised_on == "caller" else slow, depends_on=["a"]),
+        Task.from_fn("c", slow, depends_on=["b"]),
+    ]
+    before = threading.active_count()
+    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
+    it = iter(range(4))
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        list(pipe.iterate(it))
+    with pytest.raises(PipelineBrokenError, match="KeyboardInterrupt in iteration 1"):
+        pipe.progress(it)
+    pipe.shutdown()
+    assert time.monotonic() - start < 5 and threading.active_count() == before
+
+
+@pytest.mark.parametrize("caller_blocked_on", ["dependency", "end_of_iteration"])
+def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
+    """Ctrl-C reaches the caller while it is blocked on a worker: the iteration is cancelled,
+    the workers are released, and KeyboardInterrupt propagates."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only; this test needs to run on it")
+    main = threading.main_thread().ident
+    ran = []
+
+    def send_sigint(ctx):
+        if ctx.batch_index == 1:
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.3)  # the caller is interrupted while this task is still running
+        ran.append((ctx.task.name, ctx.batch_index))
+
+    def record(ctx):
+        ran.append((ctx.task.name, ctx.batch_index))
+
+    depends = ["w"] if caller_blocked_on == "dependency" else []
+    tasks = [
+        Task.from_fn("w", send_sigint, stream="s1"),
+        Task.from_fn("c1", record, depends_on=depends),
+        Task.from_fn("c2", record),
+    ]
+    before = threading.active_count()
+    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
+    it = iter(range(4))
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        list(pipe.iterate(it))
+    assert time.monotonic() - start < 5
+    assert ("w", 1) in ran and ("w", 2) not in ran
+    if caller_blocked_on == "dependency":
+        assert ("c1", 1) not in ran  # cancelled: its producer's batch was interrupted
+    with pytest.raises(PipelineBrokenError):
+        pipe.progress(it)
+    pipe.shutdown()
+    assert threading.active_count() == before

@@ -9,7 +9,8 @@ can also write them by hand. The JSON form is the simulator's input:
      "meta": {"plan": "hstu_prefetch", "device": "cpu", ...}}
 
 Only `cpu_s` and `device_s` are required per task; the other fields (stream, thread, lookahead,
-nccl, pcie, percentiles, samples) describe how the costs were measured and default to unknown.
+nccl, pcie, host_sync, percentiles, samples) describe how the costs were measured and default to
+unknown (or false).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class TaskCost:
     nccl: bool = False
     #: bound by host<->device copies: contends with other pcie tasks for the link
     pcie: bool = False
+    #: the host waits for the task's device work before going on (`.item()`, `.tolist()`, a
+    #: blocking copy): its thread stays busy until the device span ends
+    host_sync: bool = False
     #: measured instances behind the medians (0: written by hand)
     samples: int = 0
 

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig
-from pydantic import Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from recsys_pipe.cli._hydra import hydra_app
-from recsys_pipe.config import render_plan, structure_only
+from recsys_pipe.config import ConfigError, ConfigProblem, render_plan, structure_only
 from recsys_pipe.train.build import describe_model
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.plan import training_plan
@@ -38,6 +38,12 @@ class PlanCommandConfig(RunConfig):
     num_batches: StrictInt = Field(4, ge=1, le=64, description="batches drawn in the timing table")
     world_size: StrictInt = Field(1, ge=1, description="ranks the embedding sharding plan is shown for")
     local_world_size: StrictInt | None = Field(None, ge=1, description="ranks per host (null: world_size)")
+    costs: StrictStr | None = Field(
+        None, description="per-task costs (costs.json of the profiler): print the simulated step time"
+    )
+    tune: StrictBool = Field(False, description="with costs: search a faster plan and write it as a plan file")
+    tune_name: StrictStr | None = Field(None, description="name of the tuned plan (default: <plan>_tuned)")
+    tune_time_limit_s: float | None = Field(60.0, gt=0, description="wall-clock budget of the plan search")
 
 
 def _output_dir() -> Path | None:
@@ -61,7 +67,14 @@ def _device_type(device: str) -> str:
 def plan_task(cfg: DictConfig) -> None:
     """Validate, compile, print; write plan.txt (+ PNGs with plot=true) into the run dir."""
     run_cfg = load_run_config(cfg, PlanCommandConfig)
+    if run_cfg.tune and run_cfg.costs is None:
+        raise ConfigError(ConfigProblem("tune", "tune=true needs costs=<costs.json> (per-task costs to simulate)"))
     plan = training_plan(run_cfg, resolve_fn=None if run_cfg.check_fns else structure_only)
+    costs = None
+    if run_cfg.costs is not None:
+        from recsys_pipe.cli.predict import load_costs
+
+        costs = load_costs(run_cfg.costs, plan)
     text = render_plan(plan, run_cfg.num_batches)
     model_text = None
     if run_cfg.check_fns:  # structure-only mode imports no model code either
@@ -77,14 +90,21 @@ def plan_task(cfg: DictConfig) -> None:
         print()
         print(model_text)
     out = _output_dir()
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.txt").write_text(text + "\n")
+        if model_text:
+            (out / "model.txt").write_text(model_text + "\n")
+    written = [] if out is None else [out / "plan.txt"] + ([out / "model.txt"] if model_text else [])
+    if costs is not None:
+        from recsys_pipe.cli.predict import predict, tune_plan
+
+        written += predict(plan, costs, out, run_cfg.plot)
+        if run_cfg.tune:
+            name = run_cfg.tune_name or f"{plan.config.name or 'plan'}_tuned"
+            written += tune_plan(plan, costs, name, out or Path.cwd(), run_cfg.tune_time_limit_s)
     if out is None:
         return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.txt").write_text(text + "\n")
-    written = [out / "plan.txt"]
-    if model_text:
-        (out / "model.txt").write_text(model_text + "\n")
-        written.append(out / "model.txt")
     if run_cfg.plot:
         from recsys_pipe.cli.plot import plot_dag, plot_timing, write_dot
 

@@ -253,7 +253,6 @@ def _build_task(name: str, fn: Any, tc: TaskConfig) -> Task:
         same_progress_sync=tuple(tc.same_progress_sync),
         nccl=tc.nccl,
         nvtx_tag=tc.nvtx_tag,
-        priority=tc.priority,
     )
 
 

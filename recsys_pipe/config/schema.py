@@ -96,7 +96,6 @@ class TaskConfig(Section):
     nccl: StrictBool = Field(False, description="issues collectives: takes a ticket of the ordered NCCL lock")
     thread: StrictStr | None = Field(None, min_length=1, description="CPU thread id; overrides pipeline.thread_map")
     nvtx_tag: StrictStr | None = Field(None, description="NVTX range label (default: the task name)")
-    priority: StrictInt = Field(0, description="scheduling hint passed to the engine")
 
 
 #: Field names of a task, in declaration order (used for suggestions and the Hydra skeleton).

@@ -13,9 +13,6 @@ from recsys_pipe.engine.deps import (
     EventWait,
     compile_dependencies,
     cpu_edges,
-    infer_cross_stream_event_deps,
-    topological_sort,
-    validate,
 )
 from recsys_pipe.engine.errors import (
     PipelineBrokenError,
@@ -25,12 +22,13 @@ from recsys_pipe.engine.errors import (
     TaskFailedError,
 )
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
+from recsys_pipe.engine.observe import IterationSpan, SpanRecorder, TaskObserver, TaskSpan
 from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
 from recsys_pipe.engine.schedule import Schedule, Stage
 from recsys_pipe.engine.slots import BatchRing, SlotStore
 from recsys_pipe.engine.streams import NoOpEvent, NoOpStream, StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, FnTask, Task
-from recsys_pipe.engine.threaded import NcclLockAborted, NcclOrderedLock, ThreadedExecutor, resolve_thread_map
+from recsys_pipe.engine.threaded import ThreadedExecutor, resolve_thread_map
 
 __all__ = [
     "BATCH_CPU",
@@ -43,8 +41,7 @@ __all__ = [
     "EventWait",
     "Executor",
     "FnTask",
-    "NcclLockAborted",
-    "NcclOrderedLock",
+    "IterationSpan",
     "NoOpEvent",
     "NoOpStream",
     "PipelineBrokenError",
@@ -55,17 +52,17 @@ __all__ = [
     "SchedulingError",
     "SequentialExecutor",
     "SlotStore",
+    "SpanRecorder",
     "Stage",
     "StreamPool",
     "Task",
     "TaskContext",
     "TaskFailedError",
+    "TaskObserver",
+    "TaskSpan",
     "ThreadedExecutor",
     "compile_dependencies",
     "cpu_edges",
     "fires",
-    "infer_cross_stream_event_deps",
     "resolve_thread_map",
-    "topological_sort",
-    "validate",
 ]

@@ -130,8 +130,8 @@ def cpu_edges(graph: DependencyGraph, tasks: Sequence[Task] | None = None) -> tu
     """Edges that order tasks of one iteration on the CPU, among `tasks` (those firing, in
     topological order; default all): the declared in-iteration edges, then same-stream FIFO
     (the previous task on the same stream), which keeps a stream's submission order when a
-    thread map splits its tasks over threads. The threaded executor enforces exactly these
-    (across threads); `recsys-plan` prints them."""
+    thread map splits its tasks over threads. The threaded executor enforces these across
+    threads (plus the order of `nccl` tasks); `recsys-plan` prints them."""
     tasks = graph.order if tasks is None else tasks
     names = {t.name for t in tasks}
     edges = [e for e in graph.edges if e.producer in names and e.consumer in names]
@@ -143,28 +143,6 @@ def cpu_edges(graph: DependencyGraph, tasks: Sequence[Task] | None = None) -> tu
             edges.append(Edge(previous, t.name, "stream_fifo"))
         last_on_stream[t.stream] = t.name
     return tuple(edges)
-
-
-def validate(schedule: Schedule, stream_pool: StreamPool | None = None) -> None:
-    """Check every rule; raise ScheduleValidationError listing all problems (SchedulingError
-    when the only problem is a cycle)."""
-    compile_dependencies(schedule, stream_pool)
-
-
-def topological_sort(schedule: Schedule) -> list[Task]:
-    """Execution order: stages in order; within a stage Kahn's algorithm over the in-iteration
-    edges, declaration order breaking ties."""
-    return list(compile_dependencies(schedule).order)
-
-
-def infer_cross_stream_event_deps(schedule: Schedule) -> dict[str, list[tuple[str, str, int]]]:
-    """consumer -> [(producer, producer_stream, slot_offset)] for cross-stream edges only."""
-    graph = compile_dependencies(schedule)
-    return {
-        name: [(w.producer, w.producer_stream, w.slot_offset) for w in waits]
-        for name, waits in graph.event_waits.items()
-        if waits
-    }
 
 
 # -- analysis -----------------------------------------------------------------------------------

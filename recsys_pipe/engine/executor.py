@@ -8,7 +8,8 @@ from typing import Protocol
 from recsys_pipe.engine.deps import DependencyGraph
 from recsys_pipe.engine.task import Task
 
-#: Runs one task for the current iteration: event waits, stream, NVTX range, completion event.
+#: Runs one task for the current iteration: event waits, stream, NVTX range, observer hooks,
+#: completion event. Safe to call from any thread.
 RunTask = Callable[[Task], None]
 
 

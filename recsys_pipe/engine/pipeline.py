@@ -17,8 +17,9 @@ import nvtx
 
 from recsys_pipe.engine.context import TaskContext
 from recsys_pipe.engine.deps import DependencyGraph, compile_dependencies
-from recsys_pipe.engine.errors import PipelineBrokenError, TaskFailedError
+from recsys_pipe.engine.errors import PipelineBrokenError, Problem, ScheduleValidationError, TaskFailedError
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
+from recsys_pipe.engine.observe import TaskObserver
 from recsys_pipe.engine.schedule import Schedule
 from recsys_pipe.engine.slots import BatchRing
 from recsys_pipe.engine.streams import StreamPool
@@ -33,27 +34,66 @@ def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) 
     return start <= iteration < num_batches + start
 
 
+class _TaskRecord:
+    """What running one task needs, resolved once per pipeline so the per-task path does no
+    lookups: its event waits, whether it records an event, its NVTX label."""
+
+    __slots__ = ("task", "name", "lookahead", "stream", "label", "waits", "records_event")
+
+    def __init__(self, task: Task, graph: DependencyGraph, needs_event: set[str]):
+        self.task = task
+        self.name = task.name
+        self.lookahead = task.lookahead
+        self.stream = task.stream
+        self.label = task.label
+        self.waits = tuple((w.slot_offset, w.producer, w.producer_stream) for w in graph.event_waits[task.name])
+        self.records_event = task.name in needs_event
+
+
 class SchedulablePipeline:
-    """Runs `schedule` batch-ahead over an iterator; see the module docstring for semantics."""
+    """Runs `schedule` batch-ahead over an iterator; see the module docstring for semantics.
+
+    Args:
+        schedule: the tasks and streams of one iteration: a `Schedule`, or its already compiled
+            `DependencyGraph` (e.g. from the plan compiler), which is then not compiled again.
+        stream_pool: named streams; default: no-op streams named by `schedule.stream_slots`.
+        executor: `"sequential"`, `"threaded"` or an `Executor` object.
+        state: shared object every task sees as `ctx.state` (model, optimizer, ...).
+        observer: a `TaskObserver` called around iterations and tasks (see `observer`).
+        nvtx_ranges: wrap each task in an NVTX range named `task.label`; default: only when
+            the pool has CUDA streams (where a profiler can see them).
+    """
 
     def __init__(
         self,
-        schedule: Schedule,
+        schedule: Schedule | DependencyGraph,
         stream_pool: StreamPool | None = None,
         executor: str | Executor = "sequential",
         *,
         state: Any = None,
+        observer: TaskObserver | None = None,
+        nvtx_ranges: bool | None = None,
     ):
-        self.graph: DependencyGraph = compile_dependencies(schedule, stream_pool)
+        if isinstance(schedule, DependencyGraph):
+            self.graph = schedule
+            _check_pool(schedule, stream_pool)
+        else:
+            self.graph = compile_dependencies(schedule, stream_pool)
+        schedule = self.graph.schedule
         self.schedule = schedule
         self.stream_pool = stream_pool if stream_pool is not None else StreamPool.create(schedule.stream_slots)
         self.executor = _make_executor(executor)
         self.state = state
+        self.observer = observer
         self.max_lookahead = schedule.max_lookahead
         self.ring = BatchRing(self.max_lookahead + 1)
+        self._nvtx = self.stream_pool.is_cuda if nvtx_ranges is None else bool(nvtx_ranges)
+        # No-op streams order nothing: skip event waits, records and stream scopes entirely.
+        self._stream_ops = not self.stream_pool.is_noop
+        self._plain = not self._stream_ops and not self._nvtx  # per task: just `task.run(ctx)`
+        needs_event = {w.producer for waits in self.graph.event_waits.values() for w in waits}
+        self._records = {t: _TaskRecord(t, self.graph, needs_event) for t in self.graph.order}
         self._stage_orders = self.graph.stage_orders
-        self._waits = self.graph.event_waits
-        self._needs_event = {w.producer for waits in self._waits.values() for w in waits}
         self._active_cache: dict[tuple[bool, ...], tuple[tuple[Task, ...], ...]] = {}
         self._iterator: Iterator | None = None
         self._iteration = 0
@@ -62,10 +102,39 @@ class SchedulablePipeline:
         self._seeded = False
         self._broken: str | None = None
         self._closed = False
+        # What tasks of the running iteration read, set before the executor starts them.
+        self._running_iteration = 0
+        self._running_observer: TaskObserver | None = None
         for task in self.graph.order:
             task.init(TaskContext(task, None, 0, self.ring, self.stream_pool, self.state))
 
+    @property
+    def observer(self) -> TaskObserver | None:
+        """The installed `TaskObserver`, or None. Settable between `progress()` calls (None
+        detaches); an iteration uses the observer installed when it started."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: TaskObserver | None) -> None:
+        if observer is not None and not isinstance(observer, TaskObserver):
+            raise TypeError(f"observer must be a TaskObserver (or None), got {type(observer).__name__}")
+        self._observer = observer
+
     # -- driving --------------------------------------------------------------------------------
+
+    def iterate(self, batches: Iterable) -> Iterator[Any]:
+        """Yield the `step_result` of every batch of `batches`, in order, until all are drained.
+
+        The generator may be abandoned early (`break`): batches already in flight stay in the
+        ring, and `progress()` / `iterate()` on the same iterator object continue from there.
+        """
+        it = iter(batches)
+        while True:
+            try:
+                result = self.progress(it)
+            except StopIteration:
+                return
+            yield result
 
     def progress(self, batch_iter: Iterable) -> Any:
         """Run internal iterations until one batch completes; return its `step_result`.
@@ -168,6 +237,9 @@ class SchedulablePipeline:
     def _run_iteration(self, pull: bool) -> tuple[bool, Any]:
         i = self._iteration
         L = self.max_lookahead
+        observer = self._observer
+        if observer is not None:
+            observer.iteration_started(i)
         if self._seeded:  # the first batch was pulled by seed_first_batch
             self._seeded = False
         elif pull and not self._exhausted:
@@ -178,21 +250,30 @@ class SchedulablePipeline:
             else:
                 self.ring.at(L).set(BATCH_CPU, batch)
                 self._pulled += 1
+        self._running_iteration = i
+        self._running_observer = observer
         try:
             for stage_tasks in self._active(i):
                 if stage_tasks:
-                    self.executor.execute(stage_tasks, lambda task: self._run_task(task, i), self.graph)
+                    self.executor.execute(stage_tasks, self._run_task, self.graph)
         except BaseException as exc:
             self._broken = str(exc) if isinstance(exc, TaskFailedError) else f"{type(exc).__name__} in iteration {i}"
+            if observer is not None:
+                observer.iteration_finished(i, True)
             raise
         completed = 0 <= i - L < self._pulled
         result = self.ring.at(0).get(STEP_RESULT) if completed else None
         self.ring.advance()
         self._iteration = i + 1
+        if observer is not None:
+            observer.iteration_finished(i, False)
         return completed, result
 
     def _active(self, i: int) -> tuple[tuple[Task, ...], ...]:
+        """The tasks that fire at iteration `i`, per stage, in topological order."""
         L, m = self.max_lookahead, self._pulled
+        if L <= i < m:  # steady state: everything fires
+            return self._stage_orders
         key = tuple(fires(k, L, i, m) for k in range(L + 1))
         active = self._active_cache.get(key)
         if active is None:
@@ -200,28 +281,55 @@ class SchedulablePipeline:
             self._active_cache[key] = active
         return active
 
-    def _run_task(self, task: Task, i: int) -> None:
-        pool = self.stream_pool
-        ring = self.ring
-        batch_index = i - self.max_lookahead + task.lookahead
+    def _run_task(self, task: Task) -> None:
+        """Run one task of the running iteration (the `run` callable the executor gets)."""
+        record = self._records[task]
+        i = self._running_iteration
+        batch_index = i - self.max_lookahead + record.lookahead
+        ctx = TaskContext(task, batch_index, i, self.ring, self.stream_pool, self.state)
+        observer = self._running_observer
         try:
-            for wait in self._waits[task.name]:
-                event = ring.at(wait.slot_offset).event(wait.producer)
-                if event is None:  # producer has not run yet (prefill): order after its stream
-                    pool.wait_stream(task.stream, wait.producer_stream)
-                else:
-                    pool.wait_event(task.stream, event)
-            ctx = TaskContext(task, batch_index, i, ring, pool, self.state)
-            with pool.use(task.stream, (task.name, batch_index)):
-                nvtx.push_range(task.label)
-                try:
-                    task.run(ctx)
-                finally:
-                    nvtx.pop_range()
-            if task.name in self._needs_event:  # after all of the task's work on its stream
-                ring.at(task.lookahead).record_event(task.name, pool.record_event(task.stream))
+            if self._plain and observer is None:
+                task.run(ctx)
+            elif self._stream_ops:
+                self._run_ordered(record, ctx, observer)
+            else:
+                self._run_observed(record, ctx, observer)
         except Exception as exc:
             raise TaskFailedError(task.name, batch_index, i) from exc
+
+    def _run_ordered(self, record: _TaskRecord, ctx: TaskContext, observer: TaskObserver | None) -> None:
+        """Event waits before the task, its work under its stream, its completion event after."""
+        pool, ring = self.stream_pool, self.ring
+        for slot_offset, producer, producer_stream in record.waits:
+            event = ring.at(slot_offset).event(producer)
+            if event is None:  # producer has not run yet (prefill): order after its stream
+                pool.wait_stream(record.stream, producer_stream)
+            else:
+                pool.wait_event(record.stream, event)
+        with pool.use(record.stream, (record.name, ctx.batch_index)):
+            self._run_observed(record, ctx, observer)
+        if record.records_event:  # after all of the task's work on its stream
+            ring.at(record.lookahead).record_event(record.name, pool.record_event(record.stream))
+
+    def _run_observed(self, record: _TaskRecord, ctx: TaskContext, observer: TaskObserver | None) -> None:
+        """`task.run(ctx)` inside its NVTX range (if enabled), between the observer's hooks."""
+        if self._nvtx:
+            nvtx.push_range(record.label)
+        try:
+            if observer is None:
+                record.task.run(ctx)
+                return
+            observer.task_started(record.task, ctx.batch_index, ctx.iter_count)
+            try:
+                record.task.run(ctx)
+            except BaseException:
+                observer.task_finished(record.task, ctx.batch_index, ctx.iter_count, True)
+                raise
+            observer.task_finished(record.task, ctx.batch_index, ctx.iter_count, False)
+        finally:
+            if self._nvtx:
+                nvtx.pop_range()
 
 
 class _PushMode:
@@ -232,6 +340,19 @@ class _PushMode:
 
 
 _PUSH = _PushMode()
+
+
+def _check_pool(graph: DependencyGraph, pool: StreamPool | None) -> None:
+    """A precompiled graph still needs every stream it uses in the pool (validation rule 3)."""
+    if pool is None:
+        return
+    problems = [
+        Problem(f"stream '{t.stream}' is not in the stream pool (pool has: {', '.join(pool.names)})", t.name, "stream")
+        for t in graph.order
+        if t.stream not in pool
+    ]
+    if problems:
+        raise ScheduleValidationError(problems)
 
 
 def _make_executor(executor: str | Executor) -> Executor:

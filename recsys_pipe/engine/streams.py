@@ -100,6 +100,12 @@ class StreamPool:
     def is_cuda(self) -> bool:
         return bool(self._cuda)
 
+    @property
+    def is_noop(self) -> bool:
+        """Every stream is a `NoOpStream`: waits, events and stream scopes order nothing, and
+        the pipeline skips them."""
+        return all(type(s) is NoOpStream for s in self._streams.values())
+
     def __contains__(self, name: object) -> bool:
         return name in self._streams
 

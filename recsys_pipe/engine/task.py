@@ -45,7 +45,6 @@ TASK_FIELDS = (
     *DEPENDENCY_FIELDS,
     "nccl",
     "nvtx_tag",
-    "priority",
     "io",
 )
 
@@ -69,7 +68,6 @@ class Task:
     same_progress_sync: Any = ()
     nccl: bool = False
     nvtx_tag: str | None = None
-    priority: int = 0
     io: Any = ()
 
     def __init__(self, name: str | None = None, **fields: Any):
@@ -149,9 +147,6 @@ class Task:
         if tag is not None and not isinstance(tag, str):
             bad("nvtx_tag", f"must be a string, got {tag!r}")
         self.nvtx_tag = tag
-        if not _is_int(raw["priority"]):
-            bad("priority", f"must be an integer, got {raw['priority']!r}")
-        self.priority = raw["priority"]
         self.io = tuple(raw["io"] or ())
         if problems:
             raise ScheduleValidationError(problems)

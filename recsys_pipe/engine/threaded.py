@@ -1,23 +1,32 @@
 """ThreadedExecutor: submit an iteration's tasks from several CPU threads.
 
-Each thread id (from the thread map) gets one long-lived worker that runs its share of the
-iteration's tasks in topological order. Cross-thread order is enforced only where needed:
-same-iteration dependencies and same-stream FIFO (two threads feeding one stream must keep the
-topological submission order). Collectives stay in one global order on every rank through the
-NCCL ordered lock. The first failure cancels everything not yet started and wakes every waiter,
-so an iteration always ends, and the failure is raised from the iteration barrier.
+Each thread id (from the thread map) owns a chain: its share of the iteration's tasks in
+topological order. The chain of the training step (the thread id holding most of the
+lowest-lookahead tasks) runs on the thread that called `progress()`; every other thread id gets
+one long-lived worker. Cross-thread order is enforced only where
+needed, by one-shot latches: same-iteration dependencies, same-stream FIFO (two threads feeding
+one stream must keep the topological submission order), and NCCL order — every `nccl` task
+starts after the previous `nccl` task in topological order has finished, so every rank issues
+its collectives in the same order whatever the threads do. All these edges point forward in
+one total order and each chain runs in that order, so the lowest unfinished task can always
+run: no deadlock. The first failure cancels everything not yet started; every chain still
+releases the latches of the steps it will not run, so no waiter is left behind, and the
+failure is raised once all chains have stopped.
 
 Why not `concurrent.futures.ThreadPoolExecutor`: its workers are interchangeable, but a thread
 id must map to the same OS thread every iteration (thread-local CUDA/autograd state), and each
-chain must be able to block on another without starving the pool.
+chain must be able to block on another without starving the pool. Why plain locks as latches
+rather than `threading.Event`: an Event costs about 2 µs to create plus a Condition round trip
+per set and wait; a pre-locked `threading.Lock` is created, opened and passed through in about
+0.1 µs each. Every iteration makes fresh ones, so no state carries over between iterations.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from recsys_pipe.engine.deps import DependencyGraph, cpu_edges
@@ -49,88 +58,103 @@ def resolve_thread_map(thread_map: ThreadMap) -> Callable[[Task], str]:
     raise TypeError(f"thread_map must be None, a strategy name, a dict or a callable, got {thread_map!r}")
 
 
-class NcclLockAborted(RuntimeError):
-    """Raised inside a waiter when the ordered lock is aborted by a failure elsewhere."""
-
-
-class NcclOrderedLock:
-    """Tickets in topological order: task with ticket t runs its collectives only after
-    tickets 0..t-1 released, so every rank issues collectives in the same order."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._next = 0
-        self._failed = False
-        self.history: list[int] = []  # tickets in the order they were granted (for tests)
-
-    def reset(self) -> None:
-        with self._cond:
-            self._next = 0
-            self._failed = False
-            self.history = []
-
-    def acquire(self, ticket: int) -> None:
-        with self._cond:
-            while self._next != ticket and not self._failed:
-                self._cond.wait()
-            if self._failed:
-                raise NcclLockAborted(f"NCCL ordered lock aborted while ticket {ticket} waited")
-            self.history.append(ticket)
-
-    def release(self, failed: bool = False) -> None:
-        with self._cond:
-            if failed:
-                self._failed = True
-            else:
-                self._next += 1
-            self._cond.notify_all()
-
-    def abort(self) -> None:
-        with self._cond:
-            self._failed = True
-            self._cond.notify_all()
-
-
-@dataclass(frozen=True)
 class _Step:
-    index: int  # position in the iteration's active order
-    task: Task
-    waits_for: tuple[int, ...]  # indices of cross-thread predecessors
-    signals: bool  # some other thread waits for this step
-    ticket: int | None  # NCCL ticket
+    """One task of a chain: the latches to pass before it, the latch it releases after."""
+
+    __slots__ = ("task", "waits_for", "signal")
+
+    def __init__(self, task: Task, waits_for: tuple[int, ...], signal: int):
+        self.task = task
+        self.waits_for = waits_for  # latch indices of cross-thread predecessors
+        self.signal = signal  # latch index other threads wait on, or -1
 
 
-@dataclass(frozen=True)
 class _Plan:
-    chains: tuple[tuple[str, tuple[_Step, ...]], ...]
-    size: int
+    """How one set of firing tasks is split over threads (cached per set)."""
+
+    __slots__ = ("caller", "workers", "num_latches")
+
+    def __init__(self, caller: tuple[_Step, ...], workers: tuple[tuple[_Worker, tuple[_Step, ...]], ...], latches: int):
+        self.caller = caller  # the chain run on the thread that called execute()
+        self.workers = workers  # (worker thread, its chain)
+        self.num_latches = latches
+
+
+def _latch() -> Any:
+    """A closed one-shot latch: `release()` opens it; a waiter passes with acquire + release."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
+def _open(latch: Any) -> None:
+    """Open a latch; opening it twice is harmless (the failure paths may race a normal release)."""
+    try:
+        latch.release()
+    except RuntimeError:  # already open
+        pass
 
 
 class _IterationState:
-    """Completion signals, cancellation and errors for one iteration."""
+    """Latches, cancellation, errors and the count of running workers of one iteration."""
 
-    def __init__(self, plan: _Plan, lock: NcclOrderedLock):
-        self.done: list[threading.Event | None] = [None] * plan.size
-        for _, chain in plan.chains:
-            for s in chain:
-                if s.signals:
-                    self.done[s.index] = threading.Event()
-        self.cancelled = threading.Event()
-        self.lock = lock
+    __slots__ = ("latches", "cancelled", "errors", "running", "finished", "_lock")
+
+    def __init__(self, num_latches: int, num_workers: int):
+        self.latches = [_latch() for _ in range(num_latches)]
+        self.cancelled = False
         self.errors: list[BaseException] = []
-        self._errors_lock = threading.Lock()
+        self.running = num_workers
+        self.finished = _latch()  # opened by the last worker to finish: one wake-up for the caller
+        self._lock = threading.Lock()
 
     def fail(self, exc: BaseException) -> None:
-        with self._errors_lock:
-            first = not self.errors
-            if first or not isinstance(exc, NcclLockAborted):
-                self.errors.append(exc)
-        self.cancelled.set()
-        self.lock.abort()
+        with self._lock:
+            self.errors.append(exc)
+        self.cancelled = True
+
+    def worker_finished(self) -> None:
+        with self._lock:
+            self.running -= 1
+            last = self.running == 0
+        if last:
+            _open(self.finished)
+
+    def open_all(self) -> None:
+        """Wake every waiter (they see `cancelled` and stop): for a caller interrupted while it
+        may have been passing through a latch."""
+        for latch in self.latches:
+            _open(latch)
+
+
+def _run_chain(chain: Sequence[_Step], run: RunTask, state: _IterationState) -> None:
+    """Run a chain's steps in order; after a failure anywhere, skip the rest. Every step's
+    latch is opened whatever happens, so no other chain waits forever."""
+    latches = state.latches
+    opened = 0  # chain[:opened] have opened their latch
+    try:
+        for step in chain:
+            if not state.cancelled:
+                for index in step.waits_for:
+                    latch = latches[index]
+                    latch.acquire()
+                    _open(latch)
+                if not state.cancelled:
+                    try:
+                        run(step.task)
+                    except BaseException as exc:
+                        state.fail(exc)
+            if step.signal >= 0:
+                _open(latches[step.signal])
+            opened += 1
+    finally:
+        for step in chain[opened:]:
+            if step.signal >= 0:
+                _open(latches[step.signal])
 
 
 class _Worker:
-    """A daemon thread running jobs from its queue, for the executor's whole life."""
+    """A daemon thread running chains from its queue, for the executor's whole life."""
 
     def __init__(self, thread_id: str):
         self.thread_id = thread_id
@@ -143,17 +167,28 @@ class _Worker:
             job = self.jobs.get()
             if job is None:
                 return
+            chain, run, state = job
             try:
-                job()
-            except BaseException:
-                pass
+                _run_chain(chain, run, state)
+            except BaseException as exc:  # a bug in the chain runner itself: still end the iteration
+                state.fail(exc)
+            finally:
+                state.worker_finished()
 
 
 class ThreadedExecutor:
-    """Runs each thread id's tasks on its own long-lived worker thread.
+    """Runs each thread id's tasks on one CPU thread.
 
-    `max_workers` caps the number of threads: surplus thread ids are folded onto existing
-    workers, whose chains are merged in topological order (always deadlock-free).
+    The training step runs on the thread calling `progress()`: the thread id holding the most
+    tasks of the schedule's lowest lookahead (ties: the one whose such task comes first in
+    topological order). Every other thread id gets its own long-lived worker. Running that chain
+    in place spares the critical chain a thread wake-up per iteration, and its tasks see the
+    caller's thread-local state (grad mode, current device), so call `progress()` from one
+    thread.
+
+    `max_workers` caps the number of threads that run tasks, the calling thread included:
+    surplus thread ids are folded onto existing ones, whose chains are merged in topological
+    order (always deadlock-free).
     """
 
     def __init__(self, thread_map: ThreadMap = None, max_workers: int | None = None):
@@ -162,94 +197,99 @@ class ThreadedExecutor:
         self.thread_map = thread_map
         self.thread_of = resolve_thread_map(thread_map)
         self.max_workers = max_workers
-        self.lock = NcclOrderedLock()
         self._workers: dict[str, _Worker] = {}
         self._plans: dict[tuple[int, ...], _Plan] = {}
+        self._last: tuple[Sequence[Task], _Plan] | None = None  # the pipeline passes the same tuples
         self._worker_of: dict[str, str] = {}
+        self._caller_of: dict[int, str] = {}  # id(graph) -> thread id run by the caller
         self._closed = False
 
     @property
     def num_threads(self) -> int:
-        return len(self._workers)
+        """CPU threads that have run tasks: the workers plus the calling thread."""
+        return len(self._workers) + bool(self._caller_of)
 
     def execute(self, tasks: Sequence[Task], run: RunTask, graph: DependencyGraph) -> None:
         if self._closed:
             raise RuntimeError("ThreadedExecutor was shut down")
-        key = tuple(id(t) for t in tasks)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._make_plan(tasks, graph)
-        self.lock.reset()
-        state = _IterationState(plan, self.lock)
-        finished = []
-        for thread_id, chain in plan.chains:
-            done = threading.Event()
-            finished.append(done)
-            self._worker(thread_id).jobs.put(lambda chain=chain, done=done: self._run_chain(chain, run, state, done))
+        last = self._last
+        if last is not None and last[0] is tasks:
+            plan = last[1]
+        else:
+            key = tuple(map(id, tasks))
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = self._make_plan(tasks, graph)
+            self._last = (tasks, plan)
+        state = _IterationState(plan.num_latches, len(plan.workers))
+        dispatched = 0
         try:
-            for done in finished:
-                done.wait()
-        except BaseException as exc:  # e.g. KeyboardInterrupt in the driving thread
+            for worker, chain in plan.workers:
+                worker.jobs.put((chain, run, state))
+                dispatched += 1
+            _run_chain(plan.caller, run, state)
+            if plan.workers:
+                state.finished.acquire()
+        except BaseException as exc:  # e.g. KeyboardInterrupt in the calling thread
             state.fail(exc)
-            for done in finished:
-                done.wait()
+            state.open_all()
+            for _ in range(len(plan.workers) - dispatched):  # chains that never started
+                state.worker_finished()
+            # Workers stop at their next step. Count, not the latch: the interrupt may have come
+            # just after the latch was taken. Bounded: a task stuck in a collective must not hang Ctrl-C.
+            deadline = time.monotonic() + 30.0
+            while state.running > 0 and time.monotonic() < deadline:
+                state.finished.acquire(True, 0.1)
             raise
         if state.errors:
             raise state.errors[0]
 
-    def _run_chain(
-        self, chain: tuple[_Step, ...], run: RunTask, state: _IterationState, finished: threading.Event
-    ) -> None:
-        position = 0
-        try:
-            for position, step in enumerate(chain):  # noqa: B007 - read in `finally`
-                if state.cancelled.is_set():
-                    break
-                for index in step.waits_for:
-                    state.done[index].wait()
-                if state.cancelled.is_set():
-                    break
-                try:
-                    if step.ticket is not None:
-                        state.lock.acquire(step.ticket)
-                        try:
-                            run(step.task)
-                        except BaseException:
-                            state.lock.release(failed=True)
-                            raise
-                        state.lock.release()
-                    else:
-                        run(step.task)
-                except BaseException as exc:
-                    state.fail(exc)
-                    break
-                finally:
-                    if step.signals:
-                        state.done[step.index].set()
-            else:
-                position = len(chain)
-        finally:
-            for step in chain[position:]:  # release everyone waiting on what will not run
-                if step.signals:
-                    state.done[step.index].set()
-            finished.set()
-
     def _make_plan(self, tasks: Sequence[Task], graph: DependencyGraph) -> _Plan:
+        caller = self._caller_thread(graph)
         index = {t.name: i for i, t in enumerate(tasks)}
         thread = [self._assign(self.thread_of(t)) for t in tasks]
         preds: list[set[int]] = [set() for _ in tasks]
         for edge in cpu_edges(graph, tasks):
             preds[index[edge.consumer]].add(index[edge.producer])
-        cross = [tuple(sorted(p for p in preds[i] if thread[p] != thread[i])) for i in range(len(tasks))]
-        signals = {p for waits in cross for p in waits}
-        tickets: dict[int, int] = {}
-        for i, t in enumerate(tasks):
+        previous_nccl = None
+        for i, t in enumerate(tasks):  # collectives in topological order on every rank
             if t.nccl:
-                tickets[i] = len(tickets)
+                if previous_nccl is not None:
+                    preds[i].add(previous_nccl)
+                previous_nccl = i
+        waits_on: list[tuple[int, ...]] = []
+        for i in range(len(tasks)):
+            # Per other thread only its latest predecessor: that thread ran the earlier ones first.
+            latest: dict[str, int] = {}
+            for p in preds[i]:
+                if thread[p] != thread[i]:
+                    latest[thread[p]] = max(p, latest.get(thread[p], -1))
+            waits_on.append(tuple(sorted(latest.values())))
+        latch_of = {p: n for n, p in enumerate(sorted({p for waits in waits_on for p in waits}))}
         chains: dict[str, list[_Step]] = {}
         for i, t in enumerate(tasks):
-            chains.setdefault(thread[i], []).append(_Step(i, t, cross[i], i in signals, tickets.get(i)))
-        return _Plan(tuple((tid, tuple(steps)) for tid, steps in chains.items()), len(tasks))
+            step = _Step(t, tuple(latch_of[p] for p in waits_on[i]), latch_of.get(i, -1))
+            chains.setdefault(thread[i], []).append(step)
+        return _Plan(
+            tuple(chains.pop(caller, ())),
+            tuple((self._worker(tid), tuple(steps)) for tid, steps in chains.items()),
+            len(latch_of),
+        )
+
+    def _caller_thread(self, graph: DependencyGraph) -> str:
+        """The thread id run by the calling thread, chosen once per schedule (over all its tasks,
+        so the choice does not change between prefill, steady state and drain)."""
+        caller = self._caller_of.get(id(graph))
+        if caller is None:
+            lowest = min(t.lookahead for t in graph.order)
+            count: dict[str, int] = {}
+            for t in graph.order:  # assign in topological order: worker folding is deterministic
+                tid = self._assign(self.thread_of(t))
+                if t.lookahead == lowest:
+                    count[tid] = count.get(tid, 0) + 1
+            caller = max(count, key=count.__getitem__)  # first maximum: its task comes first
+            self._caller_of[id(graph)] = caller
+        return caller
 
     def _assign(self, thread_id: Any) -> str:
         """Map a thread id to a worker, folding ids beyond `max_workers` onto existing ones."""
@@ -275,7 +315,6 @@ class ThreadedExecutor:
         if self._closed:
             return
         self._closed = True
-        self.lock.abort()
         for worker in self._workers.values():
             worker.jobs.put(None)
         for worker in self._workers.values():

@@ -56,7 +56,7 @@ class TrainSummary:
 def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
     """A pipeline running `plan` on `streams`, with its own executor (and worker threads)."""
     executor = ThreadedExecutor(thread_map=dict(plan.thread_of)) if plan.threaded else SequentialExecutor()
-    return SchedulablePipeline(plan.schedule, streams, executor, state=state)
+    return SchedulablePipeline(plan.graph, streams, executor, state=state)
 
 
 class Trainer:
@@ -165,12 +165,7 @@ class Trainer:
             self._eval_pipeline = build_pipeline(self.plan, self.state.streams, self.state.for_eval())
         self.state.model.train(False)
         try:
-            it = iter(self.eval_loader)
-            while True:
-                try:
-                    result: StepResult = self._eval_pipeline.progress(it)
-                except StopIteration:
-                    break
+            for result in self._eval_pipeline.iterate(self.eval_loader):
                 for task, auroc in enumerate(aurocs):
                     auroc.update(result.logits[:, task], result.labels[:, task].int())
                 mean_loss.update(result.loss)

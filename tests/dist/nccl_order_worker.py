@@ -50,12 +50,8 @@ def build(results, rng):
 def drive(executor, seed):
     results = {}
     with SchedulablePipeline(build(results, random.Random(seed)), executor=executor) as pipe:
-        it = iter(range(10))
-        while True:
-            try:
-                pipe.progress(it)
-            except StopIteration:
-                break
+        for _ in pipe.iterate(range(10)):
+            pass
     return {f"{k[0]}:{k[1]}": v for k, v in sorted(results.items())}
 
 

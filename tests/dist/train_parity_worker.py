@@ -45,6 +45,38 @@ COMMON = [
 ]
 
 
+# Hand-written CPU costs (seconds) for which the tuner changes threads and lookaheads.
+TUNE_COSTS = {
+    "h2d": 0.002,
+    "start_input_dist": 0.001,
+    "wait_input_dist": 0.002,
+    "zero_grad": 0.0002,
+    "forward": 0.004,
+    "backward": 0.006,
+    "finalize_model_grads": 0.0001,
+    "optimizer_step": 0.001,
+}
+
+
+def tuned_plan_overrides(directory):
+    """Tune hstu_sparse_dist with TUNE_COSTS (deterministic budget), write it as a plan file,
+    return the overrides that load it: a tuned plan must train exactly like the serial plan."""
+    from recsys_pipe.autosched import CostModel, TaskCost, plan_yaml, tune
+
+    plan = training_plan(run_config(["pipeline=hstu_sparse_dist"]))
+    costs = CostModel({name: TaskCost(cpu) for name, cpu in TUNE_COSTS.items()})
+    result = tune(plan.schedule, costs, dict(plan.thread_of), max_evaluations=300, seed=0)
+    assert result.changes and any(c.changed for c in result.changes), "the tuner changed nothing"
+    plan_yaml(
+        result.schedule,
+        plan.fn_paths(),
+        thread_map=result.thread_map,
+        name="tuned",
+        path=os.path.join(directory, "pipeline", "tuned.yaml"),
+    )
+    return ["pipeline=tuned", "thread_map=plan", f"hydra.searchpath=[file://{directory}]"]
+
+
 def run_config(overrides):
     return load_run(*COMMON, *overrides)
 
@@ -93,7 +125,9 @@ def main():
     batches = list(loader)
     out["loader_ids"] = [b.sample_ids.tolist() for b in batches]
 
-    for name, overrides in VARIANTS.items():
+    variants = dict(VARIANTS)
+    variants["tuned"] = tuned_plan_overrides(os.path.join(sys.argv[1], f"tuned_rank{info.rank}"))
+    for name, overrides in variants.items():
         start = time.perf_counter()
         summary, params = train_variant(info, overrides, batches)
         out["variants"][name] = {

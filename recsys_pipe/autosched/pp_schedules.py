@@ -1,0 +1,165 @@
+"""Generators of the classic pipeline-parallel schedules, as per-rank action lists.
+
+- `1f1b` (PipeDream-flush): rank r runs `p-1-r` warm-up forwards, then alternates one forward
+  and one full backward (`BW`), then the remaining backwards. At most `p-r` microbatches hold
+  activations on rank r.
+- `zb_h1` (Zero Bubble, memory-efficient): 1F1B's order with the backward split into `B`
+  (input gradient, on the critical path) and `W` (weight gradient, off it). Rank r starts its
+  W's only after `r` B's, so the W's it holds back fill the cool-down bubble; same activation
+  memory as 1F1B.
+- `zb_h2` (Zero Bubble, zero-bubble memory budget): `2(p-1-r)` warm-up forwards on rank r, then
+  F-B-W with the W's held back by `2r`, turning the trapezoid into a parallelogram; up to
+  `2p-1` microbatches hold activations on rank 0.
+- `dualpipe` (DeepSeek-V3): two pipelines fed from both ends. Microbatches `0..m/2-1` enter at
+  rank 0 and run stages `0..p-1` on ranks `0..p-1`; microbatches `m/2..m-1` enter at rank
+  p-1 and run stages `p..2p-1` on ranks `p-1..0` (stage `p+k` computes the same model block
+  as stage `k`: every rank holds two blocks, hence 2x parameters). Each rank follows
+  DualPipe's eight phases; in the steady phase a forward of one direction and a full
+  backward of the other run as one overlapped `FB` action, and some backwards are split into
+  B and a later W to fill bubbles. Needs an even `p` and an even `m >= 2p`.
+
+Stage s of the single-pipeline schedules runs on rank s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule
+
+__all__ = ["SCHEDULES", "build"]
+
+
+def build(name: str, p: int, m: int) -> PipelineSchedule:
+    """The `name` schedule ("1f1b", "zb_h1", "zb_h2", "dualpipe") for `p` ranks, `m` microbatches."""
+    generator = SCHEDULES.get(name)
+    if generator is None:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 ranks and m >= 1 microbatches, got p={p}, m={m}")
+    return PipelineSchedule(generator(p, m), name)
+
+
+def _one_f_one_b(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        acts = [Action("F", r, j) for j in range(warmup)]
+        for k in range(m - warmup):
+            acts += [Action("F", r, warmup + k), Action("BW", r, k)]
+        acts += [Action("BW", r, k) for k in range(m - warmup, m)]
+        ranks.append(tuple(acts))
+    return tuple(ranks)
+
+
+def _split_backward(p: int, m: int, warmup: Callable[[int], int], held_back: Callable[[int], int]):
+    """1F1B order with B and W split: after its warm-up forwards, rank r alternates F and B,
+    appending a W (oldest first) after each B once `held_back(r)` B's are ahead of the W's;
+    the W's still held back run at the end."""
+    ranks = []
+    for r in range(p):
+        w = min(warmup(r), m)
+        acts = [Action("F", r, j) for j in range(w)]
+        done_w = 0
+        for k in range(m):
+            if w + k < m:
+                acts.append(Action("F", r, w + k))
+            acts.append(Action("B", r, k))
+            if k + 1 > held_back(r):
+                acts.append(Action("W", r, done_w))
+                done_w += 1
+        acts += [Action("W", r, j) for j in range(done_w, m)]
+        ranks.append(tuple(acts))
+    return tuple(ranks)
+
+
+def _zb_h1(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    return _split_backward(p, m, warmup=lambda r: p - 1 - r, held_back=lambda r: r)
+
+
+def _zb_h2(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    return _split_backward(p, m, warmup=lambda r: 2 * (p - 1 - r), held_back=lambda r: 2 * r)
+
+
+def _dualpipe(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    if p % 2 or m % 2 or m < 2 * p:
+        raise ValueError(f"dualpipe needs an even number of ranks and an even m >= 2p, got p={p}, m={m}")
+    half, chunks = p // 2, m // 2
+    return tuple(_DualPipeRank(p, chunks, r).actions(half) for r in range(p))
+
+
+class _DualPipeRank:
+    """One rank's DualPipe order. Phase 0 is the direction in which this rank sits in the first
+    half of the pipeline (position h = min(r, p-1-r)), phase 1 the other direction."""
+
+    def __init__(self, p: int, chunks: int, rank: int):
+        self.p, self.chunks, self.rank = p, chunks, rank
+        self.h = min(rank, p - 1 - rank)
+        first_half = rank < p // 2
+        # (stage, first microbatch) of each phase: direction 0 runs stage r, direction 1 stage 2p-1-r
+        forward_dir = (rank, 0)
+        reverse_dir = (2 * p - 1 - rank, chunks)
+        self.phase = (forward_dir, reverse_dir) if first_half else (reverse_dir, forward_dir)
+        self.forwards = [0, 0]
+        self.backwards = [0, 0]
+        self.held_w: list[Action] = []
+
+    def F(self, phase: int) -> Action:
+        stage, base = self.phase[phase]
+        j = base + self.forwards[phase]
+        self.forwards[phase] += 1
+        return Action("F", stage, j)
+
+    def B(self, phase: int, split: bool) -> Action:
+        """The next backward of `phase`: input gradient only (its W held back) if `split`."""
+        stage, base = self.phase[phase]
+        j = base + self.backwards[phase]
+        self.backwards[phase] += 1
+        if split:
+            self.held_w.append(Action("W", stage, j))
+            return Action("B", stage, j)
+        return Action("BW", stage, j)
+
+    def W(self) -> Action:
+        return self.held_w.pop(0)
+
+    def FB(self, forward_phase: int, backward_phase: int) -> Action:
+        return Action("FB", parts=(self.F(forward_phase), self.B(backward_phase, split=False)))
+
+    def actions(self, half: int) -> tuple[Action, ...]:
+        h, out = self.h, []
+        edge = half - h - 1  # ranks nearer the ends warm up longer
+        out += [self.F(0) for _ in range(2 * edge)]  # 1: forwards of phase 0
+        for _ in range(h + 1):  # 2: forwards of both phases
+            out += [self.F(0), self.F(1)]
+        for _ in range(edge):  # 3: split backward, its W at once, forward
+            out += [self.B(1, split=True), self.W(), self.F(1)]
+        for i in range(self.chunks - self.p + h + 1):  # 4: steady state, overlapped pairs
+            if i == 0 and h == half - 1:  # the middle ranks do not overlap the first pair
+                out += [self.F(0), self.B(1, split=False)]
+            else:
+                out.append(self.FB(0, 1))
+            out.append(self.FB(1, 0))
+        for _ in range(edge):  # 5: backward, overlapped pair
+            out += [self.B(1, split=False), self.FB(1, 0)]
+        split = False
+        for i in range(h + 1):  # 6: backwards of both phases; the second half split
+            if i == (h + 1) // 2 and h % 2 == 1:
+                split = True
+            out.append(self.B(1, split))
+            if i == (h + 1) // 2 and h % 2 == 0:
+                split = True
+            out.append(self.B(0, split))
+        for _ in range(edge):  # 7: a held-back W, a split backward
+            out += [self.W(), self.B(0, split=True)]
+        out += [self.W() for _ in range(h + 1)]  # 8: the remaining W's
+        assert not self.held_w and self.forwards == self.backwards == [self.chunks] * 2
+        return tuple(out)
+
+
+SCHEDULES: dict[str, Callable[[int, int], tuple[tuple[Action, ...], ...]]] = {
+    "1f1b": _one_f_one_b,
+    "zb_h1": _zb_h1,
+    "zb_h2": _zb_h2,
+    "dualpipe": _dualpipe,
+}
