@@ -85,6 +85,13 @@ def test_bad_builders_are_config_errors(builder, fragment):
     assert fragment in problems(base(model={"builder": builder}))["model.builder"]
 
 
+def test_an_optimizer_by_builder_path():
+    run = load_run_config(base(optimizer={"builder": "recsys_pipe.train.optim:build_sgd", "momentum": 0.25}))
+    assert isinstance(run.optimizer, SGDConfig) and run.optimizer.momentum == 0.25 and run.optimizer.name == "sgd"
+    optimizer = run.optimizer.build([torch.nn.Parameter(torch.zeros(1))])
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["momentum"] == 0.25
+
+
 def test_a_class_can_be_the_builder():
     run = load_run_config(base(model={"builder": "custom_components:Pooled", "hidden": 3}))
     assert type(run.model).__name__ == "PooledConfig" and run.model.hidden == 3
