@@ -71,7 +71,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_train import TAIL, Window, max_over_ranks  # noqa: E402  (the shared timing window)
+from bench_train import TAIL, StepTimer, Window  # noqa: E402  (the shared timing window)
 
 PAIRS = (("hstu_sparse_dist", "hstu_sparse_dist_balanced"), ("hstu_prefetch", "hstu_prefetch_balanced"))
 VARIANTS = tuple(v for pair in PAIRS for v in pair)
@@ -122,26 +122,27 @@ def imbalance(run: Any, batches: list, world: int) -> dict[str, dict[str, float]
     return {k: {"mean": statistics.fmean(v), "worst": max(v)} for k, v in out.items()}
 
 
-def train(run: Any, info: Any, batches: list, warmup: int, steps: int) -> tuple[Window, list]:
+def train(run: Any, info: Any, batches: list, warmup: int, steps: int) -> tuple[float, list[float], list]:
+    """Seconds of the timed window (this rank), per-step losses, per-step trained sample ids."""
     from recsys_pipe.train import Trainer, training_plan
 
-    trainer = Trainer(run, training_plan(run), info)
-    trained: list = []
+    plan = training_plan(run)
+    trainer = Trainer(run, plan, info)
     try:
-        progress = trainer.pipeline.progress
-
-        def recording(it: Any) -> Any:
-            result = progress(it)
-            trained.append(result.sample_ids.tolist())
-            return result
-
-        window = Window(recording, lambda result: result.loss, warmup, steps)
-        trainer.pipeline.progress = window
-        summary = trainer.fit(batches=iter(batches))
+        window = Window(info.device)
+        first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
+        trainer.pipeline.observer = StepTimer(window, first, first + steps)
+        summary = trainer.fit(batches=iter(batches), record_steps=True)
         assert summary.steps == len(batches), (summary.steps, len(batches))
-        return window, trained
+        return window.figures()["seconds"], summary.losses, [ids.tolist() for ids in summary.sample_ids]
     finally:
         trainer.close()
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def main() -> None:
@@ -179,13 +180,13 @@ def main() -> None:
         )
 
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    losses: dict[str, list[torch.Tensor]] = {v: [] for v in VARIANTS}
+    losses: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     for rep in range(args.repeats):
         order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
         for name in order:
-            window, trained = train(runs[name], info, batches, args.warmup, args.steps)
-            seconds[name].append(max_over_ranks(window.seconds))
-            losses[name].append(torch.stack(window.losses))
+            window_seconds, step_losses, trained = train(runs[name], info, batches, args.warmup, args.steps)
+            seconds[name].append(max_over_ranks(window_seconds))
+            losses[name].append(step_losses)
             if name.endswith("_balanced"):  # every loaded sample trained once over all ranks, per step
                 both: list[Any] = [None] * world
                 dist.all_gather_object(both, (trained, loaded))
@@ -201,7 +202,7 @@ def main() -> None:
                 flush=True,
             )
     for name in VARIANTS:  # deterministic: every repetition trains the same losses
-        if not all(torch.equal(got, losses[name][0]) for got in losses[name]):
+        if not all(got == losses[name][0] for got in losses[name]):
             raise AssertionError(f"rank {info.rank}: {name} trained different losses in different repetitions")
 
     samples = args.batch_size * world * args.steps
