@@ -27,7 +27,7 @@ from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
 from recsys_pipe.engine.schedule import Schedule, Stage
 from recsys_pipe.engine.shortcut import DeclaredIO, shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
-from recsys_pipe.engine.streams import NoOpEvent, NoOpStream, StreamPool
+from recsys_pipe.engine.streams import CudaTimer, NoOpEvent, NoOpStream, StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, FnTask, Task, declare_effects
 from recsys_pipe.engine.threaded import ThreadedExecutor, resolve_thread_map
 
@@ -35,6 +35,7 @@ __all__ = [
     "BATCH_CPU",
     "STEP_RESULT",
     "BatchRing",
+    "CudaTimer",
     "DataSlot",
     "DeclaredIO",
     "Dependency",
