@@ -111,7 +111,8 @@ def test_report_and_json(results):
     header, rule, *rows = text.splitlines()
     assert header.split() == ["task", "stream", "thread", "la", "cpu", "ms", "device", "ms", "exposed", "ms", "share"]
     assert [r.split()[0] for r in rows[:3]] == ["load", "a", "b"]
-    assert rows[3].startswith("iteration: ")
+    assert rows[3].startswith("iteration: ") and rows[4].startswith("outside tasks: ")
+    assert 0 <= result.costs.meta["outside_tasks_s"] < 0.1 * result.baseline_s  # no data loading here
     data = json.loads(result.to_json())
     assert set(data["exposed_s"]) == {"load", "a", "b"} and data["not_measured"] == {}
     assert data["tasks"]["load"]["thread"] == "io"
@@ -278,6 +279,7 @@ def test_trace_file_parses_with_one_track_per_thread(results, tmp_path):
 
 def test_timeline_png(results, tmp_path):
     result = results["pipelined"]
-    window = result.window
-    path = plot_timeline(result.instances, tmp_path / "timeline.png", time_range=window)
+    start, end = result.window(last=3)
+    assert end - start == pytest.approx(3 * result.baseline_s, rel=0.1)
+    path = plot_timeline(result.instances, tmp_path / "timeline.png", time_range=(start, end))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

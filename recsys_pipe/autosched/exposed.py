@@ -43,7 +43,7 @@ class ProfileResult:
         not_measured: task -> why its exposed time could not be measured.
         costs: per-task costs from the baseline pass (`CostProfiler.cost_model`).
         instances: the baseline pass's task instances (for traces and timelines).
-        window: host-time span of the baseline pass's last measured iterations (for timelines).
+        iteration_spans: host-time (start, end) of the baseline pass's measured iterations.
         warmup, iters, rounds: how it was measured.
     """
 
@@ -56,7 +56,14 @@ class ProfileResult:
     iters: int
     rounds: int = 1
     instances: list[TaskInstance] = field(default_factory=list, repr=False)
-    window: tuple[float, float] | None = field(default=None, repr=False)
+    iteration_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
+
+    def window(self, last: int | None = None) -> tuple[float, float]:
+        """Host-time span of the measured iterations of the baseline pass (the last `last`)."""
+        spans = self.iteration_spans[-last:] if last else self.iteration_spans
+        if not spans:
+            raise ValueError("no measured iteration")
+        return spans[0][0], spans[-1][1]
 
     def share(self, task: str) -> float | None:
         """Exposed time of `task` as a fraction of the iteration, or None if not measured."""
@@ -95,6 +102,12 @@ class ProfileResult:
             f"{f', {self.rounds} rounds' if self.rounds > 1 else ''}); exposed = iteration - iteration with "
             "the task replayed"
         )
+        outside = self.costs.meta.get("outside_tasks_s")
+        if outside is not None:
+            lines.append(
+                f"outside tasks: {outside * 1e3:.3f} ms per iteration (median; fetching the batch, rotating the "
+                "ring, on the calling thread)"
+            )
         for name, reason in self.not_measured.items():
             lines.append(f"n/a {name}: {reason}")
         return "\n".join(lines)
@@ -214,7 +227,7 @@ class TaskProfiler:
             iters=self.iters,
             rounds=self.rounds,
             instances=first.instances(),
-            window=first.window(),
+            iteration_spans=[(s.start_s, s.end_s) for s in first.iterations() if not s.failed],
         )
 
     def _pass(self) -> CostProfiler:

@@ -218,20 +218,29 @@ class CostProfiler(SpanRecorder):
         """Duration of every measured iteration, in seconds."""
         return [s.duration_s for s in self.iterations() if not s.failed]
 
-    def window(self, last: int | None = None) -> tuple[float, float]:
-        """Host-time span of the measured iterations (the last `last` of them if given)."""
-        spans = [s for s in self.iterations() if not s.failed]
-        if not spans:
-            raise ValueError("no iteration was measured")
-        if last is not None:
-            spans = spans[-last:]
-        return spans[0].start_s, spans[-1].end_s
+    def outside_times(self) -> list[float]:
+        """Per measured iteration, the time before its first task starts and after its last task
+        ends: fetching the batch (`next()` on the data iterator), rotating the ring (releasing
+        the trained batch's values), the executor's barrier. It lies on the calling thread,
+        in series with every task, and a plan's tasks cannot overlap it."""
+        by_iteration: dict[int, tuple[float, float]] = {}
+        for inst in self.instances():
+            lo, hi = by_iteration.get(inst.iteration, (inst.start_s, inst.end_s))
+            by_iteration[inst.iteration] = (min(lo, inst.start_s), max(hi, inst.end_s))
+        out = []
+        for it in self.iterations():
+            if not it.failed and it.iteration in by_iteration:
+                first, last = by_iteration[it.iteration]
+                out.append((first - it.start_s) + (it.end_s - last))
+        return out
 
     def cost_model(self, order: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> CostModel:
         """One `TaskCost` per task: median host and device time with p10/p90, and how it ran.
 
         `order`: task names in the order to list them (default: first start); `meta` goes into
-        the cost model's `meta` with `warmup`, `iters` and the median iteration time.
+        the cost model's `meta` with `warmup`, `iters`, the median iteration time
+        (`iteration_s`) and the median time outside tasks (`outside_tasks_s`, see
+        `outside_times`).
         """
         by_task: dict[str, list[TaskInstance]] = {}
         for inst in self.instances():
@@ -258,11 +267,12 @@ class CostProfiler(SpanRecorder):
                 nccl=first.nccl,
                 samples=len(runs),
             )
-        times = self.iteration_times()
+        times, outside = self.iteration_times(), self.outside_times()
         info = {
             "warmup": self.warmup,
             "iters": self._measured,
             "iteration_s": float(np.median(times)) if times else None,
+            "outside_tasks_s": float(np.median(outside)) if outside else None,
             "device_timing": self.timer is not None,
         }
         return CostModel(tasks, {**info, **(meta or {})})

@@ -22,7 +22,7 @@ from recsys_pipe.engine.errors import (
     TaskFailedError,
 )
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
-from recsys_pipe.engine.observe import IterationSpan, SpanRecorder, TaskObserver, TaskSpan
+from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, SpanRecorder, TaskObserver, TaskSpan
 from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
 from recsys_pipe.engine.schedule import Schedule, Stage
 from recsys_pipe.engine.shortcut import DeclaredIO, shortcut_refusal
@@ -48,6 +48,7 @@ __all__ = [
     "NoOpEvent",
     "NoOpStream",
     "PipelineBrokenError",
+    "RecordFunctionRanges",
     "Problem",
     "SchedulablePipeline",
     "Schedule",

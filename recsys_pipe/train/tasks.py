@@ -14,6 +14,12 @@ loop and `TrainPipelineSparseDist`):
   so `prefetch_embeddings` calls `_prefetch_embeddings` and fills the two post-prefetch maps
   itself, as torchrec does; `PrefetchPipelinedForward` has no fallback if it did not run;
 - on CPU every stream argument is None: a stream makes the forwards `record_stream` CPU tensors.
+
+Effects outside the slots are declared (`declare_effects`) so that shortcut replay (exposed-time
+profiling) skips only what it can replay: `h2d` (its replay hands out a fresh torchrec context)
+and `global_tokens_allreduce` (slots only). The others change torchrec's per-batch context in
+place (one-shot awaitables of in-flight collectives), module state, the embedding cache,
+gradients or parameters, which no capture/restore can replay without doing the work itself.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.train_pipeline.utils import _prefetch_embeddings, _start_data_dist
 
-from recsys_pipe.engine import TaskContext
+from recsys_pipe.engine import DeclaredIO, TaskContext, declare_effects
 from recsys_pipe.train.state import BATCH_GPU, GLOBAL_TOKENS, INPUT_DIST_SPLITS, TORCHREC_CTX
 
 __all__ = [
@@ -57,6 +63,15 @@ class StepResult:
         return int(self.sample_ids.numel())
 
 
+def _fresh_context(ctx: TaskContext, _: None) -> None:
+    """Replay of h2d: the recorded device batch (later tasks only read it), a new context."""
+    ctx.slots.set(TORCHREC_CTX, ctx.state.new_context(ctx.batch_index))
+
+
+@declare_effects(
+    "creates the batch's torchrec context, which the input-dist, prefetch and forward tasks fill and empty in place",
+    DeclaredIO(capture=lambda ctx: None, restore=_fresh_context),
+)
 def h2d(ctx: TaskContext) -> None:
     """batch_cpu -> batch_gpu on the memcpy stream, plus the batch's torchrec context."""
     slots, state = ctx.slots, ctx.state
@@ -71,6 +86,10 @@ def h2d(ctx: TaskContext) -> None:
     slots.set(TORCHREC_CTX, state.new_context(ctx.batch_index))
 
 
+@declare_effects(
+    "starts the input all-to-alls and keeps their one-shot awaitables in the batch's torchrec context "
+    "(changed in place)"
+)
 def start_input_dist(ctx: TaskContext) -> None:
     """torchrec `_start_data_dist`: per-module input dists and the fused splits all-to-all."""
     slots, state = ctx.slots, ctx.state
@@ -81,6 +100,10 @@ def start_input_dist(ctx: TaskContext) -> None:
     slots.set(INPUT_DIST_SPLITS, context.fused_splits_awaitables)
 
 
+@declare_effects(
+    "waits for the input splits and starts the tensors all-to-all, moving one-shot awaitables within "
+    "the batch's torchrec context (changed in place)"
+)
 def wait_input_dist(ctx: TaskContext) -> None:
     """Wait for the splits; this issues the tensors all-to-all (torchrec's wait_sparse_data_dist)."""
     context = ctx.slots[TORCHREC_CTX]
@@ -92,6 +115,10 @@ def wait_input_dist(ctx: TaskContext) -> None:
     ctx.slots.set("input_dist_tensors", context.input_dist_tensors_requests)
 
 
+@declare_effects(
+    "moves the batch's input-dist results within its torchrec context (changed in place) and warms "
+    "the embedding cache that forward reads"
+)
 def prefetch_embeddings(ctx: TaskContext) -> None:
     """Wait for the input tensors and warm the embedding cache (`module.prefetch`) for the
     batch the next forward will train. CPU kernels have no cache: the wait is the real work."""
@@ -112,6 +139,7 @@ def prefetch_embeddings(ctx: TaskContext) -> None:
     slots.set("prefetched_input", context.module_input_post_prefetch)
 
 
+@declare_effects("clears every parameter's gradient (.grad), which backward accumulates into")
 def zero_grad(ctx: TaskContext) -> None:
     if ctx.state.training:
         ctx.state.optimizer.zero_grad()
@@ -126,6 +154,10 @@ def global_tokens_allreduce(ctx: TaskContext) -> None:
     ctx.slots.set(GLOBAL_TOKENS, tokens)
 
 
+@declare_effects(
+    "points the pipelined forwards at the batch's torchrec context, consumes its input-dist results "
+    "(and prefetched embedding cache rows) and starts the embedding output all-to-all"
+)
 def forward(ctx: TaskContext) -> None:
     """model(batch) through the rewritten forward: the embedding lookup uses this batch's
     already distributed input (`set_context` ties the shared pipelined forwards to it). With a
@@ -144,12 +176,17 @@ def forward(ctx: TaskContext) -> None:
     slots.set("model_out", aux)
 
 
+@declare_effects(
+    "accumulates parameter gradients, updates the fused embedding tables and their optimizer state, "
+    "all-reduces dense gradients (DDP)"
+)
 def backward(ctx: TaskContext) -> None:
     """loss.backward(): output-dist backward, fused embedding update, DDP all-reduce."""
     if ctx.state.training:
         ctx.slots["loss"].backward()
 
 
+@declare_effects("finalizes the dense gradients in place (megatron-core DDP)")
 def finalize_model_grads(ctx: TaskContext) -> None:
     """megatron-core's finalize_model_grads when that DDP is used; torch DDP already
     all-reduced the dense gradients during backward."""
@@ -158,6 +195,7 @@ def finalize_model_grads(ctx: TaskContext) -> None:
         state.finalize_grads()
 
 
+@declare_effects("updates the dense parameters and the optimizer state in place")
 def optimizer_step(ctx: TaskContext) -> None:
     slots, state = ctx.slots, ctx.state
     if state.training:
