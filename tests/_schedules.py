@@ -1,4 +1,5 @@
-"""Random valid schedules (hypothesis) and a tracing task body, shared by the engine tests.
+"""Random valid schedules (hypothesis), a tracing task body and a cross-stream hand-off plan,
+shared by the engine tests (CPU and tests/cuda).
 
 Every generated task reads its declared slots at their declared offsets, writes a value derived
 from (its name, its batch, what it read, the raw batch) to every slot it declares, and logs what
@@ -12,10 +13,12 @@ import random
 import threading
 import time
 
+import torch
 from hypothesis import strategies as st
 
 from recsys_pipe.engine import DataSlot, Schedule, Stage, Task, compile_dependencies
 from recsys_pipe.engine.errors import ScheduleValidationError
+from recsys_pipe.engine.testing import cuda_spin
 
 STREAMS = ("default", "s1", "s2")
 
@@ -112,3 +115,52 @@ def schedule_specs(draw, max_tasks: int = 6, max_lookahead: int = 3, streams=STR
     except ScheduleValidationError as exc:  # rule 8 conflicts etc.: fall back to the valid prefix
         raise AssertionError(f"generator produced an invalid schedule: {exc}") from exc
     return shuffled
+
+
+HANDOFF_SIZE = 1 << 16  # int64 elements: 512 KiB, one block of the caching allocator's small pool
+
+
+def handoff_value(batch: int) -> int:
+    return 1000 + batch
+
+
+def handoff_schedule(record_stream: str, spin_ms: float = 0.0) -> Schedule:
+    """Memory made on one stream, read on another, dropped by the ring while the read may be queued.
+
+    `make` (lookahead 1, stream "side") allocates a tensor holding `handoff_value(batch)`; `take`
+    (lookahead 0, default stream) keeps its stream busy for `spin_ms` (CUDA only), then copies
+    the tensor into `step_result`. The ring drops the tensor when `take`'s batch completes, so on
+    CUDA the copy may still be queued when the memory goes back to the caching allocator, which
+    hands it to the next allocation on the side stream unless it knows another stream uses it.
+    `record_stream` says who tells it: "producer" (the pattern of the training h2d task: the
+    allocating task, for every other stream of the pool), "consumer" (the reading task, for its
+    own stream) or "none". CPU tensors have no streams: nothing is recorded there.
+    """
+    if record_stream not in ("producer", "consumer", "none"):
+        raise ValueError(f"record_stream must be producer, consumer or none, got {record_stream!r}")
+
+    def make(ctx) -> None:
+        pool = ctx.stream_pool
+        device = "cuda" if pool.is_cuda else "cpu"
+        x = torch.full((HANDOFF_SIZE,), handoff_value(ctx.batch_index), dtype=torch.int64, device=device)
+        if record_stream == "producer" and pool.is_cuda:
+            for name in pool.names:
+                if name != ctx.task.stream:
+                    x.record_stream(pool.get(name))
+        ctx.slots.set("x", x)
+
+    def take(ctx) -> None:
+        x = ctx.slots["x"]
+        if ctx.stream_pool.is_cuda:
+            cuda_spin(spin_ms)
+            if record_stream == "consumer":
+                x.record_stream(torch.cuda.current_stream())
+        ctx.slots.set("step_result", x.clone())
+
+    return Schedule.single_stage(
+        [
+            Task.from_fn("take", take, reads=["x"], writes=["step_result"]),
+            Task.from_fn("make", make, stream="side", lookahead=1, writes=["x"]),
+        ],
+        ("default", "side"),
+    )

@@ -7,6 +7,9 @@ semantics (each stream is FIFO; `wait_event` orders after the work recorded befo
 `wait_stream` orders after everything submitted to the other stream so far) with vector clocks,
 and checks every declared dependency of every executed task instance against the producer
 instance for the right batch, derived independently from the declarations.
+
+On a GPU, `cuda_spin` enqueues device work of a given length, so that a test can make a producer
+slow enough for a missing wait to show up as a wrong value (tests/cuda).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from recsys_pipe.engine.schedule import Schedule
 from recsys_pipe.engine.streams import StreamPool
@@ -170,3 +175,45 @@ def check_happens_before(log: StreamLog, schedule: Schedule) -> list[str]:
                     f"{producer}[batch {producer_batch}] on stream '{stream}'"
                 )
     return violations
+
+
+# -- real CUDA streams ----------------------------------------------------------------------------
+
+_SPIN_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def cuda_spin(ms: float) -> None:
+    """Enqueue a kernel that keeps the current CUDA stream busy for about `ms` milliseconds.
+
+    A stand-in for device work of a known length (a long producer in the ordering tests, the
+    communication of the GPU benchmark). `torch.cuda._sleep` spins a number of GPU clock cycles;
+    the cycles per millisecond are measured once per device with CUDA events, after a warm-up
+    spin that lets the clock leave its idle frequency, so lengths are approximate (the clock may
+    still change) and callers that need exact figures time the work themselves.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_spin needs a CUDA device (on CPU, sleep on the task's thread instead)")
+    if ms <= 0:
+        return
+    device = torch.cuda.current_device()
+    rate = _SPIN_CYCLES_PER_MS.get(device)
+    if rate is None:
+        rate = _SPIN_CYCLES_PER_MS[device] = _measure_spin_rate()
+    torch.cuda._sleep(max(1, int(ms * rate)))
+
+
+def _measure_spin_rate(cycles: int = 20_000_000) -> float:
+    """GPU clock cycles per millisecond of `torch.cuda._sleep` on the current device (median of 3),
+    measured on a side stream so no caller's stream is disturbed."""
+    stream = torch.cuda.Stream()
+    rates = []
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)  # warm-up: the first spin runs while the clock ramps up
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            rates.append(cycles / start.elapsed_time(end))
+    return sorted(rates)[1]
