@@ -328,10 +328,12 @@ def test_without_shortcuts_tasks_run_their_own_run_method():
     pipe = SchedulablePipeline(Schedule.single_stage(tasks))
     records = list(pipe._records.values())
     assert [r.run for r in records] == [t.run for t in tasks]
+    assert pipe._plain  # the per-task path is just `task.run(ctx)`
     pipe.enable_shortcut("a")
-    assert isinstance(pipe._records[tasks[0]].run, ShortcutRun)
+    assert isinstance(pipe._records[tasks[0]].run, ShortcutRun) and not pipe._plain
     pipe.disable_shortcut("a")
     assert [r.run for r in records] == [t.run for t in tasks]  # back to the task's own method
+    assert pipe._plain
     list(pipe.iterate(range(2)))
     assert [name for name, _ in ran] == ["a", "b", "a", "b"]
 

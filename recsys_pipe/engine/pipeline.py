@@ -93,7 +93,10 @@ class SchedulablePipeline:
         self._nvtx = self.stream_pool.is_cuda if nvtx_ranges is None else bool(nvtx_ranges)
         # No-op streams order nothing: skip event waits, records and stream scopes entirely.
         self._stream_ops = not self.stream_pool.is_noop
-        self._plain = not self._stream_ops and not self._nvtx  # per task: just `task.run(ctx)`
+        # Per task just `task.run(ctx)`: no stream work, no NVTX, no observer and no shortcut (a
+        # shortcut is run through `_run_observed`, which calls `record.run`, so this path stays as is).
+        self._plain_possible = not self._stream_ops and not self._nvtx
+        self._plain = self._plain_possible
         needs_event = {w.producer for waits in self.graph.event_waits.values() for w in waits}
         self._records = {t: _TaskRecord(t, self.graph, needs_event) for t in self.graph.order}
         self._stage_orders = self.graph.stage_orders
@@ -141,11 +144,13 @@ class SchedulablePipeline:
         for record in records:
             if not isinstance(record.run, ShortcutRun):
                 record.run = ShortcutRun(record.task)
+        self._plain = False
 
     def disable_shortcut(self, names: str | Iterable[str]) -> None:
         """Run these tasks for real again and forget what their shortcuts recorded."""
         for record in self._named_records(names):
             record.run = record.task.run
+        self._plain = self._plain_possible and not self.shortcuts
 
     @property
     def shortcuts(self) -> frozenset[str]:
@@ -332,7 +337,7 @@ class SchedulablePipeline:
         observer = self._running_observer
         try:
             if self._plain and observer is None:
-                record.run(ctx)
+                task.run(ctx)
             elif self._stream_ops:
                 self._run_ordered(record, ctx, observer)
             else:
