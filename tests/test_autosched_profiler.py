@@ -141,7 +141,7 @@ def test_tasks_that_cannot_be_replayed_are_reported_not_measured():
         assert pipe.shortcuts == frozenset() and pipe.observer is None
     assert set(result.exposed_s) == {"pure"}
     assert "updates a counter" in result.not_measured["stateful"]
-    assert "n/a stateful:" in result.report()
+    assert "n/a: task 'stateful' cannot be shortcut" in result.report()
 
 
 # -- device timing through the event interface, on CPU -------------------------------------------

@@ -85,7 +85,7 @@ def test_profile_command_on_the_hstu_plan_with_two_ranks_writes_every_file(tmp_p
 
     out = proc.stdout
     assert "task " in out and "exposed ms" in out and "simulated from these costs" in out
-    assert "n/a forward: task 'forward' cannot be shortcut" in out
+    assert "n/a: task 'forward' cannot be shortcut" in out
 
     # the profile loop: recsys-plan reads the measured costs and simulates the plan
     assert plan_run(["pipeline=hstu_prefetch", f"costs={run_dir / 'costs.json'}", f"hydra.run.dir={tmp_path}"]) == 0

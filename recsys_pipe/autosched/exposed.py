@@ -108,8 +108,8 @@ class ProfileResult:
                 f"outside tasks: {outside * 1e3:.3f} ms per iteration (median; fetching the batch, rotating the "
                 "ring, on the calling thread)"
             )
-        for name, reason in self.not_measured.items():
-            lines.append(f"n/a {name}: {reason}")
+        for reason in self.not_measured.values():
+            lines.append(f"n/a: {reason}")
         return "\n".join(lines)
 
     def print_report(self, file: IO[str] | None = None) -> None:

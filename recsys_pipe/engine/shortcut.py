@@ -63,8 +63,8 @@ def shortcut_refusal(task: Task) -> str | None:
     """Why `task` cannot be shortcut, or None when it can."""
     if task.effects and not task.io:
         return (
-            f"task '{task.name}' cannot be shortcut: it has effects outside its slots ({task.effects}) "
-            "and declares no DeclaredIO (Task.io) to replay them"
+            f"task '{task.name}' cannot be shortcut: effects outside its slots and no DeclaredIO (Task.io) "
+            f"to replay them: {task.effects}"
         )
     return None
 
