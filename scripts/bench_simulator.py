@@ -111,8 +111,7 @@ def random_plan(rng: random.Random) -> tuple[Schedule, dict[str, str]]:
 
 def measure_random(schedule: Schedule, thread_map: dict[str, str], warmup: int, iters: int) -> dict[str, Any]:
     with SchedulablePipeline(schedule, executor=ThreadedExecutor(thread_map)) as pipe:
-        profiler = TaskProfiler(pipe, lambda: range(10**6), warmup, iters)
-        profiler.make_batches = lambda: range(profiler.batches_needed)
+        profiler = TaskProfiler(pipe, lambda: range(profiler.batches_needed), warmup, iters)
         result = profiler.profile_many([])
     predicted = simulate(schedule, result.costs, thread_map).iteration_s
     return {

@@ -30,6 +30,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, StrictBool, StrictInt, StrictStr
@@ -38,6 +39,10 @@ from recsys_pipe.cli._hydra import hydra_app
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, Section, suggest
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.plan import training_plan
+
+if TYPE_CHECKING:
+    from recsys_pipe.autosched import ProfileResult
+    from recsys_pipe.train import Trainer
 
 __all__ = ["ProfileCommandConfig", "ProfileConfig", "main", "profile_task", "run"]
 
@@ -142,7 +147,7 @@ def profile_task(cfg: DictConfig) -> None:
     teardown()
 
 
-def _measure(trainer, options: ProfileConfig):
+def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
     """Rewrite the model on the first batch, run a few steps, then the TaskProfiler passes."""
     from recsys_pipe.autosched import TaskProfiler
 
@@ -153,14 +158,18 @@ def _measure(trainer, options: ProfileConfig):
     pipeline.seed_first_batch(start, trainer.state.bootstrap(first))
     for _ in pipeline.iterate(start):  # drained: nothing of it stays in flight
         pass
-    profiler = TaskProfiler(pipeline, lambda: None, options.warmup, options.iters, rounds=options.rounds)
-    needed = profiler.batches_needed
-    profiler.make_batches = lambda: itertools.islice(iter(loader), needed)
-    names = (options.tasks if options.tasks is not None else None) if options.exposed else []
+    profiler = TaskProfiler(
+        pipeline,
+        lambda: itertools.islice(iter(loader), profiler.batches_needed),  # fresh batches, just enough
+        options.warmup,
+        options.iters,
+        rounds=options.rounds,
+    )
+    names = options.tasks if options.exposed else []  # None: every task
     return profiler.profile_many(names)
 
 
-def write_profile(result, out: Path, meta: dict, timeline_iterations: int) -> list[Path]:
+def write_profile(result: ProfileResult, out: Path, meta: dict[str, Any], timeline_iterations: int) -> list[Path]:
     """costs.json, exposed.json, trace.json and timeline.png of `result` into `out`."""
     from recsys_pipe.autosched import CostModel, plot_timeline, write_chrome_trace
 
@@ -180,7 +189,7 @@ def write_profile(result, out: Path, meta: dict, timeline_iterations: int) -> li
     return paths
 
 
-def _print_prediction(plan: CompiledPlan, result) -> None:
+def _print_prediction(plan: CompiledPlan, result: ProfileResult) -> None:
     from recsys_pipe.autosched import simulate
 
     thread_map = dict(plan.thread_of) if plan.threaded else "sequential"
