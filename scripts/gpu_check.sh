@@ -151,7 +151,12 @@ last_json "$OUT_DIR/bench_gpu.log" "$OUT_DIR/bench_gpu.json"
 
 engine_args=(${bench_args[@]+"${bench_args[@]}"})
 PLANS_NOTE=""
-if ! plans_error="$("$PY" -c 'import recsys_pipe.train' 2>&1)"; then
+# The plan section composes the shipped plans through the launcher config (Hydra, pydantic, the
+# model registry): probe exactly that, since the training stack may be partly absent here.
+probe='from recsys_pipe.testing import load_run
+from recsys_pipe.train import training_plan
+training_plan(load_run("pipeline=hstu_prefetch"), resolve_fn=lambda path: print)'
+if ! plans_error="$("$PY" -c "$probe" 2>&1)"; then
   engine_args+=(--no-plans)
   PLANS_NOTE="shipped plans skipped: ${plans_error##*$'\n'}"
 fi

@@ -60,6 +60,13 @@ def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipe
     assert (tmp_path / "plan.txt").read_text() == expected
 
 
+@pytest.mark.parametrize("pipeline", ["serial_balanced", "hstu_sparse_dist_balanced", "hstu_prefetch_balanced"])
+def test_balanced_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline):
+    """With the default thread map (hstu_default: the shuffle tasks on io with h2d)."""
+    assert plan(tmp_path, f"pipeline={pipeline}") == 0
+    assert (tmp_path / "plan.txt").read_text() == (GOLDEN / f"plan_{pipeline}.default.txt").read_text()
+
+
 def test_derived_plans_restate_only_what_differs():
     from recsys_pipe.cli._hydra import CONF_DIR
 
@@ -68,6 +75,12 @@ def test_derived_plans_restate_only_what_differs():
     assert texts["sparse_dist"].count("fn: ") == 0 and "- serial" in texts["sparse_dist"]
     assert texts["hstu_sparse_dist"].count("fn: ") == 0 and "- sparse_dist" in texts["hstu_sparse_dist"]
     assert texts["hstu_prefetch"].count("fn: ") == 1 and "- hstu_sparse_dist" in texts["hstu_prefetch"]
+    for balanced, parent in [
+        ("serial_balanced", "serial"),
+        ("hstu_sparse_dist_balanced", "hstu_sparse_dist"),
+        ("hstu_prefetch_balanced", "hstu_prefetch"),
+    ]:  # the two shuffle tasks on top of the parent
+        assert texts[balanced].count("fn: ") == 2 and f"- {parent}\n" in texts[balanced]
 
 
 def test_overrides_show_in_output_and_saved_config(tmp_path, capsys):
@@ -93,7 +106,12 @@ def test_help_lists_groups_and_options(capsys):
     assert run(["--help"]) == 0
     out = capsys.readouterr().out
     assert "recsys-plan: compile a training plan" in out
-    assert "pipeline: hstu_prefetch, hstu_sparse_dist, serial, sparse_dist" in out
+    assert (
+        "pipeline: hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, hstu_sparse_dist_balanced, serial, "
+        "serial_balanced, sparse_dist" in out
+    )
+    assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_small" in out
+    assert "data: criteo, criteo_synthetic, custom, movielens, synthetic" in out
     assert "thread_map: by_stream, hstu_default, per_task, plan, single" in out
     for group in ("model:", "data:", "optimizer:", "trainer:"):
         assert group in out

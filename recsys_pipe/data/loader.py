@@ -1,28 +1,33 @@
-"""The per-rank DataLoader of `Batch`es, and `DataConfig`, the base of every data source's config.
+"""The per-rank DataLoader of batches, and `DataConfig`, the base of every data source's config.
 
-A data source is a `DataConfig` subclass next to its dataset (`SyntheticDataConfig`,
-`MovieLensDataConfig`), registered by name in `recsys_pipe.data.registry`. The subclass builds
-the rank's dataset; this module turns it into batches the same way for every source.
+A data source is a builder and its config class (see `recsys_pipe.config.registry`):
+
+    def build(cfg: MyDataConfig, rank: int, world_size: int) -> Dataset
+
+The dataset is map-style (`len`, `[i]` -> sample) and holds this rank's disjoint share of the
+data; it has `spec` (a `DataSpec`, which sizes the model) and `collate(samples) -> batch` (a
+batch following the protocol in `recsys_pipe.data.batch`). Shipped sources are registered by
+name in `recsys_pipe.data.registry`; this module turns any of them into batches the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 import torch
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validator
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from recsys_pipe.config import Section
+from recsys_pipe.config import Component
+from recsys_pipe.data.spec import DataSpec
 
 __all__ = ["DataConfig", "SequenceDataConfig", "make_dataloader"]
 
 
-class DataConfig(Section):
-    """Batch shape and loading, shared by every data source (`data.*`)."""
+class DataConfig(Component):
+    """Batch shape and loading, shared by every data source (`data.*`). A builder whose config
+    parameter is not annotated gets this class."""
 
-    name: StrictStr = Field(description="data source: a name registered in recsys_pipe.data.registry")
     batch_size: StrictInt = Field(32, ge=1, description="samples per batch per rank")
     num_batches: StrictInt | None = Field(
         None, ge=1, description="training batches per rank (null: the whole share of the data)"
@@ -33,12 +38,14 @@ class DataConfig(Section):
     pin_memory: StrictBool = Field(False, description="pin host batches (CUDA: asynchronous host-to-device copies)")
 
     def dataset(self, rank: int, world_size: int) -> Dataset:
-        """This rank's disjoint share of the source; `.spec` (a `DataSpec`) sizes the model."""
-        raise NotImplementedError(f"data source '{self.name}' does not build a dataset")
+        """This rank's disjoint share of the source (the builder's result): `.spec` sizes the
+        model, `.collate` turns a list of samples into a batch."""
+        return self.builder_fn()(self, rank, world_size)
 
-    def collate_fn(self) -> Callable[[list], Any]:
-        """Turns a list of samples into one batch."""
-        raise NotImplementedError(f"data source '{self.name}' has no collate function")
+    def spec(self) -> DataSpec:
+        """The model-sizing spec of this source. Sources that know it from their config alone
+        override this; by default it is read from a one-rank dataset."""
+        return self.dataset(0, 1).spec
 
 
 class SequenceDataConfig(DataConfig):
@@ -58,13 +65,6 @@ class SequenceDataConfig(DataConfig):
                 "a sample needs at least one history token"
             )
         return num_candidates
-
-    def collate_fn(self) -> Callable[[list], Any]:
-        from functools import partial
-
-        from recsys_pipe.data.batch import collate
-
-        return partial(collate, use_user_feature=self.use_user_feature)
 
 
 def make_dataloader(
@@ -104,5 +104,5 @@ def make_dataloader(
         drop_last=True,
         num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory,
-        collate_fn=cfg.collate_fn(),
+        collate_fn=dataset.collate,
     )

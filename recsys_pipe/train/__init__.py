@@ -1,31 +1,37 @@
-"""Training adapter: the run config, the torchrec task functions, their shared state, the loop."""
+"""Training adapter: the run config, the task functions, their shared state, the loop.
 
-from recsys_pipe.train.config import RunConfig, TrainerConfig, load_run_config
-from recsys_pipe.train.distributed import DistInfo, init_distributed, resolve_device, shared_run_dir, teardown
-from recsys_pipe.train.optim import OptimizerConfig, SparseOptimizerConfig
-from recsys_pipe.train.params import local_parameters
-from recsys_pipe.train.plan import training_plan
-from recsys_pipe.train.state import TrainState
-from recsys_pipe.train.tasks import StepResult
-from recsys_pipe.train.trainer import Trainer, TrainSummary, build_model, build_pipeline
+Names are imported on first use (PEP 562): `import recsys_pipe.train` loads no torchrec, and
+nothing in the training path imports it unless the model has torchrec tables.
+"""
 
-__all__ = [
-    "DistInfo",
-    "OptimizerConfig",
-    "RunConfig",
-    "SparseOptimizerConfig",
-    "StepResult",
-    "TrainState",
-    "TrainSummary",
-    "Trainer",
-    "TrainerConfig",
-    "build_model",
-    "build_pipeline",
-    "init_distributed",
-    "load_run_config",
-    "local_parameters",
-    "resolve_device",
-    "shared_run_dir",
-    "teardown",
-    "training_plan",
-]
+from __future__ import annotations
+
+from recsys_pipe._lazy import lazy_exports
+
+_EXPORTS = {
+    "RunConfig": "config",
+    "TrainerConfig": "config",
+    "load_run_config": "config",
+    "DistInfo": "distributed",
+    "init_distributed": "distributed",
+    "resolve_device": "distributed",
+    "shared_run_dir": "distributed",
+    "teardown": "distributed",
+    "OPTIMIZERS": "optim",
+    "OptimizerConfig": "optim",
+    "SparseOptimizerConfig": "optim",
+    "local_parameters": "params",
+    "training_plan": "plan",
+    "BatchBalancer": "shuffle",
+    "karmarkar_karp": "shuffle",
+    "TrainState": "state",
+    "StepResult": "tasks",
+    "build_model": "build",
+    "build_state": "build",
+    "Trainer": "trainer",
+    "TrainSummary": "trainer",
+    "build_pipeline": "trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,8 +2,8 @@
 every component's own config into what `recsys-train` runs.
 
 Each section is owned by the code it configures: the plan by `recsys_pipe.config`, the data
-source and model by their registries (`data.name`, `model.name` pick the config class), the
-optimizers by `recsys_pipe.train.optim`, the loop by `TrainerConfig` here. `load_run_config`
+source, model and dense optimizer by their registries (`data.name`, `model.name`,
+`optimizer.name` -- or `*.builder` -- pick the config class), the loop by `TrainerConfig` here. `load_run_config`
 validates them all and the constraints between them, and reports every problem with its config
 path before anything is built.
 """
@@ -29,7 +29,7 @@ from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
-from recsys_pipe.train.optim import OptimizerConfig
+from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
 
 __all__ = ["RunConfig", "TorchProfilerConfig", "TrainerConfig", "load_run_config"]
 
@@ -73,13 +73,15 @@ class RunConfig(Section):
     pipeline: PlanConfig = Field(description="the plan: tasks, streams, lookaheads, threads, dependencies")
     model: SerializeAsAny[ModelConfig] = Field(description="the model; model.name picks its config and builder")
     data: SerializeAsAny[DataConfig] = Field(description="the data source; data.name picks it")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="dense and embedding optimizers")
+    optimizer: SerializeAsAny[OptimizerConfig] = Field(
+        default_factory=AdamConfig, description="dense and embedding optimizers; optimizer.name picks the dense one"
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the training loop")
     seed: StrictInt = Field(0, description="model initialisation seed")
     debug: StrictBool = Field(False, description="show tracebacks for errors instead of one-line messages")
 
-    #: sections whose config class is picked by their `name` from a registry
-    COMPONENTS: ClassVar[dict[str, Registry]] = {"model": MODELS, "data": DATA_SOURCES}
+    #: sections whose config class is picked by their `name` from a registry (or their `builder`)
+    COMPONENTS: ClassVar[dict[str, Registry]] = {"model": MODELS, "data": DATA_SOURCES, "optimizer": OPTIMIZERS}
 
     @classmethod
     def from_container(cls: type[R], data: Any) -> R:
@@ -94,7 +96,7 @@ class RunConfig(Section):
             if not isinstance(raw, Mapping):
                 continue  # missing or not a mapping: reported by the model validation below
             try:
-                sections[key] = validate_section(registry.config_class(raw.get("name"), key), raw, key)
+                sections[key] = validate_section(registry.config_class(raw, key), raw, key)
             except ConfigError as exc:
                 problems += exc.problems
                 failed.add(key)

@@ -17,17 +17,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torchmetrics import MeanMetric
-from torchmetrics.classification import MultilabelAUROC
+from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 
 from recsys_pipe.config import CompiledPlan
-from recsys_pipe.data import DataSpec, make_dataloader
+from recsys_pipe.data.loader import make_dataloader
 from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
-from recsys_pipe.models import make_optimizer, make_sharded_model
+from recsys_pipe.train.build import build_model, build_state
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.distributed import DistInfo
-from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
 from recsys_pipe.train.torch_profile import StepWindow
@@ -54,22 +54,6 @@ class TrainSummary:
         return self.samples / self.seconds if self.seconds else 0.0
 
 
-def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[torch.nn.Module, Any]:
-    """The configured model with sharded embedding tables, and its combined optimizer; the same
-    initial weights on every rank (seeded)."""
-    torch.manual_seed(run.seed)
-    embedding_opt, embedding_kwargs = sparse_optimizer(run.optimizer.sparse)
-    model = make_sharded_model(
-        run.model.build(spec),
-        dist.group.WORLD,
-        info.device,
-        sharding_type=run.model.sharding,
-        embedding_optimizer=embedding_opt,
-        embedding_optimizer_kwargs=embedding_kwargs,
-    )
-    return model, make_optimizer(model, dense_optimizer_factory(run.optimizer))
-
-
 def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
     """A pipeline running `plan` on `streams`, with its own executor (and worker threads)."""
     executor = ThreadedExecutor(thread_map=dict(plan.thread_of)) if plan.threaded else SequentialExecutor()
@@ -92,15 +76,8 @@ class Trainer:
         )
         self.spec = self.train_loader.dataset.spec
         model, optimizer = build_model(run, info, self.spec)
-        streams = StreamPool.create(plan.schedule.stream_slots, info.device)
-        self.state = TrainState(
-            model=model,
-            optimizer=optimizer,
-            device=info.device,
-            streams=streams,
-            torchrec_context=plan.config.torchrec_context,
-        )
-        self.pipeline = build_pipeline(plan, streams, self.state)
+        self.state: TrainState = build_state(run, plan, model, optimizer, info)
+        self.pipeline = build_pipeline(plan, self.state.streams, self.state)
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
         self._metrics = (
             open(  # noqa: SIM115 - closed by close()
@@ -182,21 +159,26 @@ class Trainer:
         return summary
 
     def evaluate(self) -> dict[str, Any]:
-        """Loss and per-task AUC over the held-out loader, aggregated over all ranks."""
+        """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the
+        held-out loader, aggregated over all ranks."""
         assert self.eval_loader is not None
         num_tasks = self.spec.num_tasks
-        auroc = MultilabelAUROC(num_labels=num_tasks, average=None).to(self.info.device)
+        aurocs = [BinaryAUROC().to(self.info.device) for _ in range(num_tasks)]  # any task count, 1 included
         mean_loss = MeanMetric().to(self.info.device)
+        log_loss = MeanMetric().to(self.info.device)
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
             self._eval_pipeline = build_pipeline(self.plan, self.state.streams, self.state.for_eval())
         self.state.model.train(False)
         try:
             for result in self._eval_pipeline.iterate(self.eval_loader):
-                auroc.update(torch.sigmoid(result.logits), result.labels.int())
+                for task, auroc in enumerate(aurocs):
+                    auroc.update(result.logits[:, task], result.labels[:, task].int())
                 mean_loss.update(result.loss)
-            per_task = auroc.compute().tolist()
+                log_loss.update(F.binary_cross_entropy_with_logits(result.logits, result.labels, reduction="none"))
+            per_task = [float(auroc.compute()) for auroc in aurocs]
             return {
                 "eval_loss": float(mean_loss.compute()),
+                "log_loss": float(log_loss.compute()),
                 "auc": sum(per_task) / num_tasks,
                 "auc_per_task": [round(a, 5) for a in per_task],
             }
@@ -207,6 +189,7 @@ class Trainer:
         self.pipeline.shutdown()
         if self._eval_pipeline is not None:
             self._eval_pipeline.shutdown()
+        self.state.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
