@@ -84,8 +84,7 @@ def _fresh_context(ctx: TaskContext, _: None) -> None:
 
 
 @declare_effects(
-    "creates the batch's torchrec context, which the input-dist, prefetch and forward tasks fill and "
-    "empty in place",
+    "creates the batch's torchrec context, which the input-dist, prefetch and forward tasks fill and empty in place",
     DeclaredIO(capture=lambda ctx: None, restore=_fresh_context),
 )
 def h2d(ctx: TaskContext) -> None:
