@@ -427,6 +427,23 @@ def test_costs_print_the_simulated_step(tmp_path, capsys):
     assert "critical path" in out
 
 
+def test_tuned_prefetch_plan_keeps_its_torchrec_context(tmp_path, capsys):
+    import json
+
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train import training_plan
+
+    costs = _costs(tmp_path)
+    data = json.loads(costs.read_text())
+    data["tasks"]["prefetch_embeddings"] = {"cpu_s": 0.0005, "device_s": 0.0}
+    costs.write_text(json.dumps(data))
+    assert plan(tmp_path, "pipeline=hstu_prefetch", f"costs={costs}", "tune=true", "tune_time_limit_s=3") == 0
+    tuned = training_plan(
+        load_run("pipeline=hstu_prefetch_tuned", "thread_map=plan", f"hydra.searchpath=[file://{tmp_path}]")
+    )
+    assert tuned.config.torchrec_context == "prefetch"
+
+
 def test_tune_writes_a_plan_file_that_loads_as_tuned(tmp_path, capsys):
     from recsys_pipe.testing import load_run
     from recsys_pipe.train import training_plan

@@ -30,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from recsys_pipe.engine.task import Task
 
 
@@ -154,3 +156,24 @@ class SpanRecorder(TaskObserver):
         with self._lock:
             self._spans.clear()
             self._iterations.clear()
+
+
+class RecordFunctionRanges(TaskObserver):
+    """Opens a `torch.profiler.record_function` range around every task, named by `task.label`
+    (args: the batch index), so a torch.profiler trace shows each task on its thread.
+
+    Install it only while a torch profiler is recording (the ranges cost a few µs per task
+    then, and nothing when it is not installed). Worker threads are recorded only by a
+    profiler that profiles all threads (`torch.profiler._ExperimentalConfig(profile_all_threads=True)`).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, torch.autograd.profiler.record_function] = {}  # a task never overlaps itself
+
+    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
+        scope = torch.autograd.profiler.record_function(task.label, f"batch={batch_index}")
+        scope.__enter__()
+        self._open[task.name] = scope
+
+    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
+        self._open.pop(task.name).__exit__(None, None, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, SerializeAsAny, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import Field, SerializeAsAny, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from recsys_pipe.config import (
     ConfigError,
@@ -31,9 +31,24 @@ from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
 from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
 
-__all__ = ["RunConfig", "TrainerConfig", "load_run_config"]
+__all__ = ["RunConfig", "TorchProfilerConfig", "TrainerConfig", "load_run_config"]
 
 R = TypeVar("R", bound="RunConfig")
+
+
+class TorchProfilerConfig(Section):
+    """A torch.profiler trace of a window of training steps (`trainer.torch_profiler.*`)."""
+
+    steps: list[StrictInt] | None = Field(
+        None, description="[first, last] training steps to trace (1-based, inclusive); null: no trace"
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _window(cls, steps: list[int] | None) -> list[int] | None:
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"must be [first, last] with 1 <= first <= last, got {steps}")
+        return steps
 
 
 class TrainerConfig(Section):
@@ -47,6 +62,9 @@ class TrainerConfig(Section):
     eval_batches: StrictInt = Field(8, ge=0, description="held-out batches per rank for evaluation")
     progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
     output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
+    torch_profiler: TorchProfilerConfig = Field(
+        default_factory=TorchProfilerConfig, description="torch.profiler trace of some steps (<run dir>/torch_trace/)"
+    )
 
 
 class RunConfig(Section):

@@ -8,6 +8,13 @@ the serial and the pipelined plans, and every model: they use only the batch and
 torch tables it is None and the input-dist tasks have nothing to do.
 
 This module imports no torchrec.
+
+Effects outside the slots are declared (`declare_effects`) so that shortcut replay (exposed-time
+profiling) skips only what it can replay: `h2d` (its replay hands out a fresh torchrec context),
+the shuffle tasks and `global_tokens_allreduce` (slots only). The others change torchrec's
+per-batch context in place (one-shot awaitables of collectives in flight), module state, the
+embedding cache, gradients or parameters, which no capture/restore can replay without doing the
+work itself.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recsys_pipe.engine import TaskContext
+from recsys_pipe.engine import DeclaredIO, TaskContext, declare_effects
 from recsys_pipe.train.state import (
     BATCH_GPU,
     GLOBAL_TOKENS,
@@ -70,6 +77,16 @@ def _keep_alive(batch: Any, ctx: TaskContext) -> None:
                 batch.record_stream(streams.get(name))
 
 
+def _fresh_context(ctx: TaskContext, _: None) -> None:
+    """Replay of h2d: the recorded device batch (later tasks only read it) and a new context."""
+    sparse = ctx.state.sparse_dist
+    ctx.slots.set(TORCHREC_CTX, sparse.new_context(ctx.batch_index) if sparse is not None else None)
+
+
+@declare_effects(
+    "creates the batch's torchrec context, which the input-dist, prefetch and forward tasks fill and empty in place",
+    DeclaredIO(capture=lambda ctx: None, restore=_fresh_context),
+)
 def h2d(ctx: TaskContext) -> None:
     """batch_cpu -> device on the memcpy stream, plus the batch's torchrec context. The device
     batch goes to `batch_gpu`, or to `unbalanced_batch` in plans that balance batches (then
@@ -96,7 +113,8 @@ def start_shuffle(ctx: TaskContext) -> None:
 
 def finish_shuffle(ctx: TaskContext) -> None:
     """Balanced shuffler, second half: wait for this batch's partition and exchange samples, so
-    `batch_gpu` holds this rank's balanced share."""
+    `batch_gpu` holds this rank's balanced share. (It also counts the balance statistics, which
+    only the end-of-run report reads: no effect a later task depends on.)"""
     slots = ctx.slots
     if BATCH_GPU in slots:  # the bootstrap batch
         return
@@ -105,6 +123,10 @@ def finish_shuffle(ctx: TaskContext) -> None:
     slots.set(BATCH_GPU, batch)
 
 
+@declare_effects(
+    "starts the input all-to-alls and keeps their one-shot awaitables in the batch's torchrec context "
+    "(changed in place)"
+)
 def start_input_dist(ctx: TaskContext) -> None:
     """torchrec `_start_data_dist`: per-module input dists and the fused splits all-to-all."""
     slots, sparse = ctx.slots, ctx.state.sparse_dist
@@ -113,12 +135,20 @@ def start_input_dist(ctx: TaskContext) -> None:
     slots.set(INPUT_DIST_SPLITS, sparse.start(slots[BATCH_GPU], slots[TORCHREC_CTX]) if sparse is not None else None)
 
 
+@declare_effects(
+    "waits for the input splits and starts the tensors all-to-all, moving one-shot awaitables within "
+    "the batch's torchrec context (changed in place)"
+)
 def wait_input_dist(ctx: TaskContext) -> None:
     """Wait for the splits; this issues the tensors all-to-all (torchrec's wait_sparse_data_dist)."""
     sparse = ctx.state.sparse_dist
     ctx.slots.set("input_dist_tensors", sparse.wait(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
 
 
+@declare_effects(
+    "moves the batch's input-dist results within its torchrec context (changed in place) and warms "
+    "the embedding cache that forward reads"
+)
 def prefetch_embeddings(ctx: TaskContext) -> None:
     """Wait for the input tensors and warm the embedding cache (`module.prefetch`) for the
     batch the next forward will train. CPU kernels have no cache: the wait is the real work."""
@@ -126,6 +156,7 @@ def prefetch_embeddings(ctx: TaskContext) -> None:
     ctx.slots.set("prefetched_input", sparse.prefetch(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
 
 
+@declare_effects("clears every parameter's gradient (.grad), which backward accumulates into")
 def zero_grad(ctx: TaskContext) -> None:
     if ctx.state.training:
         ctx.state.optimizer.zero_grad()
@@ -140,6 +171,10 @@ def global_tokens_allreduce(ctx: TaskContext) -> None:
     ctx.slots.set(GLOBAL_TOKENS, tokens)
 
 
+@declare_effects(
+    "points the pipelined forwards at the batch's torchrec context, consumes its input-dist results "
+    "(and prefetched embedding cache rows) and starts the embedding output all-to-all"
+)
 def forward(ctx: TaskContext) -> None:
     """model(batch); with torchrec tables through the rewritten forward, whose embedding lookup
     uses this batch's already distributed input (`bind` ties the shared pipelined forwards to
@@ -159,12 +194,17 @@ def forward(ctx: TaskContext) -> None:
     slots.set("model_out", outputs)
 
 
+@declare_effects(
+    "accumulates parameter gradients, updates the fused embedding tables and their optimizer state, "
+    "all-reduces dense gradients (DDP)"
+)
 def backward(ctx: TaskContext) -> None:
     """loss.backward(): output-dist backward, fused embedding update, DDP all-reduce."""
     if ctx.state.training:
         ctx.slots["loss"].backward()
 
 
+@declare_effects("finalizes the dense gradients in place (megatron-core DDP)")
 def finalize_model_grads(ctx: TaskContext) -> None:
     """megatron-core's finalize_model_grads when that DDP is used; torch DDP already
     all-reduced the dense gradients during backward."""
@@ -173,6 +213,7 @@ def finalize_model_grads(ctx: TaskContext) -> None:
         state.finalize_grads()
 
 
+@declare_effects("updates the dense parameters and the optimizer state in place")
 def optimizer_step(ctx: TaskContext) -> None:
     slots, state = ctx.slots, ctx.state
     if state.training:

@@ -30,6 +30,7 @@ from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.distributed import DistInfo
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
+from recsys_pipe.train.torch_profile import StepWindow
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         window_start, window_samples = time.perf_counter(), 0
+        traced = StepWindow(cfg.torch_profiler.steps, self.run_dir or ".", self.info.rank, self.pipeline)
+        traced.step(0)
         start = time.perf_counter()
         while cfg.max_steps is None or summary.steps < cfg.max_steps:
             try:
@@ -121,6 +124,7 @@ class Trainer:
             except StopIteration:
                 break
             summary.steps += 1
+            traced.step(summary.steps)
             samples = result.num_samples * self.info.world_size
             summary.samples += samples
             window_samples += samples
@@ -146,6 +150,7 @@ class Trainer:
             if self.eval_loader is not None and cfg.eval_every and summary.steps % cfg.eval_every == 0:
                 summary.evals.append(self._log_eval(summary.steps))
         summary.seconds = time.perf_counter() - start
+        traced.close()
         if summary.steps:
             summary.last_loss = float(last.loss)
         bar.close()
