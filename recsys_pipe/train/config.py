@@ -47,6 +47,12 @@ class TrainerConfig(Section):
     eval_batches: StrictInt = Field(8, ge=0, description="held-out batches per rank for evaluation")
     progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
     output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
+    dense_ddp: Literal["torch", "megatron"] = Field(
+        "torch",
+        description="data parallelism of the replicated (dense) part: torch: torch DDP, gradients all-reduced during "
+        "backward; megatron: megatron-core's DDP (CUDA only; models with plain torch tables), gradients reduced by the "
+        "finalize_model_grads task",
+    )
 
 
 class RunConfig(Section):
