@@ -170,3 +170,42 @@ def test_megatron_ddp_trains_like_torch_ddp_bitwise_on_one_rank(tmp_path):
 def test_megatron_ddp_trains_like_torch_ddp_bitwise_on_two_ranks(tmp_path):
     """Two ranks on gloo: megatron-core's all-reduce of its buffer really reduces something."""
     assert_megatron_matches_torch(run_worker(tmp_path, "cpu", nproc=2), "cpu")
+
+
+LIFETIME = """
+import os, torch, torch.distributed as dist
+torch.cuda.current_device = lambda: torch.device("cpu")  # megatron-core's buffer device (see the module docstring)
+from megatron.core import parallel_state
+from recsys_pipe.train import MegatronGrads, init_distributed, megatron_ddp
+
+init_distributed("cpu")
+initialized = parallel_state.model_parallel_is_initialized
+first, second = megatron_ddp(torch.nn.Linear(2, 2)), megatron_ddp(torch.nn.Linear(2, 2))
+assert initialized() and parallel_state.get_data_parallel_world_size() == 1
+MegatronGrads(first).close()
+assert initialized(), "closing one model must leave the state the other uses"
+grads = MegatronGrads(second)
+grads.close()
+assert not initialized(), "the last close destroys what megatron_ddp initialized"
+grads.close()  # gives back once only: else the next model would count on a state nobody initialized
+third = MegatronGrads(megatron_ddp(torch.nn.Linear(2, 2)))
+assert initialized()
+third.close()
+assert not initialized()
+parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)  # someone else's
+MegatronGrads(megatron_ddp(torch.nn.Linear(2, 2))).close()
+assert initialized(), "state initialized elsewhere is left alone"
+print("ok")
+"""
+
+
+@pytest.mark.timeout(200)
+def test_parallel_state_lives_as_long_as_the_megatron_models():
+    proc = subprocess.run(
+        [sys.executable, "-c", LIFETIME],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -159,7 +159,7 @@ class _ModelParallelState:
         self._users = 0
         self._owned = False
 
-    def acquire(self, parallel_state: object) -> None:
+    def acquire(self, parallel_state: ModuleType) -> None:
         with self._lock:
             if self._users == 0:
                 if parallel_state.model_parallel_is_initialized():
@@ -178,16 +178,12 @@ class _ModelParallelState:
                     self._owned = True
             self._users += 1
 
-    def release(self, parallel_state: object) -> None:
+    def release(self, parallel_state: ModuleType) -> None:
         with self._lock:
             self._users -= 1
             if self._users == 0 and self._owned:
                 parallel_state.destroy_model_parallel()
                 self._owned = False
-
-    @property
-    def users(self) -> int:
-        return self._users
 
 
 _MODEL_PARALLEL = _ModelParallelState()
