@@ -192,9 +192,11 @@ _MODEL_PARALLEL = _ModelParallelState()
 def _megatron() -> SimpleNamespace:
     """The megatron-core names used here, imported on first use (seconds; only for dense_ddp=megatron).
     Without Transformer Engine or Apex megatron-core warns at import that it falls back to plain
-    torch kernels; none of those are used here, so the warnings are not shown."""
+    torch kernels, and its inference package warns about its own imports; neither concerns what is
+    used here, so those warnings are not shown."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.")
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
