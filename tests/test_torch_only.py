@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _launcher_runs import assert_runs_match_serial, run_launcher_worker
 
 from recsys_pipe.testing import check_torchrun, run_torchrun
 
@@ -105,3 +106,14 @@ def test_a_model_with_torchrec_tables_needs_it(tmp_path):
         "error: model.name: model 'dlrm' has torchrec tables (a ShardedModelConfig), but torchrec cannot" in proc.stderr
     )
     assert "such as model=dlrm_torch, trains without it" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_launcher_plans_train_the_same_losses_without_torchrec(tmp_path):
+    """The CPU counterpart of tests/cuda/test_cuda_launcher.py (same worker, torchrec blocked):
+    serial, threaded and per-task-threaded plans train bitwise the same losses through
+    `recsys-train`; megatron-core's DDP is refused on the CPU."""
+    variants = ["serial", "hstu_sparse_dist", "hstu_prefetch/per_task", "megatron/serial"]
+    report = run_launcher_worker(tmp_path, "cpu", variants, steps=8)
+    assert list(report["variants"]) == variants
+    assert_runs_match_serial(report, steps=8, placement="1 rank(s) on cpu (gloo)", refused=("megatron/serial",))

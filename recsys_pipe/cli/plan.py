@@ -6,7 +6,8 @@
 
 After the schedule it shows the model's side: torchrec's printout of the embedding sharding plan
 for `world_size` ranks (`local_world_size` per host) on the trainer's device type, or, for a model
-with plain torch tables, which tasks have nothing to do.
+with plain torch tables, its data parallelism (`trainer.dense_ddp`); and which tasks have nothing
+to do.
 
 Same config tree and loader as `recsys-train`, so a plan that prints here is the plan that
 trains, and a plan refused here (exit 2, `error: <path>: <message>`) is refused there.
@@ -25,6 +26,7 @@ from recsys_pipe.cli._hydra import hydra_app
 from recsys_pipe.config import ConfigError, ConfigProblem, render_plan, structure_only
 from recsys_pipe.train.build import describe_model
 from recsys_pipe.train.config import RunConfig, load_run_config
+from recsys_pipe.train.dense_ddp import check_dense_ddp
 from recsys_pipe.train.plan import training_plan
 
 __all__ = ["PlanCommandConfig", "plan_task", "run", "main"]
@@ -70,6 +72,7 @@ def plan_task(cfg: DictConfig) -> None:
     if run_cfg.tune and run_cfg.costs is None:
         raise ConfigError(ConfigProblem("tune", "tune=true needs costs=<costs.json> (per-task costs to simulate)"))
     plan = training_plan(run_cfg, resolve_fn=None if run_cfg.check_fns else structure_only)
+    check_dense_ddp(run_cfg, _device_type(run_cfg.trainer.device))
     costs = None
     if run_cfg.costs is not None:
         from recsys_pipe.cli.predict import load_costs

@@ -46,12 +46,14 @@ def _setup_logging(rank: int, run_dir: str) -> None:
 def train_task(cfg: DictConfig) -> None:
     run = load_run_config(cfg)
     plan = training_plan(run)  # compiled once, task functions imported, before any group starts
+    from recsys_pipe.train.dense_ddp import check_dense_ddp
     from recsys_pipe.train.distributed import resolve_device
 
     try:
-        resolve_device(run.trainer.device)
+        device = resolve_device(run.trainer.device)
     except RuntimeError as exc:
         raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
+    check_dense_ddp(run, device.type)
 
     import torch.distributed as dist
 

@@ -4,8 +4,8 @@
 The model's config class decides the distribution (see `recsys_pipe.models.base`): a
 `ShardedModelConfig` model's torchrec tables are sharded by `DistributedModelParallel`
 (`model.sharding`), with the embedding optimizer fused into their backward; a plain
-`ModelConfig` model is replicated under torch DDP and needs no torchrec (imported only for the
-sharded path).
+`ModelConfig` model is replicated under DDP and needs no torchrec (imported only for the sharded
+path): torch's, or megatron-core's with `trainer.dense_ddp=megatron` (`recsys_pipe.train.dense_ddp`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.engine import StreamPool
 from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.train.config import RunConfig
+from recsys_pipe.train.dense_ddp import MegatronGrads, check_dense_ddp, megatron_ddp
 from recsys_pipe.train.distributed import DistInfo
 from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
 from recsys_pipe.train.state import TrainState
@@ -44,6 +45,7 @@ def _has_torchrec_tables(model: nn.Module) -> bool:
 def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[nn.Module, Any]:
     """The configured model, distributed over the process group, and its optimizer; the same
     initial weights on every rank (seeded)."""
+    check_dense_ddp(run, info.device.type)
     torch.manual_seed(run.seed)
     module = run.model.build(spec)
     dense_factory = dense_optimizer_factory(run.optimizer)
@@ -69,15 +71,18 @@ def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[nn.Modu
                 "builder's config parameter with ShardedModelConfig (or a subclass) so the tables are sharded",
             )
         )
-    model = DistributedDataParallel(
-        module.to(info.device), device_ids=[info.device] if info.device.type == "cuda" else None
-    )
+    module = module.to(info.device)
+    if run.trainer.dense_ddp == "megatron":
+        model = megatron_ddp(module)
+    else:
+        model = DistributedDataParallel(module, device_ids=[info.device] if info.device.type == "cuda" else None)
     return model, dense_factory(model.parameters())
 
 
 def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer: Any, info: DistInfo) -> TrainState:
     """The state the plan's tasks share: streams, torchrec's input distribution (sharded
-    tables), the balancer (plans with shuffle tasks)."""
+    tables), the balancer (plans with shuffle tasks), megatron-core's gradient buffers
+    (`trainer.dense_ddp=megatron`)."""
     streams = StreamPool.create(plan.schedule.stream_slots, info.device)
     sparse_dist = None
     if isinstance(run.model, ShardedModelConfig):
@@ -98,6 +103,7 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
         streams=streams,
         sparse_dist=sparse_dist,
         balancer=balancer,
+        grad_buffers=MegatronGrads(model) if run.trainer.dense_ddp == "megatron" else None,
     )
 
 
@@ -121,10 +127,15 @@ def describe_model(run: RunConfig, plan: CompiledPlan, world_size: int, local_si
             f"{world_size} rank(s), {local_size} per host, on {device_type})"
         )
         lines.append(str(sharding).strip("\n"))
+    elif run.trainer.dense_ddp == "megatron":
+        lines.append(
+            f"model: {run.model.label} (plain torch tables, replicated on every rank under megatron-core's DDP; "
+            "gradients all-reduced by finalize_model_grads)"
+        )
     else:
         lines.append(f"model: {run.model.label} (plain torch tables, replicated on every rank under DDP)")
     idle = idle_tasks(plan, run)
     if idle:
-        lines.append("tasks with nothing to do for this model:")
+        lines.append("tasks with nothing to do in this run:")
         lines += [f"  {name}: {reason}" for name, reason in idle.items()]
     return "\n".join(lines)

@@ -65,6 +65,12 @@ class TrainerConfig(Section):
     torch_profiler: TorchProfilerConfig = Field(
         default_factory=TorchProfilerConfig, description="torch.profiler trace of some steps (<run dir>/torch_trace/)"
     )
+    dense_ddp: Literal["torch", "megatron"] = Field(
+        "torch",
+        description="data parallelism of the replicated (dense) part: torch: torch DDP, gradients all-reduced during "
+        "backward; megatron: megatron-core's DDP (CUDA only; models with plain torch tables), gradients reduced by the "
+        "finalize_model_grads task",
+    )
 
 
 class RunConfig(Section):

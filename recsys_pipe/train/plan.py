@@ -8,8 +8,8 @@ instead of every plan file carrying it. `model.loss_normalization=global_tokens`
 `global_tokens_allreduce` (the loss-token count summed over ranks) before `forward`, which reads
 it; with the default `local` normalisation no plan issues that collective.
 
-`idle_tasks` names the tasks that have nothing to do for the model (the input-dist tasks of a
-model without torchrec tables), for `recsys-plan` to say so.
+`idle_tasks` names the tasks that have nothing to do for the run (the input-dist tasks of a
+model without torchrec tables, finalize_model_grads under torch DDP), for `recsys-plan` to say so.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ PREFETCH_FNS = frozenset({f"{_TASKS}.prefetch_embeddings"})
 #: task functions that distribute the input of torchrec-sharded tables
 INPUT_DIST_FNS = frozenset(f"{_TASKS}.{fn}" for fn in ("start_input_dist", "wait_input_dist", "prefetch_embeddings"))
 GLOBAL_TOKENS_TASK = "global_tokens_allreduce"
+FINALIZE_FN = f"{_TASKS}.finalize_model_grads"
 
 
 def derive_plan(plan: PlanConfig, run: RunConfig) -> PlanConfig:
@@ -102,11 +103,14 @@ def _require_torchrec(run: RunConfig) -> None:
 
 
 def idle_tasks(plan: CompiledPlan, run: RunConfig) -> dict[str, str]:
-    """Tasks of `plan` that have nothing to do for `run.model`, with the reason."""
-    if isinstance(run.model, ShardedModelConfig):
-        return {}
-    reason = "the model has no torchrec-sharded tables: no input to distribute"
-    return {name: reason for name, fn in plan.fn_paths().items() if fn in INPUT_DIST_FNS}
+    """Tasks of `plan` that have nothing to do for `run.model` and `run.trainer.dense_ddp`, with the reason."""
+    idle = {}
+    for name, fn in plan.fn_paths().items():
+        if fn in INPUT_DIST_FNS and not isinstance(run.model, ShardedModelConfig):
+            idle[name] = "the model has no torchrec-sharded tables: no input to distribute"
+        elif fn == FINALIZE_FN and run.trainer.dense_ddp == "torch":
+            idle[name] = "torch DDP all-reduces the gradients during backward (trainer.dense_ddp=megatron uses it)"
+    return idle
 
 
 def _slot_name(slot: str | tuple[str, int]) -> str:

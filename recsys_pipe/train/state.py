@@ -1,8 +1,8 @@
 """The training state the task functions share, and the bootstrap of the first batch.
 
 Tasks are plain functions `fn(ctx)`; everything they need beyond their batch's slots (model,
-optimizer, streams, torchrec's input distribution, the batch balancer) lives in one
-`TrainState`, passed to the engine as the pipeline's `state`. Evaluation reuses the same model
+optimizer, streams, torchrec's input distribution, the batch balancer, megatron-core's gradient
+buffers) lives in one `TrainState`, passed to the engine as the pipeline's `state`. Evaluation reuses the same model
 through `for_eval()`, a view whose tasks skip the optimizer work.
 
 This module imports no torchrec: a model with plain torch tables trains without it.
@@ -11,9 +11,8 @@ This module imports no torchrec: a model with plain torch tables trains without 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BATCH_GPU",
     "GLOBAL_TOKENS",
+    "GradBuffers",
     "INPUT_DIST_SPLITS",
     "SHUFFLE_PLAN",
     "TORCHREC_CTX",
@@ -44,6 +44,21 @@ UNBALANCED_BATCH = "unbalanced_batch"
 SHUFFLE_PLAN = "shuffle_plan"
 
 
+class GradBuffers(Protocol):
+    """Gradients that backward leaves outside `param.grad` until the plan's `finalize_model_grads`
+    task (megatron-core's DDP: `recsys_pipe.train.dense_ddp.MegatronGrads`)."""
+
+    def reset(self) -> None:
+        """The `zero_grad` task, after the optimizer's `zero_grad`: empty the buffers."""
+
+    def finalize(self) -> None:
+        """The `finalize_model_grads` task: reduce over the ranks and expose the result as each
+        parameter's `.grad` for the optimizer step."""
+
+    def close(self) -> None:
+        """Training is over: release what the buffers hold on to."""
+
+
 @dataclass
 class TrainState:
     """What the tasks share. `training=False` makes forward run without grad and the
@@ -59,9 +74,10 @@ class TrainState:
     #: the balanced batch shuffler of plans with start_shuffle / finish_shuffle tasks
     balancer: BatchBalancer | None = None
     training: bool = True
-    #: called by finalize_model_grads (megatron-core's finalize_model_grads); None with torch
-    #: DDP, which all-reduces gradients during backward.
-    finalize_grads: Callable[[], None] | None = None
+    #: megatron-core's gradient buffers (`trainer.dense_ddp=megatron`): reset by zero_grad,
+    #: reduced by finalize_model_grads; None with torch DDP, which all-reduces the gradients into
+    #: `.grad` during backward.
+    grad_buffers: GradBuffers | None = None
 
     def for_eval(self) -> TrainState:
         """The same model, input distribution and streams, with the optimizer work switched off."""
@@ -84,6 +100,9 @@ class TrainState:
         return {BATCH_CPU: cpu_batch, BATCH_GPU: batch, TORCHREC_CTX: context, INPUT_DIST_SPLITS: splits}
 
     def close(self) -> None:
-        """Stop background work (the balancer's solver thread)."""
+        """Stop background work (the balancer's solver thread), release the gradient buffers'
+        state (megatron-core's model-parallel groups)."""
         if self.balancer is not None:
             self.balancer.close()
+        if self.grad_buffers is not None:
+            self.grad_buffers.close()

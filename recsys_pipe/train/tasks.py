@@ -7,7 +7,7 @@ the serial and the pipelined plans, and every model: they use only the batch and
 `state.sparse_dist` (torchrec's input distribution, `recsys_pipe.train.sparse_dist`); for plain
 torch tables it is None and the input-dist tasks have nothing to do.
 
-This module imports no torchrec.
+This module imports no torchrec and no megatron-core (their objects come through the state).
 
 Effects outside the slots are declared (`declare_effects`) so that shortcut replay (exposed-time
 profiling) skips only what it can replay: `h2d` (its replay hands out a fresh torchrec context),
@@ -158,8 +158,12 @@ def prefetch_embeddings(ctx: TaskContext) -> None:
 
 @declare_effects("clears every parameter's gradient (.grad), which backward accumulates into")
 def zero_grad(ctx: TaskContext) -> None:
-    if ctx.state.training:
-        ctx.state.optimizer.zero_grad()
+    """The optimizer's zero_grad, and with megatron-core's DDP its gradient buffers' reset."""
+    state = ctx.state
+    if state.training:
+        state.optimizer.zero_grad()
+        if state.grad_buffers is not None:
+            state.grad_buffers.reset()
 
 
 def global_tokens_allreduce(ctx: TaskContext) -> None:
@@ -206,11 +210,12 @@ def backward(ctx: TaskContext) -> None:
 
 @declare_effects("finalizes the dense gradients in place (megatron-core DDP)")
 def finalize_model_grads(ctx: TaskContext) -> None:
-    """megatron-core's finalize_model_grads when that DDP is used; torch DDP already
-    all-reduced the dense gradients during backward."""
+    """With megatron-core's DDP (`trainer.dense_ddp=megatron`): its finalize_model_grads, the
+    gradient all-reduce, and the reduced gradients as `.grad`. torch DDP already all-reduced the
+    dense gradients during backward: nothing to do."""
     state = ctx.state
-    if state.training and state.finalize_grads is not None:
-        state.finalize_grads()
+    if state.training and state.grad_buffers is not None:
+        state.grad_buffers.finalize()
 
 
 @declare_effects("updates the dense parameters and the optimizer state in place")
