@@ -1,39 +1,77 @@
 #!/usr/bin/env python
-"""Training throughput of the shipped plans against torchrec's own pipeline, side by side.
+"""The training performance record: the shipped plans against torchrec's own pipelines.
 
-Variants, trained on the same model (same seed) and the same pre-materialised batches:
+Every variant trains the same model (same seed) on the same pre-built batches (data loading is
+not timed), side by side in one process group:
 
-  serial            pipeline=serial            (every task at lookahead 0, sequential executor)
-  hstu_sparse_dist  pipeline=hstu_sparse_dist  (h2d 2 ahead, input dist 1 ahead, threaded)
-  hstu_prefetch     pipeline=hstu_prefetch     (+ prefetch_embeddings 1 ahead, threaded)
-  torchrec_sdd      torchrec's TrainPipelineSparseDist with custom_model_fwd
+  serial                       pipeline=serial (sequential executor)
+  sparse_dist                  pipeline=sparse_dist (torchrec's layout, sequential executor)
+  hstu_sparse_dist/sequential  pipeline=hstu_sparse_dist pipeline.executor=sequential
+  hstu_sparse_dist/threaded    pipeline=hstu_sparse_dist (threaded, thread_map=hstu_default)
+  hstu_prefetch/sequential     pipeline=hstu_prefetch pipeline.executor=sequential
+  hstu_prefetch/threaded       pipeline=hstu_prefetch (threaded, thread_map=hstu_default)
+  torchrec_sdd                 torchrec's TrainPipelineSparseDist (custom_model_fwd)
+  torchrec_prefetch            torchrec's PrefetchTrainPipelineSparseDist (CUDA only: on the
+                               CPU it fails, its caching kernels are CUDA-only)
 
-Each repetition runs every variant once (the order rotates per repetition so no variant always
-goes first): a fresh model, `--warmup` untimed steps, a barrier, then `--steps` timed steps; the
-time of a variant is the max over ranks (all_reduce MAX). After the timed window the pipelines
-still run `TAIL` steps (untimed) so the window is steady state, not the drain. samples/s =
-batch_size * world_size * steps / seconds; the figure reported is the median over repetitions,
-ratios are ratios of those medians. "CPU ms/step" is the process CPU time (all threads, gloo's
-included) over the window, max over ranks: when it is close to ms/step the ranks saturate the
-cores and there is nothing left for a pipeline to overlap with. Per-step losses of every variant
-and repetition must be bitwise equal (asserted): otherwise the variants would not be computing
-the same thing.
+The plans run exactly as `recsys-train` runs them: `training_plan(run)` compiles the plan,
+`Trainer(run, plan, info).fit()` trains (bootstrap, per-step bookkeeping and all); only the
+progress bar, evaluation and the metrics all-reduce are off (`trainer.log_every` past the run),
+since torchrec's loop here does none of them.
 
-Engine share (one extra, instrumented run per engine plan; throughput runs are not
-instrumented): every task body (`FnTask.run`) is timed per CPU thread; over the timed window
+Method. For each batch size of the sweep, every repetition runs every variant once, in an
+order rotated per repetition, so a slow spell of the shared machine hits all variants alike.
+A run is: a fresh model, `warmup` untimed steps, a barrier, `steps` timed steps, then `TAIL`
+untimed steps (the window never includes the drain). Figures are medians over repetitions with
+(min-max); "vs torchrec" is the median of the per-repetition ratios to `torchrec_sdd` (same
+repetition, so a slow spell cancels out). Per-step losses of every variant and repetition are
+asserted bitwise equal on the CPU (the numerics are the same there); on CUDA they are reported,
+not asserted. A repetition during which other jobs used more than `--max-other-load` of the
+machine's cores (its CPU use from /proc/stat minus this benchmark's) is discarded and run again
+(after a pause, at most `--retries` times per batch size; the report counts them). On the CPU each rank is
+pinned to its own core (`--no-pin` to keep the OS's placement): with two ranks on two shared
+cores the scheduler otherwise moves ranks and their gloo threads around, which spread the
+per-repetition ratios about twice as wide in our runs.
 
-    engine share = (time inside progress() - task-body time of the busiest thread) / time inside progress()
+What a column means (per rank; the larger of the ranks):
 
-i.e. what the engine itself costs on the critical path (event waits, firing, context objects,
-thread hand-offs and waiting for workers), not the task functions. For the sequential executor
-that is (wall - sum of task time) / wall.
+- ms/step: wall time of the window / steps; samples/s = batch * ranks / (ms/step).
+- CPU ms/step: CPU time of the whole process (every thread: the executor's, gloo's) over the
+  window / steps. Two ranks on two cores with CPU ms/step close to ms/step leave no core to
+  overlap with.
+- engine µs/step (and its share of ms/step): measured with a `TaskObserver` on the pipeline.
+  Per timed iteration, from `iteration_started` to `tasks_done`, the time during which no task
+  body (`task.run`, between `task_started` and `task_finished`) ran on any thread: dispatch,
+  dependency latches, thread hand-offs and wake-ups, the batch pull, the executor's join. Time
+  a thread waits while a task runs on another thread is the task's, not the engine's (for the
+  sequential executor this is the iteration minus the sum of its task bodies; for the threaded
+  one, the gaps in the union of all threads' task spans). The observer's own hooks fall in the
+  gaps, so the figure includes them (`observer µs/step` states their cost, timed alone).
+- release µs/step: `tasks_done` to `iteration_finished`: rotating the ring drops the trained
+  batch's values (batch, torchrec context, outputs and their autograd graph). Any loop pays
+  this when it lets go of a batch (torchrec's when it dequeues), so it is not engine overhead.
+- loop µs/step: time between iterations: `Trainer.fit`'s per-step bookkeeping and the call
+  into `progress()`.
+- GC ms/step: Python's cyclic garbage collections in the window (`gc.callbacks`); collections
+  outside task bodies are left out of the engine, release and loop figures.
+- peak RSS per rank (MiB): the process's resident-set high-water mark (VmHWM) during the run,
+  model build to teardown. Between runs the previous run's garbage is collected and returned
+  to the OS (`malloc_trim`), then the mark is reset to the current RSS by writing "5" to
+  /proc/self/clear_refs; "growth" is the peak minus the RSS at that reset (the run's own model,
+  optimizer state, in-flight batches and activations). Resetting in-process keeps the
+  interleaving in one process group; a fresh process per run would add a torchrun start per
+  run and measure the same thing (checked: README). On CUDA also the peak allocated and
+  reserved device memory (`torch.cuda.max_memory_allocated/reserved`, reset per run).
 
-Run (2 gloo ranks on the CPU; without torchrun the script re-executes itself under it):
+Run (2 ranks; without torchrun the script re-executes itself under it). Hold the shared CPU
+lock and bound it:
 
-    .venv/bin/python scripts/bench_train.py [--steps N] [--repeats R] [--batch-size B]
-    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/bench_train.py [...]
+    flock /tmp/recsys_cpu.lock timeout 3000 .venv/bin/python scripts/bench_train.py
+    .venv/bin/python scripts/bench_train.py --batch-sizes 32 --repeats 7 --steps 40
+    .venv/bin/python scripts/bench_train.py --plan 'late=pipeline=sparse_dist pipeline.tasks.h2d.lookahead=3'
+    .venv/bin/python scripts/bench_train.py --quick     # CI smoke: tiny, every variant once
 
-Rank 0 prints a table and, last, one JSON line with all figures.
+Rank 0 prints progress, a table per batch size, the targets and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -44,7 +82,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NPROC = 2
 
-if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:
+if __name__ == "__main__" and "LOCAL_RANK" not in os.environ and not any(a in ("-h", "--help") for a in sys.argv):
     # Plain `python scripts/bench_train.py`: re-execute under torchrun with 2 ranks.
     os.environ["OMP_NUM_THREADS"] = "1"
     os.execv(
@@ -66,361 +104,806 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import ctypes.util  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-ENGINE_PLANS = ("serial", "hstu_sparse_dist", "hstu_prefetch")
-PIPELINED = ("hstu_sparse_dist", "hstu_prefetch")
+from recsys_pipe.engine import Task, TaskObserver  # noqa: E402
+
+#: the engine variants: name -> overrides on top of `common_overrides`
+PLANS: dict[str, tuple[str, ...]] = {
+    "serial": ("pipeline=serial",),
+    "sparse_dist": ("pipeline=sparse_dist",),
+    "hstu_sparse_dist/sequential": ("pipeline=hstu_sparse_dist", "pipeline.executor=sequential"),
+    "hstu_sparse_dist/threaded": ("pipeline=hstu_sparse_dist", "pipeline.executor=threaded"),
+    "hstu_prefetch/sequential": ("pipeline=hstu_prefetch", "pipeline.executor=sequential"),
+    "hstu_prefetch/threaded": ("pipeline=hstu_prefetch", "pipeline.executor=threaded"),
+}
 TORCHREC = "torchrec_sdd"
-VARIANTS = (*ENGINE_PLANS, TORCHREC)
-TAIL = 2  # untimed steps after the window: the max lookahead, so the window never drains
+TORCHREC_PREFETCH = "torchrec_prefetch"
+BATCH_SIZES = (32, 256, 1024)
+#: timed and warm-up steps per batch size (about 0.7-1.5 s of timed steps per run on 2 CPU cores)
+STEPS = {32: 64, 256: 24, 1024: 8}
+WARMUP = {32: 6, 256: 4, 1024: 3}
+TAIL = 2  # untimed steps after the window: the largest lookahead, so the window never drains
+TARGET_SPEED = 1.0  # every pipelined plan >= 1.0x torchrec_sdd (median, CPU, batch 32 and 256)
+TARGET_SPEED_BATCHES = (32, 256)
+TARGET_RSS = 1.05  # peak RSS <= 1.05x torchrec_sdd's
+TARGET_ENGINE_SHARE = 0.5  # percent of a step
 
 
-# -- timing ---------------------------------------------------------------------------------------
+# -- measuring ------------------------------------------------------------------------------------
 
 
-class TaskTimer:
-    """Accumulates task-body time per CPU thread by wrapping `FnTask.run` (instrumented runs only)."""
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from the first line of /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+class GcPauses:
+    """Python's cyclic garbage collections while `active`, from `gc.callbacks` (the interpreter's
+    own hook): `(generation, start, end)` per collection. Any Python training loop pays them,
+    at a rate set by how many objects the step allocates."""
 
     def __init__(self) -> None:
         self.active = False
-        self.per_thread: dict[str, float] = {}
-        self.per_task: dict[str, float] = {}
+        self.pauses: list[tuple[int, float, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.active:
+            self.pauses.append((info["generation"], self._start, time.perf_counter()))
 
     def reset(self) -> None:
-        self.per_thread = {}
-        self.per_task = {}
+        self.pauses = []
 
-    def install(self) -> Callable[[], None]:
-        from recsys_pipe.engine.task import FnTask
 
-        original = FnTask.run
-        timer = self
+GC = GcPauses()
+gc.callbacks.append(GC)
 
-        def timed_run(task: Any, ctx: Any) -> None:
-            if not timer.active:
-                return original(task, ctx)
-            start = time.perf_counter()
-            try:
-                return original(task, ctx)
-            finally:
-                spent = time.perf_counter() - start
-                name = threading.current_thread().name  # one key per thread: no lock needed
-                timer.per_thread[name] = timer.per_thread.get(name, 0.0) + spent
-                timer.per_task[task.name] = timer.per_task.get(task.name, 0.0) + spent  # one writer per task
 
-        FnTask.run = timed_run
+class PeakMemory:
+    """Peak memory of one run in this process (see the module docstring for the method).
 
-        def uninstall() -> None:
-            FnTask.run = original
+    `/proc/self/clear_refs` "5" resets VmHWM to the current RSS (Linux >= 4.0, own process);
+    `malloc_trim(0)` is glibc's, called through ctypes because no library exposes it. If either
+    is missing the RSS figures are None and the report says so.
+    """
 
-        return uninstall
+    def __init__(self, device: torch.device):
+        self.device = device
+        libc_name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(libc_name) if libc_name else None
+        self._trim = getattr(libc, "malloc_trim", None)
+        self.problem: str | None = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            _status_kib("VmHWM")
+        except (OSError, KeyError) as exc:
+            self.problem = f"cannot reset the RSS high-water mark here ({exc}); peak RSS not measured"
+        self.base_kib = 0
+
+    def start(self) -> None:
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.problem is None:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base_kib = _status_kib("VmRSS")
+
+    def stop(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {"peak_rss_mib": None, "rss_growth_mib": None}
+        if self.problem is None:
+            peak = _status_kib("VmHWM")
+            out = {"peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - self.base_kib) / 1024}
+        if self.device.type == "cuda":
+            out["cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+            out["cuda_peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
+        return out
 
 
 class Window:
-    """Wraps a `progress(it)` callable: times steps [warmup, warmup + steps) after a barrier,
-    records every step's loss tensor, optionally times the task bodies in the window."""
+    """The timed window of one run: opened after a barrier, closed after the last timed step
+    (on CUDA both after a device synchronize, so queued work is inside the window)."""
 
-    def __init__(
-        self,
-        progress: Callable[[Any], Any],
-        loss_of: Callable[[Any], torch.Tensor],
-        warmup: int,
-        steps: int,
-        timer: TaskTimer | None = None,
-    ):
-        self.progress, self.loss_of = progress, loss_of
-        self.warmup, self.steps = warmup, steps
-        self.timer = timer
-        self.done = 0
-        self.losses: list[torch.Tensor] = []
-        self.start = self.end = None
-        self.cpu_start = self.cpu_end = 0.0  # this process's CPU time, all threads (gloo's included)
-        self.in_progress = 0.0  # seconds spent inside progress() during the window
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t0 = self.t1 = None
+        self.cpu0 = self.cpu1 = 0.0
+        self.jiffies0 = self.jiffies1 = (0, 0)
+        self.pauses: list[tuple[int, float, float]] = []  # garbage collections in the window
 
-    def __call__(self, it: Any) -> Any:
-        timed = self.warmup <= self.done < self.warmup + self.steps
-        if self.done == self.warmup:
-            dist.barrier()
-            if self.timer is not None:
-                self.timer.reset()
-                self.timer.active = True
-            self.cpu_start = time.process_time()
-            self.start = time.perf_counter()
-        before = time.perf_counter()
-        result = self.progress(it)  # StopIteration propagates to the caller's loop
-        after = time.perf_counter()
-        if timed:
-            self.in_progress += after - before
-        self.done += 1
-        if self.done == self.warmup + self.steps:
-            self.end = after
-            self.cpu_end = time.process_time()
-            if self.timer is not None:
-                self.timer.active = False
-        self.losses.append(self.loss_of(result).detach().clone())
-        return result
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-    @property
-    def cpu_seconds(self) -> float:
-        return self.cpu_end - self.cpu_start
+    def open(self) -> None:
+        self._sync()
+        dist.barrier()
+        self.jiffies0 = _cpu_jiffies()
+        GC.reset()
+        GC.active = True
+        self.cpu0 = time.process_time()
+        self.t0 = time.perf_counter()
 
-    @property
-    def seconds(self) -> float:
-        if self.end is None:
-            raise RuntimeError(f"only {self.done} steps ran; the window needs {self.warmup + self.steps}")
-        return self.end - self.start
+    def close(self) -> None:
+        self._sync()
+        self.t1 = time.perf_counter()
+        self.cpu1 = time.process_time()
+        GC.active = False
+        self.pauses = list(GC.pauses)
+        self.jiffies1 = _cpu_jiffies()
+
+    def figures(self) -> dict[str, float]:
+        if self.t1 is None:
+            raise RuntimeError("the run ended before its timed window closed")
+        busy, total = (b - a for a, b in zip(self.jiffies0, self.jiffies1))
+        gc_s = [0.0, 0.0, 0.0]
+        for generation, start, end in self.pauses:
+            gc_s[generation] += end - start
+        return {
+            "seconds": self.t1 - self.t0,
+            "cpu_seconds": self.cpu1 - self.cpu0,
+            "machine_busy": busy / total if total else 0.0,
+            "gc_seconds": gc_s,  # per generation
+            "gc_count": [sum(1 for p in self.pauses if p[0] == g) for g in range(3)],
+        }
+
+
+class StepTimer(TaskObserver):
+    """Times a window of internal iterations `[first, stop)` of an engine pipeline from its
+    hooks: opens `window` when iteration `first - 1` finishes and closes it when `stop - 1`
+    finishes; records every task span and the iteration boundaries in between. Cheap on
+    purpose (a clock read and a dict or list write per hook): its cost lands in the engine
+    figure."""
+
+    def __init__(self, window: Window, first: int, stop: int):
+        self.window, self.first, self.stop = window, first, stop
+        self.started: dict[int, float] = {}
+        self.done: dict[int, float] = {}
+        self.finished: dict[int, float] = {}
+        self.spans: list[tuple[int, str, str, float, float]] = []  # iteration, task, thread, start, end
+        self._open: dict[str, float] = {}  # a task never overlaps itself: its name is its key
+
+    def iteration_started(self, iteration: int) -> None:
+        self.started[iteration] = time.perf_counter()
+
+    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
+        self._open[task.name] = time.perf_counter()
+
+    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
+        end = time.perf_counter()
+        self.spans.append((iteration, task.name, threading.current_thread().name, self._open.pop(task.name), end))
+
+    def tasks_done(self, iteration: int) -> None:
+        self.done[iteration] = time.perf_counter()
+
+    def iteration_finished(self, iteration: int, failed: bool) -> None:
+        self.finished[iteration] = time.perf_counter()
+        if iteration == self.first - 1:
+            self.window.open()
+        elif iteration == self.stop - 1:
+            self.window.close()
+
+    def breakdown(self) -> dict[str, Any]:
+        """Seconds of the window: task bodies (union over threads), engine, release, loop; and
+        task-body seconds per task and per thread."""
+        by_iteration: dict[int, list[tuple[float, float]]] = {}
+        per_task: dict[str, float] = {}
+        per_thread: dict[str, float] = {}
+        thread_of: dict[str, str] = {}
+        for iteration, task, thread, start, end in self.spans:
+            if self.first <= iteration < self.stop:
+                by_iteration.setdefault(iteration, []).append((start, end, task))
+                per_task[task] = per_task.get(task, 0.0) + end - start
+                per_thread[thread] = per_thread.get(thread, 0.0) + end - start
+                thread_of[task] = thread
+        pauses = [(start, end, None) for _, start, end in self.window.pauses]  # garbage collections
+        busy = engine = release = loop = gc_outside = 0.0
+        gaps: dict[str, float] = {}  # engine time by where it falls: before which task, or at the end
+        previous_end = self.window.t0
+        for i in range(self.first, self.stop):
+            started, done, finished = self.started[i], self.done[i], self.finished[i]
+            tasks = by_iteration.get(i, [])
+            union = _union_length(tasks, started, done)
+            covered = _union_length(tasks + pauses, started, done)  # task bodies or collections
+            busy += union
+            engine += done - started - covered
+            _attribute_gaps(tasks + pauses, started, done, gaps)
+            in_release = _union_length(pauses, done, finished)
+            in_loop = _union_length(pauses, previous_end, started)
+            release += finished - done - in_release
+            loop += started - previous_end - in_loop
+            gc_outside += covered - union + in_release + in_loop
+            previous_end = finished
+        return {
+            "busy_s": busy,
+            "engine_s": engine,
+            "release_s": release,
+            "loop_s": loop,
+            "gc_outside_tasks_s": gc_outside,
+            "per_task_s": per_task,
+            "per_thread_s": per_thread,
+            "thread_of": thread_of,
+            "gaps_s": gaps,
+        }
+
+
+def _union_length(spans: list[tuple[float, float, str | None]], lo: float, hi: float) -> float:
+    """Length of the union of the `(start, end, task)` spans, clipped to [lo, hi]."""
+    total, reach = 0.0, lo
+    for start, end, _ in sorted(spans):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def _attribute_gaps(spans: list[tuple[float, float, str | None]], lo: float, hi: float, gaps: dict[str, float]) -> None:
+    """Add the gaps of the spans' union within [lo, hi] to `gaps`, keyed by the next task to
+    start ("before <task>") or "after the last task" (the executor's join). Spans without a
+    task (garbage collections) cover time but name no position."""
+    reach, pending = lo, 0.0
+    for start, end, task in sorted(spans, key=lambda span: span[:2]):
+        if end <= lo or start >= hi:  # e.g. a collection in another iteration
+            continue
+        start, end = max(start, lo), min(end, hi)
+        if start > reach:
+            pending += start - reach
+        if task is not None and pending:
+            gaps[f"before {task}"] = gaps.get(f"before {task}", 0.0) + pending
+            pending = 0.0
+        reach = max(reach, end)
+    pending += max(0.0, hi - reach)
+    if pending:
+        gaps["after the last task"] = gaps.get("after the last task", 0.0) + pending
+
+
+def observer_cost_us(tasks: int, calls: int = 20000) -> float:
+    """The StepTimer's own cost per step, its hooks timed alone on this thread (µs)."""
+
+    class _Named:
+        def __init__(self, name: str):
+            self.name = name
+
+    timer = StepTimer(Window(torch.device("cpu")), 10**9, 10**9 + 1)  # never opens the window
+    named = [_Named(f"t{k}") for k in range(tasks)]
+    start = time.perf_counter()
+    for i in range(calls // tasks):
+        timer.iteration_started(i)
+        for task in named:
+            timer.task_started(task, i, i)  # type: ignore[arg-type]
+            timer.task_finished(task, i, i, False)  # type: ignore[arg-type]
+        timer.tasks_done(i)
+        timer.iteration_finished(i, False)
+    return (time.perf_counter() - start) / (calls // tasks) * 1e6
 
 
 # -- variants -------------------------------------------------------------------------------------
 
 
-def run_config(plan: str, batch_size: int, num_batches: int, extra: tuple[str, ...] = ()) -> Any:
-    from recsys_pipe.testing import load_run
-
-    overrides = [
-        f"pipeline={plan}",
+def common_overrides(device: torch.device, batch_size: int, num_batches: int) -> list[str]:
+    return [
         "trainer.progress_bar=false",
         "trainer.eval_every=0",
         "trainer.eval_batches=0",
         "trainer.max_steps=null",
-        "trainer.device=cpu",
-        "trainer.backend=gloo",
-        f"trainer.log_every={num_batches + 1}",  # no metrics all-reduce inside the timed window
+        f"trainer.device={device.type}",
+        f"trainer.backend={'nccl' if device.type == 'cuda' else 'gloo'}",
+        f"trainer.log_every={num_batches + 1}",  # no metrics all-reduce: torchrec's loop has none
         f"data.batch_size={batch_size}",
         f"data.num_batches={num_batches}",
-        *extra,
     ]
-    return load_run(*overrides)
 
 
-def run_engine_plan(run: Any, info: Any, batches: list, make_window: Callable[..., Window]) -> Window:
-    from recsys_pipe.train import Trainer, training_plan
+class Bench:
+    """The runs of one batch size: configs, batches, and one run of any variant."""
 
-    trainer = Trainer(run, training_plan(run), info)
-    try:
-        window = make_window(trainer.pipeline.progress, lambda result: result.loss)
-        trainer.pipeline.progress = window  # instance attribute: fit() calls it per step
-        summary = trainer.fit(batches=iter(batches))
-        assert summary.steps == len(batches), (summary.steps, len(batches))
-        return window
-    finally:
-        trainer.close()
+    def __init__(self, info: Any, batch_size: int, warmup: int, steps: int, plans: dict[str, tuple[str, ...]]):
+        from recsys_pipe.data import make_dataloader
+        from recsys_pipe.testing import load_run
 
+        self.info, self.batch_size, self.warmup, self.steps = info, batch_size, warmup, steps
+        self.cuda = info.device.type == "cuda"
+        total = warmup + steps + TAIL
+        common = common_overrides(info.device, batch_size, total)
+        self.runs = {name: load_run(*common, *overrides) for name, overrides in plans.items()}
+        self.runs.setdefault("serial", load_run(*common, *PLANS["serial"]))  # torchrec's model and data
+        loader = make_dataloader(self.runs["serial"].data, info.rank, info.world_size)
+        self.spec = loader.dataset.spec
+        self.batches = list(loader)
+        assert len(self.batches) == total, (len(self.batches), total)
+        self.memory = PeakMemory(info.device)
 
-def run_torchrec(run: Any, info: Any, batches: list, make_window: Callable[..., Window]) -> Window:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    def run(self, name: str) -> dict[str, Any]:
+        """One run of variant `name`: this rank's figures, losses and peak memory."""
+        self.memory.start()
+        window = Window(self.info.device)
+        if name not in (TORCHREC, TORCHREC_PREFETCH):
+            losses, extra = self._train_plan(name, window)
+        else:
+            losses, extra = self._train_torchrec(name, window)
+        memory = self.memory.stop()
+        return {**window.figures(), **memory, **extra, "losses": losses}
 
-    from recsys_pipe.train import build_model
+    def _train_plan(self, name: str, window: Window) -> tuple[list[float], dict[str, Any]]:
+        from recsys_pipe.train import Trainer, training_plan
 
-    spec = _spec(run, info)
-    model, opt = build_model(run, info, spec)
-
-    def fwd(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, _ = model(batch)
-        return loss, loss.detach()
-
-    pipe = TrainPipelineSparseDist(model, opt, info.device, execute_all_batches=True, custom_model_fwd=fwd)
-    window = make_window(pipe.progress, lambda loss: loss)
-    it = iter(batches)
-    steps = 0
-    while True:
+        run = self.runs[name]
+        plan = training_plan(run)
+        trainer = Trainer(run, plan, self.info)
         try:
-            window(it)
+            first = self.warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
+            timer = StepTimer(window, first, first + self.steps)
+            trainer.pipeline.observer = timer
+            summary = trainer.fit(iter(self.batches), record_steps=not self.cuda)
+            assert summary.steps == len(self.batches), (summary.steps, len(self.batches))
+            losses = summary.losses if not self.cuda else [summary.first_loss, summary.last_loss]
+            return losses, {"breakdown": timer.breakdown()}
+        finally:
+            trainer.close()
+
+    def _train_torchrec(self, name: str, window: Window) -> tuple[list[float], dict[str, Any]]:
+        from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
+
+        from recsys_pipe.train import build_model
+
+        model, optimizer = build_model(self.runs["serial"], self.info, self.spec)
+
+        def forward(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            loss, _ = model(batch)
+            return loss, loss.detach()
+
+        kind = PrefetchTrainPipelineSparseDist if name == TORCHREC_PREFETCH else TrainPipelineSparseDist
+        pipe = kind(model, optimizer, self.info.device, execute_all_batches=True, custom_model_fwd=forward)
+        losses: list[Any] = []
+        it = iter(self.batches)
+        for step in range(len(self.batches)):
+            if step == self.warmup:
+                window.open()
+            loss = pipe.progress(it)
+            if step == self.warmup + self.steps - 1:
+                window.close()
+            losses.append(loss if self.cuda else float(loss))  # CUDA: no host sync per step
+        try:
+            pipe.progress(it)
         except StopIteration:
-            break
-        steps += 1
-    assert steps == len(batches), (steps, len(batches))
-    return window
+            pass
+        else:
+            raise AssertionError(f"{name} trained more batches than it was given")
+        if self.cuda:
+            losses = [float(losses[0]), float(losses[-1])]
+        return losses, {}
 
 
-_SPECS: dict = {}
+# -- reporting ------------------------------------------------------------------------------------
 
 
-def _spec(run: Any, info: Any) -> Any:
-    from recsys_pipe.data import make_dataloader
+def other_load(runs: list[dict[str, Any]], cores: int) -> float:
+    """Share of all cores other jobs used during one run's window: the machine's CPU use minus
+    this benchmark's ranks' (the ranks' windows coincide: they open after a barrier)."""
+    seconds = max(r["seconds"] for r in runs)
+    ours = sum(r["cpu_seconds"] for r in runs) / (cores * seconds)
+    return max(0.0, max(r["machine_busy"] for r in runs) - ours)
 
-    if "spec" not in _SPECS:
-        _SPECS["spec"] = make_dataloader(run.data, info.rank, info.world_size).dataset.spec
-    return _SPECS["spec"]
+
+def summary(values: Iterable[float], digits: int = 3) -> dict[str, float]:
+    values = list(values)
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+    }
 
 
-def max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+def fmt(s: dict[str, float] | None, digits: int = 0) -> str:
+    if s is None:
+        return "-"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def aggregate(
+    records: dict[str, list[list[dict[str, Any]]]], batch_size: int, steps: int, world: int, cores: int
+) -> dict[str, Any]:
+    """Per variant, medians (min-max) over repetitions of the per-rank figures (the larger of
+    the ranks per repetition), and the paired ratios to torchrec_sdd."""
+    samples = batch_size * world * steps
+    out: dict[str, Any] = {}
+    for name, reps in records.items():
+
+        def worst(key: str, reps: list = reps) -> list[float]:
+            return [max(rank[key] for rank in rep) for rep in reps]
+
+        seconds = worst("seconds")
+        row: dict[str, Any] = {
+            "samples_per_s": summary((samples / s for s in seconds), 1),
+            "ms_per_step": summary((s / steps * 1e3 for s in seconds), 2),
+            "cpu_ms_per_step": summary((c / steps * 1e3 for c in worst("cpu_seconds")), 2),
+            "machine_busy_percent": summary((b * 100 for b in worst("machine_busy")), 1),
+            # the whole machine's CPU use minus this benchmark's ranks': other jobs on the machine
+            "other_load_percent": summary((other_load(rep, cores) * 100 for rep in reps), 1),
+        }
+        row["gc_ms_per_step"] = summary((max(sum(r["gc_seconds"]) for r in rep) / steps * 1e3 for rep in reps), 3)
+        row["gc_collections_per_step_rank0"] = [
+            round(statistics.median(rep[0]["gc_count"][g] for rep in reps) / steps, 3) for g in range(3)
+        ]
+        if reps[0][0]["peak_rss_mib"] is not None:
+            row["peak_rss_mib"] = summary(worst("peak_rss_mib"), 1)
+            row["rss_growth_mib"] = summary(worst("rss_growth_mib"), 1)
+            row["peak_rss_mib_per_rank"] = [
+                round(statistics.median(rep[r]["peak_rss_mib"] for rep in reps), 1) for r in range(world)
+            ]
+        if "cuda_peak_allocated_mib" in reps[0][0]:
+            row["cuda_peak_allocated_mib"] = summary(worst("cuda_peak_allocated_mib"), 1)
+            row["cuda_peak_reserved_mib"] = summary(worst("cuda_peak_reserved_mib"), 1)
+        if "breakdown" in reps[0][0]:
+
+            def per_step_us(key: str, reps: list = reps) -> list[float]:
+                return [max(rank["breakdown"][key] for rank in rep) / steps * 1e6 for rep in reps]
+
+            row["engine_us_per_step"] = summary(per_step_us("engine_s"), 1)
+            row["engine_share_percent"] = summary(
+                (
+                    max(rank["breakdown"]["engine_s"] / rank["seconds"] for rank in rep) * 100
+                    for rep in reps  # the larger share of the ranks
+                ),
+                3,
+            )
+            row["release_us_per_step"] = summary(per_step_us("release_s"), 1)
+            row["loop_us_per_step"] = summary(per_step_us("loop_s"), 1)
+            row["gc_outside_tasks_us_per_step"] = summary(per_step_us("gc_outside_tasks_s"), 1)
+            row["task_busy_ms_per_step"] = summary((v / 1e3 for v in per_step_us("busy_s")), 2)
+            rank0 = [rep[0]["breakdown"] for rep in reps]
+            row["rank0_task_ms_per_step"] = {
+                task: round(statistics.median(b["per_task_s"][task] for b in rank0) / steps * 1e3, 3)
+                for task in rank0[0]["per_task_s"]
+            }
+            row["rank0_thread_ms_per_step"] = {
+                thread: round(statistics.median(b["per_thread_s"].get(thread, 0.0) for b in rank0) / steps * 1e3, 3)
+                for thread in rank0[0]["per_thread_s"]
+            }
+            row["thread_of"] = rank0[0]["thread_of"]
+            row["rank0_engine_us_per_step_by_position"] = {
+                where: round(statistics.median(b["gaps_s"].get(where, 0.0) for b in rank0) / steps * 1e6, 1)
+                for where in rank0[0]["gaps_s"]
+            }
+        out[name] = row
+    if TORCHREC in records:
+        reference = [max(rank["seconds"] for rank in rep) for rep in records[TORCHREC]]
+        for name, reps in records.items():
+            mine = [max(rank["seconds"] for rank in rep) for rep in reps]
+            out[name]["vs_torchrec"] = summary((ref / s for ref, s in zip(reference, mine)), 3)
+            if "peak_rss_mib" in out[name]:
+                out[name]["rss_vs_torchrec"] = round(
+                    out[name]["peak_rss_mib"]["median"] / out[TORCHREC]["peak_rss_mib"]["median"], 3
+                )
+                out[name]["rss_growth_vs_torchrec"] = round(
+                    out[name]["rss_growth_mib"]["median"] / out[TORCHREC]["rss_growth_mib"]["median"], 3
+                )
+    return out
+
+
+def print_table(batch_size: int, steps: int, repeats: int, world: int, rows: dict[str, Any]) -> None:
+    print(
+        f"\nbatch {batch_size}/rank x {world} ranks, {steps} timed steps, medians (min–max) over {repeats} "
+        "interleaved repetitions; per rank, the larger of the ranks"
+    )
+    header = (
+        f"{'variant':<28} {'samples/s':>20} {'ms/step':>8} {'CPU ms/step':>11} {'vs torchrec':>21} "
+        f"{'engine µs/step':>18} {'share %':>7} {'release µs':>10} {'loop µs':>8} {'GC ms':>6} {'peak RSS MiB':>12} "
+        f"{'growth MiB':>10}"
+    )
+    print(header)
+    for name, r in rows.items():
+        engine = fmt(r.get("engine_us_per_step"))
+        share = f"{r['engine_share_percent']['median']:.2f}" if "engine_share_percent" in r else "-"
+        release = f"{r['release_us_per_step']['median']:.0f}" if "release_us_per_step" in r else "-"
+        loop = f"{r['loop_us_per_step']['median']:.0f}" if "loop_us_per_step" in r else "-"
+        rss = f"{r['peak_rss_mib']['median']:.0f}" if "peak_rss_mib" in r else "-"
+        growth = f"{r['rss_growth_mib']['median']:.0f}" if "rss_growth_mib" in r else "-"
+        vs = fmt(r.get("vs_torchrec"), 3)
+        print(
+            f"{name:<28} {fmt(r['samples_per_s']):>20} {r['ms_per_step']['median']:>8.2f} "
+            f"{r['cpu_ms_per_step']['median']:>11.2f} {vs:>21} {engine:>18} {share:>7} {release:>10} {loop:>8} "
+            f"{r['gc_ms_per_step']['median']:>6.2f} {rss:>12} {growth:>10}"
+        )
+        if "cuda_peak_allocated_mib" in r:
+            print(
+                f"{'':<28} CUDA peak allocated {fmt(r['cuda_peak_allocated_mib'])} MiB, "
+                f"reserved {fmt(r['cuda_peak_reserved_mib'])} MiB"
+            )
+    busy = statistics.median(r["machine_busy_percent"]["median"] for r in rows.values())
+    other = max(r["other_load_percent"]["max"] for r in rows.values())
+    print(
+        f"machine CPU busy during the windows (all cores, median): {busy:.0f} %; "
+        f"other jobs' share of the cores, at most: {other:.0f} %"
+    )
+
+
+def print_breakdown(rows: dict[str, Any]) -> None:
+    print("rank 0 task bodies, ms/step (median), by task [thread]:")
+    for name, r in rows.items():
+        if "rank0_task_ms_per_step" in r:
+            tasks = ", ".join(f"{t} {ms:.2f} [{r['thread_of'][t]}]" for t, ms in r["rank0_task_ms_per_step"].items())
+            print(f"  {name:<28} {tasks}")
+    print("rank 0 engine µs/step (median) by where it falls:")
+    for name, r in rows.items():
+        if "rank0_engine_us_per_step_by_position" in r:
+            where = ", ".join(f"{k} {us:.0f}" for k, us in r["rank0_engine_us_per_step_by_position"].items())
+            print(f"  {name:<28} {where}")
 
 
 # -- main -----------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per run (default 50)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the window (default 5)")
-    parser.add_argument("--repeats", type=int, default=5, help="repetitions of every variant (default 5)")
-    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size (default 32)")
-    parser.add_argument("--no-engine-share", action="store_true", help="skip the instrumented engine-share runs")
+    parser.add_argument(
+        "--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="per-rank batch sizes to sweep (32,256,1024)"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved repetitions per batch size (default 7)")
+    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per run (default per batch: {STEPS})")
+    parser.add_argument("--warmup", type=int, default=None, help=f"untimed steps first (default per batch: {WARMUP})")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
+    parser.add_argument(
+        "--plan",
+        action="append",
+        default=[],
+        metavar="NAME=OVERRIDES",
+        help="an extra engine variant: a name, '=', then space-separated config overrides, e.g. "
+        "--plan 'tuned=pipeline=tuned thread_map=plan hydra.searchpath=[file:///tmp/plans]' (repeatable)",
+    )
+    parser.add_argument(
+        "--max-other-load",
+        type=float,
+        default=0.10,
+        help="discard and rerun a repetition during which other jobs used more than this share of all cores "
+        "(default 0.10)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="discarded repetitions allowed per batch size (default: twice --repeats)",
+    )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin each rank (and every thread it starts) to its own core; default: on for CPU runs, off on CUDA",
+    )
+    parser.add_argument("--quick", action="store_true", help="CI smoke test: batch 16, 3 steps, 1 repetition")
     args = parser.parse_args()
-    if args.steps < 1 or args.repeats < 1 or args.warmup < 1 or args.batch_size < 1:
-        parser.error("--steps, --repeats, --warmup and --batch-size must be >= 1")
+    if args.quick:  # a smoke test: keep whatever the machine gives
+        args.batch_sizes, args.repeats, args.steps, args.warmup, args.retries = "16", 1, 3, 1, 0
+    if args.retries is None:
+        args.retries = 2 * args.repeats
+    extra: dict[str, tuple[str, ...]] = {}
+    for spec in args.plan:
+        name, sep, overrides = spec.partition("=")
+        if not sep or not name or not overrides.strip() or name in PLANS:
+            parser.error(f"--plan must be NAME=OVERRIDES with a new name, got {spec!r}")
+        extra[name] = tuple(shlex.split(overrides))
+    args.plan = extra
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        parser.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+    if min(args.batch_sizes) < 1 or args.repeats < 1 or (args.steps or 1) < 1 or (args.warmup or 1) < 1:
+        parser.error("--batch-sizes, --repeats, --steps and --warmup must be >= 1")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
+    if args.pin is None:
+        args.pin = not torch.cuda.is_available()
+    if args.pin:  # before any thread starts, so gloo's and the executor's threads inherit it
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]})
     torch.set_num_threads(1)
-    from recsys_pipe.data import make_dataloader
-    from recsys_pipe.train import init_distributed
+    from recsys_pipe.train import init_distributed, training_plan
 
-    info = init_distributed("cpu", "gloo")
-    rank, world = info.rank, info.world_size
-    main_rank = rank == 0
-    total = args.warmup + args.steps + TAIL
-    runs = {plan: run_config(plan, args.batch_size, total) for plan in ENGINE_PLANS}
-    runs[TORCHREC] = runs["serial"]  # build_model reads model/optimizer/seed, identical in every plan
-    batches = list(make_dataloader(runs["serial"].data, rank, world))  # data loading is not timed
-    assert len(batches) == total, (len(batches), total)
-
-    def make_window(timer: TaskTimer | None = None):
-        return lambda progress, loss_of: Window(progress, loss_of, args.warmup, args.steps, timer)
-
-    def run_variant(name: str, window_factory: Callable[..., Window]) -> Window:
-        runner = run_torchrec if name == TORCHREC else run_engine_plan
-        return runner(runs[name], info, batches, window_factory)
-
+    cuda = torch.cuda.is_available()
+    info = init_distributed("cuda" if cuda else "cpu", "nccl" if cuda else "gloo")
+    rank, world, main_rank = info.rank, info.world_size, info.rank == 0
+    plans = {**PLANS, **args.plan}
+    variants = [*plans, TORCHREC] + ([TORCHREC_PREFETCH] if cuda else [])
+    if args.variants:
+        chosen = args.variants.split(",")
+        unknown = sorted(set(chosen) - set(variants))
+        if unknown:
+            raise SystemExit(f"error: --variants: unknown {unknown}; choose from {variants}")
+        variants = [v for v in variants if v in chosen]
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "device": torch.cuda.get_device_name(info.device) if cuda else "cpu",
+        "backend": info.backend,
+        "ranks": world,
+        "pinned": args.pin,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    with open("/proc/cpuinfo") as f:
+        model = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    if model:
+        machine["cpu"] = model[0]
     if main_rank:
         print(
-            f"bench_train: {world} ranks (gloo, CPU, 1 intra-op thread each), batch {args.batch_size}/rank, "
-            f"{args.warmup} warm-up + {args.steps} timed + {TAIL} tail steps, {args.repeats} repetition(s)",
+            f"bench_train: {world} ranks ({info.backend}, {machine['device']}, {machine['cores']} cores: "
+            f"{machine['cpu']}), 1 intra-op thread per rank; batch sizes {args.batch_sizes}, "
+            f"{args.repeats} repetition(s){', each rank pinned to one core' if args.pin else ''}; "
+            f"variants: {', '.join(variants)}",
             flush=True,
         )
-    seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}  # CPU seconds of the window, max over ranks
-    losses: dict[str, list[torch.Tensor]] = {v: [] for v in VARIANTS}
-    for rep in range(args.repeats):
-        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-        for name in order:
-            window = run_variant(name, make_window())
-            seconds[name].append(max_over_ranks(window.seconds))
-            cpu[name].append(max_over_ranks(window.cpu_seconds))
-            losses[name].append(torch.stack(window.losses))
+    report: dict[str, Any] = {"machine": machine, "repeats": args.repeats, "batches": {}}
+    rss_problem = None
+    cores = os.cpu_count() or 1
+    for batch_size in args.batch_sizes:
+        steps = args.steps or STEPS.get(batch_size, max(4, 1536 // batch_size))
+        warmup = args.warmup or WARMUP.get(batch_size, 3)
+        bench = Bench(info, batch_size, warmup, steps, {name: plans[name] for name in variants if name in plans})
+        rss_problem = bench.memory.problem
+        if "observer_us_per_step" not in report:
+            tasks = max(len(training_plan(run).graph.order) for run in bench.runs.values())
+            report["observer_us_per_step"] = round(observer_cost_us(tasks), 2)
+        records: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
+        started = time.perf_counter()
+        rep = discarded = in_a_row = 0
+        while rep < args.repeats:
+            shift = rep % len(variants)
+            this: dict[str, list[dict[str, Any]]] = {}
+            for name in variants[shift:] + variants[:shift]:
+                gathered: list[Any] = [None] * world
+                dist.all_gather_object(gathered, bench.run(name))
+                this[name] = gathered
+            other = max(other_load(runs, cores) for runs in this.values())
+            ms = ", ".join(f"{v} {max(r['seconds'] for r in this[v]) / steps * 1e3:.1f}" for v in variants)
+            line = f"  batch {batch_size} repetition {rep + 1}/{args.repeats} ({time.perf_counter() - started:.0f} s)"
+            if other > args.max_other_load and discarded < args.retries:
+                discarded += 1  # every rank computed the same figure from the same gathered records
+                in_a_row += 1
+                pause = min(60, 10 * in_a_row)  # let a burst of other work pass
+                if main_rank:
+                    print(
+                        f"{line}: other jobs used {other:.0%} of the cores; discarded, run again in {pause} s",
+                        flush=True,
+                    )
+                time.sleep(pause)
+                continue
+            in_a_row = 0
+            for name, runs in this.items():
+                records[name].append(runs)
+            rep += 1
+            if main_rank:
+                print(f"{line}: ms/step {ms}; other jobs {other:.0%}", flush=True)
+        equal = check_losses(records, cuda, rank)
+        rows = aggregate(records, batch_size, steps, world, cores)
+        report["batches"][str(batch_size)] = {
+            "steps": steps,
+            "warmup": warmup,
+            "discarded_repetitions": discarded,
+            "variants": rows,
+            "losses": equal,
+        }
         if main_rank:
-            print(
-                f"  repetition {rep + 1}/{args.repeats}: "
-                + ", ".join(f"{v} {args.batch_size * world * args.steps / seconds[v][-1]:.0f}" for v in VARIANTS)
-                + " samples/s",
-                flush=True,
-            )
+            print_table(batch_size, steps, args.repeats, world, rows)
+            print_breakdown(rows)
+            print(f"losses: {equal['note']}", flush=True)
+    report["targets"] = targets(report, variants, cuda)
+    if rss_problem:
+        report["rss_problem"] = rss_problem
+    if main_rank:
+        print(f"\nobserver cost (its hooks timed alone): {report['observer_us_per_step']} µs/step")
+        if rss_problem:
+            print(rss_problem)
+        print_targets(report["targets"])
+        print(json.dumps(report), flush=True)
 
-    # Same computation: every variant, every repetition, bitwise-equal per-step losses.
-    reference = losses["serial"][0]
-    mismatches = [
-        f"{v}[rep {r}]" for v in VARIANTS for r, got in enumerate(losses[v]) if not torch.equal(got, reference)
-    ]
+
+def check_losses(records: dict[str, list[list[dict[str, Any]]]], cuda: bool, rank: int) -> dict[str, Any]:
+    """CPU: every run's per-step losses bitwise equal to serial's first run, on every rank
+    (raises otherwise). CUDA: the largest difference of the last loss, reported."""
+    runs = [(name, r, rep[rank]["losses"]) for name, reps in records.items() for r, rep in enumerate(reps)]
+    reference_name = "serial" if "serial" in records else runs[0][0]
+    reference = records[reference_name][0][rank]["losses"]
+    if cuda:
+        diff = max(abs(losses[-1] - reference[-1]) for _, _, losses in runs)
+        return {
+            "checked": False,
+            "max_last_loss_diff": diff,
+            "note": f"CUDA: not asserted; last losses differ by at most {diff:.3g}",
+        }
+    mismatches = [f"{name}[rep {r}]" for name, r, losses in runs if losses != reference]
     ok = torch.tensor([0 if mismatches else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok.item():
         raise AssertionError(
-            f"rank {rank}: per-step losses differ from serial for {mismatches or 'another rank'}; "
-            "the variants do not compute the same thing"
+            f"rank {rank}: per-step losses differ from {reference_name}'s for {mismatches or 'another rank'}"
         )
+    return {
+        "checked": True,
+        "equal": True,
+        "runs": len(runs),
+        "steps": len(reference),
+        "note": f"per-step losses of all {len(runs)} runs ({len(reference)} steps each) bitwise equal on every rank",
+    }
 
-    # Engine share: one instrumented run per engine plan.
-    engine: dict[str, dict[str, float]] = {}
-    if not args.no_engine_share:
-        timer = TaskTimer()
-        uninstall = timer.install()
-        try:
-            for plan in ENGINE_PLANS:
-                window = run_variant(plan, make_window(timer))
-                if not torch.equal(torch.stack(window.losses), reference):
-                    raise AssertionError(f"rank {rank}: instrumented {plan} run trained different losses")
-                busiest = max(timer.per_thread.values())
-                share = (window.in_progress - busiest) / window.in_progress
-                stats = torch.tensor(
-                    [
-                        share,
-                        window.in_progress / args.steps,
-                        busiest / args.steps,
-                        (window.in_progress - busiest) / args.steps,
-                    ],
-                    dtype=torch.float64,
-                )
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the worse rank
-                engine[plan] = {
-                    "share": float(stats[0]),
-                    "step_ms": float(stats[1]) * 1e3,
-                    "task_ms": float(stats[2]) * 1e3,
-                    "engine_us": float(stats[3]) * 1e6,
-                    "threads": {k: round(v / args.steps * 1e3, 3) for k, v in timer.per_thread.items()},
-                    "tasks": {k: round(v / args.steps * 1e3, 3) for k, v in timer.per_task.items()},
-                }
-        finally:
-            uninstall()
 
-    # Report.
-    samples = args.batch_size * world * args.steps
-    sps = {v: statistics.median(samples / s for s in seconds[v]) for v in VARIANTS}
-    spread = {v: (min(samples / s for s in seconds[v]), max(samples / s for s in seconds[v])) for v in VARIANTS}
-    cpu_ms = {v: statistics.median(cpu[v]) / args.steps * 1e3 for v in VARIANTS}
-    vs_torchrec = {p: sps[p] / sps[TORCHREC] for p in ENGINE_PLANS}
-    vs_serial = {v: sps[v] / sps["serial"] for v in (*PIPELINED, TORCHREC)}
-    if main_rank:
-        print()
-        print(
-            f"{'variant':<17} {'samples/s':>10} {'(min..max)':>16} {'ms/step':>8} {'CPU ms/step':>12} "
-            f"{'vs torchrec':>12} {'vs serial':>10} {'engine share':>13} {'engine µs/step':>15}"
-        )
-        for v in VARIANTS:
-            lo, hi = spread[v]
-            share = f"{engine[v]['share'] * 100:.1f} %" if v in engine else "-"
-            us = f"{engine[v]['engine_us']:.0f}" if v in engine else "-"
+def targets(report: dict[str, Any], variants: list[str], cuda: bool) -> dict[str, Any]:
+    """Which targets each batch size meets (speed only for the CPU batch sizes it names)."""
+    out: dict[str, Any] = {
+        "limits": {
+            "speed_vs_torchrec_min": TARGET_SPEED,
+            "speed_batch_sizes": list(TARGET_SPEED_BATCHES),
+            "peak_rss_vs_torchrec_max": TARGET_RSS,
+            "engine_share_percent_max": TARGET_ENGINE_SHARE,
+        },
+        "met": {},
+    }
+    if TORCHREC not in variants:
+        return out
+    for batch_size, entry in report["batches"].items():
+        rows = entry["variants"]
+        met: dict[str, Any] = {}
+        for name in (v for v in rows if v not in ("serial", TORCHREC, TORCHREC_PREFETCH)):  # the pipelined plans
+            r = rows[name]
+            checks: dict[str, bool] = {}
+            if not cuda and int(batch_size) in TARGET_SPEED_BATCHES:
+                checks["speed"] = r["vs_torchrec"]["median"] >= TARGET_SPEED
+            if "rss_vs_torchrec" in r:
+                checks["peak_rss"] = r["rss_vs_torchrec"] <= TARGET_RSS
+            checks["engine_share"] = r["engine_share_percent"]["median"] <= TARGET_ENGINE_SHARE
+            met[name] = checks
+        out["met"][batch_size] = met
+    return out
+
+
+def print_targets(t: dict[str, Any]) -> None:
+    limits = t["limits"]
+    print(
+        f"targets: pipelined plans >= {limits['speed_vs_torchrec_min']}x torchrec_sdd (median, CPU, batch "
+        f"{'/'.join(map(str, limits['speed_batch_sizes']))}), peak RSS <= {limits['peak_rss_vs_torchrec_max']}x "
+        f"torchrec_sdd's, engine <= {limits['engine_share_percent_max']} % of a step"
+    )
+    for batch_size, met in t["met"].items():
+        for name, checks in met.items():
             print(
-                f"{v:<17} {sps[v]:>10.1f} {f'({lo:.0f}..{hi:.0f})':>16} "
-                f"{samples / sps[v] / args.steps * 1e3:>8.2f} {cpu_ms[v]:>12.2f} "
-                f"{(f'{vs_torchrec[v]:.3f}x' if v in vs_torchrec else '-'):>12} "
-                f"{(f'{vs_serial[v]:.3f}x' if v in vs_serial else '-'):>10} {share:>13} {us:>15}"
+                f"  batch {batch_size:>5} {name:<28} "
+                + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in checks.items())
             )
-        if engine:
-            print(
-                "\nengine share (instrumented run, worse rank): time in progress() per step, task bodies of the "
-                "busiest "
-                "thread per step, per-thread task ms/step:"
-            )
-            for plan, e in engine.items():
-                print(
-                    f"  {plan:<17} {e['step_ms']:.2f} ms/step in progress(), {e['task_ms']:.2f} ms task bodies "
-                    f"-> engine {e['engine_us']:.0f} µs/step ({e['share'] * 100:.1f} %)"
-                )
-                print(f"    rank 0 task ms/step by thread {e['threads']}")
-                print(f"    rank 0 task ms/step by task   {e['tasks']}")
-        targets = {p: {"vs_torchrec": vs_torchrec[p] >= 1.0, "vs_serial": vs_serial[p] >= 1.0} for p in PIPELINED}
-        print(f"\ntargets (pipelined >= 1.0x torchrec and >= serial): {targets}")
-        print("per-step losses bitwise equal across all variants and repetitions: yes", flush=True)
-        print(
-            json.dumps(
-                {
-                    "samples_per_s": {v: round(sps[v], 2) for v in VARIANTS},
-                    "ratio_vs_torchrec": {p: round(r, 4) for p, r in vs_torchrec.items()},
-                    "ratio_vs_serial": {p: round(r, 4) for p, r in vs_serial.items()},
-                    "engine_share": {p: round(e["share"], 4) for p, e in engine.items()},
-                    "cpu_ms_per_step": {v: round(cpu_ms[v], 3) for v in VARIANTS},
-                    "engine_us_per_step": {p: round(e["engine_us"], 1) for p, e in engine.items()},
-                    "steps": args.steps,
-                    "repeats": args.repeats,
-                    "world_size": world,
-                    "batch_size": args.batch_size,
-                    "warmup": args.warmup,
-                    "targets_met": targets,
-                }
-            ),
-            flush=True,
-        )
 
 
 if __name__ == "__main__":
@@ -430,7 +913,9 @@ if __name__ == "__main__":
         if dist.is_initialized():
             dist.barrier()
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else 2
+        if not isinstance(exc.code, int) and exc.code:
+            print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
         code = 1

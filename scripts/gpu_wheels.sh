@@ -5,11 +5,15 @@
 #
 #   bash scripts/gpu_wheels.sh [--dir DIR] [REQUIREMENT ...]
 #
-# Without requirements it fetches what gpu_check.sh runs needs beyond torch, pytest and
-# hypothesis: nvtx (the engine's only other import). Further requirements are fetched as given,
-# without their dependencies (name each one), e.g. the launcher's config stack:
-#   bash scripts/gpu_wheels.sh nvtx==0.2.17 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 \
-#     typing-inspection==0.4.5 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8
+# Without requirements it fetches what gpu_check.sh needs beyond the GPU machine's torch, pytest and
+# hypothesis (about 11 MB), pinned to the versions scripts/setup.sh installed on CPU when this list
+# was written: nvtx (the engine's only other import); the launcher's config stack, pydantic,
+# pydantic-core, annotated-types, typing-inspection, typing-extensions, omegaconf,
+# antlr4-python3-runtime, hydra-core, PyYAML; megatron-core and the packaging it requires; and what
+# the trainer imports, torchmetrics, lightning-utilities, tqdm (the GPU image has some of these;
+# carrying them keeps the versions tested on CPU). Each is fetched without its dependencies: name
+# every one. Further requirements replace the list, e.g.
+#   bash scripts/gpu_wheels.sh nvtx==0.2.17
 # A requirement published without a wheel for that platform (antlr4-python3-runtime 4.9.3 has only
 # a source archive) is built here into a wheel, which is kept only if it is pure Python.
 set -euo pipefail
@@ -17,7 +21,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="$ROOT/wheels"
 PY="${PYTHON:-python3}"
-DEFAULT=("nvtx==0.2.17")
+DEFAULT=(
+  nvtx==0.2.17
+  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+  omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 PyYAML==6.0.3
+  megatron-core==0.16.1 packaging==26.3
+  torchmetrics==1.9.0 lightning-utilities==0.15.3 tqdm==4.70.1
+)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 requirements=()

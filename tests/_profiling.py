@@ -4,8 +4,8 @@ Shared by the CPU trace test and tests/cuda. Two facts shape it:
 
 - torch.profiler (Kineto) records `record_function` ranges, not NVTX ranges: it enables no CUPTI
   marker activity, so the engine's NVTX ranges show in Nsight Systems only. The ranges here come
-  from an observer (`RecordFunctionObserver`), whose hooks run on the task's thread inside its
-  stream scope.
+  from the engine's `RecordFunctionRanges` observer, whose hooks run on the task's thread inside
+  its stream scope.
 - The profiler is enabled per thread: ranges opened on threads that existed before it started
   (the threaded executor's long-lived workers) are recorded only with
   `_ExperimentalConfig(profile_all_threads=True)` (`profile_all_threads()` below).
@@ -14,33 +14,10 @@ Shared by the CPU trace test and tests/cuda. Two facts shape it:
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import record_function
-
-from recsys_pipe.engine import Task, TaskObserver
-
-
-class RecordFunctionObserver(TaskObserver):
-    """Opens a `record_function` range named by the task's label around each task invocation."""
-
-    def __init__(self) -> None:
-        self._open: dict[str, Any] = {}  # a task never overlaps itself: its name keys its range
-        self._lock = threading.Lock()
-
-    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
-        scope = record_function(task.label)
-        scope.__enter__()
-        with self._lock:
-            self._open[task.name] = scope
-
-    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
-        with self._lock:
-            scope = self._open.pop(task.name)
-        scope.__exit__(None, None, None)
 
 
 def profile_all_threads() -> Any:

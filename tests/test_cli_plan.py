@@ -60,6 +60,13 @@ def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipe
     assert (tmp_path / "plan.txt").read_text() == expected
 
 
+@pytest.mark.parametrize("pipeline", ["serial_balanced", "hstu_sparse_dist_balanced", "hstu_prefetch_balanced"])
+def test_balanced_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline):
+    """With the default thread map (hstu_default: the shuffle tasks on io with h2d)."""
+    assert plan(tmp_path, f"pipeline={pipeline}") == 0
+    assert (tmp_path / "plan.txt").read_text() == (GOLDEN / f"plan_{pipeline}.default.txt").read_text()
+
+
 def test_derived_plans_restate_only_what_differs():
     from recsys_pipe.cli._hydra import CONF_DIR
 
@@ -68,6 +75,12 @@ def test_derived_plans_restate_only_what_differs():
     assert texts["sparse_dist"].count("fn: ") == 0 and "- serial" in texts["sparse_dist"]
     assert texts["hstu_sparse_dist"].count("fn: ") == 0 and "- sparse_dist" in texts["hstu_sparse_dist"]
     assert texts["hstu_prefetch"].count("fn: ") == 1 and "- hstu_sparse_dist" in texts["hstu_prefetch"]
+    for balanced, parent in [
+        ("serial_balanced", "serial"),
+        ("hstu_sparse_dist_balanced", "hstu_sparse_dist"),
+        ("hstu_prefetch_balanced", "hstu_prefetch"),
+    ]:  # the two shuffle tasks on top of the parent
+        assert texts[balanced].count("fn: ") == 2 and f"- {parent}\n" in texts[balanced]
 
 
 def test_overrides_show_in_output_and_saved_config(tmp_path, capsys):
@@ -93,7 +106,12 @@ def test_help_lists_groups_and_options(capsys):
     assert run(["--help"]) == 0
     out = capsys.readouterr().out
     assert "recsys-plan: compile a training plan" in out
-    assert "pipeline: hstu_prefetch, hstu_sparse_dist, serial, sparse_dist" in out
+    assert (
+        "pipeline: hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, hstu_sparse_dist_balanced, serial, "
+        "serial_balanced, sparse_dist" in out
+    )
+    assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_small" in out
+    assert "data: criteo, criteo_synthetic, custom, movielens, synthetic" in out
     assert "thread_map: by_stream, hstu_default, per_task, plan, single" in out
     for group in ("model:", "data:", "optimizer:", "trainer:"):
         assert group in out
@@ -407,6 +425,23 @@ def test_costs_print_the_simulated_step(tmp_path, capsys):
     # one thread runs every task in turn: the step is the sum of the costs
     assert f"predicted step: {sum(COSTS_MS.values()):.4g} ms" in out
     assert "critical path" in out
+
+
+def test_tuned_prefetch_plan_keeps_its_torchrec_context(tmp_path, capsys):
+    import json
+
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train import training_plan
+
+    costs = _costs(tmp_path)
+    data = json.loads(costs.read_text())
+    data["tasks"]["prefetch_embeddings"] = {"cpu_s": 0.0005, "device_s": 0.0}
+    costs.write_text(json.dumps(data))
+    assert plan(tmp_path, "pipeline=hstu_prefetch", f"costs={costs}", "tune=true", "tune_time_limit_s=3") == 0
+    tuned = training_plan(
+        load_run("pipeline=hstu_prefetch_tuned", "thread_map=plan", f"hydra.searchpath=[file://{tmp_path}]")
+    )
+    assert tuned.config.torchrec_context == "prefetch"
 
 
 def test_tune_writes_a_plan_file_that_loads_as_tuned(tmp_path, capsys):

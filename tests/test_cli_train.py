@@ -153,5 +153,9 @@ def test_config_errors_exit_2_before_any_process_group(tmp_path, override, path)
 def test_help_lists_groups():
     proc = subprocess.run([str(BIN / "recsys-train"), "--help"], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0
-    for group in ("pipeline: hstu_prefetch, hstu_sparse_dist, serial, sparse_dist", "thread_map:", "trainer:"):
+    for group in (
+        "pipeline: hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, hstu_sparse_dist_balanced",
+        "thread_map:",
+        "trainer:",
+    ):
         assert group in proc.stdout

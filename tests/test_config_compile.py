@@ -68,6 +68,22 @@ def test_serial_and_pipelined_plans_list_the_same_task_functions():
     assert fns["serial"] == fns["sparse_dist"] == fns["hstu_sparse_dist"]
     assert fns["hstu_prefetch"] - fns["serial"] == {"recsys_pipe.train.tasks.prefetch_embeddings"}
     assert fns["serial"] <= fns["hstu_prefetch"]
+    shuffles = {"recsys_pipe.train.tasks.start_shuffle", "recsys_pipe.train.tasks.finish_shuffle"}
+    assert fns["serial_balanced"] == fns["hstu_sparse_dist_balanced"] == fns["serial"] | shuffles
+    assert fns["hstu_prefetch_balanced"] == fns["hstu_prefetch"] | shuffles
+
+
+def test_balanced_plans_shuffle_at_h2d_lookahead_on_its_stream():
+    for name in ("hstu_sparse_dist_balanced", "hstu_prefetch_balanced"):
+        plan = compiled(f"pipeline={name}")
+        tasks = {t.name: t for t in plan.order}
+        for shuffle in ("start_shuffle", "finish_shuffle"):
+            assert (tasks[shuffle].lookahead, tasks[shuffle].stream, tasks[shuffle].nccl) == (2, "memcpy", True)
+            assert plan.thread_of[shuffle] == plan.thread_of["h2d"] == "io"
+        order = [t.name for t in plan.order]
+        # the partition is solved between the two halves, while the step's collectives run
+        assert order.index("start_shuffle") < order.index("start_input_dist")
+        assert order.index("finalize_model_grads") < order.index("finish_shuffle")
 
 
 def test_serial_plan_is_one_batch_sequential_default_stream():

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from recsys_pipe.config import TASK_FIELDS, ConfigError, PlanConfig, TaskConfig, plan_skeleton
 from recsys_pipe.config.errors import problems_from_validation_error, suggest
-from recsys_pipe.data import SyntheticDataConfig
-from recsys_pipe.models import HSTUConfig
+from recsys_pipe.data import DataConfig, SyntheticDataConfig
+from recsys_pipe.models import HSTUConfig, ModelConfig
 from recsys_pipe.train import RunConfig, load_run_config
 
 
@@ -143,21 +143,38 @@ def _fields(model, prefix=""):
     return out
 
 
+def plain_model(cfg: ModelConfig, spec):
+    """A builder whose config is the base class: stands in for `builder: ???` of model=custom."""
+    raise AssertionError("never built")
+
+
+def plain_data(cfg: DataConfig, rank, world_size):
+    """Likewise for data=custom."""
+    raise AssertionError("never built")
+
+
 @pytest.mark.parametrize("group", ["model", "data", "optimizer", "trainer"])
 def test_shipped_options_spell_out_every_key(group, tmp_path):
-    """Every key of a section is in its YAML: overridable by path (no `+`) and documented."""
+    """Every key of a section is in its YAML: overridable by path (no `+`) and documented. The
+    component selectors are the exception: a YAML spells `name` (a registered component, whose
+    config class fills in its builder) or `builder` (model=custom, data=custom), not both."""
     from recsys_pipe.cli._hydra import CONF_DIR
+    from recsys_pipe.config import validate_section
+    from recsys_pipe.train import TrainerConfig
 
-    validate = {
-        "model": lambda d: load_run_config({**base(), "model": d}).model,
-        "data": lambda d: load_run_config({**base(), "data": d}).data,
-        "optimizer": lambda d: load_run_config({**base(), "optimizer": d}).optimizer,
-        "trainer": lambda d: load_run_config({**base(), "trainer": d}).trainer,
-    }[group]
     options = sorted((CONF_DIR / group).glob("*.yaml"))
     assert options
     for path in options:
         raw = OmegaConf.to_container(OmegaConf.load(path))
+        raw.pop("defaults", None)  # Hydra's own key (a model's default data source)
         if raw.get("path") == "???":
-            raw["path"] = __file__  # movielens: any existing file passes validation
-        assert _keys(raw) == _fields(validate(raw)), path.name
+            raw["path"] = __file__  # movielens, criteo: any existing file passes validation
+        if raw.get("builder") == "???":
+            raw["builder"] = f"{__name__}:plain_{group}"
+        if group == "trainer":
+            validated, selectors = validate_section(TrainerConfig, raw, group), set()
+        else:
+            cls = RunConfig.COMPONENTS[group].config_class(raw, group)
+            validated, selectors = validate_section(cls, raw, group), {"name", "builder"}
+        assert _keys(raw) | selectors == _fields(validated), path.name
+        assert len(selectors & set(raw)) == (1 if selectors else 0), path.name

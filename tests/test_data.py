@@ -16,9 +16,9 @@ from recsys_pipe.data import (
     ITEM_KEY,
     MASKED_ACTION,
     USER_KEY,
-    Batch,
     MovieLensDataConfig,
     MovieLensDataset,
+    SequenceBatch,
     SyntheticConfig,
     SyntheticDataConfig,
     SyntheticSequenceDataset,
@@ -35,12 +35,12 @@ def _cfg(**kw) -> SyntheticDataConfig:
     return SyntheticDataConfig(**base)
 
 
-def _batches(cfg: SyntheticDataConfig, rank: int = 0, world_size: int = 1, n: int = 3) -> list[Batch]:
+def _batches(cfg: SyntheticDataConfig, rank: int = 0, world_size: int = 1, n: int = 3) -> list[SequenceBatch]:
     it = iter(make_dataloader(cfg, rank, world_size))
     return [next(it) for _ in range(n)]
 
 
-def _assert_batches_equal(a: Batch, b: Batch) -> None:
+def _assert_batches_equal(a: SequenceBatch, b: SequenceBatch) -> None:
     fa, fb = a.sparse_features, b.sparse_features
     assert fa.keys() == fb.keys()
     assert torch.equal(fa.values(), fb.values()) and torch.equal(fa.lengths(), fb.lengths())
@@ -53,7 +53,7 @@ def test_synthetic_batch_layout(use_user: bool) -> None:
     cfg = _cfg(use_user_feature=use_user)
     batch = _batches(cfg, n=1)[0]
     spec = cfg.dataset(0, 1).spec
-    assert (spec.num_users > 0) == use_user  # a user table only when batches carry the feature
+    assert (USER_KEY in spec.vocab_sizes) == use_user  # a user table only when batches carry the feature
     kjt = batch.sparse_features.to_dict()
     assert set(kjt) == {ITEM_KEY, ACTION_KEY} | ({USER_KEY} if use_user else set())
     items, actions = kjt[ITEM_KEY], kjt[ACTION_KEY]
@@ -65,15 +65,15 @@ def test_synthetic_batch_layout(use_user: bool) -> None:
     assert torch.equal(batch.num_candidates, torch.full((cfg.batch_size,), cfg.num_candidates))
     assert batch.labels.shape == (cfg.batch_size * cfg.num_candidates, spec.num_tasks)
     assert batch.labels.dtype == torch.float32 and set(batch.labels.unique().tolist()) <= {0.0, 1.0}
-    assert int(items.values().min()) >= 0 and int(items.values().max()) < spec.num_items
-    assert int(actions.values().max()) < spec.num_actions
+    assert int(items.values().min()) >= 0 and int(items.values().max()) < spec.vocab_sizes[ITEM_KEY]
+    assert int(actions.values().max()) < spec.vocab_sizes[ACTION_KEY]
     for seq_actions, seq_ts in zip(actions.to_dense(), torch.split(batch.timestamps, lengths.tolist())):
         assert (seq_actions[-cfg.num_candidates :] == MASKED_ACTION).all()
         assert (seq_actions[: -cfg.num_candidates] != MASKED_ACTION).all()
         assert (seq_ts[1:] > seq_ts[:-1]).all()
     if use_user:
         assert torch.equal(kjt[USER_KEY].lengths(), torch.ones(cfg.batch_size, dtype=torch.int32))
-        assert int(kjt[USER_KEY].values().max()) < spec.num_users
+        assert int(kjt[USER_KEY].values().max()) < spec.vocab_sizes[USER_KEY]
 
 
 def test_synthetic_deterministic_per_seed() -> None:
@@ -106,10 +106,14 @@ def test_loader_batches_disjoint_across_ranks() -> None:
 
 
 def test_batch_is_pipelineable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches implement torchrec's Pipelineable without importing torchrec; they become its
+    (virtual) subclasses when torchrec's sharding is loaded."""
     batch = _batches(_cfg(use_user_feature=True), n=1)[0]
+    import recsys_pipe.models.sharding  # noqa: F401  (registers the batches)
+
     assert isinstance(batch, Pipelineable)
     moved = batch.to(torch.device("cpu"), non_blocking=True)
-    assert isinstance(moved, Batch)
+    assert isinstance(moved, SequenceBatch)
     _assert_batches_equal(moved, batch)
 
     # CPU tensors can neither be pinned nor record a stream: count the calls instead.
@@ -120,17 +124,18 @@ def test_batch_is_pipelineable(monkeypatch: pytest.MonkeyPatch) -> None:
     # KJT: values + lengths (+ offsets when computed); batch: 4 dense tensors
     assert calls.count("record") >= 6
     pinned = batch.pin_memory()
-    assert isinstance(pinned, Batch) and calls.count("pin") >= 6
+    assert isinstance(pinned, SequenceBatch) and calls.count("pin") >= 6
     _assert_batches_equal(pinned, batch)
 
 
 def test_sources_are_looked_up_by_name() -> None:
-    assert DATA_SOURCES.config_class("synthetic", "data") is SyntheticDataConfig
-    assert DATA_SOURCES.config_class("movielens", "data") is MovieLensDataConfig
+    assert DATA_SOURCES.config_class({"name": "synthetic"}, "data") is SyntheticDataConfig
+    assert DATA_SOURCES.config_class({"name": "movielens"}, "data") is MovieLensDataConfig
     with pytest.raises(ConfigError) as info:
-        DATA_SOURCES.config_class("synthetik", "data")
+        DATA_SOURCES.config_class({"name": "synthetik"}, "data")
     assert str(info.value) == (
-        "data.name: unknown data source 'synthetik' (did you mean 'synthetic'?); known: synthetic, movielens"
+        "data.name: unknown data source 'synthetik' (did you mean 'synthetic'?); "
+        "known: synthetic, movielens, criteo, criteo_synthetic"
     )
 
 
@@ -196,7 +201,7 @@ def test_read_ratings_rejects_other_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fmt", ["ml-1m", "ml-20m"])
 def test_movielens_sequences(tmp_path: Path, fmt: str) -> None:
     ds = MovieLensDataset(_write(tmp_path, fmt), max_seq_len=4, num_candidates=1, use_user_feature=True)
-    assert ds.spec.num_items == 6 and ds.spec.num_users == 3 and ds.spec.num_tasks == 2
+    assert ds.spec.vocab_sizes == {ITEM_KEY: 6, ACTION_KEY: 11, USER_KEY: 3} and ds.spec.num_tasks == 2
     # user 3 -> one window; user 7 (7 ratings) -> windows [4:8) and [0:3) from the end;
     # user 9 has a single rating, too short for 1 history + 1 candidate.
     assert ds.num_windows == len(ds) == 3

@@ -53,6 +53,9 @@ class Calls(TaskObserver):
     def task_finished(self, task, batch_index, iteration, failed):
         self._log("task_finished", task.name, batch_index, iteration, failed)
 
+    def tasks_done(self, iteration):
+        self._log("tasks_done", iteration)
+
     def iteration_finished(self, iteration, failed):
         self._log("iteration_finished", iteration, failed)
 
@@ -68,7 +71,13 @@ def test_hooks_bracket_every_task_and_iteration(executor):
     iterations = m + 2  # two prefill iterations, the drain overlaps them
     assert [c[1] for c in calls.calls if c[0] == "iteration_started"] == list(range(iterations))
     assert [c[1:3] for c in calls.calls if c[0] == "iteration_finished"] == [(i, False) for i in range(iterations)]
-    assert all(c[-1] == caller for c in calls.calls if c[0].startswith("iteration"))
+    assert all(c[-1] == caller for c in calls.calls if c[0].startswith("iteration") or c[0] == "tasks_done")
+    # tasks_done: once per iteration, after its last task and right before iteration_finished
+    for i in range(iterations):
+        done = calls.calls.index(("tasks_done", i, caller))
+        assert calls.calls[done + 1][:3] == ("iteration_finished", i, False)
+        assert all(c[3] > i for c in calls.calls[done + 1 :] if c[0] == "task_finished")
+        assert any(c[3] == i for c in calls.calls[:done] if c[0] == "task_finished")
     started = {c[1:4]: c[4] for c in calls.calls if c[0] == "task_started"}
     finished = {c[1:4]: c[5] for c in calls.calls if c[0] == "task_finished"}
     assert (
@@ -130,6 +139,7 @@ def test_failure_is_reported_to_the_observer(executor):
         list(pipe.iterate(it))
     assert ("task_finished", "fwd", 1, 3, True) in [c[:5] for c in calls.calls]
     assert [c[:3] for c in calls.calls if c[0] == "iteration_finished"][-1] == ("iteration_finished", 3, True)
+    assert [c[1] for c in calls.calls if c[0] == "tasks_done"] == [0, 1, 2]  # not for the failed iteration
     assert all(c[4] is False for c in calls.calls if c[0] == "task_finished" and c[1:3] != ("fwd", 1))
     with pytest.raises(PipelineBrokenError):
         pipe.progress(it)

@@ -4,7 +4,6 @@
 import pytest
 import torch
 from _profiling import (
-    RecordFunctionObserver,
     annotations,
     chrome_trace_events,
     kernel_streams_by_label,
@@ -12,7 +11,7 @@ from _profiling import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, Task, ThreadedExecutor
+from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, Task, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,9 +36,7 @@ def plan():
 def profiled_ranges(tmp_path, **profile_kwargs):
     schedule = plan()
     labels = {t.label for t in schedule.tasks}
-    with SchedulablePipeline(
-        schedule, executor=ThreadedExecutor("by_stream"), observer=RecordFunctionObserver()
-    ) as pipe:
+    with SchedulablePipeline(schedule, executor=ThreadedExecutor("by_stream"), observer=RecordFunctionRanges()) as pipe:
         list(pipe.iterate(range(2)))  # the worker threads exist before the profiler starts
         with profile(activities=[ProfilerActivity.CPU], **profile_kwargs) as prof:
             list(pipe.iterate(range(BATCHES)))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _launcher_runs import STRICT_ENV, require_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
@@ -73,8 +74,9 @@ def test_gpu_check_without_a_gpu_says_so_and_runs_nothing(tmp_path):
 def test_gpu_check_runs_every_step_and_summarises(tmp_path):
     """The whole sequence as on the GPU machine, with an interpreter that answers the GPU probe as
     a GPU machine would and is the real one otherwise, the training stack made unimportable (a
-    `sitecustomize`): tests/cuda are collected and skip, bench_gpu.py finds no CUDA and fails,
-    bench_engine.py runs without the shipped plans; the summary shows each and the check fails."""
+    `sitecustomize`): tests/cuda (the engine's, the launcher's, megatron's) are collected and skip,
+    bench_gpu.py finds no CUDA and fails, bench_engine.py runs without the shipped plans; the
+    summary shows each and the check fails."""
     fake = tmp_path / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
@@ -98,8 +100,10 @@ def test_gpu_check_runs_every_step_and_summarises(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     summary = (out_dir / "summary.txt").read_text().splitlines()
     rows = {line.split()[0]: line for line in summary[2:-1]}
-    assert list(rows) == ["cuda_tests", "bench_gpu", "bench_engine", "profiler"]
+    assert list(rows) == ["cuda_tests", "launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine", "profiler"]
     assert " passed " in rows["cuda_tests"] and " skipped" in rows["cuda_tests"]
+    assert "1 skipped" in rows["launcher_cuda"] and "1 skipped" in rows["megatron_cuda"]
+    assert "test_cuda_launcher" not in (out_dir / "cuda_tests.log").read_text()  # each test in one step only
     assert "failed (exit 2)" in rows["bench_gpu"] and "no report" in rows["bench_gpu"]
     assert " passed " in rows["bench_engine"] and "µs/task" in rows["bench_engine"]
     assert "shipped plans skipped: ImportError: " in rows["bench_engine"]
@@ -111,6 +115,8 @@ def test_gpu_check_runs_every_step_and_summarises(tmp_path):
         "bench_engine.log",
         "bench_gpu.log",
         "cuda_tests.log",
+        "launcher_cuda.log",
+        "megatron_cuda.log",
         "summary.txt",
     ]
 
@@ -180,6 +186,37 @@ def test_bench_engine_without_plans_needs_only_torch():
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["plans"] == {}
     assert set(report["targets"]["met"]) == {"sequential_us_per_task", "threaded_us_per_task", "overlap_ratio_vs_ideal"}
+
+
+def test_training_tests_on_the_gpu_machine_need_no_torchrec(tmp_path):
+    """tests/cuda/test_cuda_launcher.py and test_cuda_megatron.py where torchrec cannot be imported
+    (as on the GPU machine, whose other packages are carried): they are collected and, here without
+    CUDA, skip with the reason; their CPU counterparts run the same workers with torchrec blocked."""
+    code = (
+        "import sys\n"
+        "sys.modules['torchrec'] = sys.modules['fbgemm_gpu'] = None\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['tests/cuda/test_cuda_launcher.py', 'tests/cuda/test_cuda_megatron.py', '-rs', "
+        "'-p', 'no:cacheprovider']))\n"
+    )
+    out = run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
+    if torch.cuda.is_available():
+        assert not skipped and " 2 passed" in out.stdout
+    else:
+        assert len(skipped) == 2 and all("no CUDA device is visible" in line for line in skipped), out.stdout
+        assert "tests/test_dense_ddp.py runs the same worker on CPU" in out.stdout
+        assert "tests/test_torch_only.py::test_launcher_plans_train_the_same_losses_without_torchrec" in out.stdout
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_missing_package_skips_the_training_tests_or_fails_them_under_gpu_check(monkeypatch, strict):
+    require_packages("torch", "json")  # present: nothing happens
+    monkeypatch.setenv(STRICT_ENV, "1" if strict else "0")
+    with pytest.raises(pytest.fail.Exception if strict else pytest.skip.Exception) as raised:
+        require_packages("torch", "no_such_package_here")
+    assert str(raised.value).startswith("needs no_such_package_here, which cannot be imported here")
 
 
 def test_cuda_tests_collect_without_the_training_stack():

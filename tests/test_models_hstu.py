@@ -11,8 +11,17 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.train_pipeline.tracing import Tracer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_pipe.data import ITEM_KEY, Batch, DataSpec, SyntheticConfig, SyntheticDataConfig, make_dataloader
-from recsys_pipe.models import MODELS, HSTUConfig, embedding_tables
+from recsys_pipe.data import (
+    ACTION_KEY,
+    ITEM_KEY,
+    USER_KEY,
+    DataSpec,
+    SequenceBatch,
+    SyntheticConfig,
+    SyntheticDataConfig,
+    make_dataloader,
+)
+from recsys_pipe.models import MODELS, HSTUConfig, build_hstu, embedding_tables
 
 
 @pytest.fixture(autouse=True)
@@ -30,11 +39,11 @@ def _setup(use_user: bool = False, relative_bias: bool = True, **data_kw):
     cfg = SyntheticDataConfig(use_user_feature=use_user, synthetic=synthetic, **data_kw)
     loader = make_dataloader(cfg)
     torch.manual_seed(0)
-    model = HSTUConfig(max_seq_len=cfg.max_seq_len, relative_bias=relative_bias).build(loader.dataset.spec)
+    model = build_hstu(HSTUConfig(max_seq_len=cfg.max_seq_len, relative_bias=relative_bias), loader.dataset.spec)
     return model, loader
 
 
-def _with_items(batch: Batch, items: torch.Tensor) -> Batch:
+def _with_items(batch: SequenceBatch, items: torch.Tensor) -> SequenceBatch:
     kjt = batch.sparse_features
     values = kjt.values().clone()
     values[: items.numel()] = items  # "item" is the first key
@@ -67,7 +76,7 @@ def test_forward_contract(use_user: bool, relative_bias: bool) -> None:
 
 def test_candidates_are_scored_independently_and_see_history() -> None:
     model, loader = _setup()
-    num_items = loader.dataset.spec.num_items
+    num_items = loader.dataset.spec.vocab_sizes[ITEM_KEY]
     batch = next(iter(loader))
     items = batch.sparse_features[ITEM_KEY].values()
     first_len = int(batch.sparse_features[ITEM_KEY].lengths()[0])
@@ -110,14 +119,14 @@ def test_fx_trace_exposes_ec_input_as_batch_attribute() -> None:
 
 def test_tables_share_dim_and_avoid_moduledict_names() -> None:
     cfg = HSTUConfig()
-    tables = embedding_tables(cfg, DataSpec(num_items=10, num_actions=3, num_tasks=1, num_users=4))
+    tables = embedding_tables(cfg, DataSpec(num_tasks=1, vocab_sizes={ITEM_KEY: 10, ACTION_KEY: 3, USER_KEY: 4}))
     assert {t.embedding_dim for t in tables} == {cfg.embedding_dim}
     assert [t.feature_names for t in tables] == [["item"], ["action"], ["user"]]
-    no_user = embedding_tables(cfg, DataSpec(num_items=10, num_actions=3, num_tasks=1, num_users=0))
+    no_user = embedding_tables(cfg, DataSpec(num_tasks=1, vocab_sizes={ITEM_KEY: 10, ACTION_KEY: 3}))
     assert [t.feature_names for t in no_user] == [["item"], ["action"]]
     with pytest.raises(ValidationError, match="embedding_dim .30. is not divisible by num_heads .4."):
         HSTUConfig(embedding_dim=30, num_heads=4)
-    assert MODELS.config_class("hstu", "model") is HSTUConfig
+    assert MODELS.config_class({"name": "hstu"}, "model") is HSTUConfig
 
 
 def test_learns_synthetic_structure() -> None:

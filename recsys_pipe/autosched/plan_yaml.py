@@ -35,6 +35,7 @@ def plan_yaml(
     name: str = "tuned",
     description: str = "",
     executor: str | None = None,
+    settings: Mapping[str, str] | None = None,
     path: str | os.PathLike | None = None,
 ) -> str:
     """The plan YAML of `schedule`; also written to `path` when given.
@@ -49,6 +50,9 @@ def plan_yaml(
         name, description: the plan's name and description.
         executor: "sequential" or "threaded"; default: threaded when the thread map uses more
             than one thread.
+        settings: further top-level plan keys written as they are, e.g. the launcher's
+            `{"torchrec_context": "prefetch"}` (a tuned plan keeps the settings of the plan it
+            came from).
     """
     if len(schedule.stages) != 1:
         raise ValueError(f"a plan YAML holds one stage; this schedule has {len(schedule.stages)}")
@@ -71,6 +75,7 @@ def plan_yaml(
         f"description: {_scalar(description)}",
         f"executor: {executor}",
         f"streams: {_flow(streams)}",
+        *(f"{key}: {_scalar(value)}" for key, value in (settings or {}).items()),
     ]
     if threads:
         default = max(sorted(set(threads.values())), key=list(threads.values()).count)

@@ -2,6 +2,12 @@
 
     recsys-plan pipeline=hstu_prefetch thread_map=per_task pipeline.tasks.h2d.lookahead=3
     recsys-plan pipeline=serial plot=true        # + PNG timing diagram and DAG in the run dir
+    recsys-plan model=dlrm model.sharding=planner world_size=8 local_world_size=4
+
+After the schedule it shows the model's side: torchrec's printout of the embedding sharding plan
+for `world_size` ranks (`local_world_size` per host) on the trainer's device type, or, for a model
+with plain torch tables, its data parallelism (`trainer.dense_ddp`); and which tasks have nothing
+to do.
 
 Same config tree and loader as `recsys-train`, so a plan that prints here is the plan that
 trains, and a plan refused here (exit 2, `error: <path>: <message>`) is refused there.
@@ -18,7 +24,9 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from recsys_pipe.cli._hydra import hydra_app
 from recsys_pipe.config import ConfigError, ConfigProblem, render_plan, structure_only
+from recsys_pipe.train.build import describe_model
 from recsys_pipe.train.config import RunConfig, load_run_config
+from recsys_pipe.train.dense_ddp import check_dense_ddp
 from recsys_pipe.train.plan import training_plan
 
 __all__ = ["PlanCommandConfig", "plan_task", "run", "main"]
@@ -30,6 +38,8 @@ class PlanCommandConfig(RunConfig):
     plot: StrictBool = Field(False, description="also draw plan_timing.png and plan_dag.png into the run dir")
     check_fns: StrictBool = Field(True, description="import every task fn (false: check the structure only)")
     num_batches: StrictInt = Field(4, ge=1, le=64, description="batches drawn in the timing table")
+    world_size: StrictInt = Field(1, ge=1, description="ranks the embedding sharding plan is shown for")
+    local_world_size: StrictInt | None = Field(None, ge=1, description="ranks per host (null: world_size)")
     costs: StrictStr | None = Field(
         None, description="per-task costs (costs.json of the profiler): print the simulated step time"
     )
@@ -46,24 +56,49 @@ def _output_dir() -> Path | None:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def _device_type(device: str) -> str:
+    """The device type to plan the sharding for: `trainer.device`, auto meaning CUDA if visible
+    (a plan for cuda can be shown on a machine without one)."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def plan_task(cfg: DictConfig) -> None:
     """Validate, compile, print; write plan.txt (+ PNGs with plot=true) into the run dir."""
     run_cfg = load_run_config(cfg, PlanCommandConfig)
     if run_cfg.tune and run_cfg.costs is None:
         raise ConfigError(ConfigProblem("tune", "tune=true needs costs=<costs.json> (per-task costs to simulate)"))
     plan = training_plan(run_cfg, resolve_fn=None if run_cfg.check_fns else structure_only)
+    check_dense_ddp(run_cfg, _device_type(run_cfg.trainer.device))
     costs = None
     if run_cfg.costs is not None:
         from recsys_pipe.cli.predict import load_costs
 
         costs = load_costs(run_cfg.costs, plan)
     text = render_plan(plan, run_cfg.num_batches)
+    model_text = None
+    if run_cfg.check_fns:  # structure-only mode imports no model code either
+        model_text = describe_model(
+            run_cfg,
+            plan,
+            run_cfg.world_size,
+            run_cfg.local_world_size or run_cfg.world_size,
+            _device_type(run_cfg.trainer.device),
+        )
     print(text)
+    if model_text:
+        print()
+        print(model_text)
     out = _output_dir()
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.txt").write_text(text + "\n")
-    written = [] if out is None else [out / "plan.txt"]
+        if model_text:
+            (out / "model.txt").write_text(model_text + "\n")
+    written = [] if out is None else [out / "plan.txt"] + ([out / "model.txt"] if model_text else [])
     if costs is not None:
         from recsys_pipe.cli.predict import predict, tune_plan
 

@@ -72,6 +72,7 @@ def tune_plan(plan: CompiledPlan, costs: CostModel, name: str, out: Path, time_l
         name=name,
         description=description,
         executor="threaded" if len(set(result.thread_map.values())) > 1 else "sequential",
+        settings={"torchrec_context": plan.config.torchrec_context},
         path=path,
     )
     print(

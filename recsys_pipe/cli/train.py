@@ -91,13 +91,15 @@ def _preflight(run: RunConfig, requested: str | None, key: str) -> Any:
     """Every check that needs no process group; returns this rank's data (`RankData`)."""
     from recsys_pipe.data import RankData
     from recsys_pipe.train.checkpoint import resolve_resume
+    from recsys_pipe.train.dense_ddp import check_dense_ddp
     from recsys_pipe.train.distributed import resolve_device
     from recsys_pipe.train.rundir import check_output_dir, check_unused
 
     try:
-        resolve_device(run.trainer.device)
+        device = resolve_device(run.trainer.device)
     except RuntimeError as exc:
         raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
+    check_dense_ddp(run, device.type)
     resolve_resume(run.trainer.resume_from, run.trainer.output_dir)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)

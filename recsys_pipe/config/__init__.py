@@ -12,7 +12,7 @@ the base of every component's config; `Registry` maps component names to their c
 from recsys_pipe.config.compile import CompiledPlan, CpuEdge, compile_plan, plan_from_any, thread_assignment
 from recsys_pipe.config.errors import ConfigError, ConfigProblem, format_path, suggest
 from recsys_pipe.config.load import to_container, validate_section
-from recsys_pipe.config.registry import Registry
+from recsys_pipe.config.registry import Component, Registry, builder_config_class, builder_field
 from recsys_pipe.config.render import firing_table, render_plan
 from recsys_pipe.config.resolve import FnResolveError, import_fn, structure_only
 from recsys_pipe.config.schema import TASK_FIELDS, PlanConfig, Section, TaskConfig, ThreadMapConfig
@@ -21,6 +21,7 @@ from recsys_pipe.config.structured import plan_skeleton
 __all__ = [
     "TASK_FIELDS",
     "CompiledPlan",
+    "Component",
     "ConfigError",
     "ConfigProblem",
     "CpuEdge",
@@ -31,6 +32,8 @@ __all__ = [
     "TaskConfig",
     "ThreadMapConfig",
     "compile_plan",
+    "builder_config_class",
+    "builder_field",
     "firing_table",
     "format_path",
     "import_fn",

@@ -1,35 +1,49 @@
-"""Sequential-recommendation data: synthetic (default) and MovieLens, as torchrec-pipelineable batches.
+"""Data sources and batches: synthetic sequences and MovieLens (for HSTU), Criteo files and a
+generated Criteo-like source (for DLRM).
 
-Each source is a `DataConfig` subclass next to its dataset, registered by name in
-`DATA_SOURCES`; `make_dataloader(cfg, rank, world_size)` turns any of them into batches.
+Each source is a builder and its `DataConfig` subclass, registered by name in `DATA_SOURCES`;
+`make_dataloader(cfg, rank, world_size)` turns any of them into batches. The batch protocol is
+written down in `recsys_pipe.data.batch`.
+
+Names are imported on first use (PEP 562), so `import recsys_pipe.data` loads no data source and
+no torchrec: a plain-torch model trains where torchrec is not installed.
 """
 
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, Batch, Sample, collate
-from recsys_pipe.data.loader import DataConfig, EpochSampler, RankData, SequenceDataConfig, make_dataloader
-from recsys_pipe.data.movielens import MovieLensDataConfig, MovieLensDataset, read_ratings
-from recsys_pipe.data.registry import DATA_SOURCES
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.synthetic import SyntheticConfig, SyntheticDataConfig, SyntheticSequenceDataset
+from __future__ import annotations
 
-__all__ = [
-    "ACTION_KEY",
-    "DATA_SOURCES",
-    "ITEM_KEY",
-    "MASKED_ACTION",
-    "USER_KEY",
-    "Batch",
-    "DataConfig",
-    "DataSpec",
-    "EpochSampler",
-    "MovieLensDataConfig",
-    "MovieLensDataset",
-    "RankData",
-    "Sample",
-    "SequenceDataConfig",
-    "SyntheticConfig",
-    "SyntheticDataConfig",
-    "SyntheticSequenceDataset",
-    "collate",
-    "make_dataloader",
-    "read_ratings",
-]
+from recsys_pipe._lazy import lazy_exports
+
+_EXPORTS = {
+    "ACTION_KEY": "batch",
+    "ITEM_KEY": "batch",
+    "MASKED_ACTION": "batch",
+    "USER_KEY": "batch",
+    "Sample": "batch",
+    "SequenceBatch": "batch",
+    "TensorBatch": "batch",
+    "collate": "batch",
+    "DataConfig": "loader",
+    "SequenceDataConfig": "loader",
+    "make_dataloader": "loader",
+    "EpochSampler": "loader",
+    "RankData": "loader",
+    "DataSpec": "spec",
+    "DATA_SOURCES": "registry",
+    "MovieLensDataConfig": "movielens",
+    "MovieLensDataset": "movielens",
+    "read_ratings": "movielens",
+    "SyntheticConfig": "synthetic",
+    "SyntheticDataConfig": "synthetic",
+    "SyntheticSequenceDataset": "synthetic",
+    "CriteoBatch": "criteo",
+    "CriteoDataConfig": "criteo",
+    "CriteoDataset": "criteo",
+    "CriteoSyntheticConfig": "criteo",
+    "CriteoSyntheticDataConfig": "criteo",
+    "CriteoSyntheticDataset": "criteo",
+    "TabularDataConfig": "criteo",
+    "read_criteo": "criteo",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,8 +1,13 @@
-"""The per-rank DataLoader of `Batch`es, and `DataConfig`, the base of every data source's config.
+"""The per-rank DataLoader of batches, and `DataConfig`, the base of every data source's config.
 
-A data source is a `DataConfig` subclass next to its dataset (`SyntheticDataConfig`,
-`MovieLensDataConfig`), registered by name in `recsys_pipe.data.registry`. The subclass builds
-the rank's dataset; this module turns it into batches the same way for every source.
+A data source is a builder and its config class (see `recsys_pipe.config.registry`):
+
+    def build(cfg: MyDataConfig, rank: int, world_size: int) -> Dataset
+
+The dataset is map-style (`len`, `[i]` -> sample) and holds this rank's disjoint share of the
+data; it has `spec` (a `DataSpec`, which sizes the model) and `collate(samples) -> batch` (a
+batch following the protocol in `recsys_pipe.data.batch`). Shipped sources are registered by
+name in `recsys_pipe.data.registry`; this module turns any of them into batches the same way.
 
 Training reads its batches by *position*: batch `p` of a run is batch `p % P` of epoch `p // P`
 (P batches per epoch), and epoch `e`'s sample order is fixed by `(data.seed + e)`. So the number
@@ -18,25 +23,26 @@ per index, so the position of the next batch to train is enough and exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validator
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section
+from recsys_pipe.config import Component, ConfigError, ConfigProblem
+from recsys_pipe.data.spec import DataSpec
 
 __all__ = ["DataConfig", "EpochSampler", "RankData", "SequenceDataConfig", "make_dataloader"]
 
 
-class DataConfig(Section):
-    """Batch shape and loading, shared by every data source (`data.*`)."""
+class DataConfig(Component):
+    """Batch shape and loading, shared by every data source (`data.*`). A builder whose config
+    parameter is not annotated gets this class."""
 
     #: the config key that decides how many samples the source has (named by "too small" errors)
     SIZE_KEY: ClassVar[str] = "data"
 
-    name: StrictStr = Field(description="data source: a name registered in recsys_pipe.data.registry")
     batch_size: StrictInt = Field(32, ge=1, description="samples per batch per rank")
     num_batches: StrictInt | None = Field(
         None, ge=1, description="training batches per rank per epoch (null: the whole share minus held-out batches)"
@@ -47,12 +53,14 @@ class DataConfig(Section):
     pin_memory: StrictBool = Field(False, description="pin host batches (CUDA: asynchronous host-to-device copies)")
 
     def dataset(self, rank: int, world_size: int) -> Dataset:
-        """This rank's disjoint share of the source; `.spec` (a `DataSpec`) sizes the model."""
-        raise NotImplementedError(f"data source '{self.name}' does not build a dataset")
+        """This rank's disjoint share of the source (the builder's result): `.spec` sizes the
+        model, `.collate` turns a list of samples into a batch."""
+        return self.builder_fn()(self, rank, world_size)
 
-    def collate_fn(self) -> Callable[[list], Any]:
-        """Turns a list of samples into one batch."""
-        raise NotImplementedError(f"data source '{self.name}' has no collate function")
+    def spec(self) -> DataSpec:
+        """The model-sizing spec of this source. Sources that know it from their config alone
+        override this; by default it is read from a one-rank dataset."""
+        return self.dataset(0, 1).spec
 
 
 class SequenceDataConfig(DataConfig):
@@ -72,13 +80,6 @@ class SequenceDataConfig(DataConfig):
                 "a sample needs at least one history token"
             )
         return num_candidates
-
-    def collate_fn(self) -> Callable[[list], Any]:
-        from functools import partial
-
-        from recsys_pipe.data.batch import collate
-
-        return partial(collate, use_user_feature=self.use_user_feature)
 
 
 class EpochSampler(Sampler[int]):
@@ -209,7 +210,7 @@ class RankData:
             drop_last=True,
             num_workers=cfg.num_workers,
             pin_memory=cfg.pin_memory,
-            collate_fn=cfg.collate_fn(),
+            collate_fn=self.dataset.collate,
             # its own generator: creating an iterator must not draw from the global torch RNG,
             # whose state a checkpoint restores (and dropout consumes)
             generator=torch.Generator().manual_seed(cfg.seed),

@@ -17,18 +17,19 @@ import csv
 import os
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import ClassVar, Literal, NoReturn
 
 from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.batch import Sample
+from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Sample, collate
 from recsys_pipe.data.loader import SequenceDataConfig
 from recsys_pipe.data.spec import DataSpec
 
-__all__ = ["MovieLensDataConfig", "MovieLensDataset", "read_ratings"]
+__all__ = ["MovieLensDataConfig", "MovieLensDataset", "movielens_dataset", "read_ratings"]
 
 Rating = tuple[int, int, float, int]
 """(user id, movie id, rating, unix timestamp) as found in the file."""
@@ -120,6 +121,7 @@ class MovieLensDataConfig(SequenceDataConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["movielens"] = "movielens"
+    builder: StrictStr | None = builder_field("recsys_pipe.data.movielens:movielens_dataset")
     path: StrictStr = Field(description="MovieLens ratings.dat (ml-1m) or ratings.csv (ml-20m/25m)")
 
     @field_validator("path")
@@ -131,10 +133,12 @@ class MovieLensDataConfig(SequenceDataConfig):
             raise ValueError(f"file is not readable: {path}")
         return path
 
-    def dataset(self, rank: int, world_size: int) -> MovieLensDataset:
-        return MovieLensDataset(
-            self.path, self.max_seq_len, self.num_candidates, rank, world_size, use_user_feature=self.use_user_feature
-        )
+
+def movielens_dataset(cfg: MovieLensDataConfig, rank: int, world_size: int) -> MovieLensDataset:
+    """Builder of `data=movielens`: this rank's share of the rating windows."""
+    return MovieLensDataset(
+        cfg.path, cfg.max_seq_len, cfg.num_candidates, rank, world_size, use_user_feature=cfg.use_user_feature
+    )
 
 
 class MovieLensDataset(Dataset[Sample]):
@@ -168,12 +172,11 @@ class MovieLensDataset(Dataset[Sample]):
         self.thresholds = tuple(thresholds)
         self.rank = rank
         self.world_size = world_size
-        self.spec = DataSpec(
-            num_items=len(movie_index),
-            num_actions=NUM_ACTIONS,
-            num_tasks=len(self.thresholds),
-            num_users=len(user_index) if use_user_feature else 0,
-        )
+        vocab = {ITEM_KEY: len(movie_index), ACTION_KEY: NUM_ACTIONS}
+        if use_user_feature:
+            vocab[USER_KEY] = len(user_index)
+        self.spec = DataSpec(num_tasks=len(self.thresholds), vocab_sizes=vocab)
+        self.collate = partial(collate, use_user_feature=use_user_feature)
         min_len = num_candidates + min_history
         self._windows: list[tuple[int, list[Rating]]] = []
         for raw_user in sorted(by_user):

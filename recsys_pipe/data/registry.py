@@ -1,13 +1,18 @@
-"""Data sources by name (`data.name=...`): each entry is the import path of the source's config."""
+"""Data sources by name (`data.name=...`): each entry is the import path of the source's config
+class, which names its builder; `data.builder=pkg.module:function` picks any other builder."""
 
 from recsys_pipe.config import Registry
+from recsys_pipe.data.loader import DataConfig
 
 __all__ = ["DATA_SOURCES"]
 
 DATA_SOURCES = Registry(
     "data source",
+    DataConfig,
     {
         "synthetic": "recsys_pipe.data.synthetic:SyntheticDataConfig",
         "movielens": "recsys_pipe.data.movielens:MovieLensDataConfig",
+        "criteo": "recsys_pipe.data.criteo:CriteoDataConfig",
+        "criteo_synthetic": "recsys_pipe.data.criteo:CriteoSyntheticDataConfig",
     },
 )

@@ -1,19 +1,24 @@
-"""What a data source tells the model: vocabulary sizes and label layout."""
+"""What a data source tells the model: feature vocabularies, dense width and label layout."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+__all__ = ["DataSpec"]
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Sizes a model needs to match a data source (ids are in `[0, num_*)`).
+    """Sizes a model needs to match a data source.
 
-    `num_actions` includes the masked action id 0 used for candidate tokens;
-    `num_users` sizes the contextual `user` table; 0 when the batches carry no user feature.
+    Attributes:
+        num_tasks: binary labels per scored row (the width of `outputs["labels"]`).
+        vocab_sizes: sparse feature (the batch's KJT key) -> its vocabulary size; ids are in
+            `[0, size)`. Only features the batches carry are listed.
+        num_dense: dense (float) features per sample; 0 when there are none.
     """
 
-    num_items: int
-    num_actions: int
     num_tasks: int
-    num_users: int
+    vocab_sizes: Mapping[str, int]
+    num_dense: int = 0

@@ -10,24 +10,33 @@ loss falls and AUC rises well above 0.5 when a sequence model trains on it.
 Every sample is generated from its own RNG seeded by `(seed, global index)`, so a sample is the
 same whatever the rank count, worker count or access order; rank `r` of `w` owns global
 indices `r, r + w, r + 2w, ...` (disjoint across ranks, equal counts on all ranks).
+
+Sequence lengths (`data.synthetic.length_distribution`): `uniform` in `[min_seq_len, max_seq_len]`,
+`fixed` (every sample `max_seq_len` long) or `zipf`: `P(min_seq_len + k) ∝ (k + 1)^-zipf_alpha`,
+many short sequences and a heavy tail of long ones, as in production logs. With attention cost
+quadratic in length, Zipf lengths make ranks' batches very unequal in work: what the balanced
+batch shuffler evens out.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random
+from functools import partial
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field, StrictInt, ValidationInfo, field_validator
+from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import Section
-from recsys_pipe.data.batch import Sample
+from recsys_pipe.config import Section, builder_field
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Sample, collate
 from recsys_pipe.data.loader import SequenceDataConfig
 from recsys_pipe.data.spec import DataSpec
 
-__all__ = ["SyntheticConfig", "SyntheticDataConfig", "SyntheticSequenceDataset"]
+__all__ = ["SyntheticConfig", "SyntheticDataConfig", "SyntheticSequenceDataset", "synthetic_dataset"]
 
 
 class SyntheticConfig(Section):
@@ -39,6 +48,12 @@ class SyntheticConfig(Section):
     num_tasks: StrictInt = Field(2, ge=1, le=8, description="binary engagement tasks (labels per candidate)")
     num_samples: StrictInt = Field(1_000_000, ge=1, description="samples over all ranks")
     min_seq_len: StrictInt = Field(8, ge=2, description="shortest sequence (raised to num_candidates + 1)")
+    length_distribution: Literal["uniform", "fixed", "zipf"] = Field(
+        "uniform",
+        description="sequence lengths: uniform in [min_seq_len, data.max_seq_len], fixed (all data.max_seq_len) or "
+        "zipf (P(min_seq_len + k) ∝ (k+1)^-zipf_alpha: mostly short, a heavy tail of long ones)",
+    )
+    zipf_alpha: float = Field(1.2, gt=0, description="exponent of the zipf length distribution")
     chain_prob: float = Field(0.8, ge=0, le=1, description="probability that the next item follows the chain")
     affinity_scale: float = Field(2.5, ge=0, description="weight of the cluster affinity in the label logits")
     quality_scale: float = Field(1.0, ge=0, description="weight of the per-item quality in the label logits")
@@ -58,18 +73,32 @@ class SyntheticDataConfig(SequenceDataConfig):
     SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
 
     name: Literal["synthetic"] = "synthetic"
+    builder: StrictStr | None = builder_field("recsys_pipe.data.synthetic:synthetic_dataset")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="the generated world")
 
-    def dataset(self, rank: int, world_size: int) -> SyntheticSequenceDataset:
-        return SyntheticSequenceDataset(
-            self.synthetic,
-            self.seed,
-            self.max_seq_len,
-            self.num_candidates,
-            rank,
-            world_size,
-            use_user_feature=self.use_user_feature,
-        )
+    def spec(self) -> DataSpec:
+        return _spec(self.synthetic, self.use_user_feature)
+
+
+def _spec(cfg: SyntheticConfig, use_user_feature: bool) -> DataSpec:
+    """Items, actions (the masked action 0, then one per combination of task outcomes) and users."""
+    vocab = {ITEM_KEY: cfg.num_items, ACTION_KEY: 2**cfg.num_tasks + 1}
+    if use_user_feature:
+        vocab[USER_KEY] = cfg.num_users
+    return DataSpec(num_tasks=cfg.num_tasks, vocab_sizes=vocab)
+
+
+def synthetic_dataset(cfg: SyntheticDataConfig, rank: int, world_size: int) -> SyntheticSequenceDataset:
+    """Builder of `data=synthetic`: this rank's share of the generated samples."""
+    return SyntheticSequenceDataset(
+        cfg.synthetic,
+        cfg.seed,
+        cfg.max_seq_len,
+        cfg.num_candidates,
+        rank,
+        world_size,
+        use_user_feature=cfg.use_user_feature,
+    )
 
 
 class _World:
@@ -125,12 +154,9 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         self.rank = rank
         self.world_size = world_size
         self._world = _World(cfg, seed)
-        self.spec = DataSpec(
-            num_items=cfg.num_items,
-            num_actions=2**cfg.num_tasks + 1,
-            num_tasks=cfg.num_tasks,
-            num_users=cfg.num_users if use_user_feature else 0,
-        )
+        self._length_cdf = _zipf_cdf(self.max_seq_len - self.min_seq_len + 1, cfg.zipf_alpha)
+        self.spec = _spec(cfg, use_user_feature)
+        self.collate = partial(collate, use_user_feature=use_user_feature)
 
     def __len__(self) -> int:
         return self.cfg.num_samples // self.world_size
@@ -141,10 +167,19 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         global_index = index * self.world_size + self.rank
         return self._generate(global_index)
 
+    def _length(self, rng: random.Random) -> int:
+        distribution = self.cfg.length_distribution
+        if distribution == "uniform":
+            return rng.randint(self.min_seq_len, self.max_seq_len)
+        if distribution == "fixed":
+            return self.max_seq_len
+        k = bisect.bisect_left(self._length_cdf, rng.random())
+        return self.min_seq_len + min(k, len(self._length_cdf) - 1)
+
     def _generate(self, global_index: int) -> Sample:
         cfg, world = self.cfg, self._world
         rng = random.Random(self.seed * 1_000_003 + global_index)
-        length = rng.randint(self.min_seq_len, self.max_seq_len)
+        length = self._length(rng)
         user = rng.randrange(cfg.num_users)
         cluster = world.user_cluster[user]
         home = world.home_items[cluster]
@@ -169,3 +204,10 @@ class SyntheticSequenceDataset(Dataset[Sample]):
             history_actions=actions[:n_hist],
             labels=labels[n_hist:],
         )
+
+
+def _zipf_cdf(n: int, alpha: float) -> list[float]:
+    """Cumulative probabilities of a Zipf law over `n` values: `P(k) ∝ (k + 1)^-alpha`."""
+    weights = [(k + 1) ** -alpha for k in range(n)]
+    total = sum(weights)
+    return [c / total for c in itertools.accumulate(weights)]

@@ -22,19 +22,22 @@ from recsys_pipe.engine.errors import (
     TaskFailedError,
 )
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
-from recsys_pipe.engine.observe import IterationSpan, SpanRecorder, TaskObserver, TaskSpan
+from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, SpanRecorder, TaskObserver, TaskSpan
 from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
 from recsys_pipe.engine.schedule import Schedule, Stage
+from recsys_pipe.engine.shortcut import DeclaredIO, shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
-from recsys_pipe.engine.streams import NoOpEvent, NoOpStream, StreamPool
-from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, FnTask, Task
+from recsys_pipe.engine.streams import CudaTimer, NoOpEvent, NoOpStream, StreamPool
+from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, FnTask, Task, declare_effects
 from recsys_pipe.engine.threaded import ThreadedExecutor, resolve_thread_map
 
 __all__ = [
     "BATCH_CPU",
     "STEP_RESULT",
     "BatchRing",
+    "CudaTimer",
     "DataSlot",
+    "DeclaredIO",
     "Dependency",
     "DependencyGraph",
     "Edge",
@@ -45,6 +48,7 @@ __all__ = [
     "NoOpEvent",
     "NoOpStream",
     "PipelineBrokenError",
+    "RecordFunctionRanges",
     "Problem",
     "SchedulablePipeline",
     "Schedule",
@@ -63,6 +67,8 @@ __all__ = [
     "ThreadedExecutor",
     "compile_dependencies",
     "cpu_edges",
+    "declare_effects",
     "fires",
     "resolve_thread_map",
+    "shortcut_refusal",
 ]

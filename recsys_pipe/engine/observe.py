@@ -8,6 +8,11 @@ Where the hooks run matters for what they can measure:
 
 - `iteration_started` / `iteration_finished` run on the thread that called `progress()`,
   before the iteration's first task and after its last one (also after a failure).
+- `tasks_done` runs on that thread too, once every task of the iteration returned and before
+  the ring rotates. Rotating drops the trained batch's slot values (device batch, torchrec
+  context, model outputs and their autograd graph), which any training loop pays when it lets
+  go of a batch: the time from `tasks_done` to `iteration_finished` is that release, so a
+  benchmark can report it apart from the engine's own cost. Not called when a task failed.
 - `task_started` / `task_finished` run on the thread that runs the task, inside the task's
   stream context and NVTX range, immediately around `task.run(ctx)`. On CUDA the current
   stream is the task's stream, so an observer can record CUDA events there to time the
@@ -25,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from recsys_pipe.engine.task import Task
 
 
@@ -39,6 +46,9 @@ class TaskObserver:
 
     def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
         """`task.run` returned (`failed=False`) or raised (`failed=True`)."""
+
+    def tasks_done(self, iteration: int) -> None:
+        """Every task of `iteration` returned; the ring rotates next (see the module docstring)."""
 
     def iteration_finished(self, iteration: int, failed: bool) -> None:
         """Every task of `iteration` has stopped; `failed` when one of them raised."""
@@ -146,3 +156,24 @@ class SpanRecorder(TaskObserver):
         with self._lock:
             self._spans.clear()
             self._iterations.clear()
+
+
+class RecordFunctionRanges(TaskObserver):
+    """Opens a `torch.profiler.record_function` range around every task, named by `task.label`
+    (args: the batch index), so a torch.profiler trace shows each task on its thread.
+
+    Install it only while a torch profiler is recording (the ranges cost a few µs per task
+    then, and nothing when it is not installed). Worker threads are recorded only by a
+    profiler that profiles all threads (`torch.profiler._ExperimentalConfig(profile_all_threads=True)`).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, torch.autograd.profiler.record_function] = {}  # a task never overlaps itself
+
+    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
+        scope = torch.autograd.profiler.record_function(task.label, f"batch={batch_index}")
+        scope.__enter__()
+        self._open[task.name] = scope
+
+    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
+        self._open.pop(task.name).__exit__(None, None, None)

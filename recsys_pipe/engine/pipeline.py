@@ -10,7 +10,7 @@ before raising StopIteration. Every pulled batch passes through every task exact
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import nvtx
@@ -21,6 +21,7 @@ from recsys_pipe.engine.errors import PipelineBrokenError, Problem, ScheduleVali
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import TaskObserver
 from recsys_pipe.engine.schedule import Schedule
+from recsys_pipe.engine.shortcut import ShortcutRun, shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing
 from recsys_pipe.engine.streams import StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, Task
@@ -36,12 +37,14 @@ def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) 
 
 class _TaskRecord:
     """What running one task needs, resolved once per pipeline so the per-task path does no
-    lookups: its event waits, whether it records an event, its NVTX label."""
+    lookups: its event waits, whether it records an event, its NVTX label, and what runs it
+    (`task.run`, or a `ShortcutRun` while a shortcut is enabled)."""
 
-    __slots__ = ("task", "name", "lookahead", "stream", "label", "waits", "records_event")
+    __slots__ = ("task", "run", "name", "lookahead", "stream", "label", "waits", "records_event")
 
     def __init__(self, task: Task, graph: DependencyGraph, needs_event: set[str]):
         self.task = task
+        self.run: Callable[[TaskContext], Any] = task.run
         self.name = task.name
         self.lookahead = task.lookahead
         self.stream = task.stream
@@ -90,7 +93,10 @@ class SchedulablePipeline:
         self._nvtx = self.stream_pool.is_cuda if nvtx_ranges is None else bool(nvtx_ranges)
         # No-op streams order nothing: skip event waits, records and stream scopes entirely.
         self._stream_ops = not self.stream_pool.is_noop
-        self._plain = not self._stream_ops and not self._nvtx  # per task: just `task.run(ctx)`
+        # Per task just `task.run(ctx)`: no stream work, no NVTX, no observer and no shortcut (a
+        # shortcut is run through `_run_observed`, which calls `record.run`, so this path stays as is).
+        self._plain_possible = not self._stream_ops and not self._nvtx
+        self._plain = self._plain_possible
         needs_event = {w.producer for waits in self.graph.event_waits.values() for w in waits}
         self._records = {t: _TaskRecord(t, self.graph, needs_event) for t in self.graph.order}
         self._stage_orders = self.graph.stage_orders
@@ -119,6 +125,47 @@ class SchedulablePipeline:
         if observer is not None and not isinstance(observer, TaskObserver):
             raise TypeError(f"observer must be a TaskObserver (or None), got {type(observer).__name__}")
         self._observer = observer
+
+    # -- shortcuts ------------------------------------------------------------------------------
+
+    def enable_shortcut(self, names: str | Iterable[str]) -> None:
+        """Replay these tasks instead of running them (see `recsys_pipe.engine.shortcut`).
+
+        The next run of each runs it for real and records what it did to its slots (and what its
+        `DeclaredIO`s capture); every later run replays that. Call between `progress()` calls,
+        with the same names on every rank. Raises KeyError for an unknown task and ValueError
+        for a task with effects outside its slots and no `io` to replay them (nothing is
+        enabled then).
+        """
+        records = self._named_records(names)
+        refusals = [reason for r in records if (reason := shortcut_refusal(r.task)) is not None]
+        if refusals:
+            raise ValueError("; ".join(refusals))
+        for record in records:
+            if not isinstance(record.run, ShortcutRun):
+                record.run = ShortcutRun(record.task)
+        self._plain = False
+
+    def disable_shortcut(self, names: str | Iterable[str]) -> None:
+        """Run these tasks for real again and forget what their shortcuts recorded."""
+        for record in self._named_records(names):
+            record.run = record.task.run
+        self._plain = self._plain_possible and not self.shortcuts
+
+    @property
+    def shortcuts(self) -> frozenset[str]:
+        """Names of the tasks whose shortcut is enabled."""
+        return frozenset(r.name for r in self._records.values() if isinstance(r.run, ShortcutRun))
+
+    def _named_records(self, names: str | Iterable[str]) -> list[_TaskRecord]:
+        by_name = {r.name: r for r in self._records.values()}
+        names = [names] if isinstance(names, str) else list(names)
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise KeyError(
+                f"no task named {', '.join(map(repr, unknown))} in this pipeline (tasks: {', '.join(by_name)})"
+            )
+        return [by_name[n] for n in names]
 
     # -- driving --------------------------------------------------------------------------------
 
@@ -261,6 +308,8 @@ class SchedulablePipeline:
             if observer is not None:
                 observer.iteration_finished(i, True)
             raise
+        if observer is not None:
+            observer.tasks_done(i)
         completed = 0 <= i - L < self._pulled
         result = self.ring.at(0).get(STEP_RESULT) if completed else None
         self.ring.advance()
@@ -318,11 +367,11 @@ class SchedulablePipeline:
             nvtx.push_range(record.label)
         try:
             if observer is None:
-                record.task.run(ctx)
+                record.run(ctx)
                 return
             observer.task_started(record.task, ctx.batch_index, ctx.iter_count)
             try:
-                record.task.run(ctx)
+                record.run(ctx)
             except BaseException:
                 observer.task_finished(record.task, ctx.batch_index, ctx.iter_count, True)
                 raise

@@ -8,6 +8,7 @@ schedule runs unchanged on a laptop (and CPU tensors never see `record_stream`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -64,6 +65,34 @@ class NoOpStream:
 
     def __repr__(self) -> str:
         return f"NoOpStream({self.name!r})"
+
+
+class CudaTimer:
+    """Timing events on CUDA streams, for profilers that time tasks on their streams.
+
+    `event()` makes a `torch.cuda.Event(enable_timing=True)`; its `record()` records it on the
+    current stream, and `elapsed_time(other)` reads the device time between two recorded
+    events, in ms, once both completed. `anchor()` ties device time to host time: it waits for
+    the device once, records an event and returns it with `time.perf_counter()` taken when the
+    event completed, so a later event's host-clock time is `t + anchor.elapsed_time(event) / 1e3`.
+    `synchronize()` waits for every recorded event (once, after a measured run).
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = device
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)
+
+    def anchor(self) -> tuple[torch.cuda.Event, float]:
+        torch.cuda.synchronize(self.device)
+        event = self.event()
+        event.record()
+        event.synchronize()
+        return event, time.perf_counter()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
 
 class StreamPool:
@@ -135,6 +164,13 @@ class StreamPool:
     def synchronize(self) -> None:
         for stream in self._streams.values():
             stream.synchronize()
+
+    def timer(self) -> CudaTimer | None:
+        """Timing events for the pool's CUDA streams (see `CudaTimer`); None without CUDA
+        streams (CPU work has no device time)."""
+        if not self._cuda:
+            return None
+        return CudaTimer(self._streams[next(iter(self._cuda))].device)
 
     def __repr__(self) -> str:
         return f"StreamPool({self._streams!r})"

@@ -11,9 +11,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from recsys_pipe.engine.errors import Problem, ScheduleValidationError
+from recsys_pipe.engine.shortcut import DeclaredIO
 
 if TYPE_CHECKING:
     from recsys_pipe.engine.context import TaskContext
@@ -45,6 +46,7 @@ TASK_FIELDS = (
     *DEPENDENCY_FIELDS,
     "nccl",
     "nvtx_tag",
+    "effects",
     "io",
 )
 
@@ -68,6 +70,12 @@ class Task:
     same_progress_sync: Any = ()
     nccl: bool = False
     nvtx_tag: str | None = None
+    #: what the task changes outside its slots (its declared reads and writes) that later tasks
+    #: depend on: module state, shared objects, objects in its slots changed in place. None:
+    #: nothing. Only shortcut replay reads it: a task with effects needs `io` to be replayed.
+    effects: str | None = None
+    #: `DeclaredIO(capture, restore)` entries that make the effects replayable (see
+    #: `recsys_pipe.engine.shortcut`).
     io: Any = ()
 
     def __init__(self, name: str | None = None, **fields: Any):
@@ -83,7 +91,11 @@ class Task:
 
     @classmethod
     def from_fn(cls, name: str, fn: Callable[[TaskContext], Any], **fields: Any) -> Task:
-        """A task whose `run(ctx)` calls `fn(ctx)`."""
+        """A task whose `run(ctx)` calls `fn(ctx)`.
+
+        `effects` and `io` default to what `declare_effects` attached to `fn`, so a function
+        referenced from a plan file carries its own declaration.
+        """
         if not callable(fn):
             raise ScheduleValidationError(
                 Problem(f"fn must be callable, got {type(fn).__name__}", task=name, field="fn")
@@ -147,7 +159,15 @@ class Task:
         if tag is not None and not isinstance(tag, str):
             bad("nvtx_tag", f"must be a string, got {tag!r}")
         self.nvtx_tag = tag
-        self.io = tuple(raw["io"] or ())
+        effects = raw["effects"]
+        if effects is not None and (not isinstance(effects, str) or not effects):
+            bad("effects", f"must be a non-empty description or None, got {effects!r}")
+        self.effects = effects
+        io = raw["io"]
+        self.io = (io,) if isinstance(io, DeclaredIO) else _items(io)
+        for index, entry in enumerate(self.io):
+            if not isinstance(entry, DeclaredIO):
+                bad("io", f"expected a DeclaredIO(capture, restore), got {entry!r}", index)
         if problems:
             raise ScheduleValidationError(problems)
 
@@ -173,6 +193,10 @@ class FnTask(Task):
 
     def __init__(self, name: str, fn: Callable[[TaskContext], Any], **fields: Any):
         self.fn = fn
+        declared = getattr(fn, _EFFECTS_ATTR, None)
+        if declared is not None:
+            fields.setdefault("effects", declared[0])
+            fields.setdefault("io", declared[1])
         super().__init__(name, **fields)
 
     def run(self, ctx: TaskContext) -> None:
@@ -181,6 +205,29 @@ class FnTask(Task):
     def __repr__(self) -> str:
         fn = getattr(self.fn, "__qualname__", repr(self.fn))
         return f"FnTask({self.name!r}, fn={fn}, stream={self.stream!r}, lookahead={self.lookahead})"
+
+
+_EFFECTS_ATTR = "__task_effects__"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def declare_effects(effects: str, *io: DeclaredIO) -> Callable[[F], F]:
+    """Declare a task function's effects outside its slots (and how to replay them).
+
+    `Task.from_fn(name, fn)` (and so every plan file naming `fn`) takes `effects` and `io`
+    from the declaration unless given explicitly:
+
+        @declare_effects("fills the batch's context in place", DeclaredIO(capture, restore))
+        def start(ctx): ...
+    """
+    if not isinstance(effects, str) or not effects:
+        raise ValueError(f"effects must be a non-empty description, got {effects!r}")
+
+    def mark(fn: F) -> F:
+        setattr(fn, _EFFECTS_ATTR, (effects, tuple(io)))
+        return fn
+
+    return mark
 
 
 def _is_int(value: Any) -> bool:

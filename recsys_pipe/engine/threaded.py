@@ -209,6 +209,11 @@ class ThreadedExecutor:
         """CPU threads that have run tasks: the workers plus the calling thread."""
         return len(self._workers) + bool(self._caller_of)
 
+    def thread_id(self, task: Task) -> str:
+        """The thread id `task` runs under (after folding by `max_workers`): the name its worker
+        thread carries (`recsys_pipe:<id>`), or the id of the chain the calling thread runs."""
+        return self._assign(self.thread_of(task))
+
     def execute(self, tasks: Sequence[Task], run: RunTask, graph: DependencyGraph) -> None:
         if self._closed:
             raise RuntimeError("ThreadedExecutor was shut down")

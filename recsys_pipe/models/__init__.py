@@ -1,25 +1,42 @@
-"""Recommendation models, their configs and torchrec sharding helpers.
+"""Recommendation models, their configs, and torchrec sharding.
 
-A model is picked by `model.name` from `MODELS`; its config class (a `ModelConfig`) validates
-the `model.*` keys and builds it for a data source (`cfg.build(spec)`).
+A model is a builder and its `ModelConfig` subclass, picked by `model.name` from `MODELS` or by
+`model.builder=pkg.module:function`; the model protocol is written down in
+`recsys_pipe.models.base`. Shipped: HSTU (`hstu`), torchrec's DLRM (`dlrm`, `dlrm_dcn`) and a
+plain-torch DLRM (`dlrm_torch`).
+
+Names are imported on first use (PEP 562): choosing one model never imports the others, and
+`import recsys_pipe.models` loads no torchrec.
 """
 
-from recsys_pipe.models.base import ModelConfig
-from recsys_pipe.models.hstu import HSTUConfig, HSTULayer, HSTUModel, HSTURanker, RelativeBias, embedding_tables
-from recsys_pipe.models.registry import MODELS
-from recsys_pipe.models.sharding import SHARDING_TYPES, make_optimizer, make_sharded_model, sharding_plan
+from __future__ import annotations
 
-__all__ = [
-    "MODELS",
-    "SHARDING_TYPES",
-    "HSTUConfig",
-    "HSTULayer",
-    "HSTUModel",
-    "HSTURanker",
-    "ModelConfig",
-    "RelativeBias",
-    "embedding_tables",
-    "make_optimizer",
-    "make_sharded_model",
-    "sharding_plan",
-]
+from recsys_pipe._lazy import lazy_exports
+
+_EXPORTS = {
+    "SHARDING_TYPES": "base",
+    "ModelConfig": "base",
+    "ShardedModelConfig": "base",
+    "MODELS": "registry",
+    "HSTUConfig": "hstu",
+    "HSTULayer": "hstu",
+    "HSTUModel": "hstu",
+    "HSTURanker": "hstu",
+    "RelativeBias": "hstu",
+    "build_hstu": "hstu",
+    "embedding_tables": "hstu",
+    "DLRMConfig": "dlrm",
+    "DLRMDCNConfig": "dlrm",
+    "TorchDLRM": "dlrm",
+    "TorchDLRMConfig": "dlrm",
+    "build_dlrm_torch": "dlrm",
+    "DLRMRanker": "dlrm_torchrec",
+    "build_dlrm": "dlrm_torchrec",
+    "build_dlrm_dcn": "dlrm_torchrec",
+    "make_optimizer": "sharding",
+    "make_sharded_model": "sharding",
+    "sharding_plan": "sharding",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,39 +1,52 @@
-"""`ModelConfig`, the base of every model's config, and the model protocol.
+"""The model protocol, `ModelConfig` (the base of every model's config) and `ShardedModelConfig`.
 
-A model is chosen by `model.name` (see `recsys_pipe.models.registry`). Its config class, next
-to the model's code, validates the `model.*` keys and builds the model for a data source:
+A model is a builder function and the config class of its keys (see `recsys_pipe.config.registry`):
 
-    cfg.build(spec: DataSpec) -> nn.Module     # unsharded; the trainer shards its tables
-    module.forward(batch) -> (loss, outputs)   # outputs: "logits" and "labels" for the metrics,
-                                               # "loss_sum" for global-token normalisation
+    def build(cfg: MyConfig, spec: DataSpec) -> nn.Module      # unsharded, on the CPU
+    module.forward(batch) -> (loss, outputs)
 
-Batches are torchrec `Pipelineable`s whose sparse features are a `KeyedJaggedTensor` attribute,
-so torchrec's pipeline can run the input distribution ahead of the forward.
+* `batch` is what the data source's collate function made, moved to the device: a torchrec
+  `Pipelineable` (see `recsys_pipe.data.batch` for the whole batch protocol). A model with
+  torchrec tables reads its sparse features from the batch attribute `sparse_features`, a
+  `KeyedJaggedTensor`, so torchrec's pipeline can run their input distribution ahead of the
+  forward.
+* `loss`: a scalar, the quantity to minimise on this rank's batch.
+* `outputs["logits"]`, `outputs["labels"]`: `[N, num_tasks]` scores and 0/1 targets of the N
+  scored rows (samples, or candidates of sequence models), for AUC and log loss.
+* `outputs["loss_sum"]`: the loss summed over the `batch.num_loss_tokens()` terms it averages,
+  used instead of `loss` when `model.loss_normalization=global_tokens`.
+
+The config class decides how the tables are distributed: a `ShardedModelConfig` model has torchrec
+tables (`EmbeddingCollection` / `EmbeddingBagCollection`) that `DistributedModelParallel` shards
+(`model.sharding`); a plain `ModelConfig` model has plain torch tables and is replicated under
+DDP (small vocabularies), and then needs no torchrec at all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, StrictStr
+import torch
+from pydantic import Field, field_validator, model_validator
 
-from recsys_pipe.config import ConfigProblem, Section
+from recsys_pipe.config import Component, ConfigProblem
 
 if TYPE_CHECKING:
     from torch import nn
 
     from recsys_pipe.data import DataConfig, DataSpec
 
-__all__ = ["ModelConfig"]
+__all__ = ["SHARDING_TYPES", "ModelConfig", "ShardedModelConfig", "ShardingType"]
+
+#: torchrec sharding types a table can be constrained to (`model.sharding_constraints`).
+ShardingType = Literal["row_wise", "column_wise", "table_wise", "table_row_wise", "data_parallel"]
+SHARDING_TYPES: tuple[str, ...] = ShardingType.__args__
 
 
-class ModelConfig(Section):
-    """What every model config has (`model.*`)."""
+class ModelConfig(Component):
+    """What every model config has (`model.*`). A builder whose config parameter is not
+    annotated gets this class: plain torch tables, no extra keys."""
 
-    name: StrictStr = Field(description="model: a name registered in recsys_pipe.models.registry")
-    sharding: Literal["table_wise", "row_wise"] = Field(
-        "table_wise", description="how the embedding tables are sharded over ranks: table_wise | row_wise"
-    )
     loss_normalization: Literal["local", "global_tokens"] = Field(
         "local",
         description="local: mean over this rank's loss tokens; global_tokens: divide by the token count over "
@@ -41,9 +54,49 @@ class ModelConfig(Section):
     )
 
     def build(self, spec: DataSpec) -> nn.Module:
-        """The model for a data source with these vocabulary sizes (unsharded, on the CPU)."""
-        raise NotImplementedError(f"model '{self.name}' does not implement build(spec)")
+        """The model for a data source with this spec (unsharded, on the CPU): the builder's result."""
+        return self.builder_fn()(self, spec)
 
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
         """Problems with using this model on `data` (cross-section constraints); none by default."""
         return []
+
+    def sample_costs(self, batch: Any) -> torch.Tensor:
+        """Per-sample compute cost `[B]` (float64, any unit) of a batch, for the balanced batch
+        shuffler (`start_shuffle`). By default every sample costs the same: there is nothing to
+        balance and the shuffler leaves the batches as loaded. Models whose cost depends on the
+        sample (sequence length) override it."""
+        return torch.ones(batch.batch_size, dtype=torch.float64, device=batch.sample_ids.device)
+
+
+class ShardedModelConfig(ModelConfig):
+    """A model with torchrec embedding tables, sharded over the ranks by `DistributedModelParallel`."""
+
+    sharding: Literal["table_wise", "row_wise", "planner"] = Field(
+        "table_wise",
+        description="table_wise: whole tables round-robin over ranks; row_wise: every table split by rows over all "
+        "ranks; planner: torchrec's EmbeddingShardingPlanner for this topology (with sharding_constraints)",
+    )
+    sharding_constraints: dict[str, list[ShardingType]] = Field(
+        default_factory=dict,
+        description="model.sharding=planner only: {table: [allowed sharding types]}, types from row_wise, "
+        "column_wise, table_wise, table_row_wise, data_parallel (null: none)",
+    )
+
+    @field_validator("sharding_constraints", mode="before")
+    @classmethod
+    def _null_is_none(cls, value: object) -> object:
+        # null in the YAML, so `model.sharding_constraints={t: [...]}` can set it from the command line
+        return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _constraints_need_planner(self) -> ShardedModelConfig:
+        if self.sharding_constraints and self.sharding != "planner":
+            raise ValueError(
+                f"sharding_constraints are used by torchrec's planner only (model.sharding is '{self.sharding}'); "
+                "set model.sharding=planner"
+            )
+        empty = [table for table, types in self.sharding_constraints.items() if not types]
+        if empty:
+            raise ValueError(f"sharding_constraints.{empty[0]}: list at least one sharding type")
+        return self

@@ -25,17 +25,20 @@ from typing import Literal
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 import torch.nn.functional as F
-from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from recsys_pipe.config import ConfigProblem
-from recsys_pipe.data import DataConfig, DataSpec, SequenceDataConfig
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Batch
-from recsys_pipe.models.base import ModelConfig
+from recsys_pipe.config import ConfigProblem, builder_field
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, SequenceBatch
+from recsys_pipe.data.loader import DataConfig, SequenceDataConfig
+from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.models.base import ShardedModelConfig
+
+__all__ = ["HSTUConfig", "HSTULayer", "HSTUModel", "HSTURanker", "RelativeBias", "build_hstu", "embedding_tables"]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 TIME_BUCKET_WIDTH = 0.301
@@ -43,11 +46,12 @@ TIME_BUCKET_WIDTH = 0.301
 choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
 
 
-class HSTUConfig(ModelConfig):
+class HSTUConfig(ShardedModelConfig):
     """`model=hstu_small`: sizes of the HSTU ranker (`model.*`). Vocabulary sizes come from the
     data source's `DataSpec`."""
 
     name: Literal["hstu"] = "hstu"
+    builder: StrictStr | None = builder_field("recsys_pipe.models.hstu:build_hstu")
     embedding_dim: StrictInt = Field(32, ge=1, description="embedding and model width")
     num_layers: StrictInt = Field(2, ge=1, description="HSTU blocks")
     num_heads: StrictInt = Field(2, ge=1, description="attention heads (must divide embedding_dim)")
@@ -66,9 +70,6 @@ class HSTUConfig(ModelConfig):
             raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
         return num_heads
 
-    def build(self, spec: DataSpec) -> HSTUModel:
-        return HSTUModel(self, spec)
-
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
         if not isinstance(data, SequenceDataConfig):
             return [ConfigProblem("data.name", f"model 'hstu' needs a sequence data source, got '{data.name}'")]
@@ -82,23 +83,46 @@ class HSTUConfig(ModelConfig):
             ]
         return []
 
+    def sample_costs(self, batch: SequenceBatch) -> torch.Tensor:
+        """Compute cost of each sample of `batch`, for the balanced batch shuffler: the forward
+        FLOPs of `num_layers` HSTU blocks on its `n` tokens (items plus the user token) at width
+        `d`, `num_layers * (4 n^2 d + 10 n d^2)`. Per block, `2 n^2 d` multiply-adds for the
+        attention scores and the weighted sum of values, and `5 n d^2` for the fused u,v,q,k
+        projection (`4 d^2` per token) and the output projection (`d^2`); the backward pass
+        scales both terms alike. The quadratic term makes long sequences dominate, as they do in
+        jagged attention kernels on the GPU. (This CPU implementation pads attention to
+        `max_seq_len`, so there its attention time does not depend on the lengths.)"""
+        n = batch.sequence_lengths().to(torch.float64)
+        d = float(self.embedding_dim)
+        return self.num_layers * (4.0 * n * n * d + 10.0 * n * d * d)
+
+
+def build_hstu(cfg: HSTUConfig, spec: DataSpec) -> HSTUModel:
+    """Builder of `model.name=hstu`."""
+    return HSTUModel(cfg, spec)
+
+
+def _has_user(spec: DataSpec) -> bool:
+    return USER_KEY in spec.vocab_sizes
+
 
 def padded_len(cfg: HSTUConfig, spec: DataSpec) -> int:
     """Attention length N: item tokens plus the contextual user token, if the data has one."""
-    return cfg.max_seq_len + (1 if spec.num_users > 0 else 0)
+    return cfg.max_seq_len + (1 if _has_user(spec) else 0)
 
 
 def embedding_tables(cfg: HSTUConfig, spec: DataSpec) -> list[EmbeddingConfig]:
     """One table per feature, named `<feature>_table` (`items` would shadow
     `ModuleDict.items`); all share `embedding_dim` (a sharded EC requires it)."""
-    sizes = {ITEM_KEY: spec.num_items, ACTION_KEY: spec.num_actions}
-    if spec.num_users > 0:
-        sizes[USER_KEY] = spec.num_users
+    features = [ITEM_KEY, ACTION_KEY] + ([USER_KEY] if _has_user(spec) else [])
     return [
         EmbeddingConfig(
-            name=f"{feature}_table", embedding_dim=cfg.embedding_dim, num_embeddings=n, feature_names=[feature]
+            name=f"{feature}_table",
+            embedding_dim=cfg.embedding_dim,
+            num_embeddings=spec.vocab_sizes[feature],
+            feature_names=[feature],
         )
-        for feature, n in sizes.items()
+        for feature in features
     ]
 
 
@@ -165,7 +189,7 @@ class HSTURanker(nn.Module):
         super().__init__()
         d = cfg.embedding_dim
         self.padded_len = padded_len(cfg, spec)
-        self.with_user = spec.num_users > 0
+        self.with_user = _has_user(spec)
         self.input_dropout = nn.Dropout(cfg.dropout)
         self.bias = RelativeBias(self.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
         self.layers = nn.ModuleList(HSTULayer(cfg, self.padded_len) for _ in range(cfg.num_layers))
@@ -224,7 +248,7 @@ class HSTUModel(nn.Module):
         self.ec = EmbeddingCollection(tables=embedding_tables(cfg, spec), device=device)
         self.ranker = HSTURanker(cfg, spec)
 
-    def forward(self, batch: Batch) -> ModelOutput:
+    def forward(self, batch: SequenceBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
         return self.ranker(embeddings, batch.timestamps, batch.num_candidates, batch.labels)
 

@@ -1,53 +1,55 @@
-"""Training adapter: the run config, the torchrec task functions, their shared state, the loop."""
+"""Training adapter: the run config, the task functions, their shared state, the loop.
 
-from recsys_pipe.train.checkpoint import CheckpointConfig, Checkpointer, find_checkpoints, resolve_resume
-from recsys_pipe.train.config import RunConfig, TrainerConfig, load_run_config
-from recsys_pipe.train.distributed import DistInfo, init_distributed, resolve_device, teardown
-from recsys_pipe.train.health import PeerFailure, PeerHealth
-from recsys_pipe.train.metrics import MetricsWriter
-from recsys_pipe.train.optim import LrSchedule, OptimizerConfig, SparseOptimizerConfig, TrainOptimizer
-from recsys_pipe.train.params import local_parameters
-from recsys_pipe.train.plan import training_plan
-from recsys_pipe.train.preemption import StopRequest
-from recsys_pipe.train.rng import RngState
-from recsys_pipe.train.rundir import shared_run_dir
-from recsys_pipe.train.state import TrainState
-from recsys_pipe.train.status import RunStatus
-from recsys_pipe.train.tasks import StepResult
-from recsys_pipe.train.trainer import Trainer, TrainSummary, build_model, build_pipeline
-from recsys_pipe.train.verify import CollectiveGuard, UndeclaredCollectiveError
+Names are imported on first use (PEP 562): `import recsys_pipe.train` loads no torchrec, and
+nothing in the training path imports it unless the model has torchrec tables.
+"""
 
-__all__ = [
-    "CheckpointConfig",
-    "CollectiveGuard",
-    "Checkpointer",
-    "DistInfo",
-    "LrSchedule",
-    "MetricsWriter",
-    "OptimizerConfig",
-    "PeerFailure",
-    "PeerHealth",
-    "RngState",
-    "RunConfig",
-    "RunStatus",
-    "SparseOptimizerConfig",
-    "StepResult",
-    "StopRequest",
-    "TrainOptimizer",
-    "TrainState",
-    "TrainSummary",
-    "Trainer",
-    "TrainerConfig",
-    "UndeclaredCollectiveError",
-    "build_model",
-    "build_pipeline",
-    "find_checkpoints",
-    "init_distributed",
-    "load_run_config",
-    "local_parameters",
-    "resolve_device",
-    "resolve_resume",
-    "shared_run_dir",
-    "teardown",
-    "training_plan",
-]
+from __future__ import annotations
+
+from recsys_pipe._lazy import lazy_exports
+
+_EXPORTS = {
+    "CheckpointConfig": "checkpoint",
+    "Checkpointer": "checkpoint",
+    "find_checkpoints": "checkpoint",
+    "resolve_resume": "checkpoint",
+    "PeerFailure": "health",
+    "PeerHealth": "health",
+    "MetricsWriter": "metrics",
+    "LrSchedule": "optim",
+    "TrainOptimizer": "optim",
+    "StopRequest": "preemption",
+    "RngState": "rng",
+    "RunStatus": "status",
+    "CollectiveGuard": "verify",
+    "UndeclaredCollectiveError": "verify",
+    "RunConfig": "config",
+    "TrainerConfig": "config",
+    "load_run_config": "config",
+    "DistInfo": "distributed",
+    "init_distributed": "distributed",
+    "resolve_device": "distributed",
+    "shared_run_dir": "rundir",
+    "teardown": "distributed",
+    "MegatronGrads": "dense_ddp",
+    "check_dense_ddp": "dense_ddp",
+    "megatron_ddp": "dense_ddp",
+    "OPTIMIZERS": "optim",
+    "OptimizerConfig": "optim",
+    "SparseOptimizerConfig": "optim",
+    "local_parameters": "params",
+    "training_plan": "plan",
+    "BatchBalancer": "shuffle",
+    "karmarkar_karp": "shuffle",
+    "GradBuffers": "state",
+    "TrainState": "state",
+    "StepResult": "tasks",
+    "build_model": "build",
+    "build_state": "build",
+    "Trainer": "trainer",
+    "TrainSummary": "trainer",
+    "build_pipeline": "trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,8 +2,8 @@
 every component's own config into what `recsys-train` runs.
 
 Each section is owned by the code it configures: the plan by `recsys_pipe.config`, the data
-source and model by their registries (`data.name`, `model.name` pick the config class), the
-optimizers by `recsys_pipe.train.optim`, the loop by `TrainerConfig` here. `load_run_config`
+source, model and dense optimizer by their registries (`data.name`, `model.name`,
+`optimizer.name` -- or `*.builder` -- pick the config class), the loop by `TrainerConfig` here. `load_run_config`
 validates them all and the constraints between them, and reports every problem with its config
 path before anything is built.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, SerializeAsAny, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import Field, SerializeAsAny, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from recsys_pipe.config import (
     ConfigError,
@@ -30,11 +30,26 @@ from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
 from recsys_pipe.train.checkpoint import CheckpointConfig
-from recsys_pipe.train.optim import OptimizerConfig
+from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
 
-__all__ = ["RunConfig", "TrainerConfig", "load_run_config"]
+__all__ = ["RunConfig", "TorchProfilerConfig", "TrainerConfig", "load_run_config"]
 
 R = TypeVar("R", bound="RunConfig")
+
+
+class TorchProfilerConfig(Section):
+    """A torch.profiler trace of a window of training steps (`trainer.torch_profiler.*`)."""
+
+    steps: list[StrictInt] | None = Field(
+        None, description="[first, last] training steps to trace (1-based, inclusive); null: no trace"
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _window(cls, steps: list[int] | None) -> list[int] | None:
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"must be [first, last] with 1 <= first <= last, got {steps}")
+        return steps
 
 
 class TrainerConfig(Section):
@@ -79,6 +94,15 @@ class TrainerConfig(Section):
         min_length=1,
         description="continue from a checkpoint dir, a run dir (its newest checkpoint) or 'latest' (under output_dir)",
     )
+    torch_profiler: TorchProfilerConfig = Field(
+        default_factory=TorchProfilerConfig, description="torch.profiler trace of some steps (<run dir>/torch_trace/)"
+    )
+    dense_ddp: Literal["torch", "megatron"] = Field(
+        "torch",
+        description="data parallelism of the replicated (dense) part: torch: torch DDP, gradients all-reduced during "
+        "backward; megatron: megatron-core's DDP (CUDA only; models with plain torch tables), gradients reduced by the "
+        "finalize_model_grads task",
+    )
 
 
 class RunConfig(Section):
@@ -87,13 +111,15 @@ class RunConfig(Section):
     pipeline: PlanConfig = Field(description="the plan: tasks, streams, lookaheads, threads, dependencies")
     model: SerializeAsAny[ModelConfig] = Field(description="the model; model.name picks its config and builder")
     data: SerializeAsAny[DataConfig] = Field(description="the data source; data.name picks it")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="dense and embedding optimizers")
+    optimizer: SerializeAsAny[OptimizerConfig] = Field(
+        default_factory=AdamConfig, description="dense and embedding optimizers; optimizer.name picks the dense one"
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the training loop")
     seed: StrictInt = Field(0, description="model initialisation seed")
     debug: StrictBool = Field(False, description="show tracebacks for errors instead of one-line messages")
 
-    #: sections whose config class is picked by their `name` from a registry
-    COMPONENTS: ClassVar[dict[str, Registry]] = {"model": MODELS, "data": DATA_SOURCES}
+    #: sections whose config class is picked by their `name` from a registry (or their `builder`)
+    COMPONENTS: ClassVar[dict[str, Registry]] = {"model": MODELS, "data": DATA_SOURCES, "optimizer": OPTIMIZERS}
 
     @classmethod
     def from_container(cls: type[R], data: Any) -> R:
@@ -108,7 +134,7 @@ class RunConfig(Section):
             if not isinstance(raw, Mapping):
                 continue  # missing or not a mapping: reported by the model validation below
             try:
-                sections[key] = validate_section(registry.config_class(raw.get("name"), key), raw, key)
+                sections[key] = validate_section(registry.config_class(raw, key), raw, key)
             except ConfigError as exc:
                 problems += exc.problems
                 failed.add(key)

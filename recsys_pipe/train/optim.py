@@ -1,6 +1,15 @@
-"""Optimizers (`optimizer.*`): the dense optimizer (torch) and the one fused into the sharded
-embedding tables (fbgemm), each looked up by name; the dense learning-rate schedule (a torch
-`LambdaLR`) and gradient-norm clipping, applied by `TrainOptimizer.step`."""
+"""Optimizers (`optimizer.*`): the dense optimizer, picked by name from `OPTIMIZERS` (or
+`optimizer.builder=pkg.module:function`, like models and data sources), the one fused into the
+torchrec tables' backward (`optimizer.sparse`, a fixed choice of fbgemm kernels), and the dense
+learning-rate schedule (a torch `LambdaLR`) and gradient-norm clipping, applied by
+`TrainOptimizer.step`.
+
+A dense optimizer is a builder and its config class:
+
+    def build(cfg: MyOptimizerConfig, params) -> torch.optim.Optimizer
+
+It updates every parameter that is not in a torchrec-sharded table (plain torch tables included).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +18,18 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, StrictStr
 
-from recsys_pipe.config import Section
+from recsys_pipe.config import Component, Registry, Section, builder_field
 
 __all__ = [
+    "OPTIMIZERS",
+    "AdagradConfig",
+    "AdamConfig",
+    "AdamWConfig",
     "LrSchedule",
     "OptimizerConfig",
+    "SGDConfig",
     "SparseOptimizerConfig",
     "TrainOptimizer",
     "dense_optimizer_factory",
@@ -26,7 +40,7 @@ DenseFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
 class SparseOptimizerConfig(Section):
-    """Optimizer fused into the sharded embedding tables' backward (`optimizer.sparse.*`)."""
+    """Optimizer fused into the torchrec tables' backward (`optimizer.sparse.*`)."""
 
     name: Literal["sgd", "adagrad", "rowwise_adagrad", "adam"] = Field(
         "rowwise_adagrad", description="sgd | adagrad | rowwise_adagrad | adam"
@@ -36,16 +50,15 @@ class SparseOptimizerConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="weight decay of the embedding tables")
 
 
-class OptimizerConfig(Section):
-    """Dense optimizer (`optimizer.*`) plus the fused sparse one (`optimizer.sparse`)."""
+class OptimizerConfig(Component):
+    """What every dense optimizer config has (`optimizer.*`), plus the fused sparse one
+    (`optimizer.sparse`). A builder whose config parameter is not annotated gets this class."""
 
-    name: Literal["sgd", "adam", "adamw", "adagrad"] = Field("adam", description="sgd | adam | adamw | adagrad")
     lr: float = Field(1e-3, gt=0, description="dense learning rate")
     weight_decay: float = Field(0.0, ge=0, description="dense weight decay")
-    momentum: float = Field(0.0, ge=0, description="sgd momentum")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="adam/adamw betas")
-    eps: float = Field(1e-8, gt=0, description="epsilon of adaptive optimizers")
-    sparse: SparseOptimizerConfig = Field(default_factory=SparseOptimizerConfig, description="embedding optimizer")
+    sparse: SparseOptimizerConfig = Field(
+        default_factory=SparseOptimizerConfig, description="optimizer fused into the torchrec tables"
+    )
     schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="dense lr after warmup: constant | linear | cosine decay to min_lr_ratio * lr"
     )
@@ -58,19 +71,75 @@ class OptimizerConfig(Section):
         None, gt=0, description="clip the dense gradients to this total L2 norm (null: no clipping)"
     )
 
+    def build(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        """The dense optimizer over `params` (the builder's result)."""
+        return self.builder_fn()(self, params)
 
-#: `optimizer.name` -> factory of the dense optimizer (the names are OptimizerConfig.name's choices).
-DENSE_OPTIMIZERS: dict[str, Callable[[OptimizerConfig], DenseFactory]] = {
-    "sgd": lambda c: lambda p: torch.optim.SGD(p, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay),
-    "adam": lambda c: lambda p: torch.optim.Adam(p, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
-    "adamw": lambda c: lambda p: torch.optim.AdamW(p, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
-    "adagrad": lambda c: lambda p: torch.optim.Adagrad(p, lr=c.lr, eps=c.eps, weight_decay=c.weight_decay),
-}
+
+class SGDConfig(OptimizerConfig):
+    """`optimizer=sgd`."""
+
+    name: Literal["sgd"] = "sgd"
+    builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_sgd")
+    momentum: float = Field(0.0, ge=0, description="momentum")
+
+
+class AdamConfig(OptimizerConfig):
+    """`optimizer=adam` (and `optimizer.name=adamw`)."""
+
+    name: Literal["adam"] = "adam"
+    builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_adam")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="moment decay rates")
+    eps: float = Field(1e-8, gt=0, description="epsilon")
+
+
+class AdamWConfig(AdamConfig):
+    """`optimizer.name=adamw`: Adam with decoupled weight decay."""
+
+    name: Literal["adamw"] = "adamw"
+    builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_adamw")
+
+
+class AdagradConfig(OptimizerConfig):
+    """`optimizer.name=adagrad`."""
+
+    name: Literal["adagrad"] = "adagrad"
+    builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_adagrad")
+    eps: float = Field(1e-10, gt=0, description="epsilon")
+
+
+def build_sgd(cfg: SGDConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def build_adam(cfg: AdamConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def build_adamw(cfg: AdamWConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def build_adagrad(cfg: AdagradConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+#: Dense optimizers by name (`optimizer.name=...`): name -> import path of the config class.
+OPTIMIZERS = Registry(
+    "optimizer",
+    OptimizerConfig,
+    {
+        "sgd": "recsys_pipe.train.optim:SGDConfig",
+        "adam": "recsys_pipe.train.optim:AdamConfig",
+        "adamw": "recsys_pipe.train.optim:AdamWConfig",
+        "adagrad": "recsys_pipe.train.optim:AdagradConfig",
+    },
+)
 
 
 def dense_optimizer_factory(cfg: OptimizerConfig) -> DenseFactory:
-    """params -> optimizer for the dense (DDP) part of the model."""
-    return DENSE_OPTIMIZERS[cfg.name](cfg)
+    """params -> optimizer for the dense part of the model."""
+    return cfg.build
 
 
 def sparse_optimizer(cfg: SparseOptimizerConfig) -> tuple[type, dict[str, Any]]:
@@ -117,22 +186,29 @@ class LrSchedule:
 
 
 class TrainOptimizer:
-    """The model's combined optimizer (fused embedding part + dense part) as the tasks use it.
+    """The model's optimizer as the tasks use it: torchrec's combined optimizer (fused embedding
+    part + dense part) for sharded models, the dense torch optimizer alone for plain ones.
 
-    `step()` clips the dense gradients (`optimizer.clip_grad_norm`), steps both parts, then
-    advances the dense learning-rate schedule (torch `LambdaLR` over `LrSchedule`). The embedding
-    tables keep their own fixed learning rate: their update is fused into backward.
-    `state_dict()` holds what a checkpoint needs: both parts' state and the scheduler.
+    `step()` clips the dense gradients (`optimizer.clip_grad_norm`), steps, then advances the
+    dense learning-rate schedule (torch `LambdaLR` over `LrSchedule`). The embedding tables keep
+    their own fixed learning rate: their update is fused into backward. `state_dict()` holds what
+    a checkpoint needs: the optimizer state and the scheduler's.
     """
 
-    def __init__(self, optimizer: Any, cfg: OptimizerConfig, total_steps: int):
-        from torchrec.optim.keyed import KeyedOptimizerWrapper
-
+    def __init__(self, optimizer: Any, cfg: OptimizerConfig, total_steps: int, model: torch.nn.Module):
         self.optimizer = optimizer
-        dense = [opt for _, opt in optimizer.optimizers if isinstance(opt, KeyedOptimizerWrapper)]
-        if len(dense) != 1:
-            raise TypeError(f"expected one dense optimizer in {optimizer!r}, found {len(dense)}")
-        self.dense = dense[0]
+        self.model = model
+        #: torchrec's combined optimizer (keyed state, made loadable by `init_state`), or None
+        self.keyed = hasattr(optimizer, "optimizers")
+        if self.keyed:
+            from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+            dense = [opt for _, opt in optimizer.optimizers if isinstance(opt, KeyedOptimizerWrapper)]
+            if len(dense) != 1:
+                raise TypeError(f"expected one dense optimizer in {optimizer!r}, found {len(dense)}")
+            self.dense = dense[0]
+        else:
+            self.dense = optimizer
         self.dense_params = [p for group in self.dense.param_groups for p in group["params"]]
         self.max_grad_norm = cfg.clip_grad_norm
         schedule = LrSchedule(cfg.schedule, cfg.warmup_steps, cfg.decay_steps or total_steps, cfg.min_lr_ratio)
@@ -158,19 +234,34 @@ class TrainOptimizer:
         self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict()}
+        """Optimizer and scheduler state. A plain torch optimizer's goes through DCP's
+        `get_optimizer_state_dict`: keyed by parameter name (not position) and with its lazily
+        made state (e.g. Adam moments) created, so a checkpoint can be loaded into it in place."""
+        if self.keyed:
+            optim_state = self.optimizer.state_dict()
+        else:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+        return {"optimizer": optim_state, "lr_scheduler": self.scheduler.state_dict()}
 
     def prepare_load(self) -> None:
-        """Create the dense optimizer's lazily made state (e.g. Adam moments) so a checkpoint can
-        be loaded into it in place (torchrec's `init_state`: one step on zero gradients; the
-        parameters it might touch are then overwritten by the checkpoint's)."""
-        if not self.dense.state:
+        """Create torchrec's dense optimizer's lazily made state so a checkpoint can be loaded
+        into it in place (torchrec's `init_state`: one step on zero gradients; the parameters it
+        might touch are then overwritten by the checkpoint's). Plain torch optimizers get theirs
+        from `state_dict()`."""
+        if self.keyed and not self.dense.state:
             self.dense.init_state()
             for p in self.dense_params:
                 p.grad = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.keyed:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
         # the scheduler restores its step, not the optimizer's lr: set the lr of the next step
         for group, lr in zip(self.dense.param_groups, self.scheduler.get_last_lr()):

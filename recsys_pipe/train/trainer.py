@@ -25,25 +25,27 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torchmetrics import MeanMetric
-from torchmetrics.classification import MultilabelAUROC
+from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
-from recsys_pipe.data import DataSpec, RankData
+from recsys_pipe.data import RankData
 from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
-from recsys_pipe.models import make_optimizer, make_sharded_model
+from recsys_pipe.train.build import build_model, build_state
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.distributed import DistInfo
 from recsys_pipe.train.health import PeerHealth
 from recsys_pipe.train.metrics import MetricsWriter
-from recsys_pipe.train.optim import TrainOptimizer, dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.optim import TrainOptimizer
 from recsys_pipe.train.preemption import StopRequest
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
+from recsys_pipe.train.torch_profile import StepWindow
 from recsys_pipe.train.verify import CollectiveGuard
 
 log = logging.getLogger(__name__)
@@ -78,22 +80,6 @@ class TrainSummary:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds else 0.0
-
-
-def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[torch.nn.Module, Any]:
-    """The configured model with sharded embedding tables, and its combined optimizer; the same
-    initial weights on every rank (seeded)."""
-    torch.manual_seed(run.seed)
-    embedding_opt, embedding_kwargs = sparse_optimizer(run.optimizer.sparse)
-    model = make_sharded_model(
-        run.model.build(spec),
-        dist.group.WORLD,
-        info.device,
-        sharding_type=run.model.sharding,
-        embedding_optimizer=embedding_opt,
-        embedding_optimizer_kwargs=embedding_kwargs,
-    )
-    return model, make_optimizer(model, dense_optimizer_factory(run.optimizer))
 
 
 def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
@@ -197,17 +183,9 @@ class Trainer:
         random.seed(run.seed)
         np.random.seed(run.seed)
         model, optimizer = build_model(run, info, self.spec)
-        self.optimizer = TrainOptimizer(optimizer, run.optimizer, self.planned_steps)
-        streams = StreamPool.create(plan.schedule.stream_slots, info.device)
-        self.state = TrainState(
-            model=model,
-            optimizer=self.optimizer,
-            device=info.device,
-            streams=streams,
-            torchrec_context=plan.config.torchrec_context,
-            autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
-        )
-        self.pipeline = self._verified(build_pipeline(plan, streams, self.state))
+        self.optimizer = TrainOptimizer(optimizer, run.optimizer, self.planned_steps, model)
+        self.state: TrainState = build_state(run, plan, model, self.optimizer, info)
+        self.pipeline = self._verified(build_pipeline(plan, self.state.streams, self.state))
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
         #: optimizer steps taken (over the whole run, across resumes)
         self.step = 0
@@ -313,6 +291,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         window_start, window_samples = time.perf_counter(), 0
+        traced = StepWindow(cfg.torch_profiler.steps, self.run_dir or ".", self.info.rank, self.pipeline)
+        traced.step(self.step)
         start = time.perf_counter()
         with self.stop, logging_redirect_tqdm():
             while True:
@@ -326,6 +306,7 @@ class Trainer:
                     break
                 self.step += 1
                 self.position += 1
+                traced.step(self.step)
                 summary.steps += 1
                 if self.health is not None:
                     self.health.step = self.step
@@ -367,6 +348,7 @@ class Trainer:
                     break
             self.stop.drain()
         summary.seconds = time.perf_counter() - start
+        traced.close()
         if summary.steps:
             summary.last_loss = float(last.loss)
         bar.close()
@@ -382,21 +364,27 @@ class Trainer:
         return summary
 
     def evaluate(self) -> dict[str, Any]:
-        """Loss and per-task AUC over the held-out loader, aggregated over all ranks."""
+        """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the
+        held-out loader, aggregated over all ranks."""
         assert self.eval_loader is not None
         num_tasks = self.spec.num_tasks
-        auroc = MultilabelAUROC(num_labels=num_tasks, average=None).to(self.info.device)
+        aurocs = [BinaryAUROC().to(self.info.device) for _ in range(num_tasks)]  # any task count, 1 included
         mean_loss = MeanMetric().to(self.info.device)
+        log_loss = MeanMetric().to(self.info.device)
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
             self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
         self.state.model.train(False)
         try:
             for result in self._eval_pipeline.iterate(self.eval_loader):
-                auroc.update(torch.sigmoid(result.logits.float()), result.labels.int())
+                logits = result.logits.float()  # bf16 under trainer.precision=bf16
+                for task, auroc in enumerate(aurocs):
+                    auroc.update(logits[:, task], result.labels[:, task].int())
                 mean_loss.update(result.loss.float())
-            per_task = auroc.compute().tolist()
+                log_loss.update(F.binary_cross_entropy_with_logits(logits, result.labels, reduction="none"))
+            per_task = [float(auroc.compute()) for auroc in aurocs]
             return {
                 "eval_loss": float(mean_loss.compute()),
+                "log_loss": float(log_loss.compute()),
                 "auc": sum(per_task) / num_tasks,
                 "auc_per_task": [round(a, 5) for a in per_task],
             }
@@ -407,6 +395,7 @@ class Trainer:
         self.pipeline.shutdown()
         if self._eval_pipeline is not None:
             self._eval_pipeline.shutdown()
+        self.state.close()
         self.metrics.close()
 
     # -- helpers --------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
 """tests/cuda: the engine on real CUDA streams, events and threads.
 
 They need a CUDA device; where none is visible every test here is skipped with the reason below
-(CI is CPU-only). `scripts/gpu_check.sh` runs them on a GPU machine. Their CPU counterparts are
-the recording-stream tests (tests/test_engine_*.py), which check the same orderings symbolically.
+(CI is CPU-only). `scripts/gpu_check.sh` runs them on a GPU machine. The CPU counterparts of the
+engine tests are the recording-stream tests (tests/test_engine_*.py), which check the same
+orderings symbolically; a module whose counterpart is elsewhere names it in `CPU_COUNTERPART`.
 This directory imports only torch, the engine, pytest and hypothesis, so it runs where the
-training stack (torchrec, fbgemm) is not installed.
+training stack (torchrec, fbgemm) is not installed. The launcher and megatron tests
+(test_cuda_launcher.py, test_cuda_megatron.py) train in subprocesses, which also need the
+launcher's packages and megatron-core (carried as wheels); without them those tests skip, or
+fail under gpu_check.sh.
 """
 
 from pathlib import Path
@@ -20,16 +24,18 @@ HERE = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(
-        reason=(
-            f"no CUDA device is visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
-            "tests/cuda run on a GPU machine (scripts/gpu_check.sh), the recording-stream tests in "
-            "tests/test_engine_*.py check the same orderings on CPU"
-        )
-    )
     for item in items:
         if HERE in Path(item.path).resolve().parents:
-            item.add_marker(skip)
+            counterpart = getattr(
+                item.module,
+                "CPU_COUNTERPART",
+                "the recording-stream tests in tests/test_engine_*.py check the same orderings on CPU",
+            )
+            reason = (
+                f"no CUDA device is visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+                f"tests/cuda run on a GPU machine (scripts/gpu_check.sh), {counterpart}"
+            )
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,7 +12,6 @@ import threading
 import pytest
 import torch
 from _profiling import (
-    RecordFunctionObserver,
     annotations,
     chrome_trace_events,
     kernel_streams_by_label,
@@ -21,7 +20,7 @@ from _profiling import (
 from torch.profiler import ProfilerActivity, profile
 
 import recsys_pipe.engine.pipeline as pipeline_module
-from recsys_pipe.engine import SchedulablePipeline, Schedule, StreamPool, Task, ThreadedExecutor
+from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, StreamPool, Task, ThreadedExecutor
 from recsys_pipe.engine.testing import cuda_spin
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,7 +92,7 @@ def test_profiler_trace_shows_each_task_and_its_kernels_on_its_stream(tmp_path, 
     schedule = plan()
     pool = StreamPool.create(schedule.stream_slots, "cuda")
     labels = {t.label for t in schedule.tasks}
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor](), observer=RecordFunctionObserver()) as pipe:
+    with SchedulablePipeline(schedule, pool, EXECUTORS[executor](), observer=RecordFunctionRanges()) as pipe:
         list(pipe.iterate(range(2)))  # warm: worker threads started, kernels loaded
         torch.cuda.synchronize()
         with profile(

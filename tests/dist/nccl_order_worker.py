@@ -4,6 +4,12 @@ Each rank drives the same schedule of collective-issuing tasks with a *different
 and random delays, so without the ordered lock the ranks would issue all_reduces in different
 orders (tensor sizes differ per task, so a mismatch fails loudly instead of mixing numbers).
 Results are compared with a sequential run of the same schedule on the same rank.
+
+Then shortcut replay across ranks: the same threaded runs with two collective tasks skipped
+(both ranks enable the same shortcuts) must keep every other collective matched, and a DDP
+model whose output goes through a skipped task must still see every parameter reached in
+backward (zero gradients, no unused-parameter error), where a plain detached replay makes DDP
+fail.
 """
 
 import json
@@ -14,8 +20,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, Task, ThreadedExecutor
+from recsys_pipe.engine import SchedulablePipeline, Schedule, Task, TaskFailedError, ThreadedExecutor
 
 SIZES = {"shuffle": 3, "start_dist": 5, "wait_dist": 7, "tokens": 1, "backward": 11, "finalize": 13}
 
@@ -47,12 +54,77 @@ def build(results, rng):
     )
 
 
-def drive(executor, seed):
+def drive(executor, seed, shortcuts=()):
     results = {}
     with SchedulablePipeline(build(results, random.Random(seed)), executor=executor) as pipe:
+        if shortcuts:
+            pipe.enable_shortcut(shortcuts)
         for _ in pipe.iterate(range(10)):
             pass
     return {f"{k[0]}:{k[1]}": v for k, v in sorted(results.items())}
+
+
+SKIPPED = ("start_dist", "tokens")
+
+
+class TwoHeads(torch.nn.Module):
+    """One output goes straight to the loss, the other through the skipped task."""
+
+    def __init__(self):
+        super().__init__()
+        self.direct = torch.nn.Linear(3, 4)
+        self.through_mid = torch.nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.direct(x), self.through_mid(x)
+
+
+def ddp_through_skipped_task(detached):
+    """Loss computed from a DDP model's output through `mid`, which is shortcut; returns each
+    step's gradients (None where a parameter got none). `detached`: mid cuts the graph instead
+    (what a replay without grafting would do)."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(TwoHeads())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def zero_grad(ctx):
+        opt.zero_grad()
+
+    def embed(ctx):
+        direct, through_mid = model(ctx.slots["batch_cpu"])
+        ctx.slots.set("direct", direct)
+        ctx.slots.set("h", through_mid)
+
+    def mid(ctx):
+        h = ctx.slots["h"]
+        ctx.slots.set("z", torch.tanh(h.detach() if detached else h) * 2 + 1)
+
+    def head(ctx):
+        ctx.slots.set("loss", ctx.slots["direct"].mean() + ctx.slots["z"].mean())
+
+    def backward(ctx):
+        ctx.slots["loss"].backward()
+        grads = [None if p.grad is None else p.grad.abs().sum().item() for p in model.parameters()]
+        opt.step()
+        ctx.slots.set("step_result", grads)
+
+    schedule = Schedule.single_stage(
+        [
+            Task.from_fn("zero_grad", zero_grad),
+            Task.from_fn("embed", embed, reads=["batch_cpu"], writes=["direct", "h"], depends_on=["zero_grad"]),
+            Task.from_fn("mid", mid, reads=["h"], writes=["z"]),
+            Task.from_fn("head", head, reads=["direct", "z"], writes=["loss"]),
+            Task.from_fn("backward", backward, reads=["loss"], writes=["step_result"]),
+        ]
+    )
+    data = [torch.randn(5, 3, generator=torch.Generator().manual_seed(b)) for b in range(5)]
+    with SchedulablePipeline(schedule, executor=ThreadedExecutor("per_task")) as pipe:
+        if not detached:
+            pipe.enable_shortcut("mid")
+        try:
+            return {"grads": list(pipe.iterate(data))}
+        except TaskFailedError as exc:
+            return {"error": f"{exc} <- {exc.__cause__}"}
 
 
 def main():
@@ -62,8 +134,19 @@ def main():
     threaded = drive(ThreadedExecutor(thread_map), seed=rank)
     sequential = drive("sequential", seed=rank)
     ok = threaded == sequential
+    shortcut = drive(ThreadedExecutor(thread_map), seed=rank, shortcuts=SKIPPED)
+    kept = {k: v for k, v in sequential.items() if k.split(":")[0] not in SKIPPED}
+    shortcut_ok = {k: v for k, v in shortcut.items() if k.split(":")[0] not in SKIPPED} == kept
+    out = {
+        "ok": ok,
+        "results": threaded,
+        "shortcut_ok": shortcut_ok,
+        "skipped_runs": sorted(k for k in shortcut if k.split(":")[0] in SKIPPED),
+        "ddp_grafted": ddp_through_skipped_task(detached=False),
+        "ddp_detached": ddp_through_skipped_task(detached=True),
+    }
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-        json.dump({"ok": ok, "results": threaded}, f)
+        json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
     time.sleep(0.2)  # let gloo's threads wind down before interpreter teardown

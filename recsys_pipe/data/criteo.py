@@ -1,0 +1,396 @@
+"""Criteo-format click data for DLRM: TSV files (`data=criteo`) and a learnable generator
+(`data=criteo_synthetic`, the built-in default for DLRM: no download).
+
+A row is `label`, 13 integer features and 26 categorical features, tab-separated: the layout of
+the Kaggle display-advertising challenge's `train.txt` and of the Terabyte click logs' `day_N`
+files. An integer may be empty (read as 0); a categorical value is a hexadecimal id, possibly
+empty (read as 0). Categorical ids are hashed into `data.num_embeddings` buckets per feature
+(`id % buckets`); integers become `sign(x) * log(1 + |x|)` (a few Criteo integers are small
+negative numbers).
+
+Why not `torchrec.datasets.criteo`: its readers cast malformed values silently to 0 and map
+columns from the end of a row, so a short or corrupt row trains as wrong data instead of
+failing; they report no line numbers; and its log transform shifts by the minimum over the whole
+file, which needs a pass over all of it first. We use its column names (`int_<i>`, `cat_<i>`), and
+this module imports no torchrec (a plain-torch DLRM trains on it where torchrec is not installed).
+
+Rank `r` of `w` owns rows `r, r + w, ...` (1-based line `r + 1`, ...). Every rank parses the
+whole file (at most `data.max_rows` rows), so a malformed row stops every rank with the same
+`<file>:<line>: <problem>` error; only the rank's own rows are kept, in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, StrictInt, StrictStr, field_validator
+from torch.utils.data import Dataset
+
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.data.batch import TensorBatch
+from recsys_pipe.data.loader import DataConfig
+from recsys_pipe.data.spec import DataSpec
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = [
+    "CATEGORICAL_KEYS",
+    "DENSE_NAMES",
+    "CriteoBatch",
+    "CriteoDataConfig",
+    "CriteoDataset",
+    "CriteoSyntheticConfig",
+    "CriteoSyntheticDataConfig",
+    "CriteoSyntheticDataset",
+    "TabularDataConfig",
+    "collate_criteo",
+    "criteo_dataset",
+    "criteo_synthetic_dataset",
+    "read_criteo",
+]
+
+NUM_DENSE = 13
+NUM_CATEGORICAL = 26
+#: Column names as torchrec's Criteo tools call them; the categorical ones are the batches' KJT keys.
+DENSE_NAMES: tuple[str, ...] = tuple(f"int_{i}" for i in range(NUM_DENSE))
+CATEGORICAL_KEYS: tuple[str, ...] = tuple(f"cat_{i}" for i in range(NUM_CATEGORICAL))
+NUM_COLUMNS = 1 + NUM_DENSE + NUM_CATEGORICAL
+
+CriteoSample = tuple[np.ndarray, np.ndarray, float, int]
+"""(dense features [13] float32, hashed categorical ids [26] int64, label, sample id)."""
+
+
+def transform_dense(raw: np.ndarray) -> np.ndarray:
+    """`sign(x) * log(1 + |x|)` as float32: compresses the heavy-tailed counts."""
+    return (np.sign(raw) * np.log1p(np.abs(raw))).astype(np.float32)
+
+
+# -- batch ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class CriteoBatch(TensorBatch):
+    """A collated batch of Criteo rows.
+
+    Attributes:
+        dense_features: `[B, 13]` float32, transformed integer features.
+        sparse_ids: `[B, 26]` int64, hashed categorical ids (one per feature: Criteo's categorical
+            features are single-valued).
+        labels: `[B, 1]` float32 clicks.
+        sample_ids: `[B]` int64, globally unique row ids.
+        keys: the KJT key of each column of `sparse_ids`.
+    """
+
+    dense_features: torch.Tensor
+    sparse_ids: torch.Tensor
+    labels: torch.Tensor
+    sample_ids: torch.Tensor
+    keys: tuple[str, ...] = CATEGORICAL_KEYS
+
+    @cached_property
+    def sparse_features(self) -> KeyedJaggedTensor:
+        """The ids as a torchrec KJT (key-major, one id per sample and key), built on first use on
+        the batch's device; models with torchrec tables read it, plain torch models read
+        `sparse_ids`."""
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        ids = self.sparse_ids
+        return KeyedJaggedTensor(
+            keys=list(self.keys),
+            values=ids.t().reshape(-1),
+            lengths=torch.ones(ids.numel(), dtype=torch.int32, device=ids.device),
+        )
+
+    def num_loss_tokens(self) -> torch.Tensor:
+        """One loss term per sample."""
+        return torch.full((1,), self.sample_ids.numel(), dtype=torch.int64, device=self.sample_ids.device)
+
+    def select(self, index: torch.Tensor) -> CriteoBatch:
+        index = index.to(self.sample_ids.device)
+        return CriteoBatch(
+            self.dense_features[index], self.sparse_ids[index], self.labels[index], self.sample_ids[index], self.keys
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence[CriteoBatch]) -> CriteoBatch:
+        return CriteoBatch(
+            torch.cat([b.dense_features for b in batches]),
+            torch.cat([b.sparse_ids for b in batches]),
+            torch.cat([b.labels for b in batches]),
+            torch.cat([b.sample_ids for b in batches]),
+            batches[0].keys,
+        )
+
+
+def collate_criteo(samples: Sequence[CriteoSample]) -> CriteoBatch:
+    """Stack samples into a `CriteoBatch`."""
+    dense, ids, labels, sample_ids = zip(*samples)
+    return CriteoBatch(
+        dense_features=torch.from_numpy(np.stack(dense)),
+        sparse_ids=torch.from_numpy(np.stack(ids)),
+        labels=torch.tensor(labels, dtype=torch.float32).reshape(-1, 1),
+        sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
+    )
+
+
+# -- configs --------------------------------------------------------------------------------------
+
+
+class TabularDataConfig(DataConfig):
+    """Sources of Criteo-format rows (13 dense and 26 categorical features, one click label)."""
+
+    num_embeddings: StrictInt | list[StrictInt] = Field(
+        100_000,
+        description="hash buckets (embedding rows) per categorical feature: one number for all 26, or a list of 26",
+    )
+
+    @field_validator("num_embeddings")
+    @classmethod
+    def _one_or_26(cls, value: int | list[int]) -> int | list[int]:
+        sizes = [value] if isinstance(value, int) else value
+        if isinstance(value, list) and len(value) != NUM_CATEGORICAL:
+            raise ValueError(f"list {NUM_CATEGORICAL} bucket counts (one per categorical feature), got {len(value)}")
+        if any(n < 1 for n in sizes):
+            raise ValueError("bucket counts must be >= 1")
+        return value
+
+    def vocab_sizes(self) -> list[int]:
+        n = self.num_embeddings
+        return [n] * NUM_CATEGORICAL if isinstance(n, int) else list(n)
+
+    def spec(self) -> DataSpec:
+        return DataSpec(num_tasks=1, vocab_sizes=dict(zip(CATEGORICAL_KEYS, self.vocab_sizes())), num_dense=NUM_DENSE)
+
+
+class CriteoDataConfig(TabularDataConfig):
+    """`data=criteo`: a Criteo-format TSV file (`data.path`: Kaggle `train.txt`, Terabyte `day_N`)."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["criteo"] = "criteo"
+    builder: StrictStr | None = builder_field("recsys_pipe.data.criteo:criteo_dataset")
+    path: StrictStr = Field(description="Criteo-format TSV: label, 13 integer, 26 hexadecimal categorical columns")
+    max_rows: StrictInt | None = Field(
+        None, ge=1, description="read at most this many rows from the start of the file (null: all)"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _readable_file(cls, path: str) -> str:
+        if not os.path.isfile(path):
+            raise ValueError(f"no such file: {path}")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"file is not readable: {path}")
+        return path
+
+
+class CriteoSyntheticConfig(Section):
+    """The generated click world (`data.synthetic.*`)."""
+
+    num_samples: StrictInt = Field(1_000_000, ge=1, description="rows over all ranks")
+    id_skew: float = Field(
+        1.05, gt=0, description="id popularity: P(id k) ∝ (k+1)^-id_skew within each feature's buckets"
+    )
+    signal: float = Field(1.0, ge=0, description="scale of the learnable part of the click logit (0: pure noise)")
+
+
+class CriteoSyntheticDataConfig(TabularDataConfig):
+    """`data=criteo_synthetic`: Criteo-like rows whose clicks depend on the features (learnable)."""
+
+    SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
+
+    name: Literal["criteo_synthetic"] = "criteo_synthetic"
+    builder: StrictStr | None = builder_field("recsys_pipe.data.criteo:criteo_synthetic_dataset")
+    synthetic: CriteoSyntheticConfig = Field(default_factory=CriteoSyntheticConfig, description="the generated world")
+
+
+# -- the file source ------------------------------------------------------------------------------
+
+
+def _problem(path: str, line: int, message: str) -> ConfigError:
+    return ConfigError(ConfigProblem("data.path", f"{path}:{line}: {message}"))
+
+
+def read_criteo(
+    path: str, rank: int = 0, world_size: int = 1, max_rows: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Parse a Criteo TSV file: (raw integers [N, 13] int64, raw categorical ids [N, 26] int64,
+    labels [N] float32, line numbers [N] int64) of this rank's rows (every `world_size`-th row
+    from `rank`). Raises ConfigError naming the file and line of the first malformed row."""
+    dense: list[list[int]] = []
+    cats: list[list[int]] = []
+    labels: list[float] = []
+    lines: list[int] = []
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        for lineno, line in enumerate(f, 1):
+            if max_rows is not None and lineno > max_rows:
+                break
+            fields = line.rstrip("\r\n").split("\t")
+            if len(fields) != NUM_COLUMNS:
+                hint = (
+                    " (an unlabelled file such as Kaggle's test.txt cannot be trained on)" if len(fields) == 39 else ""
+                )
+                raise _problem(
+                    path,
+                    lineno,
+                    f"expected {NUM_COLUMNS} tab-separated columns (label, {NUM_DENSE} integer, {NUM_CATEGORICAL} "
+                    f"categorical), found {len(fields)}{hint}",
+                )
+            if fields[0] not in ("0", "1"):
+                raise _problem(path, lineno, f"label {fields[0]!r} is not 0 or 1")
+            try:
+                row_dense = [int(v) if v else 0 for v in fields[1 : 1 + NUM_DENSE]]
+            except ValueError:
+                col = next(i for i, v in enumerate(fields[1 : 1 + NUM_DENSE]) if v and not _is_int(v))
+                raise _problem(
+                    path, lineno, f"column {DENSE_NAMES[col]} ({fields[1 + col]!r}) is not an integer"
+                ) from None
+            try:
+                row_cats = [int(v, 16) if v else 0 for v in fields[1 + NUM_DENSE :]]
+            except ValueError:
+                col = next(i for i, v in enumerate(fields[1 + NUM_DENSE :]) if v and not _is_hex(v))
+                raise _problem(
+                    path,
+                    lineno,
+                    f"column {CATEGORICAL_KEYS[col]} ({fields[1 + NUM_DENSE + col]!r}) is not a hexadecimal id",
+                ) from None
+            if (lineno - 1) % world_size == rank:
+                dense.append(row_dense)
+                cats.append(row_cats)
+                labels.append(float(fields[0]))
+                lines.append(lineno)
+    return (
+        np.array(dense, dtype=np.int64).reshape(-1, NUM_DENSE),
+        np.array(cats, dtype=np.int64).reshape(-1, NUM_CATEGORICAL),
+        np.array(labels, dtype=np.float32),
+        np.array(lines, dtype=np.int64),
+    )
+
+
+def _is_int(value: str) -> bool:
+    try:
+        int(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_hex(value: str) -> bool:
+    try:
+        int(value, 16)
+    except ValueError:
+        return False
+    return True
+
+
+class CriteoDataset(Dataset[CriteoSample]):
+    """This rank's rows of a Criteo TSV file, parsed and hashed once, kept in memory.
+
+    Sample ids are the rows' 0-based positions in the file (unique over all ranks).
+    """
+
+    def __init__(self, cfg: CriteoDataConfig, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        dense, cats, labels, lines = read_criteo(cfg.path, rank, world_size, cfg.max_rows)
+        buckets = np.array(cfg.vocab_sizes(), dtype=np.int64)
+        self.dense = transform_dense(dense)
+        self.ids = cats % buckets
+        self.labels = labels
+        self.sample_ids = lines - 1
+        self.spec = cfg.spec()
+        self.collate = collate_criteo
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> CriteoSample:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.dense[index], self.ids[index], float(self.labels[index]), int(self.sample_ids[index])
+
+
+def criteo_dataset(cfg: CriteoDataConfig, rank: int, world_size: int) -> CriteoDataset:
+    """Builder of `data=criteo`."""
+    return CriteoDataset(cfg, rank, world_size)
+
+
+# -- the generated source -------------------------------------------------------------------------
+
+
+class _ClickWorld:
+    """The seed-determined ground truth of `criteo_synthetic`.
+
+    Per integer feature j a log-normal count scale; per categorical feature f a Zipf id
+    popularity over its buckets and a weight per id; two features also carry latent vectors
+    whose dot product adds an interaction. The click logit is
+    `-1 + signal * (0.7 * dense part + 1.5 * sparse part + 0.8 * interaction)`, each part of unit
+    scale, so the clicks depend on single ids (what embeddings learn), on the integers (the dense
+    MLP) and on a pair of features (the feature interaction).
+    """
+
+    def __init__(self, cfg: CriteoSyntheticDataConfig) -> None:
+        rng = np.random.default_rng([cfg.seed, 0xC417E0])
+        self.signal = cfg.synthetic.signal
+        self.vocab = cfg.vocab_sizes()
+        self.dense_mu = rng.uniform(0.0, 3.0, NUM_DENSE)
+        self.dense_weight = rng.normal(0.0, 1.0, NUM_DENSE) / math.sqrt(NUM_DENSE)
+        self.id_weight = [rng.normal(0.0, 1.0, n).astype(np.float32) for n in self.vocab]
+        self.latent = [rng.normal(0.0, 1.0, (self.vocab[f], 4)).astype(np.float32) / 2.0 for f in (0, 1)]
+        cdfs: dict[int, np.ndarray] = {}
+        for n in set(self.vocab):
+            weights = np.arange(1, n + 1, dtype=np.float64) ** -cfg.synthetic.id_skew
+            cdfs[n] = np.cumsum(weights) / weights.sum()
+        self.id_cdf = [cdfs[n] for n in self.vocab]
+
+    def sample(self, seed: int, index: int) -> CriteoSample:
+        rng = np.random.default_rng([seed, index])
+        u = rng.random(NUM_CATEGORICAL)
+        ids = np.array(
+            [min(int(np.searchsorted(cdf, x)), n - 1) for cdf, x, n in zip(self.id_cdf, u, self.vocab)], dtype=np.int64
+        )
+        counts = np.floor(np.exp(rng.normal(self.dense_mu, 1.0))) - 1.0
+        dense = transform_dense(counts)
+        dense_part = float(np.dot(self.dense_weight, dense - self.dense_mu))
+        sparse_part = sum(float(w[i]) for w, i in zip(self.id_weight, ids)) / math.sqrt(NUM_CATEGORICAL)
+        interaction = float(np.dot(self.latent[0][ids[0]], self.latent[1][ids[1]]))
+        logit = -1.0 + self.signal * (0.7 * dense_part + 1.5 * sparse_part + 0.8 * interaction)
+        label = float(rng.random() < 1.0 / (1.0 + math.exp(-logit)))
+        return dense, ids, label, index
+
+
+class CriteoSyntheticDataset(Dataset[CriteoSample]):
+    """This rank's share of the generated rows: rank `r` of `w` owns global indices
+    `r, r + w, ...`; each row comes from its own RNG seeded by `(data.seed, index)`, so a row is
+    the same whatever the rank count, worker count or access order."""
+
+    def __init__(self, cfg: CriteoSyntheticDataConfig, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.num_samples = cfg.synthetic.num_samples
+        self.seed = cfg.seed
+        self._world = _ClickWorld(cfg)
+        self.spec = cfg.spec()
+        self.collate = collate_criteo
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size
+
+    def __getitem__(self, index: int) -> CriteoSample:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._world.sample(self.seed, index * self.world_size + self.rank)
+
+
+def criteo_synthetic_dataset(cfg: CriteoSyntheticDataConfig, rank: int, world_size: int) -> CriteoSyntheticDataset:
+    """Builder of `data=criteo_synthetic`."""
+    return CriteoSyntheticDataset(cfg, rank, world_size)

@@ -1,0 +1,144 @@
+"""torchrec's sparse input distribution, driven one step at a time by the task functions.
+
+For a model whose torchrec tables are sharded by `DistributedModelParallel`, the embedding
+lookup's input must reach the ranks that hold the rows: torchrec splits that input distribution
+off the forward (`_rewrite_model`) so a pipeline can run it batches ahead. `TorchrecSparseDist`
+owns the pieces the tasks need -- the per-batch pipeline contexts, the rewritten (pipelined)
+modules, and the start / wait / prefetch / bind steps -- so the task functions stay
+model-agnostic and torchrec-free: a model with plain torch tables has no `TorchrecSparseDist`
+and its input-dist tasks do nothing.
+
+torchrec 1.8 facts these steps rely on (verified on 2 gloo ranks, bitwise against a plain loop
+and `TrainPipelineSparseDist`):
+- contexts are per batch: `_start_data_dist` never clears a v1 context;
+- one `PipelinedForward` per sharded module serves every batch, so the forward must
+  `set_context` the batch's context first; it pops that batch's input-dist results;
+- the public `prefetch_embeddings` returns early without a data_dist stream (always on CPU), so
+  `prefetch` calls `_prefetch_embeddings` and fills the two post-prefetch maps itself, as
+  torchrec does; `PrefetchPipelinedForward` has no fallback if it did not run;
+- on CPU every stream argument is None: a stream makes the forwards `record_stream` CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext, TrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward, PrefetchPipelinedForward
+from torchrec.distributed.train_pipeline.utils import (
+    _override_input_dist_forwards,
+    _prefetch_embeddings,
+    _rewrite_model,
+    _start_data_dist,
+)
+
+from recsys_pipe.engine import StreamPool
+
+__all__ = ["TorchrecSparseDist"]
+
+
+class TorchrecSparseDist:
+    """The input distribution of a DMP model's sharded tables, step by step.
+
+    Args:
+        model: the DMP-wrapped model.
+        device: the training device.
+        streams: the plan's streams (`data_dist`, `default`, and `prefetch` when prefetching).
+        prefetch: whether the plan prefetches embeddings (`pipeline.torchrec_context=prefetch`).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, streams: StreamPool, prefetch: bool) -> None:
+        self.model = model
+        self.device = device
+        self.streams = streams
+        self.prefetch_enabled = prefetch
+        self.context_type = PrefetchTrainPipelineContext if prefetch else TrainPipelineContext
+        #: torchrec modules whose forward the model rewrite split (set by `rewrite`).
+        self.pipelined_modules: list = []
+
+    def stream(self, name: str) -> torch.cuda.Stream | None:
+        """The CUDA stream torchrec should use, or None on CPU (where a stream would make the
+        pipelined forwards call `record_stream` on CPU tensors, which is unsupported)."""
+        if not self.streams.is_cuda or name not in self.streams:
+            return None
+        return self.streams.get(name)
+
+    def new_context(self, index: int) -> TrainPipelineContext:
+        """A fresh torchrec v1 context per batch: `_start_data_dist` never clears one."""
+        return self.context_type(index=index, version=1)
+
+    @property
+    def rewritten(self) -> bool:
+        return bool(self.pipelined_modules)
+
+    def rewrite(self, batch: Any, context: TrainPipelineContext) -> Any:
+        """Rewrite the model on its first device batch and start that batch's input dist.
+
+        torchrec's rewrite FX-traces the model on a real batch, replaces each sharded module's
+        forward by a pipelined one, and needs one input dist started to install the fused splits
+        all-to-all. Returns the started splits (the `input_dist_splits` slot of that batch).
+        """
+        if self.rewritten:
+            raise RuntimeError("the model was already rewritten for pipelining")
+        modules, model, _, _, not_pipelined = _rewrite_model(
+            model=self.model,
+            context=context,
+            dist_stream=self.stream("data_dist"),
+            batch=batch,
+            apply_jit=False,
+            pipelined_forward=PrefetchPipelinedForward if self.prefetch_enabled else PipelinedForward,
+            pipeline_postproc=False,
+            default_stream=self.stream("default"),
+        )
+        if not modules or not_pipelined:
+            raise RuntimeError(
+                f"torchrec could not pipeline the model's sharded modules (pipelined: {len(modules)}, "
+                f"not pipelined: {not_pipelined}); their input must be an attribute of the batch"
+            )
+        if model is not self.model:  # only with apply_jit, which we never ask for
+            raise RuntimeError("torchrec's rewrite returned a new model object; views of this state would be stale")
+        self.pipelined_modules[:] = modules  # in place: views of the state share the list
+        with torch.cuda.stream(self.stream("data_dist")):
+            _start_data_dist(modules, batch, context)
+        _override_input_dist_forwards(modules)
+        if self.streams.is_cuda:  # one-time: later tasks order on events, the rewrite did not
+            torch.cuda.synchronize(self.device)
+        return context.fused_splits_awaitables
+
+    def start(self, batch: Any, context: TrainPipelineContext) -> Any:
+        """torchrec `_start_data_dist`: per-module input dists and the fused splits all-to-all."""
+        _start_data_dist(self.pipelined_modules, batch, context)
+        return context.fused_splits_awaitables
+
+    def wait(self, context: TrainPipelineContext) -> Any:
+        """Wait for the splits; this issues the tensors all-to-all (torchrec's wait_sparse_data_dist)."""
+        for names, awaitable in context.fused_splits_awaitables:
+            for name, request in zip(names, awaitable.wait()):
+                context.input_dist_tensors_requests[name] = request
+        context.input_dist_splits_requests.clear()
+        context.fused_splits_awaitables.clear()
+        return context.input_dist_tensors_requests
+
+    def prefetch(self, context: PrefetchTrainPipelineContext) -> Any:
+        """Wait for the input tensors and warm the embedding cache (`module.prefetch`) for the
+        batch the next forward trains. CPU kernels have no cache: the wait is the real work."""
+        data = _prefetch_embeddings(
+            None,  # unused by torchrec: everything comes from the context
+            context,
+            self.pipelined_modules,
+            self.device,
+            torch.cuda.stream,
+            self.stream("data_dist"),
+            self.stream("default"),
+        )
+        for name, dist_input in data.items():  # what torchrec's public prefetch_embeddings does
+            context.module_input_post_prefetch[name] = dist_input
+            context.module_contexts_post_prefetch[name] = context.module_contexts.pop(name)
+        return context.module_input_post_prefetch
+
+    def bind(self, context: TrainPipelineContext) -> None:
+        """Tie the shared pipelined forwards to this batch's context before its forward."""
+        for module in self.pipelined_modules:
+            module.forward.set_context(context)

@@ -1,0 +1,158 @@
+"""Worker for test_model_parity: run under torchrun with 2 ranks (gloo, CPU).
+
+Like train_parity_worker (HSTU on every plan), for the other model paths: torchrec's DLRM and
+DLRM_DCN, the plain-torch DLRM (DDP), torchrec's sharding planner, and the balanced batch
+shuffler. Each group trains the same batches from the same initial weights through several plans
+and records per-step losses, trained sample ids and final parameters; the test compares every
+variant of a group bitwise with the group's reference. Writes rank<r>.json into argv[1].
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from recsys_pipe.data import make_dataloader
+from recsys_pipe.testing import load_run
+from recsys_pipe.train import Trainer, build_model, init_distributed, local_parameters, training_plan
+
+STEPS = 10
+COMMON = [
+    "optimizer=sgd",
+    "trainer.progress_bar=false",
+    "trainer.eval_every=0",
+    "trainer.device=cpu",
+    "trainer.backend=gloo",
+    "data.batch_size=16",
+    f"data.num_batches={STEPS}",
+    "trainer.max_steps=null",
+]
+THREADED = ["pipeline.executor=threaded"]
+#: group -> (overrides of every variant, {variant: its overrides}); the first variant is the reference
+GROUPS = {
+    "dlrm": (
+        ["model=dlrm"],
+        {
+            "serial": ["pipeline=serial"],
+            "sparse_dist": ["pipeline=sparse_dist"],
+            "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", *THREADED],
+            "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
+            "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", *THREADED, "thread_map=per_task"],
+            # DLRM's samples all cost the same: the balanced plans run and leave every batch in place
+            "serial_balanced": ["pipeline=serial_balanced"],
+            "hstu_prefetch_balanced/threaded": ["pipeline=hstu_prefetch_balanced"],
+        },
+    ),
+    "dlrm_dcn": (
+        ["model=dlrm_dcn"],
+        {"serial": ["pipeline=serial"], "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED]},
+    ),
+    "dlrm_planner": (
+        ["model=dlrm", "model.sharding=planner", "model.sharding_constraints={cat_0_table:[column_wise]}"],
+        {"serial": ["pipeline=serial"], "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED]},
+    ),
+    "hstu_planner": (
+        ["model.sharding=planner"],
+        {"serial": ["pipeline=serial"], "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED]},
+    ),
+    "dlrm_torch": (
+        ["model=dlrm_torch"],
+        {
+            "serial": ["pipeline=serial"],
+            "sparse_dist": ["pipeline=sparse_dist"],
+            "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
+        },
+    ),
+    "balanced": (
+        ["data.synthetic.length_distribution=zipf", "data.max_seq_len=32", "data.synthetic.min_seq_len=5"],
+        {
+            "serial_balanced": ["pipeline=serial_balanced"],
+            "hstu_sparse_dist_balanced/threaded": ["pipeline=hstu_sparse_dist_balanced"],
+            "hstu_prefetch_balanced/threaded": ["pipeline=hstu_prefetch_balanced"],
+            "hstu_prefetch_balanced/per_task": ["pipeline=hstu_prefetch_balanced", "thread_map=per_task"],
+        },
+    ),
+    "balanced_vs_loaded": (
+        ["data.synthetic.length_distribution=zipf", "data.synthetic.min_seq_len=5"],
+        {"serial": ["pipeline=serial"], "serial_balanced": ["pipeline=serial_balanced"]},
+    ),
+}
+
+
+def fingerprint(params):
+    return {k: hash(v.numpy().tobytes()) for k, v in params.items()}
+
+
+def train_variant(info, overrides, batches):
+    run = load_run(*COMMON, *overrides)
+    trainer = Trainer(run, training_plan(run), info)
+    try:
+        start = time.perf_counter()
+        summary = trainer.fit(iter(batches), record_steps=True)
+        out = {
+            "losses": summary.losses,
+            "sample_ids": [ids.tolist() for ids in summary.sample_ids],
+            "params": fingerprint(local_parameters(trainer.state.model)),
+            "seconds": time.perf_counter() - start,
+        }
+        plan = getattr(trainer.state.model, "plan", None)
+        if plan is not None:
+            out["sharding_plan"] = str(plan)
+        if trainer.state.balancer is not None:
+            out["balance"] = trainer.state.balancer.stats.summary()
+        return out
+    finally:
+        trainer.close()
+
+
+def train_torchrec(info, overrides, batches):
+    """torchrec's own TrainPipelineSparseDist on the same model and batches."""
+    run = load_run(*COMMON, *overrides, "pipeline=serial")
+    model, opt = build_model(run, info, run.data.spec())
+
+    def fwd(batch):
+        loss, _ = model(batch)
+        return loss, (loss.detach(), batch.sample_ids)
+
+    pipe = TrainPipelineSparseDist(model, opt, info.device, execute_all_batches=True, custom_model_fwd=fwd)
+    it, losses, ids = iter(batches), [], []
+    while True:
+        try:
+            loss, sample_ids = pipe.progress(it)
+        except StopIteration:
+            break
+        losses.append(float(loss))
+        ids.append(sample_ids.tolist())
+    return {"losses": losses, "sample_ids": ids, "params": fingerprint(local_parameters(model))}
+
+
+def main():
+    torch.set_num_threads(1)
+    info = init_distributed("cpu", "gloo")
+    out = {}
+    for group, (common, variants) in GROUPS.items():
+        reference = next(iter(variants.values()))
+        loader = make_dataloader(load_run(*COMMON, *common, *reference).data, info.rank, info.world_size)
+        batches = list(loader)
+        result = {"loader_ids": [b.sample_ids.tolist() for b in batches], "variants": {}}
+        for name, overrides in variants.items():
+            result["variants"][name] = train_variant(info, [*common, *overrides], batches)
+        if group == "dlrm":
+            result["variants"]["torchrec_TrainPipelineSparseDist"] = train_torchrec(info, common, batches)
+        out[group] = result
+
+    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

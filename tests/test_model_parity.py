@@ -1,0 +1,90 @@
+"""End-to-end training on 2 ranks (torchrun, gloo, CPU) for the other model paths: torchrec's
+DLRM and DLRM_DCN, the plain-torch DLRM under DDP, torchrec's sharding planner, and the balanced
+batch shuffler. Within each group every plan trains bitwise the same losses, batches and final
+parameters as the group's reference (serial, or serial_balanced for the balanced plans); DLRM also
+matches torchrec's own TrainPipelineSparseDist. See test_train_parity for why bitwise.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from recsys_pipe.testing import check_torchrun, read_rank_results, run_torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+WORKER = Path(__file__).parent / "dist" / "model_parity_worker.py"
+SAME_AS_REFERENCE = ["dlrm", "dlrm_dcn", "dlrm_planner", "hstu_planner", "dlrm_torch", "balanced"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("model_parity")
+    check_torchrun(run_torchrun(WORKER, str(out), timeout=350))
+    return read_rank_results(out)
+
+
+@pytest.mark.parametrize("group", SAME_AS_REFERENCE)
+def test_every_plan_matches_its_reference_bitwise(ranks, group):
+    for data in ranks:
+        variants = data[group]["variants"]
+        ref_name, ref = next(iter(variants.items()))
+        assert len(ref["losses"]) == 10 and len(set(ref["losses"])) > 1
+        assert len(variants) >= 2
+        for name, variant in variants.items():
+            assert variant["losses"] == ref["losses"], f"{group}/{name}: losses differ from {ref_name}"
+            assert variant["params"] == ref["params"], f"{group}/{name}: parameters differ from {ref_name}"
+            assert variant["sample_ids"] == ref["sample_ids"], f"{group}/{name}: trained other samples"
+
+
+def test_dlrm_matches_torchrec_train_pipeline(ranks):
+    for data in ranks:
+        variants = data["dlrm"]["variants"]
+        assert "torchrec_TrainPipelineSparseDist" in variants
+        assert variants["torchrec_TrainPipelineSparseDist"]["losses"] == variants["serial"]["losses"]
+        assert variants["torchrec_TrainPipelineSparseDist"]["params"] == variants["serial"]["params"]
+        assert data["dlrm"]["variants"]["serial"]["sample_ids"] == data["dlrm"]["loader_ids"]
+
+
+def test_unbalanced_groups_train_the_loaded_batches(ranks):
+    for data in ranks:
+        for group in ("dlrm", "dlrm_torch", "hstu_planner"):
+            for variant in data[group]["variants"].values():
+                assert variant["sample_ids"] == data[group]["loader_ids"]
+
+
+def test_planner_plans_identically_on_every_rank_and_honours_constraints(ranks):
+    for group in ("dlrm_planner", "hstu_planner"):
+        plans = [data[group]["variants"]["serial"]["sharding_plan"] for data in ranks]
+        assert plans[0] == plans[1]  # no collective was needed to agree
+    dlrm_plan = ranks[0]["dlrm_planner"]["variants"]["serial"]["sharding_plan"]
+    (cat_0,) = [line for line in dlrm_plan.splitlines() if line.startswith("cat_0_table ") and "|" in line][:1]
+    assert "column_wise" in cat_0
+    hstu_plan = ranks[0]["hstu_planner"]["variants"]["serial"]["sharding_plan"]
+    assert "data_parallel" not in hstu_plan  # broken for EmbeddingCollection on CPU: never chosen
+
+
+def test_balanced_plans_train_every_sample_exactly_once_and_even_out_the_work(ranks):
+    """The shuffle exchanges samples between ranks: per step, the samples trained over both ranks
+    are exactly the ones loaded over both ranks (none lost, none twice), each rank keeps its batch
+    size, and the per-rank cost imbalance (max/mean) falls."""
+    moved = 0
+    for name, variant in ranks[0]["balanced"]["variants"].items():
+        trained = [variant["sample_ids"], ranks[1]["balanced"]["variants"][name]["sample_ids"]]
+        loaded = [data["balanced"]["loader_ids"] for data in ranks]
+        for step in range(len(loaded[0])):
+            assert sorted(trained[0][step] + trained[1][step]) == sorted(loaded[0][step] + loaded[1][step])
+            assert len(trained[0][step]) == len(loaded[0][step]) == len(trained[1][step])
+            moved += trained[0][step] != loaded[0][step]
+        balance = variant["balance"]
+        assert balance["batches"] == len(loaded[0]) - 1  # the first batch trains as loaded (model rewrite)
+        assert balance["imbalance_after"] < balance["imbalance_before"]
+    assert moved > 0  # the shuffle did move samples
+
+
+def test_balancing_changes_what_each_rank_trains_but_not_the_global_step(ranks):
+    for data in ranks:
+        group = data["balanced_vs_loaded"]["variants"]
+        assert group["serial"]["sample_ids"] == data["balanced_vs_loaded"]["loader_ids"]
+        assert group["serial_balanced"]["sample_ids"] != group["serial"]["sample_ids"]
+        assert group["serial_balanced"]["losses"][0] == group["serial"]["losses"][0]  # bootstrap batch: as loaded
