@@ -27,6 +27,7 @@ from recsys_pipe.train import (
     resolve_resume,
 )
 from recsys_pipe.train.checkpoint import load_checkpoint
+from recsys_pipe.train.optim import AdamConfig
 
 # -- checkpoints ------------------------------------------------------------------------------
 
@@ -117,13 +118,18 @@ def test_lr_schedule_shapes():
     assert all(cosine(s) >= cosine(s + 1) for s in range(2, 20))
 
 
-def _optimizer(cfg: OptimizerConfig, total: int = 10) -> tuple[TrainOptimizer, torch.nn.Parameter]:
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-
+def _optimizer(cfg: OptimizerConfig, total: int = 10, keyed: bool = True) -> tuple[TrainOptimizer, torch.nn.Parameter]:
+    """A one-parameter model's optimizer: torchrec's combined optimizer (sharded models) or a
+    plain torch one (models with plain torch tables)."""
     torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(8))
-    dense = KeyedOptimizerWrapper({"w": weight}, lambda ps: torch.optim.Adam(ps, lr=cfg.lr))
-    return TrainOptimizer(CombinedOptimizer([dense]), cfg, total), weight
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.randn(8))
+    if keyed:
+        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+        dense = KeyedOptimizerWrapper({"w": model.weight}, lambda ps: torch.optim.Adam(ps, lr=cfg.lr))
+        return TrainOptimizer(CombinedOptimizer([dense]), cfg, total, model), model.weight
+    return TrainOptimizer(torch.optim.Adam(model.parameters(), lr=cfg.lr), cfg, total, model), model.weight
 
 
 def _train(opt: TrainOptimizer, weight: torch.nn.Parameter, steps: int, scale: float = 100.0) -> list[float]:
@@ -137,7 +143,7 @@ def _train(opt: TrainOptimizer, weight: torch.nn.Parameter, steps: int, scale: f
 
 
 def test_clipping_and_schedule_in_train_optimizer():
-    cfg = OptimizerConfig(lr=0.1, schedule="linear", warmup_steps=2, clip_grad_norm=1.0)
+    cfg = AdamConfig(lr=0.1, schedule="linear", warmup_steps=2, clip_grad_norm=1.0)
     opt, weight = _optimizer(cfg, total=6)
     lrs = _train(opt, weight, 6)
     assert lrs == pytest.approx([0.05, 0.1, 0.1, 0.075, 0.05, 0.025])
@@ -145,16 +151,17 @@ def test_clipping_and_schedule_in_train_optimizer():
     assert math.isclose(float(weight.grad.norm()), 1.0, rel_tol=1e-5)  # ... and the gradient is clipped
 
 
-def test_optimizer_state_round_trip_continues_bitwise():
-    cfg = OptimizerConfig(lr=0.1, schedule="cosine", warmup_steps=1)
-    opt, weight = _optimizer(cfg)
+@pytest.mark.parametrize("keyed", [True, False], ids=["torchrec", "plain_torch"])
+def test_optimizer_state_round_trip_continues_bitwise(keyed):
+    cfg = AdamConfig(lr=0.1, schedule="cosine", warmup_steps=1)
+    opt, weight = _optimizer(cfg, keyed=keyed)
     _train(opt, weight, 3)
     saved = copy.deepcopy(opt.state_dict())  # a checkpoint: a snapshot, not views of live state
     snapshot = weight.detach().clone()
     expected = _train(opt, weight, 3)
     after = weight.detach().clone()
 
-    fresh, fresh_weight = _optimizer(cfg)
+    fresh, fresh_weight = _optimizer(cfg, keyed=keyed)
     with torch.no_grad():
         fresh_weight.copy_(snapshot)
     fresh.prepare_load()  # Adam's moments exist only after a step: create them to load into

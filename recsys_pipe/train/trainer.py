@@ -295,15 +295,8 @@ class Trainer:
         traced.step(self.step)
         start = time.perf_counter()
         with self.stop, logging_redirect_tqdm():
-            while True:
-                if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                    summary.stop_reason = MAX_STEPS
-                    break
-                try:
-                    result: StepResult = self.pipeline.progress(it)
-                except StopIteration:
-                    summary.stop_reason = EPOCHS_DONE if per_epoch else DATA_EXHAUSTED
-                    break
+            result: StepResult
+            for result in self.pipeline.iterate(it):
                 self.step += 1
                 self.position += 1
                 traced.step(self.step)
@@ -346,6 +339,11 @@ class Trainer:
                         f"; checkpoint {self.checkpointer.last.path}" if self.checkpointer else " (no run dir)",
                     )
                     break
+                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                    summary.stop_reason = MAX_STEPS
+                    break
+            else:
+                summary.stop_reason = EPOCHS_DONE if per_epoch else DATA_EXHAUSTED
             self.stop.drain()
         summary.seconds = time.perf_counter() - start
         traced.close()
