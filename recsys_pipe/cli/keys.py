@@ -1,7 +1,7 @@
 """`--help`'s key listing: every config key, its current value and its one-line description.
 
 The descriptions are the pydantic schema's `Field(description=...)`, so the help cannot drift
-from what is validated. Sections chosen by name (`model.name`, `data.name`) are described with
+from what is validated. Sections chosen by name (`model.name`, `data.name`, `optimizer.name`) are described with
 the config class of the chosen component, and the values shown include the user's overrides,
 so `recsys-train data=movielens --help` lists the MovieLens keys.
 """
@@ -87,7 +87,7 @@ def _component(registry: Any, value: Any, path: str) -> type[BaseModel] | None:
     if registry is None or not isinstance(value, Mapping):
         return None
     try:
-        return registry.config_class(value.get("name"), path)
+        return registry.config_class(value, path)
     except ConfigError:
         return None
 

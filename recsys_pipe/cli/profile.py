@@ -151,7 +151,7 @@ def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
     """Rewrite the model on the first batch, run a few steps, then the TaskProfiler passes."""
     from recsys_pipe.autosched import TaskProfiler
 
-    pipeline, loader = trainer.pipeline, trainer.train_loader
+    pipeline, loader = trainer.pipeline, trainer.data.train_loader()
     batches = iter(loader)
     first = next(batches)
     start = itertools.islice(batches, _BOOTSTRAP_BATCHES)
