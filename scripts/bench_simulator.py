@@ -10,14 +10,14 @@
    same pass gives the costs. `simulate(plan, costs, thread_map)` predicts the iteration time.
    Targets: median |error| <= 5 %, worst <= 10 %.
 2. The shipped HSTU plans (`--hstu`, default on): `recsys-profile` on 2 ranks on the CPU
-   (torchrun, gloo) writes costs.json with the measured median iteration time; the simulator
-   predicts it from those costs. Target: |error| <= 10 %. Also printed, to name what the
-   resource model misses: the measured time per iteration outside any task (fetching the batch,
-   rotating the ring), which the simulator has no place for, and the prediction with it added;
-   and the same comparison with means instead of medians (from trace.json: per-task mean times
-   simulated, plus the mean time outside tasks, against the mean iteration period), which shows
-   how much of the rest is the skew of per-task times (a step is a sum of tasks, and the median
-   of a sum of right-skewed, correlated times exceeds the sum of their medians).
+   (torchrun, gloo) writes costs.json (per-task medians and means, and the time per iteration
+   outside any task: fetching the batch, rotating the ring) and trace.json; the simulator
+   predicts the step from those costs twice. With the median costs against the measured median
+   iteration; with the mean costs (`statistic="mean"`) against the measured mean step period
+   (first task start to the next iteration's, from trace.json: total time over steps, what
+   samples/s follows). Target: |error| <= 10 %, for both. Why both: a step is a sum of tasks, and
+   on two ranks the task times are right-skewed and move together (a collective waits for the
+   slower rank), so the median of the sum exceeds the sum of the medians; means add up.
 
 The table goes to stdout; the last line is one JSON object with every figure.
 
@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from recsys_pipe.engine import (
 
 STREAMS = ("default", "s1", "s2")
 HSTU_PLANS = ("serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch")
-TARGETS = {"random_median_error": 0.05, "random_worst_error": 0.10, "hstu_error": 0.10}
+TARGETS = {"random_median_error": 0.05, "random_worst_error": 0.10, "hstu_median_error": 0.10, "hstu_mean_error": 0.10}
 
 
 # -- random plans -----------------------------------------------------------------------------------
@@ -121,7 +120,7 @@ def measure_random(schedule: Schedule, thread_map: dict[str, str], warmup: int, 
         "measured_ms": result.baseline_s * 1e3,
         "predicted_ms": predicted * 1e3,
         "error": predicted / result.baseline_s - 1,
-        "outside_ms": result.costs.meta["outside_tasks_s"] * 1e3,
+        "outside_ms": result.costs.outside_tasks_s * 1e3,
     }
 
 
@@ -152,41 +151,32 @@ def measure_hstu(plan: str, iters: int, out: Path) -> dict[str, Any]:
     compiled = training_plan(load_run(f"pipeline={plan}"))
     thread_map = dict(compiled.thread_of) if compiled.threaded else "sequential"
     predicted = simulate(compiled.schedule, costs, thread_map).iteration_s
-    measured, outside = costs.meta["iteration_s"], costs.meta["outside_tasks_s"]
-    means = mean_figures(json.loads((run_dir / "trace.json").read_text()))
-    mean_costs = CostModel({n: replace(c, cpu_s=means["task_s"][n]) for n, c in costs.tasks.items()})
-    predicted_mean = simulate(compiled.schedule, mean_costs, thread_map).iteration_s + means["outside_s"]
+    predicted_mean = simulate(compiled.schedule, costs, thread_map, statistic="mean").iteration_s
+    measured = costs.meta["iteration_s"]
+    period = mean_period(json.loads((run_dir / "trace.json").read_text()))
     return {
         "measured_ms": measured * 1e3,
         "predicted_ms": predicted * 1e3,
         "error": predicted / measured - 1,
-        "outside_ms": outside * 1e3,
-        "with_outside_error": (predicted + outside) / measured - 1,
+        "outside_ms": costs.outside_tasks_s * 1e3,
+        "outside_mean_ms": (costs.outside_tasks_mean_s or 0.0) * 1e3,
         "sum_cpu_ms": sum(c.cpu_s for c in costs.tasks.values()) * 1e3,
-        "mean_period_ms": means["period_s"] * 1e3,
+        "mean_period_ms": period * 1e3,
         "mean_predicted_ms": predicted_mean * 1e3,
-        "mean_error": predicted_mean / means["period_s"] - 1,
+        "mean_error": predicted_mean / period - 1,
     }
 
 
-def mean_figures(trace: dict[str, Any]) -> dict[str, Any]:
-    """From a profile's trace: mean time per task, mean iteration period (first task start to the
-    next iteration's), mean time per iteration outside tasks (period minus first start to last end)."""
-    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "host"]
-    per_task: dict[str, list[float]] = {}
-    bounds: dict[int, list[float]] = {}
-    for e in spans:
-        per_task.setdefault(e["name"], []).append(e["dur"] / 1e6)
-        lo_hi = bounds.setdefault(e["args"]["iteration"], [e["ts"], e["ts"] + e["dur"]])
-        lo_hi[0], lo_hi[1] = min(lo_hi[0], e["ts"]), max(lo_hi[1], e["ts"] + e["dur"])
-    its = sorted(bounds)
-    periods = [(bounds[b][0] - bounds[a][0]) / 1e6 for a, b in zip(its, its[1:])]
-    outside = [p - (bounds[a][1] - bounds[a][0]) / 1e6 for a, p in zip(its, periods)]
-    return {
-        "task_s": {n: statistics.fmean(v) for n, v in per_task.items()},
-        "period_s": statistics.fmean(periods),
-        "outside_s": statistics.fmean(outside),
-    }
+def mean_period(trace: dict[str, Any]) -> float:
+    """From a profile's trace: the mean step period, from an iteration's first task start to the
+    next iteration's (the time outside tasks and between iterations included)."""
+    starts: dict[int, float] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and e["cat"] == "host":
+            iteration = e["args"]["iteration"]
+            starts[iteration] = min(starts.get(iteration, e["ts"]), e["ts"])
+    its = sorted(starts)
+    return statistics.fmean((starts[b] - starts[a]) / 1e6 for a, b in zip(its, its[1:]))
 
 
 def random_plans(count: int, seed: int, warmup: int, iters: int) -> dict[str, Any]:
@@ -234,19 +224,20 @@ def main() -> None:
     if not args.no_hstu:
         hstu = {}
         print(
-            f"\n{'HSTU plan (2 ranks, CPU)':<20} {'measured ms':>11} {'predicted ms':>12} {'error':>7} "
-            f"{'outside ms':>10} {'+outside':>8} {'mean ms':>8} {'mean pred':>9} {'error':>7}"
+            f"\n{'HSTU plan (2 ranks, CPU)':<24} {'median ms':>9} {'predicted':>9} {'error':>7} "
+            f"{'mean ms':>8} {'predicted':>9} {'error':>7} {'outside ms (median/mean)':>24}"
         )
         with tempfile.TemporaryDirectory() as tmp:
             for plan in HSTU_PLANS:
                 row = hstu[plan] = measure_hstu(plan, args.hstu_iters, Path(tmp))
                 print(
-                    f"{plan:<20} {row['measured_ms']:>11.3f} {row['predicted_ms']:>12.3f} {row['error']:>+7.1%} "
-                    f"{row['outside_ms']:>10.3f} {row['with_outside_error']:>+8.1%} {row['mean_period_ms']:>8.3f} "
-                    f"{row['mean_predicted_ms']:>9.3f} {row['mean_error']:>+7.1%}"
+                    f"{plan:<24} {row['measured_ms']:>9.3f} {row['predicted_ms']:>9.3f} {row['error']:>+7.1%} "
+                    f"{row['mean_period_ms']:>8.3f} {row['mean_predicted_ms']:>9.3f} {row['mean_error']:>+7.1%} "
+                    f"{row['outside_ms']:>12.3f} / {row['outside_mean_ms']:.3f}"
                 )
         report["hstu"] = hstu
-        met["hstu_error"] = all(abs(r["error"]) <= TARGETS["hstu_error"] for r in hstu.values())
+        met["hstu_median_error"] = all(abs(r["error"]) <= TARGETS["hstu_median_error"] for r in hstu.values())
+        met["hstu_mean_error"] = all(abs(r["mean_error"]) <= TARGETS["hstu_mean_error"] for r in hstu.values())
     report["targets"] = {"limits": TARGETS, "met": met}
     print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in met.items()))
     print(json.dumps(report))

@@ -7,8 +7,13 @@ from recsys_pipe.autosched import CostModel, TaskCost
 
 def test_round_trip_through_a_file(tmp_path):
     model = CostModel(
-        {"h2d": TaskCost(0.001, 0.002, stream="memcpy", lookahead=2, samples=20), "fwd": TaskCost(0.01, nccl=True)},
+        {
+            "h2d": TaskCost(0.001, 0.002, stream="memcpy", lookahead=2, cpu_mean_s=0.0012, samples=20),
+            "fwd": TaskCost(0.01, nccl=True),
+        },
         {"plan": "p"},
+        outside_tasks_s=0.003,
+        outside_tasks_mean_s=0.004,
     )
     path = tmp_path / "costs.json"
     model.to_json(path)
@@ -20,7 +25,7 @@ def test_round_trip_through_a_file(tmp_path):
 def test_hand_written_costs_need_only_cpu_and_device_time():
     model = CostModel.from_json('{"tasks": {"a": {"cpu_s": 0.5, "device_s": 0}}}')
     assert model["a"] == TaskCost(0.5, 0.0)
-    assert model.meta == {}
+    assert model.meta == {} and model.outside_tasks_s == 0.0 and model.outside_tasks_mean_s is None
 
 
 @pytest.mark.parametrize(
@@ -31,6 +36,8 @@ def test_hand_written_costs_need_only_cpu_and_device_time():
         ('{"tasks": {"a": {"cpu_s": 1, "device_s": 0, "cpu": 2}}}', "unknown field(s) cpu"),
         ('{"tasks": [1]}', '"tasks" object'),
         ("{not json", "not valid JSON: line 1"),
+        ('{"tasks": {}, "outside": 1}', "unknown top-level field(s) outside"),
+        ('{"tasks": {}, "outside_tasks_s": -1}', "outside_tasks_s must be a finite number >= 0"),
     ],
 )
 def test_bad_cost_models_name_the_problem(text, fragment):

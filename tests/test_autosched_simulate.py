@@ -66,6 +66,32 @@ def test_two_threads_overlap_until_the_iteration_barrier():
     ]
 
 
+def test_time_outside_tasks_is_in_series_with_every_iteration():
+    # the two-thread plan above (5 per step) plus 0.5 outside tasks per iteration: 5.5, and the
+    # outside span is on the critical path between the barrier and the next iteration's tasks
+    p = plan(T("a"), T("b", stream="s1"), T("c", writes=["step_result"]))
+    model = CostModel(costs(a=(3.0,), b=(5.0,), c=(1.0,)).tasks, outside_tasks_s=0.5)
+    r = simulate(p, model, thread_map={"b": "B", "default": "A"})
+    assert r.iteration_s == 5.5
+    assert [span(r, "a", k, "thread").start for k in range(3)] == [0.5, 6.0, 11.5]
+    assert "(outside tasks)" in [c.task for c in r.critical_path]
+    assert all(s.task != "(outside tasks)" for s in r.spans)  # holds no resource
+    assert r.busy_per_iteration["thread:B"] == 5.0
+
+
+def test_mean_statistic_plays_the_means_where_known():
+    p = plan(T("a", writes=["x"]), T("b", reads=["x"], writes=["step_result"]))
+    model = CostModel(
+        {"a": TaskCost(1.0, cpu_mean_s=1.5), "b": TaskCost(2.0)},  # b has no mean: its median is used
+        outside_tasks_s=0.25,
+        outside_tasks_mean_s=0.75,
+    )
+    assert simulate(p, model).iteration_s == 3.25
+    assert simulate(p, model, statistic="mean").iteration_s == 4.25
+    with pytest.raises(ValueError, match="statistic must be"):
+        simulate(p, model, statistic="p90")
+
+
 def test_in_iteration_dependency_across_threads_is_a_cpu_edge():
     p = plan(T("a", writes=["x"]), T("b", reads=["x"], writes=["step_result"]))
     r = simulate(p, costs(a=(3.0,), b=(5.0,)), thread_map="per_task")

@@ -84,7 +84,8 @@ def test_profile_command_on_the_hstu_plan_with_two_ranks_writes_every_file(tmp_p
     assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
     out = proc.stdout
-    assert "task " in out and "exposed ms" in out and "simulated from these costs" in out
+    assert "task " in out and "exposed ms" in out and "simulated from the median costs" in out
+    assert "simulated from the mean costs" in out
     assert "n/a: task 'forward' cannot be shortcut" in out
 
     # the profile loop: recsys-plan reads the measured costs and simulates the plan

@@ -262,13 +262,7 @@ def test_compiled_plans_run_every_batch_once_in_order(pipeline, overrides):
     plan = compiled(f"pipeline={pipeline}", *overrides, resolve_fn=_stub)
     pool = StreamPool.create(plan.schedule.stream_slots)
     with build_pipeline(plan, pool, state=None) as pipe:
-        batches = iter(range(7))
-        results = []
-        while True:
-            try:
-                results.append(pipe.progress(batches))
-            except StopIteration:
-                break
+        results = list(pipe.iterate(range(7)))
     assert results == list(range(7))
 
 

@@ -265,14 +265,8 @@ def _run(executor, finish_lookahead: int, delays: list[float], batches) -> tuple
             Task.from_fn("train", _record, reads=["batch_gpu"], writes=["step_result"]),
         ]
     )
-    results = []
     with SchedulablePipeline(schedule, pool, executor, state=state) as pipe:
-        it = iter(batches)
-        while True:
-            try:
-                results.append(pipe.progress(it))
-            except StopIteration:
-                break
+        results = list(pipe.iterate(batches))
     state.close()
     return results, solved
 

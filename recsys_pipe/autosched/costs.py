@@ -9,8 +9,18 @@ can also write them by hand. The JSON form is the simulator's input:
      "meta": {"plan": "hstu_prefetch", "device": "cpu", ...}}
 
 Only `cpu_s` and `device_s` are required per task; the other fields (stream, thread, lookahead,
-nccl, pcie, host_sync, percentiles, samples) describe how the costs were measured and default to
-unknown (or false).
+nccl, pcie, host_sync, percentiles, means, samples) describe how the costs were measured and
+default to unknown (or false).
+
+Two optional top-level fields describe the time of a step that belongs to no task:
+`outside_tasks_s` (median) and `outside_tasks_mean_s` (mean), seconds per iteration on the calling
+thread (pulling the next batch from the data iterator, rotating the ring, which releases the
+trained batch). The profiler measures them; the simulator adds them to every iteration.
+
+Medians describe a typical step; means describe the long run (samples/s is total samples over
+total time, a mean). Task times are right-skewed and, on several ranks, move together (a
+collective waits for the slowest rank), so the median of a step is larger than the sum of its
+tasks' medians; `simulate(..., statistic="mean")` predicts the mean step from the means.
 """
 
 from __future__ import annotations
@@ -20,9 +30,12 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["CostModel", "TaskCost"]
+__all__ = ["CostModel", "Statistic", "TaskCost"]
+
+#: which per-task figure the simulator plays: the median (a typical step) or the mean (the long run)
+Statistic = Literal["median", "mean"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,9 @@ class TaskCost:
     #: the host waits for the task's device work before going on (`.item()`, `.tolist()`, a
     #: blocking copy): its thread stays busy until the device span ends
     host_sync: bool = False
+    #: mean host / device time (None: unknown; `statistic="mean"` then uses the median)
+    cpu_mean_s: float | None = None
+    device_mean_s: float | None = None
     #: measured instances behind the medians (0: written by hand)
     samples: int = 0
 
@@ -57,6 +73,14 @@ class TaskCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def host(self, statistic: Statistic = "median") -> float:
+        """Host seconds per instance: the median (`cpu_s`), or the mean when known."""
+        return self.cpu_mean_s if statistic == "mean" and self.cpu_mean_s is not None else self.cpu_s
+
+    def device(self, statistic: Statistic = "median") -> float:
+        """Device seconds per instance: the median (`device_s`), or the mean when known."""
+        return self.device_mean_s if statistic == "mean" and self.device_mean_s is not None else self.device_s
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], task: str = "?") -> TaskCost:
@@ -77,10 +101,28 @@ class TaskCost:
 
 @dataclass
 class CostModel:
-    """Per-task costs of one plan (`tasks`: name -> TaskCost) plus free-form `meta`."""
+    """Per-task costs of one plan (`tasks`: name -> TaskCost), the time per iteration outside
+    any task (`outside_tasks_s` median, `outside_tasks_mean_s` mean; 0 and None when unknown),
+    plus free-form `meta`."""
 
     tasks: dict[str, TaskCost] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    outside_tasks_s: float = 0.0
+    outside_tasks_mean_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("outside_tasks_s", "outside_tasks_mean_s"):
+            value = getattr(self, name)
+            if value is None and name == "outside_tasks_mean_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {value!r}")
+
+    def outside(self, statistic: Statistic = "median") -> float:
+        """Seconds per iteration outside any task: the median, or the mean when known."""
+        if statistic == "mean" and self.outside_tasks_mean_s is not None:
+            return self.outside_tasks_mean_s
+        return self.outside_tasks_s
 
     def __getitem__(self, task: str) -> TaskCost:
         try:
@@ -93,7 +135,13 @@ class CostModel:
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int = 2) -> str:
         """The JSON text; also written to `path` when given."""
-        text = json.dumps({"tasks": {n: c.to_dict() for n, c in self.tasks.items()}, "meta": self.meta}, indent=indent)
+        data: dict[str, Any] = {"tasks": {n: c.to_dict() for n, c in self.tasks.items()}}
+        if self.outside_tasks_s or self.outside_tasks_mean_s is not None:
+            data["outside_tasks_s"] = self.outside_tasks_s
+        if self.outside_tasks_mean_s is not None:
+            data["outside_tasks_mean_s"] = self.outside_tasks_mean_s
+        data["meta"] = self.meta
+        text = json.dumps(data, indent=indent)
         if path is not None:
             Path(path).write_text(text + "\n")
         return text
@@ -117,4 +165,11 @@ class CostModel:
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             raise ValueError('"meta" must be an object')
-        return cls({name: TaskCost.from_dict(c, name) for name, c in data["tasks"].items()}, dict(meta))
+        unknown = sorted(set(data) - {"tasks", "meta", "outside_tasks_s", "outside_tasks_mean_s"})
+        if unknown:
+            raise ValueError(
+                f"unknown top-level field(s) {', '.join(unknown)}; known: tasks, outside_tasks_s, "
+                "outside_tasks_mean_s, meta"
+            )
+        tasks = {name: TaskCost.from_dict(c, name) for name, c in data["tasks"].items()}
+        return cls(tasks, dict(meta), data.get("outside_tasks_s", 0.0), data.get("outside_tasks_mean_s"))

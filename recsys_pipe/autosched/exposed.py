@@ -102,11 +102,11 @@ class ProfileResult:
             f"{f', {self.rounds} rounds' if self.rounds > 1 else ''}); exposed = iteration - iteration with "
             "the task replayed"
         )
-        outside = self.costs.meta.get("outside_tasks_s")
-        if outside is not None:
+        if self.costs.outside_tasks_mean_s is not None:
             lines.append(
-                f"outside tasks: {outside * 1e3:.3f} ms per iteration (median; fetching the batch, rotating the "
-                "ring, on the calling thread)"
+                f"outside tasks: {self.costs.outside_tasks_s * 1e3:.3f} ms per iteration (median; mean "
+                f"{self.costs.outside_tasks_mean_s * 1e3:.3f}; fetching the batch, rotating the ring, on the "
+                "calling thread)"
             )
         for reason in self.not_measured.values():
             lines.append(f"n/a: {reason}")

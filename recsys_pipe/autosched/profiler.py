@@ -235,12 +235,13 @@ class CostProfiler(SpanRecorder):
         return out
 
     def cost_model(self, order: Sequence[str] | None = None, meta: Mapping[str, Any] | None = None) -> CostModel:
-        """One `TaskCost` per task: median host and device time with p10/p90, and how it ran.
+        """One `TaskCost` per task: median host and device time with p10/p90, their means, and
+        how it ran.
 
         `order`: task names in the order to list them (default: first start); `meta` goes into
-        the cost model's `meta` with `warmup`, `iters`, the median iteration time
-        (`iteration_s`) and the median time outside tasks (`outside_tasks_s`, see
-        `outside_times`).
+        the cost model's `meta` with `warmup`, `iters` and the median and mean iteration time
+        (`iteration_s`, `iteration_mean_s`). The time outside tasks (`outside_times`) becomes
+        the model's `outside_tasks_s` (median) and `outside_tasks_mean_s`.
         """
         by_task: dict[str, list[TaskInstance]] = {}
         for inst in self.instances():
@@ -257,6 +258,8 @@ class CostProfiler(SpanRecorder):
             tasks[name] = TaskCost(
                 cpu_s=float(cpu[1]),
                 device_s=float(dev[1]) if dev is not None else 0.0,
+                cpu_mean_s=float(np.mean([r.cpu_s for r in runs])),
+                device_mean_s=float(np.mean(timed)) if timed else None,
                 cpu_p10_s=float(cpu[0]),
                 cpu_p90_s=float(cpu[2]),
                 device_p10_s=float(dev[0]) if dev is not None else None,
@@ -272,10 +275,15 @@ class CostProfiler(SpanRecorder):
             "warmup": self.warmup,
             "iters": self._measured,
             "iteration_s": float(np.median(times)) if times else None,
-            "outside_tasks_s": float(np.median(outside)) if outside else None,
+            "iteration_mean_s": float(np.mean(times)) if times else None,
             "device_timing": self.timer is not None,
         }
-        return CostModel(tasks, {**info, **(meta or {})})
+        return CostModel(
+            tasks,
+            {**info, **(meta or {})},
+            outside_tasks_s=float(np.median(outside)) if outside else 0.0,
+            outside_tasks_mean_s=float(np.mean(outside)) if outside else None,
+        )
 
     def _thread(self, task: str, os_thread: str) -> str:
         if self.thread_of is not None and task in self.thread_of:

@@ -21,7 +21,10 @@ The playback follows the engine's own semantics, computed by the engine's own fu
   first served); a task marked `host_sync` keeps its thread until its device work finished.
 
 Each task instance has a host span (`cpu_s` on its thread) and a device span (`device_s` on its
-stream). Resource names in the result: `thread:<id>`, `stream:<name>`, `nccl`, `pcie`.
+stream). Each internal iteration starts with the cost model's time outside tasks (pulling the
+batch, rotating the ring: on the calling thread, in series with the whole iteration), a span
+named `(outside tasks)` that holds no resource. Resource names in the result: `thread:<id>`,
+`stream:<name>`, `nccl`, `pcie`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recsys_pipe.autosched.costs import CostModel, TaskCost
+from recsys_pipe.autosched.costs import CostModel, Statistic, TaskCost
 from recsys_pipe.autosched.events import EventEngine, Timeline
 from recsys_pipe.engine import Schedule, Task, compile_dependencies, cpu_edges, fires, resolve_thread_map
 
@@ -203,6 +206,7 @@ def simulate(
     costs: CostModel | str | os.PathLike,
     thread_map: ThreadMapSpec = None,
     iterations: int = 12,
+    statistic: Statistic = "median",
 ) -> SimResult:
     """Play `schedule` over `iterations` batches (M) against `costs`; see `SimResult`.
 
@@ -215,7 +219,11 @@ def simulate(
         thread_map: see `resolve_threads`.
         iterations: the number of batches M (more are played if the steady state takes longer
             to settle; see `SimResult.iteration_s`).
+        statistic: "median" plays the median costs (a typical step), "mean" the means where the
+            cost model has them (the long-run step that samples/s follows).
     """
+    if statistic not in ("median", "mean"):
+        raise ValueError(f"statistic must be 'median' or 'mean', got {statistic!r}")
     costs = load_costs(costs)
     graph = compile_dependencies(schedule)
     missing = [t.name for t in graph.order if t.name not in costs]
@@ -230,7 +238,7 @@ def simulate(
         )
     longest = _MAX_GROWTH * iterations
     while True:
-        playback = _Playback(graph, costs, thread_of, M)
+        playback = _Playback(graph, costs, thread_of, M, statistic)
         timeline = playback.run()
         settled = _settle(playback, timeline)
         if settled is not None or longest <= M:
@@ -238,6 +246,11 @@ def simulate(
         M *= 2  # still settling: the start-up transient outlasted the playback; play longer
     return _summarise(playback, timeline, settled, thread_of)
 
+
+#: Name of the per-iteration span of the time outside tasks (on the critical path when it binds).
+OUTSIDE_TASKS = "(outside tasks)"
+#: span kinds that are not task instances (no batch, not in the spans or completions)
+_NOT_TASKS = ("barrier", "outside")
 
 #: `simulate` plays at most this many times the requested batches while waiting for it to settle.
 _MAX_GROWTH = 8
@@ -251,9 +264,11 @@ _MAX_PERIOD = 4
 class _Playback:
     """Builds the spans of every task instance and their constraints, then runs the engine."""
 
-    def __init__(self, graph, costs: CostModel, thread_of: dict[str, str], num_batches: int):
+    def __init__(self, graph, costs: CostModel, thread_of: dict[str, str], num_batches: int, statistic: Statistic):
         self.graph = graph
         self.costs: dict[str, TaskCost] = {t.name: costs[t.name] for t in graph.order}
+        self.statistic = statistic
+        self.outside_s = costs.outside(statistic)
         self.thread_of = thread_of
         self.M = num_batches
         self.L = graph.max_lookahead
@@ -295,6 +310,11 @@ class _Playback:
         L, M = self.L, self.M
         barrier: int | None = None
         for i in range(M + L):
+            if self.outside_s:  # the batch pull and ring rotation, in series with the iteration
+                outside = self._add((OUTSIDE_TASKS, None, i, "outside"), self.outside_s, [])
+                if barrier is not None:
+                    engine.after(outside, barrier, reason="barrier")
+                barrier = outside
             for stage_order in self.graph.stage_orders:
                 active = tuple(t for t in stage_order if fires(t.lookahead, L, i, M))
                 if active:
@@ -311,7 +331,7 @@ class _Playback:
             cost = self.costs[t.name]
             thread = self.thread_of[t.name]
             batch = i - self.L + t.lookahead
-            host = self._add((t.name, batch, i, "host"), cost.cpu_s, [f"thread:{thread}"])
+            host = self._add((t.name, batch, i, "host"), cost.host(self.statistic), [f"thread:{thread}"])
             if barrier is not None and thread not in last_on_thread:
                 engine.after(host, barrier, reason="barrier")
             for producer, kind in preds.get(t.name, ()):
@@ -323,7 +343,7 @@ class _Playback:
                 res.append("nccl")
             if cost.pcie:
                 res.append("pcie")
-            device = self._add((t.name, batch, i, "device"), cost.device_s, res)
+            device = self._add((t.name, batch, i, "device"), cost.device(self.statistic), res)
             engine.after(device, host, at="start", reason="submission")
             self.device[(t.name, i)] = device
             self.submits[host] = (t.stream, device)
@@ -408,7 +428,7 @@ def _settle(playback: _Playback, timeline: Timeline) -> tuple[float, int, list[f
             for pred in timeline.followed[k]
         )
         if bounded:
-            task_instances = [a for j, a in enumerate(advance) if playback.info[rows[last][j]][3] != "barrier"]
+            task_instances = [a for j, a in enumerate(advance) if playback.info[rows[last][j]][3] not in _NOT_TASKS]
             return max(task_instances) / p, p, advance
     return None
 
@@ -431,7 +451,7 @@ def _summarise(
     completions = [0.0] * M
     spans = []
     for k, (task, batch, iteration, kind) in enumerate(info):
-        if kind == "barrier":
+        if kind in _NOT_TASKS:
             continue
         completions[batch] = max(completions[batch], timeline.end[k])
         if kind != "sync":
@@ -441,7 +461,7 @@ def _summarise(
             )
     steady = M - L  # batches 0 .. steady-1 complete in steady-state iterations
     first, last = steady // 2, steady - 1
-    of_last = [k for k, key in enumerate(info) if key[1] == last and key[3] != "barrier"]
+    of_last = [k for k, key in enumerate(info) if key[1] == last and key[3] not in _NOT_TASKS]
     if settled is not None:
         iteration_s, period, advance = settled
         slot = {k: j for i in range(L, M) for j, k in enumerate(playback.by_iteration[i])}
@@ -453,7 +473,7 @@ def _summarise(
         iteration_s = max(
             (timeline.start[a] - timeline.start[b]) / span_count
             for a, b in zip(playback.by_iteration[M - 1], playback.by_iteration[begin])
-            if info[a][3] != "barrier"
+            if info[a][3] not in _NOT_TASKS
         )
         period = 0
     source = max(of_last, key=lambda k: (timeline.end[k], k))

@@ -193,12 +193,13 @@ def _print_prediction(plan: CompiledPlan, result: ProfileResult) -> None:
     from recsys_pipe.autosched import simulate
 
     thread_map = dict(plan.thread_of) if plan.threaded else "sequential"
-    predicted = simulate(plan.schedule, result.costs, thread_map).iteration_s
-    error = predicted / result.baseline_s - 1 if result.baseline_s else float("nan")
-    print(
-        f"simulated from these costs: {predicted * 1e3:.3f} ms per step "
-        f"(measured {result.baseline_s * 1e3:.3f} ms, {error:+.1%})"
-    )
+    for statistic, measured in (("median", result.baseline_s), ("mean", result.costs.meta.get("iteration_mean_s"))):
+        predicted = simulate(plan.schedule, result.costs, thread_map, statistic=statistic).iteration_s
+        error = predicted / measured - 1 if measured else float("nan")
+        print(
+            f"simulated from the {statistic} costs: {predicted * 1e3:.3f} ms per step "
+            f"(measured {statistic} {(measured or 0) * 1e3:.3f} ms, {error:+.1%})"
+        )
 
 
 def _setup_logging(rank: int) -> None:
