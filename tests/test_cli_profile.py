@@ -69,6 +69,9 @@ def test_profile_command_on_the_hstu_plan_with_two_ranks_writes_every_file(tmp_p
     assert all(c.samples == 6 and c.cpu_s > 0 and c.device_s == 0 for c in costs.tasks.values())
     assert costs.meta["plan"] == "hstu_prefetch" and costs.meta["world_size"] == 2
     assert costs.meta["iteration_s"] > costs["forward"].cpu_s
+    # the batch pull and ring rotation are measured and written for the simulator
+    assert 0 < costs.outside_tasks_s < costs.meta["iteration_s"] and costs.outside_tasks_mean_s > 0
+    assert all(c.cpu_mean_s > 0 for c in costs.tasks.values())
 
     exposed = json.loads((run_dir / "exposed.json").read_text())
     assert set(exposed["exposed_s"]) == {"h2d"}  # the only task the HSTU plan can replay

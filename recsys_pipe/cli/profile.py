@@ -24,6 +24,7 @@ measured (every pass runs real steps), so do not profile a run you want to keep.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -171,9 +172,9 @@ def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
 
 def write_profile(result: ProfileResult, out: Path, meta: dict[str, Any], timeline_iterations: int) -> list[Path]:
     """costs.json, exposed.json, trace.json and timeline.png of `result` into `out`."""
-    from recsys_pipe.autosched import CostModel, plot_timeline, write_chrome_trace
+    from recsys_pipe.autosched import plot_timeline, write_chrome_trace
 
-    costs = CostModel(result.costs.tasks, {**result.costs.meta, **meta})
+    costs = dataclasses.replace(result.costs, meta={**result.costs.meta, **meta})
     paths = [out / "costs.json", out / "exposed.json", out / "trace.json", out / "timeline.png"]
     costs.to_json(paths[0])
     result.to_json(paths[1])
