@@ -58,6 +58,9 @@ def test_rows_are_parsed_hashed_and_split_over_ranks(tmp_path):
         (row(label=2), "label '2' is not 0 or 1"),
         (row(ints=["1", "x7", *["0"] * 11]), "column int_1 ('x7') is not an integer"),
         (row(cats=["00ab", "zz", *["0"] * 24]), "column cat_1 ('zz') is not a hexadecimal id"),
+        (row(ints=["9" * 20, *["0"] * 12]), f"column int_0 ({'9' * 20}) is outside the 64-bit range"),
+        (row(cats=["-1f", *["0"] * 25]), "column cat_0 ('-1f') is not a hexadecimal id in [0, 2^63)"),
+        (row(cats=["f" * 17, *["0"] * 25]), "is not a hexadecimal id in [0, 2^63)"),
     ],
 )
 def test_a_malformed_row_names_file_and_line(tmp_path, bad, message):

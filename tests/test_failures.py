@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import recsys_pipe.train
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError, compile_plan, structure_only
-from recsys_pipe.data import MovieLensDataConfig, RankData
+from recsys_pipe.data import CriteoDataConfig, MovieLensDataConfig, RankData
 from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE
 
 
@@ -444,6 +444,67 @@ def test_the_fuzzers_base_file_loads(tmp_path):
     path.write_text("\n".join(VALID))
     data = RankData(MovieLensDataConfig(path=str(path), batch_size=2, max_seq_len=4, num_candidates=1), 0, 1)
     assert len(list(data.train_loader())) == 2
+
+
+#: Criteo rows: valid ones, and every field of a valid row replaced by fuzz at random
+CRITEO_VALID = ["\t".join(["1", *(str(i) for i in range(13)), *(f"{i * 17 + 5:08x}" for i in range(26))])] * 8
+criteo_field = st.one_of(
+    st.sampled_from(["", "0", "1", "-3", "2.5", "0x1f", "deadbeef", "zz", "\u00e9", "99999999999999999999"]),
+    st.text(max_size=10),
+)
+
+
+def _criteo_mutation(parts):
+    base, edits = parts
+    fields = base.split("\t")
+    for index, value in edits:
+        if index < len(fields):
+            fields[index] = value
+        else:
+            fields.append(value)
+    return "\t".join(fields)
+
+
+criteo_row = st.one_of(
+    st.tuples(st.just(CRITEO_VALID[0]), st.lists(st.tuples(st.integers(0, 41), criteo_field), max_size=3)).map(
+        _criteo_mutation
+    ),
+    st.text(max_size=60),
+)
+criteo_files = st.one_of(
+    st.tuples(st.lists(criteo_row, max_size=3), st.integers(0, len(CRITEO_VALID))).map(
+        lambda parts: "\n".join(CRITEO_VALID[: parts[1]] + parts[0] + CRITEO_VALID[parts[1] :]).encode(
+            "utf-8", errors="replace"
+        )
+    ),
+    st.binary(max_size=300),
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(content=criteo_files)
+def test_fuzzed_criteo_files_load_or_fail_with_a_file_error(content, tmp_path):
+    """Whatever is in a Criteo file: the data loads and every batch collates, or a ConfigError at
+    data.path says why; never another exception."""
+    path = tmp_path / "train.txt"
+    path.write_bytes(content)
+    cfg = CriteoDataConfig(path=str(path), batch_size=2, num_embeddings=50)
+    try:
+        data = RankData(cfg, 0, 1)
+    except ConfigError as exc:
+        assert [p.path for p in exc.problems] == ["data.path"], exc
+        return
+    for batch in data.train_loader(epochs=2):
+        assert batch.labels.shape[0] == 2
+
+
+def test_the_criteo_fuzzers_base_file_loads(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("\n".join(CRITEO_VALID))
+    data = RankData(CriteoDataConfig(path=str(path), batch_size=2, num_embeddings=50), 0, 1)
+    assert len(list(data.train_loader())) == 4
 
 
 # -- --help -------------------------------------------------------------------------------------

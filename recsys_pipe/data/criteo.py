@@ -262,6 +262,17 @@ def read_criteo(
                     lineno,
                     f"column {CATEGORICAL_KEYS[col]} ({fields[1 + NUM_DENSE + col]!r}) is not a hexadecimal id",
                 ) from None
+            for col, value in enumerate(row_dense):  # kept as int64: a larger one is a bad row, not a crash
+                if not -_INT64 <= value < _INT64:
+                    raise _problem(path, lineno, f"column {DENSE_NAMES[col]} ({value}) is outside the 64-bit range")
+            for col, value in enumerate(row_cats):
+                if not 0 <= value < _INT64:
+                    raise _problem(
+                        path,
+                        lineno,
+                        f"column {CATEGORICAL_KEYS[col]} ({fields[1 + NUM_DENSE + col]!r}) is not a hexadecimal id "
+                        "in [0, 2^63)",
+                    )
             if (lineno - 1) % world_size == rank:
                 dense.append(row_dense)
                 cats.append(row_cats)
@@ -273,6 +284,10 @@ def read_criteo(
         np.array(labels, dtype=np.float32),
         np.array(lines, dtype=np.int64),
     )
+
+
+#: ids and counts are held as int64
+_INT64 = 2**63
 
 
 def _is_int(value: str) -> bool:
