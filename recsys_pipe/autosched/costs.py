@@ -38,6 +38,14 @@ __all__ = ["CostModel", "Statistic", "TaskCost"]
 Statistic = Literal["median", "mean"]
 
 
+def _check_seconds(obj: object, *names: str) -> None:
+    """ValueError unless each named attribute is a finite number of seconds >= 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {value!r}")
+
+
 @dataclass(frozen=True)
 class TaskCost:
     """Costs of one task, in seconds per instance (one batch)."""
@@ -66,10 +74,7 @@ class TaskCost:
     samples: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("cpu_s", "device_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {value!r}")
+        _check_seconds(self, "cpu_s", "device_s")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -111,12 +116,9 @@ class CostModel:
     outside_tasks_mean_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("outside_tasks_s", "outside_tasks_mean_s"):
-            value = getattr(self, name)
-            if value is None and name == "outside_tasks_mean_s":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {value!r}")
+        _check_seconds(self, "outside_tasks_s")
+        if self.outside_tasks_mean_s is not None:
+            _check_seconds(self, "outside_tasks_mean_s")
 
     def outside(self, statistic: Statistic = "median") -> float:
         """Seconds per iteration outside any task: the median, or the mean when known."""

@@ -22,7 +22,6 @@ whole file (at most `data.max_rows` rows), so a malformed row stops every rank w
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -35,7 +34,7 @@ from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import TensorBatch
-from recsys_pipe.data.loader import DataConfig
+from recsys_pipe.data.loader import DataConfig, readable_file
 from recsys_pipe.data.spec import DataSpec
 
 if TYPE_CHECKING:
@@ -182,14 +181,7 @@ class CriteoDataConfig(TabularDataConfig):
         None, ge=1, description="read at most this many rows from the start of the file (null: all)"
     )
 
-    @field_validator("path")
-    @classmethod
-    def _readable_file(cls, path: str) -> str:
-        if not os.path.isfile(path):
-            raise ValueError(f"no such file: {path}")
-        if not os.access(path, os.R_OK):
-            raise ValueError(f"file is not readable: {path}")
-        return path
+    _readable_file = field_validator("path")(readable_file)
 
 
 class CriteoSyntheticConfig(Section):

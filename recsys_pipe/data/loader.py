@@ -23,6 +23,7 @@ per index, so the position of the next batch to train is enough and exact.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -33,7 +34,16 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from recsys_pipe.config import Component, ConfigError, ConfigProblem
 from recsys_pipe.data.spec import DataSpec
 
-__all__ = ["DataConfig", "EpochSampler", "RankData", "SequenceDataConfig", "make_dataloader"]
+__all__ = ["DataConfig", "EpochSampler", "RankData", "SequenceDataConfig", "make_dataloader", "readable_file"]
+
+
+def readable_file(path: str) -> str:
+    """`path` if it is a readable file, else ValueError (for a `data.path` field validator)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {path}")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"file is not readable: {path}")
+    return path
 
 
 class DataConfig(Component):

@@ -14,7 +14,6 @@ loads in a few seconds, ml-20m in a minute or so.
 from __future__ import annotations
 
 import csv
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
@@ -26,7 +25,7 @@ from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Sample, collate
-from recsys_pipe.data.loader import SequenceDataConfig
+from recsys_pipe.data.loader import SequenceDataConfig, readable_file
 from recsys_pipe.data.spec import DataSpec
 
 __all__ = ["MovieLensDataConfig", "MovieLensDataset", "movielens_dataset", "read_ratings"]
@@ -124,14 +123,7 @@ class MovieLensDataConfig(SequenceDataConfig):
     builder: StrictStr | None = builder_field("recsys_pipe.data.movielens:movielens_dataset")
     path: StrictStr = Field(description="MovieLens ratings.dat (ml-1m) or ratings.csv (ml-20m/25m)")
 
-    @field_validator("path")
-    @classmethod
-    def _readable_file(cls, path: str) -> str:
-        if not os.path.isfile(path):
-            raise ValueError(f"no such file: {path}")
-        if not os.access(path, os.R_OK):
-            raise ValueError(f"file is not readable: {path}")
-        return path
+    _readable_file = field_validator("path")(readable_file)
 
 
 def movielens_dataset(cfg: MovieLensDataConfig, rank: int, world_size: int) -> MovieLensDataset:
