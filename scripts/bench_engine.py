@@ -32,12 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from recsys_pipe.engine import SchedulablePipeline, Schedule, SpanRecorder, Task, ThreadedExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however the script is run (runpy too)
+from bench_common import summary
 
 PLANS = ("serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch")
 THREAD_MAPS = ("hstu_default", "by_stream", "per_task", "single")
@@ -150,15 +154,6 @@ def plan_us_per_step(schedule: Schedule, executor: Any, steps: int) -> float:
 
 
 # -- driver ---------------------------------------------------------------------------------------
-
-
-def summary(values: Iterable[float], digits: int = 3) -> dict[str, float]:
-    values = list(values)
-    return {
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-    }
 
 
 def main() -> None:

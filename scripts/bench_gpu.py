@@ -39,12 +39,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
-import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -60,6 +60,9 @@ from recsys_pipe.engine import (
     ThreadedExecutor,
 )
 from recsys_pipe.engine.testing import cuda_spin
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however the script is run (runpy too)
+from bench_common import summary
 
 STREAMS = ("default", "memcpy", "comm")
 OFF_DEFAULT_TASKS = ("h2d", "comm")
@@ -342,15 +345,6 @@ class _PlainContext:
 
 
 # -- driver -----------------------------------------------------------------------------------------
-
-
-def summary(values: Iterable[float], digits: int = 3) -> dict[str, float]:
-    values = list(values)
-    return {
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

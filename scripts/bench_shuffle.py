@@ -42,21 +42,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NPROC = 2
 
-if __name__ == "__main__" and "LOCAL_RANK" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.execv(
-        sys.executable,
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(NPROC),
-            os.path.abspath(__file__),
-            *sys.argv[1:],
-        ],
-    )
+from bench_common import reexec_under_torchrun  # noqa: E402  (scripts/ is sys.path[0])
+
+if __name__ == "__main__":
+    reexec_under_torchrun(__file__, NPROC)
 
 os.environ["OMP_NUM_THREADS"] = "1"
 for path in (ROOT, os.path.join(ROOT, "scripts")):

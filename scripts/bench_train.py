@@ -82,22 +82,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NPROC = 2
 
-if __name__ == "__main__" and "LOCAL_RANK" not in os.environ and not any(a in ("-h", "--help") for a in sys.argv):
-    # Plain `python scripts/bench_train.py`: re-execute under torchrun with 2 ranks.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.execv(
-        sys.executable,
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(NPROC),
-            os.path.abspath(__file__),
-            *sys.argv[1:],
-        ],
-    )
+from bench_common import reexec_under_torchrun, summary  # noqa: E402  (scripts/ is sys.path[0])
+
+if __name__ == "__main__" and not any(a in ("-h", "--help") for a in sys.argv):
+    reexec_under_torchrun(__file__, NPROC)  # plain `python scripts/bench_train.py`: 2 ranks
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads its OpenMP runtime
 if ROOT not in sys.path:
@@ -114,7 +102,6 @@ import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Iterable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -516,15 +503,6 @@ def other_load(runs: list[dict[str, Any]], cores: int) -> float:
     seconds = max(r["seconds"] for r in runs)
     ours = sum(r["cpu_seconds"] for r in runs) / (cores * seconds)
     return max(0.0, max(r["machine_busy"] for r in runs) - ours)
-
-
-def summary(values: Iterable[float], digits: int = 3) -> dict[str, float]:
-    values = list(values)
-    return {
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-    }
 
 
 def fmt(s: dict[str, float] | None, digits: int = 0) -> str:
