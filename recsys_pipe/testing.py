@@ -1,5 +1,6 @@
 """Helpers shared by the test suite and the benchmark scripts: compose a config as the CLIs do,
-launch torchrun workers, read what they wrote, inject faults into a training run.
+launch torchrun workers, read what they wrote, inject faults into a training run, train
+torchrec's own pipeline as the reference of the parity tests.
 
 (The engine's own test backend -- recording streams and the happens-before checker -- is
 `recsys_pipe.engine.testing`.)
@@ -25,6 +26,7 @@ __all__ = [
     "zero_grad_with_fault",
     "load_run",
     "read_rank_results",
+    "run_torchrec_pipeline",
     "run_torchrun",
 ]
 
@@ -117,3 +119,24 @@ def inject_fault(ctx: Any) -> None:
         time.sleep(3600)
     else:
         raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} (sigkill, sigterm, raise, collective, hang)")
+
+
+def run_torchrec_pipeline(model: Any, optimizer: Any, device: Any, batches: Any) -> tuple[list[float], list[list[int]]]:
+    """Train every batch of `batches` with torchrec's own `TrainPipelineSparseDist` (the
+    reference the parity tests compare the plans with): per-step losses and trained sample ids."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    def forward(batch: Any) -> tuple[Any, tuple[Any, Any]]:
+        loss, _ = model(batch)
+        return loss, (loss.detach(), batch.sample_ids)
+
+    pipe = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True, custom_model_fwd=forward)
+    it, losses, ids = iter(batches), [], []
+    while True:  # torchrec's pipeline ends with StopIteration once every batch is trained
+        try:
+            loss, sample_ids = pipe.progress(it)
+        except StopIteration:
+            break
+        losses.append(float(loss))
+        ids.append(sample_ids.tolist())
+    return losses, ids

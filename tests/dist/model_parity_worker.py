@@ -14,10 +14,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from recsys_pipe.data import make_dataloader
-from recsys_pipe.testing import load_run
+from recsys_pipe.testing import load_run, run_torchrec_pipeline
 from recsys_pipe.train import Trainer, build_model, init_distributed, local_parameters, training_plan
 
 STEPS = 10
@@ -113,20 +112,7 @@ def train_torchrec(info, overrides, batches):
     """torchrec's own TrainPipelineSparseDist on the same model and batches."""
     run = load_run(*COMMON, *overrides, "pipeline=serial")
     model, opt = build_model(run, info, run.data.spec())
-
-    def fwd(batch):
-        loss, _ = model(batch)
-        return loss, (loss.detach(), batch.sample_ids)
-
-    pipe = TrainPipelineSparseDist(model, opt, info.device, execute_all_batches=True, custom_model_fwd=fwd)
-    it, losses, ids = iter(batches), [], []
-    while True:
-        try:
-            loss, sample_ids = pipe.progress(it)
-        except StopIteration:
-            break
-        losses.append(float(loss))
-        ids.append(sample_ids.tolist())
+    losses, ids = run_torchrec_pipeline(model, opt, info.device, batches)
     return {"losses": losses, "sample_ids": ids, "params": fingerprint(local_parameters(model))}
 
 
