@@ -1,9 +1,10 @@
 """`--help`'s key listing: every config key, its current value and its one-line description.
 
 The descriptions are the pydantic schema's `Field(description=...)`, so the help cannot drift
-from what is validated. Sections chosen by name (`model.name`, `data.name`, `optimizer.name`) are described with
-the config class of the chosen component, and the values shown include the user's overrides,
-so `recsys-train data=movielens --help` lists the MovieLens keys.
+from what is validated. Sections chosen by name (`model.name`, `data.name`, `optimizer.name`)
+or by builder are described with the config class of the chosen component, and the values
+shown include the user's overrides, so `recsys-train data=movielens --help` lists the
+MovieLens keys.
 """
 
 from __future__ import annotations
