@@ -231,7 +231,9 @@ def _train(run, plan, info, run_dir, data, resume, stop, health, status) -> int:
             summary.samples_per_s,
             summary.first_loss or float("nan"),
             summary.last_loss or float("nan"),
-            f"; eval auc {summary.evals[0]['auc']:.4f} -> {last_eval['auc']:.4f}" if last_eval else "",
+            f"; eval auc {summary.evals[0]['auc']:.4f} -> {last_eval['auc']:.4f}"
+            if last_eval and "auc" in last_eval
+            else "",
         )
     preempted = summary.stop_reason == PREEMPTED
     trainer.close()

@@ -42,6 +42,7 @@ from recsys_pipe.train.health import PeerHealth
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer
 from recsys_pipe.train.preemption import StopRequest
+from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
@@ -178,6 +179,8 @@ class Trainer:
         cfg = run.trainer
         self.data = data or RankData(run.data, info.rank, info.world_size, eval_batches=cfg.eval_batches)
         self.eval_loader = self.data.eval_loader()
+        #: a retrieval source's own validation/test evaluation (None for other sources)
+        self.retrieval = RetrievalEvaluation.of(self.data, info.world_size, cfg.eval_dump, info.is_main)
         self.spec = self.data.spec
         # python and numpy draw from OS entropy unless seeded; torch is seeded by build_model
         random.seed(run.seed)
@@ -277,7 +280,7 @@ class Trainer:
             log.warning("the training data yielded no batch")
             return summary
         self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
-        evaluating = self.eval_loader is not None and cfg.eval_every > 0
+        evaluating = (self.eval_loader is not None or self.retrieval is not None) and cfg.eval_every > 0
         last_eval = last_checkpoint = None
         if evaluating and self.step == 0:
             summary.evals.append(self._log_eval(0))
@@ -363,15 +366,21 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the
-        held-out loader, aggregated over all ranks."""
+        held-out loader, aggregated over all ranks; for a retrieval source, its ranking metrics
+        (`RetrievalEvaluation`)."""
+        if self._eval_pipeline is None:  # same plan and streams, its own executor threads
+            self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
+        self.state.model.train(False)
+        if self.retrieval is not None:
+            try:
+                return self.retrieval.evaluate(self._eval_pipeline)
+            finally:
+                self.state.model.train(True)
         assert self.eval_loader is not None
         num_tasks = self.spec.num_tasks
         aurocs = [BinaryAUROC().to(self.info.device) for _ in range(num_tasks)]  # any task count, 1 included
         mean_loss = MeanMetric().to(self.info.device)
         log_loss = MeanMetric().to(self.info.device)
-        if self._eval_pipeline is None:  # same plan and streams, its own executor threads
-            self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
-        self.state.model.train(False)
         try:
             for result in self._eval_pipeline.iterate(self.eval_loader):
                 logits = result.logits.float()  # bf16 under trainer.precision=bf16
@@ -460,7 +469,9 @@ class Trainer:
     def _log_eval(self, step: int) -> dict[str, Any]:
         metrics = {"step": step, **self.evaluate()}
         self.metrics.write(metrics)
-        if self.info.is_main:
+        if self.info.is_main and self.retrieval is not None:
+            log.info("eval at step %d: %s", step, self.retrieval.describe(metrics))
+        elif self.info.is_main:
             log.info("eval at step %d: loss %.4f, auc %.4f", step, metrics["eval_loss"], metrics["auc"])
         return metrics
 
