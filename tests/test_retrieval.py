@@ -345,3 +345,27 @@ def test_recsys_train_logs_metrics_that_the_dump_recomputes(tmp_path, model):
         recomputed = retrieval_metrics(ranks)
         for name, value in selected["test"][protocol].items():
             assert recomputed[name] == value, (protocol, name)
+
+
+def test_retrieval_records_reach_metrics_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from recsys_pipe.train.metrics import MetricsWriter
+
+    ranks = torch.tensor([0, 3, 12, 60, 250])
+    record = {
+        "step": 7,
+        "valid": {"sampled": retrieval_metrics(ranks)},
+        "test": {"sampled": retrieval_metrics(ranks), "full": retrieval_metrics(ranks * 10)},
+        "users": {"valid": 5, "test": 5},
+    }
+    writer = MetricsWriter(str(tmp_path))
+    writer.write(record)
+    writer.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == record
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/valid/sampled/HR@10", "eval/test/full/NDCG@200", "eval/test/sampled/MRR"} <= tags
+    (point,) = events.Scalars("eval/test/full/HR@50")
+    assert point.step == 7 and point.value == pytest.approx(record["test"]["full"]["HR@50"])
