@@ -369,3 +369,18 @@ def test_retrieval_records_reach_metrics_jsonl_and_tensorboard(tmp_path):
     assert {"eval/valid/sampled/HR@10", "eval/test/full/NDCG@200", "eval/test/sampled/MRR"} <= tags
     (point,) = events.Scalars("eval/test/full/HR@50")
     assert point.step == 7 and point.value == pytest.approx(record["test"]["full"]["HR@50"])
+
+
+def test_an_eval_dump_without_a_retrieval_source_is_refused(tmp_path, capsys):
+    code = train_cli.run(
+        [
+            "pipeline=serial",
+            "trainer.device=cpu",
+            f"++trainer.eval_dump={tmp_path}/d.csv",
+            "trainer.max_steps=1",
+            f"trainer.output_dir={tmp_path}/runs",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "trainer.eval_dump: data source 'synthetic' has no retrieval evaluation to dump" in err

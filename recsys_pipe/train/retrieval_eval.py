@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.loader import RankData, has_eval_splits
 from recsys_pipe.data.sequences import SPLITS, SequencesDataset
 
@@ -77,6 +78,12 @@ class RetrievalEvaluation:
     @classmethod
     def of(cls, data: RankData, world_size: int, dump: str | None, is_main: bool) -> RetrievalEvaluation | None:
         if not has_eval_splits(data.dataset):
+            if dump is not None:
+                raise ConfigError(
+                    ConfigProblem(
+                        "trainer.eval_dump", f"data source '{data.cfg.label}' has no retrieval evaluation to dump"
+                    )
+                )
             return None
         return cls(data.dataset, data.cfg.batch_size, world_size, dump if is_main else None)
 
