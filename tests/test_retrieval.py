@@ -384,3 +384,20 @@ def test_an_eval_dump_without_a_retrieval_source_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2, err
     assert "trainer.eval_dump: data source 'synthetic' has no retrieval evaluation to dump" in err
+
+
+@pytest.mark.parametrize(
+    "overrides, path, fragment",
+    [
+        (["model=sasrec"], "data.name", "model 'sasrec' needs data=sequences, got 'synthetic'"),
+        (["model=hstu_retrieval", "data=sequences", "++model.max_seq_len=20"], "data.max_seq_len", "exceeds"),
+        (["model=sasrec", "++model.embedding_dim=50", "++model.num_heads=3"], "model.num_heads", "not divisible"),
+    ],
+)
+def test_model_and_data_mismatches_are_config_errors(tmp_path, overrides, path, fragment):
+    from recsys_pipe.testing import load_run
+
+    data = _pairs(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_run(*overrides, *([f"data.path={data}"] if "data=sequences" in overrides else []))
+    assert any(p.path == path and fragment in p.message for p in info.value.problems), info.value
