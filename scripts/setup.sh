@@ -28,6 +28,6 @@ else
 fi
 pip install tensordict torchmetrics tqdm pyre-extensions iopath typing-inspect
 pip install "megatron-core==0.16.1"
-pip install -e "$ROOT[test]"
+pip install -e "$ROOT[test,docs]"
 echo "$want" > "$STAMP"
 echo "[setup] done: $VENV" >&2
