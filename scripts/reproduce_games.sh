@@ -39,7 +39,7 @@ train() {  # name, then overrides
   launch data=sequences "data.path=$DATA" pipeline=hstu_prefetch \
     "optimizer.betas=[0.9,0.98]" optimizer.sparse.name=rowwise_adagrad optimizer.sparse.lr=0.05 \
     trainer.max_steps=null "trainer.epochs=$EPOCHS" trainer.eval_every=1000000000 trainer.log_every=100 \
-    trainer.progress_bar=false "hydra.run.dir=$OUT/$name" "++trainer.eval_dump=$OUT/$name/eval_dump.csv" \
+    trainer.progress_bar=false "hydra.run.dir=$OUT/$name" "trainer.eval_dump=$OUT/$name/eval_dump.csv" \
     "$@" ${EXTRA:-}
   end=$(date +%s)
   echo "$((end - start))" > "$OUT/$name/train_seconds"

@@ -312,8 +312,8 @@ def test_recsys_train_logs_metrics_that_the_dump_recomputes(tmp_path, model):
         [
             "data=sequences",
             f"data.path={path}",
-            "++data.batch_size=16",
-            "++data.eval_negatives=20",
+            "data.batch_size=16",
+            "data.eval_negatives=20",
             f"model={model}",
             "pipeline=hstu_prefetch",
             "trainer.device=cpu",
@@ -321,7 +321,7 @@ def test_recsys_train_logs_metrics_that_the_dump_recomputes(tmp_path, model):
             "trainer.epochs=3",
             "trainer.eval_every=1000",
             "trainer.progress_bar=false",
-            f"++trainer.eval_dump={dump}",
+            f"trainer.eval_dump={dump}",
             f"trainer.output_dir={tmp_path}/runs",
         ]
     )
@@ -376,7 +376,7 @@ def test_an_eval_dump_without_a_retrieval_source_is_refused(tmp_path, capsys):
         [
             "pipeline=serial",
             "trainer.device=cpu",
-            f"++trainer.eval_dump={tmp_path}/d.csv",
+            f"trainer.eval_dump={tmp_path}/d.csv",
             "trainer.max_steps=1",
             f"trainer.output_dir={tmp_path}/runs",
         ]
@@ -390,8 +390,8 @@ def test_an_eval_dump_without_a_retrieval_source_is_refused(tmp_path, capsys):
     "overrides, path, fragment",
     [
         (["model=sasrec"], "data.name", "model 'sasrec' needs data=sequences, got 'synthetic'"),
-        (["model=hstu_retrieval", "data=sequences", "++model.max_seq_len=20"], "data.max_seq_len", "exceeds"),
-        (["model=sasrec", "++model.embedding_dim=50", "++model.num_heads=3"], "model.num_heads", "not divisible"),
+        (["model=hstu_retrieval", "data=sequences", "model.max_seq_len=20"], "data.max_seq_len", "exceeds"),
+        (["model=sasrec", "model.embedding_dim=50", "model.num_heads=3"], "model.num_heads", "not divisible"),
     ],
 )
 def test_model_and_data_mismatches_are_config_errors(tmp_path, overrides, path, fragment):

@@ -3,8 +3,8 @@
 Like train_parity_worker (HSTU on every plan), for the other model paths: torchrec's DLRM and
 DLRM_DCN, the plain-torch DLRM (DDP), torchrec's sharding planner, the balanced batch
 shuffler, and the next-item retrieval models (SASRec with BCE, HSTU with sampled softmax) on a
-generated "user item" file. Each group trains the same batches from the same initial weights through several plans
-and records per-step losses, trained sample ids and final parameters; the test compares every
+generated "user item" file. Each group trains the same batches from the same initial weights
+through several plans and records per-step losses, trained sample ids and final parameters; the test compares every
 variant of a group bitwise with the group's reference. Writes rank<r>.json into argv[1].
 """
 
@@ -28,14 +28,14 @@ COMMON = [
     "trainer.eval_every=0",
     "trainer.device=cpu",
     "trainer.backend=gloo",
-    "++data.batch_size=16",
-    f"++data.num_batches={STEPS}",
+    "data.batch_size=16",
+    f"data.num_batches={STEPS}",
     "trainer.max_steps=null",
 ]
 THREADED = ["pipeline.executor=threaded"]
 #: group -> (overrides of every variant, {variant: its overrides}); the first variant is the reference
 SEQUENCES = "{out}/sequences_rank{rank}.txt"  # one copy per rank: no rank waits for another's file
-RETRIEVAL = ["data=sequences", f"data.path={SEQUENCES}", "++data.eval_negatives=20"]
+RETRIEVAL = ["data=sequences", f"data.path={SEQUENCES}", "data.eval_negatives=20"]
 GROUPS = {
     "dlrm": (
         ["model=dlrm"],
@@ -92,7 +92,7 @@ GROUPS = {
         },
     ),
     "hstu_retrieval": (
-        [*RETRIEVAL, "model=hstu_retrieval", "++model.num_negatives=32", "++model.sharding=row_wise"],
+        [*RETRIEVAL, "model=hstu_retrieval", "model.num_negatives=32", "model.sharding=row_wise"],
         {
             "serial": ["pipeline=serial"],
             "sparse_dist": ["pipeline=sparse_dist"],
