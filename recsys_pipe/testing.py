@@ -121,16 +121,52 @@ def inject_fault(ctx: Any) -> None:
         raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} (sigkill, sigterm, raise, collective, hang)")
 
 
-def run_torchrec_pipeline(model: Any, optimizer: Any, device: Any, batches: Any) -> tuple[list[float], list[list[int]]]:
-    """Train every batch of `batches` with torchrec's own `TrainPipelineSparseDist` (the
-    reference the parity tests compare the plans with): per-step losses and trained sample ids."""
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+def run_torchrec_pipeline(
+    model: Any,
+    optimizer: Any,
+    device: Any,
+    batches: Any,
+    pipeline: str = "TrainPipelineSparseDist",
+    grad_accumulation: tuple[int, int] | None = None,
+    **options: Any,
+) -> tuple[list[float], list[list[int]]]:
+    """Train every batch of `batches` with torchrec's own pipeline class `pipeline` (a name in
+    `torchrec.distributed.train_pipeline.train_pipelines`, constructed with `options`), the
+    reference the parity tests compare the plans with: per-step losses and trained sample ids.
+
+    `grad_accumulation=(steps, warmup_steps)` wraps it in torchrec's `GradientAccumulationWrapper`.
+    `TrainPipelineBase` calls the model itself (no `custom_model_fwd`): it gets a wrapper module
+    returning the same (loss, (loss, sample ids)) pair as the custom forward of the others.
+    """
+    import torch
+    from torchrec.distributed.train_pipeline import (
+        GradientAccumulationConfig,
+        GradientAccumulationWrapper,
+        train_pipelines,
+    )
 
     def forward(batch: Any) -> tuple[Any, tuple[Any, Any]]:
         loss, _ = model(batch)
         return loss, (loss.detach(), batch.sample_ids)
 
-    pipe = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True, custom_model_fwd=forward)
+    cls = getattr(train_pipelines, pipeline)
+    if issubclass(cls, train_pipelines.TrainPipelineSparseDist):
+        pipe = cls(model, optimizer, device, custom_model_fwd=forward, **options)
+    else:  # TrainPipelineBase: model(batch) -> (losses, output)
+
+        class _Forward(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, batch: Any) -> tuple[Any, tuple[Any, Any]]:
+                return forward(batch)
+
+        pipe = cls(_Forward(), optimizer, device, **options)
+    if grad_accumulation is not None:
+        steps, warmup = grad_accumulation
+        config = GradientAccumulationConfig(num_steps=steps, num_warmup_steps=warmup)
+        pipe = GradientAccumulationWrapper(pipe, optimizer, model, config)
     it, losses, ids = iter(batches), [], []
     while True:  # torchrec's pipeline ends with StopIteration once every batch is trained
         try:

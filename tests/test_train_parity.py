@@ -96,3 +96,24 @@ def test_learning_signal_auc_rises_on_held_out_data(ranks):
     assert ranks[0]["learning"]["evals"] == ranks[1]["learning"]["evals"]  # metrics are global
     learning = ranks[0]["learning"]
     assert sum(learning["last_losses"]) < sum(learning["first_losses"])
+
+
+#: plan -> the torchrec class (and option) whose schedule it declares
+FAMILY = {
+    "sparse_dist": "torchrec_TrainPipelineSparseDist",
+    "base": "torchrec_TrainPipelineBase",
+    "sparse_dist_lite": "torchrec_TrainPipelineSparseDistLite",
+    "sparse_dist_enqueue_after_forward": "torchrec_TrainPipelineSparseDist/enqueue_batch_after_forward",
+}
+
+
+def test_each_family_plan_matches_its_torchrec_class_bitwise(ranks):
+    """Per-step losses, trained sample ids and every final parameter (dense and each local
+    embedding shard) of the plan equal those of torchrec's own class on the same batches."""
+    for data in ranks:
+        for plan_name, torchrec_name in FAMILY.items():
+            plan, ref = data["variants"][plan_name], data["variants"][torchrec_name]
+            assert len(ref["losses"]) == 24, torchrec_name
+            assert plan["losses"] == ref["losses"], f"{plan_name} vs {torchrec_name}: losses"
+            assert plan["sample_ids"] == ref["sample_ids"], f"{plan_name} vs {torchrec_name}: batches"
+            assert plan["params"] == ref["params"], f"{plan_name} vs {torchrec_name}: final parameters"

@@ -1,7 +1,8 @@
 """Worker for test_train_parity: run under torchrun with 2 ranks (gloo, CPU).
 
 Trains the same batches from the same initial weights through every shipped plan (sequential
-and threaded executors) and through torchrec's own TrainPipelineSparseDist, and records
+and threaded executors) and through torchrec's own classes (TrainPipelineSparseDist, with and
+without enqueue_batch_after_forward, TrainPipelineBase, TrainPipelineSparseDistLite), and records
 per-step losses, trained sample ids and final parameters (dense and every local embedding
 shard). Also runs the train/eval interleaving and learning-signal checks. Writes
 rank<r>.json into the directory given as argv[1]; the test asserts on it.
@@ -23,6 +24,10 @@ STEPS = 24
 VARIANTS = {
     "serial": ["pipeline=serial"],
     "sparse_dist": ["pipeline=sparse_dist"],
+    "base": ["pipeline=base"],
+    "sparse_dist_lite": ["pipeline=sparse_dist_lite"],
+    "sparse_dist_enqueue_after_forward": ["pipeline=sparse_dist_enqueue_after_forward"],
+    "prefetch": ["pipeline=prefetch"],
     "hstu_sparse_dist/sequential": ["pipeline=hstu_sparse_dist", "pipeline.executor=sequential"],
     "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", "pipeline.executor=threaded"],
     "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
@@ -94,11 +99,23 @@ def train_variant(info, overrides, batches):
         trainer.close()
 
 
-def train_torchrec(info, batches):
+#: torchrec's own classes the plans are compared with: name -> (class, constructor options)
+TORCHREC_PIPELINES = {
+    "torchrec_TrainPipelineSparseDist": ("TrainPipelineSparseDist", {}),
+    "torchrec_TrainPipelineBase": ("TrainPipelineBase", {}),
+    "torchrec_TrainPipelineSparseDistLite": ("TrainPipelineSparseDistLite", {}),
+    "torchrec_TrainPipelineSparseDist/enqueue_batch_after_forward": (
+        "TrainPipelineSparseDist",
+        {"enqueue_batch_after_forward": True},
+    ),
+}
+
+
+def train_torchrec(info, batches, pipeline="TrainPipelineSparseDist", **options):
     run = run_config(["pipeline=serial"])
     spec = make_dataloader(run.data, info.rank, info.world_size).dataset.spec
     model, opt = build_model(run, info, spec)
-    losses, ids = run_torchrec_pipeline(model, opt, info.device, batches)
+    losses, ids = run_torchrec_pipeline(model, opt, info.device, batches, pipeline, **options)
     return losses, ids, local_parameters(model)
 
 
@@ -129,12 +146,13 @@ def main():
             out["unchanged_by_training"] = [k for k, v in params.items() if torch.equal(v, initial[k])]
             out["num_params"] = len(params)
 
-    losses, ids, params = train_torchrec(info, batches)
-    out["variants"]["torchrec_TrainPipelineSparseDist"] = {
-        "losses": losses,
-        "sample_ids": ids,
-        "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()},
-    }
+    for name, (cls, options) in TORCHREC_PIPELINES.items():
+        losses, ids, params = train_torchrec(info, batches, cls, **options)
+        out["variants"][name] = {
+            "losses": losses,
+            "sample_ids": ids,
+            "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()},
+        }
 
     # train -> eval -> train in one session: evaluation between steps must not change training
     interleaved = make_trainer(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"], info)
