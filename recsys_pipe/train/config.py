@@ -30,6 +30,7 @@ from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
 from recsys_pipe.train.checkpoint import CheckpointConfig
+from recsys_pipe.train.grad_accumulation import GradAccumulationConfig
 from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
 
 __all__ = ["RunConfig", "TorchProfilerConfig", "TrainerConfig", "load_run_config"]
@@ -96,6 +97,10 @@ class TrainerConfig(Section):
     )
     torch_profiler: TorchProfilerConfig = Field(
         default_factory=TorchProfilerConfig, description="torch.profiler trace of some steps (<run dir>/torch_trace/)"
+    )
+    grad_accumulation: GradAccumulationConfig = Field(
+        default_factory=GradAccumulationConfig,
+        description="micro-batches per optimizer step, DDP no_sync between (torchrec's GradientAccumulationWrapper)",
     )
     dense_ddp: Literal["torch", "megatron"] = Field(
         "torch",

@@ -20,6 +20,7 @@ from torch import nn
 from recsys_pipe.engine import BATCH_CPU, StreamPool
 
 if TYPE_CHECKING:
+    from recsys_pipe.train.grad_accumulation import GradAccumulation
     from recsys_pipe.train.shuffle import BatchBalancer
     from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
@@ -80,6 +81,8 @@ class TrainState:
     grad_buffers: GradBuffers | None = None
     #: `trainer.precision=bf16`: the forward runs under autocast to this dtype
     autocast_dtype: torch.dtype | None = None
+    #: `trainer.grad_accumulation.steps > 1`: which micro-steps clear, all-reduce and step
+    grad_accumulation: GradAccumulation | None = None
 
     def autocast(self) -> torch.autocast:
         """The forward's autocast context (disabled without `autocast_dtype`). Autocast state is

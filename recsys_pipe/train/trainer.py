@@ -38,6 +38,7 @@ from recsys_pipe.train.build import build_model, build_state
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.distributed import DistInfo
+from recsys_pipe.train.grad_accumulation import GradAccumulation, check_grad_accumulation
 from recsys_pipe.train.health import PeerHealth
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer
@@ -182,12 +183,17 @@ class Trainer:
         # python and numpy draw from OS entropy unless seeded; torch is seeded by build_model
         random.seed(run.seed)
         np.random.seed(run.seed)
+        check_grad_accumulation(run)
         model, optimizer = build_model(run, info, self.spec)
-        self.optimizer = TrainOptimizer(optimizer, run.optimizer, self.planned_steps, model)
+        accumulate = cfg.grad_accumulation.steps
+        self.optimizer = TrainOptimizer(optimizer, run.optimizer, -(-self.planned_steps // accumulate), model)
         self.state: TrainState = build_state(run, plan, model, self.optimizer, info)
+        if cfg.grad_accumulation.enabled:
+            self.state.grad_accumulation = GradAccumulation(cfg.grad_accumulation, model)
         self.pipeline = self._verified(build_pipeline(plan, self.state.streams, self.state))
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
-        #: optimizer steps taken (over the whole run, across resumes)
+        #: training steps taken (over the whole run, across resumes): trained batches, so with
+        #: gradient accumulation micro-steps (the optimizer steps every grad_accumulation.steps)
         self.step = 0
         #: the next training batch to train, counted across epochs
         self.position = 0
@@ -277,6 +283,10 @@ class Trainer:
             log.warning("the training data yielded no batch")
             return summary
         self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
+        accumulation = self.state.grad_accumulation
+        if accumulation is not None:  # micro-steps are counted over the run; the pipeline counts from 0
+            accumulation.start_step = self.step
+            accumulation.last_step = self.planned_steps - 1 if batches is None else None
         evaluating = self.eval_loader is not None and cfg.eval_every > 0
         last_eval = last_checkpoint = None
         if evaluating and self.step == 0:
@@ -345,6 +355,10 @@ class Trainer:
             else:
                 summary.stop_reason = EPOCHS_DONE if per_epoch else DATA_EXHAUSTED
             self.stop.drain()
+        if accumulation is not None and summary.stop_reason != PREEMPTED and accumulation.pending(self.step):
+            # training ended inside a window: step what was accumulated (torchrec's flush)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         summary.seconds = time.perf_counter() - start
         traced.close()
         if summary.steps:

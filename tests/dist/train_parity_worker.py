@@ -21,6 +21,7 @@ from recsys_pipe.testing import load_run, run_torchrec_pipeline
 from recsys_pipe.train import Trainer, build_model, init_distributed, local_parameters, training_plan
 
 STEPS = 24
+GA4 = ["trainer.grad_accumulation.steps=4", "trainer.grad_accumulation.warmup_steps=2"]
 VARIANTS = {
     "serial": ["pipeline=serial"],
     "sparse_dist": ["pipeline=sparse_dist"],
@@ -33,6 +34,13 @@ VARIANTS = {
     "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
     "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "pipeline.executor=threaded"],
     "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", "pipeline.executor=threaded", "thread_map=per_task"],
+    # gradient accumulation (torchrec's semantics): 4 micro-steps, 2 warmup, on several plans
+    "ga4/serial": ["pipeline=serial", *GA4],
+    "ga4/sparse_dist": ["pipeline=sparse_dist", *GA4],
+    "ga4/base": ["pipeline=base", *GA4],
+    "ga4/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *GA4],
+    # 5 micro-steps: 24 batches end inside a window (torchrec's flush of the last 4)
+    "ga5/sparse_dist": ["pipeline=sparse_dist", "trainer.grad_accumulation.steps=5"],
     # global-token loss normalisation: the derived all-reduce task, serial and pipelined
     "global/serial": ["pipeline=serial", "model.loss_normalization=global_tokens"],
     "global/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "model.loss_normalization=global_tokens"],
@@ -99,23 +107,29 @@ def train_variant(info, overrides, batches):
         trainer.close()
 
 
-#: torchrec's own classes the plans are compared with: name -> (class, constructor options)
+#: torchrec's own classes the plans are compared with: name -> (class, constructor options,
+#: GradientAccumulationWrapper (steps, warmup_steps) or None)
 TORCHREC_PIPELINES = {
-    "torchrec_TrainPipelineSparseDist": ("TrainPipelineSparseDist", {}),
-    "torchrec_TrainPipelineBase": ("TrainPipelineBase", {}),
-    "torchrec_TrainPipelineSparseDistLite": ("TrainPipelineSparseDistLite", {}),
+    "torchrec_TrainPipelineSparseDist": ("TrainPipelineSparseDist", {}, None),
+    "torchrec_TrainPipelineBase": ("TrainPipelineBase", {}, None),
+    "torchrec_TrainPipelineSparseDistLite": ("TrainPipelineSparseDistLite", {}, None),
     "torchrec_TrainPipelineSparseDist/enqueue_batch_after_forward": (
         "TrainPipelineSparseDist",
         {"enqueue_batch_after_forward": True},
+        None,
     ),
+    "ga4/torchrec_GradientAccumulationWrapper(TrainPipelineSparseDist)": ("TrainPipelineSparseDist", {}, (4, 2)),
+    "ga5/torchrec_GradientAccumulationWrapper(TrainPipelineSparseDist)": ("TrainPipelineSparseDist", {}, (5, 1)),
 }
 
 
-def train_torchrec(info, batches, pipeline="TrainPipelineSparseDist", **options):
+def train_torchrec(info, batches, pipeline="TrainPipelineSparseDist", options=None, grad_accumulation=None):
     run = run_config(["pipeline=serial"])
     spec = make_dataloader(run.data, info.rank, info.world_size).dataset.spec
     model, opt = build_model(run, info, spec)
-    losses, ids = run_torchrec_pipeline(model, opt, info.device, batches, pipeline, **options)
+    losses, ids = run_torchrec_pipeline(
+        model, opt, info.device, batches, pipeline, grad_accumulation=grad_accumulation, **(options or {})
+    )
     return losses, ids, local_parameters(model)
 
 
@@ -146,8 +160,8 @@ def main():
             out["unchanged_by_training"] = [k for k, v in params.items() if torch.equal(v, initial[k])]
             out["num_params"] = len(params)
 
-    for name, (cls, options) in TORCHREC_PIPELINES.items():
-        losses, ids, params = train_torchrec(info, batches, cls, **options)
+    for name, (cls, options, grad_accumulation) in TORCHREC_PIPELINES.items():
+        losses, ids, params = train_torchrec(info, batches, cls, options, grad_accumulation)
         out["variants"][name] = {
             "losses": losses,
             "sample_ids": ids,
