@@ -138,3 +138,24 @@ def test_grad_accumulation_matches_torchrecs_wrapper_bitwise_on_every_plan(ranks
             assert ref["losses"] != variants["serial"]["losses"]
             assert ref["params"] != variants["serial"]["params"]
         assert variants["ga4/serial"]["params"] != variants["ga5/sparse_dist"]["params"]
+
+
+def test_scaled_accumulation_equals_a_k_times_larger_batch_within_rounding(ranks):
+    """Where the maths is the same (plain torch tables: every parameter dense; scale_loss: the
+    step sees the mean over the window), accumulating k micro-batches equals one serial step on
+    their concatenation, up to float rounding (the k partial sums round differently than one
+    sum: not bitwise). Unscaled (torchrec's default) the gradients are k times larger. With
+    torchrec tables the maths differs: their optimizer is fused into backward, so they are
+    updated by every micro-batch (not checked for equality)."""
+    for data in ranks:
+        result = data["accumulate_vs_large_batch"]
+        k, large, acc, summed = result["k"], result["large"], result["accumulated"], result["summed"]
+        assert len(large["losses"]) * k == len(acc["losses"]) == 24
+        window_means = [sum(acc["losses"][i : i + k]) / k for i in range(0, len(acc["losses"]), k)]
+        assert window_means == pytest.approx(large["losses"], rel=1e-5)
+        assert window_means != large["losses"]  # not bitwise: rounding differs
+        for name, values in large["params"].items():
+            assert acc["params"][name] == pytest.approx(values, rel=1e-4, abs=1e-6), name
+        assert any(  # unscaled sums really differ: the tolerance above is not vacuous
+            summed["params"][n] != pytest.approx(v, rel=1e-4, abs=1e-6) for n, v in large["params"].items()
+        )

@@ -133,6 +133,27 @@ def train_torchrec(info, batches, pipeline="TrainPipelineSparseDist", options=No
     return losses, ids, local_parameters(model)
 
 
+def accumulate_vs_large_batch(info, k=4):
+    """Plain torch tables (every parameter dense, none updated in backward): 4 accumulated
+    micro-batches with scale_loss=true against the serial plan on their concatenation. The
+    maths is the same (mean of 4 micro-batch means = the large batch's mean); the sums round
+    differently, so the test compares within float tolerance."""
+    overrides = ["model=dlrm_torch", "pipeline=serial"]
+    run = run_config(overrides)
+    micro = list(make_dataloader(run.data, info.rank, info.world_size))
+    large = [type(micro[0]).concat(micro[i : i + k]) for i in range(0, len(micro), k)]
+    results = {}
+    for name, batches, extra in [
+        ("large", large, []),
+        ("accumulated", micro, [f"trainer.grad_accumulation.steps={k}", "trainer.grad_accumulation.scale_loss=true"]),
+        ("summed", micro, [f"trainer.grad_accumulation.steps={k}"]),
+    ]:
+        summary, params = train_variant(info, [*overrides, *extra], batches)
+        results[name] = {"losses": summary.losses, "params": {n: p.flatten().tolist() for n, p in params.items()}}
+    results["k"] = k
+    return results
+
+
 def main():
     torch.set_num_threads(1)
     info = init_distributed("cpu", "gloo")
@@ -167,6 +188,8 @@ def main():
             "sample_ids": ids,
             "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()},
         }
+
+    out["accumulate_vs_large_batch"] = accumulate_vs_large_batch(info)
 
     # train -> eval -> train in one session: evaluation between steps must not change training
     interleaved = make_trainer(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"], info)
