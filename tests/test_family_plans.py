@@ -21,6 +21,8 @@ FAMILY = {
     "sparse_dist_lite": "base",
     "sparse_dist_enqueue_after_forward": "sparse_dist",
     "prefetch": "sparse_dist",
+    "fused_sparse_dist": "sparse_dist",
+    "semi_sync": "serial",
 }
 
 
@@ -52,6 +54,8 @@ def test_family_plans_restate_only_what_differs():
         assert f"defaults:\n  - {parent}\n  - _self_\n" in texts[name], name
         assert "#   stage" in texts[name], f"{name}: no stage/stream table in its header"
     assert texts["prefetch"].count("fn: ") == 1  # prefetch_embeddings, the one task sparse_dist lacks
+    assert texts["fused_sparse_dist"].count("fn: ") == 1  # start_embedding_lookup
+    assert texts["semi_sync"].count("fn: ") == 2  # start_embedding_lookup, embedding_backward
     for name in ("base", "sparse_dist_lite", "sparse_dist_enqueue_after_forward"):
         assert texts[name].count("fn: ") == 0, name
 
@@ -79,3 +83,39 @@ def test_schedules_follow_torchrecs_order(tmp_path, capsys):
         "backward",
         *train,
     ]
+    # TrainPipelineFusedSparseDist: the lookup of i+1 is submitted after step i (torchrec: at the top of step i+1)
+    assert order("fused_sparse_dist") == [
+        "h2d",
+        "start_input_dist",
+        "zero_grad",
+        "forward",
+        "wait_input_dist",
+        "backward",
+        *train,
+        "start_embedding_lookup",
+    ]
+    # TrainPipelineSemiSync: start dist (i+2), forward (i), copy (i+3), lookup (i+1), wait dist (i+2),
+    # backward (i), the embeddings' backward (i), optimizer
+    assert order("semi_sync") == [
+        "start_input_dist",
+        "zero_grad",
+        "forward",
+        "h2d",
+        "start_embedding_lookup",
+        "wait_input_dist",
+        "backward",
+        "embedding_backward",
+        *train,
+    ]
+
+
+def test_semi_sync_staleness_is_declared_in_the_plan():
+    """The lookup of batch i+1 runs one batch ahead and before backward (i) in the same
+    iteration: the plan's fields say the embeddings are one step stale."""
+    from recsys_pipe.testing import load_run
+
+    tasks = load_run("pipeline=semi_sync").pipeline.tasks
+    assert tasks["start_embedding_lookup"].lookahead == tasks["backward"].lookahead + 1
+    assert "start_embedding_lookup" in tasks["backward"].same_progress_sync
+    fused = load_run("pipeline=fused_sparse_dist").pipeline.tasks  # after backward: not stale
+    assert "backward" in fused["start_embedding_lookup"].same_progress_sync

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
-from recsys_pipe.testing import load_run, run_torchrec_pipeline
+from recsys_pipe.testing import load_run, run_stale_embedding_reference, run_torchrec_pipeline
 from recsys_pipe.train import Trainer, build_model, init_distributed, local_parameters, training_plan
 
 STEPS = 24
@@ -29,6 +29,10 @@ VARIANTS = {
     "sparse_dist_lite": ["pipeline=sparse_dist_lite"],
     "sparse_dist_enqueue_after_forward": ["pipeline=sparse_dist_enqueue_after_forward"],
     "prefetch": ["pipeline=prefetch"],
+    "fused_sparse_dist": ["pipeline=fused_sparse_dist"],
+    # embeddings one step stale: compared with run_stale_embedding_reference, not with serial
+    "stale/semi_sync": ["pipeline=semi_sync"],
+    "stale/semi_sync/threaded": ["pipeline=semi_sync", "pipeline.executor=threaded", "thread_map=per_task"],
     "hstu_sparse_dist/sequential": ["pipeline=hstu_sparse_dist", "pipeline.executor=sequential"],
     "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", "pipeline.executor=threaded"],
     "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
@@ -37,7 +41,6 @@ VARIANTS = {
     # gradient accumulation (torchrec's semantics): 4 micro-steps, 2 warmup, on several plans
     "ga4/serial": ["pipeline=serial", *GA4],
     "ga4/sparse_dist": ["pipeline=sparse_dist", *GA4],
-    "ga4/base": ["pipeline=base", *GA4],
     "ga4/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *GA4],
     # 5 micro-steps: 24 batches end inside a window (torchrec's flush of the last 4)
     "ga5/sparse_dist": ["pipeline=sparse_dist", "trainer.grad_accumulation.steps=5"],
@@ -181,6 +184,16 @@ def main():
             out["unchanged_by_training"] = [k for k, v in params.items() if torch.equal(v, initial[k])]
             out["num_params"] = len(params)
 
+    # torchrec's TrainPipelineSemiSync cannot run on the CPU (tests/cuda/test_cuda_family.py runs
+    # it): the semi_sync plan is compared with a plain loop of the same staleness
+    model, opt = build_model(base, info, loader.dataset.spec)
+    losses, ids = run_stale_embedding_reference(model, opt, batches)
+    out["variants"]["stale/reference"] = {
+        "losses": losses,
+        "sample_ids": ids,
+        "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
+    }
+
     for name, (cls, options, grad_accumulation) in TORCHREC_PIPELINES.items():
         losses, ids, params = train_torchrec(info, batches, cls, options, grad_accumulation)
         out["variants"][name] = {
@@ -191,19 +204,23 @@ def main():
 
     out["accumulate_vs_large_batch"] = accumulate_vs_large_batch(info)
 
-    # train -> eval -> train in one session: evaluation between steps must not change training
-    interleaved = make_trainer(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"], info)
-    try:
-        summary = interleaved.fit(iter(batches), record_steps=True)
-        out["interleaved"] = {
-            "losses": summary.losses,
-            "sample_ids": [s.tolist() for s in summary.sample_ids],
-            "evals": summary.evals,
-        }
-        eval_ids = [b.sample_ids.tolist() for b in interleaved.eval_loader]
-        out["eval_ids"] = eval_ids
-    finally:
-        interleaved.close()
+    # train -> eval -> train in one session, every 5 steps, 3 held-out batches: evaluation between
+    # steps must not change training, and every evaluated output must belong to its batch. The
+    # serial plan is the reference of the pipelined ones (hstu_prefetch: 3 batches in flight,
+    # threaded; semi_sync: 4 in flight, its own training numbers).
+    out["interleaved"] = {}
+    for plan in ("serial", "hstu_prefetch", "semi_sync"):
+        interleaved = make_trainer([f"pipeline={plan}", "trainer.eval_every=5", "trainer.eval_batches=3"], info)
+        try:
+            summary = interleaved.fit(iter(batches), record_steps=True)
+            out["interleaved"][plan] = {
+                "losses": summary.losses,
+                "sample_ids": [s.tolist() for s in summary.sample_ids],
+                "evals": summary.evals,
+            }
+            out["eval_ids"] = [b.sample_ids.tolist() for b in interleaved.eval_loader]
+        finally:
+            interleaved.close()
 
     # learning signal: AUC on held-out data after training vs before the first step
     learn = make_trainer(

@@ -1,0 +1,44 @@
+"""Task functions of the plans that start the embedding lookup themselves (torchrec's
+TrainPipelineSemiSync and TrainPipelineFusedSparseDist: `pipeline.torchrec_context` semi_sync
+or fused).
+
+In those plans the sharded modules' forward (torchrec's `EmbeddingPipelinedForward` /
+`InSyncEmbeddingPipelinedForward`) only collects a lookup that `start_embedding_lookup` started
+earlier: where that task sits in the plan decides what the lookup sees. One batch ahead and
+before the previous batch's backward (semi_sync), the lookup reads the tables from before that
+batch's update -- one step stale, declared in the plan by the task's lookahead and
+`same_progress_sync`; at lookahead 0 right after the previous backward (fused), it reads the
+updated tables and only overlaps the optimizer step.
+
+Like `recsys_pipe.train.tasks`, this module imports no torchrec: the work is done by the state's
+`TorchrecSparseDist`; without torchrec tables there is nothing to look up.
+"""
+
+from __future__ import annotations
+
+from recsys_pipe.engine import TaskContext, declare_effects
+from recsys_pipe.train.state import TORCHREC_CTX
+
+__all__ = ["EMBEDDING_LOOKUP", "embedding_backward", "start_embedding_lookup"]
+
+#: the slot start_embedding_lookup writes and forward reads (the started output all-to-alls)
+EMBEDDING_LOOKUP = "embedding_lookup"
+
+
+@declare_effects(
+    "waits for the batch's input tensors, looks its embeddings up and starts the output all-to-all, "
+    "keeping the awaitables in the batch's torchrec context (changed in place)"
+)
+def start_embedding_lookup(ctx: TaskContext) -> None:
+    """torchrec's `_start_embedding_lookup` for every sharded module of the batch."""
+    sparse = ctx.state.sparse_dist
+    ctx.slots.set(EMBEDDING_LOOKUP, sparse.start_lookup(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
+
+
+@declare_effects("back-propagates the detached embeddings' gradients: output all-to-all backward, fused table update")
+def embedding_backward(ctx: TaskContext) -> None:
+    """semi_sync: forward's backward stopped at the detached embeddings; this pushes their
+    gradients through the lookup (torchrec's `TrainPipelineSemiSync.embedding_backward`)."""
+    sparse = ctx.state.sparse_dist
+    if ctx.state.training and sparse is not None:
+        sparse.embedding_backward(ctx.slots[TORCHREC_CTX])
