@@ -290,7 +290,7 @@ class Trainer:
         evaluating = self.eval_loader is not None and cfg.eval_every > 0
         last_eval = last_checkpoint = None
         if evaluating and self.step == 0:
-            summary.evals.append(self._log_eval(0))
+            summary.evals.append(self._log_eval(0, record_steps))
             last_eval = 0
         bar = tqdm(
             total=self.planned_steps,
@@ -332,7 +332,7 @@ class Trainer:
                 if epoch_end and self.info.is_main:
                     log.info("epoch %d/%d done at step %d", self.position // per_epoch, cfg.epochs, self.step)
                 if evaluating and (epoch_end or self.step % cfg.eval_every == 0):
-                    summary.evals.append(self._log_eval(self.step))
+                    summary.evals.append(self._log_eval(self.step, record_steps))
                     last_eval = self.step
                 stop = self.stop.should_stop()
                 if self.checkpointer is not None:
@@ -366,7 +366,7 @@ class Trainer:
         bar.close()
         if summary.stop_reason != PREEMPTED:
             if evaluating and last_eval != self.step:
-                summary.evals.append(self._log_eval(self.step))
+                summary.evals.append(self._log_eval(self.step, record_steps))
             if self.checkpointer is not None and self.checkpointer.cfg.interval and last_checkpoint != self.step:
                 self.save_checkpoint()
             self._log_stop(summary)
@@ -375,9 +375,11 @@ class Trainer:
             summary.checkpoint = str(self.checkpointer.last.path) if self.checkpointer.last else None
         return summary
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, record_batches: bool = False) -> dict[str, Any]:
         """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the
-        held-out loader, aggregated over all ranks."""
+        held-out loader, aggregated over all ranks. With `record_batches`, also this rank's
+        evaluated batches in order: `sample_ids` and `batch_losses` (which batch each output
+        belongs to, for the checks that switching to evaluation mislabels nothing)."""
         assert self.eval_loader is not None
         num_tasks = self.spec.num_tasks
         aurocs = [BinaryAUROC().to(self.info.device) for _ in range(num_tasks)]  # any task count, 1 included
@@ -386,20 +388,28 @@ class Trainer:
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
             self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
         self.state.model.train(False)
+        sample_ids: list[list[int]] = []
+        batch_losses: list[float] = []
         try:
             for result in self._eval_pipeline.iterate(self.eval_loader):
+                if record_batches:
+                    sample_ids.append(result.sample_ids.tolist())
+                    batch_losses.append(float(result.loss))
                 logits = result.logits.float()  # bf16 under trainer.precision=bf16
                 for task, auroc in enumerate(aurocs):
                     auroc.update(logits[:, task], result.labels[:, task].int())
                 mean_loss.update(result.loss.float())
                 log_loss.update(F.binary_cross_entropy_with_logits(logits, result.labels, reduction="none"))
             per_task = [float(auroc.compute()) for auroc in aurocs]
-            return {
+            metrics = {
                 "eval_loss": float(mean_loss.compute()),
                 "log_loss": float(log_loss.compute()),
                 "auc": sum(per_task) / num_tasks,
                 "auc_per_task": [round(a, 5) for a in per_task],
             }
+            if record_batches:
+                metrics.update(sample_ids=sample_ids, batch_losses=batch_losses)
+            return metrics
         finally:
             self.state.model.train(True)
 
@@ -471,9 +481,9 @@ class Trainer:
             )
         return loss
 
-    def _log_eval(self, step: int) -> dict[str, Any]:
-        metrics = {"step": step, **self.evaluate()}
-        self.metrics.write(metrics)
+    def _log_eval(self, step: int, record_batches: bool = False) -> dict[str, Any]:
+        metrics = {"step": step, **self.evaluate(record_batches)}
+        self.metrics.write({k: v for k, v in metrics.items() if k not in ("sample_ids", "batch_losses")})
         if self.info.is_main:
             log.info("eval at step %d: loss %.4f, auc %.4f", step, metrics["eval_loss"], metrics["auc"])
         return metrics
