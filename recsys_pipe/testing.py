@@ -185,7 +185,9 @@ def run_torchrec_pipeline(
     return losses, ids
 
 
-def run_stale_embedding_reference(model: Any, optimizer: Any, batches: Any) -> tuple[list[float], list[list[int]]]:
+def run_stale_embedding_reference(
+    model: Any, optimizer: Any, batches: Any, stash_gradients: bool = False
+) -> tuple[list[float], list[list[int]]]:
     """A plain training loop with semi-synchronous embeddings, the reference of the `semi_sync`
     plan where torchrec's TrainPipelineSemiSync cannot run (CPU): batch i's embedding lookup reads
     the tables as they were before batch i-1's update (one step stale; batches 0 and 1 both read
@@ -194,9 +196,10 @@ def run_stale_embedding_reference(model: Any, optimizer: Any, batches: Any) -> t
     No pipelining machinery: the model's own forward (DistributedModelParallel), with each local
     table shard swapped to its previous-step copy for the forward and back to the current weights
     before backward, whose fused update then applies batch i's gradients to the current tables.
+    With `stash_gradients` the dense step after batch i applies batch i-1's gradients.
     """
     tables = _local_table_weights(model)
-    losses, ids, previous = [], [], None
+    losses, ids, previous, kept = [], [], None, {}
     for batch in batches:
         current = [w.detach().clone() for w in tables]
         for weight, stale in zip(tables, previous or current, strict=True):
@@ -206,6 +209,11 @@ def run_stale_embedding_reference(model: Any, optimizer: Any, batches: Any) -> t
         for weight, now in zip(tables, current, strict=True):
             weight.data.copy_(now)
         loss.backward()
+        if stash_gradients:
+            for name, param in model.named_parameters():
+                grad, param.grad = param.grad, kept.get(name)
+                if grad is not None:
+                    kept[name] = grad
         optimizer.step()
         previous = current
         losses.append(float(loss))

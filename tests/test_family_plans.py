@@ -23,6 +23,7 @@ FAMILY = {
     "prefetch": "sparse_dist",
     "fused_sparse_dist": "sparse_dist",
     "semi_sync": "serial",
+    "semi_sync_stash": "semi_sync",
 }
 
 
@@ -56,6 +57,7 @@ def test_family_plans_restate_only_what_differs():
     assert texts["prefetch"].count("fn: ") == 1  # prefetch_embeddings, the one task sparse_dist lacks
     assert texts["fused_sparse_dist"].count("fn: ") == 1  # start_embedding_lookup
     assert texts["semi_sync"].count("fn: ") == 2  # start_embedding_lookup, embedding_backward
+    assert texts["semi_sync_stash"].count("fn: ") == 1  # stash_gradients
     for name in ("base", "sparse_dist_lite", "sparse_dist_enqueue_after_forward"):
         assert texts[name].count("fn: ") == 0, name
 

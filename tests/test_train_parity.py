@@ -47,7 +47,7 @@ def test_all_plans_and_torchrec_pipeline_match_serial_bitwise(ranks):
         ref = data["variants"]["serial"]
         assert len(ref["losses"]) == 24
         for name, variant in data["variants"].items():
-            if name.startswith(("global/", "ga4/", "ga5/", "stale/")):
+            if name.startswith(("global/", "ga4/", "ga5/", "stale/", "stash/")):
                 continue
             assert variant["losses"] == ref["losses"], f"{name}: losses differ from the serial plan"
             assert variant["params"] == ref["params"], f"{name}: final parameters differ from the serial plan"
@@ -202,3 +202,17 @@ def test_semi_sync_plan_matches_a_loop_with_one_step_stale_embeddings_bitwise(ra
         serial = variants["serial"]["losses"]
         assert ref["losses"][0] == serial[0]  # batch 0 reads the initial tables in both
         assert all(a != b for a, b in zip(ref["losses"][1:], serial[1:]))  # batch 1 on: stale tables
+
+
+def test_semi_sync_with_stashed_gradients_matches_its_reference_loop_bitwise(ranks):
+    """semi_sync_stash (torchrec's stash_gradients=True): the dense step after batch i applies
+    batch i-1's gradients; against the reference loop doing the same swap. It differs from
+    semi_sync (the dense update is stale too)."""
+    for data in ranks:
+        variants = data["variants"]
+        plan, ref = variants["stash/semi_sync_stash"], variants["stash/reference"]
+        assert plan["losses"] == ref["losses"] and plan["params"] == ref["params"]
+        assert plan["sample_ids"] == data["loader_ids"]
+        stale = variants["stale/reference"]["losses"]
+        assert plan["losses"][0] == stale[0]  # same initial weights
+        assert all(a != b for a, b in zip(plan["losses"][1:], stale[1:]))  # no dense step after batch 0

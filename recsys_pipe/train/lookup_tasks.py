@@ -19,7 +19,7 @@ from __future__ import annotations
 from recsys_pipe.engine import TaskContext, declare_effects
 from recsys_pipe.train.state import TORCHREC_CTX
 
-__all__ = ["EMBEDDING_LOOKUP", "embedding_backward", "start_embedding_lookup"]
+__all__ = ["EMBEDDING_LOOKUP", "embedding_backward", "stash_gradients", "start_embedding_lookup"]
 
 #: the slot start_embedding_lookup writes and forward reads (the started output all-to-alls)
 EMBEDDING_LOOKUP = "embedding_lookup"
@@ -42,3 +42,19 @@ def embedding_backward(ctx: TaskContext) -> None:
     sparse = ctx.state.sparse_dist
     if ctx.state.training and sparse is not None:
         sparse.embedding_backward(ctx.slots[TORCHREC_CTX])
+
+
+@declare_effects("swaps every parameter's gradient (.grad) with the one kept from the previous batch")
+def stash_gradients(ctx: TaskContext) -> None:
+    """semi_sync with stashed gradients (torchrec's `stash_gradients=True`): the optimizer step
+    after batch i applies batch i-1's dense gradients, and batch i's are kept for the next step,
+    so the dense update is one step stale like the embeddings (torchrec's `_grad_swap`; the first
+    step has no kept gradients and changes no parameter)."""
+    state = ctx.state
+    if not state.training:
+        return
+    for name, param in state.model.named_parameters():
+        kept = state.grad_stash.get(name)
+        if param.grad is not None:
+            state.grad_stash[name] = param.grad.clone()
+        param.grad = kept

@@ -83,6 +83,8 @@ class TrainState:
     autocast_dtype: torch.dtype | None = None
     #: `trainer.grad_accumulation.steps > 1`: which micro-steps clear, all-reduce and step
     grad_accumulation: GradAccumulation | None = None
+    #: the previous batch's gradients, by parameter name (the stash_gradients task of semi_sync)
+    grad_stash: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def autocast(self) -> torch.autocast:
         """The forward's autocast context (disabled without `autocast_dtype`). Autocast state is

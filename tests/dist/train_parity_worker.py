@@ -33,6 +33,7 @@ VARIANTS = {
     # embeddings one step stale: compared with run_stale_embedding_reference, not with serial
     "stale/semi_sync": ["pipeline=semi_sync"],
     "stale/semi_sync/threaded": ["pipeline=semi_sync", "pipeline.executor=threaded", "thread_map=per_task"],
+    "stash/semi_sync_stash": ["pipeline=semi_sync_stash"],
     "hstu_sparse_dist/sequential": ["pipeline=hstu_sparse_dist", "pipeline.executor=sequential"],
     "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", "pipeline.executor=threaded"],
     "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
@@ -189,6 +190,13 @@ def main():
     model, opt = build_model(base, info, loader.dataset.spec)
     losses, ids = run_stale_embedding_reference(model, opt, batches)
     out["variants"]["stale/reference"] = {
+        "losses": losses,
+        "sample_ids": ids,
+        "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
+    }
+    model, opt = build_model(base, info, loader.dataset.spec)
+    losses, ids = run_stale_embedding_reference(model, opt, batches, stash_gradients=True)
+    out["variants"]["stash/reference"] = {
         "losses": losses,
         "sample_ids": ids,
         "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
