@@ -210,10 +210,10 @@ def run_stale_embedding_reference(
             weight.data.copy_(now)
         loss.backward()
         if stash_gradients:
-            for name, param in model.named_parameters():
+            for name, param in model.named_parameters():  # a copy: DDP may reuse the gradient's storage
                 grad, param.grad = param.grad, kept.get(name)
                 if grad is not None:
-                    kept[name] = grad
+                    kept[name] = grad.clone()
         optimizer.step()
         previous = current
         losses.append(float(loss))
