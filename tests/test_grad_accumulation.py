@@ -11,7 +11,7 @@ from torch import nn
 
 from recsys_pipe.config import ConfigError
 from recsys_pipe.testing import load_run
-from recsys_pipe.train.grad_accumulation import GradAccumulation, GradAccumulationConfig, check_grad_accumulation
+from recsys_pipe.train.grad_accumulation import GradAccumulation, GradAccumulationConfig
 
 
 class _CountingOptimizer:
@@ -85,12 +85,13 @@ def test_bad_values_name_their_config_path(overrides, path):
     assert path in str(info.value)
 
 
-def test_checkpoint_inside_a_window_is_refused():
-    run = load_run("trainer.grad_accumulation.steps=4", "trainer.checkpoint.interval=10")
+def test_checkpoint_inside_a_window_is_refused_before_anything_starts():
     with pytest.raises(ConfigError) as info:
-        check_grad_accumulation(run)
-    assert "trainer.checkpoint.interval" in str(info.value) and "multiple" in str(info.value)
-    check_grad_accumulation(load_run("trainer.grad_accumulation.steps=4", "trainer.checkpoint.interval=8"))
+        load_run("trainer.grad_accumulation.steps=4", "trainer.checkpoint.interval=10")
+    assert "trainer.checkpoint.interval=10 is not a multiple of trainer.grad_accumulation.steps=4" in str(info.value)
+    assert (
+        load_run("trainer.grad_accumulation.steps=4", "trainer.checkpoint.interval=8").trainer.checkpoint.interval == 8
+    )
 
 
 def test_scale_loss():

@@ -35,10 +35,10 @@ from pydantic import Field, StrictBool, StrictInt
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section
+from recsys_pipe.config import Section
 
 if TYPE_CHECKING:
-    from recsys_pipe.train.config import RunConfig
+    from recsys_pipe.train.config import TrainerConfig
 
 __all__ = ["GradAccumulation", "GradAccumulationConfig", "check_grad_accumulation"]
 
@@ -116,28 +116,22 @@ def _no_sync_modules(model: nn.Module) -> list[Any]:
     return modules
 
 
-def check_grad_accumulation(run: RunConfig) -> None:
-    """ConfigError for settings gradient accumulation cannot honour: a checkpoint inside a
-    window would lose the gradients accumulated so far (they are not part of the checkpoint),
-    and megatron-core's DDP reduces its gradient buffers in `finalize_model_grads`, which
-    these rules do not gate."""
-    cfg = run.trainer
-    steps = cfg.grad_accumulation.steps
+def check_grad_accumulation(trainer: TrainerConfig) -> None:
+    """ValueError for settings gradient accumulation cannot honour (checked by `TrainerConfig`,
+    so the run is refused before anything starts): a checkpoint inside a window would lose the
+    gradients accumulated so far (they are not part of the checkpoint), and megatron-core's DDP
+    reduces its gradient buffers in `finalize_model_grads`, which these rules do not gate."""
+    steps = trainer.grad_accumulation.steps
     if steps == 1:
         return
-    if cfg.checkpoint.interval % steps:
-        raise ConfigError(
-            ConfigProblem(
-                "trainer.checkpoint.interval",
-                f"{cfg.checkpoint.interval} is not a multiple of trainer.grad_accumulation.steps={steps}: a checkpoint "
-                "inside an accumulation window would drop its gradients",
-            )
+    if trainer.checkpoint.interval % steps:
+        raise ValueError(
+            f"trainer.checkpoint.interval={trainer.checkpoint.interval} is not a multiple of "
+            f"trainer.grad_accumulation.steps={steps}: a checkpoint inside an accumulation window would drop its "
+            "gradients"
         )
-    if cfg.dense_ddp == "megatron":
-        raise ConfigError(
-            ConfigProblem(
-                "trainer.grad_accumulation.steps",
-                "gradient accumulation needs trainer.dense_ddp=torch (megatron-core's DDP reduces in "
-                "finalize_model_grads, which accumulation does not gate)",
-            )
+    if trainer.dense_ddp == "megatron":
+        raise ValueError(
+            "trainer.grad_accumulation.steps > 1 needs trainer.dense_ddp=torch (megatron-core's DDP reduces in "
+            "finalize_model_grads, which accumulation does not gate)"
         )

@@ -41,7 +41,7 @@ from recsys_pipe.runtime.verify import CollectiveGuard
 from recsys_pipe.train.build import build_model, build_state
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
 from recsys_pipe.train.config import RunConfig
-from recsys_pipe.train.grad_accumulation import GradAccumulation, check_grad_accumulation
+from recsys_pipe.train.grad_accumulation import GradAccumulation
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer
 from recsys_pipe.train.rng import RngState
@@ -192,7 +192,6 @@ class Trainer:
         # python and numpy draw from OS entropy unless seeded; torch is seeded by build_model
         random.seed(run.seed)
         np.random.seed(run.seed)
-        check_grad_accumulation(run)
         model, optimizer = build_model(run, info, self.spec)
         accumulate = cfg.grad_accumulation.steps
         self.optimizer = TrainOptimizer(optimizer, run.optimizer, -(-self.planned_steps // accumulate), model)
