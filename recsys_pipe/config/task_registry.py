@@ -122,13 +122,14 @@ class TaskRegistry:
         self._modules = tuple(modules)
         self._group = entry_point_group
         self._by_name: dict[str, TaskSpec] = {}
-        self._by_fn: dict[int, TaskSpec] = {}
+        self._by_fn: dict[Callable[..., Any], TaskSpec] = {}
         self._lock = threading.RLock()
         self._loaded = False
 
     def register(self, name: str, fn: Callable[..., Any], needs: Iterable[Need] = ()) -> TaskSpec:
         """Register `fn` as task `name`; ValueError if the name is taken by another function or
-        not an identifier, TypeError if a need is not a `Need`."""
+        not an identifier, TypeError if a need is not a `Need`. A module executed again (a reload)
+        registers its new function objects in place of the old ones: the same definition."""
         if not isinstance(name, str) or not is_task_name(name):
             raise ValueError(f"a task name is an identifier (letters, digits, _), got {name!r}")
         if not callable(fn):
@@ -141,12 +142,14 @@ class TaskRegistry:
         with self._lock:
             taken = self._by_name.get(name)
             if taken is not None and taken.fn is not fn:
-                raise ValueError(f"task name '{name}' is already registered for {taken.path}; choose another name")
-            other = self._by_fn.get(id(fn))
+                if not _same_definition(taken.fn, fn):
+                    raise ValueError(f"task name '{name}' is already registered for {taken.path}; choose another name")
+                del self._by_fn[taken.fn]
+            other = self._by_fn.get(fn)
             if other is not None and other.name != name:
                 raise ValueError(f"{spec.path} is already registered as task '{other.name}'")
             self._by_name[name] = spec
-            self._by_fn[id(fn)] = spec
+            self._by_fn[fn] = spec
         return spec
 
     def lookup(self, name: str) -> TaskSpec:
@@ -165,8 +168,10 @@ class TaskRegistry:
 
     def spec_of(self, fn: Any) -> TaskSpec | None:
         """The entry of function `fn` (however the plan reached it), or None if it is not registered."""
-        spec = self._by_fn.get(id(fn))
-        return spec if spec is not None and spec.fn is fn else None
+        try:
+            return self._by_fn.get(fn)
+        except TypeError:  # unhashable: not a registered function
+            return None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -193,6 +198,11 @@ class TaskRegistry:
 
     def __repr__(self) -> str:
         return f"TaskRegistry({sorted(self._by_name)})"
+
+
+def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
+    """Whether `new` is `old`'s definition executed again (its module reloaded or re-imported)."""
+    return (old.__module__, old.__qualname__) == (new.__module__, new.__qualname__)
 
 
 #: The registry `@task` adds to and plans' `fn:` names are looked up in.
