@@ -191,6 +191,19 @@ def test_names_and_import_paths_reach_the_same_entry():
     assert shallow.fn_paths()["by_colon_path"] == "recsys_pipe.train.tasks:forward"
 
 
+def test_a_registered_function_need_not_be_importable_by_path():
+    """A nested definition has no import path; its name reaches the function itself."""
+
+    @task("nested_task_xyz")
+    def nested(ctx) -> None:
+        ctx.slots.set(STEP_RESULT, -ctx.slots["batch_cpu"])
+
+    plan = compile_plan({"tasks": {"t": {"fn": "nested_task_xyz", "reads": ["batch_cpu"], "writes": [STEP_RESULT]}}})
+    assert plan.graph.task("t").fn is nested
+    with build_pipeline(plan, StreamPool.create(plan.schedule.stream_slots), state=None) as pipe:
+        assert list(pipe.iterate(range(3))) == [0, -1, -2]
+
+
 def _user_tasks(tmp_path, monkeypatch) -> None:
     _module(
         tmp_path,

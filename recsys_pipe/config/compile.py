@@ -249,7 +249,9 @@ def _resolve(
     try:
         if is_task_name(tc.fn):
             spec = TASKS.lookup(tc.fn)
-            fn = resolve(spec.path)
+            # the function itself (it may not be importable by path: a nested definition), unless
+            # the caller substitutes functions (structure_only, stubs), which get its path
+            fn = spec.fn if resolve is import_fn else resolve(spec.path)
         else:
             fn = resolve(tc.fn)
             spec = TASKS.spec_of(fn)
