@@ -55,7 +55,9 @@ def derive_plan(plan: PlanConfig, run: RunConfig, resolve_fn: ResolveFn | None =
     forwards = [name for name, task in plan.tasks.items() if _spec(task, resolve_fn) is forward]
     if not forwards:
         raise ConfigError(
-            ConfigProblem("model.loss_normalization", f"global_tokens needs a task running {forward.name}")
+            ConfigProblem(
+                "model.loss_normalization", f"global_tokens needs a task running {forward.name} (fn: {forward.name})"
+            )
         )
     derived: dict[str, TaskConfig] = {}
     for name, task in plan.tasks.items():
@@ -76,7 +78,7 @@ def _spec(task: TaskConfig, resolve_fn: ResolveFn | None) -> TaskSpec | None:
             return TASKS.lookup(task.fn)
         if resolve_fn is None:
             return TASKS.spec_of(import_fn(task.fn))
-    except Exception:
+    except Exception:  # an unknown name or a bad path: compile_plan reports it at the task's fn
         return None
     return None
 
