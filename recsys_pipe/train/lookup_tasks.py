@@ -16,8 +16,10 @@ Like `recsys_pipe.train.tasks`, this module imports no torchrec: the work is don
 
 from __future__ import annotations
 
+from recsys_pipe.config.task_registry import Need, task
 from recsys_pipe.engine import TaskContext, declare_effects
-from recsys_pipe.train.state import TORCHREC_CTX
+from recsys_pipe.train.slots import TORCHREC_CTX
+from recsys_pipe.train.state import TrainState
 
 __all__ = ["EMBEDDING_LOOKUP", "embedding_backward", "stash_gradients", "start_embedding_lookup"]
 
@@ -29,14 +31,16 @@ EMBEDDING_LOOKUP = "embedding_lookup"
     "waits for the batch's input tensors, looks its embeddings up and starts the output all-to-all, "
     "keeping the awaitables in the batch's torchrec context (changed in place)"
 )
-def start_embedding_lookup(ctx: TaskContext) -> None:
+@task("start_embedding_lookup", needs={Need.SPARSE_DIST})
+def start_embedding_lookup(ctx: TaskContext[TrainState]) -> None:
     """torchrec's `_start_embedding_lookup` for every sharded module of the batch."""
     sparse = ctx.state.sparse_dist
     ctx.slots.set(EMBEDDING_LOOKUP, sparse.start_lookup(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
 
 
 @declare_effects("back-propagates the detached embeddings' gradients: output all-to-all backward, fused table update")
-def embedding_backward(ctx: TaskContext) -> None:
+@task("embedding_backward", needs={Need.SPARSE_DIST})
+def embedding_backward(ctx: TaskContext[TrainState]) -> None:
     """semi_sync: forward's backward stopped at the detached embeddings; this pushes their
     gradients through the lookup (torchrec's `TrainPipelineSemiSync.embedding_backward`)."""
     sparse = ctx.state.sparse_dist
@@ -45,7 +49,8 @@ def embedding_backward(ctx: TaskContext) -> None:
 
 
 @declare_effects("swaps every parameter's gradient (.grad) with the one kept from the previous batch")
-def stash_gradients(ctx: TaskContext) -> None:
+@task("stash_gradients")
+def stash_gradients(ctx: TaskContext[TrainState]) -> None:
     """semi_sync with stashed gradients (torchrec's `stash_gradients=True`): the optimizer step
     after batch i applies batch i-1's dense gradients, and batch i's are kept for the next step,
     so the dense update is one step stale like the embeddings (torchrec's `_grad_swap`; the first
