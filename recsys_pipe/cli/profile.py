@@ -98,14 +98,15 @@ def profile_task(cfg: DictConfig) -> None:
     run = load_run_config(cfg, ProfileCommandConfig)
     plan = training_plan(run)
     _check(run, plan)
-    from recsys_pipe.train.distributed import resolve_device
+    from recsys_pipe.runtime.distributed import resolve_device
 
     try:
         resolve_device(run.trainer.device)
     except RuntimeError as exc:
         raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
 
-    from recsys_pipe.train import Trainer, init_distributed, shared_run_dir, teardown
+    from recsys_pipe.runtime import init_distributed, shared_run_dir, teardown
+    from recsys_pipe.train import Trainer
 
     info = init_distributed(run.trainer.device, run.trainer.backend)
     trainer = None
@@ -215,7 +216,9 @@ def _setup_logging(rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-_app = hydra_app(profile_task, config_name="profile", prog="recsys-profile")
+_app = hydra_app(
+    profile_task, config_name="profile", prog="recsys-profile", schema="recsys_pipe.cli.profile:ProfileCommandConfig"
+)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
