@@ -74,9 +74,15 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
   fi
   echo "[compat] installing fbgemm-gpu-cpu $FBGEMM_VERSION, torchrec $TORCHREC_VERSION and their dependencies" >&2
   pip install -c "$constraints" "fbgemm-gpu-cpu==$FBGEMM_VERSION"
-  pip install --no-deps "torchrec==$TORCHREC_VERSION"
+  # as scripts/setup.sh does on CPU: a torchrec already here would make pip check its dependency
+  # list (the CUDA fbgemm-gpu); the dependencies first, torchrec and the project last, unresolved
+  pip uninstall -y torchrec >/dev/null 2>&1 || true
   pip install -c "$constraints" "${RUNTIME_DEPS[@]}"
-  pip install -c "$constraints" -e "$ROOT[test]"
+  # shellcheck disable=SC2046  # one requirement per word
+  pip install -c "$constraints" $("$VENV/bin/python" "$ROOT/scripts/requirements.py" "$ROOT/pyproject.toml" \
+    --extras test --without torch torchrec)
+  pip install --no-deps "torchrec==$TORCHREC_VERSION"
+  pip install --no-deps -e "$ROOT"
   echo "$want" >"$STAMP"
   echo "[compat] environment built in $((SECONDS - start)) s: $VENV" >&2
 fi
