@@ -8,8 +8,9 @@ modules, and the start / wait / prefetch / bind steps -- so the task functions s
 model-agnostic and torchrec-free: a model with plain torch tables has no `TorchrecSparseDist`
 and its input-dist tasks do nothing.
 
-torchrec 1.8 facts these steps rely on (verified on 2 gloo ranks, bitwise against a plain loop
-and `TrainPipelineSparseDist`):
+torchrec facts these steps rely on, alike in torchrec 1.6.1 (with torch 2.11, the GPU image's
+pairing; scripts/compat_check.sh) and 1.8 (verified on 2 gloo ranks, bitwise against a plain loop
+and `TrainPipelineSparseDist`); the private helpers imported below have the same signatures in both:
 - contexts are per batch: `_start_data_dist` never clears a v1 context;
 - one `PipelinedForward` per sharded module serves every batch, so the forward must
   `set_context` the batch's context first; it pops that batch's input-dist results;
