@@ -143,9 +143,11 @@ class PlanConfig(Section):
         default_factory=lambda: ["default"], description="stream names; 'default' is always available"
     )
     thread_map: ThreadMapConfig = Field(default_factory=ThreadMapConfig, description="CPU thread of each task")
-    torchrec_context: Literal["base", "prefetch"] = Field(
+    torchrec_context: Literal["base", "prefetch", "semi_sync", "fused"] = Field(
         "base",
-        description="torchrec pipeline context created per batch: prefetch for plans that prefetch embeddings",
+        description="torchrec pipeline context and pipelined forward per batch: prefetch for plans that prefetch "
+        "embeddings; semi_sync / fused for plans whose start_embedding_lookup task starts the lookup (semi_sync: "
+        "embeddings detached, their own backward task)",
     )
     tasks: dict[str, TaskConfig] = Field(description="task name -> task; YAML order breaks topological ties")
 

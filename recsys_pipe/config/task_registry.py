@@ -60,7 +60,7 @@ __all__ = [
 
 #: Modules whose import registers the shipped tasks; the registry imports them on first lookup.
 #: A new module of shipped task functions is added here.
-BUILTIN_TASK_MODULES: tuple[str, ...] = ("recsys_pipe.train.tasks",)
+BUILTIN_TASK_MODULES: tuple[str, ...] = ("recsys_pipe.train.tasks", "recsys_pipe.train.lookup_tasks")
 #: Entry-point group through which an installed package names its own task modules.
 ENTRY_POINT_GROUP = "recsys_pipe.tasks"
 

@@ -88,9 +88,7 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
     if isinstance(run.model, ShardedModelConfig):
         from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
-        sparse_dist = TorchrecSparseDist(
-            model, info.device, streams, prefetch=plan.config.torchrec_context == "prefetch"
-        )
+        sparse_dist = TorchrecSparseDist(model, info.device, streams, context=plan.config.torchrec_context)
     balancer = None
     if plan.needing(Need.BALANCER):
         from recsys_pipe.train.shuffle import BatchBalancer

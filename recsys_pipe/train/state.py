@@ -29,6 +29,7 @@ from recsys_pipe.train.slots import (  # the slot names stay importable from her
 )
 
 if TYPE_CHECKING:
+    from recsys_pipe.train.grad_accumulation import GradAccumulation
     from recsys_pipe.train.shuffle import BatchBalancer
     from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
@@ -81,6 +82,10 @@ class TrainState:
     grad_buffers: GradBuffers | None = None
     #: `trainer.precision=bf16`: the forward runs under autocast to this dtype
     autocast_dtype: torch.dtype | None = None
+    #: `trainer.grad_accumulation.steps > 1`: which micro-steps clear, all-reduce and step
+    grad_accumulation: GradAccumulation | None = None
+    #: the previous batch's gradients, by parameter name (the stash_gradients task of semi_sync)
+    grad_stash: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def autocast(self) -> torch.autocast:
         """The forward's autocast context (disabled without `autocast_dtype`). Autocast state is

@@ -21,6 +21,7 @@ work itself.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,15 @@ def _keep_alive(batch: Any, ctx: TaskContext[TrainState]) -> None:
         for name in streams.names:
             if name != ctx.task.stream:
                 batch.record_stream(streams.get(name))
+
+
+def _grad_sync(ctx: TaskContext[TrainState]) -> Any:
+    """The trained batch's gradient all-reduce context (`no_sync` on a non-final micro-step of
+    gradient accumulation, else nothing)."""
+    accumulation = ctx.state.grad_accumulation
+    if accumulation is None or not ctx.state.training:
+        return contextlib.nullcontext()
+    return accumulation.grad_sync(accumulation.micro_step(ctx.batch_index))
 
 
 def _fresh_context(ctx: TaskContext[TrainState], _: None) -> None:
@@ -177,7 +187,8 @@ def prefetch_embeddings(ctx: TaskContext[TrainState]) -> None:
 def zero_grad(ctx: TaskContext[TrainState]) -> None:
     """The optimizer's zero_grad, and with megatron-core's DDP its gradient buffers' reset."""
     state = ctx.state
-    if state.training:
+    accumulation = state.grad_accumulation
+    if state.training and (accumulation is None or accumulation.clears_grad(accumulation.micro_step(ctx.batch_index))):
         state.optimizer.zero_grad()
         if state.grad_buffers is not None:
             state.grad_buffers.reset()
@@ -208,7 +219,7 @@ def forward(ctx: TaskContext[TrainState]) -> None:
     if state.sparse_dist is not None:
         state.sparse_dist.bind(slots[TORCHREC_CTX])
     # grad mode and autocast are per thread: set them explicitly
-    with torch.set_grad_enabled(state.training), state.autocast():
+    with torch.set_grad_enabled(state.training), state.autocast(), _grad_sync(ctx):
         loss, outputs = state.model(slots[BATCH_GPU])
         tokens = slots.get(GLOBAL_TOKENS)
         if tokens is not None:  # normalise by all ranks' tokens; DDP then averages over ranks
@@ -225,8 +236,12 @@ def forward(ctx: TaskContext[TrainState]) -> None:
 @task("backward")
 def backward(ctx: TaskContext[TrainState]) -> None:
     """loss.backward(): output-dist backward, fused embedding update, DDP all-reduce."""
-    if ctx.state.training:
-        ctx.slots[LOSS].backward()
+    accumulation = ctx.state.grad_accumulation
+    if not ctx.state.training:
+        return
+    loss = ctx.slots[LOSS]
+    with _grad_sync(ctx):
+        (loss if accumulation is None or accumulation.loss_scale == 1.0 else loss * accumulation.loss_scale).backward()
 
 
 @declare_effects("finalizes the dense gradients in place (megatron-core DDP)")
@@ -244,7 +259,10 @@ def finalize_model_grads(ctx: TaskContext[TrainState]) -> None:
 @task("optimizer_step")
 def optimizer_step(ctx: TaskContext[TrainState]) -> None:
     slots, state = ctx.slots, ctx.state
-    if state.training:
+    accumulation = state.grad_accumulation
+    if state.training and (
+        accumulation is None or accumulation.steps_optimizer(accumulation.micro_step(ctx.batch_index))
+    ):
         state.optimizer.step()
     outputs = slots[MODEL_OUT]
     slots.set(
