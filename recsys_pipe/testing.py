@@ -26,7 +26,9 @@ __all__ = [
     "zero_grad_with_fault",
     "load_run",
     "read_rank_results",
+    "run_stale_embedding_reference",
     "run_torchrec_pipeline",
+    "torchrec_pipeline",
     "run_torchrun",
 ]
 
@@ -121,16 +123,57 @@ def inject_fault(ctx: Any) -> None:
         raise ValueError(f"{FAULT_ENV}: unknown fault kind {kind!r} (sigkill, sigterm, raise, collective, hang)")
 
 
-def run_torchrec_pipeline(model: Any, optimizer: Any, device: Any, batches: Any) -> tuple[list[float], list[list[int]]]:
-    """Train every batch of `batches` with torchrec's own `TrainPipelineSparseDist` (the
-    reference the parity tests compare the plans with): per-step losses and trained sample ids."""
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+def torchrec_pipeline(model: Any, optimizer: Any, device: Any, pipeline: str, **options: Any) -> Any:
+    """torchrec's own pipeline class `pipeline` (a name in
+    `torchrec.distributed.train_pipeline.train_pipelines`) around `model`, constructed with
+    `options`, whose `progress()` returns (loss, sample ids) of the batch it trained.
+
+    `TrainPipelineBase` calls the model itself (no `custom_model_fwd`): it gets a wrapper module
+    returning the same pair as the custom forward of the others.
+    """
+    import torch
+    from torchrec.distributed.train_pipeline import train_pipelines
 
     def forward(batch: Any) -> tuple[Any, tuple[Any, Any]]:
         loss, _ = model(batch)
         return loss, (loss.detach(), batch.sample_ids)
 
-    pipe = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True, custom_model_fwd=forward)
+    cls = getattr(train_pipelines, pipeline)
+    if issubclass(cls, train_pipelines.TrainPipelineSparseDist):
+        return cls(model, optimizer, device, custom_model_fwd=forward, **options)
+
+    class _Forward(torch.nn.Module):  # TrainPipelineBase: model(batch) -> (losses, output)
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, batch: Any) -> tuple[Any, tuple[Any, Any]]:
+            return forward(batch)
+
+    return cls(_Forward(), optimizer, device, **options)
+
+
+def run_torchrec_pipeline(
+    model: Any,
+    optimizer: Any,
+    device: Any,
+    batches: Any,
+    pipeline: str = "TrainPipelineSparseDist",
+    grad_accumulation: tuple[int, int] | None = None,
+    **options: Any,
+) -> tuple[list[float], list[list[int]]]:
+    """Train every batch of `batches` with torchrec's own pipeline class (`torchrec_pipeline`),
+    the reference the parity tests compare the plans with: per-step losses and trained sample ids.
+
+    `grad_accumulation=(steps, warmup_steps)` wraps it in torchrec's `GradientAccumulationWrapper`.
+    """
+    from torchrec.distributed.train_pipeline import GradientAccumulationConfig, GradientAccumulationWrapper
+
+    pipe = torchrec_pipeline(model, optimizer, device, pipeline, **options)
+    if grad_accumulation is not None:
+        steps, warmup = grad_accumulation
+        config = GradientAccumulationConfig(num_steps=steps, num_warmup_steps=warmup)
+        pipe = GradientAccumulationWrapper(pipe, optimizer, model, config)
     it, losses, ids = iter(batches), [], []
     while True:  # torchrec's pipeline ends with StopIteration once every batch is trained
         try:
@@ -140,3 +183,55 @@ def run_torchrec_pipeline(model: Any, optimizer: Any, device: Any, batches: Any)
         losses.append(float(loss))
         ids.append(sample_ids.tolist())
     return losses, ids
+
+
+def run_stale_embedding_reference(
+    model: Any, optimizer: Any, batches: Any, stash_gradients: bool = False
+) -> tuple[list[float], list[list[int]]]:
+    """A plain training loop with semi-synchronous embeddings, the reference of the `semi_sync`
+    plan where torchrec's TrainPipelineSemiSync cannot run (CPU): batch i's embedding lookup reads
+    the tables as they were before batch i-1's update (one step stale; batches 0 and 1 both read
+    the initial tables), while the dense part and the tables' own update are current.
+
+    No pipelining machinery: the model's own forward (DistributedModelParallel), with each local
+    table shard swapped to its previous-step copy for the forward and back to the current weights
+    before backward, whose fused update then applies batch i's gradients to the current tables.
+    With `stash_gradients` the dense step after batch i applies batch i-1's gradients.
+    """
+    tables = _local_table_weights(model)
+    losses, ids, previous, kept = [], [], None, {}
+    for batch in batches:
+        current = [w.detach().clone() for w in tables]
+        for weight, stale in zip(tables, previous or current, strict=True):
+            weight.data.copy_(stale)  # .data: the lookup's saved weights keep their autograd version
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        for weight, now in zip(tables, current, strict=True):
+            weight.data.copy_(now)
+        loss.backward()
+        if stash_gradients:
+            for name, param in model.named_parameters():  # a copy: DDP may reuse the gradient's storage
+                grad, param.grad = param.grad, kept.get(name)
+                if grad is not None:
+                    kept[name] = grad.clone()
+        optimizer.step()
+        previous = current
+        losses.append(float(loss))
+        ids.append(batch.sample_ids.tolist())
+    return losses, ids
+
+
+def _local_table_weights(model: Any) -> list[Any]:
+    """The local shards of the model's sharded tables, as views of the tables' own storage
+    (writing into them changes what the lookup reads)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    weights = [
+        shard.tensor
+        for value in model.state_dict().values()
+        if isinstance(value, ShardedTensor)
+        for shard in value.local_shards()
+    ]
+    if not weights:
+        raise ValueError("the model has no sharded tables")
+    return weights

@@ -14,6 +14,15 @@ not timed), side by side in one process group:
   torchrec_prefetch            torchrec's PrefetchTrainPipelineSparseDist (CUDA only: on the
                                CPU it fails, its caching kernels are CUDA-only)
 
+`--variants` also takes every plan file by its name (conf/pipeline/<name>.yaml: base,
+sparse_dist_lite, sparse_dist_enqueue_after_forward, prefetch, fused_sparse_dist, semi_sync,
+...) and every torchrec class of the family (`TORCHREC_CLASSES`): torchrec_base,
+torchrec_lite, torchrec_sdd_enqueue_after_forward, and on CUDA torchrec_fused and
+torchrec_semi_sync (on the CPU torchrec 1.8 fails in `Tensor.record_stream`: "unknown parameter
+type"). A plan with a torchrec counterpart (`COUNTERPART`) also gets "vs class", the paired
+ratio to that class. The semi_sync plan and class train other numbers (stale embeddings): their
+losses are checked against each other, not against serial's.
+
 The plans run exactly as `recsys-train` runs them: `training_plan(run)` compiles the plan,
 `Trainer(run, plan, info).fit()` trains (bootstrap, per-step bookkeeping and all); only the
 progress bar, evaluation and the metrics all-reduce are off (`trainer.log_every` past the run),
@@ -120,6 +129,30 @@ PLANS: dict[str, tuple[str, ...]] = {
 }
 TORCHREC = "torchrec_sdd"
 TORCHREC_PREFETCH = "torchrec_prefetch"
+#: torchrec's classes: variant -> (class in torchrec.distributed.train_pipeline.train_pipelines,
+#: constructor options, runs on the CPU)
+TORCHREC_CLASSES: dict[str, tuple[str, dict[str, Any], bool]] = {
+    TORCHREC: ("TrainPipelineSparseDist", {}, True),
+    "torchrec_base": ("TrainPipelineBase", {}, True),
+    "torchrec_lite": ("TrainPipelineSparseDistLite", {}, True),
+    "torchrec_sdd_enqueue_after_forward": ("TrainPipelineSparseDist", {"enqueue_batch_after_forward": True}, True),
+    TORCHREC_PREFETCH: ("PrefetchTrainPipelineSparseDist", {}, False),
+    "torchrec_fused": ("TrainPipelineFusedSparseDist", {}, False),
+    "torchrec_semi_sync": ("TrainPipelineSemiSync", {"start_batch": 0, "stash_gradients": False}, False),
+}
+#: plan file -> the torchrec class variant whose schedule it declares
+COUNTERPART = {
+    "sparse_dist": TORCHREC,
+    "base": "torchrec_base",
+    "sparse_dist_lite": "torchrec_lite",
+    "sparse_dist_enqueue_after_forward": "torchrec_sdd_enqueue_after_forward",
+    "prefetch": TORCHREC_PREFETCH,
+    "fused_sparse_dist": "torchrec_fused",
+    "semi_sync": "torchrec_semi_sync",
+}
+#: variants that train other numbers than serial (stale embeddings; also a stale dense update):
+#: variant -> its group, whose members' losses are compared with each other
+STALE = {"semi_sync": "semi_sync", "torchrec_semi_sync": "semi_sync", "semi_sync_stash": "semi_sync_stash"}
 BATCH_SIZES = (32, 256, 1024)
 #: timed and warm-up steps per batch size (about 0.7-1.5 s of timed steps per run on 2 CPU cores)
 STEPS = {32: 64, 256: 24, 1024: 8}
@@ -437,7 +470,7 @@ class Bench:
         """One run of variant `name`: this rank's figures, losses and peak memory."""
         self.memory.start()
         window = Window(self.info.device)
-        if name not in (TORCHREC, TORCHREC_PREFETCH):
+        if name not in TORCHREC_CLASSES:
             losses, extra = self._train_plan(name, window)
         else:
             losses, extra = self._train_torchrec(name, window)
@@ -462,24 +495,18 @@ class Bench:
             trainer.close()
 
     def _train_torchrec(self, name: str, window: Window) -> tuple[list[float], dict[str, Any]]:
-        from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
-
+        from recsys_pipe.testing import torchrec_pipeline
         from recsys_pipe.train import build_model
 
         model, optimizer = build_model(self.runs["serial"], self.info, self.spec)
-
-        def forward(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            loss, _ = model(batch)
-            return loss, loss.detach()
-
-        kind = PrefetchTrainPipelineSparseDist if name == TORCHREC_PREFETCH else TrainPipelineSparseDist
-        pipe = kind(model, optimizer, self.info.device, execute_all_batches=True, custom_model_fwd=forward)
+        cls, options, _ = TORCHREC_CLASSES[name]
+        pipe = torchrec_pipeline(model, optimizer, self.info.device, cls, **options)
         losses: list[Any] = []
         it = iter(self.batches)
         for step in range(len(self.batches)):
             if step == self.warmup:
                 window.open()
-            loss = pipe.progress(it)
+            loss, _ = pipe.progress(it)
             if step == self.warmup + self.steps - 1:
                 window.close()
             losses.append(loss if self.cuda else float(loss))  # CUDA: no host sync per step
@@ -577,6 +604,14 @@ def aggregate(
                 for where in rank0[0]["gaps_s"]
             }
         out[name] = row
+    for name, counterpart in COUNTERPART.items():
+        if name in records and counterpart in records:
+            reference = [max(rank["seconds"] for rank in rep) for rep in records[counterpart]]
+            mine = [max(rank["seconds"] for rank in rep) for rep in records[name]]
+            out[name]["vs_counterpart"] = {
+                "variant": counterpart,
+                **summary((r / s for r, s in zip(reference, mine)), 3),
+            }
     if TORCHREC in records:
         reference = [max(rank["seconds"] for rank in rep) for rep in records[TORCHREC]]
         for name, reps in records.items():
@@ -598,7 +633,7 @@ def print_table(batch_size: int, steps: int, repeats: int, world: int, rows: dic
         "interleaved repetitions; per rank, the larger of the ranks"
     )
     header = (
-        f"{'variant':<28} {'samples/s':>20} {'ms/step':>8} {'CPU ms/step':>11} {'vs torchrec':>21} "
+        f"{'variant':<36} {'samples/s':>20} {'ms/step':>8} {'CPU ms/step':>11} {'vs torchrec':>21} {'vs class':>21} "
         f"{'engine µs/step':>18} {'share %':>7} {'release µs':>10} {'loop µs':>8} {'GC ms':>6} {'peak RSS MiB':>12} "
         f"{'growth MiB':>10}"
     )
@@ -611,14 +646,16 @@ def print_table(batch_size: int, steps: int, repeats: int, world: int, rows: dic
         rss = f"{r['peak_rss_mib']['median']:.0f}" if "peak_rss_mib" in r else "-"
         growth = f"{r['rss_growth_mib']['median']:.0f}" if "rss_growth_mib" in r else "-"
         vs = fmt(r.get("vs_torchrec"), 3)
+        vs_class = fmt(r.get("vs_counterpart"), 3)
         print(
-            f"{name:<28} {fmt(r['samples_per_s']):>20} {r['ms_per_step']['median']:>8.2f} "
-            f"{r['cpu_ms_per_step']['median']:>11.2f} {vs:>21} {engine:>18} {share:>7} {release:>10} {loop:>8} "
+            f"{name:<36} {fmt(r['samples_per_s']):>20} {r['ms_per_step']['median']:>8.2f} "
+            f"{r['cpu_ms_per_step']['median']:>11.2f} {vs:>21} {vs_class:>21} {engine:>18} {share:>7} {release:>10} "
+            f"{loop:>8} "
             f"{r['gc_ms_per_step']['median']:>6.2f} {rss:>12} {growth:>10}"
         )
         if "cuda_peak_allocated_mib" in r:
             print(
-                f"{'':<28} CUDA peak allocated {fmt(r['cuda_peak_allocated_mib'])} MiB, "
+                f"{'':<36} CUDA peak allocated {fmt(r['cuda_peak_allocated_mib'])} MiB, "
                 f"reserved {fmt(r['cuda_peak_reserved_mib'])} MiB"
             )
     busy = statistics.median(r["machine_busy_percent"]["median"] for r in rows.values())
@@ -634,12 +671,12 @@ def print_breakdown(rows: dict[str, Any]) -> None:
     for name, r in rows.items():
         if "rank0_task_ms_per_step" in r:
             tasks = ", ".join(f"{t} {ms:.2f} [{r['thread_of'][t]}]" for t, ms in r["rank0_task_ms_per_step"].items())
-            print(f"  {name:<28} {tasks}")
+            print(f"  {name:<36} {tasks}")
     print("rank 0 engine µs/step (median) by where it falls:")
     for name, r in rows.items():
         if "rank0_engine_us_per_step_by_position" in r:
             where = ", ".join(f"{k} {us:.0f}" for k, us in r["rank0_engine_us_per_step_by_position"].items())
-            print(f"  {name:<28} {where}")
+            print(f"  {name:<36} {where}")
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -720,11 +757,22 @@ def main() -> None:
     plans = {**PLANS, **args.plan}
     variants = [*plans, TORCHREC] + ([TORCHREC_PREFETCH] if cuda else [])
     if args.variants:
+        from recsys_pipe.cli._hydra import CONF_DIR
+
+        files = {p.stem: (f"pipeline={p.stem}",) for p in sorted((CONF_DIR / "pipeline").glob("*.yaml"))}
+        plans = {**files, **plans}
+        known = [*plans, *TORCHREC_CLASSES]
         chosen = args.variants.split(",")
-        unknown = sorted(set(chosen) - set(variants))
+        unknown = sorted(set(chosen) - set(known))
         if unknown:
-            raise SystemExit(f"error: --variants: unknown {unknown}; choose from {variants}")
-        variants = [v for v in variants if v in chosen]
+            raise SystemExit(f"error: --variants: unknown {unknown}; choose from {known}")
+        cuda_only = [v for v in chosen if v in TORCHREC_CLASSES and not TORCHREC_CLASSES[v][2]]
+        if cuda_only and not cuda:
+            raise SystemExit(
+                f"error: --variants: {cuda_only} need CUDA: on the CPU torchrec 1.8 fails in Tensor.record_stream "
+                "(RuntimeError: unknown parameter type)"
+            )
+        variants = list(dict.fromkeys(chosen))
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
@@ -815,6 +863,23 @@ def main() -> None:
 def check_losses(records: dict[str, list[list[dict[str, Any]]]], cuda: bool, rank: int) -> dict[str, Any]:
     """CPU: every run's per-step losses bitwise equal to serial's first run, on every rank
     (raises otherwise). CUDA: the largest difference of the last loss, reported."""
+    groups: dict[str, dict[str, Any]] = {}
+    for name, reps in records.items():
+        groups.setdefault(STALE.get(name, ""), {})[name] = reps
+    notes = {group: check_loss_group(members, cuda, rank) for group, members in groups.items()}
+    if len(notes) == 1:
+        return next(iter(notes.values()))
+    return {
+        "checked": all(n["checked"] for n in notes.values()),
+        "equal": all(n.get("equal", False) for n in notes.values()),
+        "runs": sum(n.get("runs", 0) for n in notes.values()),
+        "steps": next(iter(notes.values())).get("steps"),
+        "note": "; ".join(f"stale embeddings ({g}): {n['note']}" if g else n["note"] for g, n in notes.items()),
+    }
+
+
+def check_loss_group(records: dict[str, list[list[dict[str, Any]]]], cuda: bool, rank: int) -> dict[str, Any]:
+    """`check_losses` for one group of variants that train the same numbers."""
     runs = [(name, r, rep[rank]["losses"]) for name, reps in records.items() for r, rep in enumerate(reps)]
     reference_name = "serial" if "serial" in records else runs[0][0]
     reference = records[reference_name][0][rank]["losses"]
@@ -857,7 +922,7 @@ def targets(report: dict[str, Any], variants: list[str], cuda: bool) -> dict[str
     for batch_size, entry in report["batches"].items():
         rows = entry["variants"]
         met: dict[str, Any] = {}
-        for name in (v for v in rows if v not in ("serial", TORCHREC, TORCHREC_PREFETCH)):  # the pipelined plans
+        for name in (v for v in rows if v != "serial" and v not in TORCHREC_CLASSES):  # the pipelined plans
             r = rows[name]
             checks: dict[str, bool] = {}
             if not cuda and int(batch_size) in TARGET_SPEED_BATCHES:

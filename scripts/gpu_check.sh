@@ -3,32 +3,53 @@
 # the engine's CUDA tests (tests/cuda), the launcher training model=dlrm_torch on CUDA through every
 # plan (tests/cuda/test_cuda_launcher.py), megatron-core's DDP against torch DDP
 # (tests/cuda/test_cuda_megatron.py), the GPU overlap benchmark (scripts/bench_gpu.py) and the
-# engine benchmark (scripts/bench_engine.py), each under a time limit (570 s together, so one
-# 10-minute device call always ends with the summary), and prints one summary table.
+# engine benchmark (scripts/bench_engine.py); where torchrec imports, also the launcher training
+# the torchrec HSTU model on CUDA through the plans (tests/cuda/test_cuda_torchrec.py) and the
+# training benchmark against torchrec's pipelines at world size 1 (scripts/bench_train.py). Each
+# step runs under a time limit and the whole run within --budget seconds (570 by default, so one
+# 10-minute remote call always ends with the summary); it prints one summary table.
 # Needs a python with CUDA torch, pytest and hypothesis, plus the wheels of what else is imported
 # (scripts/gpu_wheels.sh prepares them on a machine with a package index: nvtx for the engine, the
-# launcher's config stack and megatron-core for the training steps). Logs, the benchmarks' JSON and
-# summary.txt go to --out (default: $OUT if set, else runs/gpu_check/<time>). README, section
-# "GPU", has the device tool command.
+# launcher's config stack and megatron-core for the training steps, torchrec and its dependencies).
+#
+# Without a package index and with at most 64 MiB per upload, fbgemm-gpu (which torchrec needs)
+# comes in pieces, one per run: `--stage 1` and `--stage 2` copy their piece into --stage-dir (a
+# folder that outlives the run); `--stage 3` brings the last piece and the small wheels, checks
+# every piece against the checksums, joins and unpacks them into a site there, installs the small
+# wheels into it and runs every step. `--resume` runs again, with that site, the steps a staged
+# run left undone (out of time, failed). Logs, the benchmarks' JSON and summary.txt go to --out
+# (default: $OUT if set, else runs/gpu_check/<time>). docs/gpu.md has the exact commands.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 usage() {
   cat <<'EOF'
-usage: scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--python PY] [--quick]
+usage: scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--python PY] [--quick] [--budget S]
+                            [--stage N [--pieces DIR] [--assemble-only] | --resume] [--stage-dir DIR]
 
-  --out DIR     where the logs, bench_*.json and summary.txt go
-                (default: $OUT if set, else runs/gpu_check/<time>)
-  --wheels DIR  wheels to install into a temporary site first, without an index
-                (default: wheels/ in the repository, if it exists)
-  --python PY   the interpreter with CUDA torch, pytest and hypothesis (default: python3)
-  --quick       short benchmark runs: a smoke test of the whole sequence
-  -h, --help    this text
+  --out DIR        where the logs, bench_*.json and summary.txt go
+                   (default: $OUT if set, else runs/gpu_check/<time>)
+  --wheels DIR     wheels to install without an index (default: wheels/small in the repository,
+                   if it exists); with --stage, also where fbgemm_gpu.sha256 is looked for
+  --python PY      the interpreter with CUDA torch, pytest and hypothesis (default: python3)
+  --quick          short benchmark runs: a smoke test of the whole sequence
+  --budget S       seconds for this whole run; a step that would not fit is left for --resume
+                   (default 570)
+  --stage N        the N-th run bringing fbgemm-gpu in pieces: stages piece fb.part0<N-1>; the
+                   run that completes the set (fbgemm_gpu.sha256 in --wheels names the pieces)
+                   assembles the site and runs every step
+  --pieces DIR     where this run's piece is (default: wheels/ in the repository)
+  --stage-dir DIR  the folder kept between runs (default: /tmp/recsys_pipe_stage)
+  --assemble-only  with --stage: stop once the site is assembled (needs no GPU)
+  --resume         run the steps an earlier staged run did not pass, with its assembled site
+  -h, --help       this text
 
-exit status: 0 every step passed; 1 a step failed or ran out of time;
+exit status: 0 every step passed (with --stage: or the piece was staged and more are to come);
+             1 a step failed, ran out of time or was left for --resume;
              2 bad arguments, or the engine cannot be imported after installing the wheels;
-             3 no CUDA GPU is visible (nothing was run)
+             3 no CUDA GPU is visible (nothing was run);
+             4 the staged pieces are incomplete or corrupt (start again with --stage 1)
 EOF
 }
 
@@ -41,29 +62,127 @@ OUT_DIR="${OUT:-}"
 WHEELS=""
 PY="python3"
 QUICK=0
+BUDGET=570
+STAGE=0
+stage_given=0
+PIECES="$ROOT/wheels"
+STAGE_DIR="/tmp/recsys_pipe_stage"
+ASSEMBLE_ONLY=0
+RESUME=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --out | --wheels | --python)
+    --out | --wheels | --python | --budget | --stage | --pieces | --stage-dir)
       [[ $# -ge 2 && -n "$2" ]] || bad_usage "$1 needs a value"
       case "$1" in
         --out) OUT_DIR="$2" ;;
         --wheels) WHEELS="$2" ;;
         --python) PY="$2" ;;
+        --budget) BUDGET="$2" ;;
+        --stage) STAGE="$2" stage_given=1 ;;
+        --pieces) PIECES="$2" ;;
+        --stage-dir) STAGE_DIR="$2" ;;
       esac
       shift 2
       ;;
     --quick) QUICK=1; shift ;;
+    --assemble-only) ASSEMBLE_ONLY=1; shift ;;
+    --resume) RESUME=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) bad_usage "unknown argument '$1'" ;;
   esac
 done
+[[ "$BUDGET" =~ ^[0-9]+$ ]] && ((BUDGET >= 60)) || bad_usage "--budget must be a whole number of seconds >= 60, got '$BUDGET'"
+[[ "$STAGE" =~ ^([1-9][0-9]?|0)$ && ("$STAGE" != 0 || "$stage_given" == 0) ]] ||
+  bad_usage "--stage must be a piece number from 1 to 99, got '$STAGE'"
+if ((STAGE && RESUME)); then
+  bad_usage "--stage and --resume exclude each other"
+fi
+if ((ASSEMBLE_ONLY && !STAGE)); then
+  bad_usage "--assemble-only needs --stage"
+fi
 if [[ -n "$WHEELS" && ! -d "$WHEELS" ]]; then
   bad_usage "--wheels $WHEELS is not a directory"
 fi
-if [[ -z "$WHEELS" && -d "$ROOT/wheels" ]]; then
-  WHEELS="$ROOT/wheels"
+if [[ -z "$WHEELS" && -d "$ROOT/wheels/small" ]]; then
+  WHEELS="$ROOT/wheels/small"
 fi
 command -v "$PY" >/dev/null 2>&1 || bad_usage "python '$PY' not found"
+
+# -- fbgemm-gpu in pieces: stage this run's piece; the run completing the set assembles the site ----
+SITE_READY="$STAGE_DIR/site/.recsys_pipe_site_ready"
+stage_failed() {
+  echo "gpu_check: $1" >&2
+  echo "gpu_check: start again with --stage 1 (docs/gpu.md)" >&2
+  exit 4
+}
+if ((STAGE)); then
+  piece="$(printf 'fb.part%02d' $((STAGE - 1)))"
+  [[ -f "$PIECES/$piece" ]] || bad_usage "--stage $STAGE: no piece $PIECES/$piece here (bring it with this run)"
+  if ((STAGE == 1)); then # a new set: nothing of an earlier one may mix in
+    rm -rf "$STAGE_DIR"
+  fi
+  mkdir -p "$STAGE_DIR" || bad_usage "cannot create --stage-dir $STAGE_DIR"
+  { cp "$PIECES/$piece" "$STAGE_DIR/$piece.partial" && mv "$STAGE_DIR/$piece.partial" "$STAGE_DIR/$piece"; } ||
+    stage_failed "could not copy $piece into $STAGE_DIR"
+  echo "[gpu_check] staged $piece in $STAGE_DIR:"
+  ls -l "$STAGE_DIR" | sed 's/^/    /'
+  manifest=""
+  if [[ -n "$WHEELS" && -f "$WHEELS/fbgemm_gpu.sha256" ]]; then
+    manifest="$(cd "$WHEELS" && pwd)/fbgemm_gpu.sha256"
+  fi
+  if [[ -z "$manifest" ]]; then
+    echo "[gpu_check] piece $STAGE staged; next: --stage $((STAGE + 1)) with fb.part$(printf '%02d' "$STAGE")"
+    exit 0
+  fi
+  mapfile -t wanted < <(awk '{ print $2 }' "$manifest")
+  missing=()
+  for name in "${wanted[@]}"; do
+    [[ -f "$STAGE_DIR/$name" ]] || missing+=("$name")
+  done
+  if ((${#missing[@]})); then
+    if ((STAGE >= ${#wanted[@]})); then
+      stage_failed "pieces missing from $STAGE_DIR: ${missing[*]} (was the machine restarted between runs?)"
+    fi
+    echo "[gpu_check] piece $STAGE of ${#wanted[@]} staged; next: --stage $((STAGE + 1))"
+    exit 0
+  fi
+  (cd "$STAGE_DIR" && sha256sum --quiet -c "$manifest") >&2 || stage_failed "a piece in $STAGE_DIR does not match $manifest"
+  echo "[gpu_check] all ${#wanted[@]} pieces staged and intact: unpacking into $STAGE_DIR/site"
+  rm -rf "$STAGE_DIR/site" "$STAGE_DIR/site.partial" "$STAGE_DIR/steps.tsv" "$STAGE_DIR/results"
+  start=$SECONDS
+  # the pieces joined in order are one tar.xz of the wheel's site-packages layout
+  (cd "$STAGE_DIR" && cat "${wanted[@]}") | "$PY" -c '
+import sys, tarfile
+with tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz") as archive:
+    if hasattr(tarfile, "data_filter"):  # Python >= 3.12 (and patched 3.8+): refuse unsafe members
+        archive.extractall(sys.argv[1], filter="data")
+    else:
+        archive.extractall(sys.argv[1])
+' "$STAGE_DIR/site.partial" || stage_failed "the joined pieces did not unpack"
+  shopt -s nullglob
+  small=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  if ((${#small[@]})); then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+      --root-user-action=ignore --target "$STAGE_DIR/site.partial" "${small[@]}" >"$STAGE_DIR/pip.log" 2>&1 || {
+      echo "gpu_check: the wheels in $WHEELS did not install into the staged site:" >&2
+      tail -n 20 "$STAGE_DIR/pip.log" >&2
+      exit 2
+    }
+  fi
+  mv "$STAGE_DIR/site.partial" "$STAGE_DIR/site"
+  touch "$SITE_READY"
+  echo "[gpu_check] site assembled in $((SECONDS - start)) s: $(du -sh "$STAGE_DIR/site" | cut -f1), ${#small[@]} small wheel(s)"
+  if ((ASSEMBLE_ONLY)); then
+    exit 0
+  fi
+elif ((RESUME)) && [[ ! -f "$SITE_READY" ]]; then
+  stage_failed "no assembled site in $STAGE_DIR to resume with"
+fi
+STAGED=0
+if ((STAGE || RESUME)); then
+  STAGED=1
+fi
 
 # -- is there a GPU? (before anything is installed or run) ------------------------------------------
 probe="$("$PY" -c '
@@ -77,7 +196,7 @@ print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), sep="|")
 IFS='|' read -r torch_version cuda_build cuda_available <<<"${probe##*$'\n'}"
 if [[ "$cuda_available" != "True" ]]; then
   echo "gpu_check: no CUDA GPU is visible to $PY (torch $torch_version, CUDA build $cuda_build); nothing was run." >&2
-  echo "gpu_check: run this on a GPU machine (README, section GPU)." >&2
+  echo "gpu_check: run this on a GPU machine (docs/gpu.md)." >&2
   exit 3
 fi
 
@@ -88,22 +207,26 @@ mkdir -p "$OUT_DIR" || bad_usage "cannot create --out $OUT_DIR"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 
-# -- the wheels brought along, into a temporary site -------------------------------------------------
-SITE="$WORK/site"
-mkdir -p "$SITE"
-shopt -s nullglob
-wheels=()
-if [[ -n "$WHEELS" ]]; then
-  wheels=("$WHEELS"/*.whl)
-fi
-shopt -u nullglob
-if ((${#wheels[@]})); then
-  echo "[gpu_check] installing ${#wheels[@]} wheel(s) from $WHEELS into a temporary site"
-  if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-    --root-user-action=ignore --target "$SITE" "${wheels[@]}" >"$WORK/pip.log" 2>&1; then
-    echo "gpu_check: the wheels in $WHEELS did not install:" >&2
-    tail -n 20 "$WORK/pip.log" >&2
-    exit 2
+# -- the wheels brought along, into a temporary site (or the staged one) -----------------------------
+if ((STAGED)); then
+  SITE="$STAGE_DIR/site"
+else
+  SITE="$WORK/site"
+  mkdir -p "$SITE"
+  shopt -s nullglob
+  wheels=()
+  if [[ -n "$WHEELS" ]]; then
+    wheels=("$WHEELS"/*.whl)
+  fi
+  shopt -u nullglob
+  if ((${#wheels[@]})); then
+    echo "[gpu_check] installing ${#wheels[@]} wheel(s) from $WHEELS into a temporary site"
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+      --root-user-action=ignore --target "$SITE" "${wheels[@]}" >"$WORK/pip.log" 2>&1; then
+      echo "gpu_check: the wheels in $WHEELS did not install:" >&2
+      tail -n 20 "$WORK/pip.log" >&2
+      exit 2
+    fi
   fi
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -117,14 +240,44 @@ if ! engine_error="$("$PY" -c 'import recsys_pipe.engine' 2>&1)"; then
 fi
 
 # -- the steps ---------------------------------------------------------------------------------------
-STEPS="$WORK/steps.tsv"
-: >"$STEPS"
+# A staged run keeps its step table and results in --stage-dir, so --resume can skip what passed.
+if ((STAGED)); then
+  STEPS="$STAGE_DIR/steps.tsv"
+  RESULTS="$STAGE_DIR/results"
+  mkdir -p "$RESULTS"
+  cp -r "$RESULTS"/. "$OUT_DIR"/ # earlier runs' logs and reports, for the summary
+else
+  STEPS="$WORK/steps.tsv"
+  RESULTS=""
+fi
+touch "$STEPS"
+#: seconds kept for the summary at the end of --budget; a step gets at least MIN_STEP_S or waits
+SUMMARY_RESERVE_S=15
+MIN_STEP_S=30
 
-# run_step NAME LIMIT_S COMMAND...: runs COMMAND in the repository root under a time limit, output
-# to $OUT_DIR/NAME.log; records "NAME<TAB>status<TAB>seconds" in $STEPS.
+# record NAME STATUS SECONDS: the step's row in $STEPS (replacing an earlier run's)
+record() {
+  awk -F'\t' -v name="$1" '$1 != name' "$STEPS" >"$STEPS.new" && mv "$STEPS.new" "$STEPS"
+  printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"
+}
+
+# run_step NAME LIMIT_S COMMAND...: runs COMMAND in the repository root under a time limit (cut to
+# what is left of --budget), output to $OUT_DIR/NAME.log; records "NAME<TAB>status<TAB>seconds". On
+# --resume a step that passed before is not run again.
 run_step() {
   local name="$1" limit="$2"
   shift 2
+  if ((RESUME)) && awk -F'\t' -v name="$name" '$1 == name && $2 == "passed" { found = 1 } END { exit !found }' "$STEPS"; then
+    echo "[gpu_check] $name: passed in an earlier run"
+    return
+  fi
+  local left=$((BUDGET - SUMMARY_RESERVE_S - SECONDS))
+  if ((left < MIN_STEP_S)); then
+    record "$name" "left for --resume" 0
+    echo "[gpu_check] $name: not started, ${left} s of --budget left (run again with --resume)"
+    return
+  fi
+  ((limit <= left)) || limit=$left
   local log="$OUT_DIR/$name.log" start=$SECONDS rc status
   echo "[gpu_check] $name: running (limit ${limit} s)"
   (cd "$ROOT" && timeout --kill-after=15 "$limit" "$@") >"$log" 2>&1
@@ -134,16 +287,24 @@ run_step() {
     124 | 137) status="timed out after ${limit} s" ;;
     *) status="failed (exit $rc)" ;;
   esac
-  printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - start))" >>"$STEPS"
+  record "$name" "$status" "$((SECONDS - start))"
   echo "[gpu_check] $name: $status in $((SECONDS - start)) s (log: $log)"
   if [[ $rc -ne 0 ]]; then
     tail -n 30 "$log" | sed 's/^/    /'
   fi
+  if [[ -n "$RESULTS" ]]; then
+    cp "$log" "$RESULTS/"
+  fi
 }
 
-# last_json LOG OUT: the benchmark's last output line (its JSON report), if it is one
+# last_json NAME: the benchmark's last output line (its JSON report), if it is one
 last_json() {
-  tail -n 1 "$1" | grep '^{' >"$2" || rm -f "$2"
+  local log="$OUT_DIR/$1.log" json="$OUT_DIR/$1.json"
+  [[ -f "$log" ]] || return 0
+  tail -n 1 "$log" | grep '^{' >"$json" || rm -f "$json"
+  if [[ -n "$RESULTS" && -f "$json" ]]; then
+    cp "$json" "$RESULTS/"
+  fi
 }
 
 bench_args=()
@@ -151,13 +312,13 @@ if ((QUICK)); then
   bench_args=(--quick)
 fi
 
-TRAINING_TESTS=(tests/cuda/test_cuda_launcher.py tests/cuda/test_cuda_megatron.py)
+TRAINING_TESTS=(tests/cuda/test_cuda_launcher.py tests/cuda/test_cuda_megatron.py tests/cuda/test_cuda_torchrec.py)
 run_step cuda_tests 180 "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider \
   "${TRAINING_TESTS[@]/#/--ignore=}"
 run_step launcher_cuda 120 "$PY" -m pytest "${TRAINING_TESTS[0]}" -q -rs -p no:cacheprovider
 run_step megatron_cuda 60 "$PY" -m pytest "${TRAINING_TESTS[1]}" -q -rs -p no:cacheprovider
 run_step bench_gpu 120 "$PY" scripts/bench_gpu.py ${bench_args[@]+"${bench_args[@]}"}
-last_json "$OUT_DIR/bench_gpu.log" "$OUT_DIR/bench_gpu.json"
+last_json bench_gpu
 
 engine_args=(${bench_args[@]+"${bench_args[@]}"})
 PLANS_NOTE=""
@@ -171,11 +332,32 @@ if ! plans_error="$("$PY" -c "$probe" 2>&1)"; then
   PLANS_NOTE="shipped plans skipped: ${plans_error##*$'\n'}"
 fi
 run_step bench_engine 90 "$PY" scripts/bench_engine.py ${engine_args[@]+"${engine_args[@]}"}
-last_json "$OUT_DIR/bench_engine.log" "$OUT_DIR/bench_engine.json"
+last_json bench_engine
+
+# torchrec's steps, where torchrec and its CUDA fbgemm-gpu import (brought by the --stage runs)
+TORCHREC_NOTE=""
+if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
+  run_step torchrec_cuda 180 "$PY" -m pytest "${TRAINING_TESTS[2]}" -q -rs -p no:cacheprovider
+  if ((QUICK)); then
+    train_args=(--quick)
+  else
+    train_args=(--batch-sizes 256 --repeats 3)
+  fi
+  # one GPU: world size 1 (NCCL refuses two ranks on one device)
+  run_step bench_train 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    scripts/bench_train.py "${train_args[@]}"
+  last_json bench_train
+elif ((STAGED)); then # the staged site was to bring torchrec: its absence fails the run
+  TORCHREC_NOTE="torchrec does not import from the staged site: ${torchrec_error##*$'\n'}"
+  record torchrec_cuda "failed (no torchrec)" 0
+  record bench_train "failed (no torchrec)" 0
+else
+  TORCHREC_NOTE="torchrec is not importable here: bring it with the --stage runs (docs/gpu.md)"
+fi
 
 # -- one summary --------------------------------------------------------------------------------------
 GPU_INFO="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)"
-"$PY" - "$OUT_DIR" "$STEPS" "$GPU_INFO" "$PLANS_NOTE" <<'PYTHON'
+"$PY" - "$OUT_DIR" "$STEPS" "$GPU_INFO" "$PLANS_NOTE" "$TORCHREC_NOTE" <<'PYTHON'
 import json
 import platform
 import sys
@@ -184,7 +366,8 @@ from pathlib import Path
 
 import torch
 
-out, steps_file, gpu_info, plans_note = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+out, steps_file, gpu_info = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+plans_note, torchrec_note = sys.argv[4], sys.argv[5]
 
 
 def load(name):
@@ -234,12 +417,30 @@ def bench_engine_result():
     return text + (f" ({plans_note})" if plans_note else "")
 
 
+def bench_train_result():
+    r = load("bench_train.json")
+    if r is None:
+        return "no report"
+    parts = []
+    for batch_size, entry in r["batches"].items():
+        rows = entry["variants"]
+        speeds = ", ".join(
+            f"{name} {med(row['samples_per_s']):.0f}"
+            + (f" (×{med(row['vs_torchrec']):.3f})" if isinstance(row.get("vs_torchrec"), dict) else "")
+            for name, row in rows.items()
+        )
+        parts.append(f"batch {batch_size}: samples/s {speeds}; {entry['losses']['note']}")
+    return "; ".join(parts)
+
+
 results = {
     "cuda_tests": lambda: tests_result("cuda_tests"),
     "launcher_cuda": lambda: tests_result("launcher_cuda"),
     "megatron_cuda": lambda: tests_result("megatron_cuda"),
     "bench_gpu": bench_gpu_result,
     "bench_engine": bench_engine_result,
+    "torchrec_cuda": lambda: tests_result("torchrec_cuda"),
+    "bench_train": bench_train_result,
 }
 rows = [line.split("\t") for line in steps_file.read_text().splitlines()]
 header = (
@@ -248,10 +449,20 @@ header = (
 )
 lines = [header, f"{'step':<14} {'status':<26} {'s':>5}  result"]
 for name, status, seconds in rows:
-    lines.append(f"{name:<14} {status:<26} {seconds:>5}  {results[name]()}")
+    result = results[name]() if status not in ("left for --resume", "failed (no torchrec)") else "-"
+    if status == "failed (no torchrec)":
+        result = torchrec_note
+    lines.append(f"{name:<14} {status:<26} {seconds:>5}  {result}")
+if not any(name == "torchrec_cuda" for name, _, _ in rows):
+    lines.append(f"{'torchrec':<14} {'not run':<26} {'-':>5}  {torchrec_note}")
 lines.append(f"{'profiler':<14} {'not run':<26} {'-':>5}  the task profiler has not landed on this branch")
 passed = all(status == "passed" for _, status, _ in rows)
-lines.append("overall: " + ("PASSED" if passed else "FAILED"))
+left = [name for name, status, _ in rows if status == "left for --resume"]
+if left:
+    verdict = f"INCOMPLETE: {', '.join(left)} left; run again with --resume"
+else:
+    verdict = "PASSED" if passed else "FAILED"
+lines.append("overall: " + verdict)
 text = "\n".join(lines)
 (out / "summary.txt").write_text(text + "\n")
 print(text)

@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
-# Prepares, on a machine with a package index, the wheels a GPU machine without one needs for
-# scripts/gpu_check.sh: downloads them for CPython 3.12 on x86-64 Linux into wheels/ (ignored by
-# git; carried to the GPU machine next to the repository).
+# Prepares, on a machine with a package index, what a GPU machine without one needs for
+# scripts/gpu_check.sh, for CPython 3.12 on x86-64 Linux, under wheels/ (ignored by git; carried to
+# the GPU machine next to the repository, in pieces small enough for a runner that accepts at most
+# 64 MiB per upload):
 #
-#   bash scripts/gpu_wheels.sh [--dir DIR] [REQUIREMENT ...]
+#   wheels/small/*.whl            the small wheels (about 14 MB), installed without an index
+#   wheels/small/fbgemm_gpu.sha256  the checksums of the pieces below (travels with the last piece)
+#   wheels/fb.part00, 01, 02      fbgemm-gpu 1.6.0, the CUDA 13 build for torch 2.11 (a 443 MiB
+#                                 wheel): unpacked, repacked as `tar | xz -9` and split into
+#                                 pieces of at most 56 MiB, so torchrec can run there
 #
-# Without requirements it fetches what gpu_check.sh needs beyond the GPU machine's torch, pytest and
-# hypothesis (about 11 MB), pinned to the versions scripts/setup.sh installed on CPU when this list
-# was written: nvtx (the engine's only other import); the launcher's config stack, pydantic,
-# pydantic-core, annotated-types, typing-inspection, typing-extensions, omegaconf,
-# antlr4-python3-runtime, hydra-core, PyYAML; megatron-core and the packaging it requires; and what
-# the trainer imports, torchmetrics, lightning-utilities, tqdm (the GPU image has some of these;
-# carrying them keeps the versions tested on CPU). Each is fetched without its dependencies: name
-# every one. Further requirements replace the list, e.g.
-#   bash scripts/gpu_wheels.sh nvtx==0.2.17
+#   bash scripts/gpu_wheels.sh [--dir DIR] [--no-fbgemm] [REQUIREMENT ...]
+#
+#   --dir DIR     where to put small/ and the pieces (default: wheels/ in the repository)
+#   --no-fbgemm   only the small wheels
+#
+# The small wheels are what gpu_check.sh needs beyond the GPU machine's torch, pytest and
+# hypothesis, pinned to the versions scripts/setup.sh installed on CPU when this list was written:
+# nvtx (the engine's only other import); the launcher's config stack, pydantic, pydantic-core,
+# annotated-types, typing-inspection, typing-extensions, omegaconf, antlr4-python3-runtime,
+# hydra-core, PyYAML; megatron-core and the packaging it requires; what the trainer imports,
+# torchmetrics, lightning-utilities, tqdm (the GPU image has some of these; carrying them keeps the
+# versions tested on CPU); and torchrec 1.6.1 (the pure-Python release paired with fbgemm-gpu
+# 1.6.0 and torch 2.11) with what it imports that the GPU image lacks: tensordict, cloudpickle,
+# pyvers, iopath, portalocker. Each is fetched without its dependencies: name every one. Further
+# requirements replace the list, e.g.
+#   bash scripts/gpu_wheels.sh --no-fbgemm nvtx==0.2.17
 # A requirement published without a wheel for that platform (antlr4-python3-runtime 4.9.3 has only
 # a source archive) is built here into a wheel, which is kept only if it is pure Python.
+# Repacking takes about 5 minutes on 2 cores (xz -9, 2 threads); a second run keeps pieces whose
+# checksums still match. scripts/gpu_check.sh --stage 1, 2, 3 installs them (docs/gpu.md).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,10 +41,15 @@ DEFAULT=(
   omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 PyYAML==6.0.3
   megatron-core==0.16.1 packaging==26.3
   torchmetrics==1.9.0 lightning-utilities==0.15.3 tqdm==4.70.1
+  torchrec==1.6.1 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0.2.3 iopath==0.1.9 portalocker==4.4.2
 )
+FBGEMM=fbgemm-gpu==1.6.0
+#: one piece's size: 64 MiB per upload leaves room for the repository, and next to the last piece the small wheels
+PIECE_SIZE=56m
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 requirements=()
+FBGEMM_PIECES=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dir)
@@ -38,13 +57,15 @@ while [[ $# -gt 0 ]]; do
       DIR="$2"
       shift 2
       ;;
+    --no-fbgemm) FBGEMM_PIECES=0; shift ;;
     -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) echo "gpu_wheels: unknown option '$1' (see --help)" >&2; exit 2 ;;
     *) requirements+=("$1"); shift ;;
   esac
 done
 ((${#requirements[@]})) || requirements=("${DEFAULT[@]}")
-mkdir -p "$DIR"
+SMALL="$DIR/small"
+mkdir -p "$SMALL"
 
 platform_args=()
 for p in "${PLATFORMS[@]}"; do
@@ -55,7 +76,7 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 for requirement in "${requirements[@]}"; do
   if "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version 3.12 --implementation cp "${platform_args[@]}" -d "$DIR" "$requirement" >"$log" 2>&1; then
+    --python-version 3.12 --implementation cp "${platform_args[@]}" -d "$SMALL" "$requirement" >"$log" 2>&1; then
     echo "[gpu_wheels] $requirement: wheel downloaded"
     continue
   fi
@@ -68,9 +89,33 @@ for requirement in "${requirements[@]}"; do
     rm -rf "$build"
     exit 1
   fi
-  mv "${built[0]}" "$DIR/"
+  mv "${built[0]}" "$SMALL/"
   rm -rf "$build"
   echo "[gpu_wheels] $requirement: pure-Python wheel built"
 done
 
-du -ch "$DIR"/*.whl | tail -n 1 | sed "s|total|in $DIR (the device tool carries at most 64 MiB with the repository)|"
+echo "[gpu_wheels] small wheels: $(du -ch "$SMALL"/*.whl | tail -n 1 | cut -f1) in $SMALL"
+
+((FBGEMM_PIECES)) || exit 0
+# -- fbgemm-gpu in pieces ---------------------------------------------------------------------------
+MANIFEST="$SMALL/fbgemm_gpu.sha256"
+if [[ -f "$MANIFEST" ]] && (cd "$DIR" && sha256sum --quiet -c "$MANIFEST" >/dev/null 2>&1); then
+  echo "[gpu_wheels] $FBGEMM: pieces already made and intact ($MANIFEST)"
+else
+  work="$(mktemp -d "${TMPDIR:-/tmp}/gpu_wheels.XXXXXX")"
+  trap 'rm -f "$log"; rm -rf "$work"' EXIT
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp "${platform_args[@]}" -d "$work" "$FBGEMM"
+  wheel=("$work"/*.whl)
+  echo "[gpu_wheels] $FBGEMM: $(basename "${wheel[0]}"), $(du -h "${wheel[0]}" | cut -f1); repacking (xz -9, takes minutes)"
+  # A wheel is a zip of its site-packages layout: unpacked, it is the installed package.
+  "$PY" -m zipfile -e "${wheel[0]}" "$work/site"
+  rm -f "${wheel[0]}" "$MANIFEST" "$DIR"/fb.part*
+  tar -C "$work/site" -cf - . | xz -T2 -9 >"$work/fbgemm_gpu.tar.xz"
+  split -b "$PIECE_SIZE" -d -a 2 "$work/fbgemm_gpu.tar.xz" "$DIR/fb.part"
+  (cd "$DIR" && sha256sum fb.part*) >"$MANIFEST"
+fi
+for piece in "$DIR"/fb.part*; do
+  echo "[gpu_wheels] $(basename "$piece"): $(stat -c %s "$piece") bytes"
+done
+echo "[gpu_wheels] each run of scripts/gpu_check.sh --stage N brings fb.part0(N-1); the last also brings $SMALL"

@@ -49,11 +49,21 @@ def require_packages(*names: str) -> None:
         pytest.skip(reason)
 
 
-def run_launcher_worker(out_dir: Path, device: str, variants: list[str], steps: int, timeout: float = 500) -> dict:
-    """The worker's report for these variants (torchrec blocked, one process)."""
+def run_launcher_worker(
+    out_dir: Path,
+    device: str,
+    variants: list[str],
+    steps: int,
+    timeout: float = 500,
+    model: str = "dlrm_torch",
+    block_torchrec: bool = True,
+) -> dict:
+    """The worker's report for these variants of `model` (one process; torchrec made unimportable
+    unless `block_torchrec` is false, as a model with torchrec tables needs)."""
     out = out_dir / "report.json"
+    block = ["--block-torchrec"] if block_torchrec else []
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), "--device", device, "--block-torchrec", "--steps", str(steps)]
+        [sys.executable, str(WORKER), str(out), "--device", device, "--model", model, *block, "--steps", str(steps)]
         + ["--variants", *variants],
         capture_output=True,
         text=True,
@@ -69,9 +79,12 @@ def run_launcher_worker(out_dir: Path, device: str, variants: list[str], steps: 
     return json.loads(out.read_text())
 
 
-def assert_runs_match_serial(report: dict, steps: int, placement: str, refused: tuple[str, ...] = ()) -> None:
+def assert_runs_match_serial(
+    report: dict, steps: int, placement: str, refused: tuple[str, ...] = (), torchrec: bool = False
+) -> None:
     """Every variant trained the serial plan's losses bitwise, every step, where `placement` says;
-    the `refused` ones exited 2 (config error) without training."""
+    the `refused` ones exited 2 (config error) without training; torchrec was imported exactly
+    when the model has torchrec tables (`torchrec`)."""
     variants = report["variants"]
     reference = variants["serial"]
     assert reference["exit_code"] == 0 and len(reference["losses"]) == steps, reference
@@ -83,4 +96,4 @@ def assert_runs_match_serial(report: dict, steps: int, placement: str, refused: 
         assert result["exit_code"] == 0, (name, result)
         assert result["placement"] == placement, (name, result["placement"])
         assert result["losses"] == reference["losses"], f"{name}: {result['losses']} vs serial {reference['losses']}"
-    assert report["torchrec_imported"] is False
+    assert report["torchrec_imported"] is torchrec

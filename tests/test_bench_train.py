@@ -20,19 +20,38 @@ PLANS = {
     "hstu_prefetch/sequential",
     "hstu_prefetch/threaded",
 }
+#: torchrec's pipeline family: plan files and the torchrec classes that run on the CPU
+FAMILY_PLANS = {"base", "sparse_dist_lite", "sparse_dist_enqueue_after_forward", "prefetch", "fused_sparse_dist"}
+FAMILY_CLASSES = {"torchrec_sdd", "torchrec_base", "torchrec_lite", "torchrec_sdd_enqueue_after_forward"}
+COUNTERPARTS = {
+    "sparse_dist": "torchrec_sdd",
+    "base": "torchrec_base",
+    "sparse_dist_lite": "torchrec_lite",
+    "sparse_dist_enqueue_after_forward": "torchrec_sdd_enqueue_after_forward",
+}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(330)
 def test_bench_train_quick_reports_every_variant_and_checks_losses():
-    proc = run_torchrun(ROOT / "scripts" / "bench_train.py", "--quick", timeout=240, env={"PYTHONPATH": str(ROOT)})
+    """Every shipped plan, the family's plan files and torchrec's classes (those that run on the
+    CPU), with the semi_sync plan checked on its own (stale embeddings: other losses)."""
+    variants = sorted(PLANS | FAMILY_PLANS | FAMILY_CLASSES | {"semi_sync"})
+    proc = run_torchrun(
+        ROOT / "scripts" / "bench_train.py",
+        "--quick",
+        "--variants",
+        ",".join(variants),
+        timeout=280,
+        env={"PYTHONPATH": str(ROOT)},
+    )
     check_torchrun(proc)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"machine", "repeats", "batches", "targets", "observer_us_per_step"} <= set(report)
     assert report["machine"]["ranks"] == 2 and report["machine"]["pinned"] is True
     (entry,) = report["batches"].values()
     rows = entry["variants"]
-    assert set(rows) == PLANS | {"torchrec_sdd"}  # CPU: no torchrec_prefetch
+    assert set(rows) == set(variants)
     assert entry["losses"] == {
         "checked": True,
         "equal": True,
@@ -48,5 +67,8 @@ def test_bench_train_quick_reports_every_variant_and_checks_losses():
             assert set(row["rank0_task_ms_per_step"]) >= {"forward", "backward", "optimizer_step"}, name
     assert rows["torchrec_sdd"]["vs_torchrec"]["median"] == 1.0
     assert "engine_us_per_step" not in rows["torchrec_sdd"]
-    assert set(report["targets"]["met"]["16"]) == PLANS - {"serial"}
+    for plan, torchrec_class in COUNTERPARTS.items():  # the paired ratio to the plan's own class
+        assert rows[plan]["vs_counterpart"]["variant"] == torchrec_class and rows[plan]["vs_counterpart"]["median"] > 0
+    assert "stale embeddings (semi_sync)" in entry["losses"]["note"]
+    assert set(report["targets"]["met"]["16"]) == (PLANS | FAMILY_PLANS | {"semi_sync"}) - {"serial"}
     assert "targets:" in proc.stdout

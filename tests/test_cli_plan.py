@@ -53,8 +53,9 @@ GOLDEN = Path(__file__).parent / "golden"
 @pytest.mark.parametrize("pipeline", ["serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch"])
 @pytest.mark.parametrize("thread_map", ["hstu_default", "by_stream", "per_task"])
 def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline, thread_map):
-    """The plans are Hydra derivations of one task set (serial <- sparse_dist <- hstu_sparse_dist <-
-    hstu_prefetch); each must compile to exactly the schedule it printed as a stand-alone file."""
+    """The plans are Hydra derivations of one task set (serial <- sparse_dist <- hstu_sparse_dist;
+    sparse_dist <- prefetch <- hstu_prefetch); each must compile to exactly the schedule it
+    printed as a stand-alone file."""
     assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}") == 0
     expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()
     assert (tmp_path / "plan.txt").read_text() == expected
@@ -74,7 +75,7 @@ def test_derived_plans_restate_only_what_differs():
     assert texts["serial"].count("fn: ") == 8  # the one full task set
     assert texts["sparse_dist"].count("fn: ") == 0 and "- serial" in texts["sparse_dist"]
     assert texts["hstu_sparse_dist"].count("fn: ") == 0 and "- sparse_dist" in texts["hstu_sparse_dist"]
-    assert texts["hstu_prefetch"].count("fn: ") == 1 and "- hstu_sparse_dist" in texts["hstu_prefetch"]
+    assert texts["hstu_prefetch"].count("fn: ") == 0 and "- prefetch" in texts["hstu_prefetch"]
     for balanced, parent in [
         ("serial_balanced", "serial"),
         ("hstu_sparse_dist_balanced", "hstu_sparse_dist"),
@@ -107,8 +108,9 @@ def test_help_lists_groups_and_options(capsys):
     out = capsys.readouterr().out
     assert "recsys-plan: compile a training plan" in out
     assert (
-        "pipeline: hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, hstu_sparse_dist_balanced, serial, "
-        "serial_balanced, sparse_dist" in out
+        "pipeline: base, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, "
+        "hstu_sparse_dist_balanced, prefetch, semi_sync, semi_sync_stash, serial, serial_balanced, sparse_dist, "
+        "sparse_dist_enqueue_after_forward, sparse_dist_lite" in out
     )
     assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_retrieval, hstu_small, sasrec" in out
     assert "data: criteo, criteo_synthetic, custom, movielens, sequences, synthetic" in out
@@ -281,7 +283,13 @@ BAD = [
         "pipeline.tasks.forward.fn",
         "No module named 'no_such_pkg_xyz'",
     ),
-    ("fn-not-a-path", ["pipeline.tasks.forward.fn=forward"], "pipeline.tasks.forward.fn", "not an import path"),
+    ("fn-not-a-path", ["pipeline.tasks.forward.fn=my_pkg..forward"], "pipeline.tasks.forward.fn", "not an import path"),
+    (
+        "fn-unknown-task-name",
+        ["pipeline.tasks.forward.fn=forwrd"],
+        "pipeline.tasks.forward.fn",
+        "unknown task 'forwrd' (did you mean 'forward'?)",
+    ),
     ("typo-key-plus", ["+pipeline.tasks.h2d.lookahed=3"], "pipeline.tasks.h2d.lookahed", "did you mean 'lookahead'"),
     ("typo-key-override", ["pipeline.tasks.h2d.lookahed=3"], "pipeline.tasks.h2d.lookahed", "lookahed"),
     ("typo-plan-key", ["+pipeline.executer=threaded"], "pipeline.executer", "did you mean 'executor'"),

@@ -154,7 +154,7 @@ def test_help_lists_groups():
     proc = subprocess.run([str(BIN / "recsys-train"), "--help"], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0
     for group in (
-        "pipeline: hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, hstu_sparse_dist_balanced",
+        "pipeline: base, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist",
         "thread_map:",
         "trainer:",
     ):

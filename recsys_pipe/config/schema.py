@@ -81,7 +81,10 @@ TaskName = Annotated[StrictStr, Field(min_length=1)]
 class TaskConfig(Section):
     """One task of the plan. Its name is its key in `pipeline.tasks`."""
 
-    fn: StrictStr = Field(description="import path of the task function `fn(ctx) -> None`, e.g. pkg.module.func")
+    fn: StrictStr = Field(
+        description="the task function `fn(ctx) -> None`: a registered task (h2d, forward, ...) or the import "
+        "path of your own, pkg.module:function"
+    )
     stream: StrictStr = Field("default", min_length=1, description="stream name; must be listed in pipeline.streams")
     lookahead: StrictInt = Field(0, ge=0, description="how many batches ahead of the trained batch this task runs")
     reads: list[Slot] = Field(default_factory=list, description="slots consumed: name or [name, batch_offset]")
@@ -140,9 +143,11 @@ class PlanConfig(Section):
         default_factory=lambda: ["default"], description="stream names; 'default' is always available"
     )
     thread_map: ThreadMapConfig = Field(default_factory=ThreadMapConfig, description="CPU thread of each task")
-    torchrec_context: Literal["base", "prefetch"] = Field(
+    torchrec_context: Literal["base", "prefetch", "semi_sync", "fused"] = Field(
         "base",
-        description="torchrec pipeline context created per batch: prefetch for plans that prefetch embeddings",
+        description="torchrec pipeline context and pipelined forward per batch: prefetch for plans that prefetch "
+        "embeddings; semi_sync / fused for plans whose start_embedding_lookup task starts the lookup (semi_sync: "
+        "embeddings detached, their own backward task)",
     )
     tasks: dict[str, TaskConfig] = Field(description="task name -> task; YAML order breaks topological ties")
 

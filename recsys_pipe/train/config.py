@@ -13,7 +13,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, SerializeAsAny, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (
+    Field,
+    SerializeAsAny,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from recsys_pipe.config import (
     ConfigError,
@@ -30,6 +39,7 @@ from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
 from recsys_pipe.train.checkpoint import CheckpointConfig
+from recsys_pipe.train.grad_accumulation import GradAccumulationConfig, check_grad_accumulation
 from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
 
 __all__ = ["RunConfig", "TorchProfilerConfig", "TrainerConfig", "load_run_config"]
@@ -103,12 +113,21 @@ class TrainerConfig(Section):
     torch_profiler: TorchProfilerConfig = Field(
         default_factory=TorchProfilerConfig, description="torch.profiler trace of some steps (<run dir>/torch_trace/)"
     )
+    grad_accumulation: GradAccumulationConfig = Field(
+        default_factory=GradAccumulationConfig,
+        description="micro-batches per optimizer step, DDP no_sync between (torchrec's GradientAccumulationWrapper)",
+    )
     dense_ddp: Literal["torch", "megatron"] = Field(
         "torch",
         description="data parallelism of the replicated (dense) part: torch: torch DDP, gradients all-reduced during "
         "backward; megatron: megatron-core's DDP (CUDA only; models with plain torch tables), gradients reduced by the "
         "finalize_model_grads task",
     )
+
+    @model_validator(mode="after")
+    def _accumulation_fits(self) -> TrainerConfig:
+        check_grad_accumulation(self)
+        return self
 
 
 class RunConfig(Section):

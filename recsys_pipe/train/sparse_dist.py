@@ -8,15 +8,22 @@ modules, and the start / wait / prefetch / bind steps -- so the task functions s
 model-agnostic and torchrec-free: a model with plain torch tables has no `TorchrecSparseDist`
 and its input-dist tasks do nothing.
 
-torchrec 1.8 facts these steps rely on (verified on 2 gloo ranks, bitwise against a plain loop
-and `TrainPipelineSparseDist`):
+torchrec facts these steps rely on, alike in torchrec 1.6.1 (with torch 2.11, the GPU image's
+pairing; scripts/compat_check.sh) and 1.8 (verified on 2 gloo ranks, bitwise against a plain loop
+and `TrainPipelineSparseDist`); the private helpers imported below have the same signatures in both:
 - contexts are per batch: `_start_data_dist` never clears a v1 context;
 - one `PipelinedForward` per sharded module serves every batch, so the forward must
   `set_context` the batch's context first; it pops that batch's input-dist results;
 - the public `prefetch_embeddings` returns early without a data_dist stream (always on CPU), so
   `prefetch` calls `_prefetch_embeddings` and fills the two post-prefetch maps itself, as
   torchrec does; `PrefetchPipelinedForward` has no fallback if it did not run;
-- on CPU every stream argument is None: a stream makes the forwards `record_stream` CPU tensors.
+- on CPU every stream argument is None: a stream makes the forwards `record_stream` CPU tensors;
+- the forwards take their device from the data_dist stream and assume CUDA without one, so on
+  the CPU `rewrite` sets it (the embedding forwards of semi_sync / fused ask it for its current
+  stream); `EmbeddingPipelinedForward` on an EmbeddingBagCollection still records its KeyedTensor
+  on that stream, which fails on the CPU (the HSTU model's EmbeddingCollection does not);
+- torchrec's own TrainPipelineSemiSync and TrainPipelineFusedSparseDist fail on the CPU: they
+  pass the CPU's current stream to `record_stream` (`RuntimeError: unknown parameter type`).
 """
 
 from __future__ import annotations
@@ -25,18 +32,41 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext, TrainPipelineContext
-from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward, PrefetchPipelinedForward
+from torchrec.distributed.train_pipeline.pipeline_context import (
+    EmbeddingTrainPipelineContext,
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from torchrec.distributed.train_pipeline.runtime_forwards import (
+    EmbeddingPipelinedForward,
+    InSyncEmbeddingPipelinedForward,
+    PipelinedForward,
+    PrefetchPipelinedForward,
+)
 from torchrec.distributed.train_pipeline.utils import (
     _override_input_dist_forwards,
     _prefetch_embeddings,
     _rewrite_model,
     _start_data_dist,
+    _start_embedding_lookup,
 )
 
 from recsys_pipe.engine import StreamPool
 
-__all__ = ["TorchrecSparseDist"]
+__all__ = ["CONTEXTS", "TorchrecSparseDist"]
+
+#: `pipeline.torchrec_context` -> torchrec's per-batch context type and the pipelined forward
+#: the model rewrite installs (the pair each of torchrec's pipeline classes uses):
+#: base: TrainPipelineSparseDist; prefetch: PrefetchTrainPipelineSparseDist;
+#: semi_sync: TrainPipelineSemiSync (the lookup is started by a task, its embeddings are
+#: detached from forward's graph and get their own backward); fused: TrainPipelineFusedSparseDist
+#: (the lookup is started by a task, its gradient flows in the same backward).
+CONTEXTS: dict[str, tuple[type[TrainPipelineContext], type]] = {
+    "base": (TrainPipelineContext, PipelinedForward),
+    "prefetch": (PrefetchTrainPipelineContext, PrefetchPipelinedForward),
+    "semi_sync": (EmbeddingTrainPipelineContext, EmbeddingPipelinedForward),
+    "fused": (EmbeddingTrainPipelineContext, InSyncEmbeddingPipelinedForward),
+}
 
 
 class TorchrecSparseDist:
@@ -46,15 +76,15 @@ class TorchrecSparseDist:
         model: the DMP-wrapped model.
         device: the training device.
         streams: the plan's streams (`data_dist`, `default`, and `prefetch` when prefetching).
-        prefetch: whether the plan prefetches embeddings (`pipeline.torchrec_context=prefetch`).
+        context: `pipeline.torchrec_context`, a key of `CONTEXTS`.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, streams: StreamPool, prefetch: bool) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, streams: StreamPool, context: str = "base") -> None:
         self.model = model
         self.device = device
         self.streams = streams
-        self.prefetch_enabled = prefetch
-        self.context_type = PrefetchTrainPipelineContext if prefetch else TrainPipelineContext
+        self.context_kind = context
+        self.context_type, self.pipelined_forward = CONTEXTS[context]
         #: torchrec modules whose forward the model rewrite split (set by `rewrite`).
         self.pipelined_modules: list = []
 
@@ -88,7 +118,7 @@ class TorchrecSparseDist:
             dist_stream=self.stream("data_dist"),
             batch=batch,
             apply_jit=False,
-            pipelined_forward=PrefetchPipelinedForward if self.prefetch_enabled else PipelinedForward,
+            pipelined_forward=self.pipelined_forward,
             pipeline_postproc=False,
             default_stream=self.stream("default"),
         )
@@ -100,6 +130,12 @@ class TorchrecSparseDist:
         if model is not self.model:  # only with apply_jit, which we never ask for
             raise RuntimeError("torchrec's rewrite returned a new model object; views of this state would be stale")
         self.pipelined_modules[:] = modules  # in place: views of the state share the list
+        if self.stream("data_dist") is None:
+            # torchrec's forwards take their device from the data_dist stream and assume CUDA
+            # without one; the embedding forwards (semi_sync, fused) ask that device for its
+            # current stream, which must be the CPU's on the CPU
+            for module in modules:
+                module.forward._device = self.device
         with torch.cuda.stream(self.stream("data_dist")):
             _start_data_dist(modules, batch, context)
         _override_input_dist_forwards(modules)
@@ -142,3 +178,31 @@ class TorchrecSparseDist:
         """Tie the shared pipelined forwards to this batch's context before its forward."""
         for module in self.pipelined_modules:
             module.forward.set_context(context)
+
+    def start_lookup(self, context: EmbeddingTrainPipelineContext) -> Any:
+        """torchrec's `_start_embedding_lookup` for every pipelined module: wait for the batch's
+        input tensors, run the lookup and start the output all-to-all; the awaitables go to
+        `context.embedding_a2a_requests`, which the pipelined forward consumes (semi_sync: it
+        detaches the embeddings and keeps them for `embedding_backward`)."""
+        if not isinstance(context, EmbeddingTrainPipelineContext):
+            raise RuntimeError(
+                "start_embedding_lookup needs torchrec's embedding context: set pipeline.torchrec_context "
+                f"to semi_sync or fused (it is {self.context_kind})"
+            )
+        target = self.stream("default")
+        for module in self.pipelined_modules:
+            _start_embedding_lookup(module, context, self.stream("data_dist"), target, torch.cuda.stream)
+        return context.embedding_a2a_requests
+
+    def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
+        """The embeddings' own backward (semi_sync): the gradients forward's backward left on the
+        detached embeddings, pushed into the lookup's graph (output all-to-all backward, fused
+        table update). As torchrec's `TrainPipelineSemiSync.embedding_backward`, which is a method
+        of the pipeline object; embeddings without a gradient (unused by the loss) are skipped."""
+        for tensors, detached in zip(context.embedding_tensors, context.detached_embedding_tensors, strict=True):
+            pairs: list[tuple[torch.Tensor, Any]]
+            pairs = [
+                (t, d.grad) for t, d in zip(tensors, detached, strict=True) if t.numel() == 1 or d.grad is not None
+            ]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

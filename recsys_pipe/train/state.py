@@ -17,12 +17,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from recsys_pipe.engine import BATCH_CPU, StreamPool
+from recsys_pipe.engine import StreamPool
+from recsys_pipe.train.slots import (  # the slot names stay importable from here too (older code)
+    BATCH_CPU,
+    BATCH_GPU,
+    GLOBAL_TOKENS,
+    INPUT_DIST_SPLITS,
+    SHUFFLE_PLAN,
+    TORCHREC_CTX,
+    UNBALANCED_BATCH,
+)
 
 if TYPE_CHECKING:
+    from recsys_pipe.train.grad_accumulation import GradAccumulation
     from recsys_pipe.train.shuffle import BatchBalancer
     from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
+# the slot names (defined in recsys_pipe.train.slots) are listed for code that imports them from here
 __all__ = [
     "BATCH_GPU",
     "GLOBAL_TOKENS",
@@ -33,15 +44,6 @@ __all__ = [
     "UNBALANCED_BATCH",
     "TrainState",
 ]
-
-#: Slots the adapter's tasks use (see conf/pipeline/*.yaml for who reads and writes them).
-BATCH_GPU = "batch_gpu"
-TORCHREC_CTX = "torchrec_ctx"
-INPUT_DIST_SPLITS = "input_dist_splits"
-GLOBAL_TOKENS = "global_tokens"
-#: Plans that balance batches: h2d writes the loaded batch here, finish_shuffle writes BATCH_GPU.
-UNBALANCED_BATCH = "unbalanced_batch"
-SHUFFLE_PLAN = "shuffle_plan"
 
 
 class GradBuffers(Protocol):
@@ -80,6 +82,10 @@ class TrainState:
     grad_buffers: GradBuffers | None = None
     #: `trainer.precision=bf16`: the forward runs under autocast to this dtype
     autocast_dtype: torch.dtype | None = None
+    #: `trainer.grad_accumulation.steps > 1`: which micro-steps clear, all-reduce and step
+    grad_accumulation: GradAccumulation | None = None
+    #: the previous batch's gradients, by parameter name (the stash_gradients task of semi_sync)
+    grad_stash: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def autocast(self) -> torch.autocast:
         """The forward's autocast context (disabled without `autocast_dtype`). Autocast state is

@@ -41,6 +41,7 @@ from recsys_pipe.runtime.verify import CollectiveGuard
 from recsys_pipe.train.build import build_model, build_state
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
 from recsys_pipe.train.config import RunConfig
+from recsys_pipe.train.grad_accumulation import GradAccumulation
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
@@ -197,11 +198,15 @@ class Trainer:
         random.seed(run.seed)
         np.random.seed(run.seed)
         model, optimizer = build_model(run, info, self.spec)
-        self.optimizer = TrainOptimizer(optimizer, run.optimizer, self.planned_steps, model)
+        accumulate = cfg.grad_accumulation.steps
+        self.optimizer = TrainOptimizer(optimizer, run.optimizer, -(-self.planned_steps // accumulate), model)
         self.state: TrainState = build_state(run, plan, model, self.optimizer, info)
+        if cfg.grad_accumulation.enabled:
+            self.state.grad_accumulation = GradAccumulation(cfg.grad_accumulation, model)
         self.pipeline = self._verified(build_pipeline(plan, self.state.streams, self.state))
         self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
-        #: optimizer steps taken (over the whole run, across resumes)
+        #: training steps taken (over the whole run, across resumes): trained batches, so with
+        #: gradient accumulation micro-steps (the optimizer steps every grad_accumulation.steps)
         self.step = 0
         #: the next training batch to train, counted across epochs
         self.position = 0
@@ -291,10 +296,14 @@ class Trainer:
             log.warning("the training data yielded no batch")
             return summary
         self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
+        accumulation = self.state.grad_accumulation
+        if accumulation is not None:  # micro-steps are counted over the run; the pipeline counts from 0
+            accumulation.start_step = self.step
+            accumulation.last_step = self.planned_steps - 1 if batches is None else None
         evaluating = (self.eval_loader is not None or self.retrieval is not None) and cfg.eval_every > 0
         last_eval = last_checkpoint = None
         if evaluating and self.step == 0:
-            summary.evals.append(self._log_eval(0))
+            summary.evals.append(self._log_eval(0, record_steps))
             last_eval = 0
         bar = tqdm(
             total=self.planned_steps,
@@ -336,7 +345,7 @@ class Trainer:
                 if epoch_end and self.info.is_main:
                     log.info("epoch %d/%d done at step %d", self.position // per_epoch, cfg.epochs, self.step)
                 if evaluating and (epoch_end or self.step % cfg.eval_every == 0):
-                    summary.evals.append(self._log_eval(self.step))
+                    summary.evals.append(self._log_eval(self.step, record_steps))
                     last_eval = self.step
                 stop = self.stop.should_stop()
                 if self.checkpointer is not None:
@@ -359,6 +368,10 @@ class Trainer:
             else:
                 summary.stop_reason = EPOCHS_DONE if per_epoch else DATA_EXHAUSTED
             self.stop.drain()
+        if accumulation is not None and summary.stop_reason != PREEMPTED and accumulation.pending(self.step):
+            # training ended inside a window: step what was accumulated (torchrec's flush)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         summary.seconds = time.perf_counter() - start
         traced.close()
         if summary.steps:
@@ -366,7 +379,7 @@ class Trainer:
         bar.close()
         if summary.stop_reason != PREEMPTED:
             if evaluating and last_eval != self.step:
-                summary.evals.append(self._log_eval(self.step))
+                summary.evals.append(self._log_eval(self.step, record_steps))
             if self.checkpointer is not None and self.checkpointer.cfg.interval and last_checkpoint != self.step:
                 self.save_checkpoint()
             self._log_stop(summary)
@@ -375,10 +388,12 @@ class Trainer:
             summary.checkpoint = str(self.checkpointer.last.path) if self.checkpointer.last else None
         return summary
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, record_batches: bool = False) -> dict[str, Any]:
         """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the
         held-out loader, aggregated over all ranks; for a retrieval source, its ranking metrics
-        (`RetrievalEvaluation`)."""
+        (`RetrievalEvaluation`). With `record_batches`, also this rank's
+        evaluated batches in order: `sample_ids` and `batch_losses` (which batch each output
+        belongs to, for the checks that switching to evaluation mislabels nothing)."""
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
             self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
         self.state.model.train(False)
@@ -392,20 +407,28 @@ class Trainer:
         aurocs = [BinaryAUROC().to(self.info.device) for _ in range(num_tasks)]  # any task count, 1 included
         mean_loss = MeanMetric().to(self.info.device)
         log_loss = MeanMetric().to(self.info.device)
+        sample_ids: list[list[int]] = []
+        batch_losses: list[float] = []
         try:
             for result in self._eval_pipeline.iterate(self.eval_loader):
+                if record_batches:
+                    sample_ids.append(result.sample_ids.tolist())
+                    batch_losses.append(float(result.loss))
                 logits = result.logits.float()  # bf16 under trainer.precision=bf16
                 for task, auroc in enumerate(aurocs):
                     auroc.update(logits[:, task], result.labels[:, task].int())
                 mean_loss.update(result.loss.float())
                 log_loss.update(F.binary_cross_entropy_with_logits(logits, result.labels, reduction="none"))
             per_task = [float(auroc.compute()) for auroc in aurocs]
-            return {
+            metrics = {
                 "eval_loss": float(mean_loss.compute()),
                 "log_loss": float(log_loss.compute()),
                 "auc": sum(per_task) / num_tasks,
                 "auc_per_task": [round(a, 5) for a in per_task],
             }
+            if record_batches:
+                metrics.update(sample_ids=sample_ids, batch_losses=batch_losses)
+            return metrics
         finally:
             self.state.model.train(True)
 
@@ -477,9 +500,9 @@ class Trainer:
             )
         return loss
 
-    def _log_eval(self, step: int) -> dict[str, Any]:
-        metrics = {"step": step, **self.evaluate()}
-        self.metrics.write(metrics)
+    def _log_eval(self, step: int, record_batches: bool = False) -> dict[str, Any]:
+        metrics = {"step": step, **self.evaluate(record_batches)}
+        self.metrics.write({k: v for k, v in metrics.items() if k not in ("sample_ids", "batch_losses")})
         if self.info.is_main and self.retrieval is not None:
             log.info("eval at step %d: %s", step, self.retrieval.describe(metrics))
         elif self.info.is_main:

@@ -1,7 +1,8 @@
-"""Worker of the launcher tests: `recsys-train` runs of `model=dlrm_torch` through several plans,
-one after another in this process, with `torch.use_deterministic_algorithms(True)`.
+"""Worker of the launcher tests: `recsys-train` runs of `model=dlrm_torch` (or the torchrec HSTU
+model, `--model hstu_small`) through several plans, one after another in this process, with
+`torch.use_deterministic_algorithms(True)`.
 
-    python tests/dist/launcher_worker.py OUT.json --device cuda [--block-torchrec] [--variants NAME ...]
+    python tests/dist/launcher_worker.py OUT.json --device cuda [--model M] [--block-torchrec] [--variants NAME ...]
 
 Each variant is one run of the launcher exactly as `recsys-train <overrides>` runs it (config
 validation, process group, run directory, Trainer, teardown), logging the loss every step; the
@@ -28,6 +29,11 @@ VARIANTS = {
     "megatron/serial": ["pipeline=serial", "trainer.dense_ddp=megatron"],
     "megatron/hstu_prefetch": ["pipeline=hstu_prefetch", "trainer.dense_ddp=megatron"],
 }
+#: the model and the data it trains on
+MODELS = {
+    "dlrm_torch": ["model=dlrm_torch", "data=criteo_synthetic"],  # plain torch tables (DDP)
+    "hstu_small": ["model=hstu_small", "data=synthetic"],  # torchrec tables (DMP, the input-dist tasks)
+}
 #: what init_distributed sets for a plain process; cleared so each run makes its own group
 GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -48,6 +54,7 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--device", choices=["cpu", "cuda"], required=True)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--model", choices=list(MODELS), default="dlrm_torch")
     parser.add_argument("--block-torchrec", action="store_true")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
@@ -60,8 +67,7 @@ def main():
 
     torch.use_deterministic_algorithms(True)
     common = [
-        "model=dlrm_torch",
-        "data=criteo_synthetic",
+        *MODELS[args.model],
         "data.batch_size=64",
         f"data.num_batches={args.steps}",
         f"data.pin_memory={str(args.device == 'cuda').lower()}",

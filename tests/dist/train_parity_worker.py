@@ -1,7 +1,8 @@
 """Worker for test_train_parity: run under torchrun with 2 ranks (gloo, CPU).
 
 Trains the same batches from the same initial weights through every shipped plan (sequential
-and threaded executors) and through torchrec's own TrainPipelineSparseDist, and records
+and threaded executors) and through torchrec's own classes (TrainPipelineSparseDist, with and
+without enqueue_batch_after_forward, TrainPipelineBase, TrainPipelineSparseDistLite), and records
 per-step losses, trained sample ids and final parameters (dense and every local embedding
 shard). Also runs the train/eval interleaving and learning-signal checks. Writes
 rank<r>.json into the directory given as argv[1]; the test asserts on it.
@@ -17,18 +18,34 @@ import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run, run_torchrec_pipeline
+from recsys_pipe.testing import load_run, run_stale_embedding_reference, run_torchrec_pipeline
 from recsys_pipe.train import Trainer, build_model, local_parameters, training_plan
 
 STEPS = 24
+GA4 = ["trainer.grad_accumulation.steps=4", "trainer.grad_accumulation.warmup_steps=2"]
 VARIANTS = {
     "serial": ["pipeline=serial"],
     "sparse_dist": ["pipeline=sparse_dist"],
+    "base": ["pipeline=base"],
+    "sparse_dist_lite": ["pipeline=sparse_dist_lite"],
+    "sparse_dist_enqueue_after_forward": ["pipeline=sparse_dist_enqueue_after_forward"],
+    "prefetch": ["pipeline=prefetch"],
+    "fused_sparse_dist": ["pipeline=fused_sparse_dist"],
+    # embeddings one step stale: compared with run_stale_embedding_reference, not with serial
+    "stale/semi_sync": ["pipeline=semi_sync"],
+    "stale/semi_sync/threaded": ["pipeline=semi_sync", "pipeline.executor=threaded", "thread_map=per_task"],
+    "stash/semi_sync_stash": ["pipeline=semi_sync_stash"],
     "hstu_sparse_dist/sequential": ["pipeline=hstu_sparse_dist", "pipeline.executor=sequential"],
     "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", "pipeline.executor=threaded"],
     "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
     "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "pipeline.executor=threaded"],
     "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", "pipeline.executor=threaded", "thread_map=per_task"],
+    # gradient accumulation (torchrec's semantics): 4 micro-steps, 2 warmup, on several plans
+    "ga4/serial": ["pipeline=serial", *GA4],
+    "ga4/sparse_dist": ["pipeline=sparse_dist", *GA4],
+    "ga4/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *GA4],
+    # 5 micro-steps: 24 batches end inside a window (torchrec's flush of the last 4)
+    "ga5/sparse_dist": ["pipeline=sparse_dist", "trainer.grad_accumulation.steps=5"],
     # global-token loss normalisation: the derived all-reduce task, serial and pipelined
     "global/serial": ["pipeline=serial", "model.loss_normalization=global_tokens"],
     "global/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "model.loss_normalization=global_tokens"],
@@ -95,12 +112,51 @@ def train_variant(info, overrides, batches):
         trainer.close()
 
 
-def train_torchrec(info, batches):
+#: torchrec's own classes the plans are compared with: name -> (class, constructor options,
+#: GradientAccumulationWrapper (steps, warmup_steps) or None)
+TORCHREC_PIPELINES = {
+    "torchrec_TrainPipelineSparseDist": ("TrainPipelineSparseDist", {}, None),
+    "torchrec_TrainPipelineBase": ("TrainPipelineBase", {}, None),
+    "torchrec_TrainPipelineSparseDistLite": ("TrainPipelineSparseDistLite", {}, None),
+    "torchrec_TrainPipelineSparseDist/enqueue_batch_after_forward": (
+        "TrainPipelineSparseDist",
+        {"enqueue_batch_after_forward": True},
+        None,
+    ),
+    "ga4/torchrec_GradientAccumulationWrapper(TrainPipelineSparseDist)": ("TrainPipelineSparseDist", {}, (4, 2)),
+    "ga5/torchrec_GradientAccumulationWrapper(TrainPipelineSparseDist)": ("TrainPipelineSparseDist", {}, (5, 1)),
+}
+
+
+def train_torchrec(info, batches, pipeline="TrainPipelineSparseDist", options=None, grad_accumulation=None):
     run = run_config(["pipeline=serial"])
     spec = make_dataloader(run.data, info.rank, info.world_size).dataset.spec
     model, opt = build_model(run, info, spec)
-    losses, ids = run_torchrec_pipeline(model, opt, info.device, batches)
+    losses, ids = run_torchrec_pipeline(
+        model, opt, info.device, batches, pipeline, grad_accumulation=grad_accumulation, **(options or {})
+    )
     return losses, ids, local_parameters(model)
+
+
+def accumulate_vs_large_batch(info, k=4):
+    """Plain torch tables (every parameter dense, none updated in backward): 4 accumulated
+    micro-batches with scale_loss=true against the serial plan on their concatenation. The
+    maths is the same (mean of 4 micro-batch means = the large batch's mean); the sums round
+    differently, so the test compares within float tolerance."""
+    overrides = ["model=dlrm_torch", "pipeline=serial"]
+    run = run_config(overrides)
+    micro = list(make_dataloader(run.data, info.rank, info.world_size))
+    large = [type(micro[0]).concat(micro[i : i + k]) for i in range(0, len(micro), k)]
+    results = {}
+    for name, batches, extra in [
+        ("large", large, []),
+        ("accumulated", micro, [f"trainer.grad_accumulation.steps={k}", "trainer.grad_accumulation.scale_loss=true"]),
+        ("summed", micro, [f"trainer.grad_accumulation.steps={k}"]),
+    ]:
+        summary, params = train_variant(info, [*overrides, *extra], batches)
+        results[name] = {"losses": summary.losses, "params": {n: p.flatten().tolist() for n, p in params.items()}}
+    results["k"] = k
+    return results
 
 
 def main():
@@ -130,26 +186,50 @@ def main():
             out["unchanged_by_training"] = [k for k, v in params.items() if torch.equal(v, initial[k])]
             out["num_params"] = len(params)
 
-    losses, ids, params = train_torchrec(info, batches)
-    out["variants"]["torchrec_TrainPipelineSparseDist"] = {
+    # torchrec's TrainPipelineSemiSync cannot run on the CPU (tests/cuda/test_cuda_family.py runs
+    # it): the semi_sync plan is compared with a plain loop of the same staleness
+    model, opt = build_model(base, info, loader.dataset.spec)
+    losses, ids = run_stale_embedding_reference(model, opt, batches)
+    out["variants"]["stale/reference"] = {
         "losses": losses,
         "sample_ids": ids,
-        "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()},
+        "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
+    }
+    model, opt = build_model(base, info, loader.dataset.spec)
+    losses, ids = run_stale_embedding_reference(model, opt, batches, stash_gradients=True)
+    out["variants"]["stash/reference"] = {
+        "losses": losses,
+        "sample_ids": ids,
+        "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
     }
 
-    # train -> eval -> train in one session: evaluation between steps must not change training
-    interleaved = make_trainer(["pipeline=hstu_prefetch", "trainer.eval_every=5", "trainer.eval_batches=2"], info)
-    try:
-        summary = interleaved.fit(iter(batches), record_steps=True)
-        out["interleaved"] = {
-            "losses": summary.losses,
-            "sample_ids": [s.tolist() for s in summary.sample_ids],
-            "evals": summary.evals,
+    for name, (cls, options, grad_accumulation) in TORCHREC_PIPELINES.items():
+        losses, ids, params = train_torchrec(info, batches, cls, options, grad_accumulation)
+        out["variants"][name] = {
+            "losses": losses,
+            "sample_ids": ids,
+            "params": {k: hash(v.numpy().tobytes()) for k, v in params.items()},
         }
-        eval_ids = [b.sample_ids.tolist() for b in interleaved.eval_loader]
-        out["eval_ids"] = eval_ids
-    finally:
-        interleaved.close()
+
+    out["accumulate_vs_large_batch"] = accumulate_vs_large_batch(info)
+
+    # train -> eval -> train in one session, every 5 steps, 3 held-out batches: evaluation between
+    # steps must not change training, and every evaluated output must belong to its batch. The
+    # serial plan is the reference of the pipelined ones (hstu_prefetch: 3 batches in flight,
+    # threaded; semi_sync: 4 in flight, its own training numbers).
+    out["interleaved"] = {}
+    for plan in ("serial", "hstu_prefetch", "semi_sync"):
+        interleaved = make_trainer([f"pipeline={plan}", "trainer.eval_every=5", "trainer.eval_batches=3"], info)
+        try:
+            summary = interleaved.fit(iter(batches), record_steps=True)
+            out["interleaved"][plan] = {
+                "losses": summary.losses,
+                "sample_ids": [s.tolist() for s in summary.sample_ids],
+                "evals": summary.evals,
+            }
+            out["eval_ids"] = [b.sample_ids.tolist() for b in interleaved.eval_loader]
+        finally:
+            interleaved.close()
 
     # learning signal: AUC on held-out data after training vs before the first step
     learn = make_trainer(

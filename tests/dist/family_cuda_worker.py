@@ -1,0 +1,83 @@
+"""Worker for tests/cuda/test_cuda_family.py: run under torchrun on CUDA (NCCL, one rank per GPU).
+
+Trains the same batches from the same initial weights through the semi_sync and
+fused_sparse_dist plans and through torchrec's own TrainPipelineSemiSync (start_batch=0,
+stash_gradients=False) and TrainPipelineFusedSparseDist, which cannot run on the CPU, plus the
+CPU reference loop of semi_sync (run_stale_embedding_reference). Writes rank<r>.json (per-step
+losses, trained sample ids, a hash of every final local parameter) into argv[1].
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from recsys_pipe.data import make_dataloader
+from recsys_pipe.runtime import init_distributed
+from recsys_pipe.testing import load_run, run_stale_embedding_reference, run_torchrec_pipeline
+from recsys_pipe.train import Trainer, build_model, local_parameters, training_plan
+
+STEPS = 16
+COMMON = [
+    "optimizer=sgd",
+    "trainer.progress_bar=false",
+    "trainer.eval_every=0",
+    "trainer.device=cuda",
+    "trainer.backend=nccl",
+    "data.batch_size=16",
+    f"data.num_batches={STEPS}",
+    "trainer.max_steps=null",
+]
+TORCHREC = {
+    "torchrec_TrainPipelineSemiSync": ("TrainPipelineSemiSync", {"start_batch": 0, "stash_gradients": False}),
+    "torchrec_TrainPipelineFusedSparseDist": ("TrainPipelineFusedSparseDist", {}),
+}
+
+
+def digest(params):
+    return {k: hash(v.cpu().numpy().tobytes()) for k, v in params.items()}
+
+
+def main():
+    torch.use_deterministic_algorithms(True)
+    info = init_distributed("cuda", "nccl")
+    run = load_run(*COMMON, "pipeline=serial")
+    loader = make_dataloader(run.data, info.rank, info.world_size)
+    batches = list(loader)
+    out = {"variants": {}, "loader_ids": [b.sample_ids.tolist() for b in batches]}
+    for plan in ("serial", "semi_sync", "fused_sparse_dist"):
+        plan_run = load_run(*COMMON, f"pipeline={plan}")
+        trainer = Trainer(plan_run, training_plan(plan_run), info)
+        try:
+            summary = trainer.fit(iter(batches), record_steps=True)
+            out["variants"][plan] = {
+                "losses": summary.losses,
+                "sample_ids": [ids.tolist() for ids in summary.sample_ids],
+                "params": digest(local_parameters(trainer.state.model)),
+            }
+        finally:
+            trainer.close()
+    for name, (cls, options) in TORCHREC.items():
+        model, opt = build_model(run, info, loader.dataset.spec)
+        losses, ids = run_torchrec_pipeline(model, opt, info.device, batches, cls, **options)
+        out["variants"][name] = {"losses": losses, "sample_ids": ids, "params": digest(local_parameters(model))}
+    model, opt = build_model(run, info, loader.dataset.spec)
+    losses, ids = run_stale_embedding_reference(model, opt, batches)
+    out["variants"]["stale_reference"] = {
+        "losses": losses,
+        "sample_ids": ids,
+        "params": digest(local_parameters(model)),
+    }
+    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
