@@ -78,6 +78,45 @@ def _a_file(tmp: Path) -> str:
     return str(tmp / "plain.txt")
 
 
+def _plan_file(text: str):
+    """A config dir holding pipeline/mine.yaml with `text` (for hydra.searchpath)."""
+
+    def make(tmp: Path) -> str:
+        (tmp / "conf" / "pipeline").mkdir(parents=True)
+        (tmp / "conf" / "pipeline" / "mine.yaml").write_text(text)
+        return str(tmp / "conf")
+
+    return make
+
+
+PLAN_TYPO = "defaults: [serial, _self_]\nname: mine\ntasks:\n  h2d:\n    lookahaed: 1\n"
+PLAN_BROKEN = "defaults: [serial, _self_]\nname: mine\ntasks:\n  h2d:\n    lookahead: [1\n    stream: x\n"
+
+
+def _checkpoint(damage: str):
+    """A small DCP checkpoint (written without a process group) in a run directory whose
+    config.yaml names model 'dlrm', damaged as `damage` says."""
+
+    def make(tmp: Path) -> str:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        run = tmp / "old_run"
+        path = run / "checkpoints" / "step_4"
+        dcp.save({"train": {"model": {"w": torch.zeros(64, 8)}}}, checkpoint_id=str(path))
+        (run / "config.yaml").write_text("model:\n  name: dlrm\n")
+        (data,) = path.glob("*.distcp")
+        if damage == "missing file":
+            data.unlink()
+        elif damage == "truncated file":
+            data.write_bytes(data.read_bytes()[:100])
+        elif damage == "truncated metadata":
+            (path / ".metadata").write_bytes((path / ".metadata").read_bytes()[:50])
+        return str(path)
+
+    return make
+
+
 ML = ["data=movielens", "data.batch_size=2", "data.max_seq_len=4", "data.num_candidates=1", "trainer.eval_batches=0"]
 # (id, overrides (a callable gets the tmp dir and returns the value of `{}` in the override), world size,
 #  exit code, config path of the error, message fragment)
@@ -166,7 +205,14 @@ CATALOGUE = [
         "plus trainer.eval_batches=3 held-out batches",
     ),
     ("unreadable file", [*ML, "data.path={}"], _unreadable, 1, "data.path", "cannot read"),
-    ("a directory", [*ML, "data.path={}"], lambda tmp: str(tmp), 1, "data.path", "no such file"),
+    (
+        "a directory",
+        [*ML, "data.path={}"],
+        lambda tmp: str(tmp),
+        1,
+        "data.path",
+        "is a directory; data.path names a file",
+    ),
     (
         "num_batches beyond the share",
         ["data.num_batches=40000"],
@@ -266,6 +312,120 @@ CATALOGUE = [
         "pipeline.tasks.h2d.stream",
         "unknown stream 'nope'",
     ),
+    # unknown keys anywhere: the full path and the closest valid keys, never Hydra's `+` advice
+    (
+        "misspelled trainer key",
+        ["trainer.max_step=10"],
+        None,
+        1,
+        "trainer.max_step",
+        "unknown key (did you mean trainer.max_steps?)",
+    ),
+    ("misspelled model key", ["model.embeding_dim=64"], None, 1, "model.embeding_dim", "model.embedding_dim?"),
+    (
+        "misspelled task field",
+        ["pipeline.tasks.h2d.lookahed=2"],
+        None,
+        1,
+        "pipeline.tasks.h2d.lookahed",
+        "(did you mean pipeline.tasks.h2d.lookahead?)",
+    ),
+    (
+        "misspelled task name",
+        ["pipeline.tasks.h2dd.lookahead=2"],
+        None,
+        1,
+        "pipeline.tasks.h2dd",
+        "(did you mean pipeline.tasks.h2d?)",
+    ),
+    ("misspelled group", ["pipline=serial"], None, 1, "pipline", "unknown key (did you mean pipeline?)"),
+    ("misspelled data key", ["data=movielens", "data.pth=/x"], None, 1, "data.pth", "(did you mean data.path?)"),
+    ("a key in another section", ["trainer.lr=0.1"], None, 1, "trainer.lr", "(did you mean optimizer.lr"),
+    (
+        "misspelled key in a plan file",
+        ["hydra.searchpath=[file://{}]", "pipeline=mine"],
+        _plan_file(PLAN_TYPO),
+        1,
+        "pipeline.tasks.h2d.lookahaed",
+        "conf/pipeline/mine.yaml:5 (did you mean pipeline.tasks.h2d.lookahead?)",
+    ),
+    (
+        "YAML syntax error in a plan file",
+        ["hydra.searchpath=[file://{}]", "pipeline=mine"],
+        _plan_file(PLAN_BROKEN),
+        1,
+        "{tmp}/conf/pipeline/mine.yaml:6:11: ",
+        "expected ',' or ']', but got ':'",
+    ),
+    (
+        "unknown group option",
+        ["optimizer=adamx"],
+        None,
+        1,
+        "optimizer",
+        "no option 'adamx' (did you mean optimizer=adam",
+    ),
+    ("override syntax", ["trainer.max_steps=["], None, 1, "override 'trainer.max_steps=['", "no viable alternative"),
+    # the machine and the trainer's own settings
+    ("nccl without CUDA", ["trainer.backend=nccl"], None, 1, "trainer.backend", "nccl needs CUDA"),
+    (
+        "profiler window past max_steps",
+        ["trainer.max_steps=5", "trainer.torch_profiler.steps=[3,8]"],
+        None,
+        1,
+        "trainer.torch_profiler.steps",
+        "ends after the last step (trainer.max_steps=5)",
+    ),
+    # Criteo files that are no Criteo text
+    (
+        "binary criteo file",
+        ["model=dlrm", "data=criteo", "data.path={}"],
+        _write("day_0.gz", b"\x1f\x8b\x08\x00" + bytes(range(256))),
+        1,
+        "data.path",
+        "day_0.gz: a binary file, not text",
+    ),
+    (
+        "empty criteo file",
+        ["model=dlrm", "data=criteo", "data.path={}"],
+        _write("day_0", ""),
+        1,
+        "data.path",
+        "day_0: the file is empty",
+    ),
+    # checkpoints that cannot fit, found from their own files before any process group starts
+    (
+        "checkpoint of another model",
+        ["trainer.resume_from={}"],
+        _checkpoint("none"),
+        1,
+        "trainer.resume_from",
+        "it holds model 'dlrm' (its run's config.yaml), this run trains 'hstu'",
+    ),
+    (
+        "checkpoint data file missing",
+        ["trainer.resume_from={}"],
+        _checkpoint("missing file"),
+        1,
+        "trainer.resume_from",
+        "its data file __0_0.distcp is missing",
+    ),
+    (
+        "checkpoint data file truncated",
+        ["trainer.resume_from={}"],
+        _checkpoint("truncated file"),
+        1,
+        "trainer.resume_from",
+        "its data file __0_0.distcp is truncated (100 of",
+    ),
+    (
+        "checkpoint metadata truncated",
+        ["trainer.resume_from={}"],
+        _checkpoint("truncated metadata"),
+        1,
+        "trainer.resume_from",
+        "its .metadata cannot be read",
+    ),
     (
         "a future read",
         ["pipeline.tasks.h2d.lookahead=0"],
@@ -308,7 +468,8 @@ def test_bad_input_exits_2_naming_its_key(
     err = capsys.readouterr().err
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert lines and lines[0].startswith(f"error: {path}"), err
+    assert lines and lines[0].startswith(f"error: {path.format(tmp=tmp_path)}"), err
+    assert "use +" not in err and "To append" not in err  # never Hydra's advice to add the key
     assert fragment in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "runs" / "recsys-train").exists()  # nothing started, no run directory

@@ -1,4 +1,5 @@
-"""`--help`'s key listing: every config key, its current value and its one-line description.
+"""`--help`'s key listing (every config key, its current value and its one-line description) and
+the closest valid keys to a misspelled one.
 
 The descriptions are the pydantic schema's `Field(description=...)`, so the help cannot drift
 from what is validated. Sections chosen by name (`model.name`, `data.name`, `optimizer.name`)
@@ -9,10 +10,12 @@ MovieLens keys.
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -20,7 +23,7 @@ from pydantic_core import PydanticUndefined
 
 from recsys_pipe.config import ConfigError
 
-__all__ = ["describe_keys", "format_keys"]
+__all__ = ["closest_keys", "describe_keys", "format_keys", "format_suggestions"]
 
 _UNSET = object()
 
@@ -137,3 +140,63 @@ def _format_value(value: Any) -> str:
         except (TypeError, ValueError):
             text = str(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def closest_keys(
+    path: str,
+    values: Mapping | None = None,
+    model: type[BaseModel] | None = None,
+    extra_siblings: Sequence[str] = (),
+    groups: Sequence[str] = (),
+    n: int = 3,
+) -> list[str]:
+    """The valid full paths closest to the unknown key `path` (`trainer.max_step` ->
+    [`trainer.max_steps`]), best first; [] if nothing is close.
+
+    Candidates are the keys beside it (`extra_siblings`, the keys of `values` at its parent and
+    the schema's fields there, with the components `values` picks: so `model.embeding_dim` is
+    matched against the chosen model's fields, `pipeline.tasks.h2d.lookahed` against the task
+    fields and `pipeline.tasks.h2dd` against the plan's task names), the config groups at the top
+    level; if none is close, every key of the schema whose last part is close.
+    """
+    parent, _, leaf = path.rpartition(".")
+    rows = describe_keys(model, values) if model is not None else []
+    known = [p for p, _, _ in rows] + _paths({k: v for k, v in (values or {}).items() if k != "hydra"}, "")
+    generic = re.sub(r"^pipeline\.tasks\.[^.]+", "pipeline.tasks.<name>", parent)
+    siblings = set(extra_siblings)
+    for candidate in known:
+        head, _, tail = candidate.rpartition(".")
+        if head in (parent, generic):
+            siblings.add(tail)
+    if not parent:
+        siblings.update(groups)
+    siblings.discard(leaf)
+    close = difflib.get_close_matches(leaf, sorted(siblings), n=n, cutoff=0.6)
+    if close:
+        return [f"{parent}.{c}" if parent else c for c in close]
+    task = path.split(".")[2] if path.startswith("pipeline.tasks.") and path.count(".") >= 3 else None
+    elsewhere = {c.replace("<name>", task) if task else c for c in known if task or "<name>" not in c}
+    by_leaf: dict[str, list[str]] = {}
+    for candidate in sorted(elsewhere):
+        by_leaf.setdefault(candidate.rpartition(".")[2], []).append(candidate)
+    matches = difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75)
+    return [p for m in matches for p in by_leaf[m]][:n]
+
+
+def format_suggestions(paths: Sequence[str]) -> str:
+    """` (did you mean trainer.max_steps?)`, ` (did you mean a, b or c?)`, or ''."""
+    if not paths:
+        return ""
+    if len(paths) == 1:
+        return f" (did you mean {paths[0]}?)"
+    return f" (did you mean {', '.join(paths[:-1])} or {paths[-1]}?)"
+
+
+def _paths(values: Mapping, prefix: str) -> list[str]:
+    out = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        out.append(path)
+        if isinstance(value, Mapping):
+            out += _paths(value, path + ".")
+    return out

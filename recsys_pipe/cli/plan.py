@@ -121,7 +121,20 @@ def plan_task(cfg: DictConfig) -> None:
     sys.stdout.flush()
 
 
-_app = hydra_app(plan_task, config_name="plan", prog="recsys-plan", schema="recsys_pipe.cli.plan:PlanCommandConfig")
+def check_config(cfg: DictConfig) -> None:
+    """Checked before Hydra creates the run directory under `trainer.output_dir`."""
+    from recsys_pipe.train.rundir import check_output_dir
+
+    check_output_dir(load_run_config(cfg, PlanCommandConfig).trainer.output_dir)
+
+
+_app = hydra_app(
+    plan_task,
+    config_name="plan",
+    prog="recsys-plan",
+    schema="recsys_pipe.cli.plan:PlanCommandConfig",
+    validate=check_config,
+)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

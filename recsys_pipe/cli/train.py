@@ -33,7 +33,8 @@ from recsys_pipe.cli._hydra import (
     hydra_app,
     report_config_error,
 )
-from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.cli.console import show_library_warnings
+from recsys_pipe.config import ConfigError
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.plan import training_plan
 
@@ -89,18 +90,15 @@ def _requested_run_dir() -> tuple[str | None, str, bool]:
 
 def _preflight(run: RunConfig, requested: str | None, key: str) -> Any:
     """Every check that needs no process group; returns this rank's data (`RankData`)."""
+    from recsys_pipe.cli.preflight import run_device
     from recsys_pipe.data import RankData
     from recsys_pipe.train.checkpoint import resolve_resume
     from recsys_pipe.train.dense_ddp import check_dense_ddp
-    from recsys_pipe.train.distributed import resolve_device
     from recsys_pipe.train.rundir import check_output_dir, check_unused
 
-    try:
-        device = resolve_device(run.trainer.device)
-    except RuntimeError as exc:
-        raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
+    device = run_device(run.trainer)
     check_dense_ddp(run, device.type)
-    resolve_resume(run.trainer.resume_from, run.trainer.output_dir)
+    resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
     if requested is None:
@@ -112,6 +110,7 @@ def _preflight(run: RunConfig, requested: str | None, key: str) -> Any:
 
 def train_task(cfg: DictConfig) -> None:
     run = load_run_config(cfg)
+    show_library_warnings(int(os.environ.get("RANK", 0)), run.debug)
     plan = training_plan(run)  # compiled once, task functions imported, before any group starts
     requested, key, sweep = _requested_run_dir()
     data = _preflight(run, requested, key)
@@ -296,7 +295,28 @@ def _is_communication_error(exc: BaseException) -> bool:
     return False
 
 
-_app = hydra_app(train_task, config_name="train", prog="recsys-train", schema="recsys_pipe.train.config:RunConfig")
+def check_config(cfg: DictConfig) -> None:
+    """What `train_task` refuses before anything starts: the run config and the compiled plan
+    (checked for every job of a sweep before the first one trains)."""
+    training_plan(load_run_config(cfg))
+
+
+def check_run(cfg: DictConfig) -> None:
+    """`recsys-train --check`: every check made before a process group starts (config, plan,
+    device, checkpoint, this rank's data by RANK/WORLD_SIZE, output dir); nothing is started."""
+    run = load_run_config(cfg)
+    training_plan(run)
+    _preflight(run, None, "")
+
+
+_app = hydra_app(
+    train_task,
+    config_name="train",
+    prog="recsys-train",
+    schema="recsys_pipe.train.config:RunConfig",
+    validate=check_config,
+    check=check_run,
+)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, SerializeAsAny, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (
+    Field,
+    SerializeAsAny,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from recsys_pipe.config import (
     ConfigError,
@@ -103,6 +112,19 @@ class TrainerConfig(Section):
         "backward; megatron: megatron-core's DDP (CUDA only; models with plain torch tables), gradients reduced by the "
         "finalize_model_grads task",
     )
+
+    @model_validator(mode="after")
+    def _profiled_steps_run(self) -> TrainerConfig:
+        steps = self.torch_profiler.steps
+        if steps is not None and self.max_steps is not None and steps[1] > self.max_steps:
+            raise ConfigError(
+                ConfigProblem(
+                    "trainer.torch_profiler.steps",
+                    f"the window {steps} ends after the last step (trainer.max_steps={self.max_steps}): "
+                    "nothing would be traced",
+                )
+            )
+        return self
 
 
 class RunConfig(Section):
