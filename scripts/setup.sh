@@ -22,12 +22,15 @@ else
   echo "[setup] no CUDA: installing the CPU stack" >&2
   # A bare `torch` requirement would pull the multi-GB CUDA build; pin the CPU wheel.
   pip install "torch==2.13.0" "fbgemm-gpu-cpu==1.8.0"
-  # torchrec declares a dependency on the CUDA fbgemm-gpu; install it without deps and add
-  # its real runtime dependencies by hand.
-  pip install --no-deps "torchrec==1.8.0"
 fi
 pip install tensordict torchmetrics tqdm pyre-extensions iopath typing-inspect
 pip install "megatron-core==0.16.1"
 pip install -e "$ROOT[test]"
+if [[ -z "$(command -v nvidia-smi)" ]] || ! nvidia-smi -L >/dev/null 2>&1; then
+  # torchrec declares a dependency on the CUDA fbgemm-gpu; on CPU it runs on fbgemm-gpu-cpu, so
+  # it is installed without deps (its real runtime dependencies are above) and last: any pip
+  # install after it would print a resolver ERROR about the fbgemm-gpu it does not need.
+  pip install --no-deps "torchrec==1.8.0"
+fi
 echo "$want" > "$STAMP"
-echo "[setup] done: $VENV" >&2
+echo "[setup] done: $VENV (source .venv/bin/activate to put recsys-train, recsys-plan, recsys-profile on PATH)" >&2

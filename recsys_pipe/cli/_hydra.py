@@ -410,11 +410,6 @@ class HydraApp:
                 overrides = [f"++{o}" if o.split("=", 1)[0] == key else o for o in overrides]
         else:
             return None  # not reached: each retry forces one more override
-        from recsys_pipe.cli.compose_errors import new_task_problems
-
-        problems = new_task_problems(cfg)
-        if problems:
-            return ConfigError(problems)
         validator = self.check if self._check_only else self.validate
         if validate and validator is not None:
             with open_dict(cfg):

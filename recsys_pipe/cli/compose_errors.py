@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 
-__all__ = ["composition_error", "new_task_problems"]
+__all__ = ["composition_error", "yaml_message"]
 
 
 def composition_error(
@@ -68,32 +68,6 @@ def yaml_message(error: Any) -> str:
             context += f" at {error.context_mark.line + 1}:{error.context_mark.column + 1}"
         message += f" ({context})"
     return f"{where}: {message}"
-
-
-def new_task_problems(cfg: DictConfig) -> list[ConfigProblem]:
-    """A task that only an override created (`pipeline.tasks.h2dd.lookahead=1`, a typo of a task
-    name) has no `fn`: name it and the closest task of the plan."""
-    from recsys_pipe.cli.keys import format_suggestions
-
-    tasks = OmegaConf.select(cfg, "pipeline.tasks", default=None)
-    if not isinstance(tasks, DictConfig):
-        return []
-    problems = []
-    named = [name for name in tasks if not OmegaConf.is_missing(tasks[name], "fn")]
-    for name in tasks:
-        if OmegaConf.is_missing(tasks[name], "fn"):
-            import difflib
-
-            close = difflib.get_close_matches(str(name), named, n=3, cutoff=0.6)
-            problems.append(
-                ConfigProblem(
-                    f"pipeline.tasks.{name}",
-                    f"the plan has no task '{name}'"
-                    + format_suggestions([f"pipeline.tasks.{c}" for c in close])
-                    + "; a new task needs its fn",
-                )
-            )
-    return problems
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -171,7 +171,7 @@ def closest_keys(
     if not parent:
         siblings.update(groups)
     siblings.discard(leaf)
-    close = difflib.get_close_matches(leaf, sorted(siblings), n=n, cutoff=0.6)
+    close = _closest(leaf, sorted(siblings), n, cutoff=0.6)
     if close:
         return [f"{parent}.{c}" if parent else c for c in close]
     task = path.split(".")[2] if path.startswith("pipeline.tasks.") and path.count(".") >= 3 else None
@@ -179,8 +179,30 @@ def closest_keys(
     by_leaf: dict[str, list[str]] = {}
     for candidate in sorted(elsewhere):
         by_leaf.setdefault(candidate.rpartition(".")[2], []).append(candidate)
-    matches = difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75)
+    matches = _closest(leaf, list(by_leaf), n, cutoff=0.75)
     return [p for m in matches for p in by_leaf[m]][:n]
+
+
+def _closest(word: str, candidates: list[str], n: int, cutoff: float) -> list[str]:
+    """Candidates one typo away from `word` first, then difflib's close matches.
+
+    Why not difflib alone: its similarity ratio punishes short words (`an` for `fn` scores 0.5,
+    below any useful cutoff), and a key's one-letter typo must always find the key."""
+    near = [c for c in candidates if _one_typo(word, c)]
+    return list(dict.fromkeys(near + difflib.get_close_matches(word, candidates, n=n, cutoff=cutoff)))[:n]
+
+
+def _one_typo(a: str, b: str) -> bool:
+    """Whether `b` is `a` with one letter dropped, added, replaced, or two neighbours swapped."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (
+            len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
+        )
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    return any(long_[:i] + long_[i + 1 :] == short for i in range(len(long_)))
 
 
 def format_suggestions(paths: Sequence[str]) -> str:
