@@ -150,7 +150,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.train import init_distributed
+    from recsys_pipe.runtime import init_distributed
 
     info = init_distributed("cpu", "gloo")
     world, main_rank = info.world_size, info.rank == 0

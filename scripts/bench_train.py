@@ -711,7 +711,8 @@ def main() -> None:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]})
     torch.set_num_threads(1)
-    from recsys_pipe.train import init_distributed, training_plan
+    from recsys_pipe.runtime import init_distributed
+    from recsys_pipe.train import training_plan
 
     cuda = torch.cuda.is_available()
     info = init_distributed("cuda" if cuda else "cpu", "nccl" if cuda else "gloo")

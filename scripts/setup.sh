@@ -6,6 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.recsys_pipe_stamp"
+EXTRAS="test,docs,megatron"
 want="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
@@ -16,21 +17,24 @@ pip install --upgrade pip setuptools wheel
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[setup] CUDA machine: installing CUDA builds" >&2
-  pip install "torch==2.13.0" fbgemm-gpu==1.8.0
-  pip install torchrec==1.8.0
+  pip install "torch==2.13.0" "fbgemm-gpu==1.8.0" "torchrec==1.8.0"
+  pip install -e "$ROOT[$EXTRAS]"
 else
   echo "[setup] no CUDA: installing the CPU stack" >&2
-  # A bare `torch` requirement would pull the multi-GB CUDA build; pin the CPU wheel.
+  # A bare `torch` requirement would pull the multi-GB CUDA build: pin the CPU wheel.
   pip install "torch==2.13.0" "fbgemm-gpu-cpu==1.8.0"
-fi
-pip install tensordict torchmetrics tqdm pyre-extensions iopath typing-inspect
-pip install "megatron-core==0.16.1"
-pip install -e "$ROOT[test]"
-if [[ -z "$(command -v nvidia-smi)" ]] || ! nvidia-smi -L >/dev/null 2>&1; then
-  # torchrec declares a dependency on the CUDA fbgemm-gpu; on CPU it runs on fbgemm-gpu-cpu, so
-  # it is installed without deps (its real runtime dependencies are above) and last: any pip
-  # install after it would print a resolver ERROR about the fbgemm-gpu it does not need.
+  # A torchrec installed by an earlier run would make pip check its dependency list below.
+  pip uninstall -y torchrec 2>/dev/null || true
+  # torchrec's own runtime requirements (its list names the CUDA fbgemm-gpu, installed above as
+  # fbgemm-gpu-cpu), then this project's, read from pyproject.toml, less torch and torchrec...
+  pip install tensordict torchmetrics iopath pyre-extensions typing-inspect
+  # shellcheck disable=SC2046  # one requirement per word
+  pip install $("$VENV/bin/python" "$ROOT/scripts/requirements.py" "$ROOT/pyproject.toml" \
+    --extras "$EXTRAS" --without torch torchrec)
+  # ...then torchrec and the project without dependency resolution. Installed last, so no later
+  # pip run checks torchrec's list and complains that the CUDA fbgemm-gpu is missing.
   pip install --no-deps "torchrec==1.8.0"
+  pip install --no-deps -e "$ROOT"
 fi
 echo "$want" > "$STAMP"
 echo "[setup] done: $VENV (source .venv/bin/activate to put recsys-train, recsys-plan, recsys-profile on PATH)" >&2

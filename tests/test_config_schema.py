@@ -154,19 +154,20 @@ def plain_data(cfg: DataConfig, rank, world_size):
 
 
 @pytest.mark.parametrize("group", ["model", "data", "optimizer", "trainer"])
-def test_shipped_options_spell_out_every_key(group, tmp_path):
-    """Every key of a section is in its YAML: overridable by path (no `+`) and documented. The
-    component selectors are the exception: a YAML spells `name` (a registered component, whose
-    config class fills in its builder) or `builder` (model=custom, data=custom), not both."""
-    from recsys_pipe.cli._hydra import CONF_DIR
+def test_shipped_options_compose_every_key(group, tmp_path):
+    """Every key of a section is in the composed config of each of its options, so it is
+    overridable by path (no `+`), although the YAML holds only overrides (the rest comes from the
+    config class's defaults, see tests/test_config_defaults.py). The component selectors are the
+    exception: a section has `name` (a registered component, whose config class fills in its
+    builder) or `builder` (model=custom, data=custom), not both."""
+    from recsys_pipe.cli._hydra import CONF_DIR, compose_config
     from recsys_pipe.config import validate_section
     from recsys_pipe.train import TrainerConfig
 
     options = sorted((CONF_DIR / group).glob("*.yaml"))
     assert options
     for path in options:
-        raw = OmegaConf.to_container(OmegaConf.load(path))
-        raw.pop("defaults", None)  # Hydra's own key (a model's default data source)
+        raw = OmegaConf.to_container(compose_config(f"{group}={path.stem}")[group])
         if raw.get("path") == "???":
             raw["path"] = __file__  # movielens, criteo: any existing file passes validation
         if raw.get("builder") == "???":
@@ -174,6 +175,7 @@ def test_shipped_options_spell_out_every_key(group, tmp_path):
         if group == "trainer":
             validated, selectors = validate_section(TrainerConfig, raw, group), set()
         else:
+            raw = {k: v for k, v in raw.items() if v is not None or k not in ("name", "builder")}
             cls = RunConfig.COMPONENTS[group].config_class(raw, group)
             validated, selectors = validate_section(cls, raw, group), {"name", "builder"}
         assert _keys(raw) | selectors == _fields(validated), path.name

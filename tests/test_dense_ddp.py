@@ -23,8 +23,9 @@ from _dense_ddp import assert_megatron_matches_torch, run_worker
 
 from recsys_pipe.cli.plan import run as plan_cli
 from recsys_pipe.config import ConfigError
+from recsys_pipe.runtime import DistInfo
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import DistInfo, build_model
+from recsys_pipe.train import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -176,7 +177,8 @@ LIFETIME = """
 import os, torch, torch.distributed as dist
 torch.cuda.current_device = lambda: torch.device("cpu")  # megatron-core's buffer device (see the module docstring)
 from megatron.core import parallel_state
-from recsys_pipe.train import MegatronGrads, init_distributed, megatron_ddp
+from recsys_pipe.train import MegatronGrads, megatron_ddp
+from recsys_pipe.runtime import init_distributed
 
 init_distributed("cpu")
 initialized = parallel_state.model_parallel_is_initialized

@@ -26,3 +26,37 @@ def test_engine_sources_do_not_mention_forbidden_imports():
     root = pathlib.Path(engine.__file__).parent.parent
     for path in [*root.joinpath("engine").glob("*.py"), *root.joinpath("autosched").glob("*.py")]:
         assert not pattern.search(path.read_text()), f"{path.name} imports a forbidden package"
+
+
+def test_runtime_is_below_the_training_loop():
+    """`recsys_pipe.runtime` (process plumbing) is used by `recsys_pipe.train`, never the reverse,
+    and needs neither the training stack nor the CLI's Hydra."""
+    code = (
+        "import sys, recsys_pipe.runtime as r\n"
+        "for name in r.__all__: getattr(r, name)\n"
+        "above = ('recsys_pipe.train', 'recsys_pipe.cli', 'recsys_pipe.models', 'recsys_pipe.data')\n"
+        "stack = ('torchrec', 'fbgemm_gpu', 'hydra', 'megatron')\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(above) or m.split('.')[0] in stack)\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"runtime imported: {out.stdout.strip()}"
+
+
+def test_moved_modules_name_their_replacement():
+    code = (
+        "import warnings\n"
+        "try:\n    import recsys_pipe.train.health\nexcept ImportError as e:\n    print(e)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from recsys_pipe.train import PeerHealth\n"
+        "    print(w[0].message)\n"
+        "from recsys_pipe.runtime import PeerHealth as P\n"
+        "print(P is PeerHealth)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "recsys_pipe.train.health moved to recsys_pipe.runtime.health",
+        "recsys_pipe.train.PeerHealth moved: import it from recsys_pipe.runtime",
+        "True",
+    ]

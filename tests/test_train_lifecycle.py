@@ -16,12 +16,12 @@ import torch
 
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import EpochSampler, RankData, SyntheticConfig, SyntheticDataConfig
+from recsys_pipe.runtime import StopRequest
 from recsys_pipe.train import (
     CheckpointConfig,
     Checkpointer,
     LrSchedule,
     OptimizerConfig,
-    StopRequest,
     TrainOptimizer,
     find_checkpoints,
     resolve_resume,

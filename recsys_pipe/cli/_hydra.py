@@ -28,6 +28,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.runtime.failures import (  # the exit codes, re-exported for the CLIs
+    EXIT_CONFIG_ERROR,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+)
 
 __all__ = [
     "CONF_DIR",
@@ -49,17 +56,6 @@ __all__ = [
 #: The packaged config tree (the repo-root `conf` is a symlink to it).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
-#: Training finished (max_steps reached, epochs done or data exhausted).
-EXIT_OK = 0
-#: A failure after start-up: an exception on this rank, or a failed peer (see the run's status.json).
-EXIT_FAILURE = 1
-#: Every config or input error: a bad value, data file, output path or checkpoint (argparse's code).
-EXIT_CONFIG_ERROR = 2
-#: SIGTERM made every rank save a checkpoint and stop: resumable (sysexits' EX_TEMPFAIL,
-#: "temporary failure, retry"; distinct from being killed by SIGTERM, which shells show as 143).
-EXIT_PREEMPTED = 75
-#: Ctrl-C (SIGINT): stopped after the last completed step, nothing saved (128 + SIGINT).
-EXIT_INTERRUPTED = 130
 
 #: Command-line flag of a sweep (`-m`): run the valid jobs even if some are invalid; each invalid
 #: one is recorded as failed (exit code 2) in its job directory, and the sweep exits 2.
@@ -71,17 +67,44 @@ CHECK_ONLY = "--check"
 
 #: Name under which the pipeline skeleton is registered; conf/config.yaml lists it first.
 SCHEMA_NAME = "recsys_schema"
+#: Group of the per-component defaults (see register_schemas).
+DEFAULTS_GROUP = "hydra/recsys_defaults"
 
 
 def register_schemas() -> None:
-    """Register the structured skeleton of the `pipeline` node (see config.structured) in
-    Hydra's ConfigStore, and the `recsys_sweep_dir` resolver. Idempotent; must run before Hydra
-    composes conf/config.yaml."""
+    """Register in Hydra's ConfigStore the defaults every YAML file overrides (one source per
+    default: the pydantic `Field`s, see `recsys_pipe.config.structured`), and the
+    `recsys_sweep_dir` resolver. Idempotent; must run before Hydra composes conf/config.yaml.
+
+    - `recsys_schema`: the root: the `pipeline` skeleton, the trainer's defaults, `seed`, `debug`;
+    - `hydra/recsys_defaults/<section>/<name>` for every registered model, data source and
+      optimizer (and `.../builder` for a user's own builder): the option files of that group list
+      theirs first (`- /hydra/recsys_defaults/model/hstu@_here_`). Under `hydra/` because --help
+      lists every other group as a user's choice, and these are not.
+    """
     from hydra.core.config_store import ConfigStore
 
-    from recsys_pipe.config.structured import root_skeleton
+    from recsys_pipe.config import ConfigError
+    from recsys_pipe.config.structured import defaults_node, root_skeleton
+    from recsys_pipe.train.config import RunConfig, TrainerConfig
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=root_skeleton())
+    store = ConfigStore.instance()
+    fields = RunConfig.model_fields
+    store.store(
+        name=SCHEMA_NAME,
+        node=root_skeleton({"trainer": TrainerConfig}, seed=fields["seed"].default, debug=fields["debug"].default),
+    )
+    for section, registry in RunConfig.COMPONENTS.items():
+        # model=custom, data=custom: the user must name their builder (??? is OmegaConf's "missing")
+        store.store(
+            group=f"{DEFAULTS_GROUP}/{section}", name="builder", node={**defaults_node(registry.base), "builder": "???"}
+        )
+        for name in registry.names:
+            try:  # `builder` stays null: `name` picks it (a section sets one or the other)
+                node = {**defaults_node(registry.config_class({"name": name}, section)), "builder": None}
+            except ConfigError:  # cannot be imported here (e.g. no torchrec): validation says so, by path
+                node = {"name": name}
+            store.store(group=f"{DEFAULTS_GROUP}/{section}", name=name, node=node)
     if not OmegaConf.has_resolver("recsys_sweep_dir"):
         OmegaConf.register_new_resolver("recsys_sweep_dir", sweep_dir)
 
@@ -99,7 +122,7 @@ def sweep_dir(base: str) -> str:
     """
     if base in _SWEEP_DIRS:
         return _SWEEP_DIRS[base]
-    from recsys_pipe.train.rundir import unique_dir
+    from recsys_pipe.runtime.rundir import unique_dir
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ:

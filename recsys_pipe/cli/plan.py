@@ -123,7 +123,7 @@ def plan_task(cfg: DictConfig) -> None:
 
 def check_config(cfg: DictConfig) -> None:
     """Checked before Hydra creates the run directory under `trainer.output_dir`."""
-    from recsys_pipe.train.rundir import check_output_dir
+    from recsys_pipe.runtime import check_output_dir
 
     check_output_dir(load_run_config(cfg, PlanCommandConfig).trainer.output_dir)
 

@@ -18,7 +18,7 @@ __all__ = ["run_device"]
 def run_device(trainer: Any) -> Any:
     """The `torch.device` this rank trains on (`trainer.device`), checked against
     `trainer.backend`: NCCL needs CUDA tensors."""
-    from recsys_pipe.train.distributed import resolve_device
+    from recsys_pipe.runtime import resolve_device
 
     try:
         device = resolve_device(trainer.device)

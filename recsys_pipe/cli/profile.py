@@ -93,7 +93,7 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan) -> None:
         )
     if problems:
         raise ConfigError(problems)
-    from recsys_pipe.train.rundir import check_output_dir
+    from recsys_pipe.runtime import check_output_dir
 
     check_output_dir(run.trainer.output_dir)  # as recsys-train: refused before any process group
 
@@ -107,7 +107,8 @@ def profile_task(cfg: DictConfig) -> None:
 
     run_device(run.trainer)
 
-    from recsys_pipe.train import Trainer, init_distributed, shared_run_dir, teardown
+    from recsys_pipe.runtime import init_distributed, shared_run_dir, teardown
+    from recsys_pipe.train import Trainer
 
     info = init_distributed(run.trainer.device, run.trainer.backend)
     trainer = None
@@ -217,7 +218,9 @@ def _setup_logging(rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-_app = hydra_app(profile_task, config_name="profile", prog="recsys-profile")
+_app = hydra_app(
+    profile_task, config_name="profile", prog="recsys-profile", schema="recsys_pipe.cli.profile:ProfileCommandConfig"
+)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -1,10 +1,16 @@
-"""An OmegaConf structured-config skeleton of the `pipeline` node, derived from the pydantic models.
+"""OmegaConf skeletons of the config tree, derived from the pydantic models: the single source of
+every default is a pydantic `Field`; YAML files hold only what differs from it.
 
 Why: Hydra closes the composed config (struct mode), so a command-line override of a key the
 YAML did not spell out -- `pipeline.tasks.zero_grad.lookahead=1` when the YAML relies on the
 default 0 -- would be refused without `+`. Merging the YAML into this skeleton gives every task
 every field (with its default), so any field of any task is overridable by path, and a key that
 is not a task field (`lookahed`) is refused by OmegaConf at composition time, with its path.
+
+The same holds for every other section: `defaults_node(cls)` is a config class's defaults as a
+plain node; the CLIs register one per registered component (`schema/model/hstu`, ...), which each
+option file of conf/model, conf/data, conf/optimizer lists first in its defaults, and the
+trainer's, `seed` and `debug` in the root skeleton.
 
 Values are typed `Any` on purpose: type and range checks stay in the pydantic models, which
 produce the project's `path: message` errors. The skeleton is generated from those models, so
@@ -22,7 +28,7 @@ from pydantic_core import PydanticUndefined
 
 from recsys_pipe.config.schema import PlanConfig, TaskConfig, ThreadMapConfig
 
-__all__ = ["plan_skeleton", "root_skeleton"]
+__all__ = ["defaults_node", "plan_skeleton", "root_skeleton"]
 
 
 def _dataclass_of(model: type[BaseModel], overrides: dict[str, Any] | None = None) -> type:
@@ -58,7 +64,27 @@ def plan_skeleton() -> type:
     return _PlanSkeleton
 
 
-def root_skeleton() -> dict[str, Any]:
-    """The node to register in Hydra's ConfigStore: `{pipeline: <skeleton>}`; the rest of the
-    root config stays free-form (validated by `RunConfig`)."""
-    return {"pipeline": _PlanSkeleton}
+def defaults_node(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s fields with their defaults, nested sections as nested nodes; a required field is
+    `???` (OmegaConf's missing value), so the user must set it."""
+    node: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if info.default_factory is not None:
+            value = info.default_factory()  # type: ignore[call-arg]
+        elif info.default is PydanticUndefined:
+            value = MISSING
+        else:
+            value = info.default
+        if isinstance(value, BaseModel):
+            value = defaults_node(type(value))
+        node[info.alias or name] = value
+    return node
+
+
+def root_skeleton(sections: dict[str, type[BaseModel]] | None = None, **values: Any) -> dict[str, Any]:
+    """The node to register in Hydra's ConfigStore: `{pipeline: <skeleton>}`, plus the defaults of
+    each fixed-class section in `sections` (e.g. `trainer`) and plain root `values` (`seed`)."""
+    root: dict[str, Any] = {"pipeline": _PlanSkeleton}
+    root.update({key: defaults_node(cls) for key, cls in (sections or {}).items()})
+    root.update(values)
+    return root

@@ -1,36 +1,44 @@
 """Training adapter: the run config, the task functions, their shared state, the loop.
 
 Names are imported on first use (PEP 562): `import recsys_pipe.train` loads no torchrec, and
-nothing in the training path imports it unless the model has torchrec tables.
+nothing in the training path imports it unless the model has torchrec tables. The process
+plumbing around the loop (process group, run directory, peer health, preemption) is
+`recsys_pipe.runtime`.
 """
 
 from __future__ import annotations
 
-from recsys_pipe._lazy import lazy_exports
+from recsys_pipe._lazy import lazy_exports, refuse_moved_modules
+
+#: modules and names that moved to `recsys_pipe.runtime` (old imports say where they went)
+_RUNTIME_MODULES = ("distributed", "health", "preemption", "rundir", "status", "verify")
+_RUNTIME_NAMES = (
+    "CollectiveGuard",
+    "DistInfo",
+    "PeerFailure",
+    "PeerHealth",
+    "RunStatus",
+    "StopRequest",
+    "UndeclaredCollectiveError",
+    "init_distributed",
+    "resolve_device",
+    "shared_run_dir",
+    "teardown",
+)
+refuse_moved_modules({f"{__name__}.{m}": f"recsys_pipe.runtime.{m}" for m in _RUNTIME_MODULES})
 
 _EXPORTS = {
     "CheckpointConfig": "checkpoint",
     "Checkpointer": "checkpoint",
     "find_checkpoints": "checkpoint",
     "resolve_resume": "checkpoint",
-    "PeerFailure": "health",
-    "PeerHealth": "health",
     "MetricsWriter": "metrics",
     "LrSchedule": "optim",
     "TrainOptimizer": "optim",
-    "StopRequest": "preemption",
     "RngState": "rng",
-    "RunStatus": "status",
-    "CollectiveGuard": "verify",
-    "UndeclaredCollectiveError": "verify",
     "RunConfig": "config",
     "TrainerConfig": "config",
     "load_run_config": "config",
-    "DistInfo": "distributed",
-    "init_distributed": "distributed",
-    "resolve_device": "distributed",
-    "shared_run_dir": "rundir",
-    "teardown": "distributed",
     "MegatronGrads": "dense_ddp",
     "check_dense_ddp": "dense_ddp",
     "megatron_ddp": "dense_ddp",
@@ -52,4 +60,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, moved=dict.fromkeys(_RUNTIME_NAMES, "recsys_pipe.runtime"))

@@ -22,9 +22,9 @@ from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.engine import StreamPool
 from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.dense_ddp import MegatronGrads, check_dense_ddp, megatron_ddp
-from recsys_pipe.train.distributed import DistInfo
 from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
 from recsys_pipe.train.state import TrainState
 

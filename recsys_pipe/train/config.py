@@ -67,7 +67,7 @@ class TrainerConfig(Section):
     epochs: StrictInt = Field(
         1, ge=1, description="passes over the training data (each reshuffled with data.seed + epoch)"
     )
-    max_steps: StrictInt | None = Field(100, ge=1, description="stop after this many steps at most (null: all epochs)")
+    max_steps: StrictInt | None = Field(200, ge=1, description="stop after this many steps at most (null: all epochs)")
     log_every: StrictInt = Field(
         10, ge=1, description="summary line and metrics record (loss, samples/s, lr) every N steps"
     )
@@ -77,7 +77,7 @@ class TrainerConfig(Section):
         "fp32", description="bf16: autocast the model's forward to bfloat16 (CPU and CUDA); weights stay fp32"
     )
     eval_every: StrictInt = Field(
-        0, ge=0, description="evaluate every N steps, at epoch ends, before step 1 and after the last (0: never)"
+        50, ge=0, description="evaluate every N steps, at epoch ends, before step 1 and after the last (0: never)"
     )
     eval_batches: StrictInt = Field(
         8, ge=0, description="held-out batches per rank (the tail of its share) for evaluation"

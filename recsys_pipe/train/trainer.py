@@ -35,19 +35,19 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
 from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
+from recsys_pipe.runtime.distributed import DistInfo
+from recsys_pipe.runtime.health import PeerHealth
+from recsys_pipe.runtime.preemption import StopRequest
+from recsys_pipe.runtime.verify import CollectiveGuard
 from recsys_pipe.train.build import build_model, build_state
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
 from recsys_pipe.train.config import RunConfig
-from recsys_pipe.train.distributed import DistInfo
-from recsys_pipe.train.health import PeerHealth
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer
-from recsys_pipe.train.preemption import StopRequest
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
 from recsys_pipe.train.torch_profile import StepWindow
-from recsys_pipe.train.verify import CollectiveGuard
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,15 @@ class TrainSummary:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds else 0.0
+
+    def describe(self) -> str:
+        """One line for the log: steps, samples, speed, loss and eval AUC from first to last."""
+        evals = f"; eval auc {self.evals[0]['auc']:.4f} -> {self.evals[-1]['auc']:.4f}" if self.evals else ""
+        return (
+            f"trained {self.steps} steps ({self.start_step} -> {self.end_step}), {self.samples} samples, "
+            f"{self.samples_per_s:.1f} samples/s; loss {self.first_loss or float('nan'):.4f} -> "
+            f"{self.last_loss or float('nan'):.4f}{evals}"
+        )
 
 
 def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
@@ -401,7 +410,7 @@ class Trainer:
     # -- helpers --------------------------------------------------------------------------------
 
     def _verified(self, pipeline: SchedulablePipeline) -> SchedulablePipeline:
-        """`pipeline` under `trainer.verify_collectives` (see `recsys_pipe.train.verify`)."""
+        """`pipeline` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
         mode = self.run.trainer.verify_collectives
         if mode != "off":  # startup: long enough for every task to run in prefill and steady state
             CollectiveGuard(pipeline, None if mode == "always" else self.plan.graph.max_lookahead + 2)

@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.engine import TaskObserver
+from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import build_model, build_pipeline, build_state, init_distributed, training_plan
+from recsys_pipe.train import build_model, build_pipeline, build_state, training_plan
 from recsys_pipe.train.dense_ddp import megatron_ddp
 from recsys_pipe.train.optim import dense_optimizer_factory
 

@@ -20,8 +20,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, init_distributed, local_parameters, resolve_resume, training_plan
+from recsys_pipe.train import Trainer, local_parameters, resolve_resume, training_plan
 
 CONFIG = [
     "trainer=smoke",

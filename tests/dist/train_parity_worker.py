@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
+from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run, run_torchrec_pipeline
-from recsys_pipe.train import Trainer, build_model, init_distributed, local_parameters, training_plan
+from recsys_pipe.train import Trainer, build_model, local_parameters, training_plan
 
 STEPS = 24
 VARIANTS = {

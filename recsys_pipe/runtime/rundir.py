@@ -17,7 +17,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem
 
 __all__ = ["check_output_dir", "check_unused", "claim_dir", "shared_run_dir", "unique_dir"]
 
-#: the file whose existence marks a directory as a run's (see `recsys_pipe.train.status`)
+#: the file whose existence marks a directory as a run's (see `recsys_pipe.runtime.status`)
 STATUS_FILE = "status.json"
 
 

@@ -1,0 +1,38 @@
+"""Logging of a training process: rank 0 talks, every rank records its failures in train.log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["setup_logging"]
+
+
+class _OneLine(logging.Formatter):
+    """Console format: the message without the traceback (which goes to train.log)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info = record.exc_text = None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def setup_logging(rank: int, run_dir: str, debug: bool) -> None:
+    """Rank 0: INFO to the console and train.log; other ranks: warnings and errors to both (so a
+    failure is in train.log whichever rank saw it). Tracebacks only in train.log, unless debug."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    pattern = f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s"
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(pattern, "%H:%M:%S") if debug else _OneLine(pattern, "%H:%M:%S"))
+    root.addHandler(console)
+    file = logging.FileHandler(os.path.join(run_dir, "train.log"))  # appends: one line per write
+    file.setFormatter(logging.Formatter(pattern, "%H:%M:%S"))
+    root.addHandler(file)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("recsys_pipe").setLevel(logging.INFO if rank == 0 else logging.WARNING)
