@@ -20,6 +20,7 @@ import datetime
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -177,9 +178,12 @@ def first_to_report() -> bool:
             timeout=datetime.timedelta(seconds=10),
         )
         key = f"recsys_pipe/report/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_REPORTS[0]}"
-        return store.add(key, 1) == 1
+        first = store.add(key, 1) == 1
     except Exception:  # no store: one line per machine is still better than one per rank
         return os.environ.get("LOCAL_RANK", "0") == "0"
+    if not first:  # let the reporting rank print before this one exits and torchrun stops the others
+        time.sleep(1.0)
+    return first
 
 
 def report_config_error(
