@@ -273,7 +273,7 @@ class HydraApp:
 
     def _record_failed_job(self, job: tuple[int, list[str], str], exc: ConfigError) -> None:
         """--keep-going: report the invalid sweep job and record it in its job directory."""
-        import json
+        from recsys_pipe.runtime.status import RunStatus
 
         number, overrides, job_dir = job
         label = f"job {number} ({' '.join(overrides)})"
@@ -282,17 +282,11 @@ class HydraApp:
             for p in exc.problems:
                 print(f"error: {p} [sweep {label}]", file=sys.stderr)
             os.makedirs(job_dir, exist_ok=True)
-            with open(os.path.join(job_dir, "status.json"), "w") as f:
-                json.dump(
-                    {
-                        "status": "failed",
-                        "exit_code": EXIT_CONFIG_ERROR,
-                        "message": "invalid config, not run: " + "; ".join(str(p) for p in exc.problems),
-                        "overrides": overrides,
-                    },
-                    f,
-                    indent=1,
-                )
+            RunStatus(job_dir, overrides=overrides).write(
+                "failed",
+                exit_code=EXIT_CONFIG_ERROR,
+                message="invalid config, not run: " + "; ".join(str(p) for p in exc.problems),
+            )
 
     def run(self, argv: Sequence[str] | None = None) -> int:
         """Run with `argv` (default: sys.argv[1:]) and return the exit code."""
