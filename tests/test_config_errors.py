@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import recsys_pipe.train
 from recsys_pipe.cli import plan as plan_cli
 from recsys_pipe.cli import train as train_cli
 
@@ -47,7 +46,10 @@ def no_process_group(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a process group was started for a config that should have been refused")
 
-    monkeypatch.setattr(recsys_pipe.train, "init_distributed", refuse)
+    import recsys_pipe.runtime.session
+
+    for module in (recsys_pipe.runtime, recsys_pipe.runtime.session):  # where recsys-train/-profile find it
+        monkeypatch.setattr(module, "init_distributed", refuse)
 
 
 @pytest.mark.parametrize("overrides, path, fragment", CASES, ids=[" ".join(c[0]) for c in CASES])
