@@ -261,9 +261,10 @@ class HydraApp:
             if _debug_requested(cfg):
                 traceback.print_exc()
             job = _sweep_job()
-            if job is not None and self._keep_going:
-                self._record_failed_job(job, exc)
-                return None
+            if job is not None:  # its directory (made by Hydra) says why it did not run
+                self._record_failed_job(job, exc, announce=self._keep_going)
+                if self._keep_going:
+                    return None
             outcome = None
             if job is not None and self._jobs_done:
                 outcome = f"sweep job {job[0]} did not start ({self._jobs_done} earlier job(s) ran)"
@@ -271,22 +272,24 @@ class HydraApp:
             sys.stdout.flush()
             raise SystemExit(EXIT_CONFIG_ERROR) from None
 
-    def _record_failed_job(self, job: tuple[int, list[str], str], exc: ConfigError) -> None:
-        """--keep-going: report the invalid sweep job and record it in its job directory."""
+    def _record_failed_job(self, job: tuple[int, list[str], str], exc: ConfigError, announce: bool) -> None:
+        """A sweep job whose config or input is bad: rank 0 records it as failed in its job
+        directory; with `announce` (--keep-going: the sweep goes on) its problems are printed."""
         from recsys_pipe.runtime.status import RunStatus
 
         number, overrides, job_dir = job
         label = f"job {number} ({' '.join(overrides)})"
         self._failed_jobs.append(label)
-        if first_to_report():
-            for p in exc.problems:
-                print(f"error: {p} [sweep {label}]", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
             os.makedirs(job_dir, exist_ok=True)
             RunStatus(job_dir, overrides=overrides).write(
                 "failed",
                 exit_code=EXIT_CONFIG_ERROR,
-                message="invalid config, not run: " + "; ".join(str(p) for p in exc.problems),
+                message="invalid config or input, not run: " + "; ".join(str(p) for p in exc.problems),
             )
+        if announce and first_to_report():
+            for p in exc.problems:
+                print(f"error: {p} [sweep {label}]", file=sys.stderr)
 
     def run(self, argv: Sequence[str] | None = None) -> int:
         """Run with `argv` (default: sys.argv[1:]) and return the exit code."""
