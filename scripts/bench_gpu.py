@@ -52,6 +52,8 @@ import torch
 from torch import nn
 
 from recsys_pipe.engine import (
+    BATCH_CPU,
+    STEP_RESULT,
     SchedulablePipeline,
     Schedule,
     StreamPool,
@@ -119,7 +121,7 @@ def record_for_other_streams(ctx: Any, *tensors: torch.Tensor) -> None:
 
 
 def h2d(ctx: Any) -> None:
-    features, targets = ctx.slots["batch_cpu"]
+    features, targets = ctx.slots[BATCH_CPU]
     device = ctx.state.device
     batch = (features.to(device, non_blocking=True), targets.to(device, non_blocking=True))
     record_for_other_streams(ctx, *batch)
@@ -150,7 +152,7 @@ def backward(ctx: Any) -> None:
 def optimizer_step(ctx: Any) -> None:
     ctx.state.optimizer.step()
     ctx.state.optimizer.zero_grad(set_to_none=True)
-    ctx.slots.set("step_result", ctx.slots["loss"].detach())
+    ctx.slots.set(STEP_RESULT, ctx.slots["loss"].detach())
 
 
 def training_plan(pipelined: bool) -> Schedule:
@@ -161,11 +163,11 @@ def training_plan(pipelined: bool) -> Schedule:
 
     return Schedule.single_stage(
         [
-            Task.from_fn("h2d", h2d, reads=["batch_cpu"], writes=["batch"], **placed("memcpy", 2)),
+            Task.from_fn("h2d", h2d, reads=[BATCH_CPU], writes=["batch"], **placed("memcpy", 2)),
             Task.from_fn("comm", comm, reads=["batch"], writes=["exchanged"], **placed("comm", 1)),
             Task.from_fn("forward", forward, reads=["exchanged", "batch"], writes=["loss"]),
             Task.from_fn("backward", backward, reads=["loss"]),
-            Task.from_fn("optimizer", optimizer_step, reads=["loss"], writes=["step_result"], depends_on=["backward"]),
+            Task.from_fn("optimizer", optimizer_step, reads=["loss"], writes=[STEP_RESULT], depends_on=["backward"]),
         ],
         STREAMS,
     )

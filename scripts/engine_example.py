@@ -10,11 +10,20 @@ import statistics
 
 import torch
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, SpanRecorder, StreamPool, Task, TaskObserver
+from recsys_pipe.engine import (
+    BATCH_CPU,
+    STEP_RESULT,
+    SchedulablePipeline,
+    Schedule,
+    SpanRecorder,
+    StreamPool,
+    Task,
+    TaskObserver,
+)
 
 
 def prepare(ctx):  # runs on batch K+1 while train runs on batch K
-    x, y = ctx.slots["batch_cpu"]
+    x, y = ctx.slots[BATCH_CPU]
     ctx.slots.set("batch", ((x - x.mean(0)) / (x.std(0) + 1e-6), y))
 
 
@@ -25,16 +34,14 @@ def train(ctx):
     loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
     loss.backward()
     opt.step()
-    ctx.slots.set("step_result", loss.item())
+    ctx.slots.set(STEP_RESULT, loss.item())
 
 
 def plan(lookahead: int) -> Schedule:
     return Schedule.single_stage(
         [
-            Task.from_fn(
-                "prepare", prepare, stream="memcpy", lookahead=lookahead, reads=["batch_cpu"], writes=["batch"]
-            ),
-            Task.from_fn("train", train, reads=["batch"], writes=["step_result"]),
+            Task.from_fn("prepare", prepare, stream="memcpy", lookahead=lookahead, reads=[BATCH_CPU], writes=["batch"]),
+            Task.from_fn("train", train, reads=["batch"], writes=[STEP_RESULT]),
         ]
     )
 

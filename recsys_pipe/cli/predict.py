@@ -67,7 +67,7 @@ def tune_plan(plan: CompiledPlan, costs: CostModel, name: str, out: Path, time_l
     description = f"{plan.config.name} tuned by recsys-plan: predicted {result.best_s * 1e3:.4g} ms/step"
     plan_yaml(
         result.schedule,
-        plan.fn_paths(),
+        {task_name: task.fn for task_name, task in plan.config.tasks.items()},  # as the plan names them: fn: h2d
         thread_map=result.thread_map,
         name=name,
         description=description,

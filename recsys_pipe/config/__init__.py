@@ -6,7 +6,8 @@ Imports only the engine, pydantic and omegaconf (never Hydra, which lives in `re
     plan = compile_plan(cfg, resolve_fn=structure_only)    # structure only, no task code imported
 
 Every problem is reported as `ConfigError.problems`: (config path, message) pairs. `Section` is
-the base of every component's config; `Registry` maps component names to their config classes.
+the base of every component's config; `Registry` maps component names to their config classes;
+`TASKS` maps task names (`fn: h2d`) to the functions registered with `@task`.
 """
 
 from recsys_pipe.config.compile import CompiledPlan, CpuEdge, compile_plan, plan_from_any, thread_assignment
@@ -17,8 +18,10 @@ from recsys_pipe.config.render import firing_table, render_plan
 from recsys_pipe.config.resolve import FnResolveError, import_fn, structure_only
 from recsys_pipe.config.schema import TASK_FIELDS, PlanConfig, Section, TaskConfig, ThreadMapConfig
 from recsys_pipe.config.structured import plan_skeleton
+from recsys_pipe.config.task_registry import TASKS, Need, TaskRegistry, TaskSpec, UnknownTaskError, task
 
 __all__ = [
+    "TASKS",
     "TASK_FIELDS",
     "CompiledPlan",
     "Component",
@@ -26,11 +29,15 @@ __all__ = [
     "ConfigProblem",
     "CpuEdge",
     "FnResolveError",
+    "Need",
     "PlanConfig",
     "Registry",
     "Section",
     "TaskConfig",
+    "TaskRegistry",
+    "TaskSpec",
     "ThreadMapConfig",
+    "UnknownTaskError",
     "compile_plan",
     "builder_config_class",
     "builder_field",
@@ -42,6 +49,7 @@ __all__ = [
     "render_plan",
     "structure_only",
     "suggest",
+    "task",
     "thread_assignment",
     "to_container",
     "validate_section",

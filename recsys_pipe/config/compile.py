@@ -9,6 +9,7 @@ group starts, with one precise message per mistake.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from recsys_pipe.config.errors import (
 )
 from recsys_pipe.config.resolve import FnResolveError, ResolveFn, import_fn, structure_only
 from recsys_pipe.config.schema import PlanConfig, TaskConfig, ThreadMapConfig
+from recsys_pipe.config.task_registry import TASKS, Need, TaskSpec, is_task_name
 from recsys_pipe.engine import (
     DependencyGraph,
     Problem,
@@ -69,6 +71,9 @@ class CompiledPlan:
     graph: DependencyGraph
     #: task name -> CPU thread id (what the threaded executor uses; "main" when sequential).
     thread_of: Mapping[str, str]
+    #: task name -> its registry entry (`fn: <name>`, or an import path of a registered function);
+    #: absent for a function that is not registered (or not imported: structure-only).
+    specs: Mapping[str, TaskSpec] = dataclasses.field(default_factory=dict)
 
     @property
     def schedule(self) -> Schedule:
@@ -83,8 +88,16 @@ class CompiledPlan:
         return self.config.executor == "threaded"
 
     def fn_paths(self) -> dict[str, str]:
-        """task name -> `fn` import path, in topological order."""
-        return {t.name: self.config.tasks[t.name].fn for t in self.order}
+        """task name -> import path of its function, in topological order: a registered task's
+        own `pkg.module.func` (also for `fn: <name>`), else `fn` as the plan writes it."""
+        return {
+            t.name: self.specs[t.name].path if t.name in self.specs else self.config.tasks[t.name].fn
+            for t in self.order
+        }
+
+    def needing(self, need: Need) -> list[str]:
+        """Names of the tasks whose registry entry declares `need`, in topological order."""
+        return [t.name for t in self.order if t.name in self.specs and need in self.specs[t.name].needs]
 
     def cpu_edges(self) -> list[CpuEdge]:
         """In-iteration edges (declarations, then same-stream FIFO), each flagged cross-thread."""
@@ -132,8 +145,12 @@ def thread_assignment(plan: PlanConfig, tasks: Sequence[Task]) -> dict[str, str]
 def compile_plan(plan: Any, *, resolve_fn: ResolveFn | None = None, prefix: str = "pipeline") -> CompiledPlan:
     """Validate and compile a plan; raise ConfigError listing every problem with its path.
 
-    resolve_fn: how `fn` paths become functions; default imports them (`import_fn`), pass
-    `structure_only` to compile without importing task code. prefix: config path of the plan node.
+    Each task's `fn` is a registered name (`fn: h2d`, looked up in `TASKS`, which imports the
+    shipped task modules) or an import path of a function (`pkg.module:function`).
+    resolve_fn: how import paths become functions -- for a name, the registered function's own
+    path; default imports them (`import_fn`), pass `structure_only` to compile without importing
+    task code (names are still looked up, so a misspelt name is reported). prefix: config path of
+    the plan node.
     """
     cfg = plan_from_any(plan, prefix)
     resolve = resolve_fn or import_fn
@@ -145,8 +162,11 @@ def compile_plan(plan: Any, *, resolve_fn: ResolveFn | None = None, prefix: str 
 
     engine: list[ConfigProblem] = []
     tasks: list[Task] = []
+    specs: dict[str, TaskSpec] = {}
     for name, tc in cfg.tasks.items():
-        fn = _resolve(resolve, name, tc, prefix, problems)
+        fn, spec = _resolve(resolve, name, tc, prefix, problems)
+        if spec is not None:
+            specs[name] = spec
         try:
             tasks.append(_build_task(name, fn, tc))
         except ScheduleValidationError as exc:
@@ -169,7 +189,7 @@ def compile_plan(plan: Any, *, resolve_fn: ResolveFn | None = None, prefix: str 
         thread_of = thread_assignment(cfg, graph.order)
     else:
         thread_of = {t.name: "main" for t in graph.order}
-    return CompiledPlan(cfg, graph, thread_of)
+    return CompiledPlan(cfg, graph, thread_of, specs)
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -221,12 +241,23 @@ def _check_thread_map(tm: ThreadMapConfig, cfg: PlanConfig, prefix: str, problem
             )
 
 
-def _resolve(resolve: ResolveFn, name: str, tc: TaskConfig, prefix: str, problems: list[ConfigProblem]) -> Any:
+def _resolve(
+    resolve: ResolveFn, name: str, tc: TaskConfig, prefix: str, problems: list[ConfigProblem]
+) -> tuple[Any, TaskSpec | None]:
+    """The task's function and its registry entry (None if it is not a registered function)."""
+    spec = None
     try:
-        fn = resolve(tc.fn)
+        if is_task_name(tc.fn):
+            spec = TASKS.lookup(tc.fn)
+            # the function itself (it may not be importable by path: a nested definition), unless
+            # the caller substitutes functions (structure_only, stubs), which get its path
+            fn = spec.fn if resolve is import_fn else resolve(spec.path)
+        else:
+            fn = resolve(tc.fn)
+            spec = TASKS.spec_of(fn)
         if not callable(fn):
             raise FnResolveError(f"'{tc.fn}' resolved to a {type(fn).__name__}, not a function")
-        return fn
+        return fn, spec
     except FnResolveError as exc:
         problems.append(
             ConfigProblem(
@@ -237,7 +268,7 @@ def _resolve(resolve: ResolveFn, name: str, tc: TaskConfig, prefix: str, problem
         problems.append(
             ConfigProblem(task_path(prefix, name, "fn"), f"cannot resolve '{tc.fn}': {type(exc).__name__}: {exc}")
         )
-    return structure_only(tc.fn)
+    return structure_only(tc.fn), spec
 
 
 def _build_task(name: str, fn: Any, tc: TaskConfig) -> Task:

@@ -107,7 +107,8 @@ def problems_from_validation_error(
         if kind == "extra_forbidden":
             key = str(loc[-1]) if loc else "?"
             valid = _valid_keys(root, loc[:-1])
-            message = f"unknown key '{key}'" + suggest(key, valid)
+            message = f"unknown key '{key}'" + (_TARGET_HINT.get(_target_kind(valid), "") if key == "_target_" else "")
+            message += suggest(key, valid)
             if valid:
                 message += f"; valid keys: {', '.join(valid)}"
         elif kind == "missing":
@@ -116,6 +117,20 @@ def problems_from_validation_error(
             message = _message(err)
         problems.append(ConfigProblem(path, message))
     return problems
+
+
+#: Hydra's `_target_` is not how these configs name code: what to write instead, by section kind.
+_TARGET_HINT = {
+    "fn": " (Hydra's _target_ is not used: name the task's function with fn:, a registered task or "
+    "pkg.module:function)",
+    "builder": " (Hydra's _target_ is not used: pick the component with name:, or your own with "
+    "builder: pkg.module:function)",
+}
+
+
+def _target_kind(valid: Sequence[str]) -> str:
+    """Which key replaces `_target_` in a section with these keys ('' if neither)."""
+    return "fn" if "fn" in valid else "builder" if "builder" in valid else ""
 
 
 def _clean_loc(loc: Sequence[Any]) -> tuple[Any, ...]:

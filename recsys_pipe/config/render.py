@@ -104,11 +104,12 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
     out += ["", "tasks, in topological order (the order each iteration submits them):"]
     rows = []
     ticket = 0
+    fns = plan.fn_paths()  # a registered task shows its function's import path
     for n, t in enumerate(plan.order):
         nccl = "-"
         if t.nccl:
             nccl, ticket = f"#{ticket}", ticket + 1
-        rows.append([str(n), t.name, str(t.lookahead), t.stream, plan.thread_of[t.name], nccl, cfg.tasks[t.name].fn])
+        rows.append([str(n), t.name, str(t.lookahead), t.stream, plan.thread_of[t.name], nccl, fns[t.name]])
     out += _table(["#", "task", "lookahead", "stream", "thread", "nccl", "fn"], rows)
     out.append("  (nccl #n: ticket of the ordered NCCL lock -- collectives are issued in this order on every rank)")
 

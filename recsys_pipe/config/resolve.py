@@ -1,4 +1,11 @@
-"""Turn a task's `fn: pkg.module.func` import path into the function.
+"""Turn an import path into the function it names: a task's `fn:` or a component's `builder:`.
+
+One syntax for the user's code everywhere in the configs: `pkg.module:function` (the module to
+import, a colon, the attribute -- possibly dotted, `pkg.module:Class.method`), as in Python entry
+points. The dotted `pkg.module.function` that plans used before the task registry keeps working:
+the longest importable module prefix is imported and the rest looked up as attributes. Hydra's
+`_target_` is not read (a section that sets it gets an error naming `fn:` or `builder:`).
+Shipped tasks are named, not imported by path: `fn: h2d` (`recsys_pipe.config.task_registry`).
 
 Why injectable: compiling a plan's *structure* (order, streams, waits) needs no task code, and
 task code pulls in torchrec/CUDA. `compile_plan(..., resolve_fn=structure_only)` checks a plan
@@ -23,7 +30,8 @@ class FnResolveError(ValueError):
 
 
 def import_fn(path: str) -> Callable[..., Any]:
-    """Import `pkg.module.func` (or `pkg.module:func`, or `pkg.module.Class.method`)."""
+    """Import `pkg.module:func` (or `pkg.module:Class.method`; the dotted `pkg.module.func` of
+    earlier plans works too). FnResolveError saying why when it cannot."""
     path = path.strip()
     if not path:
         raise FnResolveError("empty import path")

@@ -81,7 +81,10 @@ TaskName = Annotated[StrictStr, Field(min_length=1)]
 class TaskConfig(Section):
     """One task of the plan. Its name is its key in `pipeline.tasks`."""
 
-    fn: StrictStr = Field(description="import path of the task function `fn(ctx) -> None`, e.g. pkg.module.func")
+    fn: StrictStr = Field(
+        description="the task function `fn(ctx) -> None`: a registered task (h2d, forward, ...) or the import "
+        "path of your own, pkg.module:function"
+    )
     stream: StrictStr = Field("default", min_length=1, description="stream name; must be listed in pipeline.streams")
     lookahead: StrictInt = Field(0, ge=0, description="how many batches ahead of the trained batch this task runs")
     reads: list[Slot] = Field(default_factory=list, description="slots consumed: name or [name, batch_offset]")

@@ -18,7 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recsys_pipe._removed import removed_names
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
+from recsys_pipe.config.task_registry import Need
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.engine import StreamPool
 from recsys_pipe.models.base import ShardedModelConfig
@@ -28,9 +30,7 @@ from recsys_pipe.train.dense_ddp import MegatronGrads, check_dense_ddp, megatron
 from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
 from recsys_pipe.train.state import TrainState
 
-__all__ = ["SHUFFLE_FN", "build_model", "build_state", "describe_model"]
-
-SHUFFLE_FN = "recsys_pipe.train.tasks.start_shuffle"
+__all__ = ["build_model", "build_state", "describe_model"]
 
 
 def _has_torchrec_tables(model: nn.Module) -> bool:
@@ -81,8 +81,8 @@ def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[nn.Modu
 
 def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer: Any, info: DistInfo) -> TrainState:
     """The state the plan's tasks share: streams, torchrec's input distribution (sharded
-    tables), the balancer (plans with shuffle tasks), megatron-core's gradient buffers
-    (`trainer.dense_ddp=megatron`)."""
+    tables), the balancer (when a task of the plan needs it: `Need.BALANCER`), megatron-core's
+    gradient buffers (`trainer.dense_ddp=megatron`)."""
     streams = StreamPool.create(plan.schedule.stream_slots, info.device)
     sparse_dist = None
     if isinstance(run.model, ShardedModelConfig):
@@ -92,7 +92,7 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
             model, info.device, streams, prefetch=plan.config.torchrec_context == "prefetch"
         )
     balancer = None
-    if SHUFFLE_FN in plan.fn_paths().values():
+    if plan.needing(Need.BALANCER):
         from recsys_pipe.train.shuffle import BatchBalancer
 
         balancer = BatchBalancer(run.model.sample_costs)
@@ -140,3 +140,9 @@ def describe_model(run: RunConfig, plan: CompiledPlan, world_size: int, local_si
         lines.append("tasks with nothing to do in this run:")
         lines += [f"  {name}: {reason}" for name, reason in idle.items()]
     return "\n".join(lines)
+
+
+__getattr__ = removed_names(
+    __name__,
+    {"SHUFFLE_FN": "tasks declare what they need (@task(..., needs={Need.BALANCER})); use plan.needing(Need.BALANCER)"},
+)

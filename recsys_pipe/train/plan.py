@@ -8,33 +8,35 @@ instead of every plan file carrying it. `model.loss_normalization=global_tokens`
 `global_tokens_allreduce` (the loss-token count summed over ranks) before `forward`, which reads
 it; with the default `local` normalisation no plan issues that collective.
 
-`idle_tasks` names the tasks that have nothing to do for the run (the input-dist tasks of a
-model without torchrec tables, finalize_model_grads under torch DDP), for `recsys-plan` to say so.
+What a task needs from the run is declared where it is registered (`@task(..., needs=...)`,
+`recsys_pipe.config.task_registry.Need`), and the builder asks the plan's tasks: a task that
+needs torchrec's prefetch context requires `pipeline.torchrec_context: prefetch`; `idle_tasks`
+names the tasks that have nothing to do because the run cannot give them what they need (the
+input-dist tasks of a model without torchrec tables, finalize_model_grads under torch DDP), for
+`recsys-plan` to say so.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from recsys_pipe._removed import removed_names
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, PlanConfig, TaskConfig, compile_plan
-from recsys_pipe.config.resolve import ResolveFn
+from recsys_pipe.config.resolve import ResolveFn, import_fn
+from recsys_pipe.config.task_registry import TASKS, Need, TaskSpec, is_task_name
 from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.train import tasks
 from recsys_pipe.train.config import RunConfig
-from recsys_pipe.train.state import BATCH_GPU, GLOBAL_TOKENS
+from recsys_pipe.train.slots import BATCH_GPU, GLOBAL_TOKENS
 
 __all__ = ["derive_plan", "idle_tasks", "training_plan"]
 
-_TASKS = "recsys_pipe.train.tasks"
-#: task functions that need torchrec's prefetch context (`pipeline.torchrec_context: prefetch`)
-PREFETCH_FNS = frozenset({f"{_TASKS}.prefetch_embeddings"})
-#: task functions that distribute the input of torchrec-sharded tables
-INPUT_DIST_FNS = frozenset(f"{_TASKS}.{fn}" for fn in ("start_input_dist", "wait_input_dist", "prefetch_embeddings"))
-GLOBAL_TOKENS_TASK = "global_tokens_allreduce"
-FINALIZE_FN = f"{_TASKS}.finalize_model_grads"
 
+def derive_plan(plan: PlanConfig, run: RunConfig, resolve_fn: ResolveFn | None = None) -> PlanConfig:
+    """`plan` with the tasks the run's settings need (see the module docstring).
 
-def derive_plan(plan: PlanConfig, run: RunConfig) -> PlanConfig:
-    """`plan` with the tasks the run's settings need (see the module docstring)."""
+    The forward task is the one running the registered `forward` (by name, or by an import path
+    when `resolve_fn` imports it: the default)."""
     writers = [name for name, task in plan.tasks.items() if any(_slot_name(s) == GLOBAL_TOKENS for s in task.writes)]
     if run.model.loss_normalization == "local":
         if writers:
@@ -48,24 +50,37 @@ def derive_plan(plan: PlanConfig, run: RunConfig) -> PlanConfig:
         return plan
     if writers:  # the plan places the all-reduce itself
         return plan
-    forwards = [name for name, task in plan.tasks.items() if task.fn == f"{_TASKS}.forward"]
+    forward, allreduce = TASKS.spec_of(tasks.forward), TASKS.spec_of(tasks.global_tokens_allreduce)
+    assert forward is not None and allreduce is not None  # registered where they are defined
+    forwards = [name for name, task in plan.tasks.items() if _spec(task, resolve_fn) is forward]
     if not forwards:
         raise ConfigError(
-            ConfigProblem("model.loss_normalization", f"global_tokens needs a task running {_TASKS}.forward")
+            ConfigProblem(
+                "model.loss_normalization", f"global_tokens needs a task running {forward.name} (fn: {forward.name})"
+            )
         )
-    tasks: dict[str, TaskConfig] = {}
+    derived: dict[str, TaskConfig] = {}
     for name, task in plan.tasks.items():
         if name == forwards[0]:
-            tasks[GLOBAL_TOKENS_TASK] = TaskConfig(
-                fn=f"{_TASKS}.{GLOBAL_TOKENS_TASK}",
-                reads=[BATCH_GPU],
-                writes=[GLOBAL_TOKENS],
-                nccl=True,
-                thread=task.thread,
+            derived[allreduce.name] = TaskConfig(
+                fn=allreduce.name, reads=[BATCH_GPU], writes=[GLOBAL_TOKENS], nccl=True, thread=task.thread
             )
             task = task.model_copy(update={"reads": [*task.reads, GLOBAL_TOKENS]})
-        tasks[name] = task
-    return plan.model_copy(update={"tasks": tasks})
+        derived[name] = task
+    return plan.model_copy(update={"tasks": derived})
+
+
+def _spec(task: TaskConfig, resolve_fn: ResolveFn | None) -> TaskSpec | None:
+    """The registry entry of a task's `fn`, if it names a registered function (unknown names and
+    paths that cannot be resolved are left to the compiler, which reports them)."""
+    try:
+        if is_task_name(task.fn):
+            return TASKS.lookup(task.fn)
+        if resolve_fn is None:
+            return TASKS.spec_of(import_fn(task.fn))
+    except Exception:  # an unknown name or a bad path: compile_plan reports it at the task's fn
+        return None
+    return None
 
 
 def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> CompiledPlan:
@@ -75,8 +90,8 @@ def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> Compil
     torchrec tables can import torchrec here."""
     if resolve_fn is None and isinstance(run.model, ShardedModelConfig):
         _require_torchrec(run)
-    plan = compile_plan(derive_plan(run.pipeline, run), resolve_fn=resolve_fn)
-    prefetching = sorted(name for name, fn in plan.fn_paths().items() if fn in PREFETCH_FNS)
+    plan = compile_plan(derive_plan(run.pipeline, run, resolve_fn), resolve_fn=resolve_fn)
+    prefetching = sorted(plan.needing(Need.PREFETCH_CONTEXT))
     if prefetching and plan.config.torchrec_context != "prefetch":
         raise ConfigError(
             ConfigProblem(
@@ -102,16 +117,44 @@ def _require_torchrec(run: RunConfig) -> None:
         ) from None
 
 
+#: Needs the run may be unable to meet, with the reason a task needing one then has nothing to do.
+_IDLE_WITHOUT = {
+    Need.SPARSE_DIST: "the model has no torchrec-sharded tables: no input to distribute",
+    Need.GRAD_BUFFERS: "torch DDP all-reduces the gradients during backward (trainer.dense_ddp=megatron uses it)",
+}
+
+
+def _provides(run: RunConfig, need: Need) -> bool:
+    """Whether `run` gives its tasks `need` (the state `build_state` makes for it)."""
+    if need is Need.SPARSE_DIST:
+        return isinstance(run.model, ShardedModelConfig)
+    if need is Need.GRAD_BUFFERS:
+        return run.trainer.dense_ddp == "megatron"
+    return True  # built on demand (BALANCER) or checked by training_plan (PREFETCH_CONTEXT)
+
+
 def idle_tasks(plan: CompiledPlan, run: RunConfig) -> dict[str, str]:
     """Tasks of `plan` that have nothing to do for `run.model` and `run.trainer.dense_ddp`, with the reason."""
     idle = {}
-    for name, fn in plan.fn_paths().items():
-        if fn in INPUT_DIST_FNS and not isinstance(run.model, ShardedModelConfig):
-            idle[name] = "the model has no torchrec-sharded tables: no input to distribute"
-        elif fn == FINALIZE_FN and run.trainer.dense_ddp == "torch":
-            idle[name] = "torch DDP all-reduces the gradients during backward (trainer.dense_ddp=megatron uses it)"
+    for task in plan.order:
+        needs = plan.specs[task.name].needs if task.name in plan.specs else frozenset()
+        missing = [need for need in _IDLE_WITHOUT if need in needs and not _provides(run, need)]
+        if missing:
+            idle[task.name] = _IDLE_WITHOUT[missing[0]]
     return idle
 
 
 def _slot_name(slot: str | tuple[str, int]) -> str:
     return slot if isinstance(slot, str) else slot[0]
+
+
+_NEEDS = "tasks declare what they need (@task(..., needs=...)); use CompiledPlan.needing"
+__getattr__ = removed_names(
+    __name__,
+    {
+        "PREFETCH_FNS": f"{_NEEDS}(Need.PREFETCH_CONTEXT)",
+        "INPUT_DIST_FNS": f"{_NEEDS}(Need.SPARSE_DIST)",
+        "FINALIZE_FN": f"{_NEEDS}(Need.GRAD_BUFFERS)",
+        "GLOBAL_TOKENS_TASK": "the task is registered as 'global_tokens_allreduce' (TASKS.lookup)",
+    },
+)

@@ -17,12 +17,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from recsys_pipe.engine import BATCH_CPU, StreamPool
+from recsys_pipe.engine import StreamPool
+from recsys_pipe.train.slots import (  # the slot names stay importable from here too (older code)
+    BATCH_CPU,
+    BATCH_GPU,
+    GLOBAL_TOKENS,
+    INPUT_DIST_SPLITS,
+    SHUFFLE_PLAN,
+    TORCHREC_CTX,
+    UNBALANCED_BATCH,
+)
 
 if TYPE_CHECKING:
     from recsys_pipe.train.shuffle import BatchBalancer
     from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
+# the slot names (defined in recsys_pipe.train.slots) are listed for code that imports them from here
 __all__ = [
     "BATCH_GPU",
     "GLOBAL_TOKENS",
@@ -33,15 +43,6 @@ __all__ = [
     "UNBALANCED_BATCH",
     "TrainState",
 ]
-
-#: Slots the adapter's tasks use (see conf/pipeline/*.yaml for who reads and writes them).
-BATCH_GPU = "batch_gpu"
-TORCHREC_CTX = "torchrec_ctx"
-INPUT_DIST_SPLITS = "input_dist_splits"
-GLOBAL_TOKENS = "global_tokens"
-#: Plans that balance batches: h2d writes the loaded batch here, finish_shuffle writes BATCH_GPU.
-UNBALANCED_BATCH = "unbalanced_batch"
-SHUFFLE_PLAN = "shuffle_plan"
 
 
 class GradBuffers(Protocol):

@@ -1,7 +1,9 @@
 """The recommendation-training task functions, one per stage of a training step.
 
-Each is `fn(ctx)` over its batch's slots (`ctx.slots`) and the shared `TrainState`
-(`ctx.state`). Plans in conf/pipeline/ reference them by import path; the same functions serve
+Each is `fn(ctx)` over its batch's slots (`ctx.slots`, named in `recsys_pipe.train.slots`) and
+the shared `TrainState` (`ctx.state`), registered by name with `@task` (`recsys_pipe.config.
+task_registry`) together with what it needs from the run: plans in conf/pipeline/ write
+`fn: h2d`, and the plan builder asks the tasks what to build. The same functions serve
 the serial and the pipelined plans, and every model: they use only the batch and model protocols
 (`recsys_pipe.data.batch`, `recsys_pipe.models.base`). A model with torchrec tables has
 `state.sparse_dist` (torchrec's input distribution, `recsys_pipe.train.sparse_dist`); for plain
@@ -25,15 +27,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsys_pipe.config.task_registry import Need, task
 from recsys_pipe.engine import DeclaredIO, TaskContext, declare_effects
-from recsys_pipe.train.state import (
+from recsys_pipe.train.slots import (
+    BATCH_CPU,
     BATCH_GPU,
     GLOBAL_TOKENS,
     INPUT_DIST_SPLITS,
+    INPUT_DIST_TENSORS,
+    LOSS,
+    MODEL_OUT,
+    PREFETCHED_INPUT,
     SHUFFLE_PLAN,
+    STEP_RESULT,
     TORCHREC_CTX,
     UNBALANCED_BATCH,
 )
+from recsys_pipe.train.state import TrainState
 
 __all__ = [
     "StepResult",
@@ -67,7 +77,7 @@ class StepResult:
         return int(self.sample_ids.numel())
 
 
-def _keep_alive(batch: Any, ctx: TaskContext) -> None:
+def _keep_alive(batch: Any, ctx: TaskContext[TrainState]) -> None:
     """On CUDA, keep the caching allocator from recycling a batch made on this task's stream
     while tasks on the other streams read it."""
     streams = ctx.state.streams
@@ -77,7 +87,7 @@ def _keep_alive(batch: Any, ctx: TaskContext) -> None:
                 batch.record_stream(streams.get(name))
 
 
-def _fresh_context(ctx: TaskContext, _: None) -> None:
+def _fresh_context(ctx: TaskContext[TrainState], _: None) -> None:
     """Replay of h2d: the recorded device batch (later tasks only read it) and a new context."""
     sparse = ctx.state.sparse_dist
     ctx.slots.set(TORCHREC_CTX, sparse.new_context(ctx.batch_index) if sparse is not None else None)
@@ -87,14 +97,15 @@ def _fresh_context(ctx: TaskContext, _: None) -> None:
     "creates the batch's torchrec context, which the input-dist, prefetch and forward tasks fill and empty in place",
     DeclaredIO(capture=lambda ctx: None, restore=_fresh_context),
 )
-def h2d(ctx: TaskContext) -> None:
+@task("h2d")
+def h2d(ctx: TaskContext[TrainState]) -> None:
     """batch_cpu -> device on the memcpy stream, plus the batch's torchrec context. The device
     batch goes to `batch_gpu`, or to `unbalanced_batch` in plans that balance batches (then
     finish_shuffle writes `batch_gpu`)."""
     slots, state = ctx.slots, ctx.state
     if BATCH_GPU in slots:  # the bootstrap batch: moved already
         return
-    batch = slots["batch_cpu"].to(state.device, non_blocking=True)
+    batch = slots[BATCH_CPU].to(state.device, non_blocking=True)
     _keep_alive(batch, ctx)
     balancing = any(slot.name == UNBALANCED_BATCH for slot in ctx.task.writes)
     slots.set(UNBALANCED_BATCH if balancing else BATCH_GPU, batch)
@@ -102,7 +113,8 @@ def h2d(ctx: TaskContext) -> None:
     slots.set(TORCHREC_CTX, sparse.new_context(ctx.batch_index) if sparse is not None else None)
 
 
-def start_shuffle(ctx: TaskContext) -> None:
+@task("start_shuffle", needs={Need.BALANCER})
+def start_shuffle(ctx: TaskContext[TrainState]) -> None:
     """Balanced shuffler, first half: all-gather the batch's per-sample costs and start solving
     the partition on the balancer's background thread (the future goes to `shuffle_plan`)."""
     slots = ctx.slots
@@ -111,7 +123,8 @@ def start_shuffle(ctx: TaskContext) -> None:
     slots.set(SHUFFLE_PLAN, ctx.state.balancer.start(slots[UNBALANCED_BATCH]))
 
 
-def finish_shuffle(ctx: TaskContext) -> None:
+@task("finish_shuffle", needs={Need.BALANCER})
+def finish_shuffle(ctx: TaskContext[TrainState]) -> None:
     """Balanced shuffler, second half: wait for this batch's partition and exchange samples, so
     `batch_gpu` holds this rank's balanced share. (It also counts the balance statistics, which
     only the end-of-run report reads: no effect a later task depends on.)"""
@@ -127,7 +140,8 @@ def finish_shuffle(ctx: TaskContext) -> None:
     "starts the input all-to-alls and keeps their one-shot awaitables in the batch's torchrec context "
     "(changed in place)"
 )
-def start_input_dist(ctx: TaskContext) -> None:
+@task("start_input_dist", needs={Need.SPARSE_DIST})
+def start_input_dist(ctx: TaskContext[TrainState]) -> None:
     """torchrec `_start_data_dist`: per-module input dists and the fused splits all-to-all."""
     slots, sparse = ctx.slots, ctx.state.sparse_dist
     if INPUT_DIST_SPLITS in slots:  # the bootstrap batch: started by the model rewrite
@@ -139,25 +153,28 @@ def start_input_dist(ctx: TaskContext) -> None:
     "waits for the input splits and starts the tensors all-to-all, moving one-shot awaitables within "
     "the batch's torchrec context (changed in place)"
 )
-def wait_input_dist(ctx: TaskContext) -> None:
+@task("wait_input_dist", needs={Need.SPARSE_DIST})
+def wait_input_dist(ctx: TaskContext[TrainState]) -> None:
     """Wait for the splits; this issues the tensors all-to-all (torchrec's wait_sparse_data_dist)."""
     sparse = ctx.state.sparse_dist
-    ctx.slots.set("input_dist_tensors", sparse.wait(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
+    ctx.slots.set(INPUT_DIST_TENSORS, sparse.wait(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
 
 
 @declare_effects(
     "moves the batch's input-dist results within its torchrec context (changed in place) and warms "
     "the embedding cache that forward reads"
 )
-def prefetch_embeddings(ctx: TaskContext) -> None:
+@task("prefetch_embeddings", needs={Need.SPARSE_DIST, Need.PREFETCH_CONTEXT})
+def prefetch_embeddings(ctx: TaskContext[TrainState]) -> None:
     """Wait for the input tensors and warm the embedding cache (`module.prefetch`) for the
     batch the next forward will train. CPU kernels have no cache: the wait is the real work."""
     sparse = ctx.state.sparse_dist
-    ctx.slots.set("prefetched_input", sparse.prefetch(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
+    ctx.slots.set(PREFETCHED_INPUT, sparse.prefetch(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
 
 
 @declare_effects("clears every parameter's gradient (.grad), which backward accumulates into")
-def zero_grad(ctx: TaskContext) -> None:
+@task("zero_grad")
+def zero_grad(ctx: TaskContext[TrainState]) -> None:
     """The optimizer's zero_grad, and with megatron-core's DDP its gradient buffers' reset."""
     state = ctx.state
     if state.training:
@@ -166,7 +183,8 @@ def zero_grad(ctx: TaskContext) -> None:
             state.grad_buffers.reset()
 
 
-def global_tokens_allreduce(ctx: TaskContext) -> None:
+@task("global_tokens_allreduce")
+def global_tokens_allreduce(ctx: TaskContext[TrainState]) -> None:
     """The loss tokens of this step summed over all ranks (`model.loss_normalization=global_tokens`
     adds this task to the plan; `forward` divides by it)."""
     tokens = ctx.slots[BATCH_GPU].num_loss_tokens()
@@ -179,7 +197,8 @@ def global_tokens_allreduce(ctx: TaskContext) -> None:
     "points the pipelined forwards at the batch's torchrec context, consumes its input-dist results "
     "(and prefetched embedding cache rows) and starts the embedding output all-to-all"
 )
-def forward(ctx: TaskContext) -> None:
+@task("forward")
+def forward(ctx: TaskContext[TrainState]) -> None:
     """model(batch); with torchrec tables through the rewritten forward, whose embedding lookup
     uses this batch's already distributed input (`bind` ties the shared pipelined forwards to
     it). With a `global_tokens` slot (global-token normalisation) the loss is the model's
@@ -195,22 +214,24 @@ def forward(ctx: TaskContext) -> None:
         if tokens is not None:  # normalise by all ranks' tokens; DDP then averages over ranks
             world = dist.get_world_size() if dist.is_initialized() else 1
             loss = outputs["loss_sum"] * world / tokens.squeeze(0)
-    slots.set("loss", loss)
-    slots.set("model_out", outputs)
+    slots.set(LOSS, loss)
+    slots.set(MODEL_OUT, outputs)
 
 
 @declare_effects(
     "accumulates parameter gradients, updates the fused embedding tables and their optimizer state, "
     "all-reduces dense gradients (DDP)"
 )
-def backward(ctx: TaskContext) -> None:
+@task("backward")
+def backward(ctx: TaskContext[TrainState]) -> None:
     """loss.backward(): output-dist backward, fused embedding update, DDP all-reduce."""
     if ctx.state.training:
-        ctx.slots["loss"].backward()
+        ctx.slots[LOSS].backward()
 
 
 @declare_effects("finalizes the dense gradients in place (megatron-core DDP)")
-def finalize_model_grads(ctx: TaskContext) -> None:
+@task("finalize_model_grads", needs={Need.GRAD_BUFFERS})
+def finalize_model_grads(ctx: TaskContext[TrainState]) -> None:
     """With megatron-core's DDP (`trainer.dense_ddp=megatron`): its finalize_model_grads, the
     gradient all-reduce, and the reduced gradients as `.grad`. torch DDP already all-reduced the
     dense gradients during backward: nothing to do."""
@@ -220,15 +241,16 @@ def finalize_model_grads(ctx: TaskContext) -> None:
 
 
 @declare_effects("updates the dense parameters and the optimizer state in place")
-def optimizer_step(ctx: TaskContext) -> None:
+@task("optimizer_step")
+def optimizer_step(ctx: TaskContext[TrainState]) -> None:
     slots, state = ctx.slots, ctx.state
     if state.training:
         state.optimizer.step()
-    outputs = slots["model_out"]
+    outputs = slots[MODEL_OUT]
     slots.set(
-        "step_result",
+        STEP_RESULT,
         StepResult(
-            loss=slots["loss"].detach(),
+            loss=slots[LOSS].detach(),
             logits=outputs["logits"].detach(),
             labels=outputs["labels"],
             sample_ids=slots[BATCH_GPU].sample_ids,
