@@ -37,4 +37,4 @@ else
   pip install --no-deps -e "$ROOT"
 fi
 echo "$want" > "$STAMP"
-echo "[setup] done: $VENV" >&2
+echo "[setup] done: $VENV (source .venv/bin/activate to put recsys-train, recsys-plan, recsys-profile on PATH)" >&2

@@ -60,7 +60,7 @@ def test_recsys_train_config_validates_too():
     run = load_run_config(compose(config_name="train"))
     assert isinstance(run, RunConfig) and not isinstance(run, PlanCommandConfig)
     plan = training_plan(run, resolve_fn=structure_only)
-    assert plan.threaded and plan.config.name == "hstu_sparse_dist"  # the default plan
+    assert plan.threaded and plan.config.name == "hstu_prefetch"  # the default plan, scripts/train.sh's
 
 
 def test_serial_and_pipelined_plans_list_the_same_task_functions():

@@ -18,17 +18,19 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.cli import train as train_cli
-from recsys_pipe.config import ConfigError, compile_plan, structure_only
+from recsys_pipe.config import ConfigError, TaskConfig, compile_plan, structure_only
 from recsys_pipe.data import CriteoDataConfig, MovieLensDataConfig, RankData
 from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE
+from recsys_pipe.train.config import load_run_config
 
 
 def _write(name: str, content: str | bytes):
@@ -75,6 +77,45 @@ def _run_without_checkpoints(tmp: Path) -> str:
 def _a_file(tmp: Path) -> str:
     (tmp / "plain.txt").write_text("not a directory")
     return str(tmp / "plain.txt")
+
+
+def _plan_file(text: str):
+    """A config dir holding pipeline/mine.yaml with `text` (for hydra.searchpath)."""
+
+    def make(tmp: Path) -> str:
+        (tmp / "conf" / "pipeline").mkdir(parents=True)
+        (tmp / "conf" / "pipeline" / "mine.yaml").write_text(text)
+        return str(tmp / "conf")
+
+    return make
+
+
+PLAN_TYPO = "defaults: [serial, _self_]\nname: mine\ntasks:\n  h2d:\n    lookahaed: 1\n"
+PLAN_BROKEN = "defaults: [serial, _self_]\nname: mine\ntasks:\n  h2d:\n    lookahead: [1\n    stream: x\n"
+
+
+def _checkpoint(damage: str):
+    """A small DCP checkpoint (written without a process group) in a run directory whose
+    config.yaml names model 'dlrm', damaged as `damage` says."""
+
+    def make(tmp: Path) -> str:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        run = tmp / "old_run"
+        path = run / "checkpoints" / "step_4"
+        dcp.save({"train": {"model": {"w": torch.zeros(64, 8)}}}, checkpoint_id=str(path))
+        (run / "config.yaml").write_text("model:\n  name: dlrm\n")
+        (data,) = path.glob("*.distcp")
+        if damage == "missing file":
+            data.unlink()
+        elif damage == "truncated file":
+            data.write_bytes(data.read_bytes()[:100])
+        elif damage == "truncated metadata":
+            (path / ".metadata").write_bytes((path / ".metadata").read_bytes()[:50])
+        return str(path)
+
+    return make
 
 
 ML = ["data=movielens", "data.batch_size=2", "data.max_seq_len=4", "data.num_candidates=1", "trainer.eval_batches=0"]
@@ -165,7 +206,14 @@ CATALOGUE = [
         "plus trainer.eval_batches=3 held-out batches",
     ),
     ("unreadable file", [*ML, "data.path={}"], _unreadable, 1, "data.path", "cannot read"),
-    ("a directory", [*ML, "data.path={}"], lambda tmp: str(tmp), 1, "data.path", "no such file"),
+    (
+        "a directory",
+        [*ML, "data.path={}"],
+        lambda tmp: str(tmp),
+        1,
+        "data.path",
+        "is a directory; data.path names a file",
+    ),
     (
         "num_batches beyond the share",
         ["data.num_batches=40000"],
@@ -265,6 +313,120 @@ CATALOGUE = [
         "pipeline.tasks.h2d.stream",
         "unknown stream 'nope'",
     ),
+    # unknown keys anywhere: the full path and the closest valid keys, never Hydra's `+` advice
+    (
+        "misspelled trainer key",
+        ["trainer.max_step=10"],
+        None,
+        1,
+        "trainer.max_step",
+        "unknown key (did you mean trainer.max_steps?)",
+    ),
+    ("misspelled model key", ["model.embeding_dim=64"], None, 1, "model.embeding_dim", "model.embedding_dim?"),
+    (
+        "misspelled task field",
+        ["pipeline.tasks.h2d.lookahed=2"],
+        None,
+        1,
+        "pipeline.tasks.h2d.lookahed",
+        "(did you mean pipeline.tasks.h2d.lookahead?)",
+    ),
+    (
+        "misspelled task name",
+        ["pipeline.tasks.h2dd.lookahead=2"],
+        None,
+        1,
+        "pipeline.tasks.h2dd",
+        "(did you mean pipeline.tasks.h2d?)",
+    ),
+    ("misspelled group", ["pipline=serial"], None, 1, "pipline", "unknown key (did you mean pipeline?)"),
+    ("misspelled data key", ["data=movielens", "data.pth=/x"], None, 1, "data.pth", "(did you mean data.path?)"),
+    ("a key in another section", ["trainer.lr=0.1"], None, 1, "trainer.lr", "(did you mean optimizer.lr"),
+    (
+        "misspelled key in a plan file",
+        ["hydra.searchpath=[file://{}]", "pipeline=mine"],
+        _plan_file(PLAN_TYPO),
+        1,
+        "pipeline.tasks.h2d.lookahaed",
+        "conf/pipeline/mine.yaml:5 (did you mean pipeline.tasks.h2d.lookahead?)",
+    ),
+    (
+        "YAML syntax error in a plan file",
+        ["hydra.searchpath=[file://{}]", "pipeline=mine"],
+        _plan_file(PLAN_BROKEN),
+        1,
+        "{tmp}/conf/pipeline/mine.yaml:6:11: ",
+        "expected ',' or ']', but got ':'",
+    ),
+    (
+        "unknown group option",
+        ["optimizer=adamx"],
+        None,
+        1,
+        "optimizer",
+        "no option 'adamx' (did you mean optimizer=adam",
+    ),
+    ("override syntax", ["trainer.max_steps=["], None, 1, "override 'trainer.max_steps=['", "no viable alternative"),
+    # the machine and the trainer's own settings
+    ("nccl without CUDA", ["trainer.backend=nccl"], None, 1, "trainer.backend", "nccl needs CUDA"),
+    (
+        "profiler window past max_steps",
+        ["trainer.max_steps=5", "trainer.torch_profiler.steps=[3,8]"],
+        None,
+        1,
+        "trainer.torch_profiler.steps",
+        "ends after the last step (trainer.max_steps=5)",
+    ),
+    # Criteo files that are no Criteo text
+    (
+        "binary criteo file",
+        ["model=dlrm", "data=criteo", "data.path={}"],
+        _write("day_0.gz", b"\x1f\x8b\x08\x00" + bytes(range(256))),
+        1,
+        "data.path",
+        "day_0.gz: a binary file, not text",
+    ),
+    (
+        "empty criteo file",
+        ["model=dlrm", "data=criteo", "data.path={}"],
+        _write("day_0", ""),
+        1,
+        "data.path",
+        "day_0: the file is empty",
+    ),
+    # checkpoints that cannot fit, found from their own files before any process group starts
+    (
+        "checkpoint of another model",
+        ["trainer.resume_from={}"],
+        _checkpoint("none"),
+        1,
+        "trainer.resume_from",
+        "it holds model 'dlrm' (its run's config.yaml), this run trains 'hstu'",
+    ),
+    (
+        "checkpoint data file missing",
+        ["trainer.resume_from={}"],
+        _checkpoint("missing file"),
+        1,
+        "trainer.resume_from",
+        "its data file __0_0.distcp is missing",
+    ),
+    (
+        "checkpoint data file truncated",
+        ["trainer.resume_from={}"],
+        _checkpoint("truncated file"),
+        1,
+        "trainer.resume_from",
+        "its data file __0_0.distcp is truncated (100 of",
+    ),
+    (
+        "checkpoint metadata truncated",
+        ["trainer.resume_from={}"],
+        _checkpoint("truncated metadata"),
+        1,
+        "trainer.resume_from",
+        "its .metadata cannot be read",
+    ),
     (
         "a future read",
         ["pipeline.tasks.h2d.lookahead=0"],
@@ -310,10 +472,303 @@ def test_bad_input_exits_2_naming_its_key(
     err = capsys.readouterr().err
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert lines and lines[0].startswith(f"error: {path}"), err
+    assert lines and lines[0].startswith(f"error: {path.format(tmp=tmp_path)}"), err
+    assert "use +" not in err and "To append" not in err  # never Hydra's advice to add the key
     assert fragment in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "runs" / "recsys-train").exists()  # nothing started, no run directory
+
+
+# -- unknown keys typed at random ---------------------------------------------------------------
+
+
+def _schema_keys() -> list[str]:
+    """Every key of the default recsys-train config (the chosen components' keys), task fields
+    spelled out for some tasks of the default plan."""
+    from recsys_pipe.cli.keys import describe_keys
+    from recsys_pipe.config import to_container
+    from recsys_pipe.testing import compose
+    from recsys_pipe.train.config import RunConfig
+
+    values = to_container(compose(config_name="train"))
+    tasks = list(values["pipeline"]["tasks"])[:3]
+    paths = []
+    for path, _, _ in describe_keys(RunConfig, values):
+        paths += [path.replace("<name>", t) for t in tasks] if "<name>" in path else [path]
+    return paths
+
+
+KEYS = _schema_keys()
+LETTERS = "abcdefghijklmnopqrstuvwxyz_"
+
+
+def _near_miss(word: str, kind: str, position: int, letter: str) -> str:
+    """`word` with one typo: a letter dropped, added, replaced, or two swapped."""
+    i = position % len(word)
+    if kind == "drop":
+        return word[:i] + word[i + 1 :]
+    if kind == "add":
+        return word[:i] + letter + word[i:]
+    if kind == "replace":
+        return word[:i] + letter + word[i + 1 :]
+    j = min(i + 1, len(word) - 1)
+    return word[:i] + word[j] + word[i + 1 : j] + word[i] + word[j + 1 :] if j > i else word
+
+
+typo = st.tuples(st.sampled_from(["drop", "add", "replace", "swap"]), st.integers(0, 40), st.sampled_from(LETTERS))
+
+
+def _siblings(path: str) -> set[str]:
+    parent = path.rpartition(".")[0]
+    return {k.rpartition(".")[2] for k in KEYS if k.rpartition(".")[0] == parent}
+
+
+def _suggested(err: str, bad: str) -> list[str]:
+    (line,) = [x for x in err.splitlines() if x.startswith(f"error: {bad}: unknown key")]
+    match = re.search(r"\(did you mean (.+)\?\)", line)
+    assert match, line
+    return re.split(r", | or ", match.group(1))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(KEYS), edit=typo)
+def test_a_misspelled_key_on_the_command_line_gets_the_right_suggestion(key, edit, capsys, no_process_group):
+    parent, _, leaf = key.rpartition(".")
+    wrong = _near_miss(leaf, *edit)
+    assume(len(wrong) >= 2 and wrong not in _siblings(key) and wrong not in {"hydra"})
+    bad = f"{parent}.{wrong}" if parent else wrong
+    code = train_cli.run([f"{bad}=1", "trainer.output_dir=/nonexistent/never"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert key in _suggested(err, bad), err
+    assert "Traceback" not in err and "use +" not in err
+
+
+TASK_FIELDS = sorted(TaskConfig.model_fields)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(task=st.sampled_from(["h2d", "forward", "backward"]), field=st.sampled_from(TASK_FIELDS), edit=typo)
+def test_a_misspelled_key_in_a_plan_file_gets_the_right_suggestion(task, field, edit, tmp_path, capsys):
+    wrong = _near_miss(field, *edit)
+    assume(len(wrong) >= 2 and wrong not in TASK_FIELDS)
+    conf = Path(tempfile.mkdtemp(dir=tmp_path))
+    (conf / "pipeline").mkdir()
+    plan_file = conf / "pipeline" / "mine.yaml"
+    plan_file.write_text(f"defaults: [serial, _self_]\nname: mine\ntasks:\n  {task}:\n    {wrong}: 1\n")
+    code = train_cli.run([f"hydra.searchpath=[file://{conf}]", "pipeline=mine", "--cfg", "job"])
+    err = capsys.readouterr().err
+    bad = f"pipeline.tasks.{task}.{wrong}"
+    assert code == 2, err
+    assert f"unknown key in {plan_file}:5 " in err, err
+    assert f"pipeline.tasks.{task}.{field}" in _suggested(err, bad), err
+
+
+# -- sweeps, the optimizer group, the other CLIs, data files --------------------------------------
+
+
+def test_a_sweep_with_a_bad_job_starts_no_job(tmp_path, capsys, no_process_group):
+    code = train_cli.run(
+        [
+            "-m",
+            "trainer.max_steps=10",
+            "data.batch_size=16,0,8",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+            f"trainer.output_dir={tmp_path}/runs",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: data.batch_size: Input should be greater than or equal to 1, got 0 [sweep job 1: data.batch_size=0]"
+    ], err
+    assert "1 of 3 sweep jobs are invalid, no job was started (--keep-going runs the valid ones)" in err
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "runs").exists()  # no job directory at all
+
+
+@pytest.mark.timeout(300)
+def test_keep_going_runs_the_valid_jobs_and_records_the_invalid_one(tmp_path):
+    """The explicit opt-in: job 0 is invalid and recorded as failed in its job directory, job 1
+    trains; the sweep exits 2. Its stderr is a file, so no progress bar is drawn."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            str(BIN / "recsys-train"),
+            "--keep-going",
+            "-m",
+            "data.batch_size=0,8",
+            *SMOKE,
+            "trainer.progress_bar=true",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    bad, good = _status(sweep / "0"), _status(sweep / "1")
+    assert bad["status"] == "failed" and bad["exit_code"] == 2 and "data.batch_size" in bad["message"], bad
+    assert bad["overrides"][0] == "data.batch_size=0"
+    assert good["status"] == "completed", good
+    assert "1 sweep job(s) had an invalid config and did not run (job 0 (data.batch_size=0" in proc.stderr
+    assert "\r" not in proc.stderr  # the bar is drawn on a terminal only
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_job_refused_when_it_starts_is_recorded_and_the_message_is_true(tmp_path):
+    """Job 1's data file is bad, which shows only when it loads: job 0 has trained by then, so the
+    message says so, and job 1's directory records why it did not run."""
+    good, bad = tmp_path / "good.dat", tmp_path / "bad.dat"
+    good.write_text(_ml(20))
+    bad.write_text("1::2::4::100\n1::3\n")
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [str(BIN / "recsys-train"), "-m", *ML, f"data.path={good},{bad}", *SMOKE, f"hydra.sweep.dir={sweep}"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: data.path: {bad}:2: expected 4 fields (user, movie, rating, timestamp), got 2: ['1', '3']"
+    ]
+    assert "sweep job 1 did not start (1 earlier job(s) ran)" in proc.stderr
+    assert "nothing was started" not in proc.stderr and "Traceback" not in proc.stderr
+    assert _status(sweep / "0")["status"] == "completed"
+    failed = _status(sweep / "1")
+    assert failed["status"] == "failed" and failed["exit_code"] == 2 and f"{bad}:2" in failed["message"], failed
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw", "adagrad"])
+def test_every_registered_optimizer_is_a_group_option(name):
+    from recsys_pipe.testing import compose
+    from recsys_pipe.train.optim import OPTIMIZERS
+
+    assert set(OPTIMIZERS.names) == {"sgd", "adam", "adamw", "adagrad"}
+    code = train_cli.run([f"optimizer={name}", "optimizer.lr=0.5", "optimizer.sparse.lr=0.25", "--check"])
+    assert code == 0
+    run = load_run_config(compose(f"optimizer={name}", "++optimizer.lr=0.5", config_name="train"))
+    assert run.optimizer.name == name and run.optimizer.lr == 0.5
+
+
+def test_recsys_profile_checks_its_output_dir_first(tmp_path, capsys, no_process_group):
+    from recsys_pipe.cli import profile as profile_cli
+
+    code = profile_cli.run([f"trainer.output_dir={_a_file(tmp_path)}", "trainer=smoke"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: trainer.output_dir: cannot create run directories under"), err
+    assert "Traceback" not in err
+
+
+def test_recsys_plan_writes_under_trainer_output_dir(tmp_path, capsys):
+    from recsys_pipe.cli import plan as plan_cli
+
+    assert plan_cli.run([f"trainer.output_dir={tmp_path}/out", "check_fns=false"]) == 0
+    (written,) = (tmp_path / "out" / "recsys-plan").glob("*/plan.txt")
+    assert "h2d" in written.read_text()
+    capsys.readouterr()
+    assert plan_cli.run([f"trainer.output_dir={_a_file(tmp_path)}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trainer.output_dir: cannot create run directories under"), err
+
+
+def test_a_byte_order_mark_in_a_movielens_csv_is_accepted(tmp_path):
+    import codecs
+
+    path = tmp_path / "ratings.csv"
+    rows = "\n".join(line.replace("::", ",") for line in VALID)
+    path.write_bytes(codecs.BOM_UTF8 + f"userId,movieId,rating,timestamp\n{rows}\n".encode())
+    data = RankData(MovieLensDataConfig(path=str(path), batch_size=2, max_seq_len=4, num_candidates=1), 0, 1)
+    assert len(list(data.train_loader())) == 2
+
+
+def test_library_warnings_once_per_job_on_rank_0_and_all_with_debug(recwarn):
+    import warnings
+
+    from recsys_pipe.cli.console import show_library_warnings
+
+    def warn_twice() -> int:
+        before = len(recwarn)
+        for _ in range(2):
+            warnings.warn("a library deprecation", FutureWarning, stacklevel=1)
+        return len(recwarn) - before
+
+    with warnings.catch_warnings():
+        show_library_warnings(0, debug=False)
+        assert warn_twice() == 1
+        show_library_warnings(0, debug=False)  # the next job of a sweep shows it again, once
+        assert warn_twice() == 1
+        show_library_warnings(1, debug=False)
+        assert warn_twice() == 0
+        show_library_warnings(1, debug=True)
+        assert warn_twice() >= 1
+
+
+@pytest.mark.timeout(400)
+def test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads(tmp_path):
+    """Shapes and keys are compared with the checkpoint's metadata in DCP's load planner, before
+    any tensor is read: exit 2 and one line naming the parameters that differ."""
+    train = [str(BIN / "recsys-train"), "pipeline=serial", *SMOKE, "trainer.max_steps=2"]
+    saved = subprocess.run(
+        [*train, "trainer.checkpoint.interval=2", f"hydra.run.dir={tmp_path}/old"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    (tmp_path / "old" / "config.yaml").unlink()  # so that the model is not refused by its name first
+    for overrides, fragment in [
+        (
+            ["model.embedding_dim=64"],
+            "model.ec.embeddings.action_table.weight is [5, 32] in the checkpoint, [5, 64] here",
+        ),
+        (["model=dlrm", "data=criteo_synthetic"], "it has no model.model."),
+    ]:
+        proc = subprocess.run(
+            [*train, *overrides, f"trainer.resume_from={tmp_path}/old", f"trainer.output_dir={tmp_path}/new"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=tmp_path,
+            env=_env(),
+        )
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+        assert line.startswith(f"error: trainer.resume_from: checkpoint {tmp_path}/old/checkpoints/step_2 does not fit")
+        assert fragment in line, line
+        assert "CheckpointException" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_train_sh_checks_the_config_in_one_process_before_torchrun(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "trainer.max_step=3", f"trainer.output_dir={tmp_path}/r"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+        env=_env(NPROC="2"),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: trainer.max_step: unknown key (did you mean trainer.max_steps?)"], proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "torchrun" not in proc.stderr
+    helped = subprocess.run(
+        ["bash", str(script), "--help"], capture_output=True, text=True, timeout=280, cwd=tmp_path, env=_env()
+    )
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert helped.stdout.count("== Keys ==") == 1 and "pipeline: hstu_prefetch" in helped.stdout
+    assert not (tmp_path / "r").exists()
 
 
 # -- fuzzing ------------------------------------------------------------------------------------
@@ -691,12 +1146,20 @@ def test_a_failed_rank_is_named_and_every_rank_exits(plan, kind, fragment, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_bad_input_under_torchrun_exits_2_on_every_rank_without_a_traceback(tmp_path):
+@pytest.mark.parametrize("case", ["bad data file", "misspelled key"])
+def test_bad_input_under_torchrun_exits_2_on_every_rank_printed_once(case, tmp_path):
     short_row = tmp_path / "ratings.dat"
     short_row.write_text("1::2::4::100\n1::3::5::101\n1::4::3\n")
-    proc, _ = _torchrun(tmp_path, *ML, f"data.path={short_row}", f"trainer.output_dir={tmp_path}/r")
+    args, line = {
+        "bad data file": ([*ML, f"data.path={short_row}"], f"error: data.path: {short_row}:3: expected 4 fields"),
+        "misspelled key": (
+            ["trainer.max_step=3"],
+            "error: trainer.max_step: unknown key (did you mean trainer.max_steps?)",
+        ),
+    }[case]
+    proc, _ = _torchrun(tmp_path, *args, f"trainer.output_dir={tmp_path}/r")
     _assert_exit_codes(proc, 2)
-    assert f"error: data.path: {short_row}:3: expected 4 fields" in proc.stderr
+    assert proc.stderr.count(line) == 1, proc.stderr  # once, not once per rank
     assert "/recsys_pipe/" not in proc.stderr  # no rank printed a traceback
     assert not (tmp_path / "r").exists()
 

@@ -6,12 +6,14 @@ error, 75 preempted by SIGTERM after a checkpoint, 130 Ctrl-C.
 """
 
 from recsys_pipe.cli._hydra import (
+    CHECK_ONLY,
     CONF_DIR,
     EXIT_CONFIG_ERROR,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PREEMPTED,
+    KEEP_GOING,
     HydraApp,
     compose_config,
     hydra_app,
@@ -19,12 +21,14 @@ from recsys_pipe.cli._hydra import (
 )
 
 __all__ = [
+    "CHECK_ONLY",
     "CONF_DIR",
     "EXIT_CONFIG_ERROR",
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_PREEMPTED",
+    "KEEP_GOING",
     "HydraApp",
     "compose_config",
     "hydra_app",

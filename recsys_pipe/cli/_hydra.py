@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recsys_pipe.config import ConfigError
+from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.runtime.failures import (  # the exit codes, re-exported for the CLIs
     EXIT_CONFIG_ERROR,
     EXIT_FAILURE,
@@ -45,6 +47,9 @@ __all__ = [
     "HydraApp",
     "compose_config",
     "hydra_app",
+    "CHECK_ONLY",
+    "KEEP_GOING",
+    "first_to_report",
     "register_schemas",
     "report_config_error",
 ]
@@ -52,6 +57,14 @@ __all__ = [
 #: The packaged config tree (the repo-root `conf` is a symlink to it).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
+
+#: Command-line flag of a sweep (`-m`): run the valid jobs even if some are invalid; each invalid
+#: one is recorded as failed (exit code 2) in its job directory, and the sweep exits 2.
+KEEP_GOING = "--keep-going"
+#: Command-line flag: check every job's config and inputs as a run would before it starts any
+#: process group (`check`), print the problems, exit 0 or 2; nothing runs (scripts/train.sh uses
+#: it so that config errors never go through torchrun).
+CHECK_ONLY = "--check"
 
 #: Name under which the pipeline skeleton is registered; conf/config.yaml lists it first.
 SCHEMA_NAME = "recsys_schema"
@@ -141,14 +154,51 @@ def _debug_requested(cfg: Any = None) -> bool:
         return False
 
 
-def report_config_error(error: ConfigError, prog: str, stream: Any = None, started: bool = False) -> None:
+_REPORTS = [0]
+
+
+def first_to_report() -> bool:
+    """Whether this process prints a config error that every rank of a torchrun job finds.
+
+    Before the process group starts, each rank validates the same config and would print the
+    same lines. The ranks agree through torchrun's own store (an atomic counter per report):
+    the first rank to get there prints, the others stay silent. Outside torchrun: always. If
+    the store cannot be reached, the first local rank prints.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    _REPORTS[0] += 1
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=10),
+        )
+        key = f"recsys_pipe/report/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_REPORTS[0]}"
+        first = store.add(key, 1) == 1
+    except Exception:  # no store: one line per machine is still better than one per rank
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+    if not first:  # let the reporting rank print before this one exits and torchrun stops the others
+        time.sleep(1.0)
+    return first
+
+
+def report_config_error(
+    error: ConfigError, prog: str, stream: Any = None, started: bool = False, outcome: str | None = None
+) -> None:
     """Print `error: <path>: <message>` per problem plus a one-line hint (`started`: found after
-    the run started, e.g. a checkpoint that does not fit)."""
+    the run started, e.g. a checkpoint that does not fit; `outcome` says what happened instead
+    of "nothing was started"). Under torchrun, one rank prints (`first_to_report`)."""
+    if not first_to_report():
+        return
     stream = stream or sys.stderr
     for p in error.problems:
         print(f"error: {p}", file=stream)
     n = len(error.problems)
-    outcome = "the run stopped" if started else "nothing was started"
+    outcome = outcome or ("the run stopped" if started else "nothing was started")
     print(
         f"{prog}: {n} config error{'s' if n != 1 else ''}, {outcome}. "
         f"`{prog} --help` lists the groups and keys; debug=true shows a traceback.",
@@ -159,24 +209,50 @@ def report_config_error(error: ConfigError, prog: str, stream: Any = None, start
 class HydraApp:
     """A Hydra app whose failures map to exit codes: 0 ok, 2 config error, 1 runtime error.
 
+    Before Hydra runs anything, the config of every job is composed here (one job, or each job
+    of a `-m` sweep, checked with `validate` too), so that a bad key, YAML file, group option or
+    value is reported in one line per problem (see `compose_errors`) and a sweep with a bad job
+    starts none (with `--keep-going`, the others run and the bad one is recorded as failed).
+
     Args:
         task: `task(cfg)`; raises ConfigError for bad input, SystemExit(code) to choose a code.
         config_name: the primary config in the packaged conf/ tree.
         prog: the command's name in messages.
-        schema: "module:Class" of the validated config, for `--help`'s key listing.
+        schema: "module:Class" of the validated config, for `--help`'s key listing and the
+            suggestions for a misspelled key.
+        validate: `validate(cfg)` raises ConfigError for a config `task` would refuse (checked for
+            every job, of a sweep too, before the first starts and before Hydra creates a directory).
+        check: with `--check`, what is run instead of `validate` (and of the task): every check
+            the task makes before it starts anything (its data, output dir, device...).
     """
 
-    def __init__(self, task: Callable[[DictConfig], Any], config_name: str, prog: str, schema: str | None = None):
+    def __init__(
+        self,
+        task: Callable[[DictConfig], Any],
+        config_name: str,
+        prog: str,
+        schema: str | None = None,
+        validate: Callable[[DictConfig], Any] | None = None,
+        check: Callable[[DictConfig], Any] | None = None,
+    ):
         self.task = task
+        self.check = check
         self.config_name = config_name
         self.prog = prog
         self.schema = schema
+        self.validate = validate
         self._started = False
+        self._keep_going = False
+        self._check_only = False
+        self._failed_jobs: list[str] = []
+        self._jobs_done = 0
 
     def _task(self, cfg: DictConfig) -> Any:
         self._started = True
         try:
-            return self.task(cfg)
+            result = self.task(cfg)
+            self._jobs_done += 1
+            return result
         except BrokenPipeError:  # `recsys-plan | head`: the reader left; not an error
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -184,9 +260,36 @@ class HydraApp:
         except ConfigError as exc:
             if _debug_requested(cfg):
                 traceback.print_exc()
-            report_config_error(exc, self.prog)
+            job = _sweep_job()
+            if job is not None:  # its directory (made by Hydra) says why it did not run
+                self._record_failed_job(job, exc, announce=self._keep_going)
+                if self._keep_going:
+                    return None
+            outcome = None
+            if job is not None and self._jobs_done:
+                outcome = f"sweep job {job[0]} did not start ({self._jobs_done} earlier job(s) ran)"
+            report_config_error(exc, self.prog, outcome=outcome)
             sys.stdout.flush()
             raise SystemExit(EXIT_CONFIG_ERROR) from None
+
+    def _record_failed_job(self, job: tuple[int, list[str], str], exc: ConfigError, announce: bool) -> None:
+        """A sweep job whose config or input is bad: rank 0 records it as failed in its job
+        directory; with `announce` (--keep-going: the sweep goes on) its problems are printed."""
+        from recsys_pipe.runtime.status import RunStatus
+
+        number, overrides, job_dir = job
+        label = f"job {number} ({' '.join(overrides)})"
+        self._failed_jobs.append(label)
+        if int(os.environ.get("RANK", "0")) == 0:
+            os.makedirs(job_dir, exist_ok=True)
+            RunStatus(job_dir, overrides=overrides).write(
+                "failed",
+                exit_code=EXIT_CONFIG_ERROR,
+                message="invalid config or input, not run: " + "; ".join(str(p) for p in exc.problems),
+            )
+        if announce and first_to_report():
+            for p in exc.problems:
+                print(f"error: {p} [sweep {label}]", file=sys.stderr)
 
     def run(self, argv: Sequence[str] | None = None) -> int:
         """Run with `argv` (default: sys.argv[1:]) and return the exit code."""
@@ -195,7 +298,18 @@ class HydraApp:
 
         register_schemas()
         self._started = False
+        self._failed_jobs = []
+        self._jobs_done = 0
         argv = list(sys.argv[1:] if argv is None else argv)
+        self._keep_going = KEEP_GOING in argv
+        self._check_only = CHECK_ONLY in argv
+        argv = [a for a in argv if a not in (KEEP_GOING, CHECK_ONLY)]
+        checked = self._check_jobs(argv)
+        if isinstance(checked, int):
+            return checked
+        if self._check_only:
+            return EXIT_OK
+        argv = checked
         entry = hydra.main(config_path=str(CONF_DIR), config_name=self.config_name, version_base="1.3")(self._task)
         # Hydra names the job after the task function's file unless the config says otherwise.
         saved = sys.argv
@@ -205,11 +319,13 @@ class HydraApp:
             code = 0
         except KeyboardInterrupt:  # Ctrl-C before or after training (training handles its own)
             return EXIT_INTERRUPTED
+        except BrokenPipeError:  # `recsys-train --help | head`: the reader left; not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
         except SystemExit as exc:
             code = _exit_code(exc.code)
             if code == 1 and not self._started:
-                # Hydra failed before our task ran: composing the config (override syntax, unknown
-                # group option, key not in the config) failed. It printed why; that is a config error.
+                # Hydra failed before our task ran although the config composed here: it printed why
                 print(
                     f"{self.prog}: the config could not be composed (see above), nothing was started. "
                     f"`{self.prog} --help` lists the groups and keys.",
@@ -224,12 +340,148 @@ class HydraApp:
         finally:
             sys.argv = saved
             GlobalHydra.instance().clear()
+        if code == 0 and self._failed_jobs:
+            if first_to_report():
+                print(
+                    f"{self.prog}: {len(self._failed_jobs)} sweep job(s) had an invalid config and did not run "
+                    f"({'; '.join(self._failed_jobs)}); the others ran. Each is recorded as failed in its job "
+                    "directory (status.json).",
+                    file=sys.stderr,
+                )
+            code = EXIT_CONFIG_ERROR
         if code == 0 and ("--help" in argv or "-h" in argv):
             try:
                 self._print_keys([a for a in argv if a not in ("--help", "-h")])
             except BrokenPipeError:  # `recsys-train --help | head`
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return code
+
+    def _check_jobs(self, argv: list[str]) -> int | list[str]:
+        """Compose and validate the config of every job before Hydra runs any: EXIT_CONFIG_ERROR
+        after reporting the problems, or the arguments to run Hydra with (`argv`, where an
+        override of a schema key that no YAML file spells out is made `++key=value`)."""
+        from hydra._internal.utils import get_args_parser
+
+        try:
+            args = get_args_parser().parse_args(argv)
+        except SystemExit:  # a bad flag: Hydra's own parser reports it the same way
+            return argv
+        if any(getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "config_path")):
+            return argv
+        given = list(args.overrides)
+        search_dirs = [CONF_DIR, *_search_dirs(given)]
+        extra = []
+        if args.config_dir:
+            search_dirs.append(Path(args.config_dir).resolve())
+            extra = [f"hydra.searchpath=[file://{search_dirs[-1]}]"]
+        config_name = args.config_name or self.config_name
+        try:
+            jobs = _sweep_jobs(given) if args.multirun else [given]
+        except Exception as exc:
+            return self._report(self._composition_error(exc, search_dirs))
+        swept = _swept_keys(jobs)
+        added: set[str] = set()
+        bad: list[tuple[int, list[str], ConfigError]] = []
+        for number, job in enumerate(jobs):
+            error = self._check_job(extra, job, config_name, search_dirs, not args.cfg, added)
+            if error is not None:
+                bad.append((number, [o for o in job if o.split("=", 1)[0] in swept], error))
+        if added:  # rewrite the command line as _check_job did each job's overrides
+            argv = [f"++{a}" if a.split("=", 1)[0] in added else a for a in argv]
+        if not bad:
+            return argv
+        if not args.multirun:
+            return self._report(bad[0][2])
+        if self._keep_going and len(bad) < len(jobs) and not self._check_only:
+            return argv  # each bad job fails in turn and is recorded (_record_failed_job)
+        problems = [
+            ConfigProblem(p.path, f"{p.message} [sweep job {number}: {' '.join(job)}]")
+            for number, job, error in bad
+            for p in error.problems
+        ]
+        outcome = (
+            f"{len(bad)} of {len(jobs)} sweep jobs are invalid, no job was started ({KEEP_GOING} runs the valid ones)"
+        )
+        return self._report(ConfigError(problems), outcome)
+
+    def _check_job(
+        self,
+        extra: list[str],
+        overrides: list[str],
+        config_name: str,
+        search_dirs: list[Path],
+        validate: bool,
+        added: set[str],
+    ) -> ConfigError | None:
+        """The ConfigError of one job's config, or None.
+
+        A key of the schema that the composed YAML does not list (a component's default left
+        to its pydantic Field, e.g. `optimizer.lr` of `optimizer=adamw`) is refused by Hydra's
+        struct mode; such an override is valid here, so it is retried as `++key=value` (and
+        its key added to `added`, for the command line Hydra gets)."""
+        overrides = [f"++{o}" if o.split("=", 1)[0] in added else o for o in overrides]
+        for _ in range(len(overrides) + 1):
+            try:
+                cfg = compose_config(*extra, *overrides, config_name=config_name)
+                break
+            except Exception as exc:
+                key = self._schema_key_not_in_yaml(exc, overrides)
+                if key is None:
+                    if _debug_requested() or "debug=true" in overrides:
+                        traceback.print_exc()
+                    return self._composition_error(exc, search_dirs)
+                added.add(key)
+                overrides = [f"++{o}" if o.split("=", 1)[0] == key else o for o in overrides]
+        else:
+            return None  # not reached: each retry forces one more override
+        validator = self.check if self._check_only else self.validate
+        if validate and validator is not None:
+            with open_dict(cfg):
+                del cfg["hydra"]
+            try:
+                validator(cfg)
+            except ConfigError as exc:
+                if _debug_requested(cfg):
+                    traceback.print_exc()
+                return exc
+        return None
+
+    def _schema_key_not_in_yaml(self, exc: BaseException, overrides: list[str]) -> str | None:
+        """The override key Hydra refused as not in the config although the schema has it."""
+        from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+        from recsys_pipe.cli.keys import describe_keys
+        from recsys_pipe.config import import_fn
+
+        if not self.schema:
+            return None
+        error: BaseException | None = exc
+        while error is not None and not isinstance(error, (ConfigKeyError, ConfigAttributeError)):
+            error = error.__cause__ or error.__context__
+        path = getattr(error, "full_key", None)
+        parent = getattr(error, "parent_node", None)
+        if not path or parent is None:
+            return None
+        keys = [o.split("=", 1)[0] for o in overrides]
+        key = next((k for k in keys if k == path or k.startswith(f"{path}.")), None)  # or a section above it
+        if key is None:
+            return None
+        values = OmegaConf.to_container(parent._get_root(), resolve=False)
+        known = {p for p, _, _ in describe_keys(import_fn(self.schema), values)}
+        return key if key in known else None
+
+    def _composition_error(self, exc: BaseException, search_dirs: list[Path]) -> ConfigError:
+        from recsys_pipe.cli.compose_errors import composition_error
+        from recsys_pipe.config import import_fn
+
+        schema = import_fn(self.schema) if self.schema else None
+        groups = sorted({p.name for d in search_dirs if d.is_dir() for p in d.iterdir() if p.is_dir()} - {"hydra"})
+        return composition_error(exc, schema, search_dirs, groups)
+
+    def _report(self, error: ConfigError, outcome: str | None = None) -> int:
+        report_config_error(error, self.prog, outcome=outcome)
+        sys.stdout.flush()
+        return EXIT_CONFIG_ERROR
 
     def _print_keys(self, overrides: list[str]) -> None:
         """`--help`'s last part: every key with its value (with `overrides`) and description."""
@@ -272,6 +524,48 @@ def compose_config(*overrides: str, config_name: str = "config") -> DictConfig:
         GlobalHydra.instance().clear()
 
 
+def _sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The overrides of each job of a `-m` sweep, in Hydra's order (its BasicSweeper's own
+    expansion: the cartesian product of the comma-separated values)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _swept_keys(jobs: list[list[str]]) -> set[str]:
+    """Keys whose value differs between the jobs (what names a job)."""
+    values: dict[str, set[str]] = {}
+    for job in jobs:
+        for override in job:
+            key, _, value = override.partition("=")
+            values.setdefault(key, set()).add(value)
+    return {k for k, v in values.items() if len(v) > 1}
+
+
+def _search_dirs(overrides: list[str]) -> list[Path]:
+    """Directories added by a `hydra.searchpath=[file://...]` override (to locate a bad key)."""
+    dirs = []
+    for override in overrides:
+        if override.lstrip("+").startswith("hydra.searchpath="):
+            dirs += [Path(p) for p in re.findall(r"file://([^,\]\s'\"]+)", override)]
+    return dirs
+
+
+def _sweep_job() -> tuple[int, list[str], str] | None:
+    """(job number, its swept overrides, its directory) when running a job of a `-m` sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return int(hc.job.num), list(hc.overrides.task), str(hc.runtime.output_dir)
+
+
 def _exit_code(code: Any) -> int:
     if code is None:
         return 0
@@ -281,6 +575,13 @@ def _exit_code(code: Any) -> int:
     return 1
 
 
-def hydra_app(task: Callable[[DictConfig], Any], config_name: str, prog: str, schema: str | None = None) -> HydraApp:
+def hydra_app(
+    task: Callable[[DictConfig], Any],
+    config_name: str,
+    prog: str,
+    schema: str | None = None,
+    validate: Callable[[DictConfig], Any] | None = None,
+    check: Callable[[DictConfig], Any] | None = None,
+) -> HydraApp:
     """Wrap `task(cfg)` as a Hydra app reading the packaged conf/ tree."""
-    return HydraApp(task, config_name, prog, schema)
+    return HydraApp(task, config_name, prog, schema, validate, check)

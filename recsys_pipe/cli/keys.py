@@ -1,4 +1,5 @@
-"""`--help`'s key listing: every config key, its current value and its one-line description.
+"""`--help`'s key listing (every config key, its current value and its one-line description) and
+the closest valid keys to a misspelled one.
 
 The descriptions are the pydantic schema's `Field(description=...)`, so the help cannot drift
 from what is validated. Sections chosen by name (`model.name`, `data.name`, `optimizer.name`)
@@ -9,10 +10,12 @@ MovieLens keys.
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -20,7 +23,7 @@ from pydantic_core import PydanticUndefined
 
 from recsys_pipe.config import ConfigError
 
-__all__ = ["describe_keys", "format_keys"]
+__all__ = ["closest_keys", "describe_keys", "format_keys", "format_suggestions"]
 
 _UNSET = object()
 
@@ -137,3 +140,85 @@ def _format_value(value: Any) -> str:
         except (TypeError, ValueError):
             text = str(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def closest_keys(
+    path: str,
+    values: Mapping | None = None,
+    model: type[BaseModel] | None = None,
+    extra_siblings: Sequence[str] = (),
+    groups: Sequence[str] = (),
+    n: int = 3,
+) -> list[str]:
+    """The valid full paths closest to the unknown key `path` (`trainer.max_step` ->
+    [`trainer.max_steps`]), best first; [] if nothing is close.
+
+    Candidates are the keys beside it (`extra_siblings`, the keys of `values` at its parent and
+    the schema's fields there, with the components `values` picks: so `model.embeding_dim` is
+    matched against the chosen model's fields, `pipeline.tasks.h2d.lookahed` against the task
+    fields and `pipeline.tasks.h2dd` against the plan's task names), the config groups at the top
+    level; if none is close, every key of the schema whose last part is close.
+    """
+    parent, _, leaf = path.rpartition(".")
+    rows = describe_keys(model, values) if model is not None else []
+    known = [p for p, _, _ in rows] + _paths({k: v for k, v in (values or {}).items() if k != "hydra"}, "")
+    generic = re.sub(r"^pipeline\.tasks\.[^.]+", "pipeline.tasks.<name>", parent)
+    siblings = set(extra_siblings)
+    for candidate in known:
+        head, _, tail = candidate.rpartition(".")
+        if head in (parent, generic):
+            siblings.add(tail)
+    if not parent:
+        siblings.update(groups)
+    siblings.discard(leaf)
+    close = _closest(leaf, sorted(siblings), n, cutoff=0.6)
+    if close:
+        return [f"{parent}.{c}" if parent else c for c in close]
+    task = path.split(".")[2] if path.startswith("pipeline.tasks.") and path.count(".") >= 3 else None
+    elsewhere = {c.replace("<name>", task) if task else c for c in known if task or "<name>" not in c}
+    by_leaf: dict[str, list[str]] = {}
+    for candidate in sorted(elsewhere):
+        by_leaf.setdefault(candidate.rpartition(".")[2], []).append(candidate)
+    matches = _closest(leaf, list(by_leaf), n, cutoff=0.75)
+    return [p for m in matches for p in by_leaf[m]][:n]
+
+
+def _closest(word: str, candidates: list[str], n: int, cutoff: float) -> list[str]:
+    """Candidates one typo away from `word` first, then difflib's close matches.
+
+    Why not difflib alone: its similarity ratio punishes short words (`an` for `fn` scores 0.5,
+    below any useful cutoff), and a key's one-letter typo must always find the key."""
+    near = [c for c in candidates if _one_typo(word, c)]
+    return list(dict.fromkeys(near + difflib.get_close_matches(word, candidates, n=n, cutoff=cutoff)))[:n]
+
+
+def _one_typo(a: str, b: str) -> bool:
+    """Whether `b` is `a` with one letter dropped, added, replaced, or two neighbours swapped."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (
+            len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
+        )
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    return any(long_[:i] + long_[i + 1 :] == short for i in range(len(long_)))
+
+
+def format_suggestions(paths: Sequence[str]) -> str:
+    """` (did you mean trainer.max_steps?)`, ` (did you mean a, b or c?)`, or ''."""
+    if not paths:
+        return ""
+    if len(paths) == 1:
+        return f" (did you mean {paths[0]}?)"
+    return f" (did you mean {', '.join(paths[:-1])} or {paths[-1]}?)"
+
+
+def _paths(values: Mapping, prefix: str) -> list[str]:
+    out = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        out.append(path)
+        if isinstance(value, Mapping):
+            out += _paths(value, path + ".")
+    return out

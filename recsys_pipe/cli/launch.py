@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
+from recsys_pipe.config import CompiledPlan
 from recsys_pipe.data import RankData
 from recsys_pipe.runtime.session import RequestedDir, RunSession
 from recsys_pipe.train.config import RunConfig, load_run_config
@@ -56,18 +56,16 @@ class Launch:
         """Validate the config, compile the plan (task code imported), and check the device, the
         dense DDP choice, `resume_from`, this rank's data and the output directory; ConfigError
         (with config paths) for the first bad one."""
-        from recsys_pipe.runtime import check_output_dir, check_unused, resolve_device
+        from recsys_pipe.cli.preflight import run_device
+        from recsys_pipe.runtime import check_output_dir, check_unused
         from recsys_pipe.train.checkpoint import resolve_resume
         from recsys_pipe.train.dense_ddp import check_dense_ddp
 
         run = load_run_config(cfg)
         plan = training_plan(run)
-        try:
-            device = resolve_device(run.trainer.device)
-        except RuntimeError as exc:
-            raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
+        device = run_device(run.trainer)
         check_dense_ddp(run, device.type)
-        resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir)
+        resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
         requested = requested_run_dir()

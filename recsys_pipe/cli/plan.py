@@ -121,7 +121,37 @@ def plan_task(cfg: DictConfig) -> None:
     sys.stdout.flush()
 
 
-_app = hydra_app(plan_task, config_name="plan", prog="recsys-plan", schema="recsys_pipe.cli.plan:PlanCommandConfig")
+def check_config(cfg: DictConfig) -> None:
+    """Checked before Hydra creates the run directory: the config, the plan, and that run
+    directories can be made under `trainer.output_dir` (nothing is created here)."""
+    run_cfg = load_run_config(cfg, PlanCommandConfig)
+    training_plan(run_cfg, resolve_fn=None if run_cfg.check_fns else structure_only)
+    _check_creatable(Path(run_cfg.trainer.output_dir))
+
+
+def _check_creatable(path: Path) -> None:
+    """ConfigError at trainer.output_dir unless `path` is, or can be made as, a writable directory."""
+    import os
+
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    reason = None
+    if not existing.is_dir():
+        reason = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} is not writable"
+    if reason:
+        raise ConfigError(ConfigProblem("trainer.output_dir", f"cannot create run directories under {path}: {reason}"))
+
+
+_app = hydra_app(
+    plan_task,
+    config_name="plan",
+    prog="recsys-plan",
+    schema="recsys_pipe.cli.plan:PlanCommandConfig",
+    validate=check_config,
+)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

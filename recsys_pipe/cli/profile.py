@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from recsys_pipe.cli._hydra import hydra_app
+from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, Section, suggest
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.plan import training_plan
@@ -92,18 +93,19 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan) -> None:
         )
     if problems:
         raise ConfigError(problems)
+    from recsys_pipe.runtime import check_output_dir
+
+    check_output_dir(run.trainer.output_dir)  # as recsys-train: refused before any process group
 
 
 def profile_task(cfg: DictConfig) -> None:
     run = load_run_config(cfg, ProfileCommandConfig)
+    show_library_warnings(int(os.environ.get("RANK", 0)), run.debug)
     plan = training_plan(run)
     _check(run, plan)
-    from recsys_pipe.runtime.distributed import resolve_device
+    from recsys_pipe.cli.preflight import run_device
 
-    try:
-        resolve_device(run.trainer.device)
-    except RuntimeError as exc:
-        raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
+    run_device(run.trainer)
 
     from recsys_pipe.runtime import init_distributed, shared_run_dir, teardown
     from recsys_pipe.train import Trainer

@@ -26,6 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from recsys_pipe.cli._hydra import hydra_app, report_config_error
+from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.launch import Launch
 from recsys_pipe.config import ConfigError
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in
@@ -39,6 +40,7 @@ PROG = "recsys-train"
 
 def train_task(cfg: DictConfig) -> None:
     """One job: parse and validate, preflight, init, build and fit, close."""
+    show_library_warnings(int(os.environ.get("RANK", 0)), cfg.get("debug", False) is True)
     launch = Launch.prepare(cfg)  # no process group yet: a bad input exits 2 here
     try:
         session, resume = launch.start(PROG)
@@ -94,7 +96,23 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
     )
 
 
-_app = hydra_app(train_task, config_name="train", prog=PROG, schema="recsys_pipe.train.config:RunConfig")
+def check_config(cfg: DictConfig) -> None:
+    """What `train_task` refuses before anything starts: the run config and the compiled plan
+    (checked for every job of a sweep before the first one trains)."""
+    from recsys_pipe.train.config import load_run_config
+    from recsys_pipe.train.plan import training_plan
+
+    training_plan(load_run_config(cfg))
+
+
+_app = hydra_app(
+    train_task,
+    config_name="train",
+    prog=PROG,
+    schema="recsys_pipe.train.config:RunConfig",
+    validate=check_config,
+    check=Launch.prepare,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE
+)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -50,6 +50,10 @@ class ConfigError(Exception):
         self.problems: list[ConfigProblem] = list(unique.values())
         super().__init__("\n".join(str(p) for p in self.problems))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its problems (a rank's error travels to the others in DCP's collectives)."""
+        return (type(self), (self.problems,))
+
     @property
     def paths(self) -> list[str]:
         return [p.path for p in self.problems]

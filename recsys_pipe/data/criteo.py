@@ -211,6 +211,16 @@ def _problem(path: str, line: int, message: str) -> ConfigError:
     return ConfigError(ConfigProblem("data.path", f"{path}:{line}: {message}"))
 
 
+def _problem_in_file(path: str, message: str) -> ConfigError:
+    return ConfigError(ConfigProblem("data.path", f"{path}: {message}"))
+
+
+_LAYOUT = (
+    f"expected Criteo TSV rows: a 0/1 label, {NUM_DENSE} integer and {NUM_CATEGORICAL} hexadecimal columns, "
+    "tab-separated"
+)
+
+
 def read_criteo(
     path: str, rank: int = 0, world_size: int = 1, max_rows: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -221,6 +231,12 @@ def read_criteo(
     cats: list[list[int]] = []
     labels: list[float] = []
     lines: list[int] = []
+    with open(path, "rb") as raw:
+        head = raw.read(8192)
+    if not head.strip():
+        raise _problem_in_file(path, f"the file is empty; {_LAYOUT}")
+    if b"\0" in head:  # a gzip/parquet/npz file: every row would be "found 1 column"
+        raise _problem_in_file(path, f"a binary file, not text (a compressed file must be unpacked); {_LAYOUT}")
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
         for lineno, line in enumerate(f, 1):
             if max_rows is not None and lineno > max_rows:

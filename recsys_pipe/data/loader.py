@@ -47,6 +47,8 @@ __all__ = [
 
 def readable_file(path: str) -> str:
     """`path` if it is a readable file, else ValueError (for a `data.path` field validator)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; data.path names a file")
     if not os.path.isfile(path):
         raise ValueError(f"no such file: {path}")
     if not os.access(path, os.R_OK):

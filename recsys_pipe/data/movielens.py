@@ -13,6 +13,7 @@ loads in a few seconds, ml-20m in a minute or so.
 
 from __future__ import annotations
 
+import codecs
 import csv
 from collections import defaultdict
 from collections.abc import Sequence
@@ -56,9 +57,13 @@ def read_ratings(path: str | Path) -> list[Rating]:
             head = raw.read(8192)
         if b"\0" in head:
             _fail(path, None, f"a binary file, not text; {_LAYOUT}")
+        # A byte order mark (spreadsheet exports write one) is not part of the first line. Bytes are
+        # read as latin-1 so that a stray non-UTF-8 byte cannot fail the parse of numeric fields.
+        start = len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0
         with path.open(newline="", encoding="latin-1") as f:
+            f.seek(start)
             first = f.readline()
-            f.seek(0)
+            f.seek(start)
             if "::" in first:
                 rows = ((n, line.rstrip("\r\n").split("::")) for n, line in enumerate(f, 1) if line.strip())
             elif first.lower().startswith("userid,"):

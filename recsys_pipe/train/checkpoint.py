@@ -40,9 +40,13 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "CheckpointConfig",
     "Checkpointer",
+    "check_checkpoint",
+    "compare_state",
     "find_checkpoints",
     "load_checkpoint",
+    "read_metadata",
     "resolve_resume",
+    "saved_model_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,8 @@ CHECKPOINTS_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d+)$")
 #: DCP writes this file last, on the coordinator, once every rank's data is written
 _METADATA = ".metadata"
+#: the config key every checkpoint problem is reported at
+RESUME_KEY = "trainer.resume_from"
 
 
 class CheckpointConfig(Section):
@@ -83,12 +89,20 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def resolve_resume(spec: str | None, output_dir: str) -> Path | None:
+def resolve_resume(spec: str | None, output_dir: str, model_name: str | None = None) -> Path | None:
     """The checkpoint `trainer.resume_from` names (see the module docstring); None for a fresh
-    start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint."""
+    start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint, or
+    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains)."""
+    path = _resolve(spec, output_dir)
+    if path is not None:
+        check_checkpoint(path, model_name)
+    return path
+
+
+def _resolve(spec: str | None, output_dir: str) -> Path | None:
     if spec is None:
         return None
-    key = "trainer.resume_from"
+    key = RESUME_KEY
     if spec == "latest":
         candidates = [c.path for run in _run_dirs(Path(output_dir)) for c in find_checkpoints(run)]
         if not candidates:
@@ -111,6 +125,108 @@ def resolve_resume(spec: str | None, output_dir: str) -> Path | None:
     return found[-1].path
 
 
+def check_checkpoint(path: Path, model_name: str | None = None) -> None:
+    """What can be checked of a checkpoint from its own files, before DCP reads any tensor:
+    its metadata reads, every data file it names is there and long enough, and (when the run
+    directory's `config.yaml` says which model wrote it) the model is `model_name`.
+    ConfigError at `trainer.resume_from` naming what differs."""
+    metadata = read_metadata(path)
+    sizes: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = int(info.offset) + int(info.length)
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    for name, needed in sorted(sizes.items()):
+        file = path / name
+        if not file.is_file():
+            raise _mismatch(path, f"its data file {name} is missing")
+        have = file.stat().st_size
+        if have < needed:
+            raise _mismatch(path, f"its data file {name} is truncated ({have} of {needed} bytes)")
+    saved = saved_model_name(path)
+    if model_name is not None and saved is not None and saved != model_name:
+        raise _mismatch(path, f"it holds model '{saved}' (its run's config.yaml), this run trains '{model_name}'")
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's metadata of the checkpoint at `path` (ConfigError if unreadable)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a truncated or foreign .metadata fails to unpickle in many ways
+        raise _mismatch(path, f"its {_METADATA} cannot be read ({type(exc).__name__}: {_first_line(exc)})") from None
+
+
+def saved_model_name(path: Path) -> str | None:
+    """`model.name` in the config.yaml of the run that wrote the checkpoint (None if absent)."""
+    import yaml
+
+    config = path.parent.parent / "config.yaml"
+    try:
+        data = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    name = model.get("name") if isinstance(model, dict) else None
+    return str(name) if name is not None else None
+
+
+def _saved_world_size(metadata: Any) -> int:
+    """Ranks that wrote the checkpoint: DCP's data files are named `__<rank>_<n>.distcp`."""
+    ranks = {m.group(1) for i in metadata.storage_data.values() if (m := re.match(r"__(\d+)_", i.relative_path))}
+    return max(len(ranks), 1)
+
+
+def _mismatch(path: Path, message: str) -> ConfigError:
+    return ConfigError(ConfigProblem(RESUME_KEY, f"checkpoint {path} does not fit this run: {message}"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def compare_state(state: dict[str, Any], metadata: Any, path: Path, world_size: int) -> None:
+    """ConfigError naming the first differences between the flattened state this run will load
+    (`state`: DCP key -> tensor or value) and what the checkpoint holds: keys (parameters,
+    tables, optimizer state) it lacks, and tensors of another shape."""
+    saved = metadata.state_dict_metadata
+    missing = [k for k in state if k not in saved]
+    shapes = []
+    for key, value in state.items():
+        size = _global_size(value)
+        stored = getattr(saved.get(key), "size", None)
+        if size is not None and stored is not None and tuple(stored) != tuple(size):
+            shapes.append(f"{_name(key)} is {list(stored)} in the checkpoint, {list(size)} here")
+    if not missing and not shapes:
+        return
+    parts = shapes[:2]
+    if missing:
+        parts.append(f"it has no {', '.join(_name(k) for k in missing[:2])}")
+    more = len(shapes) + len(missing) - min(len(shapes), 2) - min(len(missing), 2)
+    text = "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+    others = [_name(k) for k in saved if k not in state]
+    if missing and others:
+        text += f"; it holds {', '.join(others[:2])}" + (f" and {len(others) - 2} more" if len(others) > 2 else "")
+    saved_ranks = _saved_world_size(metadata)
+    if saved_ranks != world_size:
+        text += f"; written by {saved_ranks} rank(s), loading on {world_size}"
+    raise _mismatch(path, text)
+
+
+def _global_size(value: Any) -> Any:
+    """The global shape of a tensor (a ShardedTensor's or DTensor's whole table), else None."""
+    if isinstance(value, torch.Tensor) or hasattr(value, "metadata"):
+        size = value.size()
+        return tuple(size) if size is not None else None
+    return None
+
+
+def _name(key: str) -> str:
+    """A DCP key without the `train.` root of the checkpoint state: `model.ec.embeddings...`."""
+    return key.split(".", 1)[1] if key.startswith("train.") else key
+
+
 def _run_dirs(root: Path) -> list[Path]:
     """Directories under `root` that hold a `checkpoints/` folder (run directories)."""
     if not root.is_dir():
@@ -129,8 +245,19 @@ def load_checkpoint(
     `load_state_dict` called), and this rank's own state into `rank_state` (a `Stateful`) if the
     checkpoint has it. Returns whether it had (not when resuming on more ranks than saved)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.load(state, checkpoint_id=str(path), process_group=group, planner=_load_planner())
+    path = Path(path)
+    check_checkpoint(path)
+    world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    try:
+        dcp.load(state, checkpoint_id=str(path), process_group=group, planner=_load_planner(path, world_size))
+    except CheckpointException as exc:  # a failure on any rank; ours says what does not fit
+        for failure in exc.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, ConfigError):
+                raise cause from None
+        raise _mismatch(path, f"loading failed ({_first_line(exc)})") from exc
     own = _rank_file(Path(path), rank)
     if rank_state is None or not own.is_file():
         return False
@@ -138,8 +265,9 @@ def load_checkpoint(
     return True
 
 
-def _load_planner() -> Any:
-    """DCP's default load planner without its fallback for checkpoints older than torch 2.4.
+def _load_planner(path: Path, world_size: int) -> Any:
+    """DCP's default load planner without its fallback for checkpoints older than torch 2.4,
+    which first compares the state to load with the checkpoint (`compare_state`).
 
     torchrec's fused optimizer reports state only for tables with a shard on this rank, so a
     checkpoint legitimately holds keys a rank does not load (another rank's table state). DCP
@@ -151,6 +279,8 @@ def _load_planner() -> Any:
 
     class _Planner(DefaultLoadPlanner):
         def create_local_plan(self) -> Any:
+            # before any tensor is read: what this rank asks for against the checkpoint's metadata
+            compare_state(self.state_dict, self.metadata, path, world_size)
             return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
     return _Planner()

@@ -129,6 +129,19 @@ class TrainerConfig(Section):
         check_grad_accumulation(self)
         return self
 
+    @model_validator(mode="after")
+    def _profiled_steps_run(self) -> TrainerConfig:
+        steps = self.torch_profiler.steps
+        if steps is not None and self.max_steps is not None and steps[1] > self.max_steps:
+            raise ConfigError(
+                ConfigProblem(
+                    "trainer.torch_profiler.steps",
+                    f"the window {steps} ends after the last step (trainer.max_steps={self.max_steps}): "
+                    "nothing would be traced",
+                )
+            )
+        return self
+
 
 class RunConfig(Section):
     """Everything `recsys-train` needs, as composed by Hydra from conf/config.yaml."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import resource
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -310,7 +311,8 @@ class Trainer:
             initial=self.step,
             desc="train",
             unit="step",
-            disable=not self.info.is_main or not cfg.progress_bar,
+            # a log file gets the plain `step N | ...` lines only, not the bar's \r updates
+            disable=not self.info.is_main or not cfg.progress_bar or not sys.stderr.isatty(),
             dynamic_ncols=True,
         )
         window_start, window_samples = time.perf_counter(), 0
