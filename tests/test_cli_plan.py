@@ -327,7 +327,12 @@ BAD = [
     ("fn-missing", ["pipeline.tasks.forward.fn=???"], "pipeline.tasks.forward.fn", "missing required value"),
     ("bad-interpolation", ["pipeline.description=${nope}"], "pipeline.description", "nope"),
     ("num-batches", ["num_batches=0"], "num_batches", "greater than or equal to 1"),
-    ("unknown-pipeline-option", ["pipeline=nope"], "error: pipeline: no option 'nope'", "options: hstu_prefetch"),
+    (
+        "unknown-pipeline-option",
+        ["pipeline=nope"],
+        "error: pipeline: no option 'nope'",
+        "hstu_prefetch, hstu_prefetch_balanced",
+    ),
     (
         "unknown-thread-map-option",
         ["thread_map=round_robin"],

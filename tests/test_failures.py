@@ -767,7 +767,7 @@ def test_train_sh_checks_the_config_in_one_process_before_torchrun(tmp_path):
         ["bash", str(script), "--help"], capture_output=True, text=True, timeout=280, cwd=tmp_path, env=_env()
     )
     assert helped.returncode == 0, helped.stderr[-3000:]
-    assert helped.stdout.count("== Keys ==") == 1 and "pipeline: hstu_prefetch" in helped.stdout
+    assert helped.stdout.count("== Keys ==") == 1 and "hstu_prefetch, hstu_prefetch_bal" in helped.stdout
     assert not (tmp_path / "r").exists()
 
 

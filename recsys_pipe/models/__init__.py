@@ -19,7 +19,7 @@ _EXPORTS = {
     "ModelConfig": "base",
     "ShardedModelConfig": "base",
     "MODELS": "registry",
-    "HSTUConfig": "hstu",
+    "HSTUConfig": "hstu_config",
     "HSTULayer": "hstu",
     "HSTUModel": "hstu",
     "HSTURanker": "hstu",

@@ -20,23 +20,18 @@ independently of each other. The multi-task head reads the candidate tokens of t
 
 from __future__ import annotations
 
-from typing import Literal
-
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 import torch.nn.functional as F
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, SequenceBatch
-from recsys_pipe.data.loader import DataConfig, SequenceDataConfig
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.models.hstu_config import HSTUConfig
 
 __all__ = ["HSTUConfig", "HSTULayer", "HSTUModel", "HSTURanker", "RelativeBias", "build_hstu", "embedding_tables"]
 
@@ -44,57 +39,6 @@ ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 TIME_BUCKET_WIDTH = 0.301
 """Time gaps are bucketed by `ln(gap_seconds) / TIME_BUCKET_WIDTH` (generative-recommenders'
 choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
-
-
-class HSTUConfig(ShardedModelConfig):
-    """`model=hstu_small`: sizes of the HSTU ranker (`model.*`). Vocabulary sizes come from the
-    data source's `DataSpec`."""
-
-    name: Literal["hstu"] = "hstu"
-    builder: StrictStr | None = builder_field("recsys_pipe.models.hstu:build_hstu")
-    embedding_dim: StrictInt = Field(32, ge=1, description="embedding and model width")
-    num_layers: StrictInt = Field(2, ge=1, description="HSTU blocks")
-    num_heads: StrictInt = Field(2, ge=1, description="attention heads (must divide embedding_dim)")
-    max_seq_len: StrictInt = Field(
-        32, ge=2, description="static padded attention length in item tokens; must be >= data.max_seq_len"
-    )
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on tokens and attention outputs")
-    relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
-    num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
-
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
-        dim = info.data.get("embedding_dim")
-        if isinstance(dim, int) and dim % num_heads:
-            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
-        return num_heads
-
-    def check_data(self, data: DataConfig) -> list[ConfigProblem]:
-        if not isinstance(data, SequenceDataConfig):
-            return [ConfigProblem("data.name", f"model 'hstu' needs a sequence data source, got '{data.name}'")]
-        if data.max_seq_len > self.max_seq_len:
-            return [
-                ConfigProblem(
-                    "data.max_seq_len",
-                    f"{data.max_seq_len} exceeds model.max_seq_len ({self.max_seq_len}), the model's padded "
-                    "attention length: longer sequences would be cut",
-                )
-            ]
-        return []
-
-    def sample_costs(self, batch: SequenceBatch) -> torch.Tensor:
-        """Compute cost of each sample of `batch`, for the balanced batch shuffler: the forward
-        FLOPs of `num_layers` HSTU blocks on its `n` tokens (items plus the user token) at width
-        `d`, `num_layers * (4 n^2 d + 10 n d^2)`. Per block, `2 n^2 d` multiply-adds for the
-        attention scores and the weighted sum of values, and `5 n d^2` for the fused u,v,q,k
-        projection (`4 d^2` per token) and the output projection (`d^2`); the backward pass
-        scales both terms alike. The quadratic term makes long sequences dominate, as they do in
-        jagged attention kernels on the GPU. (This CPU implementation pads attention to
-        `max_seq_len`, so there its attention time does not depend on the lengths.)"""
-        n = batch.sequence_lengths().to(torch.float64)
-        d = float(self.embedding_dim)
-        return self.num_layers * (4.0 * n * n * d + 10.0 * n * d * d)
 
 
 def build_hstu(cfg: HSTUConfig, spec: DataSpec) -> HSTUModel:

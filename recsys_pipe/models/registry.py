@@ -10,7 +10,7 @@ MODELS = Registry(
     "model",
     ModelConfig,
     {
-        "hstu": "recsys_pipe.models.hstu:HSTUConfig",
+        "hstu": "recsys_pipe.models.hstu_config:HSTUConfig",
         "dlrm": "recsys_pipe.models.dlrm:DLRMConfig",
         "dlrm_dcn": "recsys_pipe.models.dlrm:DLRMDCNConfig",
         "dlrm_torch": "recsys_pipe.models.dlrm:TorchDLRMConfig",
