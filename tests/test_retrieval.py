@@ -33,6 +33,22 @@ from recsys_pipe.models.retrieval import left_pad
 from recsys_pipe.models.sasrec import SASRecConfig
 from recsys_pipe.train.retrieval_eval import KS, retrieval_metrics
 
+#: what init_distributed sets in the environment of a process that trains without torchrun
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_process_group(monkeypatch):
+    """Tests here train in-process (`train_cli.run`): tear the 1-rank group down afterwards and
+    undo its environment, or later subprocesses would inherit MASTER_PORT (still bound here)."""
+    for key in _DIST_ENV:
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
+    yield
+    from recsys_pipe.runtime import teardown
+
+    teardown()
+
 
 def _pairs(tmp_path: Path, users: int = 60, items: int = 40, seed: int = 0, name: str = "seq.txt") -> Path:
     """A "user item" file: user u's items follow a chain with some noise (learnable order)."""

@@ -10,46 +10,16 @@ attention causal over each sequence; a final LayerNorm gives the position vector
 
 from __future__ import annotations
 
-from typing import Literal
-
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch import nn
 
-from recsys_pipe.config import builder_field
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.hstu import HSTULayer, RelativeBias
-from recsys_pipe.models.retrieval import RetrievalConfig, RetrievalModel
+from recsys_pipe.models.retrieval import RetrievalModel
+from recsys_pipe.models.retrieval_config import HSTURetrievalConfig
 
 __all__ = ["HSTURetrievalConfig", "HSTURetrievalEncoder", "build_hstu_retrieval"]
-
-
-class HSTURetrievalConfig(RetrievalConfig):
-    """`model=hstu_retrieval`: sizes of the HSTU encoder (`model.*`)."""
-
-    name: Literal["hstu_retrieval"] = "hstu_retrieval"
-    builder: StrictStr | None = builder_field("recsys_pipe.models.hstu_retrieval:build_hstu_retrieval")
-    loss: Literal["bce", "sampled_softmax"] = Field(
-        "sampled_softmax",
-        description="bce: one sampled negative per position (SASRec); sampled_softmax: N shared negatives",
-    )
-    dropout: float = Field(0.2, ge=0, lt=1, description="dropout on embeddings and blocks")
-    num_layers: StrictInt = Field(2, ge=1, description="HSTU blocks")
-    num_heads: StrictInt = Field(1, ge=1, description="attention heads (must divide embedding_dim)")
-    relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
-    num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
-
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
-        dim = info.data.get("embedding_dim")
-        if isinstance(dim, int) and dim % num_heads:
-            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
-        return num_heads
-
-    def encoder(self, spec: DataSpec) -> nn.Module:
-        return HSTURetrievalEncoder(self)
 
 
 def build_hstu_retrieval(cfg: HSTURetrievalConfig, spec: DataSpec) -> RetrievalModel:

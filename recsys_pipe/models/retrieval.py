@@ -29,20 +29,16 @@ retrieval evaluation does); -1 when the batch has no catalogue.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 import torch.nn.functional as F
-from pydantic import Field, StrictInt
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from recsys_pipe.config import ConfigProblem
-from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.sequences import (
     CAND_KEY,
     CATALOG_KEY,
@@ -51,44 +47,14 @@ from recsys_pipe.data.sequences import (
     POS_KEY,
     RETRIEVAL_KEYS,
     RetrievalBatch,
-    SequencesDataConfig,
 )
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.models.retrieval_config import RetrievalConfig
 
 __all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad"]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 ITEM_TABLE = "item_table"
-
-
-class RetrievalConfig(ShardedModelConfig):
-    """What every retrieval model has (`model.*`): width, sequence length, loss."""
-
-    embedding_dim: StrictInt = Field(50, ge=1, description="item embedding and model width")
-    max_seq_len: StrictInt = Field(50, ge=1, description="positions of the encoder; must be >= data.max_seq_len")
-    dropout: float = Field(0.5, ge=0, lt=1, description="dropout on embeddings and blocks")
-    loss: Literal["bce", "sampled_softmax"] = Field(
-        "bce", description="bce: one sampled negative per position (SASRec); sampled_softmax: N shared negatives"
-    )
-    num_negatives: StrictInt = Field(
-        128, ge=1, description="sampled_softmax: negatives per batch, shared by its positions"
-    )
-    temperature: float = Field(0.05, gt=0, description="sampled_softmax: logits are cosine / temperature")
-
-    def check_data(self, data: DataConfig) -> list[ConfigProblem]:
-        if not isinstance(data, SequencesDataConfig):
-            return [ConfigProblem("data.name", f"model '{self.name}' needs data=sequences, got '{data.name}'")]
-        if data.max_seq_len > self.max_seq_len:
-            return [
-                ConfigProblem("data.max_seq_len", f"{data.max_seq_len} exceeds model.max_seq_len ({self.max_seq_len})")
-            ]
-        return []
-
-    def encoder(self, spec: DataSpec) -> nn.Module:
-        """The causal sequence encoder: `(embeddings [B, N, D], timestamps [B, N], valid [B, N])
-        -> [B, N, D]` on left-padded sequences."""
-        raise NotImplementedError
 
 
 def table_dim(embedding_dim: int) -> int:

@@ -13,40 +13,17 @@ and a final LayerNorm. Item table, losses and evaluation are `recsys_pipe.models
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch import nn
 
-from recsys_pipe.config import builder_field
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.models.retrieval import RetrievalConfig, RetrievalModel
+from recsys_pipe.models.retrieval import RetrievalModel
+from recsys_pipe.models.retrieval_config import SASRecConfig
 
 __all__ = ["SASRecBlock", "SASRecConfig", "SASRecEncoder", "build_sasrec"]
 
 #: LayerNorm epsilon of the reference implementation
 LAYER_NORM_EPS = 1e-8
-
-
-class SASRecConfig(RetrievalConfig):
-    """`model=sasrec`: the SASRec encoder's sizes (`model.*`); the item count comes from the data."""
-
-    name: Literal["sasrec"] = "sasrec"
-    builder: StrictStr | None = builder_field("recsys_pipe.models.sasrec:build_sasrec")
-    num_blocks: StrictInt = Field(2, ge=1, description="self-attention blocks")
-    num_heads: StrictInt = Field(1, ge=1, description="attention heads (must divide embedding_dim)")
-
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
-        dim = info.data.get("embedding_dim")
-        if isinstance(dim, int) and dim % num_heads:
-            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
-        return num_heads
-
-    def encoder(self, spec: DataSpec) -> nn.Module:
-        return SASRecEncoder(self)
 
 
 def build_sasrec(cfg: SASRecConfig, spec: DataSpec) -> RetrievalModel:
