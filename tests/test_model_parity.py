@@ -1,8 +1,9 @@
 """End-to-end training on 2 ranks (torchrun, gloo, CPU) for the other model paths: torchrec's
-DLRM and DLRM_DCN, the plain-torch DLRM under DDP, torchrec's sharding planner, and the balanced
-batch shuffler. Within each group every plan trains bitwise the same losses, batches and final
-parameters as the group's reference (serial, or serial_balanced for the balanced plans); DLRM also
-matches torchrec's own TrainPipelineSparseDist. See test_train_parity for why bitwise.
+DLRM and DLRM_DCN, the plain-torch DLRM under DDP, torchrec's sharding planner, the balanced
+batch shuffler, and the retrieval models (SASRec, HSTU retrieval). Within each group every plan
+trains bitwise the same losses, batches and final parameters as the group's reference (serial,
+or serial_balanced for the balanced plans); DLRM also matches torchrec's own
+TrainPipelineSparseDist. See test_train_parity for why bitwise.
 """
 
 from pathlib import Path
@@ -14,7 +15,16 @@ from recsys_pipe.testing import check_torchrun, read_rank_results, run_torchrun
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 WORKER = Path(__file__).parent / "dist" / "model_parity_worker.py"
-SAME_AS_REFERENCE = ["dlrm", "dlrm_dcn", "dlrm_planner", "hstu_planner", "dlrm_torch", "balanced"]
+SAME_AS_REFERENCE = [
+    "dlrm",
+    "dlrm_dcn",
+    "dlrm_planner",
+    "hstu_planner",
+    "dlrm_torch",
+    "balanced",
+    "sasrec",
+    "hstu_retrieval",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +58,7 @@ def test_dlrm_matches_torchrec_train_pipeline(ranks):
 
 def test_unbalanced_groups_train_the_loaded_batches(ranks):
     for data in ranks:
-        for group in ("dlrm", "dlrm_torch", "hstu_planner"):
+        for group in ("dlrm", "dlrm_torch", "hstu_planner", "sasrec", "hstu_retrieval"):
             for variant in data[group]["variants"].values():
                 assert variant["sample_ids"] == data[group]["loader_ids"]
 
@@ -88,3 +98,14 @@ def test_balancing_changes_what_each_rank_trains_but_not_the_global_step(ranks):
         assert group["serial"]["sample_ids"] == data["balanced_vs_loaded"]["loader_ids"]
         assert group["serial_balanced"]["sample_ids"] != group["serial"]["sample_ids"]
         assert group["serial_balanced"]["losses"][0] == group["serial"]["losses"][0]  # bootstrap batch: as loaded
+
+
+def test_retrieval_evaluation_is_the_same_on_every_plan_and_covers_every_user(ranks):
+    """The distributed evaluation after training: every plan gives the same ranking metrics (they
+    come from the same weights), identical on both ranks (gathered), over every evaluated user."""
+    for group in ("sasrec", "hstu_retrieval"):
+        records = [v["eval"] for data in ranks for v in data[group]["variants"].values()]
+        assert all(r == records[0] for r in records), group
+        assert records[0]["users"] == {"valid": 400, "test": 400}  # every user of the file has >= 3 items
+        assert 0 < records[0]["test"]["sampled"]["HR@10"] < 1
+        assert records[0]["test"]["full"]["HR@200"] > records[0]["test"]["full"]["HR@10"]

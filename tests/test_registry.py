@@ -55,7 +55,8 @@ def test_names_pick_config_classes_and_their_builders():
         (
             "model",
             {"name": "dlrn"},
-            "unknown model 'dlrn' (did you mean 'dlrm'?); known: hstu, dlrm, dlrm_dcn, dlrm_torch",
+            "unknown model 'dlrn' (did you mean 'dlrm'?); "
+            "known: hstu, dlrm, dlrm_dcn, dlrm_torch, sasrec, hstu_retrieval",
         ),
         ("data", {"name": "criteo_synth"}, "unknown data source 'criteo_synth'"),
         ("optimizer", {"name": "lamb"}, "unknown optimizer 'lamb'; known: sgd, adam, adamw, adagrad"),

@@ -1,5 +1,6 @@
 """Data sources and batches: synthetic sequences and MovieLens (for HSTU), Criteo files and a
-generated Criteo-like source (for DLRM).
+generated Criteo-like source (for DLRM), and per-user item sequences for next-item retrieval
+(`data=sequences`, for SASRec and HSTU retrieval).
 
 Each source is a builder and its `DataConfig` subclass, registered by name in `DATA_SOURCES`;
 `make_dataloader(cfg, rank, world_size)` turns any of them into batches. The batch protocol is
@@ -43,6 +44,10 @@ _EXPORTS = {
     "CriteoSyntheticDataset": "criteo",
     "TabularDataConfig": "criteo",
     "read_criteo": "criteo",
+    "RetrievalBatch": "sequences",
+    "SequencesDataConfig": "sequences",
+    "SequencesDataset": "sequences",
+    "read_interactions": "sequences",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -34,7 +34,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from recsys_pipe.config import Component, ConfigError, ConfigProblem
 from recsys_pipe.data.spec import DataSpec
 
-__all__ = ["DataConfig", "EpochSampler", "RankData", "SequenceDataConfig", "make_dataloader", "readable_file"]
+__all__ = [
+    "DataConfig",
+    "EpochSampler",
+    "RankData",
+    "SequenceDataConfig",
+    "has_eval_splits",
+    "make_dataloader",
+    "readable_file",
+]
 
 
 def readable_file(path: str) -> str:
@@ -101,6 +109,8 @@ class EpochSampler(Sampler[int]):
     with `shuffle` a permutation of all `num_samples` drawn from a generator seeded `seed + epoch`
     (a different subset is left over each epoch). Batches therefore never straddle epochs, and
     one DataLoader (with its workers) serves every epoch without a pause at the boundaries.
+    With `epoch_stride`, epoch `e`'s indices are offset by `e * epoch_stride`: a dataset that
+    draws something afresh every epoch (negatives) reads the epoch from the index.
     """
 
     def __init__(
@@ -112,6 +122,7 @@ class EpochSampler(Sampler[int]):
         shuffle: bool = False,
         seed: int = 0,
         start: int = 0,
+        epoch_stride: int = 0,
     ) -> None:
         if batches_per_epoch * batch_size > num_samples:
             raise ValueError(f"{batches_per_epoch} batches of {batch_size} exceed {num_samples} samples")
@@ -124,14 +135,16 @@ class EpochSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.start = start
+        self.epoch_stride = epoch_stride
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The indices epoch `epoch` trains, in order."""
         used = self.batches_per_epoch * self.batch_size
+        offset = epoch * self.epoch_stride
         if not self.shuffle:
-            return list(range(used))
+            return list(range(offset, offset + used))
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator)[:used].tolist()
+        return (torch.randperm(self.num_samples, generator=generator)[:used] + offset).tolist()
 
     def __iter__(self) -> Iterator[int]:
         if self.batches_per_epoch == 0:
@@ -145,10 +158,17 @@ class EpochSampler(Sampler[int]):
         return (self.epochs * self.batches_per_epoch - self.start) * self.batch_size
 
 
+def has_eval_splits(dataset: Dataset) -> bool:
+    """Whether `dataset` brings its own evaluation splits (`dataset.split(name, batch_size)`)
+    instead of holding out the tail of the training share."""
+    return callable(getattr(dataset, "split", None))
+
+
 class RankData:
     """This rank's share of a data source, split once into training and held-out batches.
 
-    The last `eval_batches` batches of the share are held out for evaluation; training reads
+    The last `eval_batches` batches of the share are held out for evaluation (none for a dataset
+    with its own evaluation splits, `split(name, batch_size)`, such as `data=sequences`); training reads
     `data.num_batches` batches per epoch from the start of the share (default: all that is not
     held out). Sizes that do not fit are a `ConfigError` naming the keys to change.
     """
@@ -157,8 +177,8 @@ class RankData:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self.eval_batches = eval_batches
         self.dataset = cfg.dataset(rank, world_size)
+        self.eval_batches = eval_batches = 0 if has_eval_splits(self.dataset) else eval_batches
         size = len(self.dataset)
         batch = cfg.batch_size
         held_out = eval_batches * batch
@@ -200,6 +220,7 @@ class RankData:
             shuffle=cfg.shuffle,
             seed=cfg.seed,
             start=start,
+            epoch_stride=len(self.dataset) if getattr(self.dataset, "resamples_per_epoch", False) else 0,
         )
 
     def train_loader(self, epochs: int = 1, start: int = 0) -> DataLoader:

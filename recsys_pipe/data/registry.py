@@ -14,5 +14,6 @@ DATA_SOURCES = Registry(
         "movielens": "recsys_pipe.data.movielens:MovieLensDataConfig",
         "criteo": "recsys_pipe.data.criteo:CriteoDataConfig",
         "criteo_synthetic": "recsys_pipe.data.criteo:CriteoSyntheticDataConfig",
+        "sequences": "recsys_pipe.data.sequences:SequencesDataConfig",
     },
 )

@@ -3,7 +3,8 @@
 A model is a builder and its `ModelConfig` subclass, picked by `model.name` from `MODELS` or by
 `model.builder=pkg.module:function`; the model protocol is written down in
 `recsys_pipe.models.base`. Shipped: HSTU (`hstu`), torchrec's DLRM (`dlrm`, `dlrm_dcn`) and a
-plain-torch DLRM (`dlrm_torch`).
+plain-torch DLRM (`dlrm_torch`); for next-item retrieval SASRec (`sasrec`) and HSTU
+(`hstu_retrieval`), see `recsys_pipe.models.retrieval`.
 
 Names are imported on first use (PEP 562): choosing one model never imports the others, and
 `import recsys_pipe.models` loads no torchrec.
@@ -33,6 +34,15 @@ _EXPORTS = {
     "DLRMRanker": "dlrm_torchrec",
     "build_dlrm": "dlrm_torchrec",
     "build_dlrm_dcn": "dlrm_torchrec",
+    "RetrievalConfig": "retrieval_config",
+    "RetrievalHead": "retrieval",
+    "RetrievalModel": "retrieval",
+    "SASRecConfig": "retrieval_config",
+    "SASRecEncoder": "sasrec",
+    "build_sasrec": "sasrec",
+    "HSTURetrievalConfig": "retrieval_config",
+    "HSTURetrievalEncoder": "hstu_retrieval",
+    "build_hstu_retrieval": "hstu_retrieval",
     "make_optimizer": "sharding",
     "make_sharded_model": "sharding",
     "sharding_plan": "sharding",

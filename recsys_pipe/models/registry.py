@@ -14,5 +14,7 @@ MODELS = Registry(
         "dlrm": "recsys_pipe.models.dlrm:DLRMConfig",
         "dlrm_dcn": "recsys_pipe.models.dlrm:DLRMDCNConfig",
         "dlrm_torch": "recsys_pipe.models.dlrm:TorchDLRMConfig",
+        "sasrec": "recsys_pipe.models.retrieval_config:SASRecConfig",
+        "hstu_retrieval": "recsys_pipe.models.retrieval_config:HSTURetrievalConfig",
     },
 )

@@ -33,6 +33,8 @@ _EXPORTS = {
     "find_checkpoints": "checkpoint",
     "resolve_resume": "checkpoint",
     "MetricsWriter": "metrics",
+    "RetrievalEvaluation": "retrieval_eval",
+    "retrieval_metrics": "retrieval_eval",
     "LrSchedule": "optim",
     "TrainOptimizer": "optim",
     "RngState": "rng",

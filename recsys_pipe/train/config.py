@@ -83,6 +83,12 @@ class TrainerConfig(Section):
     eval_batches: StrictInt = Field(
         8, ge=0, description="held-out batches per rank (the tail of its share) for evaluation"
     )
+    eval_dump: StrictStr | None = Field(
+        None,
+        min_length=1,
+        description="retrieval models: CSV of the test ranks (user,item,rank_sampled,rank_full) of the evaluation "
+        "with the best validation HR@10",
+    )
     progress_bar: StrictBool = Field(True, description="tqdm bar on rank 0")
     output_dir: StrictStr = Field("runs", min_length=1, description="run directories go under here")
     tensorboard: StrictBool = Field(True, description="write TensorBoard event files into the run directory")

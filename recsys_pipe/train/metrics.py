@@ -3,7 +3,8 @@ and TensorBoard event files, both in the run directory, written by rank 0 only.
 
 `tensorboard --logdir <trainer.output_dir>` then shows every run side by side: `train/loss`,
 `train/samples_per_s`, `train/lr`, `train/grad_norm` (with clipping), `eval/loss`, `eval/auc`
-and `eval/auc_task<k>`, all against the global step.
+and `eval/auc_task<k>` (ranking), `eval/<split>/<protocol>/<metric>` (retrieval:
+`eval/test/sampled/NDCG@10`), all against the global step.
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ class MetricsWriter:
         if self._tb is None:
             return
         step = record["step"]
-        if "auc" in record:
+        if "valid" in record:  # retrieval: {split: {protocol: {metric: value}}}
+            for split in ("valid", "test"):
+                for protocol, values in record.get(split, {}).items():
+                    for name, value in values.items():
+                        self._tb.add_scalar(f"eval/{split}/{protocol}/{name}", value, step)
+        elif "auc" in record:
             self._tb.add_scalar("eval/loss", record["eval_loss"], step)
             self._tb.add_scalar("eval/auc", record["auc"], step)
             for k, auc in enumerate(record.get("auc_per_task", [])):

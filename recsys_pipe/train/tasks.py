@@ -22,7 +22,7 @@ work itself.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,8 @@ class StepResult:
     labels: torch.Tensor
     sample_ids: torch.Tensor
     global_tokens: torch.Tensor | None
+    #: every output of the model (detached), e.g. the retrieval models' evaluation ranks
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -273,5 +275,6 @@ def optimizer_step(ctx: TaskContext[TrainState]) -> None:
             labels=outputs["labels"],
             sample_ids=slots[BATCH_GPU].sample_ids,
             global_tokens=slots.get(GLOBAL_TOKENS),
+            outputs={k: v.detach() for k, v in outputs.items()},
         ),
     )

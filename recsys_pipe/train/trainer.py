@@ -45,6 +45,7 @@ from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.grad_accumulation import GradAccumulation
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer
+from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
@@ -85,7 +86,9 @@ class TrainSummary:
 
     def describe(self) -> str:
         """One line for the log: steps, samples, speed, loss and eval AUC from first to last."""
-        evals = f"; eval auc {self.evals[0]['auc']:.4f} -> {self.evals[-1]['auc']:.4f}" if self.evals else ""
+        evals = ""
+        if self.evals and "auc" in self.evals[-1]:  # retrieval evaluations log their own line
+            evals = f"; eval auc {self.evals[0]['auc']:.4f} -> {self.evals[-1]['auc']:.4f}"
         return (
             f"trained {self.steps} steps ({self.start_step} -> {self.end_step}), {self.samples} samples, "
             f"{self.samples_per_s:.1f} samples/s; loss {self.first_loss or float('nan'):.4f} -> "
@@ -189,6 +192,8 @@ class Trainer:
         cfg = run.trainer
         self.data = data or RankData(run.data, info.rank, info.world_size, eval_batches=cfg.eval_batches)
         self.eval_loader = self.data.eval_loader()
+        #: a retrieval source's own validation/test evaluation (None for other sources)
+        self.retrieval = RetrievalEvaluation.of(self.data, info.world_size, cfg.eval_dump, info.is_main)
         self.spec = self.data.spec
         # python and numpy draw from OS entropy unless seeded; torch is seeded by build_model
         random.seed(run.seed)
@@ -296,7 +301,7 @@ class Trainer:
         if accumulation is not None:  # micro-steps are counted over the run; the pipeline counts from 0
             accumulation.start_step = self.step
             accumulation.last_step = self.planned_steps - 1 if batches is None else None
-        evaluating = self.eval_loader is not None and cfg.eval_every > 0
+        evaluating = (self.eval_loader is not None or self.retrieval is not None) and cfg.eval_every > 0
         last_eval = last_checkpoint = None
         if evaluating and self.step == 0:
             summary.evals.append(self._log_eval(0, record_steps))
@@ -387,17 +392,23 @@ class Trainer:
 
     def evaluate(self, record_batches: bool = False) -> dict[str, Any]:
         """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the
-        held-out loader, aggregated over all ranks. With `record_batches`, also this rank's
+        held-out loader, aggregated over all ranks; for a retrieval source, its ranking metrics
+        (`RetrievalEvaluation`). With `record_batches`, also this rank's
         evaluated batches in order: `sample_ids` and `batch_losses` (which batch each output
         belongs to, for the checks that switching to evaluation mislabels nothing)."""
+        if self._eval_pipeline is None:  # same plan and streams, its own executor threads
+            self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
+        self.state.model.train(False)
+        if self.retrieval is not None:
+            try:
+                return self.retrieval.evaluate(self._eval_pipeline)
+            finally:
+                self.state.model.train(True)
         assert self.eval_loader is not None
         num_tasks = self.spec.num_tasks
         aurocs = [BinaryAUROC().to(self.info.device) for _ in range(num_tasks)]  # any task count, 1 included
         mean_loss = MeanMetric().to(self.info.device)
         log_loss = MeanMetric().to(self.info.device)
-        if self._eval_pipeline is None:  # same plan and streams, its own executor threads
-            self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
-        self.state.model.train(False)
         sample_ids: list[list[int]] = []
         batch_losses: list[float] = []
         try:
@@ -494,7 +505,9 @@ class Trainer:
     def _log_eval(self, step: int, record_batches: bool = False) -> dict[str, Any]:
         metrics = {"step": step, **self.evaluate(record_batches)}
         self.metrics.write({k: v for k, v in metrics.items() if k not in ("sample_ids", "batch_losses")})
-        if self.info.is_main:
+        if self.info.is_main and self.retrieval is not None:
+            log.info("eval at step %d: %s", step, self.retrieval.describe(metrics))
+        elif self.info.is_main:
             log.info("eval at step %d: loss %.4f, auc %.4f", step, metrics["eval_loss"], metrics["auc"])
         return metrics
 

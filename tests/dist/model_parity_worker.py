@@ -1,9 +1,10 @@
 """Worker for test_model_parity: run under torchrun with 2 ranks (gloo, CPU).
 
 Like train_parity_worker (HSTU on every plan), for the other model paths: torchrec's DLRM and
-DLRM_DCN, the plain-torch DLRM (DDP), torchrec's sharding planner, and the balanced batch
-shuffler. Each group trains the same batches from the same initial weights through several plans
-and records per-step losses, trained sample ids and final parameters; the test compares every
+DLRM_DCN, the plain-torch DLRM (DDP), torchrec's sharding planner, the balanced batch
+shuffler, and the next-item retrieval models (SASRec with BCE, HSTU with sampled softmax) on a
+generated "user item" file. Each group trains the same batches from the same initial weights
+through several plans and records per-step losses, trained sample ids and final parameters; the test compares every
 variant of a group bitwise with the group's reference. Writes rank<r>.json into argv[1].
 """
 
@@ -33,6 +34,8 @@ COMMON = [
 ]
 THREADED = ["pipeline.executor=threaded"]
 #: group -> (overrides of every variant, {variant: its overrides}); the first variant is the reference
+SEQUENCES = "{out}/sequences_rank{rank}.txt"  # one copy per rank: no rank waits for another's file
+RETRIEVAL = ["data=sequences", f"data.path={SEQUENCES}", "data.eval_negatives=20"]
 GROUPS = {
     "dlrm": (
         ["model=dlrm"],
@@ -76,11 +79,42 @@ GROUPS = {
             "hstu_prefetch_balanced/per_task": ["pipeline=hstu_prefetch_balanced", "thread_map=per_task"],
         },
     ),
+    "sasrec": (
+        [*RETRIEVAL, "model=sasrec"],
+        {
+            "serial": ["pipeline=serial"],
+            "sparse_dist": ["pipeline=sparse_dist"],
+            "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", *THREADED],
+            "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
+            "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", *THREADED, "thread_map=per_task"],
+            "serial_balanced": ["pipeline=serial_balanced"],
+            "hstu_prefetch_balanced/threaded": ["pipeline=hstu_prefetch_balanced"],
+        },
+    ),
+    "hstu_retrieval": (
+        [*RETRIEVAL, "model=hstu_retrieval", "model.num_negatives=32", "model.sharding=row_wise"],
+        {
+            "serial": ["pipeline=serial"],
+            "sparse_dist": ["pipeline=sparse_dist"],
+            "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
+            "hstu_sparse_dist_balanced/threaded": ["pipeline=hstu_sparse_dist_balanced"],
+        },
+    ),
     "balanced_vs_loaded": (
         ["data.synthetic.length_distribution=zipf", "data.synthetic.min_seq_len=5"],
         {"serial": ["pipeline=serial"], "serial_balanced": ["pipeline=serial_balanced"]},
     ),
 }
+
+
+def write_sequences(path, users=400, items=120):
+    """A "user item" file: each user walks a chain of items with random starts and lengths."""
+    g = torch.Generator().manual_seed(0)
+    with open(path, "w") as f:
+        for u in range(1, users + 1):
+            n = int(torch.randint(3, 20, (1,), generator=g))
+            start = int(torch.randint(0, items, (1,), generator=g))
+            f.writelines(f"{u} {(start + 3 * k) % items + 1}\n" for k in range(n))
 
 
 def fingerprint(params):
@@ -104,6 +138,8 @@ def train_variant(info, overrides, batches):
             out["sharding_plan"] = str(plan)
         if trainer.state.balancer is not None:
             out["balance"] = trainer.state.balancer.stats.summary()
+        if trainer.retrieval is not None:  # the distributed evaluation of the trained weights
+            out["eval"] = trainer.evaluate()
         return out
     finally:
         trainer.close()
@@ -120,8 +156,11 @@ def train_torchrec(info, overrides, batches):
 def main():
     torch.set_num_threads(1)
     info = init_distributed("cpu", "gloo")
+    sequences = SEQUENCES.format(out=sys.argv[1], rank=info.rank)
+    write_sequences(sequences)
     out = {}
     for group, (common, variants) in GROUPS.items():
+        common = [o.replace(SEQUENCES, sequences) for o in common]
         reference = next(iter(variants.values()))
         loader = make_dataloader(load_run(*COMMON, *common, *reference).data, info.rank, info.world_size)
         batches = list(loader)

@@ -1,0 +1,395 @@
+"""Next-item retrieval data (`data=sequences`): per-user item sequences, leave-one-out split.
+
+Reads two layouts, detected from the first line:
+
+* SASRec's "user item" lines (two integers separated by white space), each user's lines in
+  chronological order (the file order is the time order, as in SASRec's preprocessed data sets);
+* MovieLens ratings files (ml-1m `ratings.dat`, ml-20m/25m `ratings.csv`), each user's ratings
+  sorted by (timestamp, movie); the rating itself is ignored (an interaction is an interaction).
+
+Split, as in SASRec (Kang & McAuley 2018): of a user's sequence `s_1 .. s_n`, `s_n` is the test
+item, `s_{n-1}` the validation item, and `s_1 .. s_{n-2}` the training sequence. Users with fewer
+than 3 interactions keep all of them for training and are not evaluated. Items and users are
+remapped to dense `[0, n)` ids in sorted raw-id order; the raw ids are kept for the evaluation
+dump. Rank `r` of `w` reads every `w`-th training user (disjoint users per rank).
+
+A training sample is one user's last `max_seq_len` training transitions: inputs
+`s_1 .. s_{m-1}`, targets `s_2 .. s_m` (the next item at each position) and one negative per
+position, drawn uniformly from the items not in the user's training sequence (SASRec's sampler).
+The negatives are drawn again every epoch: the training sampler numbers samples across epochs
+(`resamples_per_epoch`), and each draw is seeded by `(data.seed, epoch, sample)`, so a run is
+reproducible and every plan trains the same batches.
+
+An evaluation sample (`split("valid" | "test")`) is a user's history before the held-out item
+(the last `max_seq_len` of it), the held-out item followed by `eval_negatives` items the user
+never interacted with (seeded per user, the same at every evaluation), and, with `full_eval`, the
+whole catalogue spread over the batch (every evaluation batch carries every item id once, so
+full-corpus ranking goes through the same sharded embedding lookup as everything else).
+
+All item lookups of a batch are features of one KJT, `sparse_features`, that share the item
+table: `item` (inputs), `pos` (targets), `neg` (negatives), `cand` (held-out item then sampled
+negatives) and `catalog` (every item, evaluation only). Every batch has all five keys (a sharded
+module's input distribution is fixed by the first batch's keys); unused ones are empty.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal, NoReturn
+
+import numpy as np
+import torch
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
+from torch.utils.data import Dataset
+
+from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
+from recsys_pipe.data.batch import TensorBatch, jagged_select, kjt_concat, kjt_select
+from recsys_pipe.data.loader import DataConfig, readable_file
+from recsys_pipe.data.movielens import read_ratings
+from recsys_pipe.data.spec import DataSpec
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = [
+    "CAND_KEY",
+    "CATALOG_KEY",
+    "INPUT_KEY",
+    "NEG_KEY",
+    "POS_KEY",
+    "RETRIEVAL_KEYS",
+    "Interactions",
+    "RetrievalBatch",
+    "RetrievalSample",
+    "SequencesDataConfig",
+    "SequencesDataset",
+    "collate_retrieval",
+    "read_interactions",
+    "sequences_dataset",
+]
+
+INPUT_KEY, POS_KEY, NEG_KEY, CAND_KEY, CATALOG_KEY = "item", "pos", "neg", "cand", "catalog"
+RETRIEVAL_KEYS = (INPUT_KEY, POS_KEY, NEG_KEY, CAND_KEY, CATALOG_KEY)
+"""The features of a retrieval batch's KJT, in order; all look up the one item table."""
+
+SPLITS = ("valid", "test")
+_PAIR = re.compile(r"^\s*(\S+)\s+(\S+)\s*$")
+_LAYOUT = (
+    'expected "user item" lines (two integers, chronological per user) or a MovieLens ratings file '
+    "(ratings.dat `UserID::MovieID::Rating::Timestamp`, ratings.csv with header `userId,movieId,rating,timestamp`)"
+)
+
+
+def _fail(path: Path, line: int | None, message: str) -> NoReturn:
+    where = f"{path}:{line}" if line is not None else str(path)
+    raise ConfigError(ConfigProblem("data.path", f"{where}: {message}"))
+
+
+@dataclass
+class Interactions:
+    """Every user's chronological raw item ids and timestamps, users in sorted raw-id order."""
+
+    users: list[int]
+    items: list[list[int]]
+    timestamps: list[list[int]]
+
+
+def read_interactions(path: str | Path) -> Interactions:
+    """Parse a "user item" file or a MovieLens ratings file into per-user sequences.
+
+    A bad file is a `ConfigError` at `data.path` naming the file and line (`recsys-train` exits 2).
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as raw:
+            head = raw.read(8192)
+        first = head.split(b"\n", 1)[0].decode("latin-1")
+    except OSError as exc:
+        _fail(path, None, f"cannot read the file ({exc.strerror or exc})")
+    if b"\0" in head:
+        _fail(path, None, f"a binary file, not text; {_LAYOUT}")
+    if "::" in first or first.lower().startswith("userid,"):
+        by_user: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for user, movie, _, stamp in read_ratings(path):
+            by_user[user].append((stamp, movie))
+        users = sorted(by_user)
+        events = [sorted(by_user[u]) for u in users]
+        return Interactions(users, [[m for _, m in e] for e in events], [[t for t, _ in e] for e in events])
+    return _read_pairs(path)
+
+
+def _read_pairs(path: Path) -> Interactions:
+    by_user: dict[int, list[int]] = defaultdict(list)
+    try:
+        with path.open(encoding="latin-1") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                match = _PAIR.match(line)
+                if match is None:
+                    text = line.rstrip("\r\n")
+                    excerpt = repr(text if len(text) <= 60 else text[:57] + "...")
+                    _fail(path, number, f"expected two fields `user item`, got {excerpt}; {_LAYOUT}")
+                try:
+                    user, item = int(match.group(1)), int(match.group(2))
+                except ValueError:
+                    _fail(path, number, f"user and item must be integers, got {line.strip()!r}")
+                by_user[user].append(item)
+    except OSError as exc:
+        _fail(path, None, f"cannot read the file ({exc.strerror or exc})")
+    if not by_user:
+        _fail(path, None, f"the file has no interactions; {_LAYOUT}")
+    users = sorted(by_user)
+    items = [by_user[u] for u in users]
+    # no timestamps in this layout: the position in the user's sequence stands in for time
+    return Interactions(users, items, [list(range(len(seq))) for seq in items])
+
+
+class SequencesDataConfig(DataConfig):
+    """`data=sequences`: next-item retrieval on a "user item" or MovieLens ratings file."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["sequences"] = "sequences"
+    builder: StrictStr | None = builder_field("recsys_pipe.data.sequences:sequences_dataset")
+    path: StrictStr = Field(description='"user item" lines (SASRec format) or MovieLens ratings.dat / ratings.csv')
+    batch_size: StrictInt = Field(128, ge=1, description="samples (users) per batch per rank")
+    max_seq_len: StrictInt = Field(50, ge=1, description="most recent interactions a sample feeds the model")
+    shuffle: StrictBool = Field(True, description="shuffle the training users every epoch (seeded by data.seed)")
+    eval_negatives: StrictInt = Field(
+        100, ge=1, description="sampled protocol: items the user never interacted with, ranked with the held-out one"
+    )
+    full_eval: StrictBool = Field(
+        True, description="also rank the held-out item against the whole catalogue (full-corpus protocol)"
+    )
+
+    _readable_file = field_validator("path")(readable_file)
+
+
+def sequences_dataset(cfg: SequencesDataConfig, rank: int, world_size: int) -> SequencesDataset:
+    """Builder of `data=sequences`: this rank's training users (`.split(name)`: its evaluation users)."""
+    return SequencesDataset(
+        read_interactions(cfg.path),
+        cfg.max_seq_len,
+        rank,
+        world_size,
+        seed=cfg.seed,
+        eval_negatives=cfg.eval_negatives,
+        full_eval=cfg.full_eval,
+    )
+
+
+@dataclass
+class RetrievalSample:
+    """One user's sample before collation (dense ids). Training: `inputs`, `targets`, `negatives`
+    (one per target); evaluation: `inputs`, `candidates` (held-out item first). `sample_id` is
+    the dense user id, or -1 for padding (evaluation batches are padded to the same count on every
+    rank and padding is not scored)."""
+
+    sample_id: int
+    inputs: list[int]
+    timestamps: list[int]
+    targets: list[int]
+    negatives: list[int]
+    candidates: list[int]
+
+
+class SequencesDataset(Dataset[RetrievalSample]):
+    """This rank's training users (every `world_size`-th user with at least two training items).
+
+    Args:
+        data: every user's chronological sequence.
+        max_seq_len: most recent interactions a sample feeds the model.
+        seed: seeds the training negatives (with the epoch and sample) and the evaluation negatives.
+        eval_negatives: sampled items per evaluated user (never items the user interacted with).
+        full_eval: evaluation batches carry the whole catalogue.
+    """
+
+    #: the training sampler numbers samples across epochs (`epoch * len(self) + i`), so the
+    #: negatives are drawn again every epoch
+    resamples_per_epoch: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        data: Interactions,
+        max_seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        eval_negatives: int = 100,
+        full_eval: bool = True,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.raw_items = sorted({i for seq in data.items for i in seq})
+        item_index = {raw: i for i, raw in enumerate(self.raw_items)}
+        self.raw_users = data.users
+        self.sequences = [[item_index[i] for i in seq] for seq in data.items]
+        self.timestamps = data.timestamps
+        self.num_items = len(self.raw_items)
+        if eval_negatives > self.num_items - 1:
+            raise ConfigError(
+                ConfigProblem(
+                    "data.eval_negatives", f"{eval_negatives} exceeds the {self.num_items - 1} other items of the data"
+                )
+            )
+        self.max_seq_len, self.rank, self.world_size, self.seed = max_seq_len, rank, world_size, seed
+        self.eval_negatives, self.full_eval = eval_negatives, full_eval
+        self.spec = DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: self.num_items})
+        trainable = [u for u, seq in enumerate(self.sequences) if len(self._train_part(u)) >= 2]
+        self._users = trainable[: len(trainable) // world_size * world_size][rank::world_size]
+        self.collate = collate_retrieval
+
+    def _train_part(self, user: int) -> list[int]:
+        seq = self.sequences[user]
+        return seq[:-2] if len(seq) >= 3 else seq
+
+    @property
+    def num_users(self) -> int:
+        return len(self.sequences)
+
+    def __len__(self) -> int:
+        return len(self._users)
+
+    def __getitem__(self, index: int) -> RetrievalSample:
+        if index < 0:
+            raise IndexError(index)
+        epoch, local = divmod(index, len(self._users))
+        user = self._users[local]
+        train = self._train_part(user)[-(self.max_seq_len + 1) :]
+        stamps = self.timestamps[user][: len(self._train_part(user))][-(self.max_seq_len + 1) :]
+        targets = train[1:]
+        rng = np.random.default_rng([self.seed, epoch, user])
+        negatives = _sample_unseen(rng, self.num_items, set(self._train_part(user)), len(targets))
+        return RetrievalSample(user, train[:-1], stamps[:-1], targets, negatives, [])
+
+    def split(self, name: str, batch_size: int) -> _EvalSplit:
+        """This rank's evaluation users of split `name` ("valid" or "test"), padded to the same
+        number of `batch_size` batches on every rank."""
+        if name not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {name!r}")
+        evaluated = [u for u, seq in enumerate(self.sequences) if len(seq) >= 3]
+        per_rank = -(-len(evaluated) // self.world_size)
+        batches = max(1, -(-per_rank // batch_size))
+        return _EvalSplit(self, name, evaluated[self.rank :: self.world_size], batches * batch_size, batch_size)
+
+    def held_out(self, user: int, split: str) -> int:
+        """The dense id of `user`'s held-out item of `split`."""
+        return self.sequences[user][-2 if split == "valid" else -1]
+
+    def eval_sample(self, user: int, split: str) -> RetrievalSample:
+        seq = self.sequences[user]
+        end = len(seq) - (2 if split == "valid" else 1)
+        history = seq[:end][-self.max_seq_len :]
+        stamps = self.timestamps[user][:end][-self.max_seq_len :]
+        rng = np.random.default_rng([self.seed, 1 << 32, user])  # one stream per user, apart from training's
+        negatives = _sample_unseen(rng, self.num_items, set(seq), self.eval_negatives)
+        return RetrievalSample(user, history, stamps, [], [], [seq[end], *negatives])
+
+
+class _EvalSplit(Dataset[RetrievalSample]):
+    """Evaluation samples of one split for one rank; indices past its users are padding."""
+
+    def __init__(self, source: SequencesDataset, name: str, users: list[int], size: int, batch_size: int) -> None:
+        self.source, self.name, self.users, self.size = source, name, users, size
+        catalog = source.num_items if source.full_eval else 0
+        self.collate = partial(collate_retrieval, catalog_size=catalog)
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> RetrievalSample:
+        if index < len(self.users):
+            return self.source.eval_sample(self.users[index], self.name)
+        sample = self.source.eval_sample(self.users[0], self.name) if self.users else None
+        if sample is None:  # a rank without evaluated users still joins every collective
+            return RetrievalSample(-1, [0], [0], [], [], list(range(self.source.eval_negatives + 1)))
+        sample.sample_id = -1
+        return sample
+
+
+def _sample_unseen(rng: np.random.Generator, num_items: int, seen: set[int], count: int) -> list[int]:
+    """`count` items drawn uniformly, with replacement, from `[0, num_items)` minus `seen`
+    (rejection sampling, as SASRec's samplers for training and evaluation)."""
+    if len(seen) >= num_items:
+        raise ConfigError(ConfigProblem("data.path", f"a user interacted with all {num_items} items: no negatives"))
+    out: list[int] = []
+    while len(out) < count:
+        for item in rng.integers(0, num_items, size=2 * (count - len(out)) + 4).tolist():
+            if item not in seen:
+                out.append(item)
+                if len(out) == count:
+                    break
+    return out
+
+
+@dataclass
+class RetrievalBatch(TensorBatch):
+    """A collated retrieval batch.
+
+    Attributes:
+        sparse_features: KJT with the keys of `RETRIEVAL_KEYS` (see the module docstring).
+        timestamps: `[num input tokens]` int64, aligned with the `item` values.
+        sample_ids: `[B]` int64, the dense user ids (-1: evaluation padding).
+    """
+
+    sparse_features: KeyedJaggedTensor
+    timestamps: torch.Tensor
+    sample_ids: torch.Tensor
+
+    def lengths(self, key: str) -> torch.Tensor:
+        """`[B]` ids of feature `key` per sample."""
+        kjt = self.sparse_features
+        return kjt.lengths().view(len(kjt.keys()), kjt.stride())[kjt.keys().index(key)]
+
+    def num_loss_tokens(self) -> torch.Tensor:
+        """Target positions (what the loss averages over) as a 1-element tensor on the batch's device."""
+        return self.lengths(POS_KEY).long().sum().reshape(1)
+
+    def select(self, index: torch.Tensor) -> RetrievalBatch:
+        return RetrievalBatch(
+            sparse_features=kjt_select(self.sparse_features, index),
+            timestamps=jagged_select(self.timestamps, self.lengths(INPUT_KEY), index)[0],
+            sample_ids=self.sample_ids[index],
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence[RetrievalBatch]) -> RetrievalBatch:
+        return RetrievalBatch(
+            sparse_features=kjt_concat([b.sparse_features for b in batches]),
+            timestamps=torch.cat([b.timestamps for b in batches]),
+            sample_ids=torch.cat([b.sample_ids for b in batches]),
+        )
+
+
+def collate_retrieval(samples: Sequence[RetrievalSample], catalog_size: int = 0) -> RetrievalBatch:
+    """Collate samples into a `RetrievalBatch`; `catalog_size > 0` spreads item ids
+    `0 .. catalog_size - 1` over the samples' `catalog` feature, in order."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    per_sample = -(-catalog_size // len(samples))
+    catalog = [min(per_sample, max(0, catalog_size - b * per_sample)) for b in range(len(samples))]
+    fields = (
+        [s.inputs for s in samples],
+        [s.targets for s in samples],
+        [s.negatives for s in samples],
+        [s.candidates for s in samples],
+    )
+    values = [i for field in fields for ids in field for i in ids] + list(range(catalog_size))
+    lengths = [len(ids) for field in fields for ids in field] + catalog
+    kjt = KeyedJaggedTensor(
+        keys=list(RETRIEVAL_KEYS),
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int32),
+    )
+    return RetrievalBatch(
+        sparse_features=kjt,
+        timestamps=torch.tensor([t for s in samples for t in s.timestamps], dtype=torch.int64),
+        sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
+    )

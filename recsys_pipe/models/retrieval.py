@@ -1,0 +1,206 @@
+"""Next-item retrieval models: an item table, a causal sequence encoder, and the two losses.
+
+Layout (as `recsys_pipe.models.hstu`, for torchrec's sparse-dist pipeline): `RetrievalModel`
+holds the item table as the torchrec `EmbeddingCollection` `ec` (sharded by DMP like the ranking
+model's) and its forward is two calls, `self.ec(batch.sparse_features)` and the dense
+`RetrievalHead`, which FX treats as a leaf. Every item lookup of a batch (inputs, targets,
+negatives, evaluation candidates, the catalogue) is a feature of that one KJT sharing the one
+table, so all of them are input-distributed ahead of the forward by any plan.
+
+The encoder (`SASRecEncoder` or `HSTUEncoder`) maps a batch's input sequences to one vector per
+position; the vector at position t scores item `i` by the dot product with `i`'s embedding and
+is trained to score `s_{t+1}` highest:
+
+* `bce` (SASRec): per position, binary cross-entropy of the target (label 1) and of one sampled
+  negative (label 0), averaged over positions.
+* `sampled_softmax` (HSTU): per position, softmax cross-entropy of the target against
+  `num_negatives` negatives shared by the batch (the first of its sampled negatives, drawn
+  uniformly), on L2-normalised vectors divided by `temperature`; a negative equal to the target
+  is masked out.
+
+Evaluation (the model in eval mode, batches of an evaluation split): the last position's vector
+scores the held-out item and its sampled negatives (`cand`) and, when the batch carries it, every
+item of the catalogue. `outputs["rank_sampled"]` / `outputs["rank_full"]` (`[B]`) are the 0-based
+rank of the held-out item: the number of candidates scored strictly above it. Full-corpus ranking
+scores every item, the user's own history included (no exclusion, as generative-recommenders'
+retrieval evaluation does); -1 when the batch has no catalogue.
+"""
+
+from __future__ import annotations
+
+import math
+
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.distributed.types import Awaitable
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from recsys_pipe.data.sequences import (
+    CAND_KEY,
+    CATALOG_KEY,
+    INPUT_KEY,
+    NEG_KEY,
+    POS_KEY,
+    RETRIEVAL_KEYS,
+    RetrievalBatch,
+)
+from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.models.retrieval_config import RetrievalConfig
+
+__all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad"]
+
+ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
+ITEM_TABLE = "item_table"
+
+
+def table_dim(embedding_dim: int) -> int:
+    """Width of the item table: fbgemm's kernels need a multiple of 4, so a width such as SASRec's
+    50 gets a table of 52 columns of which the model reads the first 50 (the others never get a
+    gradient, so the model is exactly a 50-wide one)."""
+    return -(-embedding_dim // 4) * 4
+
+
+def item_table(cfg: RetrievalConfig, spec: DataSpec) -> EmbeddingConfig:
+    """The one item table, looked up by every feature of a retrieval batch. Initialised
+    N(0, std) with Xavier-normal's std for its shape (SASRec's initialisation)."""
+    num_items = spec.vocab_sizes[INPUT_KEY]
+    std = math.sqrt(2.0 / (num_items + cfg.embedding_dim))
+    return EmbeddingConfig(
+        name=ITEM_TABLE,
+        embedding_dim=table_dim(cfg.embedding_dim),
+        num_embeddings=num_items,
+        feature_names=list(RETRIEVAL_KEYS),
+        init_fn=lambda weight: nn.init.normal_(weight, 0.0, std),
+    )
+
+
+def left_pad(values: torch.Tensor, lengths: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jagged rows `[T, ...]` -> `[B, n, ...]` with each sequence's last row at position n - 1
+    (SASRec's left padding), and the `[B, n]` mask of real rows. Sequences longer than n keep
+    their last n rows."""
+    lengths = lengths.long()
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    b = lengths.numel()
+    pos = torch.arange(n, device=values.device)
+    valid = pos[None, :] >= (n - lengths.clamp(max=n))[:, None]
+    src = offsets[1:, None] - n + pos[None, :]  # row of position p of sample b: its end - (n - p)
+    out = values.new_zeros((b, n, *values.shape[1:]))
+    out[valid] = values[src[valid]]
+    return out, valid
+
+
+class RetrievalHead(nn.Module):
+    """Everything after the item lookup: encoder, loss, evaluation ranks (an FX leaf)."""
+
+    def __init__(self, cfg: RetrievalConfig, spec: DataSpec) -> None:
+        super().__init__()
+        self.max_len = cfg.max_seq_len
+        self.dim = cfg.embedding_dim
+        self.loss = cfg.loss
+        self.num_negatives = cfg.num_negatives
+        self.temperature = cfg.temperature
+        self.encoder = cfg.encoder(spec)
+
+    def forward(
+        self, embeddings: dict[str, JaggedTensor], ids: KeyedJaggedTensor, timestamps: torch.Tensor
+    ) -> ModelOutput:
+        """`embeddings`: the EC's output for `ids`, the batch's KJT (whose ids mask collisions
+        of negatives with targets and pick the held-out item's full-corpus score)."""
+        if isinstance(embeddings, Awaitable):  # sharded EC output is lazy
+            embeddings = embeddings.wait()
+        lengths = embeddings[INPUT_KEY].lengths().long()
+        rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}  # see table_dim
+        x, valid = left_pad(rows[INPUT_KEY], lengths, self.max_len)
+        ts, _ = left_pad(timestamps, lengths, self.max_len)
+        h = self.encoder(x, ts, valid)  # [B, N, D]
+        if self.training or rows[CAND_KEY].numel() == 0:
+            return self._train_loss(h, valid, rows, ids)
+        return self._rank(h, rows, ids)
+
+    def _normalise(self, v: torch.Tensor) -> torch.Tensor:
+        return F.normalize(v, dim=-1) if self.loss == "sampled_softmax" else v
+
+    def _train_loss(
+        self, h: torch.Tensor, valid: torch.Tensor, rows: dict[str, torch.Tensor], ids: KeyedJaggedTensor
+    ) -> ModelOutput:
+        # the targets are aligned with the inputs: position p's target is pos[p]
+        query = h[valid]  # [T, D] in jagged order (sequences are never longer than max_len here)
+        pos = rows[POS_KEY]
+        if self.loss == "bce":
+            neg = rows[NEG_KEY]
+            pos_logits = (query * pos).sum(-1)
+            neg_logits = (query * neg).sum(-1)
+            per_token = F.binary_cross_entropy_with_logits(
+                pos_logits, torch.ones_like(pos_logits), reduction="none"
+            ) + F.binary_cross_entropy_with_logits(neg_logits, torch.zeros_like(neg_logits), reduction="none")
+        else:
+            pool = self._normalise(rows[NEG_KEY][: self.num_negatives])
+            q, p = self._normalise(query), self._normalise(pos)
+            pos_logits = (q * p).sum(-1) / self.temperature
+            neg_scores = q @ pool.T / self.temperature
+            same = feature_ids(ids, POS_KEY)[:, None] == feature_ids(ids, NEG_KEY)[None, : pool.shape[0]]
+            neg_scores = neg_scores.masked_fill(same, float("-inf"))
+            neg_logits = neg_scores[:, 0]
+            per_token = torch.logsumexp(torch.cat([pos_logits[:, None], neg_scores], dim=1), dim=1) - pos_logits
+        count = per_token.shape[0]
+        loss = per_token.sum() / max(count, 1)
+        logits = torch.cat([pos_logits, neg_logits]).detach()[:, None]
+        labels = torch.cat([torch.ones_like(pos_logits), torch.zeros_like(neg_logits)])[:, None]
+        return loss, {
+            "logits": logits,
+            "labels": labels,
+            "loss_sum": per_token.sum(),
+            "num_tokens": torch.tensor(count, device=h.device),
+        }
+
+    def _rank(self, h: torch.Tensor, rows: dict[str, torch.Tensor], ids: KeyedJaggedTensor) -> ModelOutput:
+        query = self._normalise(h[:, -1])  # [B, D]: the last position (left padding)
+        b = query.shape[0]
+        cand = self._normalise(rows[CAND_KEY]).view(b, -1, query.shape[-1])
+        scores = torch.einsum("bd,bcd->bc", query, cand)  # [B, 1 + negatives], held-out item first
+        rank_sampled = (scores[:, 1:] > scores[:, :1]).sum(dim=1)
+        catalog = rows[CATALOG_KEY]
+        if catalog.numel():
+            full = query @ self._normalise(catalog).T  # [B, num_items]
+            held_out = full.gather(1, feature_ids(ids, CAND_KEY).view(b, -1)[:, :1])
+            rank_full = (full > held_out).sum(dim=1)
+        else:
+            rank_full = torch.full_like(rank_sampled, -1)
+        labels = torch.zeros_like(scores)
+        labels[:, 0] = 1
+        loss = torch.zeros((), device=h.device)
+        return loss, {
+            "logits": scores.detach().reshape(-1, 1),
+            "labels": labels.reshape(-1, 1),
+            "loss_sum": loss,
+            "rank_sampled": rank_sampled,
+            "rank_full": rank_full,
+        }
+
+
+def feature_ids(ids: KeyedJaggedTensor, key: str) -> torch.Tensor:
+    """The ids of feature `key` of a KJT, in jagged order (one slice of its values)."""
+    per_key = ids.length_per_key()  # host ints, cached by the KJT
+    k = ids.keys().index(key)
+    start = sum(per_key[:k])
+    return ids.values()[start : start + per_key[k]]
+
+
+class RetrievalModel(nn.Module):
+    """`EmbeddingCollection` (`ec`, sharded by DMP) + `RetrievalHead` (`head`, dense/DDP).
+
+    `forward(batch) -> (loss, outputs)`; see the module docstring for the loss and the outputs.
+    """
+
+    def __init__(self, cfg: RetrievalConfig, spec: DataSpec, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(tables=[item_table(cfg, spec)], device=device)
+        self.head = RetrievalHead(cfg, spec)
+
+    def forward(self, batch: RetrievalBatch) -> ModelOutput:
+        embeddings = self.ec(batch.sparse_features)
+        return self.head(embeddings, batch.sparse_features, batch.timestamps)

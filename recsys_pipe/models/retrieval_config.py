@@ -1,0 +1,98 @@
+"""The retrieval models' configs (`model=sasrec`, `model=hstu_retrieval`), apart from the model
+code: the registry imports them to validate `model.*` and to generate their defaults
+(`recsys_pipe.config.structured`) without loading torchrec, which the models need."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from torch import nn
+
+from recsys_pipe.config import ConfigProblem, builder_field
+from recsys_pipe.data.loader import DataConfig
+from recsys_pipe.data.sequences import SequencesDataConfig
+from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.models.base import ShardedModelConfig
+
+__all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]
+
+
+class RetrievalConfig(ShardedModelConfig):
+    """What every retrieval model has (`model.*`): width, sequence length, loss."""
+
+    embedding_dim: StrictInt = Field(50, ge=1, description="item embedding and model width")
+    max_seq_len: StrictInt = Field(50, ge=1, description="positions of the encoder; must be >= data.max_seq_len")
+    dropout: float = Field(0.5, ge=0, lt=1, description="dropout on embeddings and blocks")
+    loss: Literal["bce", "sampled_softmax"] = Field(
+        "bce", description="bce: one sampled negative per position (SASRec); sampled_softmax: N shared negatives"
+    )
+    num_negatives: StrictInt = Field(
+        128, ge=1, description="sampled_softmax: negatives per batch, shared by its positions"
+    )
+    temperature: float = Field(0.05, gt=0, description="sampled_softmax: logits are cosine / temperature")
+
+    def check_data(self, data: DataConfig) -> list[ConfigProblem]:
+        if not isinstance(data, SequencesDataConfig):
+            return [ConfigProblem("data.name", f"model '{self.name}' needs data=sequences, got '{data.name}'")]
+        if data.max_seq_len > self.max_seq_len:
+            return [
+                ConfigProblem("data.max_seq_len", f"{data.max_seq_len} exceeds model.max_seq_len ({self.max_seq_len})")
+            ]
+        return []
+
+    def encoder(self, spec: DataSpec) -> nn.Module:
+        """The causal sequence encoder: `(embeddings [B, N, D], timestamps [B, N], valid [B, N])
+        -> [B, N, D]` on left-padded sequences."""
+        raise NotImplementedError
+
+
+class SASRecConfig(RetrievalConfig):
+    """`model=sasrec`: the SASRec encoder's sizes (`model.*`); the item count comes from the data."""
+
+    name: Literal["sasrec"] = "sasrec"
+    builder: StrictStr | None = builder_field("recsys_pipe.models.sasrec:build_sasrec")
+    num_blocks: StrictInt = Field(2, ge=1, description="self-attention blocks")
+    num_heads: StrictInt = Field(1, ge=1, description="attention heads (must divide embedding_dim)")
+
+    @field_validator("num_heads")
+    @classmethod
+    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
+        dim = info.data.get("embedding_dim")
+        if isinstance(dim, int) and dim % num_heads:
+            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
+        return num_heads
+
+    def encoder(self, spec: DataSpec) -> nn.Module:
+        from recsys_pipe.models.sasrec import SASRecEncoder  # the model code needs torch only; kept apart
+
+        return SASRecEncoder(self)
+
+
+class HSTURetrievalConfig(RetrievalConfig):
+    """`model=hstu_retrieval`: sizes of the HSTU encoder (`model.*`)."""
+
+    name: Literal["hstu_retrieval"] = "hstu_retrieval"
+    builder: StrictStr | None = builder_field("recsys_pipe.models.hstu_retrieval:build_hstu_retrieval")
+    loss: Literal["bce", "sampled_softmax"] = Field(
+        "sampled_softmax",
+        description="bce: one sampled negative per position (SASRec); sampled_softmax: N shared negatives",
+    )
+    dropout: float = Field(0.2, ge=0, lt=1, description="dropout on embeddings and blocks")
+    num_layers: StrictInt = Field(2, ge=1, description="HSTU blocks")
+    num_heads: StrictInt = Field(1, ge=1, description="attention heads (must divide embedding_dim)")
+    relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
+    num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
+
+    @field_validator("num_heads")
+    @classmethod
+    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
+        dim = info.data.get("embedding_dim")
+        if isinstance(dim, int) and dim % num_heads:
+            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
+        return num_heads
+
+    def encoder(self, spec: DataSpec) -> nn.Module:
+        from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder  # needs fbgemm's jagged ops
+
+        return HSTURetrievalEncoder(self)

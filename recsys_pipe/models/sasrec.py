@@ -1,0 +1,78 @@
+"""SASRec (Kang & McAuley, "Self-Attentive Sequential Recommendation", ICDM 2018) for next-item
+retrieval: `model=sasrec`.
+
+The encoder is the paper's, as in its PyTorch reimplementation (pmixer/SASRec.pytorch): item
+embeddings scaled by sqrt(d) plus learned absolute position embeddings (sequences left-padded
+to `max_seq_len`, padding rows zero), dropout, then `num_blocks` blocks of
+
+    q = LayerNorm(x);  x = q + CausalMultiHeadAttention(q, x, x)
+    x = LayerNorm(x);  x = x + Dropout(W2 Dropout(ReLU(W1 Dropout(x))))
+
+and a final LayerNorm. Item table, losses and evaluation are `recsys_pipe.models.retrieval`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.models.retrieval import RetrievalModel
+from recsys_pipe.models.retrieval_config import SASRecConfig
+
+__all__ = ["SASRecBlock", "SASRecConfig", "SASRecEncoder", "build_sasrec"]
+
+#: LayerNorm epsilon of the reference implementation
+LAYER_NORM_EPS = 1e-8
+
+
+def build_sasrec(cfg: SASRecConfig, spec: DataSpec) -> RetrievalModel:
+    """Builder of `model.name=sasrec`."""
+    return RetrievalModel(cfg, spec)
+
+
+class SASRecBlock(nn.Module):
+    """One self-attention block (pre-LN attention, post-LN point-wise feed-forward, as the paper's code)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
+        self.attention = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.forward_norm = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
+        self.feed_forward = nn.Sequential(
+            nn.Linear(dim, dim), nn.Dropout(dropout), nn.ReLU(), nn.Linear(dim, dim), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        q = self.attention_norm(x)
+        attended, _ = self.attention(q, x, x, attn_mask=causal, need_weights=False)
+        x = self.forward_norm(q + attended)
+        return x + self.feed_forward(x)
+
+
+class SASRecEncoder(nn.Module):
+    """Left-padded item embeddings `[B, N, D]` -> one vector per position `[B, N, D]`."""
+
+    def __init__(self, cfg: SASRecConfig) -> None:
+        super().__init__()
+        n, d = cfg.max_seq_len, cfg.embedding_dim
+        self.scale = d**0.5
+        self.position = nn.Embedding(n + 1, d, padding_idx=0)  # 0: padding
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(SASRecBlock(d, cfg.num_heads, cfg.dropout) for _ in range(cfg.num_blocks))
+        self.final_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.register_buffer("causal", ~torch.ones(n, n, dtype=torch.bool).tril(), persistent=False)
+        for p in self.parameters():  # the reference code's initialisation: Xavier-normal wherever it applies
+            if p.dim() > 1:
+                nn.init.xavier_normal_(p)
+        with torch.no_grad():
+            self.position.weight[0].zero_()
+
+    def forward(self, x: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        positions = torch.arange(1, n + 1, device=x.device)[None, :] * valid
+        keep = valid[..., None].to(x.dtype)
+        x = self.dropout(x * self.scale + self.position(positions)) * keep
+        for block in self.blocks:
+            x = block(x, self.causal) * keep
+        return self.final_norm(x)

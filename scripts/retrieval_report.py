@@ -1,0 +1,128 @@
+"""Summary of a retrieval reproduction (scripts/reproduce_games.sh): for each run under OUT_DIR
+(`sasrec/`, `hstu/`), the evaluation with the best validation HR@10 (sampled protocol), its test
+metrics next to the published ones, the training time, a check that the run's dump recomputes
+the printed metrics, and an HR@10-vs-epoch plot (`OUT_DIR/hr10_vs_epoch.png`). The last line is
+one JSON object with every figure.
+
+    python scripts/retrieval_report.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from recsys_pipe.train.retrieval_eval import retrieval_metrics
+
+#: Amazon Games, sampled protocol (100 negatives): the SASRec paper (Kang & McAuley 2018, Table III)
+#: and pmixer/SASRec.pytorch's Result_Norm.md (original block layout)
+PUBLISHED = {"paper": {"HR@10": 0.7410, "NDCG@10": 0.5360}, "pmixer": {"HR@10": 0.7318, "NDCG@10": 0.5308}}
+
+
+def evaluations(run: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "test" in r]
+
+
+def steps_per_epoch(run: Path) -> int | None:
+    for line in (run / "train.log").read_text().splitlines() if (run / "train.log").exists() else []:
+        if "epoch 1/" in line and "done at step" in line:
+            return int(line.rsplit("step", 1)[1])
+    return None
+
+
+def summarise(run: Path) -> dict:
+    evals = evaluations(run)
+    selected = [r for r in evals if r.get("selected")][-1]
+    per_epoch = steps_per_epoch(run)
+    curve = [
+        (
+            r["step"] / per_epoch if per_epoch else r["step"],
+            r["valid"]["sampled"]["HR@10"],
+            r["test"]["sampled"]["HR@10"],
+        )
+        for r in evals
+    ]
+    out = {
+        "sampled": selected["test"]["sampled"],
+        "full": selected["test"].get("full", {}),
+        "valid_sampled": selected["valid"]["sampled"],
+        "selected_step": selected["step"],
+        "selected_epoch": selected["step"] / per_epoch if per_epoch else None,
+        "epochs_evaluated": len(evals) - 1,
+        "users": selected["users"]["test"],
+        "curve": curve,
+    }
+    dump = run / "eval_dump.csv"
+    if dump.exists():
+        with dump.open() as f:
+            rows = list(csv.DictReader(f))
+        for protocol, column in (("sampled", "rank_sampled"), ("full", "rank_full")):
+            if out[protocol]:
+                ranks = torch.tensor([int(r[column]) for r in rows])
+                out[f"dump_recomputes_{protocol}"] = retrieval_metrics(ranks) == out[protocol]
+    seconds = run / "train_seconds"
+    out["train_s"] = int(seconds.read_text()) if seconds.exists() else None
+    return out
+
+
+def plot(runs: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in runs.items():
+        epochs = [c[0] for c in s["curve"]]
+        ax.plot(epochs, [c[1] for c in s["curve"]], label=f"{name} validation")
+        ax.plot(epochs, [c[2] for c in s["curve"]], "--", label=f"{name} test")
+    for name, ref in PUBLISHED.items():
+        ax.axhline(ref["HR@10"], color="grey", lw=0.8, ls=":")
+        ax.text(0, ref["HR@10"], f" {name} {ref['HR@10']}", fontsize=7, va="bottom")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("HR@10 (100 sampled negatives)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(out_dir: str) -> None:
+    root = Path(out_dir)
+    runs = {name: summarise(root / name) for name in ("sasrec", "hstu") if (root / name / "metrics.jsonl").exists()}
+    print(f"{'':22} {'HR@10':>7} {'NDCG@10':>8}   protocol: leave-one-out, test split, 100 sampled negatives")
+    for name, ref in PUBLISHED.items():
+        print(f"{name:22} {ref['HR@10']:7.4f} {ref['NDCG@10']:8.4f}")
+    for name, s in runs.items():
+        m = s["sampled"]
+        print(
+            f"{'ours ' + name:22} {m['HR@10']:7.4f} {m['NDCG@10']:8.4f}   epoch {s['selected_epoch']} "
+            f"(best validation HR@10 of {s['epochs_evaluated']} epochs), {s['train_s']} s"
+        )
+    for name, s in runs.items():
+        if s["full"]:
+            f = s["full"]
+            print(
+                f"{'ours ' + name + ' full':22} {f['HR@10']:7.4f} {f['NDCG@10']:8.4f}   full corpus; HR@50 "
+                f"{f['HR@50']:.4f} HR@200 {f['HR@200']:.4f} NDCG@200 {f['NDCG@200']:.4f}"
+            )
+    if runs:
+        plot(runs, root / "hr10_vs_epoch.png")
+        print(f"plot: {root / 'hr10_vs_epoch.png'}")
+    summary = {
+        **{name: {k: s[k] for k in ("sampled", "full", "selected_epoch", "users")} for name, s in runs.items()},
+        "train_s": {name: s["train_s"] for name, s in runs.items()},
+        "dump": {name: str(root / name / "eval_dump.csv") for name in runs},
+        "dump_recomputes": {
+            name: [s.get("dump_recomputes_sampled"), s.get("dump_recomputes_full")] for name, s in runs.items()
+        },
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,419 @@
+"""Next-item retrieval: the sequences source (formats, leave-one-out split, negatives, ranks),
+the SASRec / HSTU retrieval models (losses, evaluation ranks), the metrics (against
+torchmetrics) and a `recsys-train` run whose dump recomputes its logged metrics."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
+
+import recsys_pipe.train
+from recsys_pipe.cli import train as train_cli
+from recsys_pipe.config import ConfigError
+from recsys_pipe.data import make_dataloader
+from recsys_pipe.data.loader import RankData
+from recsys_pipe.data.sequences import (
+    CAND_KEY,
+    CATALOG_KEY,
+    INPUT_KEY,
+    NEG_KEY,
+    POS_KEY,
+    SequencesDataConfig,
+    SequencesDataset,
+    read_interactions,
+)
+from recsys_pipe.models.hstu_retrieval import HSTURetrievalConfig
+from recsys_pipe.models.retrieval import left_pad
+from recsys_pipe.models.sasrec import SASRecConfig
+from recsys_pipe.train.retrieval_eval import KS, retrieval_metrics
+
+#: what init_distributed sets in the environment of a process that trains without torchrun
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_process_group(monkeypatch):
+    """Tests here train in-process (`train_cli.run`): tear the 1-rank group down afterwards and
+    undo its environment, or later subprocesses would inherit MASTER_PORT (still bound here)."""
+    for key in _DIST_ENV:
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
+    yield
+    from recsys_pipe.runtime import teardown
+
+    teardown()
+
+
+def _pairs(tmp_path: Path, users: int = 60, items: int = 40, seed: int = 0, name: str = "seq.txt") -> Path:
+    """A "user item" file: user u's items follow a chain with some noise (learnable order)."""
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for u in range(1, users + 1):
+        n = int(torch.randint(2, 15, (1,), generator=g))
+        start = int(torch.randint(0, items, (1,), generator=g))
+        lines += [f"{u * 7} {(start + k) % items + 100}" for k in range(n)]
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+
+def test_user_item_lines_keep_file_order_and_remap_densely(tmp_path):
+    path = tmp_path / "s.txt"
+    path.write_text("5 30\n5 10\n2 20\n5 20\n2 30\n\n2 10\n")
+    data = read_interactions(path)
+    assert data.users == [2, 5]
+    assert data.items == [[20, 30, 10], [30, 10, 20]]  # file order is time order
+    ds = SequencesDataset(data, max_seq_len=10, eval_negatives=1)
+    assert ds.raw_items == [10, 20, 30] and ds.sequences == [[1, 2, 0], [2, 0, 1]]
+
+
+def test_movielens_ratings_are_sorted_by_time(tmp_path):
+    path = tmp_path / "ratings.dat"
+    path.write_text("1::50::4::300\n1::40::3::100\n2::50::5::10\n1::60::1::200\n")
+    data = read_interactions(path)
+    assert data.users == [1, 2] and data.items == [[40, 60, 50], [50]]
+    assert data.timestamps[0] == [100, 200, 300]
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("1 2\n1 2 3\n", "s.txt:2: expected two fields `user item`"),
+        ("1 2\nx 3\n", "s.txt:2: user and item must be integers"),
+        ("", "s.txt: the file has no interactions"),
+        (b"\x00\x01\x02", "s.txt: a binary file"),
+        ("1::2::4::100\n1::3::9::101\n", "s.txt:2: rating '9' is outside (0, 5]"),
+    ],
+)
+def test_bad_files_name_the_file_and_line(tmp_path, content, fragment):
+    path = tmp_path / "s.txt"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as info:
+        read_interactions(path)
+    assert info.value.problems[0].path == "data.path" and fragment in str(info.value)
+
+
+@pytest.fixture
+def no_process_group(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was started for an input that should have been refused")
+
+    monkeypatch.setattr(recsys_pipe.train, "init_distributed", refuse)
+
+
+def test_recsys_train_refuses_a_bad_file_with_exit_2(tmp_path, capsys, no_process_group):
+    path = tmp_path / "bad.txt"
+    path.write_text("1 2\n1 3\n1 four\n")
+    code = train_cli.run(["data=sequences", f"data.path={path}", "model=sasrec", f"trainer.output_dir={tmp_path}/runs"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "error: data.path" in err and "bad.txt:3: user and item must be integers" in err
+    assert "Traceback" not in err
+
+
+def test_leave_one_out_split_is_the_papers():
+    seqs = [[0, 1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    from recsys_pipe.data.sequences import Interactions
+
+    data = Interactions([1, 2, 3], [list(s) for s in seqs], [list(range(len(s))) for s in seqs])
+    ds = SequencesDataset(data, max_seq_len=50, eval_negatives=2)
+    by_user = {ds[i].sample_id: ds[i] for i in range(len(ds))}
+    # user 0: train [0, 1, 2], validation 3, test 4; user 1 (2 items) trains on both, is never evaluated;
+    # user 2: train [7] alone has no transition, so it trains nothing, but is evaluated
+    assert set(by_user) == {0, 1}
+    assert by_user[0].inputs == [0, 1] and by_user[0].targets == [1, 2]
+    assert by_user[1].inputs == [5] and by_user[1].targets == [6]
+    valid, test = ds.split("valid", 4), ds.split("test", 4)
+    assert [valid[i].sample_id for i in range(len(valid))] == [0, 2, -1, -1]
+    assert valid[0].inputs == [0, 1, 2] and valid[0].candidates[0] == 3
+    assert test[0].inputs == [0, 1, 2, 3] and test[0].candidates[0] == 4
+    assert test[1].inputs == [7, 8] and test[1].candidates[0] == 9
+
+
+def test_long_sequences_keep_their_last_items():
+    from recsys_pipe.data.sequences import Interactions
+
+    seq = list(range(20))
+    other = [100, 101]  # items user 1 never saw, for its negatives
+    ds = SequencesDataset(Interactions([1, 2], [seq, other], [seq, [0, 1]]), max_seq_len=5, eval_negatives=1)
+    assert ds[0].inputs == [12, 13, 14, 15, 16] and ds[0].targets == [13, 14, 15, 16, 17]
+    assert ds.split("test", 1)[0].inputs == [14, 15, 16, 17, 18]
+
+
+def test_negatives_are_unseen_seeded_and_fresh_every_epoch(tmp_path):
+    data = read_interactions(_pairs(tmp_path))
+    ds = SequencesDataset(data, max_seq_len=50, eval_negatives=10, seed=3)
+    again = SequencesDataset(data, max_seq_len=50, eval_negatives=10, seed=3)
+    for i in range(len(ds)):
+        sample = ds[i]
+        train_items = set(ds.sequences[sample.sample_id][:-2])
+        assert len(sample.negatives) == len(sample.targets) and not set(sample.negatives) & train_items
+        assert sample == again[i]
+    epochs = [ds[len(ds) * e + 3].negatives for e in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert ds[len(ds) + 3].inputs == ds[3].inputs
+    test = ds.split("test", 8)
+    for i in range(len(test.users)):
+        sample = test[i]
+        assert len(sample.candidates) == 11
+        assert not set(sample.candidates[1:]) & set(ds.sequences[sample.sample_id])  # never an item the user saw
+
+
+def test_the_training_sampler_numbers_epochs_so_negatives_change(tmp_path):
+    cfg = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, eval_negatives=5)
+    data = RankData(cfg)
+    assert data.eval_batches == 0  # the source evaluates on its own splits, no training tail held out
+    epochs = list(data.train_loader(epochs=2))
+    per_epoch = data.batches_per_epoch
+    first, second = epochs[0], epochs[per_epoch]
+    assert first.sparse_features[NEG_KEY].values().tolist() != second.sparse_features[NEG_KEY].values().tolist()
+
+
+def test_ranks_read_disjoint_users(tmp_path):
+    cfg = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=4, eval_negatives=5)
+    shares = [cfg.dataset(r, 2) for r in range(2)]
+    users = [{ds[i].sample_id for i in range(len(ds))} for ds in shares]
+    assert users[0] and users[1] and not users[0] & users[1]
+    whole = cfg.dataset(0, 1)
+    assert len(users[0] | users[1]) >= len(whole) - 1  # all but an odd one out
+    evaluated = [{s.users[i] for i in range(len(s.users))} for s in (ds.split("test", 4) for ds in shares)]
+    assert not evaluated[0] & evaluated[1]
+    assert len(evaluated[0] | evaluated[1]) == len(whole.split("test", 4).users)
+    assert len(shares[0].split("test", 4)) == len(shares[1].split("test", 4))  # same batch count per rank
+
+
+def test_batches_carry_every_key_and_the_catalogue_in_order(tmp_path):
+    cfg = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, eval_negatives=5)
+    train = next(iter(make_dataloader(cfg)))
+    kjt = train.sparse_features
+    assert kjt.keys() == [INPUT_KEY, POS_KEY, NEG_KEY, CAND_KEY, CATALOG_KEY]
+    assert kjt[INPUT_KEY].lengths().tolist() == kjt[POS_KEY].lengths().tolist() == kjt[NEG_KEY].lengths().tolist()
+    assert kjt[CAND_KEY].values().numel() == 0 and kjt[CATALOG_KEY].values().numel() == 0
+    ds = cfg.dataset(0, 1)
+    split = ds.split("valid", 8)
+    batch = split.collate([split[i] for i in range(8)])
+    assert batch.sparse_features[CATALOG_KEY].values().tolist() == list(range(ds.num_items))
+    assert batch.sparse_features[CAND_KEY].lengths().tolist() == [6] * 8
+    assert batch.sparse_features[POS_KEY].values().numel() == 0
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+def test_left_pad_puts_each_sequence_at_the_end():
+    values = torch.arange(6.0)[:, None]
+    padded, valid = left_pad(values, torch.tensor([2, 0, 4]), 3)
+    assert padded[..., 0].tolist() == [[0, 0, 1], [0, 0, 0], [3, 4, 5]]
+    assert valid.tolist() == [[False, True, True], [False, False, False], [True, True, True]]
+
+
+MODELS = [
+    SASRecConfig(embedding_dim=16, max_seq_len=20, dropout=0.0),
+    SASRecConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, loss="sampled_softmax", num_negatives=7),
+    HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0),
+    HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, loss="bce"),
+]
+
+
+def _vectors(model, batch):
+    """Position vectors and the table rows, computed outside the model's head."""
+    table = model.ec.embeddings["item_table"].weight[:, : model.head.dim]
+    kjt = batch.sparse_features
+    x, valid = left_pad(table[kjt[INPUT_KEY].values()], kjt[INPUT_KEY].lengths(), model.head.max_len)
+    ts, _ = left_pad(batch.timestamps, kjt[INPUT_KEY].lengths(), model.head.max_len)
+    return model.head.encoder(x, ts, valid), valid, table
+
+
+@pytest.mark.parametrize("cfg", MODELS, ids=lambda c: f"{c.name}-{c.loss}")
+def test_losses_match_their_definitions(tmp_path, cfg):
+    data = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
+    ds = data.dataset(0, 1)
+    torch.manual_seed(0)
+    model = cfg.build(ds.spec)
+    batch = next(iter(make_dataloader(data)))
+    loss, out = model(batch)
+    h, valid, table = _vectors(model, batch)
+    q = h[valid]
+    kjt = batch.sparse_features
+    pos, neg = kjt[POS_KEY].values(), kjt[NEG_KEY].values()
+    if cfg.loss == "bce":
+        sp = (q * table[pos]).sum(-1)
+        sn = (q * table[neg]).sum(-1)
+        expected = (-torch.log(torch.sigmoid(sp)) - torch.log(1 - torch.sigmoid(sn))).mean()
+    else:
+        qn = torch.nn.functional.normalize(q, dim=-1)
+        pool = neg[: cfg.num_negatives]
+        logits = (
+            torch.cat(
+                [
+                    (qn * torch.nn.functional.normalize(table[pos], dim=-1)).sum(-1, keepdim=True),
+                    qn @ torch.nn.functional.normalize(table[pool], dim=-1).T,
+                ],
+                dim=1,
+            )
+            / cfg.temperature
+        )
+        logits[:, 1:][pos[:, None] == pool[None, :]] = -math.inf
+        expected = torch.nn.functional.cross_entropy(logits, torch.zeros(len(q), dtype=torch.long))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert out["logits"].shape == out["labels"].shape == (2 * len(q), 1)
+    assert float(out["num_tokens"]) == len(q) == int(batch.num_loss_tokens())
+    loss.backward()
+
+
+@pytest.mark.parametrize("cfg", MODELS[:3], ids=lambda c: f"{c.name}-{c.loss}")
+def test_evaluation_ranks_count_the_candidates_scored_above(tmp_path, cfg):
+    data = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=9)
+    ds = data.dataset(0, 1)
+    torch.manual_seed(1)
+    model = cfg.build(ds.spec).eval()
+    split = ds.split("test", 8)
+    batch = split.collate([split[i] for i in range(8)])
+    with torch.no_grad():
+        _, out = model(batch)
+        h, _, table = _vectors(model, batch)
+    query = h[:, -1]
+    if cfg.loss == "sampled_softmax":
+        query, table = (torch.nn.functional.normalize(v, dim=-1) for v in (query, table))
+    scores = query @ table.T  # [B, items]
+    for b in range(8):
+        cands = split[b].candidates
+        held_out = scores[b, cands[0]]
+        assert int(out["rank_sampled"][b]) == int((scores[b, cands[1:]] > held_out).sum())
+        assert int(out["rank_full"][b]) == int((scores[b] > held_out).sum())  # history included
+    assert (out["rank_full"] >= out["rank_sampled"]).all()
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_metrics_match_torchmetrics_retrieval_metrics(seed):
+    g = torch.Generator().manual_seed(seed)
+    queries, candidates = 300, 250  # > 200 candidates so that K=200 is not everything
+    # positive scores: torchmetrics' reciprocal rank counts an item relevant only if its score is > 0
+    scores = torch.rand(queries, candidates, generator=g) + 0.01
+    relevant = torch.randint(0, candidates, (queries,), generator=g)
+    target = torch.zeros(queries, candidates, dtype=torch.bool)
+    target[torch.arange(queries), relevant] = True
+    ranks = (scores > scores[torch.arange(queries), relevant][:, None]).sum(dim=1)
+    ours = retrieval_metrics(ranks)
+    indexes = torch.arange(queries)[:, None].expand(-1, candidates).reshape(-1)
+    flat = (scores.reshape(-1), target.reshape(-1), indexes)
+    for k in KS:
+        assert ours[f"HR@{k}"] == pytest.approx(float(RetrievalHitRate(top_k=k)(*flat)), abs=1e-6)
+        assert ours[f"NDCG@{k}"] == pytest.approx(float(RetrievalNormalizedDCG(top_k=k)(*flat)), abs=1e-6)
+    assert ours["MRR"] == pytest.approx(float(RetrievalMRR()(*flat)), abs=1e-6)
+    assert 0 < ours["HR@10"] < ours["HR@50"] < ours["HR@200"] < 1
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["sasrec", "hstu_retrieval"])
+def test_recsys_train_logs_metrics_that_the_dump_recomputes(tmp_path, model):
+    path = _pairs(tmp_path, users=80)
+    dump = tmp_path / "dump.csv"
+    code = train_cli.run(
+        [
+            "data=sequences",
+            f"data.path={path}",
+            "data.batch_size=16",
+            "data.eval_negatives=20",
+            f"model={model}",
+            "pipeline=hstu_prefetch",
+            "trainer.device=cpu",
+            "trainer.max_steps=null",
+            "trainer.epochs=3",
+            "trainer.eval_every=1000",
+            "trainer.progress_bar=false",
+            f"trainer.eval_dump={dump}",
+            f"trainer.output_dir={tmp_path}/runs",
+        ]
+    )
+    assert code == 0
+    (run_dir,) = (tmp_path / "runs" / "recsys-train").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "test" in r]
+    assert len(evals) == 4  # before step 1 and after each of 3 epochs
+    selected = [r for r in evals if r.get("selected")][-1]
+    best = max(r["valid"]["sampled"]["HR@10"] for r in evals)
+    assert selected["valid"]["sampled"]["HR@10"] == best  # validation picks what the dump holds
+    with dump.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["user", "item", "rank_sampled", "rank_full"]
+    assert len(rows) == selected["users"]["test"]
+    data = read_interactions(path)
+    last = {str(u): str(items[-1]) for u, items in zip(data.users, data.items) if len(items) >= 3}
+    assert {r["user"]: r["item"] for r in rows} == last  # raw ids as in the file, the test item
+    for protocol, column in (("sampled", "rank_sampled"), ("full", "rank_full")):
+        ranks = torch.tensor([int(r[column]) for r in rows])
+        recomputed = retrieval_metrics(ranks)
+        for name, value in selected["test"][protocol].items():
+            assert recomputed[name] == value, (protocol, name)
+
+
+def test_retrieval_records_reach_metrics_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from recsys_pipe.train.metrics import MetricsWriter
+
+    ranks = torch.tensor([0, 3, 12, 60, 250])
+    record = {
+        "step": 7,
+        "valid": {"sampled": retrieval_metrics(ranks)},
+        "test": {"sampled": retrieval_metrics(ranks), "full": retrieval_metrics(ranks * 10)},
+        "users": {"valid": 5, "test": 5},
+    }
+    writer = MetricsWriter(str(tmp_path))
+    writer.write(record)
+    writer.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == record
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/valid/sampled/HR@10", "eval/test/full/NDCG@200", "eval/test/sampled/MRR"} <= tags
+    (point,) = events.Scalars("eval/test/full/HR@50")
+    assert point.step == 7 and point.value == pytest.approx(record["test"]["full"]["HR@50"])
+
+
+def test_an_eval_dump_without_a_retrieval_source_is_refused(tmp_path, capsys):
+    code = train_cli.run(
+        [
+            "pipeline=serial",
+            "trainer.device=cpu",
+            f"trainer.eval_dump={tmp_path}/d.csv",
+            "trainer.max_steps=1",
+            f"trainer.output_dir={tmp_path}/runs",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "trainer.eval_dump: data source 'synthetic' has no retrieval evaluation to dump" in err
+
+
+@pytest.mark.parametrize(
+    "overrides, path, fragment",
+    [
+        (["model=sasrec"], "data.name", "model 'sasrec' needs data=sequences, got 'synthetic'"),
+        (["model=hstu_retrieval", "data=sequences", "model.max_seq_len=20"], "data.max_seq_len", "exceeds"),
+        (["model=sasrec", "model.embedding_dim=50", "model.num_heads=3"], "model.num_heads", "not divisible"),
+    ],
+)
+def test_model_and_data_mismatches_are_config_errors(tmp_path, overrides, path, fragment):
+    from recsys_pipe.testing import load_run
+
+    data = _pairs(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_run(*overrides, *([f"data.path={data}"] if "data=sequences" in overrides else []))
+    assert any(p.path == path and fragment in p.message for p in info.value.problems), info.value
