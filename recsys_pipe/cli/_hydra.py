@@ -127,14 +127,7 @@ def sweep_dir(base: str) -> str:
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=300),
-        )
+        store = _torchrun_store(timeout_s=300)
         key = f"recsys_pipe/sweep_dir/{base}"
         if os.environ.get("RANK") == "0":
             store.set(key, unique_dir(base, stamp))
@@ -143,6 +136,19 @@ def sweep_dir(base: str) -> str:
         path = unique_dir(base, stamp)
     _SWEEP_DIRS[base] = path
     return path
+
+
+def _torchrun_store(timeout_s: float) -> Any:
+    """A client of torchrun's own rendezvous store (MASTER_ADDR:MASTER_PORT), for the ranks to
+    agree on something before any process group exists."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _debug_requested(cfg: Any = None) -> bool:
@@ -169,14 +175,7 @@ def first_to_report() -> bool:
         return True
     _REPORTS[0] += 1
     try:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=10),
-        )
+        store = _torchrun_store(timeout_s=10)
         key = f"recsys_pipe/report/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_REPORTS[0]}"
         first = store.add(key, 1) == 1
     except Exception:  # no store: one line per machine is still better than one per rank

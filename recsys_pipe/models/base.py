@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from recsys_pipe.config import Component, ConfigProblem
 
@@ -36,11 +36,20 @@ if TYPE_CHECKING:
 
     from recsys_pipe.data import DataConfig, DataSpec
 
-__all__ = ["SHARDING_TYPES", "ModelConfig", "ShardedModelConfig", "ShardingType"]
+__all__ = ["SHARDING_TYPES", "ModelConfig", "ShardedModelConfig", "ShardingType", "heads_divide_width"]
 
 #: torchrec sharding types a table can be constrained to (`model.sharding_constraints`).
 ShardingType = Literal["row_wise", "column_wise", "table_wise", "table_row_wise", "data_parallel"]
 SHARDING_TYPES: tuple[str, ...] = ShardingType.__args__
+
+
+def heads_divide_width(num_heads: int, info: ValidationInfo) -> int:
+    """A `num_heads` validator for attention models: the heads split `embedding_dim` evenly.
+    Use as `_heads = field_validator("num_heads")(heads_divide_width)`."""
+    dim = info.data.get("embedding_dim")
+    if isinstance(dim, int) and dim % num_heads:
+        raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
+    return num_heads
 
 
 class ModelConfig(Component):

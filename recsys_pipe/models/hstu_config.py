@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.batch import SequenceBatch
 from recsys_pipe.data.loader import DataConfig, SequenceDataConfig
-from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.models.base import ShardedModelConfig, heads_divide_width
 
 __all__ = ["HSTUConfig"]
 
@@ -33,13 +33,7 @@ class HSTUConfig(ShardedModelConfig):
     relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
     num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
 
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
-        dim = info.data.get("embedding_dim")
-        if isinstance(dim, int) and dim % num_heads:
-            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
-        return num_heads
+    _heads_divide_width = field_validator("num_heads")(heads_divide_width)
 
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
         if not isinstance(data, SequenceDataConfig):

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 from torch import nn
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.sequences import SequencesDataConfig
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.models.base import ShardedModelConfig, heads_divide_width
 
 __all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]
 
@@ -55,13 +55,7 @@ class SASRecConfig(RetrievalConfig):
     num_blocks: StrictInt = Field(2, ge=1, description="self-attention blocks")
     num_heads: StrictInt = Field(1, ge=1, description="attention heads (must divide embedding_dim)")
 
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
-        dim = info.data.get("embedding_dim")
-        if isinstance(dim, int) and dim % num_heads:
-            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
-        return num_heads
+    _heads_divide_width = field_validator("num_heads")(heads_divide_width)
 
     def encoder(self, spec: DataSpec) -> nn.Module:
         from recsys_pipe.models.sasrec import SASRecEncoder  # the model code needs torch only; kept apart
@@ -84,13 +78,7 @@ class HSTURetrievalConfig(RetrievalConfig):
     relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
     num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
 
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_width(cls, num_heads: int, info: ValidationInfo) -> int:
-        dim = info.data.get("embedding_dim")
-        if isinstance(dim, int) and dim % num_heads:
-            raise ValueError(f"embedding_dim ({dim}) is not divisible by num_heads ({num_heads})")
-        return num_heads
+    _heads_divide_width = field_validator("num_heads")(heads_divide_width)
 
     def encoder(self, spec: DataSpec) -> nn.Module:
         from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder  # needs fbgemm's jagged ops
