@@ -233,6 +233,33 @@ def _vectors(model, batch):
     return model.head.encoder(x, ts, valid), valid, table
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_sasrec_blocks_compute_the_chosen_layout(norm_first):
+    from recsys_pipe.models.sasrec import SASRecBlock
+
+    torch.manual_seed(0)
+    block = SASRecBlock(8, 2, 0.5, norm_first).eval()  # eval: no dropout
+    x = torch.randn(3, 5, 8)
+    causal = ~torch.ones(5, 5, dtype=torch.bool).tril()
+
+    def attend(q, kv):
+        return block.attention(q, kv, kv, attn_mask=causal, need_weights=False)[0]
+
+    ln_a, ln_f, ffn = block.attention_norm, block.forward_norm, block.feed_forward
+    if norm_first:  # x + Attn(LN(x)), then + FFN(LN(.))
+        h = x + attend(ln_a(x), ln_a(x))
+        expected = h + ffn(ln_f(h))
+    else:  # the paper's code: normalised query, raw keys/values, post-LN feed-forward
+        q = ln_a(x)
+        h = ln_f(q + attend(q, x))
+        expected = h + ffn(h)
+    # (1e-6: torch takes its fused self-attention path when query, key and value are one tensor)
+    torch.testing.assert_close(block(x, causal), expected, rtol=1e-6, atol=1e-6)
+    other = SASRecBlock(8, 2, 0.5, not norm_first).eval()
+    other.load_state_dict(block.state_dict())
+    assert not torch.allclose(other(x, causal), expected)  # the two layouts differ
+
+
 @pytest.mark.parametrize("cfg", MODELS, ids=lambda c: f"{c.name}-{c.loss}")
 def test_losses_match_their_definitions(tmp_path, cfg):
     data = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)

@@ -54,6 +54,11 @@ class SASRecConfig(RetrievalConfig):
     builder: StrictStr | None = builder_field("recsys_pipe.models.sasrec:build_sasrec")
     num_blocks: StrictInt = Field(2, ge=1, description="self-attention blocks")
     num_heads: StrictInt = Field(1, ge=1, description="attention heads (must divide embedding_dim)")
+    norm_first: StrictBool = Field(
+        False,
+        description="pre-LN blocks: LayerNorm before attention and before feed-forward, unnormalised residuals "
+        "(false: the paper's layout)",
+    )
 
     _heads_divide_width = field_validator("num_heads")(heads_divide_width)
 
