@@ -71,10 +71,11 @@ def test_epochs_reshuffle_evaluate_at_epoch_ends_and_say_why_training_stopped(tm
             str(BIN / "recsys-train"),
             "pipeline=hstu_prefetch",
             "trainer=smoke",
-            "trainer.epochs=3",
+            "trainer.epochs=5",
+            "trainer.eval_epochs=2",
             "data.num_batches=4",
             "data.shuffle=true",
-            "trainer.max_steps=20",
+            "trainer.max_steps=30",
             "trainer.eval_every=100",
             "trainer.precision=bf16",
             f"trainer.output_dir={tmp_path}/r",
@@ -83,15 +84,16 @@ def test_epochs_reshuffle_evaluate_at_epoch_ends_and_say_why_training_stopped(tm
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     err = proc.stderr
-    assert "trainer.max_steps=20 exceeds trainer.epochs=3 x 4 batches per epoch: training stops after step 12" in err
-    for epoch in (1, 2, 3):
-        assert f"epoch {epoch}/3 done at step {4 * epoch}" in err
-    assert "training stopped at step 12: epochs done (3 epoch(s) of 4 batches)" in err
-    assert "the data ran out at step 12, before trainer.max_steps=20" in err
+    assert "trainer.max_steps=30 exceeds trainer.epochs=5 x 4 batches per epoch: training stops after step 20" in err
+    for epoch in (1, 2, 3, 4, 5):
+        assert f"epoch {epoch}/5 done at step {4 * epoch}" in err
+    assert "training stopped at step 20: epochs done (5 epoch(s) of 4 batches)" in err
+    assert "the data ran out at step 20, before trainer.max_steps=30" in err
     records = metrics(tmp_path / "r")
-    assert [r["step"] for r in records if "auc" in r] == [0, 4, 8, 12]  # before step 1 and at each epoch end
+    # before step 1, at the end of every 2nd epoch, and after the last step
+    assert [r["step"] for r in records if "auc" in r] == [0, 8, 16, 20]
     losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == 12 and all(0 < loss < 10 for loss in losses)  # bf16 autocast trains
+    assert len(losses) == 20 and all(0 < loss < 10 for loss in losses)  # bf16 autocast trains
 
 
 @pytest.mark.timeout(200)

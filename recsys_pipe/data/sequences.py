@@ -159,6 +159,12 @@ class SequencesDataConfig(DataConfig):
     builder: StrictStr | None = builder_field("recsys_pipe.data.sequences:sequences_dataset")
     path: StrictStr = Field(description='"user item" lines (SASRec format) or MovieLens ratings.dat / ratings.csv')
     batch_size: StrictInt = Field(128, ge=1, description="samples (users) per batch per rank")
+    eval_batch_size: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="users per evaluation batch per rank (null: batch_size); larger batches fetch the catalogue for "
+        "full-corpus ranking less often",
+    )
     max_seq_len: StrictInt = Field(50, ge=1, description="most recent interactions a sample feeds the model")
     shuffle: StrictBool = Field(True, description="shuffle the training users every epoch (seeded by data.seed)")
     eval_negatives: StrictInt = Field(

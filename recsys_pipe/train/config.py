@@ -80,6 +80,9 @@ class TrainerConfig(Section):
     eval_every: StrictInt = Field(
         50, ge=0, description="evaluate every N steps, at epoch ends, before step 1 and after the last (0: never)"
     )
+    eval_epochs: StrictInt = Field(
+        1, ge=0, description="evaluate at the end of every N-th epoch (0: not at epoch ends; eval_every still applies)"
+    )
     eval_batches: StrictInt = Field(
         8, ge=0, description="held-out batches per rank (the tail of its share) for evaluation"
     )

@@ -85,7 +85,8 @@ class RetrievalEvaluation:
                     )
                 )
             return None
-        return cls(data.dataset, data.cfg.batch_size, world_size, dump if is_main else None)
+        batch_size = data.cfg.eval_batch_size or data.cfg.batch_size
+        return cls(data.dataset, batch_size, world_size, dump if is_main else None)
 
     def evaluate(self, pipeline: Any) -> dict[str, Any]:
         """`{split: {protocol: {metric: value}}, "users": {split: count}}` over all ranks; runs

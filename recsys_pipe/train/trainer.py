@@ -268,8 +268,8 @@ class Trainer:
 
     def fit(self, batches: Iterator | None = None, record_steps: bool = False) -> TrainSummary:
         """Train `trainer.epochs` epochs (capped by `trainer.max_steps`) from the current
-        position; evaluate every `trainer.eval_every` steps, at each epoch end, before the first
-        step and after the last; checkpoint every `trainer.checkpoint.interval` steps, at the end,
+        position; evaluate every `trainer.eval_every` steps, at the end of every
+        `trainer.eval_epochs`-th epoch, before the first step and after the last; checkpoint every `trainer.checkpoint.interval` steps, at the end,
         and when a SIGTERM asks to stop (then on every rank after the same step).
 
         The loss is read back to the host only at log steps (and, with `record_steps`, every
@@ -346,7 +346,8 @@ class Trainer:
                 epoch_end = per_epoch is not None and self.position % per_epoch == 0
                 if epoch_end and self.info.is_main:
                     log.info("epoch %d/%d done at step %d", self.position // per_epoch, cfg.epochs, self.step)
-                if evaluating and (epoch_end or self.step % cfg.eval_every == 0):
+                epoch_eval = epoch_end and cfg.eval_epochs > 0 and (self.position // per_epoch) % cfg.eval_epochs == 0
+                if evaluating and (epoch_eval or self.step % cfg.eval_every == 0):
                     summary.evals.append(self._log_eval(self.step, record_steps))
                     last_eval = self.step
                 stop = self.stop.should_stop()
