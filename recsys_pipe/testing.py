@@ -20,6 +20,7 @@ from typing import Any
 __all__ = [
     "FAULT_ENV",
     "FAULT_OVERRIDE",
+    "StaleEmbeddingLoop",
     "check_torchrun",
     "compose",
     "inject_fault",
@@ -185,39 +186,80 @@ def run_torchrec_pipeline(
     return losses, ids
 
 
-def run_stale_embedding_reference(
-    model: Any, optimizer: Any, batches: Any, stash_gradients: bool = False
-) -> tuple[list[float], list[list[int]]]:
-    """A plain training loop with semi-synchronous embeddings, the reference of the `semi_sync`
-    plan where torchrec's TrainPipelineSemiSync cannot run (CPU): batch i's embedding lookup reads
-    the tables as they were before batch i-1's update (one step stale; batches 0 and 1 both read
-    the initial tables), while the dense part and the tables' own update are current.
+class StaleEmbeddingLoop:
+    """One step per `progress(it)` of a plain training loop with semi-synchronous embeddings, the
+    reference of the `semi_sync` plans where torchrec's TrainPipelineSemiSync cannot run (CPU):
+    batch i's embedding lookup reads the tables as they were before batch i-1's update (one step
+    stale) for i > `start_batch` (torchrec's synchronous warm-up before that; with the default 0,
+    batches 0 and 1 both read the initial tables), while the dense part and the tables' own
+    update are current.
 
     No pipelining machinery: the model's own forward (DistributedModelParallel), with each local
     table shard swapped to its previous-step copy for the forward and back to the current weights
     before backward, whose fused update then applies batch i's gradients to the current tables.
-    With `stash_gradients` the dense step after batch i applies batch i-1's gradients.
+    With `stash_gradients` the dense step after batch i >= start_batch applies batch i-1's
+    gradients (the first such step none). It steps through `self._optimizer`, so torchrec's
+    `GradientAccumulationWrapper` can wrap it like one of torchrec's pipelines.
     """
-    tables = _local_table_weights(model)
-    losses, ids, previous, kept = [], [], None, {}
-    for batch in batches:
-        current = [w.detach().clone() for w in tables]
-        for weight, stale in zip(tables, previous or current, strict=True):
-            weight.data.copy_(stale)  # .data: the lookup's saved weights keep their autograd version
-        optimizer.zero_grad()
-        loss, _ = model(batch)
-        for weight, now in zip(tables, current, strict=True):
+
+    def __init__(self, model: Any, optimizer: Any, stash_gradients: bool = False, start_batch: int = 0) -> None:
+        self._model = model
+        self._optimizer = optimizer
+        self._stash = stash_gradients
+        self._start = start_batch
+        self._tables = _local_table_weights(model)
+        self._previous: list[Any] | None = None
+        self._kept: dict[str, Any] = {}
+        self._index = 0
+
+    def progress(self, it: Any) -> tuple[Any, Any]:
+        batch = next(it)  # StopIteration ends the run, as torchrec's pipelines
+        i, self._index = self._index, self._index + 1
+        current = [w.detach().clone() for w in self._tables]
+        stale = self._previous if self._previous is not None and i > self._start else current
+        for weight, old in zip(self._tables, stale, strict=True):
+            weight.data.copy_(old)  # .data: the lookup's saved weights keep their autograd version
+        self._optimizer.zero_grad()
+        loss, _ = self._model(batch)
+        for weight, now in zip(self._tables, current, strict=True):
             weight.data.copy_(now)
         loss.backward()
-        if stash_gradients:
-            for name, param in model.named_parameters():  # a copy: DDP may reuse the gradient's storage
-                grad, param.grad = param.grad, kept.get(name)
+        if self._stash and i >= self._start:
+            for name, param in self._model.named_parameters():  # a copy: DDP may reuse the gradient's storage
+                grad, param.grad = param.grad, self._kept.get(name)
                 if grad is not None:
-                    kept[name] = grad.clone()
-        optimizer.step()
-        previous = current
+                    self._kept[name] = grad.clone()
+        self._optimizer.step()
+        self._previous = current
+        return loss, batch.sample_ids
+
+
+def run_stale_embedding_reference(
+    model: Any,
+    optimizer: Any,
+    batches: Any,
+    stash_gradients: bool = False,
+    start_batch: int = 0,
+    grad_accumulation: tuple[int, int] | None = None,
+) -> tuple[list[float], list[list[int]]]:
+    """Train every batch of `batches` with `StaleEmbeddingLoop` (wrapped in torchrec's
+    `GradientAccumulationWrapper` with `grad_accumulation=(steps, warmup_steps)`): per-step
+    losses and trained sample ids."""
+    from torchrec.distributed.train_pipeline import GradientAccumulationConfig, GradientAccumulationWrapper
+
+    loop: Any = StaleEmbeddingLoop(model, optimizer, stash_gradients, start_batch)
+    if grad_accumulation is not None:
+        steps, warmup = grad_accumulation
+        config = GradientAccumulationConfig(num_steps=steps, num_warmup_steps=warmup)
+        loop = GradientAccumulationWrapper(loop, optimizer, model, config)
+    it, losses, ids = iter(batches), [], []
+    while True:
+        try:
+            loss, sample_ids = loop.progress(it)
+        except StopIteration:
+            break
         losses.append(float(loss))
-        ids.append(batch.sample_ids.tolist())
+        ids.append(sample_ids.tolist())
     return losses, ids
 
 

@@ -56,7 +56,7 @@ def test_family_plans_restate_only_what_differs():
         assert "#   stage" in texts[name], f"{name}: no stage/stream table in its header"
     assert texts["prefetch"].count("fn: ") == 1  # prefetch_embeddings, the one task sparse_dist lacks
     assert texts["fused_sparse_dist"].count("fn: ") == 1  # start_embedding_lookup
-    assert texts["semi_sync"].count("fn: ") == 2  # start_embedding_lookup, embedding_backward
+    assert texts["semi_sync"].count("fn: ") == 3  # the stale and the synced lookup, embedding_backward
     assert texts["semi_sync_stash"].count("fn: ") == 1  # stash_gradients
     for name in ("base", "sparse_dist_lite", "sparse_dist_enqueue_after_forward"):
         assert texts[name].count("fn: ") == 0, name
@@ -97,7 +97,8 @@ def test_schedules_follow_torchrecs_order(tmp_path, capsys):
         "start_embedding_lookup",
     ]
     # TrainPipelineSemiSync: start dist (i+2), forward (i), copy (i+3), lookup (i+1), wait dist (i+2),
-    # backward (i), the embeddings' backward (i), optimizer
+    # backward (i), the embeddings' backward (i), optimizer, and during the warm-up (batches up to
+    # start_batch) the lookup of i+1 after the optimizer instead
     assert order("semi_sync") == [
         "start_input_dist",
         "zero_grad",
@@ -108,6 +109,7 @@ def test_schedules_follow_torchrecs_order(tmp_path, capsys):
         "backward",
         "embedding_backward",
         *train,
+        "start_embedding_lookup_synced",
     ]
 
 
@@ -118,6 +120,15 @@ def test_semi_sync_staleness_is_declared_in_the_plan():
 
     tasks = load_run("pipeline=semi_sync").pipeline.tasks
     assert tasks["start_embedding_lookup"].lookahead == tasks["backward"].lookahead + 1
+    assert "start_embedding_lookup" in tasks["backward"].same_progress_sync
+    # the warm-up's lookup (torchrec's start_batch): also one batch ahead, but after the update
+    synced = tasks["start_embedding_lookup_synced"]
+    assert synced.lookahead == 1 and synced.same_progress_sync == ["optimizer_step"]
+    assert synced.options == {"start_batch": 0, "batches": "until"}
+    assert tasks["start_embedding_lookup"].options == {"start_batch": 0, "batches": "after"}
+    warm = load_run("pipeline=semi_sync_stash", "pipeline.tasks.start_embedding_lookup.options.start_batch=5")
+    assert warm.pipeline.tasks["start_embedding_lookup_synced"].options["start_batch"] == 5  # one setting
+    assert warm.pipeline.tasks["stash_gradients"].options == {"start_batch": 5}
     assert "start_embedding_lookup" in tasks["backward"].same_progress_sync
     fused = load_run("pipeline=fused_sparse_dist").pipeline.tasks  # after backward: not stale
     assert "backward" in fused["start_embedding_lookup"].same_progress_sync

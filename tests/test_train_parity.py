@@ -47,7 +47,7 @@ def test_all_plans_and_torchrec_pipeline_match_serial_bitwise(ranks):
         ref = data["variants"]["serial"]
         assert len(ref["losses"]) == 24
         for name, variant in data["variants"].items():
-            if name.startswith(("global/", "ga4/", "ga5/", "stale/", "stash/")):
+            if name.startswith(("global/", "ga4/", "ga5/", "stale/", "stash/", "warm/", "warmstash/", "ga4stale/")):
                 continue
             assert variant["losses"] == ref["losses"], f"{name}: losses differ from the serial plan"
             assert variant["params"] == ref["params"], f"{name}: final parameters differ from the serial plan"
@@ -130,6 +130,9 @@ FAMILY = {
     # same numbers as TrainPipelineSparseDist (torchrec's Fused class cannot run on the CPU:
     # tests/cuda/test_cuda_family.py compares with it)
     "fused_sparse_dist": "torchrec_TrainPipelineSparseDist",
+    # h2d's options.inplace_copy against torchrec's enable_inplace_copy_batch
+    "inplace/sparse_dist": "torchrec_TrainPipelineSparseDist/enable_inplace_copy_batch",
+    "inplace/hstu_prefetch/threaded": "torchrec_TrainPipelineSparseDist/enable_inplace_copy_batch",
 }
 
 
@@ -216,3 +219,42 @@ def test_semi_sync_with_stashed_gradients_matches_its_reference_loop_bitwise(ran
         stale = variants["stale/reference"]["losses"]
         assert plan["losses"][0] == stale[0]  # same initial weights
         assert all(a != b for a, b in zip(plan["losses"][1:], stale[1:]))  # no dense step after batch 0
+
+
+def test_semi_sync_warm_up_matches_its_reference_loop_bitwise(ranks):
+    """torchrec's start_batch as the plan's option (start_batch=5): batches 0..5 are looked up
+    after the previous update (fresh), later ones one step stale; with stashed gradients the
+    swap starts at batch 5. Against the reference loop with the same rule, bitwise; the warm-up
+    is real: batches 1..5 equal the synchronous run, batch 6 on differ from it, and the whole run
+    differs from the warm-up-less semi_sync."""
+    for data in ranks:
+        variants = data["variants"]
+        serial, stale = variants["serial"]["losses"], variants["stale/reference"]["losses"]
+        for plan, ref in (
+            ("warm/semi_sync", "warm/reference"),
+            ("warm/semi_sync/threaded", "warm/reference"),
+            ("warmstash/semi_sync_stash", "warmstash/reference"),
+        ):
+            assert variants[plan]["losses"] == variants[ref]["losses"], f"{plan}: losses"
+            assert variants[plan]["params"] == variants[ref]["params"], f"{plan}: final parameters"
+            assert variants[plan]["sample_ids"] == data["loader_ids"], f"{plan}: batches"
+        warm = variants["warm/reference"]["losses"]
+        assert warm[:6] == serial[:6]  # synchronous up to start_batch
+        assert all(a != b for a, b in zip(warm[6:], serial[6:]))  # then stale
+        assert warm[6:] != stale[6:]
+        assert variants["warmstash/reference"]["losses"][6:] != warm[6:]  # the stash changes the dense step
+
+
+def test_grad_accumulation_on_semi_sync_matches_torchrecs_wrapper_bitwise(ranks):
+    """trainer.grad_accumulation (4 micro-steps, 2 warmup) on the semi_sync plan against torchrec's
+    GradientAccumulationWrapper around the stale-embedding reference loop (torchrec's SemiSync
+    class cannot run on the CPU): same losses, batches and final parameters, bitwise."""
+    for data in ranks:
+        variants = data["variants"]
+        ref = variants["ga4stale/reference"]
+        for plan in ("ga4stale/semi_sync", "ga4stale/semi_sync/threaded"):
+            assert variants[plan]["losses"] == ref["losses"], f"{plan}: losses"
+            assert variants[plan]["params"] == ref["params"], f"{plan}: final parameters"
+            assert variants[plan]["sample_ids"] == data["loader_ids"], f"{plan}: batches"
+        assert ref["losses"] != variants["stale/reference"]["losses"]  # it really accumulates
+        assert ref["losses"][0] == variants["stale/reference"]["losses"][0]

@@ -18,7 +18,15 @@ from recsys_pipe.config.render import firing_table, render_plan
 from recsys_pipe.config.resolve import FnResolveError, import_fn, structure_only
 from recsys_pipe.config.schema import TASK_FIELDS, PlanConfig, Section, TaskConfig, ThreadMapConfig
 from recsys_pipe.config.structured import plan_skeleton
-from recsys_pipe.config.task_registry import TASKS, Need, TaskRegistry, TaskSpec, UnknownTaskError, task
+from recsys_pipe.config.task_registry import (
+    TASKS,
+    Need,
+    TaskRegistry,
+    TaskSpec,
+    UnknownTaskError,
+    task,
+    task_options,
+)
 
 __all__ = [
     "TASKS",
@@ -50,6 +58,7 @@ __all__ = [
     "structure_only",
     "suggest",
     "task",
+    "task_options",
     "thread_assignment",
     "to_container",
     "validate_section",

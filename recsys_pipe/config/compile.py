@@ -167,8 +167,9 @@ def compile_plan(plan: Any, *, resolve_fn: ResolveFn | None = None, prefix: str 
         fn, spec = _resolve(resolve, name, tc, prefix, problems)
         if spec is not None:
             specs[name] = spec
+        options = _task_options(name, tc, spec, prefix, problems)
         try:
-            tasks.append(_build_task(name, fn, tc))
+            tasks.append(_build_task(name, fn, tc, options))
         except ScheduleValidationError as exc:
             engine.extend(_engine_problems(exc.problems, prefix))
 
@@ -271,7 +272,32 @@ def _resolve(
     return structure_only(tc.fn), spec
 
 
-def _build_task(name: str, fn: Any, tc: TaskConfig) -> Task:
+def _task_options(
+    name: str, tc: TaskConfig, spec: TaskSpec | None, prefix: str, problems: list[ConfigProblem]
+) -> Any:
+    """The task's `options:`, validated by its registered options model (an instance of it, with
+    the model's defaults for keys the plan leaves out); a function that is not registered gets
+    the mapping as written, or None without options."""
+    if spec is None:
+        return dict(tc.options) if tc.options else None
+    if spec.options is None:
+        if tc.options:
+            problems.append(
+                ConfigProblem(
+                    task_path(prefix, name, "options"),
+                    f"task '{spec.name}' takes no options (got {', '.join(map(str, tc.options))})",
+                )
+            )
+        return None
+    try:
+        return spec.options.model_validate(tc.options)
+    except ValidationError as exc:
+        path = [*prefix.split("."), "tasks", name, "options"] if prefix else ["tasks", name, "options"]
+        problems.extend(problems_from_validation_error(exc, spec.options, path))
+        return None
+
+
+def _build_task(name: str, fn: Any, tc: TaskConfig, options: Any = None) -> Task:
     return Task.from_fn(
         name,
         fn,
@@ -284,6 +310,7 @@ def _build_task(name: str, fn: Any, tc: TaskConfig) -> Task:
         same_progress_sync=tuple(tc.same_progress_sync),
         nccl=tc.nccl,
         nvtx_tag=tc.nvtx_tag,
+        options=options,
     )
 
 

@@ -7,6 +7,8 @@ flight and which batch each task touches in each internal iteration.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 
 from recsys_pipe.config.compile import CompiledPlan
@@ -112,6 +114,13 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
         rows.append([str(n), t.name, str(t.lookahead), t.stream, plan.thread_of[t.name], nccl, fns[t.name]])
     out += _table(["#", "task", "lookahead", "stream", "thread", "nccl", "fn"], rows)
     out.append("  (nccl #n: ticket of the ordered NCCL lock -- collectives are issued in this order on every rank)")
+    options = {t.name: cfg.tasks[t.name].options for t in plan.order if cfg.tasks[t.name].options}
+    if options:
+        out += ["", "task options (as the plan sets them; the rest are the task's defaults):"]
+        out += [
+            f"  {name}: {', '.join(f'{key}={json.dumps(value)}' for key, value in sorted(opts.items()))}"
+            for name, opts in options.items()
+        ]
 
     out += ["", "CPU dependency edges (same iteration: producer finishes before consumer starts):"]
     position = {t.name: n for n, t in enumerate(plan.order)}

@@ -99,6 +99,10 @@ class TaskConfig(Section):
     nccl: StrictBool = Field(False, description="issues collectives: takes a ticket of the ordered NCCL lock")
     thread: StrictStr | None = Field(None, min_length=1, description="CPU thread id; overrides pipeline.thread_map")
     nvtx_tag: StrictStr | None = Field(None, description="NVTX range label (default: the task name)")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the task function's own settings, e.g. h2d's inplace_copy (a registered task refuses unknown ones)",
+    )
 
 
 #: Field names of a task, in declaration order (used for suggestions and the Hydra skeleton).

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
@@ -48,7 +48,12 @@ def _dataclass_of(model: type[BaseModel], overrides: dict[str, Any] | None = Non
     return dataclasses.make_dataclass(model.__name__, fields)
 
 
-_TaskSkeleton = _dataclass_of(TaskConfig)
+# A task's options stay open (struct mode off on that node only), so any key may be set from the
+# command line or `load_run` without `+`: which keys a task has depends on its function, and the
+# plan compiler checks them against the task's registered options model, with their paths.
+_TaskSkeleton = _dataclass_of(
+    TaskConfig, {"options": (Any, dataclasses.field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False})))}
+)
 _ThreadMapSkeleton = _dataclass_of(ThreadMapConfig, {"map": (dict[str, Any], dataclasses.field(default_factory=dict))})
 _PlanSkeleton = _dataclass_of(
     PlanConfig,

@@ -23,6 +23,13 @@ Registering a task:
     @task("my_prefetch", needs={Need.SPARSE_DIST, Need.PREFETCH_CONTEXT})
     def my_prefetch(ctx: TaskContext[TrainState]) -> None: ...
 
+Task options: a task with settings of its own declares them as a pydantic model,
+`@task("h2d", options=H2DOptions)`. A plan sets them under the task's `options:` (e.g.
+`pipeline.tasks.h2d.options.inplace_copy=true`); the plan compiler validates them against the
+model (unknown keys and wrong types are config errors at `pipeline.tasks.<task>.options.<key>`)
+and hands the validated model to the engine task, where the function reads it with
+`task_options(ctx, H2DOptions)` (the model's defaults when the task was built without a plan).
+
 How names are found: a plan is compiled in a process that has not necessarily imported the module
 defining a task, so on the first lookup the registry imports every module listed in
 `BUILTIN_TASK_MODULES` (the shipped task modules: a new module of shipped tasks is added to that
@@ -43,6 +50,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from recsys_pipe.config.errors import suggest
 from recsys_pipe.config.resolve import FnResolveError
 
@@ -56,6 +65,7 @@ __all__ = [
     "UnknownTaskError",
     "is_task_name",
     "task",
+    "task_options",
 ]
 
 #: Modules whose import registers the shipped tasks; the registry imports them on first lookup.
@@ -67,6 +77,7 @@ ENTRY_POINT_GROUP = "recsys_pipe.tasks"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 F = TypeVar("F", bound=Callable[..., Any])
+O = TypeVar("O", bound=BaseModel)
 
 
 class Need(enum.Enum):
@@ -94,6 +105,8 @@ class TaskSpec:
     name: str
     fn: Callable[..., Any]
     needs: frozenset[Need]
+    #: the pydantic model of the task's `options:` (None: the task takes none)
+    options: type[BaseModel] | None = None
 
     @property
     def path(self) -> str:
@@ -126,10 +139,17 @@ class TaskRegistry:
         self._lock = threading.RLock()
         self._loaded = False
 
-    def register(self, name: str, fn: Callable[..., Any], needs: Iterable[Need] = ()) -> TaskSpec:
+    def register(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        needs: Iterable[Need] = (),
+        options: type[BaseModel] | None = None,
+    ) -> TaskSpec:
         """Register `fn` as task `name`; ValueError if the name is taken by another function or
-        not an identifier, TypeError if a need is not a `Need`. A module executed again (a reload)
-        registers its new function objects in place of the old ones: the same definition."""
+        not an identifier, TypeError if a need is not a `Need` or `options` not a pydantic model.
+        A module executed again (a reload) registers its new function objects in place of the old
+        ones: the same definition."""
         if not isinstance(name, str) or not is_task_name(name):
             raise ValueError(f"a task name is an identifier (letters, digits, _), got {name!r}")
         if not callable(fn):
@@ -138,7 +158,9 @@ class TaskRegistry:
         wrong = [n for n in needs if not isinstance(n, Need)]
         if wrong:
             raise TypeError(f"task '{name}': needs must be Need members, got {wrong!r}")
-        spec = TaskSpec(name, fn, needs)
+        if options is not None and not (isinstance(options, type) and issubclass(options, BaseModel)):
+            raise TypeError(f"task '{name}': options must be a pydantic model class, got {options!r}")
+        spec = TaskSpec(name, fn, needs, options)
         with self._lock:
             taken = self._by_name.get(name)
             if taken is not None and taken.fn is not fn:
@@ -209,15 +231,33 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
 TASKS = TaskRegistry(BUILTIN_TASK_MODULES, ENTRY_POINT_GROUP)
 
 
-def task(name: str, *, needs: Iterable[Need] = (), registry: TaskRegistry | None = None) -> Callable[[F], F]:
+def task(
+    name: str,
+    *,
+    needs: Iterable[Need] = (),
+    options: type[BaseModel] | None = None,
+    registry: TaskRegistry | None = None,
+) -> Callable[[F], F]:
     """Register the decorated function as task `name` (what plans write as `fn: <name>`).
 
     needs: what it needs from the run (`Need`); the plan builder builds, checks or reports it.
+    options: the pydantic model of the task's own settings (a plan's `options:` for the task).
     The function itself is returned unchanged, so it stays importable and callable as before.
     """
 
     def register(fn: F) -> F:
-        (registry or TASKS).register(name, fn, needs)
+        (registry or TASKS).register(name, fn, needs, options)
         return fn
 
     return register
+
+
+def task_options(ctx: Any, model: type[O]) -> O:
+    """The validated `options` of the running task (`ctx.task.options`), or `model()`'s defaults
+    when the task was built without them (e.g. `Task.from_fn` in a test)."""
+    options = ctx.task.options
+    if options is None:
+        return model()
+    if not isinstance(options, model):
+        raise TypeError(f"task '{ctx.task.name}': options are a {type(options).__name__}, expected {model.__name__}")
+    return options

@@ -4,6 +4,8 @@ The batch protocol (what the task functions, torchrec's pipeline and the balance
 
 * `to(device, non_blocking)`, `record_stream(stream)`, `pin_memory()`: torchrec's `Pipelineable`
   interface (moving a batch, keeping it alive on other CUDA streams, pinning host memory).
+* `empty_like(device)`, `copy_(src, non_blocking)`: the in-place copy (torchrec's
+  `enable_inplace_copy_batch`): allocate the device batch on one stream, fill it on another.
 * `sample_ids`: `[B]` int64, globally unique sample ids (checks that every sample is trained
   exactly once, whatever the plan).
 * `num_loss_tokens()`: 1-element tensor on the batch's device, how many terms the model's loss
@@ -70,13 +72,40 @@ class TensorBatch:
             if hasattr(getattr(self, f.name), "record_stream")
         }
 
-    def to(self: B, device: torch.device | str, non_blocking: bool = False) -> B:
+    def to(self: B, device: torch.device | str, non_blocking: bool = False, data_copy_stream: Any = None) -> B:
+        """This batch on `device`. With `data_copy_stream` (torchrec's in-place copy, as its
+        pipelines call it with `enable_inplace_copy_batch`): allocated on the current stream and
+        filled on `data_copy_stream` after it waited for the allocation."""
+        if data_copy_stream is not None:
+            moved = self.empty_like(device)
+            current = torch.get_device_module(data_copy_stream.device).current_stream()
+            with torch.get_device_module(data_copy_stream.device).stream(data_copy_stream):
+                data_copy_stream.wait_stream(current)
+                return moved.copy_(self, non_blocking=non_blocking)
         moved = {name: value.to(device, non_blocking=non_blocking) for name, value in self._tensor_fields().items()}
         return dataclasses.replace(self, **moved)  # type: ignore[type-var]
 
     def record_stream(self, stream: Any) -> None:
         for value in self._tensor_fields().values():
             value.record_stream(stream)
+
+    def empty_like(self: B, device: torch.device | str) -> B:
+        """A batch of uninitialised tensors shaped like this one's on `device`, allocated on the
+        current stream (a KJT through its own `empty_like`, which keeps its lengths' layout)."""
+        empty = {
+            name: torch.empty_like(value, device=device)
+            if isinstance(value, torch.Tensor)
+            else type(value).empty_like(value, device=device)
+            for name, value in self._tensor_fields().items()
+        }
+        return dataclasses.replace(self, **empty)  # type: ignore[type-var]
+
+    def copy_(self: B, src: B, non_blocking: bool = False) -> B:
+        """Copy `src`'s tensors into this batch's (made by `src.empty_like`), on the current stream."""
+        mine = self._tensor_fields()
+        for name, value in src._tensor_fields().items():
+            mine[name].copy_(value, non_blocking=non_blocking)
+        return self
 
     def pin_memory(self: B) -> B:
         """Called by the DataLoader (`pin_memory=True`) so `to(non_blocking=True)` is asynchronous."""

@@ -48,6 +48,7 @@ TASK_FIELDS = (
     "nvtx_tag",
     "effects",
     "io",
+    "options",
 )
 
 
@@ -77,6 +78,9 @@ class Task:
     #: `DeclaredIO(capture, restore)` entries that make the effects replayable (see
     #: `recsys_pipe.engine.shortcut`).
     io: Any = ()
+    #: the task function's own settings (opaque to the engine; the plan compiler validates those
+    #: of registered tasks against their options model). None: the function's defaults.
+    options: Any = None
 
     def __init__(self, name: str | None = None, **fields: Any):
         unknown = sorted(set(fields) - set(TASK_FIELDS))
@@ -168,6 +172,7 @@ class Task:
         for index, entry in enumerate(self.io):
             if not isinstance(entry, DeclaredIO):
                 bad("io", f"expected a DeclaredIO(capture, restore), got {entry!r}", index)
+        self.options = raw["options"]
         if problems:
             raise ScheduleValidationError(problems)
 

@@ -16,26 +16,67 @@ Like `recsys_pipe.train.tasks`, this module imports no torchrec: the work is don
 
 from __future__ import annotations
 
-from recsys_pipe.config.task_registry import Need, task
+from typing import Literal
+
+from pydantic import Field, StrictInt
+
+from recsys_pipe.config.schema import Section
+from recsys_pipe.config.task_registry import Need, task, task_options
 from recsys_pipe.engine import TaskContext, declare_effects
 from recsys_pipe.train.slots import TORCHREC_CTX
 from recsys_pipe.train.state import TrainState
 
-__all__ = ["EMBEDDING_LOOKUP", "embedding_backward", "stash_gradients", "start_embedding_lookup"]
+__all__ = [
+    "EMBEDDING_LOOKUP",
+    "LookupOptions",
+    "StashOptions",
+    "embedding_backward",
+    "stash_gradients",
+    "start_embedding_lookup",
+]
 
 #: the slot start_embedding_lookup writes and forward reads (the started output all-to-alls)
 EMBEDDING_LOOKUP = "embedding_lookup"
+
+
+class LookupOptions(Section):
+    """`pipeline.tasks.<lookup task>.options`: which batches this lookup task looks up.
+
+    A semi-synchronous plan with a synchronous warm-up (torchrec's `start_batch`) has two
+    lookup tasks: one before the previous batch's backward (stale) for the batches after
+    `start_batch`, one after the previous batch's update (fresh) for batches 0..start_batch.
+    """
+
+    start_batch: StrictInt | None = Field(
+        None,
+        ge=0,
+        description="the first batch trained semi-synchronously (torchrec's start_batch); null: look up every batch",
+    )
+    batches: Literal["after", "until"] = Field(
+        "after",
+        description="with start_batch: after: look up the batches after start_batch; until: batches 0..start_batch",
+    )
+
+    def looks_up(self, batch_index: int) -> bool:
+        if self.start_batch is None:
+            return True
+        return (batch_index > self.start_batch) == (self.batches == "after")
 
 
 @declare_effects(
     "waits for the batch's input tensors, looks its embeddings up and starts the output all-to-all, "
     "keeping the awaitables in the batch's torchrec context (changed in place)"
 )
-@task("start_embedding_lookup", needs={Need.SPARSE_DIST})
+@task("start_embedding_lookup", needs={Need.SPARSE_DIST}, options=LookupOptions)
 def start_embedding_lookup(ctx: TaskContext[TrainState]) -> None:
-    """torchrec's `_start_embedding_lookup` for every sharded module of the batch."""
+    """torchrec's `_start_embedding_lookup` for every sharded module of the batch (when
+    `options` give it this batch; otherwise another lookup task of the plan does it). Writes
+    its declared slot (the started lookup, or None) either way."""
     sparse = ctx.state.sparse_dist
-    ctx.slots.set(EMBEDDING_LOOKUP, sparse.start_lookup(ctx.slots[TORCHREC_CTX]) if sparse is not None else None)
+    mine = sparse is not None and task_options(ctx, LookupOptions).looks_up(ctx.batch_index)
+    result = sparse.start_lookup(ctx.slots[TORCHREC_CTX]) if mine else None
+    for slot in ctx.task.writes:
+        ctx.slots.set(slot.name, result)
 
 
 @declare_effects("back-propagates the detached embeddings' gradients: output all-to-all backward, fused table update")
@@ -48,15 +89,24 @@ def embedding_backward(ctx: TaskContext[TrainState]) -> None:
         sparse.embedding_backward(ctx.slots[TORCHREC_CTX])
 
 
+class StashOptions(Section):
+    """`pipeline.tasks.stash_gradients.options`."""
+
+    start_batch: StrictInt = Field(
+        0, ge=0, description="the first batch whose gradients are stashed (torchrec's start_batch of semi-sync)"
+    )
+
+
 @declare_effects("swaps every parameter's gradient (.grad) with the one kept from the previous batch")
-@task("stash_gradients")
+@task("stash_gradients", options=StashOptions)
 def stash_gradients(ctx: TaskContext[TrainState]) -> None:
     """semi_sync with stashed gradients (torchrec's `stash_gradients=True`): the optimizer step
     after batch i applies batch i-1's dense gradients, and batch i's are kept for the next step,
-    so the dense update is one step stale like the embeddings (torchrec's `_grad_swap`; the first
-    step has no kept gradients and changes no parameter)."""
+    so the dense update is one step stale like the embeddings (torchrec's `_grad_swap`). From
+    batch `options.start_batch` on: the first swap finds no kept gradients, so that step changes
+    no parameter (torchrec skips it)."""
     state = ctx.state
-    if not state.training:
+    if not state.training or ctx.batch_index < task_options(ctx, StashOptions).start_batch:
         return
     for name, param in state.model.named_parameters():
         kept = state.grad_stash.get(name)

@@ -28,8 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recsys_pipe.config.task_registry import Need, task
+from pydantic import Field, StrictBool
+
+from recsys_pipe.config.schema import Section
+from recsys_pipe.config.task_registry import Need, task, task_options
 from recsys_pipe.engine import DeclaredIO, TaskContext, declare_effects
+from recsys_pipe.engine.streams import DEFAULT_STREAM
 from recsys_pipe.train.slots import (
     BATCH_CPU,
     BATCH_GPU,
@@ -47,6 +51,7 @@ from recsys_pipe.train.slots import (
 from recsys_pipe.train.state import TrainState
 
 __all__ = [
+    "H2DOptions",
     "StepResult",
     "backward",
     "finalize_model_grads",
@@ -105,20 +110,49 @@ def _fresh_context(ctx: TaskContext[TrainState], _: None) -> None:
     ctx.slots.set(TORCHREC_CTX, sparse.new_context(ctx.batch_index) if sparse is not None else None)
 
 
+class H2DOptions(Section):
+    """`pipeline.tasks.<h2d task>.options`."""
+
+    inplace_copy: StrictBool = Field(
+        False,
+        description="allocate the device batch on the default stream and copy into it on the task's stream "
+        "(torchrec's enable_inplace_copy_batch): no record_stream, so the allocator does not keep side-stream "
+        "copies alive; false: copy with .to() on the task's stream and record the batch on the other streams",
+    )
+
+
 @declare_effects(
     "creates the batch's torchrec context, which the input-dist, prefetch and forward tasks fill and empty in place",
     DeclaredIO(capture=lambda ctx: None, restore=_fresh_context),
 )
-@task("h2d")
+@task("h2d", options=H2DOptions)
 def h2d(ctx: TaskContext[TrainState]) -> None:
-    """batch_cpu -> device on the memcpy stream, plus the batch's torchrec context. The device
-    batch goes to `batch_gpu`, or to `unbalanced_batch` in plans that balance batches (then
-    finish_shuffle writes `batch_gpu`)."""
+    """batch_cpu -> device on the task's (memcpy) stream, plus the batch's torchrec context. The
+    device batch goes to `batch_gpu`, or to `unbalanced_batch` in plans that balance batches (then
+    finish_shuffle writes `batch_gpu`).
+
+    Two ways to copy (`options.inplace_copy`), as torchrec's pipelines:
+
+    * `.to(device)` on the task's stream: the memory belongs to that stream, so every other
+      stream that reads the batch is recorded on it (`record_stream`), and the caching allocator
+      keeps the block until those streams are done -- memory held beyond the batch's life;
+    * in place: the device batch is allocated on the default stream (which trains it and frees
+      it), the task's stream waits for that allocation, and the copy fills it. No
+      `record_stream`: the default stream's order keeps the block alive while the batch is read.
+    """
     slots, state = ctx.slots, ctx.state
     if BATCH_GPU in slots:  # the bootstrap batch: moved already
         return
-    batch = slots[BATCH_CPU].to(state.device, non_blocking=True)
-    _keep_alive(batch, ctx)
+    host = slots[BATCH_CPU]
+    streams = state.streams
+    if task_options(ctx, H2DOptions).inplace_copy:
+        with streams.use(DEFAULT_STREAM):
+            batch = host.empty_like(state.device)
+        ctx.stream.wait_stream(streams.get(DEFAULT_STREAM))  # the allocation happens-before the copy
+        batch.copy_(host, non_blocking=True)
+    else:
+        batch = host.to(state.device, non_blocking=True)
+        _keep_alive(batch, ctx)
     balancing = any(slot.name == UNBALANCED_BATCH for slot in ctx.task.writes)
     slots.set(UNBALANCED_BATCH if balancing else BATCH_GPU, batch)
     sparse = state.sparse_dist

@@ -20,7 +20,8 @@ from recsys_pipe.testing import check_torchrun, read_rank_results, run_torchrun
 pytestmark = pytest.mark.timeout(500)
 CPU_COUNTERPART = (
     "tests/test_train_parity.py::test_semi_sync_plan_matches_a_loop_with_one_step_stale_embeddings_bitwise "
-    "and ::test_each_family_plan_matches_its_torchrec_class_bitwise (fused_sparse_dist) check the plans on CPU"
+    "::test_semi_sync_warm_up_matches_its_reference_loop_bitwise and "
+    "::test_each_family_plan_matches_its_torchrec_class_bitwise (fused_sparse_dist, in-place copy) check the plans on CPU"
 )
 
 
@@ -49,6 +50,28 @@ def test_semi_sync_plan_matches_torchrecs_semi_sync_class(ranks):
         _same(v["semi_sync"], v["torchrec_TrainPipelineSemiSync"], "semi_sync vs TrainPipelineSemiSync")
         _same(v["stale_reference"], v["torchrec_TrainPipelineSemiSync"], "reference loop vs TrainPipelineSemiSync")
         assert v["semi_sync"]["losses"] != v["serial"]["losses"]  # really stale
+
+
+def test_semi_sync_warm_up_and_stash_match_torchrecs_semi_sync_class(ranks):
+    """start_batch=5 (the plan's lookup options) and stash_gradients against torchrec's own."""
+    for data in ranks:
+        v = data["variants"]
+        _same(v["semi_sync/start_batch=5"], v["torchrec_TrainPipelineSemiSync/start_batch=5"], "start_batch=5")
+        _same(
+            v["semi_sync_stash/start_batch=5"],
+            v["torchrec_TrainPipelineSemiSync/start_batch=5/stash"],
+            "start_batch=5, stash_gradients",
+        )
+        assert v["semi_sync/start_batch=5"]["losses"][:6] == v["serial"]["losses"][:6]  # synchronous warm-up
+
+
+def test_inplace_copy_matches_torchrecs_inplace_copy(ranks):
+    """h2d's options.inplace_copy (allocated on the default stream, copied on memcpy) against
+    TrainPipelineSparseDist(enable_inplace_copy_batch=True), and against serial."""
+    for data in ranks:
+        v = data["variants"]
+        _same(v["sparse_dist/inplace_copy"], v["torchrec_TrainPipelineSparseDist/inplace_copy"], "inplace copy")
+        _same(v["sparse_dist/inplace_copy"], v["serial"], "inplace copy vs serial")
 
 
 def test_fused_sparse_dist_plan_matches_torchrecs_fused_class(ranks):

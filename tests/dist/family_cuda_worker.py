@@ -1,10 +1,13 @@
 """Worker for tests/cuda/test_cuda_family.py: run under torchrun on CUDA (NCCL, one rank per GPU).
 
-Trains the same batches from the same initial weights through the semi_sync and
-fused_sparse_dist plans and through torchrec's own TrainPipelineSemiSync (start_batch=0,
-stash_gradients=False) and TrainPipelineFusedSparseDist, which cannot run on the CPU, plus the
-CPU reference loop of semi_sync (run_stale_embedding_reference). Writes rank<r>.json (per-step
-losses, trained sample ids, a hash of every final local parameter) into argv[1].
+Trains the same batches from the same initial weights through the semi_sync (also with a
+synchronous warm-up and with stashed gradients) and fused_sparse_dist plans and through
+torchrec's own TrainPipelineSemiSync (start_batch 0 and 5, stash_gradients false and true) and
+TrainPipelineFusedSparseDist, which cannot run on the CPU, plus the CPU reference loop of
+semi_sync (run_stale_embedding_reference); and sparse_dist with h2d's in-place copy against
+TrainPipelineSparseDist(enable_inplace_copy_batch=True), where the copy really runs on a side
+stream. Writes rank<r>.json (per-step losses, trained sample ids, a hash of every final local
+parameter) into argv[1].
 """
 
 import json
@@ -30,9 +33,27 @@ COMMON = [
     f"data.num_batches={STEPS}",
     "trainer.max_steps=null",
 ]
+WARM = "pipeline.tasks.start_embedding_lookup.options.start_batch=5"
+PLANS = {
+    "serial": ["pipeline=serial"],
+    "semi_sync": ["pipeline=semi_sync"],
+    "semi_sync/start_batch=5": ["pipeline=semi_sync", WARM],
+    "semi_sync_stash/start_batch=5": ["pipeline=semi_sync_stash", WARM],
+    "fused_sparse_dist": ["pipeline=fused_sparse_dist"],
+    "sparse_dist/inplace_copy": ["pipeline=sparse_dist", "pipeline.tasks.h2d.options.inplace_copy=true"],
+}
 TORCHREC = {
     "torchrec_TrainPipelineSemiSync": ("TrainPipelineSemiSync", {"start_batch": 0, "stash_gradients": False}),
+    "torchrec_TrainPipelineSemiSync/start_batch=5": (
+        "TrainPipelineSemiSync",
+        {"start_batch": 5, "stash_gradients": False},
+    ),
+    "torchrec_TrainPipelineSemiSync/start_batch=5/stash": (
+        "TrainPipelineSemiSync",
+        {"start_batch": 5, "stash_gradients": True},
+    ),
     "torchrec_TrainPipelineFusedSparseDist": ("TrainPipelineFusedSparseDist", {}),
+    "torchrec_TrainPipelineSparseDist/inplace_copy": ("TrainPipelineSparseDist", {"enable_inplace_copy_batch": True}),
 }
 
 
@@ -47,8 +68,8 @@ def main():
     loader = make_dataloader(run.data, info.rank, info.world_size)
     batches = list(loader)
     out = {"variants": {}, "loader_ids": [b.sample_ids.tolist() for b in batches]}
-    for plan in ("serial", "semi_sync", "fused_sparse_dist"):
-        plan_run = load_run(*COMMON, f"pipeline={plan}")
+    for plan, overrides in PLANS.items():
+        plan_run = load_run(*COMMON, *overrides)
         trainer = Trainer(plan_run, training_plan(plan_run), info)
         try:
             summary = trainer.fit(iter(batches), record_steps=True)

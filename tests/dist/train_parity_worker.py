@@ -23,6 +23,9 @@ from recsys_pipe.train import Trainer, build_model, local_parameters, training_p
 
 STEPS = 24
 GA4 = ["trainer.grad_accumulation.steps=4", "trainer.grad_accumulation.warmup_steps=2"]
+START_BATCH = 5
+WARM = f"pipeline.tasks.start_embedding_lookup.options.start_batch={START_BATCH}"
+INPLACE = "pipeline.tasks.h2d.options.inplace_copy=true"
 VARIANTS = {
     "serial": ["pipeline=serial"],
     "sparse_dist": ["pipeline=sparse_dist"],
@@ -35,6 +38,16 @@ VARIANTS = {
     "stale/semi_sync": ["pipeline=semi_sync"],
     "stale/semi_sync/threaded": ["pipeline=semi_sync", "pipeline.executor=threaded", "thread_map=per_task"],
     "stash/semi_sync_stash": ["pipeline=semi_sync_stash"],
+    # synchronous warm-up (torchrec's start_batch): batches 0..5 fresh, then one step stale
+    "warm/semi_sync": ["pipeline=semi_sync", WARM],
+    "warm/semi_sync/threaded": ["pipeline=semi_sync", WARM, "pipeline.executor=threaded", "thread_map=per_task"],
+    "warmstash/semi_sync_stash": ["pipeline=semi_sync_stash", WARM],
+    # gradient accumulation on the stale plan: against torchrec's wrapper around the stale loop
+    "ga4stale/semi_sync": ["pipeline=semi_sync", *GA4],
+    "ga4stale/semi_sync/threaded": ["pipeline=semi_sync", *GA4, "pipeline.executor=threaded"],
+    # in-place batch copy (torchrec's enable_inplace_copy_batch)
+    "inplace/sparse_dist": ["pipeline=sparse_dist", INPLACE],
+    "inplace/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", INPLACE],
     "hstu_sparse_dist/sequential": ["pipeline=hstu_sparse_dist", "pipeline.executor=sequential"],
     "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", "pipeline.executor=threaded"],
     "hstu_prefetch/sequential": ["pipeline=hstu_prefetch", "pipeline.executor=sequential"],
@@ -123,6 +136,11 @@ TORCHREC_PIPELINES = {
         {"enqueue_batch_after_forward": True},
         None,
     ),
+    "torchrec_TrainPipelineSparseDist/enable_inplace_copy_batch": (
+        "TrainPipelineSparseDist",
+        {"enable_inplace_copy_batch": True},
+        None,
+    ),
     "ga4/torchrec_GradientAccumulationWrapper(TrainPipelineSparseDist)": ("TrainPipelineSparseDist", {}, (4, 2)),
     "ga5/torchrec_GradientAccumulationWrapper(TrainPipelineSparseDist)": ("TrainPipelineSparseDist", {}, (5, 1)),
 }
@@ -188,20 +206,21 @@ def main():
 
     # torchrec's TrainPipelineSemiSync cannot run on the CPU (tests/cuda/test_cuda_family.py runs
     # it): the semi_sync plan is compared with a plain loop of the same staleness
-    model, opt = build_model(base, info, loader.dataset.spec)
-    losses, ids = run_stale_embedding_reference(model, opt, batches)
-    out["variants"]["stale/reference"] = {
-        "losses": losses,
-        "sample_ids": ids,
-        "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
+    references = {
+        "stale/reference": {},
+        "stash/reference": {"stash_gradients": True},
+        "warm/reference": {"start_batch": START_BATCH},
+        "warmstash/reference": {"stash_gradients": True, "start_batch": START_BATCH},
+        "ga4stale/reference": {"grad_accumulation": (4, 2)},  # wrapped in torchrec's wrapper
     }
-    model, opt = build_model(base, info, loader.dataset.spec)
-    losses, ids = run_stale_embedding_reference(model, opt, batches, stash_gradients=True)
-    out["variants"]["stash/reference"] = {
-        "losses": losses,
-        "sample_ids": ids,
-        "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
-    }
+    for name, options in references.items():
+        model, opt = build_model(base, info, loader.dataset.spec)
+        losses, ids = run_stale_embedding_reference(model, opt, batches, **options)
+        out["variants"][name] = {
+            "losses": losses,
+            "sample_ids": ids,
+            "params": {k: hash(v.numpy().tobytes()) for k, v in local_parameters(model).items()},
+        }
 
     for name, (cls, options, grad_accumulation) in TORCHREC_PIPELINES.items():
         losses, ids, params = train_torchrec(info, batches, cls, options, grad_accumulation)
