@@ -10,6 +10,7 @@ not timed), side by side in one process group:
   hstu_sparse_dist/threaded    pipeline=hstu_sparse_dist (threaded, thread_map=hstu_default)
   hstu_prefetch/sequential     pipeline=hstu_prefetch pipeline.executor=sequential
   hstu_prefetch/threaded       pipeline=hstu_prefetch (threaded, thread_map=hstu_default)
+  sparse_dist/inplace_copy     sparse_dist with pipeline.tasks.h2d.options.inplace_copy=true
   torchrec_sdd                 torchrec's TrainPipelineSparseDist (custom_model_fwd)
   torchrec_prefetch            torchrec's PrefetchTrainPipelineSparseDist (CUDA only: on the
                                CPU it fails, its caching kernels are CUDA-only)
@@ -17,7 +18,7 @@ not timed), side by side in one process group:
 `--variants` also takes every plan file by its name (conf/pipeline/<name>.yaml: base,
 sparse_dist_lite, sparse_dist_enqueue_after_forward, prefetch, fused_sparse_dist, semi_sync,
 ...) and every torchrec class of the family (`TORCHREC_CLASSES`): torchrec_base,
-torchrec_lite, torchrec_sdd_enqueue_after_forward, and on CUDA torchrec_fused and
+torchrec_lite, torchrec_sdd_enqueue_after_forward, torchrec_sdd_inplace_copy, and on CUDA torchrec_fused and
 torchrec_semi_sync (on the CPU torchrec 1.8 fails in `Tensor.record_stream`: "unknown parameter
 type"). A plan with a torchrec counterpart (`COUNTERPART`) also gets "vs class", the paired
 ratio to that class. The semi_sync plan and class train other numbers (stale embeddings): their
@@ -126,6 +127,7 @@ PLANS: dict[str, tuple[str, ...]] = {
     "hstu_sparse_dist/threaded": ("pipeline=hstu_sparse_dist", "pipeline.executor=threaded"),
     "hstu_prefetch/sequential": ("pipeline=hstu_prefetch", "pipeline.executor=sequential"),
     "hstu_prefetch/threaded": ("pipeline=hstu_prefetch", "pipeline.executor=threaded"),
+    "sparse_dist/inplace_copy": ("pipeline=sparse_dist", "pipeline.tasks.h2d.options.inplace_copy=true"),
 }
 TORCHREC = "torchrec_sdd"
 TORCHREC_PREFETCH = "torchrec_prefetch"
@@ -136,6 +138,7 @@ TORCHREC_CLASSES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "torchrec_base": ("TrainPipelineBase", {}, True),
     "torchrec_lite": ("TrainPipelineSparseDistLite", {}, True),
     "torchrec_sdd_enqueue_after_forward": ("TrainPipelineSparseDist", {"enqueue_batch_after_forward": True}, True),
+    "torchrec_sdd_inplace_copy": ("TrainPipelineSparseDist", {"enable_inplace_copy_batch": True}, True),
     TORCHREC_PREFETCH: ("PrefetchTrainPipelineSparseDist", {}, False),
     "torchrec_fused": ("TrainPipelineFusedSparseDist", {}, False),
     "torchrec_semi_sync": ("TrainPipelineSemiSync", {"start_batch": 0, "stash_gradients": False}, False),
@@ -146,6 +149,7 @@ COUNTERPART = {
     "base": "torchrec_base",
     "sparse_dist_lite": "torchrec_lite",
     "sparse_dist_enqueue_after_forward": "torchrec_sdd_enqueue_after_forward",
+    "sparse_dist/inplace_copy": "torchrec_sdd_inplace_copy",
     "prefetch": TORCHREC_PREFETCH,
     "fused_sparse_dist": "torchrec_fused",
     "semi_sync": "torchrec_semi_sync",
