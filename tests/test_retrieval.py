@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -444,3 +445,47 @@ def test_model_and_data_mismatches_are_config_errors(tmp_path, overrides, path, 
     with pytest.raises(ConfigError) as info:
         load_run(*overrides, *([f"data.path={data}"] if "data=sequences" in overrides else []))
     assert any(p.path == path and fragment in p.message for p in info.value.problems), info.value
+
+
+# -- the reproduction script --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reproduce_games_script_prints_the_table_and_one_json_line(tmp_path):
+    """scripts/reproduce_games.sh end to end on a small "user item" file (2 ranks, 1 SASRec
+    epochs, 1 HSTU epoch): the published rows beside ours, the full-corpus rows, the plot, and a
+    last line of JSON whose dumps recompute its metrics."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    data = _pairs(tmp_path, users=300, items=200)
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "SASREC_EPOCHS": "2",
+        "HSTU_EPOCHS": "1",
+        "EVAL_EPOCHS": "1",
+        "EXTRA": "trainer.tensorboard=false",
+    }
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "reproduce_games.sh"), str(data), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    for row in ("paper                   0.7410   0.5360", "pmixer                  0.7318   0.5308"):
+        assert row in lines
+    assert any(line.startswith("ours sasrec ") and "epoch 1.0" in line for line in lines)
+    assert any(line.startswith("ours hstu full") for line in lines)
+    summary = json.loads(lines[-1])
+    for model in ("sasrec", "hstu"):
+        assert set(summary[model]["sampled"]) == {f"{m}@{k}" for m in ("HR", "NDCG") for k in KS} | {"MRR"}
+        assert summary[model]["full"]["HR@10"] <= summary[model]["sampled"]["HR@10"]
+        assert summary["dump_recomputes"][model] == [True, True]
+        assert Path(summary["dump"][model]).read_text().startswith("user,item,rank_sampled,rank_full\n")
+        assert summary["train_s"][model] >= 1
+    assert (out / "hr10_vs_epoch.png").read_bytes()[:4] == b"\x89PNG"

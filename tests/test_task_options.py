@@ -99,7 +99,9 @@ def _h2d(monkeypatch, inplace: bool):
     pool, log = recording_pool(["default", "memcpy", "data_dist"])
     kept = []
     monkeypatch.setattr(task_module, "_keep_alive", lambda b, ctx: kept.append(b))
-    task = Task.from_fn("h2d", h2d, stream="memcpy", lookahead=2, writes=["batch_gpu"], options=H2DOptions(inplace_copy=inplace))
+    task = Task.from_fn(
+        "h2d", h2d, stream="memcpy", lookahead=2, writes=["batch_gpu"], options=H2DOptions(inplace_copy=inplace)
+    )
     ctx = SimpleNamespace(
         slots=_Slots({BATCH_CPU: batch}),
         state=SimpleNamespace(device=torch.device("cpu"), streams=pool, sparse_dist=None),

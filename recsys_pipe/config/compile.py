@@ -272,9 +272,7 @@ def _resolve(
     return structure_only(tc.fn), spec
 
 
-def _task_options(
-    name: str, tc: TaskConfig, spec: TaskSpec | None, prefix: str, problems: list[ConfigProblem]
-) -> Any:
+def _task_options(name: str, tc: TaskConfig, spec: TaskSpec | None, prefix: str, problems: list[ConfigProblem]) -> Any:
     """The task's `options:`, validated by its registered options model (an instance of it, with
     the model's defaults for keys the plan leaves out); a function that is not registered gets
     the mapping as written, or None without options."""

@@ -8,7 +8,6 @@ flight and which batch each task touches in each internal iteration.
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
 
 from recsys_pipe.config.compile import CompiledPlan

@@ -101,7 +101,7 @@ class TaskConfig(Section):
     nvtx_tag: StrictStr | None = Field(None, description="NVTX range label (default: the task name)")
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="the task function's own settings, e.g. h2d's inplace_copy (a registered task refuses unknown ones)",
+        description="the task function's own settings, e.g. h2d's inplace_copy (checked by a registered task)",
     )
 
 

@@ -52,7 +52,8 @@ def _dataclass_of(model: type[BaseModel], overrides: dict[str, Any] | None = Non
 # command line or `load_run` without `+`: which keys a task has depends on its function, and the
 # plan compiler checks them against the task's registered options model, with their paths.
 _TaskSkeleton = _dataclass_of(
-    TaskConfig, {"options": (Any, dataclasses.field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False})))}
+    TaskConfig,
+    {"options": (Any, dataclasses.field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False})))},
 )
 _ThreadMapSkeleton = _dataclass_of(ThreadMapConfig, {"map": (dict[str, Any], dataclasses.field(default_factory=dict))})
 _PlanSkeleton = _dataclass_of(

@@ -77,7 +77,7 @@ ENTRY_POINT_GROUP = "recsys_pipe.tasks"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 F = TypeVar("F", bound=Callable[..., Any])
-O = TypeVar("O", bound=BaseModel)
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
 
 class Need(enum.Enum):
@@ -252,7 +252,7 @@ def task(
     return register
 
 
-def task_options(ctx: Any, model: type[O]) -> O:
+def task_options(ctx: Any, model: type[OptionsT]) -> OptionsT:
     """The validated `options` of the running task (`ctx.task.options`), or `model()`'s defaults
     when the task was built without them (e.g. `Task.from_fn` in a test)."""
     options = ctx.task.options

@@ -71,7 +71,9 @@ class SASRecEncoder(nn.Module):
         self.scale = d**0.5
         self.position = nn.Embedding(n + 1, d, padding_idx=0)  # 0: padding
         self.dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(SASRecBlock(d, cfg.num_heads, cfg.dropout, cfg.norm_first) for _ in range(cfg.num_blocks))
+        self.blocks = nn.ModuleList(
+            SASRecBlock(d, cfg.num_heads, cfg.dropout, cfg.norm_first) for _ in range(cfg.num_blocks)
+        )
         self.final_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
         self.register_buffer("causal", ~torch.ones(n, n, dtype=torch.bool).tril(), persistent=False)
         for p in self.parameters():  # the reference code's initialisation: Xavier-normal wherever it applies

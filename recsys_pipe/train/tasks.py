@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from pydantic import Field, StrictBool
 
 from recsys_pipe.config.schema import Section

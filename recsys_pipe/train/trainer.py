@@ -269,8 +269,9 @@ class Trainer:
     def fit(self, batches: Iterator | None = None, record_steps: bool = False) -> TrainSummary:
         """Train `trainer.epochs` epochs (capped by `trainer.max_steps`) from the current
         position; evaluate every `trainer.eval_every` steps, at the end of every
-        `trainer.eval_epochs`-th epoch, before the first step and after the last; checkpoint every `trainer.checkpoint.interval` steps, at the end,
-        and when a SIGTERM asks to stop (then on every rank after the same step).
+        `trainer.eval_epochs`-th epoch, before the first step and after the last; checkpoint
+        every `trainer.checkpoint.interval` steps, at the end, and when a SIGTERM asks to stop
+        (then on every rank after the same step).
 
         The loss is read back to the host only at log steps (and, with `record_steps`, every
         step): reading it every step would make the host wait for the device each iteration
