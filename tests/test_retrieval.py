@@ -454,7 +454,7 @@ def test_model_and_data_mismatches_are_config_errors(tmp_path, overrides, path, 
 @pytest.mark.timeout(300)
 def test_reproduce_games_script_prints_the_table_and_one_json_line(tmp_path):
     """scripts/reproduce_games.sh end to end on a small "user item" file (2 ranks, 1 SASRec
-    epochs, 1 HSTU epoch): the published rows beside ours, the full-corpus rows, the plot, and a
+    epoch, 1 HSTU epoch): the published rows beside ours, the full-corpus rows, the plot, and a
     last line of JSON whose dumps recompute its metrics."""
     import subprocess
 
