@@ -1214,6 +1214,25 @@ def test_an_undeclared_collective_is_a_plan_error_not_a_gloo_abort(tmp_path):
     assert _status(run_dir)["exit_code"] == 2
 
 
+def test_ctrl_c_raises_until_a_failure_is_being_handled_then_is_recorded():
+    """runtime.CtrlC: a Ctrl-C is Python's KeyboardInterrupt, but once a failure is being handled
+    (a collective broke because a peer stopped on the same Ctrl-C) it is recorded instead, so
+    the rank reports the interruption rather than a second exception inside its error handling."""
+    from recsys_pipe.runtime import CtrlC
+
+    before = signal.getsignal(signal.SIGINT)
+    with CtrlC() as ctrl_c, pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # interrupted well before
+    assert ctrl_c.seen
+    with CtrlC() as ctrl_c:
+        assert ctrl_c.during_failure() is False
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # no KeyboardInterrupt
+        assert ctrl_c.during_failure() is True
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_ctrl_c_under_torchrun_stops_every_rank_with_130(tmp_path):

@@ -22,6 +22,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -29,7 +30,8 @@ from recsys_pipe.cli._hydra import hydra_app, report_config_error
 from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.launch import Launch
 from recsys_pipe.config import ConfigError
-from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in
+from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
+from recsys_pipe.runtime.preemption import CtrlC
 from recsys_pipe.runtime.session import RunSession
 
 __all__ = ["main", "run", "train_task"]
@@ -60,22 +62,24 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
 
     run, info = launch.run, session.info
     trainer = None
+    ctrl_c = CtrlC()
     try:
-        trainer = Trainer(
-            run, launch.plan, info, session.run_dir, data=launch.data, stop=session.stop, health=session.health
-        )
-        if resume is not None:
-            trainer.restore(str(resume))
-        elif run.trainer.resume_from == "latest" and info.is_main:
-            log.info("trainer.resume_from=latest: no checkpoint under %s, starting from step 0", run.trainer.output_dir)
-        summary = trainer.fit()
+        with ctrl_c:
+            trainer = Trainer(
+                run, launch.plan, info, session.run_dir, data=launch.data, stop=session.stop, health=session.health
+            )
+            if resume is not None:
+                trainer.restore(str(resume))
+            elif run.trainer.resume_from == "latest" and info.is_main:
+                log.info(
+                    "trainer.resume_from=latest: no checkpoint under %s, starting from step 0", run.trainer.output_dir
+                )
+            summary = trainer.fit()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
-        code = session.interrupted(trainer.step if trainer is not None else 0)
-        if trainer is not None:
-            trainer.close()
-        return code
+        return _interrupted(session, trainer)
     except BaseException as exc:  # every failure is recorded, then the rank exits
+        if ctrl_c.during_failure() and is_communication_error(exc):  # a peer that stopped on the same Ctrl-C
+            return _interrupted(session, trainer)
         bad_input = config_error_in(exc)  # found late: a checkpoint that does not fit, an undeclared collective
         if bad_input is not None:
             report_config_error(bad_input, PROG, started=True)
@@ -94,6 +98,14 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
         checkpoint=summary.checkpoint,
         eval=last_eval,
     )
+
+
+def _interrupted(session: RunSession, trainer: Any) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
+    code = session.interrupted(trainer.step if trainer is not None else 0)
+    if trainer is not None:
+        trainer.close()
+    return code
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -27,6 +27,7 @@ _EXPORTS = {
     "PeerFailure": "health",
     "PeerHealth": "health",
     "setup_logging": "logs",
+    "CtrlC": "preemption",
     "StopRequest": "preemption",
     "check_output_dir": "rundir",
     "check_unused": "rundir",

@@ -24,7 +24,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-__all__ = ["StopRequest"]
+__all__ = ["CtrlC", "StopRequest"]
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +107,45 @@ class StopRequest:
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+
+class CtrlC:
+    """Ctrl-C (SIGINT) as Python's own KeyboardInterrupt, except while a failure is being handled.
+
+    Why: under torchrun a Ctrl-C reaches every rank, and the first rank to stop closes its
+    connections, so another rank blocked in a collective can fail ("Connection closed by peer")
+    before its own Ctrl-C is handled: the interpreter runs that handler only when the failed call
+    returns, and raising then would break out of the failure handling. `during_failure()` turns
+    the handler off (a Ctrl-C is then only recorded), lets a pending one run, and says whether one
+    arrived, so that rank reports the interruption, as the others do.
+
+    Use as a context manager on the main thread; elsewhere it installs nothing.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._recording = False
+        self._previous: object = None
+        self._installed = False
+
+    def __enter__(self) -> CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_signal)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed and signal.getsignal(signal.SIGINT) == self._on_signal:
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.seen = True
+        if not self._recording:
+            raise KeyboardInterrupt
+
+    def during_failure(self) -> bool:
+        """Called first thing when handling a failure: whether a Ctrl-C arrived (a pending one is
+        handled now, and recorded instead of raised)."""
+        self._recording = True
+        time.sleep(0)  # a call: the interpreter runs pending signal handlers after it
+        return self.seen
