@@ -198,6 +198,22 @@ def test_plan_yaml_loads_back_as_the_same_plan(tmp_path):
     assert simulate(compiled.schedule, costs, dict(compiled.thread_of)).iteration_s == result.best_s
 
 
+def test_plan_yaml_keeps_task_options():
+    """A tuned semi_sync plan written back keeps its lookups' options (which batches each looks
+    up): without them both lookups would do every batch."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML comes with omegaconf")
+    from recsys_pipe.config import compile_plan
+    from recsys_pipe.testing import load_run
+
+    plan = load_run("pipeline=semi_sync", "pipeline.tasks.start_embedding_lookup.options.start_batch=7").pipeline
+    compiled = compile_plan(plan)
+    text = plan_yaml(compiled.schedule, compiled.fn_paths(), settings={"torchrec_context": "semi_sync"})
+    again = compile_plan(yaml.safe_load(text))
+    before = {t.name: t.options for t in compiled.order}
+    assert {t.name: t.options for t in again.order} == before
+    assert before["start_embedding_lookup_synced"].start_batch == 7
+
+
 def test_plan_yaml_writes_every_dependency_form():
     from recsys_pipe.engine import DataSlot
 

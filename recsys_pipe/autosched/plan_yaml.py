@@ -130,6 +130,11 @@ def _task_fields(task: Task, fn: str, thread: str | None) -> list[tuple[str, str
         fields.append(("thread", _scalar(thread)))
     if task.nvtx_tag is not None:
         fields.append(("nvtx_tag", _scalar(task.nvtx_tag)))
+    options = task.options
+    if options is not None and hasattr(options, "model_dump"):  # a registered task's options model
+        options = options.model_dump(mode="json", exclude_unset=True)
+    if options:
+        fields.append(("options", json.dumps(options)))  # JSON: a YAML flow mapping
     return fields
 
 
