@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +27,13 @@ PUBLISHED = {
     "pmixer": {"HR@10": 0.7318, "NDCG@10": 0.5308},
     "pmixer pre-LN": {"HR@10": 0.7442, "NDCG@10": 0.5376},
 }
+#: the reproduction's target on the test split (sampled protocol)
+TARGET = {"HR@10": 0.73, "NDCG@10": 0.52}
+
+
+def crossing(curve: list[tuple[float, float, float]], column: int, level: float) -> float | None:
+    """The first epoch at which `curve`'s column (1: validation, 2: test HR@10) reaches `level`."""
+    return next((point[0] for point in curve if point[column] >= level), None)
 
 
 def evaluations(run: Path) -> list[dict]:
@@ -37,6 +46,14 @@ def steps_per_epoch(run: Path) -> int | None:
         if "epoch 1/" in line and "done at step" in line:
             return int(line.rsplit("step", 1)[1])
     return None
+
+
+def samples_per_s(run: Path) -> float | None:
+    """Median training throughput of the run's log windows (`step N | ... | X samples/s`; the
+    median leaves out the few windows an evaluation fell in)."""
+    log = run / "train.log"
+    rates = [float(m) for m in re.findall(r"\| ([0-9.]+) samples/s \|", log.read_text())] if log.exists() else []
+    return statistics.median(rates) if rates else None
 
 
 def summarise(run: Path) -> dict:
@@ -71,6 +88,7 @@ def summarise(run: Path) -> dict:
                 out[f"dump_recomputes_{protocol}"] = retrieval_metrics(ranks) == out[protocol]
     seconds = run / "train_seconds"
     out["train_s"] = int(seconds.read_text()) if seconds.exists() else None
+    out["samples_per_s"] = samples_per_s(run)
     return out
 
 
@@ -88,6 +106,12 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     for name, ref in PUBLISHED.items():
         ax.axhline(ref["HR@10"], color="grey", lw=0.8, ls=":")
         ax.text(0, ref["HR@10"], f" {name} {ref['HR@10']}", fontsize=7, va="bottom")
+    ax.axhline(TARGET["HR@10"], color="red", lw=0.8, ls="--")
+    for name, s in runs.items():
+        epoch = crossing(s["curve"], 2, TARGET["HR@10"])
+        if epoch is not None:
+            ax.axvline(epoch, color="red", lw=0.6, ls=":")
+            ax.text(epoch, TARGET["HR@10"], f" {name} test >= {TARGET['HR@10']} at {epoch:g}", fontsize=7)
     ax.set_xlabel("epoch")
     ax.set_ylabel("HR@10 (100 sampled negatives)")
     ax.legend(fontsize=7)
@@ -105,7 +129,8 @@ def main(out_dir: str) -> None:
         m = s["sampled"]
         print(
             f"{'ours ' + name:22} {m['HR@10']:7.4f} {m['NDCG@10']:8.4f}   epoch {s['selected_epoch']} "
-            f"(best validation HR@10 of {s['epochs_evaluated']} epochs), {s['train_s']} s"
+            f"(best validation HR@10 of {s['epochs_evaluated']} evaluations), {s['train_s']} s, "
+            f"{s['samples_per_s']} samples/s training"
         )
     for name, s in runs.items():
         if s["full"]:
@@ -114,12 +139,31 @@ def main(out_dir: str) -> None:
                 f"{'ours ' + name + ' full':22} {f['HR@10']:7.4f} {f['NDCG@10']:8.4f}   full corpus; HR@50 "
                 f"{f['HR@50']:.4f} HR@200 {f['HR@200']:.4f} NDCG@200 {f['NDCG@200']:.4f}"
             )
+    for name, s in runs.items():
+        m, epoch = s["sampled"], crossing(s["curve"], 2, TARGET["HR@10"])
+        met = all(m[k] >= v for k, v in TARGET.items())
+        where = (
+            f"test HR@10 first >= {TARGET['HR@10']} at epoch {epoch:g}"
+            if epoch is not None
+            else (f"test HR@10 never reached {TARGET['HR@10']} (best {max(c[2] for c in s['curve']):.4f})")
+        )
+        print(
+            f"{name}: target HR@10 >= {TARGET['HR@10']}, NDCG@10 >= {TARGET['NDCG@10']}: "
+            f"{'met' if met else 'NOT met'} at the selected epoch; {where}"
+        )
+        s["target_met"], s["test_crosses_at_epoch"] = met, epoch
     if runs:
         plot(runs, root / "hr10_vs_epoch.png")
         print(f"plot: {root / 'hr10_vs_epoch.png'}")
     summary = {
-        **{name: {k: s[k] for k in ("sampled", "full", "selected_epoch", "users")} for name, s in runs.items()},
+        **{
+            name: {
+                k: s[k] for k in ("sampled", "full", "selected_epoch", "users", "target_met", "test_crosses_at_epoch")
+            }
+            for name, s in runs.items()
+        },
         "train_s": {name: s["train_s"] for name, s in runs.items()},
+        "samples_per_s": {name: s["samples_per_s"] for name, s in runs.items()},
         "dump": {name: str(root / name / "eval_dump.csv") for name in runs},
         "dump_recomputes": {
             name: [s.get("dump_recomputes_sampled"), s.get("dump_recomputes_full")] for name, s in runs.items()
