@@ -98,20 +98,31 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s in runs.items():
         epochs = [c[0] for c in s["curve"]]
         ax.plot(epochs, [c[1] for c in s["curve"]], label=f"{name} validation")
         ax.plot(epochs, [c[2] for c in s["curve"]], "--", label=f"{name} test")
-    for name, ref in PUBLISHED.items():
-        ax.axhline(ref["HR@10"], color="grey", lw=0.8, ls=":")
-        ax.text(0, ref["HR@10"], f" {name} {ref['HR@10']}", fontsize=7, va="bottom")
-    ax.axhline(TARGET["HR@10"], color="red", lw=0.8, ls="--")
+    levels = {**{f"{name} {ref['HR@10']}": ref["HR@10"] for name, ref in PUBLISHED.items()}}
+    levels[f"target {TARGET['HR@10']}"] = TARGET["HR@10"]
+    for k, (label, level) in enumerate(sorted(levels.items(), key=lambda item: item[1])):
+        ax.axhline(level, color="red" if label.startswith("target") else "grey", lw=0.8, ls=":")
+        # labels at the right, moved apart so that close levels stay readable
+        ax.annotate(
+            label,
+            (1.0, level),
+            xytext=(4, 9 * k - 13),
+            textcoords="offset points",
+            xycoords=("axes fraction", "data"),
+            fontsize=7,
+            va="center",
+        )
     for name, s in runs.items():
         epoch = crossing(s["curve"], 2, TARGET["HR@10"])
         if epoch is not None:
             ax.axvline(epoch, color="red", lw=0.6, ls=":")
             ax.text(epoch, TARGET["HR@10"], f" {name} test >= {TARGET['HR@10']} at {epoch:g}", fontsize=7)
+    ax.set_ylim(0.5, 0.8)  # the first evaluations (~0.1, before training) lie below
     ax.set_xlabel("epoch")
     ax.set_ylabel("HR@10 (100 sampled negatives)")
     ax.legend(fontsize=7)
