@@ -2,8 +2,9 @@
 DLRM and DLRM_DCN, the plain-torch DLRM under DDP, torchrec's sharding planner, the balanced
 batch shuffler, and the retrieval models (SASRec, HSTU retrieval). Within each group every plan
 trains bitwise the same losses, batches and final parameters as the group's reference (serial,
-or serial_balanced for the balanced plans); DLRM also matches torchrec's own
-TrainPipelineSparseDist. See test_train_parity for why bitwise.
+or serial_balanced for the balanced plans); DLRM, and SASRec with its item table on the dense
+kernel (Adam), also match torchrec's own TrainPipelineSparseDist. See test_train_parity for why
+bitwise.
 """
 
 from pathlib import Path
@@ -23,6 +24,7 @@ SAME_AS_REFERENCE = [
     "dlrm_torch",
     "balanced",
     "sasrec",
+    "sasrec_dense",
     "hstu_retrieval",
 ]
 
@@ -47,13 +49,20 @@ def test_every_plan_matches_its_reference_bitwise(ranks, group):
             assert variant["sample_ids"] == ref["sample_ids"], f"{group}/{name}: trained other samples"
 
 
-def test_dlrm_matches_torchrec_train_pipeline(ranks):
+@pytest.mark.parametrize("group", ["dlrm", "sasrec_dense"])
+def test_matches_torchrec_train_pipeline(ranks, group):
     for data in ranks:
-        variants = data["dlrm"]["variants"]
+        variants = data[group]["variants"]
         assert "torchrec_TrainPipelineSparseDist" in variants
         assert variants["torchrec_TrainPipelineSparseDist"]["losses"] == variants["serial"]["losses"]
         assert variants["torchrec_TrainPipelineSparseDist"]["params"] == variants["serial"]["params"]
-        assert data["dlrm"]["variants"]["serial"]["sample_ids"] == data["dlrm"]["loader_ids"]
+        assert variants["serial"]["sample_ids"] == data[group]["loader_ids"]
+
+
+def test_the_dense_kernel_trains_the_item_table_otherwise_than_the_fused_one(ranks):
+    """Same batches, Adam on the table instead of fbgemm's fused update: other losses."""
+    for data in ranks:
+        assert data["sasrec_dense"]["variants"]["serial"]["losses"] != data["sasrec"]["variants"]["serial"]["losses"]
 
 
 def test_unbalanced_groups_train_the_loaded_batches(ranks):

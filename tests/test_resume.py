@@ -88,6 +88,25 @@ def test_epochs_train_every_batch_once_in_order_across_the_boundary(plain):
         assert ref["loader_ids"][20] != ref["loader_ids"][0]  # epoch 2 is reshuffled
 
 
+def test_dense_kernel_tables_resume_bitwise_with_their_sharded_adam_moments(plain):
+    """`model.compute_kernel=dense`, row-wise: Adam updates the tables, so its moments for them
+    are per-rank rows. The checkpoint holds them at the table's whole size (both ranks' rows, not
+    one rank's copy) and the resumed run continues bitwise; the kernel switch does change the
+    training (another optimizer for the tables)."""
+    _, ranks = plain
+    for data in ranks:
+        dense = data["dense_kernel"]
+        assert len(dense["ref_losses"]) == 30
+        assert dense["losses"] == dense["ref_losses"]
+        assert dense["params"] == dense["ref_params"]
+        assert dense["ref_losses"] != data["reference"]["losses"]
+        assert dense["tables"] and len(dense["moments"]) == len(dense["tables"])
+        for table_key, size in dense["tables"].items():
+            fqn = table_key.removeprefix("train.model.")
+            (moment,) = [m for m in dense["moments"] if fqn in m]
+            assert dense["moments"][moment] == size
+
+
 def test_resume_without_rng_state_is_not_bitwise(plain):
     """Negative control: dropout draws from the RNG, so its restored state is what keeps the
     resumed run bitwise above."""

@@ -91,6 +91,11 @@ class ShardedModelConfig(ModelConfig):
         description="model.sharding=planner only: {table: [allowed sharding types]}, types from row_wise, "
         "column_wise, table_wise, table_row_wise, data_parallel (null: none)",
     )
+    compute_kernel: Literal["fused", "dense"] = Field(
+        "fused",
+        description="fused: fbgemm updates the tables inside backward with optimizer.sparse; dense: torchrec's dense "
+        "kernel, the tables get gradients and the dense optimizer (optimizer.*) updates them with the other weights",
+    )
 
     @field_validator("sharding_constraints", mode="before")
     @classmethod
@@ -104,6 +109,11 @@ class ShardedModelConfig(ModelConfig):
             raise ValueError(
                 f"sharding_constraints are used by torchrec's planner only (model.sharding is '{self.sharding}'); "
                 "set model.sharding=planner"
+            )
+        if self.compute_kernel == "dense" and self.sharding == "planner":
+            raise ValueError(
+                "compute_kernel=dense needs a hand-built plan (model.sharding=row_wise or table_wise): torchrec's "
+                "planner offers the dense kernel for data_parallel tables only"
             )
         empty = [table for table, types in self.sharding_constraints.items() if not types]
         if empty:

@@ -16,9 +16,15 @@ with the planner's message as a config error. (The planner is deterministic give
 topology and constraints: it does not read the devices.)
 
 data_parallel `EmbeddingCollection` tables do not work on CPU in torchrec, so on CPU the planner
-is not offered that choice and a constraint asking for it is refused. Embedding tables get
-their optimizer fused into the backward (fbgemm updates rows during `backward`); the dense rest
-of the model is wrapped by DMP's default DDP (works on CPU with gloo).
+is not offered that choice and a constraint asking for it is refused.
+
+`model.compute_kernel` picks torchrec's kernel for every table: `fused` (default) fuses the table
+optimizer (`optimizer.sparse`) into the backward (fbgemm updates rows during `backward`);
+`dense` gives the tables ordinary gradients, so the dense optimizer updates them with the rest of
+the model (e.g. Adam, which fbgemm does not fuse on CPU). The dense kernel comes with the
+hand-built plans only: torchrec's planner offers it for data_parallel tables alone. The dense
+rest of the model is wrapped by DMP's default DDP (works on CPU with gloo); the sharded tables
+are not part of it.
 """
 
 from __future__ import annotations
@@ -124,7 +130,12 @@ def sharding_plan(
             )
         per_table = {}
         for name in _tables(module):
-            per_table[name] = table_wise(rank=position % world_size) if cfg.sharding == "table_wise" else row_wise()
+            kernel = cfg.compute_kernel
+            per_table[name] = (
+                table_wise(rank=position % world_size, compute_kernel=kernel)
+                if cfg.sharding == "table_wise"
+                else row_wise(compute_kernel=kernel)
+            )
             position += 1
         plan[fqn] = construct_module_sharding_plan(
             module,
@@ -211,11 +222,11 @@ def make_sharded_model(
     embedding_optimizer_kwargs: Mapping[str, Any] | None = None,
 ) -> DistributedModelParallel:
     """Wrap `model` (built identically on every rank) in DMP over `pg`, its tables sharded by
-    `cfg.sharding`.
+    `cfg.sharding` on `cfg.compute_kernel`.
 
-    `embedding_optimizer` must be one torchrec maps to an fbgemm fused optimizer
-    (`torch.optim.SGD`, `Adagrad`, `Adam` or `torchrec.optim.RowWiseAdagrad`).
-    Works for world size 1 and up.
+    `embedding_optimizer` (fused kernel only) must be one torchrec maps to an fbgemm fused
+    optimizer (`torch.optim.SGD`, `Adagrad`, `Adam` or `torchrec.optim.RowWiseAdagrad`; on CPU
+    not Adam). Works for world size 1 and up.
     """
     modules = embedding_modules(model)
     if not modules:
@@ -226,15 +237,21 @@ def make_sharded_model(
                 "EmbeddingBagCollection: give its builder a ModelConfig (plain torch tables, DDP) instead",
             )
         )
-    optimize_tables_in_backward(model, embedding_optimizer, embedding_optimizer_kwargs)
+    if cfg.compute_kernel == "fused":
+        optimize_tables_in_backward(model, embedding_optimizer, embedding_optimizer_kwargs)
     plan = sharding_plan(model, cfg, pg.size(), device.type, batch_size=batch_size)
-    return DistributedModelParallel(
+    sharded = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg),
         device=device,
         plan=plan,
         sharders=[EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()],
     )
+    if cfg.compute_kernel == "dense" and device.type == "cpu":
+        from recsys_pipe.models.cpu_dense_lookup import use_unpooled_cpu_lookups
+
+        use_unpooled_cpu_lookups(sharded)
+    return sharded
 
 
 def make_optimizer(
@@ -243,8 +260,9 @@ def make_optimizer(
         params, lr=1e-3
     ),
 ) -> CombinedOptimizer:
-    """Dense optimizer over the non-embedding parameters combined with DMP's fused embedding
-    optimizer, so `zero_grad`/`step` cover the whole model (the fused part's `step` is a
-    no-op: its update already happened in backward)."""
+    """Dense optimizer over every parameter not updated in backward (the dense network, and the
+    tables on the dense kernel) combined with DMP's fused embedding optimizer, so
+    `zero_grad`/`step` cover the whole model (the fused part's `step` is a no-op: its update
+    already happened in backward)."""
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), dense_optimizer)
     return CombinedOptimizer([model.fused_optimizer, dense])

@@ -119,7 +119,8 @@ def describe_model(run: RunConfig, plan: CompiledPlan, world_size: int, local_si
         spec = run.data.spec()
         with torch.device("meta"):
             module = run.model.build(spec)
-        optimize_tables_in_backward(module, *sparse_optimizer(run.optimizer.sparse))  # as in training
+        if run.model.compute_kernel == "fused":  # as in training
+            optimize_tables_in_backward(module, *sparse_optimizer(run.optimizer.sparse))
         sharding = sharding_plan(module, run.model, world_size, device_type, local_size, batch_size=run.data.batch_size)
         lines.append(
             f"model: {run.model.label} (torchrec tables, model.sharding={run.model.sharding}; sharding plan for "

@@ -189,10 +189,14 @@ class TrainOptimizer:
     """The model's optimizer as the tasks use it: torchrec's combined optimizer (fused embedding
     part + dense part) for sharded models, the dense torch optimizer alone for plain ones.
 
-    `step()` clips the dense gradients (`optimizer.clip_grad_norm`), steps, then advances the
-    dense learning-rate schedule (torch `LambdaLR` over `LrSchedule`). The embedding tables keep
-    their own fixed learning rate: their update is fused into backward. `state_dict()` holds what
-    a checkpoint needs: the optimizer state and the scheduler's.
+    `step()` clips the dense network's gradients (`optimizer.clip_grad_norm`), steps, then
+    advances the dense learning-rate schedule (torch `LambdaLR` over `LrSchedule`). Tables on the
+    fused kernel keep their own fixed learning rate: their update is fused into backward. Tables
+    on the dense kernel (`model.compute_kernel=dense`) are stepped and scheduled with the dense
+    optimizer but never clipped: each rank holds other rows, so a norm over them would differ
+    between ranks and so would the clipped replicas. `state_dict()` holds what a checkpoint needs:
+    the optimizer state and the scheduler's; the state of a sharded table (e.g. its Adam moments)
+    is a `ShardedTensor` laid out like the table, so DCP saves every rank's rows (and reshards).
     """
 
     def __init__(self, optimizer: Any, cfg: OptimizerConfig, total_steps: int, model: torch.nn.Module):
@@ -209,7 +213,12 @@ class TrainOptimizer:
             self.dense = dense[0]
         else:
             self.dense = optimizer
-        self.dense_params = [p for group in self.dense.param_groups for p in group["params"]]
+        #: the table parameters the dense optimizer updates, by key, with the table as the model's
+        #: state_dict holds it (a ShardedTensor: the layout their optimizer state is saved in)
+        self.sharded_tables = _sharded_tables(self.dense, model) if self.keyed else {}
+        tables = {id(self.dense.params[key]) for key in self.sharded_tables}
+        #: the parameters gradient clipping covers: the dense network's
+        self.dense_params = [p for group in self.dense.param_groups for p in group["params"] if id(p) not in tables]
         self.max_grad_norm = cfg.clip_grad_norm
         schedule = LrSchedule(cfg.schedule, cfg.warmup_steps, cfg.decay_steps or total_steps, cfg.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.dense, schedule)
@@ -239,6 +248,10 @@ class TrainOptimizer:
         made state (e.g. Adam moments) created, so a checkpoint can be loaded into it in place."""
         if self.keyed:
             optim_state = self.optimizer.state_dict()
+            for key, table in self.sharded_tables.items():
+                moments = optim_state["state"].get(key, {})
+                for name, value in moments.items():
+                    moments[name] = _like_table(value, table)
         else:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -257,6 +270,10 @@ class TrainOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.keyed:
+            for key in self.sharded_tables:  # DCP loaded into the shards, which are the state's tensors
+                moments = state["optimizer"]["state"].get(key, {})
+                for name, value in moments.items():
+                    moments[name] = _local(value)
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
@@ -266,3 +283,40 @@ class TrainOptimizer:
         # the scheduler restores its step, not the optimizer's lr: set the lr of the next step
         for group, lr in zip(self.dense.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
+
+
+def _sharded_tables(dense: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """The dense optimizer's parameters that the model's state_dict holds as a `ShardedTensor`:
+    tables on torchrec's dense kernel. Each has at most one shard per rank."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    model_state = model.state_dict()
+    tables = {key: model_state[key] for key in dense.params if isinstance(model_state.get(key), ShardedTensor)}
+    for key, table in tables.items():
+        if len(table.local_shards()) > 1:
+            raise NotImplementedError(
+                f"table {key}: {len(table.local_shards())} shards on one rank; the dense kernel's optimizer state "
+                "is saved for one shard per rank (use model.sharding=row_wise or table_wise)"
+            )
+    return tables
+
+
+def _like_table(value: Any, table: Any) -> Any:
+    """`value` (a state tensor of a sharded table's local shard, e.g. an Adam moment) as a
+    `ShardedTensor` with the table's layout, sharing `value`'s storage (so DCP loads in place);
+    anything else (a step count) unchanged."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = table.local_shards()
+    if not isinstance(value, torch.Tensor) or not shards or value.shape != shards[0].tensor.shape:
+        return value
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        [Shard(value, shards[0].metadata)], table.metadata()
+    )
+
+
+def _local(value: Any) -> Any:
+    """The local tensor of a `ShardedTensor` made by `_like_table`; anything else unchanged."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value

@@ -91,6 +91,15 @@ GROUPS = {
             "hstu_prefetch_balanced/threaded": ["pipeline=hstu_prefetch_balanced"],
         },
     ),
+    # the item table on torchrec's dense kernel, updated by Adam with the encoder (SASRec's setup)
+    "sasrec_dense": (
+        [*RETRIEVAL, "model=sasrec", "model.compute_kernel=dense", "model.sharding=row_wise", "optimizer=adam"],
+        {
+            "serial": ["pipeline=serial"],
+            "sparse_dist": ["pipeline=sparse_dist"],
+            "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
+        },
+    ),
     "hstu_retrieval": (
         [*RETRIEVAL, "model=hstu_retrieval", "model.num_negatives=32", "model.sharding=row_wise"],
         {
@@ -167,7 +176,7 @@ def main():
         result = {"loader_ids": [b.sample_ids.tolist() for b in batches], "variants": {}}
         for name, overrides in variants.items():
             result["variants"][name] = train_variant(info, [*common, *overrides], batches)
-        if group == "dlrm":
+        if group in ("dlrm", "sasrec_dense"):
             result["variants"]["torchrec_TrainPipelineSparseDist"] = train_torchrec(info, common, batches)
         out[group] = result
 

@@ -47,6 +47,9 @@ PLANS = {
     "hstu_prefetch": ["pipeline=hstu_prefetch"],
     "hstu_prefetch/async": ["pipeline=hstu_prefetch", "trainer.checkpoint.async=true"],
 }
+#: the tables on torchrec's dense kernel, split by rows: Adam (the dense optimizer) updates them,
+#: and its moments for the tables are sharded state that every rank must save and get back
+DENSE_KERNEL = ["pipeline=hstu_prefetch", "model.compute_kernel=dense", "model.sharding=row_wise"]
 
 
 def trainer(info, run_dir, *overrides):
@@ -104,6 +107,7 @@ def main(out):
             "num_params": len(params),
             "stop": second.stop_reason,
         }
+    result["dense_kernel"] = dense_kernel(info, out)
     # negative control: the same checkpoint without its RNG states must not resume bitwise
     # (dropout draws from them), or the comparison above would not show they are restored
     no_rng = os.path.join(out, "no_rng")
@@ -117,6 +121,32 @@ def main(out):
         json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def dense_kernel(info, out):
+    """Uninterrupted 30 steps vs 15 + resume + 15 with the tables on the dense kernel; also the
+    global shapes under which the checkpoint holds the tables' Adam moments."""
+    from recsys_pipe.train.checkpoint import read_metadata
+
+    ref, ref_params = fit(trainer(info, None, *DENSE_KERNEL, "trainer.max_steps=30"))
+    run_dir = os.path.join(out, "dense_kernel")
+    first, _ = fit(trainer(info, run_dir, *DENSE_KERNEL, "trainer.max_steps=15", "trainer.checkpoint.interval=15"))
+    dist.barrier()
+    path = resolve_resume(run_dir, "unused")
+    second, params = fit(trainer(info, None, *DENSE_KERNEL, "trainer.max_steps=30"), restore=str(path))
+    saved = read_metadata(path).state_dict_metadata
+    moments = {key: list(meta.size) for key, meta in saved.items() if key.endswith("exp_avg") and "embeddings" in key}
+    tables = {
+        key: list(meta.size) for key, meta in saved.items() if key.startswith("train.model.") and "embeddings" in key
+    }
+    return {
+        "ref_losses": ref.losses,
+        "ref_params": digest(ref_params),
+        "losses": first.losses + second.losses,
+        "params": digest(params),
+        "moments": moments,
+        "tables": tables,
+    }
 
 
 def reshard(checkpoint, out):
