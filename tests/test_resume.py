@@ -208,7 +208,8 @@ def reference(tmp_path_factory):
     return _run_dir(out)
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# the serial plan and the most pipelined one; the in-process resume above covers every plan
+@pytest.mark.parametrize("plan", ["serial", "hstu_prefetch"])
 def test_sigkill_between_checkpoints_then_resume_is_bitwise(plan, reference, tmp_path):
     killed = _torchrun(
         f"pipeline={plan}",
