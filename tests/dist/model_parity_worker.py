@@ -79,26 +79,20 @@ GROUPS = {
             "hstu_prefetch_balanced/per_task": ["pipeline=hstu_prefetch_balanced", "thread_map=per_task"],
         },
     ),
+    # the thread maps and the other balanced plans are exercised on DLRM and HSTU above
     "sasrec": (
         [*RETRIEVAL, "model=sasrec"],
         {
             "serial": ["pipeline=serial"],
             "sparse_dist": ["pipeline=sparse_dist"],
-            "hstu_sparse_dist/threaded": ["pipeline=hstu_sparse_dist", *THREADED],
             "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
-            "hstu_prefetch/per_task": ["pipeline=hstu_prefetch", *THREADED, "thread_map=per_task"],
             "serial_balanced": ["pipeline=serial_balanced"],
-            "hstu_prefetch_balanced/threaded": ["pipeline=hstu_prefetch_balanced"],
         },
     ),
     # the item table on torchrec's dense kernel, updated by Adam with the encoder (SASRec's setup)
     "sasrec_dense": (
         [*RETRIEVAL, "model=sasrec", "model.compute_kernel=dense", "model.sharding=row_wise", "optimizer=adam"],
-        {
-            "serial": ["pipeline=serial"],
-            "sparse_dist": ["pipeline=sparse_dist"],
-            "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED],
-        },
+        {"serial": ["pipeline=serial"], "hstu_prefetch/threaded": ["pipeline=hstu_prefetch", *THREADED]},
     ),
     "hstu_retrieval": (
         [*RETRIEVAL, "model=hstu_retrieval", "model.num_negatives=32", "model.sharding=row_wise"],
