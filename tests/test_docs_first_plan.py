@@ -41,8 +41,24 @@ def runnable(body: str) -> bool:
 def test_the_page_has_the_steps_a_newcomer_follows() -> None:
     bash = [body for _, lang, body in blocks() if lang == "bash"]
     joined = "\n".join(bash)
-    for step in ("source .venv/bin/activate", "recsys-plan", "recsys-train", "pipeline=my_plan", "pipeline=serial"):
+    for step in (
+        "source .venv/bin/activate",
+        "recsys-plan",
+        "recsys-train",
+        "pipeline=my_first_plan",
+        "pipeline=serial",
+    ):
         assert step in joined, f"first-plan.md no longer shows {step!r}"
+
+
+def test_the_page_overwrites_no_tracked_file() -> None:
+    """A reader follows the page at the repository root: the files it writes are not tracked."""
+    written = re.findall(r"cat > (\S+)", "\n".join(body for _, lang, body in blocks() if lang == "bash"))
+    assert written, "first-plan.md no longer writes a plan file"
+    tracked = subprocess.run(["git", "ls-files", "--", *written], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert tracked.stdout == "", f"first-plan.md overwrites tracked files: {tracked.stdout.split()}"
 
 
 @pytest.mark.slow
@@ -72,5 +88,5 @@ def test_every_command_of_first_plan_runs(tmp_path: Path) -> None:
         if "bitwise equal" in body:
             assert "losses bitwise equal: True" in output, output
     assert ran >= 5, f"only {ran} blocks of first-plan.md ran"
-    assert (tmp_path / "my_conf" / "pipeline" / "my_plan.yaml").is_file()
+    assert (tmp_path / "my_conf" / "pipeline" / "my_first_plan.yaml").is_file()
     assert list((tmp_path / "runs" / "recsys-plan").glob("*/plan_dag.png")), "plot=true drew no picture"
