@@ -77,6 +77,7 @@ class TaskCost:
         _check_seconds(self, "cpu_s", "device_s")
 
     def to_dict(self) -> dict[str, Any]:
+        """The costs as a JSON-ready dict, without the fields that are None (unknown)."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     def host(self, statistic: Statistic = "median") -> float:
@@ -89,6 +90,15 @@ class TaskCost:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], task: str = "?") -> TaskCost:
+        """The `TaskCost` a `to_dict()` (or a hand-written costs file) describes.
+
+        Args:
+            data: a mapping with at least `cpu_s` and `device_s`, and any other field of the class.
+            task: the task's name, for the error messages.
+
+        Returns:
+            The costs; ValueError naming the task and the field when `data` lacks one or has an
+            unknown one."""
         if not isinstance(data, dict):
             raise ValueError(f"task '{task}': expected an object with cpu_s and device_s, got {data!r}")
         missing = [k for k in ("cpu_s", "device_s") if k not in data]

@@ -113,6 +113,7 @@ class ProfileResult:
         return "\n".join(lines)
 
     def print_report(self, file: IO[str] | None = None) -> None:
+        """Print `report()` to `file` (standard output by default)."""
         print(self.report(), file=file or sys.stdout)
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int = 2) -> str:

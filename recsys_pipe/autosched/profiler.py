@@ -44,11 +44,14 @@ class EventTimer(Protocol):
     have completed at `time.perf_counter()` `host_time`; `synchronize()` waits for every event.
     """
 
-    def event(self) -> Any: ...
+    def event(self) -> Any:
+        """A fresh timing event, not yet recorded."""
 
-    def anchor(self) -> tuple[Any, float]: ...
+    def anchor(self) -> tuple[Any, float]:
+        """`(event, host_s)`: an event that completed at host time `host_s` (`time.perf_counter()`)."""
 
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Wait until every recorded event has completed."""
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,12 @@ class TaskInstance:
 
     @property
     def cpu_s(self) -> float:
+        """Host seconds the task's call took on its thread."""
         return self.end_s - self.start_s
 
     @property
     def device_s(self) -> float:
+        """Device seconds between the task's start and end events on its stream (0.0 without device timing)."""
         if self.device_start_s is None or self.device_end_s is None:
             return 0.0
         return self.device_end_s - self.device_start_s
@@ -137,6 +142,7 @@ class CostProfiler(SpanRecorder):
 
     @property
     def measured_iterations(self) -> int:
+        """How many iterations have been measured so far (the warm-up ones not counted)."""
         return self._measured
 
     # -- hooks ------------------------------------------------------------------------------------

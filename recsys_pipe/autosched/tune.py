@@ -53,6 +53,7 @@ class TaskChange:
 
     @property
     def changed(self) -> bool:
+        """Whether the tuner changed anything about the task (thread, stream, lookahead or position)."""
         return any(a != b for a, b in (self.thread, self.stream, self.lookahead, self.position))
 
 
@@ -78,6 +79,7 @@ class TuneResult:
 
     @property
     def speedup(self) -> float:
+        """Predicted speed-up of the tuned plan, `original_s / best_s` (1.0 when the best time is 0)."""
         return self.original_s / self.best_s if self.best_s > 0 else 1.0
 
     def diff(self) -> str:

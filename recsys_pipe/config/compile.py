@@ -77,14 +77,17 @@ class CompiledPlan:
 
     @property
     def schedule(self) -> Schedule:
+        """The engine `Schedule` the plan declares (its stages, tasks and streams)."""
         return self.graph.schedule
 
     @property
     def order(self) -> tuple[Task, ...]:
+        """The tasks in topological order: the order every rank submits them in."""
         return self.graph.order
 
     @property
     def threaded(self) -> bool:
+        """Whether the plan runs on the threaded executor (`executor: threaded`)."""
         return self.config.executor == "threaded"
 
     def fn_paths(self) -> dict[str, str]:

@@ -56,6 +56,7 @@ class ConfigError(Exception):
 
     @property
     def paths(self) -> list[str]:
+        """The config path of each problem, in the same order as `problems`."""
         return [p.path for p in self.problems]
 
 

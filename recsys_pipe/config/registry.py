@@ -89,6 +89,7 @@ class Registry:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The registered component names, in registration order."""
         return tuple(self._entries)
 
     def __contains__(self, name: object) -> bool:

@@ -86,6 +86,7 @@ class TensorBatch:
         return dataclasses.replace(self, **moved)  # type: ignore[type-var]
 
     def record_stream(self, stream: Any) -> None:
+        """Record every tensor field on `stream`, so the caching allocator keeps it until that stream's work is done."""
         for value in self._tensor_fields().values():
             value.record_stream(stream)
 
@@ -115,16 +116,26 @@ class TensorBatch:
 
     @property
     def batch_size(self) -> int:
+        """The number of samples (`sample_ids`' length)."""
         return int(self.sample_ids.numel())
 
     def num_loss_tokens(self) -> torch.Tensor:
+        """The number of loss terms of the batch (a 0-d int64 tensor, on the batch's device).
+
+        Subclasses implement it; `global_tokens_allreduce` sums it over the ranks."""
         raise NotImplementedError(f"{type(self).__name__} does not count its loss tokens")
 
     def select(self: B, index: torch.Tensor) -> B:
+        """The samples at `index` (a `[k]` int64 tensor of positions), as a new batch.
+
+        Subclasses implement it for the batch shuffler; this base raises NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} cannot select samples (needed by the batch shuffler)")
 
     @classmethod
     def concat(cls: type[B], batches: Sequence[B]) -> B:
+        """The samples of `batches`, in order, as one batch.
+
+        Subclasses implement it for the batch shuffler; this base raises NotImplementedError."""
         raise NotImplementedError(f"{cls.__name__} cannot concatenate batches (needed by the batch shuffler)")
 
 
@@ -255,6 +266,7 @@ class SequenceBatch(TensorBatch):
         return lengths + 1 if USER_KEY in keys else lengths
 
     def select(self, index: torch.Tensor) -> SequenceBatch:
+        """The sequences at `index` (a `[k]` int64 tensor of positions), as a new batch (for the batch shuffler)."""
         return SequenceBatch(
             sparse_features=kjt_select(self.sparse_features, index),
             timestamps=jagged_select(self.timestamps, self.item_lengths(), index)[0],
@@ -265,6 +277,7 @@ class SequenceBatch(TensorBatch):
 
     @classmethod
     def concat(cls, batches: Sequence[SequenceBatch]) -> SequenceBatch:
+        """The sequences of `batches`, in order, as one batch (for the batch shuffler)."""
         return SequenceBatch(
             sparse_features=kjt_concat([b.sparse_features for b in batches]),
             timestamps=torch.cat([b.timestamps for b in batches]),

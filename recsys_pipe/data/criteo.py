@@ -113,6 +113,7 @@ class CriteoBatch(TensorBatch):
         return torch.full((1,), self.sample_ids.numel(), dtype=torch.int64, device=self.sample_ids.device)
 
     def select(self, index: torch.Tensor) -> CriteoBatch:
+        """The rows at `index` (a `[k]` int64 tensor of positions), as a new batch (for the batch shuffler)."""
         index = index.to(self.sample_ids.device)
         return CriteoBatch(
             self.dense_features[index], self.sparse_ids[index], self.labels[index], self.sample_ids[index], self.keys
@@ -120,6 +121,7 @@ class CriteoBatch(TensorBatch):
 
     @classmethod
     def concat(cls, batches: Sequence[CriteoBatch]) -> CriteoBatch:
+        """The rows of `batches`, in order, as one batch (for the batch shuffler)."""
         return CriteoBatch(
             torch.cat([b.dense_features for b in batches]),
             torch.cat([b.sparse_ids for b in batches]),
@@ -162,6 +164,7 @@ class TabularDataConfig(DataConfig):
         return value
 
     def vocab_sizes(self) -> list[int]:
+        """One vocabulary size per categorical feature: `num_embeddings` repeated, or the list it gives."""
         n = self.num_embeddings
         return [n] * NUM_CATEGORICAL if isinstance(n, int) else list(n)
 

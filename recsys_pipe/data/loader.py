@@ -211,6 +211,15 @@ class RankData:
         return self.dataset.spec
 
     def train_sampler(self, epochs: int = 1, start: int = 0) -> EpochSampler:
+        """The sampler of this rank's training batches (the held-out ones left out).
+
+        Args:
+            epochs: how many epochs it yields.
+            start: the position (batch number over all epochs) to start from, e.g. on resume.
+
+        Returns:
+            An `EpochSampler` over the training part of the share: each epoch's order depends only on
+            `data.seed` and the epoch."""
         cfg = self.cfg
         return EpochSampler(
             len(self.dataset) - self.eval_batches * cfg.batch_size,

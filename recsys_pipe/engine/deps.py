@@ -46,6 +46,7 @@ class Dependency:
 
     @property
     def edge_kind(self) -> str:
+        """The kind as printed: a `cross_iter_depends_on` with Δ = 0 acts as `same_progress_sync` and says so."""
         if self.kind == "cross_iter_depends_on" and self.delta == 0:
             return "cross_iter(Δ=0)"
         return self.kind
@@ -83,13 +84,16 @@ class DependencyGraph:
 
     @property
     def max_lookahead(self) -> int:
+        """The largest lookahead of any task (the schedule's)."""
         return self.schedule.max_lookahead
 
     @property
     def in_flight_batches(self) -> int:
+        """How many batches are in flight, `max_lookahead + 1`: the ring's size."""
         return self.max_lookahead + 1
 
     def task(self, name: str) -> Task:
+        """The task called `name` (KeyError when the schedule has none)."""
         for t in self.order:
             if t.name == name:
                 return t

@@ -20,6 +20,7 @@ class Problem:
     index: int | None = None
 
     def where(self) -> str:
+        """Where the problem is, as printed: `schedule`, or `task 'x' field reads[1]`."""
         if self.task is None:
             return "schedule"
         loc = f"task '{self.task}'"

@@ -21,19 +21,28 @@ class Executor(Protocol):
     return only when all have finished (or raise the first failure after all have stopped).
     """
 
-    def execute(self, tasks: Sequence[Task], run: RunTask, graph: DependencyGraph) -> None: ...
+    def execute(self, tasks: Sequence[Task], run: RunTask, graph: DependencyGraph) -> None:
+        """Run one iteration's firing tasks.
 
-    def shutdown(self) -> None: ...
+        Args:
+            tasks: the tasks that fire this iteration, in topological order.
+            run: runs one task (its stream context, waits, events and observer hooks included).
+            graph: the compiled schedule, for the edges between the tasks."""
+
+    def shutdown(self) -> None:
+        """Release the executor's threads; it runs nothing afterwards."""
 
 
 class SequentialExecutor:
     """One thread, topological order."""
 
     def execute(self, tasks: Sequence[Task], run: RunTask, graph: DependencyGraph) -> None:
+        """Run `tasks` one after another on the calling thread, in the given (topological) order."""
         for task in tasks:
             run(task)
 
     def shutdown(self) -> None:
+        """Nothing to release: this executor owns no threads."""
         pass
 
     def __repr__(self) -> str:

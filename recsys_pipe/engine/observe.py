@@ -68,6 +68,7 @@ class TaskSpan:
 
     @property
     def duration_s(self) -> float:
+        """Host seconds from the task's start to its end."""
         return self.end_s - self.start_s
 
 
@@ -82,6 +83,7 @@ class IterationSpan:
 
     @property
     def duration_s(self) -> float:
+        """Host seconds from the iteration's start to its end."""
         return self.end_s - self.start_s
 
 

@@ -240,6 +240,7 @@ class SchedulablePipeline:
         return results
 
     def shutdown(self) -> None:
+        """Shut the executor down (its worker threads end); safe to call twice."""
         if not self._closed:
             self._closed = True
             self.executor.shutdown()

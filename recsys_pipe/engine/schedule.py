@@ -39,12 +39,15 @@ class Schedule:
 
     @property
     def tasks(self) -> tuple[Task, ...]:
+        """Every task of every stage, in stage order."""
         return tuple(t for stage in self.stages for t in stage.tasks)
 
     @property
     def max_lookahead(self) -> int:
+        """The largest lookahead of any task (0 for an empty schedule)."""
         return max((t.lookahead for t in self.tasks), default=0)
 
     @property
     def in_flight_batches(self) -> int:
+        """How many batches are in flight, `max_lookahead + 1`."""
         return self.max_lookahead + 1

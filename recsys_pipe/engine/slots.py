@@ -30,12 +30,15 @@ class SlotStore:
             raise KeyError(f"slot '{name}' is empty in this batch's store (holds: {present})") from None
 
     def get(self, name: str, default: Any = None) -> Any:
+        """The value of slot `name`, or `default` when the slot is empty."""
         return self._values.get(name, default)
 
     def set(self, name: str, value: Any) -> None:
+        """Store `value` in slot `name`, replacing what was there."""
         self._values[name] = value
 
     def pop(self, name: str, default: Any = _MISSING) -> Any:
+        """Remove slot `name` and return its value (KeyError when empty and no `default` is given)."""
         if default is _MISSING:
             return self._values.pop(name)
         return self._values.pop(name, default)
@@ -47,9 +50,11 @@ class SlotStore:
         return iter(self._values)
 
     def keys(self):
+        """The names of the slots that hold a value."""
         return self._values.keys()
 
     def record_event(self, producer: str, event: Any) -> None:
+        """Keep `producer`'s completion event for this batch, where its consumers look it up."""
         self._events[producer] = event
 
     def event(self, producer: str) -> Any:
@@ -74,6 +79,13 @@ class BatchRing:
         return len(self._stores)
 
     def at(self, offset: int) -> SlotStore:
+        """The store of the batch `offset` iterations ahead of the oldest in-flight batch.
+
+        Args:
+            offset: 0 (the batch being trained) .. `size - 1`.
+
+        Returns:
+            That batch's `SlotStore` (IndexError outside the ring)."""
         if not 0 <= offset < len(self._stores):
             raise IndexError(f"ring offset {offset} outside 0..{len(self._stores) - 1}")
         return self._stores[offset]
@@ -84,4 +96,5 @@ class BatchRing:
         self._stores.append(SlotStore())
 
     def clear(self) -> None:
+        """Replace every store by an empty one (drops every in-flight value and event)."""
         self._stores = [SlotStore() for _ in self._stores]

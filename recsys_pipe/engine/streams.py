@@ -25,15 +25,19 @@ class NoOpEvent:
     __slots__ = ()
 
     def record(self, stream: Any = None) -> None:
+        """Nothing to record on the CPU."""
         pass
 
     def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for on the CPU."""
         pass
 
     def query(self) -> bool:
+        """Always True: CPU work recorded before it has finished."""
         return True
 
     def synchronize(self) -> None:
+        """Returns at once: nothing is pending."""
         pass
 
 
@@ -49,18 +53,23 @@ class NoOpStream:
         self.name = name
 
     def wait_event(self, event: Any) -> None:
+        """Nothing to wait for: the CPU runs work in program order."""
         pass
 
     def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for: the CPU runs work in program order."""
         pass
 
     def record_event(self, event: Any = None) -> NoOpEvent:
+        """A `NoOpEvent` (the same shared one every time)."""
         return _NOOP_EVENT
 
     def synchronize(self) -> None:
+        """Returns at once: nothing is pending."""
         pass
 
     def query(self) -> bool:
+        """Always True: nothing is pending."""
         return True
 
     def __repr__(self) -> str:
@@ -82,9 +91,15 @@ class CudaTimer:
         self.device = device
 
     def event(self) -> torch.cuda.Event:
+        """A fresh timing event (`torch.cuda.Event(enable_timing=True)`), not yet recorded."""
         return torch.cuda.Event(enable_timing=True)
 
     def anchor(self) -> tuple[torch.cuda.Event, float]:
+        """An event recorded on an idle device, and the host time it completed at.
+
+        Returns:
+            `(event, host_s)`: `host_s + event.elapsed_time(later) / 1e3` is the host-clock time of any
+            `later` event recorded after it."""
         torch.cuda.synchronize(self.device)
         event = self.event()
         event.record()
@@ -92,6 +107,7 @@ class CudaTimer:
         return event, time.perf_counter()
 
     def synchronize(self) -> None:
+        """Wait for all work on the timer's device (every recorded event has completed)."""
         torch.cuda.synchronize(self.device)
 
 
@@ -123,10 +139,12 @@ class StreamPool:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The stream names, in the order the pool was given them."""
         return tuple(self._streams)
 
     @property
     def is_cuda(self) -> bool:
+        """Whether any stream is a CUDA stream (False: no-op or recording stand-ins)."""
         return bool(self._cuda)
 
     @property
@@ -139,6 +157,7 @@ class StreamPool:
         return name in self._streams
 
     def get(self, name: str) -> Any:
+        """The stream called `name` (KeyError naming the pool's streams when there is none)."""
         try:
             return self._streams[name]
         except KeyError:
@@ -153,15 +172,22 @@ class StreamPool:
         return scope(label) if scope is not None else _NULL_CONTEXT
 
     def record_event(self, name: str) -> Any:
+        """Record an event on stream `name` and return it.
+
+        Returns:
+            The event; another stream that `wait_event`s it runs after the work queued on `name` so far."""
         return self._streams[name].record_event()
 
     def wait_event(self, name: str, event: Any) -> None:
+        """Make stream `name` wait for `event` (recorded on another stream) before its later work."""
         self._streams[name].wait_event(event)
 
     def wait_stream(self, name: str, other: str) -> None:
+        """Make stream `name` wait for everything queued on stream `other` so far."""
         self._streams[name].wait_stream(self._streams[other])
 
     def synchronize(self) -> None:
+        """Block the calling thread until every stream of the pool is idle."""
         for stream in self._streams.values():
             stream.synchronize()
 

@@ -182,6 +182,7 @@ class Task:
         """Called once when a pipeline is built, before the first iteration."""
 
     def run(self, ctx: TaskContext) -> None:
+        """The task's work on its batch: read and write `ctx.slots`, use `ctx.stream` and `ctx.state`."""
         raise NotImplementedError(f"task '{self.name}' does not implement run(ctx)")
 
     @property
@@ -205,6 +206,7 @@ class FnTask(Task):
         super().__init__(name, **fields)
 
     def run(self, ctx: TaskContext) -> None:
+        """Call the wrapped `fn(ctx)`."""
         self.fn(ctx)
 
     def __repr__(self) -> str:

@@ -215,6 +215,12 @@ class ThreadedExecutor:
         return self._assign(self.thread_of(task))
 
     def execute(self, tasks: Sequence[Task], run: RunTask, graph: DependencyGraph) -> None:
+        """Run one iteration's firing tasks on their threads (see the class docstring).
+
+        Args:
+            tasks: the tasks that fire this iteration, in topological order.
+            run: runs one task (its stream context, waits, events and observer hooks included).
+            graph: the compiled schedule, whose CPU edges the threads wait on."""
         if self._closed:
             raise RuntimeError("ThreadedExecutor was shut down")
         last = self._last

@@ -26,6 +26,15 @@ __all__ = ["DistInfo", "init_distributed", "resolve_device", "teardown"]
 
 @dataclass(frozen=True)
 class DistInfo:
+    """This process's place in the job, as `init_distributed` set it up.
+
+    Attributes:
+        rank: this process's global rank.
+        world_size: the number of processes of the job.
+        local_rank: this process's rank on its node (its GPU index on CUDA).
+        device: the device this rank trains on.
+        backend: the training process group's backend (`gloo` or `nccl`)."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -40,6 +49,7 @@ class DistInfo:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0, which writes the run directory's shared files."""
         return self.rank == 0
 
 

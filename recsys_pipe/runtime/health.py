@@ -153,12 +153,14 @@ class PeerHealth:
     # -- watchdog ---------------------------------------------------------------------------------
 
     def start(self) -> PeerHealth:
+        """Write the first heartbeat and start the watchdog thread; returns `self`."""
         self._beat()
         self._thread = threading.Thread(target=self._watch, name="recsys_pipe:health", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop the watchdog thread (waits for it at most a little over two heartbeat intervals)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval + 1)

@@ -59,6 +59,15 @@ class RequestedDir:
 
 @dataclass
 class RunSession:
+    """One rank's running session: what `RunSession.start` set up, and how the run ends.
+
+    Attributes:
+        info: this process's rank, world size, device and process groups.
+        run_dir: the run directory every rank shares.
+        status: the writer of `<run_dir>/status.json` (rank 0 writes).
+        stop: the SIGTERM agreement between the ranks.
+        health: dead-peer detection (None on one rank)."""
+
     info: DistInfo
     run_dir: str
     status: RunStatus
@@ -101,6 +110,10 @@ class RunSession:
         return code
 
     def interrupted(self, step: int) -> int:
+        """Record a Ctrl-C after `step` (the last completed step; nothing is saved).
+
+        Returns:
+            The exit code to end with, `EXIT_INTERRUPTED` (130)."""
         log.warning("interrupted (Ctrl-C): stopping after step %d, the last completed one; nothing saved", step)
         if self.info.is_main:
             self.status.write("interrupted", exit_code=EXIT_INTERRUPTED, step=step)

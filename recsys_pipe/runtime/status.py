@@ -33,6 +33,11 @@ class RunStatus:
         self.info = {"started": _now(), "host": socket.gethostname(), **info}
 
     def write(self, status: str, **fields: Any) -> None:
+        """Replace `status.json` with `status`, the run's fixed fields, the time and `fields`.
+
+        Args:
+            status: the run's state, e.g. `running`, `completed`, `preempted`, `failed`.
+            **fields: further keys of this record (exit code, step, error, ...)."""
         record = {"status": status, **self.info, "updated": _now(), **fields}
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -41,6 +46,7 @@ class RunStatus:
         os.replace(tmp, self.path)
 
     def read(self) -> dict[str, Any] | None:
+        """The last record written, or None when there is none (or it cannot be read)."""
         try:
             with open(self.path) as f:
                 return json.load(f)

@@ -69,6 +69,7 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
+        """Flush and close `metrics.jsonl` and the TensorBoard writer; safe to call twice."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -233,9 +233,12 @@ class TrainOptimizer:
         return float(self.dense.param_groups[0]["lr"])
 
     def zero_grad(self) -> None:
+        """Clear the gradients of every parameter the optimizer steps."""
         self.optimizer.zero_grad()
 
     def step(self) -> None:
+        """Clip the dense gradients (`optimizer.clip_grad_norm`; the norm is kept in
+        `last_grad_norm`), step the optimizer, then the LR schedule."""
         if self.max_grad_norm is not None:
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.dense_params, self.max_grad_norm)
         self.last_lr = self.lr
@@ -269,6 +272,7 @@ class TrainOptimizer:
                 p.grad = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what `state_dict()` returned (after DCP loaded it into this optimizer's tensors) in place."""
         if self.keyed:
             for key in self.sharded_tables:  # DCP loaded into the shards, which are the state's tensors
                 moments = state["optimizer"]["state"].get(key, {})

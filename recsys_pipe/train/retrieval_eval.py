@@ -77,6 +77,17 @@ class RetrievalEvaluation:
 
     @classmethod
     def of(cls, data: RankData, world_size: int, dump: str | None, is_main: bool) -> RetrievalEvaluation | None:
+        """The evaluation of this rank's share of a retrieval data source.
+
+        Args:
+            data: this rank's data (its dataset decides whether there are evaluation splits).
+            world_size: the number of ranks whose results are gathered.
+            dump: `trainer.eval_dump`, a file to write every scored user to, or None.
+            is_main: whether this is rank 0 (the one that writes the dump).
+
+        Returns:
+            The evaluation, or None for a dataset without evaluation splits (ConfigError when a dump
+            is asked of one)."""
         if not has_eval_splits(data.dataset):
             if dump is not None:
                 raise ConfigError(

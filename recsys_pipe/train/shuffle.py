@@ -194,4 +194,5 @@ class BatchBalancer:
         return type(batch).concat(everyone).select(torch.tensor(mine)).to(device, non_blocking=True)
 
     def close(self) -> None:
+        """Stop the background solver thread after the partitions it is solving."""
         self._pool.shutdown(wait=True)

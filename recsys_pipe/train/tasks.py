@@ -81,6 +81,7 @@ class StepResult:
 
     @property
     def num_samples(self) -> int:
+        """The number of samples the step trained (`sample_ids`' length)."""
         return int(self.sample_ids.numel())
 
 
