@@ -7,6 +7,8 @@
   composes for some option of its group (a key of `model=sasrec` only exists with that choice,
   so the keys of a group are the union over its options), and below `pipeline.tasks.<task>` in
   the plan schema (`TASK_FIELDS`) and the task's registered `options` model.
+* Every `recsys_pipe...` module or name, and every repository path (`tests/...`, `scripts/...`),
+  the docs mention exists.
 * Every public name the API reference documents has a docstring (the reference leaves out the
   undocumented ones, so an undocumented public name is a hole in it).
 """
@@ -206,6 +208,57 @@ def test_key_check_refuses_keys_that_do_not_exist() -> None:
     line = "`recsys-train trainer.max_steps=5 pipeline.tasks.h2d.lookahead=3 +model.x=1`, recsys_pipe.data.batch"
     line += ", costs.json, pipeline.enable_shortcut(names)"
     assert keys_in(line, {"trainer", "pipeline", "model"}) == ["trainer.max_steps", "pipeline.tasks.h2d.lookahead"]
+
+
+# -- the modules, names and files the docs point to exist ------------------------------------------
+
+#: `recsys_pipe.x.y` or `recsys_pipe.x:y`, not inside a longer name
+DOTTED = re.compile(r"(?<![\w.])(recsys_pipe(?:\.\w+)+)(?::(\w+))?")
+#: a repository path under one of these folders
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:tests|scripts|conf|recsys_pipe|docs)/[\w./-]*\w)")
+#: what the docs name that is not a module or file of the repository
+NOT_IN_REPO = {
+    "recsys_pipe.tasks": "the entry-point group task plugins register under",
+    "conf/pipeline/tuned.yaml": "the file a profiling example writes",
+}
+
+
+def resolves(dotted: str) -> bool:
+    """Whether `dotted` is a module, or an attribute path below the longest importable module."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        for attr in parts[end:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_module_name_and_repository_path_in_the_docs_exists() -> None:
+    wrong = []
+    for page in doc_pages():
+        text = page.read_text(encoding="utf-8")
+        where = page.relative_to(ROOT)
+        for match in DOTTED.finditer(text):
+            name = match.group(1) + (f".{match.group(2)}" if match.group(2) else "")
+            if name not in NOT_IN_REPO and not resolves(name):
+                wrong.append(f"{where}: {name}: no such module or attribute")
+        for match in REPO_PATH.finditer(text):
+            path = match.group(1)
+            pattern = f"{path}*" if path.endswith("_") else path  # tests/test_engine_*: a prefix
+            if path not in NOT_IN_REPO and not list(ROOT.glob(pattern)):
+                wrong.append(f"{where}: {path}: no such file or folder")
+    assert not wrong, "the docs name modules or files that do not exist:\n" + "\n".join(wrong)
+
+
+def test_name_check_refuses_what_does_not_exist() -> None:
+    assert resolves("recsys_pipe.train.tasks.h2d") and resolves("recsys_pipe.engine.Task.run")
+    assert not resolves("recsys_pipe.train.tasks.h3d") and not resolves("recsys_pipe.trian")
 
 
 # -- every public name of the API reference has a docstring ----------------------------------------
