@@ -69,8 +69,19 @@ def plot_timeline(
     time_range: tuple[float, float] | None = None,
     title: str | None = None,
 ) -> Path:
-    """Gantt chart of the measured instances in `time_range` (host-clock seconds; default: all):
-    host spans on `thread:<id>` rows, device spans on `stream:<name>` rows, coloured by batch."""
+    """Gantt chart of measured task instances.
+
+    Host spans go on `thread:<id>` rows and device spans on `stream:<name>` rows, coloured by
+    batch.
+
+    Args:
+        instances: what a `CostProfiler` recorded.
+        path: the image file to write.
+        time_range: the host-clock window to draw, in seconds (default: all).
+        title: the chart's title.
+
+    Returns:
+        The path of the written image."""
     if time_range is None:
         time_range = (min(i.start_s for i in instances), max(i.end_s for i in instances))
     t0, t1 = time_range

@@ -132,7 +132,14 @@ def plan_from_any(plan: Any, prefix: str = "pipeline") -> PlanConfig:
 
 
 def thread_assignment(plan: PlanConfig, tasks: Sequence[Task]) -> dict[str, str]:
-    """task name -> thread id: the plan's thread map, overridden by each task's `thread:`."""
+    """task name -> thread id: the plan's thread map, overridden by each task's `thread:`.
+
+    Args:
+        plan: the validated plan (its `thread_map` and each task's `thread`).
+        tasks: the engine tasks compiled from it.
+
+    Returns:
+        The thread id of every task, as the threaded executor will run them."""
     tm = plan.thread_map
     spec: Any
     if tm.strategy == "single":
@@ -146,15 +153,20 @@ def thread_assignment(plan: PlanConfig, tasks: Sequence[Task]) -> dict[str, str]
 
 
 def compile_plan(plan: Any, *, resolve_fn: ResolveFn | None = None, prefix: str = "pipeline") -> CompiledPlan:
-    """Validate and compile a plan; raise ConfigError listing every problem with its path.
+    """Validate and compile a plan.
 
     Each task's `fn` is a registered name (`fn: h2d`, looked up in `TASKS`, which imports the
     shipped task modules) or an import path of a function (`pkg.module:function`).
-    resolve_fn: how import paths become functions -- for a name, the registered function's own
-    path; default imports them (`import_fn`), pass `structure_only` to compile without importing
-    task code (names are still looked up, so a misspelt name is reported). prefix: config path of
-    the plan node.
-    """
+
+    Args:
+        plan: the plan, as a `PlanConfig`, a mapping or an OmegaConf node.
+        resolve_fn: how import paths become functions -- for a name, the registered function's
+            own path; default imports them (`import_fn`); pass `structure_only` to compile without
+            importing task code (names are still looked up, so a misspelt name is reported).
+        prefix: the config path of the plan node, which every problem's path starts with.
+
+    Returns:
+        The `CompiledPlan`. Raises ConfigError listing every problem with its path."""
     cfg = plan_from_any(plan, prefix)
     resolve = resolve_fn or import_fn
     problems: list[ConfigProblem] = []

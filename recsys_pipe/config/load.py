@@ -34,8 +34,16 @@ def to_container(cfg: Any, prefix: str = "") -> Any:
 
 
 def validate_section(model: type[M], data: Any, prefix: str = "") -> M:
-    """`model.model_validate(data)` with every error reported as a ConfigError problem whose path
-    starts with `prefix` (the section's place in the run config, e.g. `data`)."""
+    """Validate one section of the run config, with every error as a config-path problem.
+
+    Args:
+        model: the section's pydantic class.
+        data: the section's values (a mapping, or an OmegaConf node).
+        prefix: the section's place in the run config (e.g. `data`), which every problem's path
+            starts with.
+
+    Returns:
+        `model.model_validate(data)`. Raises ConfigError with one problem per validation error."""
     data = to_container(data, prefix)
     try:
         return model.model_validate(data)

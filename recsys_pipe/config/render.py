@@ -44,7 +44,14 @@ class FiringTable:
 
 
 def firing_table(plan: CompiledPlan, num_batches: int = 4) -> FiringTable:
-    """The firing mask (`L - k <= i < M + L - k`, batch `i - L + k`) per row."""
+    """The firing mask (`L - k <= i < M + L - k`, batch `i - L + k`) per row.
+
+    Args:
+        plan: the compiled plan.
+        num_batches: M, how many batches to play through (prefill, steady state and drain).
+
+    Returns:
+        One row per lookahead and stream: the batch it processes in each internal iteration."""
     L, M = plan.graph.max_lookahead, num_batches
     iterations = range(M + L)
     phases = tuple("prefill" if i < L and i < M else "drain" if i >= M else "steady" for i in iterations)
@@ -85,7 +92,14 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> lis
 
 
 def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
-    """The multi-line text shown by `recsys-plan`."""
+    """The multi-line text shown by `recsys-plan`.
+
+    Args:
+        plan: the compiled plan.
+        num_batches: how many batches the firing table at the end plays through.
+
+    Returns:
+        The order, streams, threads, NCCL tickets, CPU edges, event waits and firing table."""
     cfg, graph = plan.config, plan.graph
     out: list[str] = []
     title = f"plan: {cfg.name or '(unnamed)'}"

@@ -240,10 +240,17 @@ def task(
 ) -> Callable[[F], F]:
     """Register the decorated function as task `name` (what plans write as `fn: <name>`).
 
-    needs: what it needs from the run (`Need`); the plan builder builds, checks or reports it.
-    options: the pydantic model of the task's own settings (a plan's `options:` for the task).
     The function itself is returned unchanged, so it stays importable and callable as before.
-    """
+
+    Args:
+        name: the task's name in plans.
+        needs: what it needs from the run (`Need`); the plan builder builds, checks or reports it.
+        options: the pydantic model of the task's own settings (a plan's `options:` for the task),
+            or None when it takes none.
+        registry: the registry to add it to (default: `TASKS`).
+
+    Returns:
+        The decorator."""
 
     def register(fn: F) -> F:
         (registry or TASKS).register(name, fn, needs, options)
@@ -253,8 +260,15 @@ def task(
 
 
 def task_options(ctx: Any, model: type[OptionsT]) -> OptionsT:
-    """The validated `options` of the running task (`ctx.task.options`), or `model()`'s defaults
-    when the task was built without them (e.g. `Task.from_fn` in a test)."""
+    """The validated `options` of the running task.
+
+    Args:
+        ctx: the task's context (`ctx.task.options`).
+        model: the options' pydantic class, as registered with `@task(..., options=model)`.
+
+    Returns:
+        The options the plan set, or `model()`'s defaults when the task was built without them
+        (e.g. `Task.from_fn` in a test)."""
     options = ctx.task.options
     if options is None:
         return model()

@@ -288,7 +288,14 @@ class SequenceBatch(TensorBatch):
 
 
 def collate(samples: Sequence[Sample], use_user_feature: bool = False) -> SequenceBatch:
-    """Collate samples (each with at least one candidate) into a `SequenceBatch`."""
+    """Collate samples into a `SequenceBatch`.
+
+    Args:
+        samples: the batch's samples, each with at least one candidate.
+        use_user_feature: also give the batch the `user` feature (one id per sample).
+
+    Returns:
+        The batch: its KJT of items and actions (candidates last), timestamps, labels and ids."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     lengths = [len(s.items) for s in samples]

@@ -227,9 +227,18 @@ _LAYOUT = (
 def read_criteo(
     path: str, rank: int = 0, world_size: int = 1, max_rows: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Parse a Criteo TSV file: (raw integers [N, 13] int64, raw categorical ids [N, 26] int64,
-    labels [N] float32, line numbers [N] int64) of this rank's rows (every `world_size`-th row
-    from `rank`). Raises ConfigError naming the file and line of the first malformed row."""
+    """Parse a Criteo TSV file: this rank's rows (every `world_size`-th row from `rank`).
+
+    Args:
+        path: the file (label, 13 integer and 26 hexadecimal categorical columns, tab-separated).
+        rank: this rank.
+        world_size: the number of ranks reading the file.
+        max_rows: read only the file's first rows.
+
+    Returns:
+        `(integers [N, 13] int64, categorical ids [N, 26] int64, labels [N] float32, line numbers
+        [N] int64)`, raw (not yet transformed or hashed). Raises ConfigError naming the file and
+        line of the first malformed row."""
     dense: list[list[int]] = []
     cats: list[list[int]] = []
     labels: list[float] = []

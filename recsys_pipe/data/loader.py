@@ -264,12 +264,20 @@ def make_dataloader(
 ) -> DataLoader:
     """DataLoader of batches for one rank (`loader.dataset.spec` sizes the model).
 
-    `split="train"` reads one epoch of this rank's share from its start (`cfg.num_batches`
-    batches, or all); `split="eval"` reads `num_batches` held-out batches from the end of the
-    share. Batches are `drop_last` so every rank trains the same number of equally sized batches
-    (a rank with one batch more would hang the collectives). The trainer uses `RankData`, which
-    also keeps the held-out tail out of training and resumes at a batch position.
-    """
+    Batches are `drop_last` so every rank trains the same number of equally sized batches (a rank
+    with one batch more would hang the collectives). The trainer uses `RankData`, which also keeps
+    the held-out tail out of training and resumes at a batch position.
+
+    Args:
+        cfg: the data section.
+        rank: this rank; it reads its own share of the data.
+        world_size: the number of ranks sharing the data.
+        split: `train` reads one epoch of the share from its start (`cfg.num_batches` batches, or
+            all); `eval` reads `num_batches` held-out batches from the end of the share.
+        num_batches: how many batches `split="eval"` reads.
+
+    Returns:
+        A torch `DataLoader` whose dataset has `spec`."""
     if split == "train":
         return RankData(cfg, rank, world_size).train_loader()
     if split == "eval":

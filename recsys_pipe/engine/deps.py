@@ -101,7 +101,16 @@ class DependencyGraph:
 
 
 def compile_dependencies(schedule: Schedule, stream_pool: StreamPool | None = None) -> DependencyGraph:
-    """Validate `schedule` (all rules) and compile it; raises ScheduleValidationError."""
+    """Validate `schedule` (all rules) and compile it.
+
+    Args:
+        schedule: the tasks and streams of one iteration.
+        stream_pool: the streams the pipeline will run on; when given, every stream a task names
+            must be in it.
+
+    Returns:
+        The `DependencyGraph`: the topological order and every resolved dependency with its ring
+        offset. Raises ScheduleValidationError listing every problem at once."""
     problems, deps, stage_orders = _analyse(schedule, stream_pool)
     if problems:
         error = (

@@ -30,7 +30,16 @@ log = logging.getLogger(__name__)
 
 
 def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) -> bool:
-    """The firing mask: does a task of this lookahead run at this internal iteration?"""
+    """The firing mask: does a task of this lookahead run at this internal iteration?
+
+    Args:
+        lookahead: the task's lookahead k.
+        max_lookahead: the schedule's largest lookahead L.
+        iteration: the internal iteration i (0 = the first, prefill included).
+        num_batches: M, the batches pulled from the iterator so far.
+
+    Returns:
+        Whether `L - k <= i < M + L - k`; the task then processes batch `i - L + k`."""
     start = max_lookahead - lookahead
     return start <= iteration < num_batches + start
 

@@ -103,13 +103,21 @@ def sharding_plan(
     local_size: int | None = None,
     batch_size: int = 512,
 ) -> ShardingPlan:
-    """The plan `cfg.sharding` gives `model`'s tables on `world_size` ranks (`local_size` per
-    host, default: `local_world_size(world_size)`) of `device_type` ("cpu" or "cuda").
+    """The plan `cfg.sharding` gives `model`'s tables.
 
-    Raises ConfigError (at `model.sharding` / `model.sharding_constraints.<table>`) when the
-    choice cannot work: a sharding type torchrec does not offer for the table on this device, a
-    constraint naming no table, or a planner failure (with the planner's message).
-    """
+    Args:
+        model: the unsharded model.
+        cfg: the model's config (`sharding`, `sharding_constraints`, `compute_kernel`).
+        world_size: the number of ranks.
+        device_type: `cpu` or `cuda`.
+        local_size: ranks per host (default: `local_world_size(world_size)`).
+        batch_size: the per-rank batch size, for the planner's estimates.
+
+    Returns:
+        torchrec's `ShardingPlan`. Raises ConfigError (at `model.sharding` /
+        `model.sharding_constraints.<table>`) when the choice cannot work: a sharding type torchrec
+        does not offer for the table on this device, a constraint naming no table, or a planner
+        failure (with the planner's message)."""
     local_size = local_world_size(world_size) if local_size is None else local_size
     modules = embedding_modules(model)
     if cfg.sharding == "planner":
@@ -221,13 +229,22 @@ def make_sharded_model(
     embedding_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
     embedding_optimizer_kwargs: Mapping[str, Any] | None = None,
 ) -> DistributedModelParallel:
-    """Wrap `model` (built identically on every rank) in DMP over `pg`, its tables sharded by
-    `cfg.sharding` on `cfg.compute_kernel`.
+    """Wrap `model` in DistributedModelParallel over `pg`, its tables sharded by `cfg.sharding` on
+    `cfg.compute_kernel`. Works for world size 1 and up.
 
-    `embedding_optimizer` (fused kernel only) must be one torchrec maps to an fbgemm fused
-    optimizer (`torch.optim.SGD`, `Adagrad`, `Adam` or `torchrec.optim.RowWiseAdagrad`; on CPU
-    not Adam). Works for world size 1 and up.
-    """
+    Args:
+        model: the model, built identically on every rank.
+        cfg: the model's config (`sharding`, `sharding_constraints`, `compute_kernel`).
+        pg: the process group the tables are sharded over.
+        device: this rank's device.
+        batch_size: the per-rank batch size, for torchrec's planner's estimates.
+        embedding_optimizer: the optimizer fused into the tables' backward (fused kernel only);
+            one torchrec maps to an fbgemm fused optimizer (`torch.optim.SGD`, `Adagrad`, `Adam`
+            or `torchrec.optim.RowWiseAdagrad`; on CPU not Adam).
+        embedding_optimizer_kwargs: its arguments (`lr`, ...).
+
+    Returns:
+        The `DistributedModelParallel` model."""
     modules = embedding_modules(model)
     if not modules:
         raise ConfigError(

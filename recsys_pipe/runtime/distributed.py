@@ -79,7 +79,14 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     Idempotent within a process: a Hydra sweep (`-m`) runs several jobs in one process, and
     every job of it reuses the group made for the first (re-initialising one under torchrun
     would rendezvous again on a store that already holds the first round's keys, and hang).
-    """
+
+    Args:
+        device: `trainer.device`: `auto`, `cpu` or `cuda`.
+        backend: `trainer.backend`: `auto` (NCCL on CUDA, gloo on the CPU), `gloo` or `nccl`.
+        timeout_s: how long a collective may wait before it fails.
+
+    Returns:
+        This process's `DistInfo` (rank, world size, device, backend, side groups)."""
     global _INFO
     if _INFO is not None and dist.is_initialized():
         return _INFO

@@ -69,9 +69,20 @@ def claim_dir(path: str, key: str) -> None:
 
 
 def shared_run_dir(base: str, name: str, requested: str | None = None, key: str = "") -> str:
-    """The run directory of this job, the same on every rank: rank 0 creates a new one,
-    `<base>/<name>/<time>` (unique, see `unique_dir`), or claims `requested` (`claim_dir`,
-    ConfigError at `key` if it was used before), and broadcasts the outcome."""
+    """The run directory of this job, the same on every rank.
+
+    Rank 0 creates a new one, `<base>/<name>/<time>` (unique, see `unique_dir`), or claims
+    `requested` (`claim_dir`), and broadcasts the outcome.
+
+    Args:
+        base: `trainer.output_dir`.
+        name: the program's name (`recsys-train`, ...).
+        requested: an explicit run directory (`hydra.run.dir`), or None for a new one.
+        key: the config path of `requested`, for the error.
+
+    Returns:
+        The run directory's path. Raises ConfigError at `key` if `requested` was
+        used before."""
     outcome: list = [None]
     if dist.get_rank() == 0:
         try:

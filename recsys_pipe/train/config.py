@@ -194,11 +194,17 @@ class RunConfig(Section):
 
 
 def load_run_config(cfg: Any, model: type[R] = RunConfig) -> R:  # type: ignore[assignment]
-    """Validate the Hydra-composed config (DictConfig or mapping) into `model` (RunConfig).
+    """Validate the Hydra-composed config into a run config.
 
-    Raises ConfigError with one problem per field error and per broken cross-section constraint.
     `compile_plan(run.pipeline)` then checks the plan as a schedule.
-    """
+
+    Args:
+        cfg: the composed config (DictConfig or mapping).
+        model: the run config class (`RunConfig`, or a subclass).
+
+    Returns:
+        The validated run config. Raises ConfigError with one problem per field error and per
+        broken cross-section constraint."""
     return model.from_container(to_container(cfg))
 
 

@@ -84,10 +84,19 @@ def _spec(task: TaskConfig, resolve_fn: ResolveFn | None) -> TaskSpec | None:
 
 
 def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> CompiledPlan:
-    """Derive and compile `run.pipeline`; ConfigError (with config paths) if it cannot train this run.
+    """Derive and compile `run.pipeline` for this run.
 
-    With the default `resolve_fn` (the task code is imported) this also checks that a model with
-    torchrec tables can import torchrec here."""
+    Deriving adds the tasks the run's settings need (e.g. `global_tokens_allreduce` with
+    `model.loss_normalization=global_tokens`). With the default `resolve_fn` (the task code is
+    imported) this also checks that a model with torchrec tables can import torchrec here.
+
+    Args:
+        run: the validated run config.
+        resolve_fn: how task functions are found (see `compile_plan`); `structure_only` compiles
+            without importing task code.
+
+    Returns:
+        The `CompiledPlan`. Raises ConfigError (with config paths) if it cannot train this run."""
     if resolve_fn is None and isinstance(run.model, ShardedModelConfig):
         _require_torchrec(run)
     plan = compile_plan(derive_plan(run.pipeline, run, resolve_fn), resolve_fn=resolve_fn)

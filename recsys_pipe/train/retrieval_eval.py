@@ -48,7 +48,14 @@ SELECTION = ("valid", "sampled", "HR@10")
 
 
 def retrieval_metrics(ranks: torch.Tensor, ks: tuple[int, ...] = KS) -> dict[str, float]:
-    """HR@K, NDCG@K (K in `ks`) and MRR of 0-based ranks of one relevant item per query."""
+    """HR@K, NDCG@K (K in `ks`) and MRR of one relevant item per query.
+
+    Args:
+        ranks: `[queries]` 0-based rank of each query's relevant item among its scored items.
+        ks: the cut-offs K.
+
+    Returns:
+        `{"HR@K": ..., "NDCG@K": ..., "MRR": ...}`, each averaged over the queries."""
     ranks = ranks.double()
     out: dict[str, float] = {}
     for k in ks:
