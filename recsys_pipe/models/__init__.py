@@ -4,7 +4,8 @@ A model is a builder and its `ModelConfig` subclass, picked by `model.name` from
 `model.builder=pkg.module:function`; the model protocol is written down in
 `recsys_pipe.models.base`. Shipped: HSTU (`hstu`), torchrec's DLRM (`dlrm`, `dlrm_dcn`) and a
 plain-torch DLRM (`dlrm_torch`); for next-item retrieval SASRec (`sasrec`) and HSTU
-(`hstu_retrieval`), see `recsys_pipe.models.retrieval`.
+(`hstu_retrieval`), see `recsys_pipe.models.retrieval`. Their dropout sites are `Dropout`
+modules drawing from the run's `DropoutRng` (`recsys_pipe.models.dropout`).
 
 Names are imported on first use (PEP 562): choosing one model never imports the others, and
 `import recsys_pipe.models` loads no torchrec.
@@ -19,6 +20,8 @@ _EXPORTS = {
     "ModelConfig": "base",
     "ShardedModelConfig": "base",
     "MODELS": "registry",
+    "Dropout": "dropout",
+    "DropoutRng": "dropout",
     "HSTUConfig": "hstu_config",
     "HSTULayer": "hstu",
     "HSTUModel": "hstu",

@@ -31,6 +31,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, SequenceBatch
 from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu_config import HSTUConfig
 
 __all__ = ["HSTUConfig", "HSTULayer", "HSTUModel", "HSTURanker", "RelativeBias", "build_hstu", "embedding_tables"]
@@ -102,7 +103,7 @@ class HSTULayer(nn.Module):
         self.uvqk = nn.Linear(d, 4 * d)
         self.attn_norm = nn.LayerNorm(d)
         self.output = nn.Linear(d, d)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(
         self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None
@@ -134,7 +135,7 @@ class HSTURanker(nn.Module):
         d = cfg.embedding_dim
         self.padded_len = padded_len(cfg, spec)
         self.with_user = _has_user(spec)
-        self.input_dropout = nn.Dropout(cfg.dropout)
+        self.input_dropout = Dropout(cfg.dropout)
         self.bias = RelativeBias(self.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
         self.layers = nn.ModuleList(HSTULayer(cfg, self.padded_len) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(d)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu import HSTULayer, RelativeBias
 from recsys_pipe.models.retrieval import RetrievalModel
 from recsys_pipe.models.retrieval_config import HSTURetrievalConfig
@@ -36,7 +37,7 @@ class HSTURetrievalEncoder(nn.Module):
         self.max_len = n
         self.scale = d**0.5
         self.position = nn.Embedding(n, d)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.bias = RelativeBias(n, cfg.num_time_buckets) if cfg.relative_bias else None
         self.layers = nn.ModuleList(HSTULayer(cfg, n) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
         self.final_norm = nn.LayerNorm(d)

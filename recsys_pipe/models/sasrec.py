@@ -19,9 +19,11 @@ Item table, losses and evaluation are `recsys_pipe.models.retrieval`'s.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.retrieval import RetrievalModel
 from recsys_pipe.models.retrieval_config import SASRecConfig
 
@@ -38,28 +40,49 @@ def build_sasrec(cfg: SASRecConfig, spec: DataSpec) -> RetrievalModel:
 
 class SASRecBlock(nn.Module):
     """One self-attention block: the paper's code's layout (normalised query, post-LN point-wise
-    feed-forward) or, with `norm_first`, a pre-LN block."""
+    feed-forward) or, with `norm_first`, a pre-LN block.
+
+    Every dropout site, the attention weights' included, is a `Dropout` module (masks from the
+    model's `DropoutRng`): `nn.MultiheadAttention` is built without dropout, and a training
+    forward with attention dropout computes the attention itself (`_attend_with_dropout`)."""
 
     def __init__(self, dim: int, heads: int, dropout: float, norm_first: bool = False) -> None:
         super().__init__()
         self.norm_first = norm_first
         self.attention_norm = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
-        self.attention = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attention_dropout = Dropout(dropout)
         self.forward_norm = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
         self.feed_forward = nn.Sequential(
-            nn.Linear(dim, dim), nn.Dropout(dropout), nn.ReLU(), nn.Linear(dim, dim), nn.Dropout(dropout)
+            nn.Linear(dim, dim), Dropout(dropout), nn.ReLU(), nn.Linear(dim, dim), Dropout(dropout)
         )
 
     def forward(self, x: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
         if self.norm_first:
             q = self.attention_norm(x)
-            attended, _ = self.attention(q, q, q, attn_mask=causal, need_weights=False)
-            x = x + attended
+            x = x + self._attend(q, q, causal)
             return x + self.feed_forward(self.forward_norm(x))
         q = self.attention_norm(x)
-        attended, _ = self.attention(q, x, x, attn_mask=causal, need_weights=False)
-        x = self.forward_norm(q + attended)
+        x = self.forward_norm(q + self._attend(q, x, causal))
         return x + self.feed_forward(x)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        if self.training and self.attention_dropout.p > 0:
+            return self._attend_with_dropout(q, kv, causal)
+        return self.attention(q, kv, kv, attn_mask=causal, need_weights=False)[0]
+
+    def _attend_with_dropout(self, q: torch.Tensor, kv: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """`nn.MultiheadAttention`'s computation (its weights) with dropout on the attention
+        weights from `attention_dropout`. Written out because torch's attention kernels draw
+        their dropout from the global generator and take no other."""
+        mha = self.attention
+        d, h = mha.embed_dim, mha.num_heads
+        w, b = mha.in_proj_weight.chunk(3), mha.in_proj_bias.chunk(3)
+        heads = [F.linear(t, w[i], b[i]).unflatten(-1, (h, d // h)).transpose(1, 2) for i, t in enumerate((q, kv, kv))]
+        query, key, value = heads  # [B, h, N, d / h]
+        scores = (query @ key.transpose(-2, -1)) * (d // h) ** -0.5
+        weights = self.attention_dropout(scores.masked_fill(causal, float("-inf")).softmax(dim=-1))
+        return mha.out_proj((weights @ value).transpose(1, 2).flatten(2))
 
 
 class SASRecEncoder(nn.Module):
@@ -70,7 +93,7 @@ class SASRecEncoder(nn.Module):
         n, d = cfg.max_seq_len, cfg.embedding_dim
         self.scale = d**0.5
         self.position = nn.Embedding(n + 1, d, padding_idx=0)  # 0: padding
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             SASRecBlock(d, cfg.num_heads, cfg.dropout, cfg.norm_first) for _ in range(cfg.num_blocks)
         )

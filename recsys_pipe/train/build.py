@@ -28,6 +28,7 @@ from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.dense_ddp import MegatronGrads, check_dense_ddp, megatron_ddp
 from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 
 __all__ = ["build_model", "build_state", "describe_model"]
@@ -42,12 +43,14 @@ def _has_torchrec_tables(model: nn.Module) -> bool:
     return any(isinstance(m, kinds) for m in model.modules())
 
 
-def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[nn.Module, Any]:
+def build_model(run: RunConfig, info: DistInfo, spec: DataSpec, rng: RngState | None = None) -> tuple[nn.Module, Any]:
     """The configured model, distributed over the process group, and its optimizer; the same
-    initial weights on every rank (seeded)."""
+    initial weights on every rank (seeded). Its dropout draws from `rng`'s dropout stream (by
+    default a fresh one of `run.seed`: the stream a `Trainer` starts with)."""
     check_dense_ddp(run, info.device.type)
     torch.manual_seed(run.seed)
     module = run.model.build(spec)
+    (rng or RngState(run.seed, info.device)).attach(module)
     dense_factory = dense_optimizer_factory(run.optimizer)
     if isinstance(run.model, ShardedModelConfig):
         from recsys_pipe.models.sharding import make_optimizer, make_sharded_model

@@ -1,30 +1,101 @@
-"""Random-number-generator states of one rank, as a checkpointable object.
+"""The random streams of one rank, each drawn by one concern only, and their checkpointed state.
 
-Dropout (and any other random op) draws from torch's global generators, so a resumed run must
-continue from the exact generator states of the step it resumes at. Python's `random` and
-numpy's legacy global generator are saved too, for code that uses them. Values are stored as
-tensors and plain Python objects so that a checkpoint loads without unpickling arbitrary types.
+Training must not depend on what else ran in between (an evaluation, a library, a data loader
+creating its iterator): every random draw of a training step comes from a stream that nothing
+else draws from.
+
+* dropout: the model's `Dropout` sites draw from a `DropoutRng` of their own
+  (`recsys_pipe.models.dropout`), seeded from `seed` (alike on every rank, as torch's global
+  generator is); checkpointed.
+* data order and training negatives: functions of `(data.seed, epoch, sample)`
+  (`recsys_pipe.data.loader`, `recsys_pipe.data.sequences`), so their state is the data
+  position, which the checkpoint's progress holds.
+* evaluation: `RngState.evaluation(step)` runs an evaluation on torch's, Python's and numpy's
+  global generators seeded from `(seed, step)`, and gives them back to training as they were,
+  so anything random in an evaluation (a library, a loader) is reproducible and leaves
+  training's draws alone. Evaluation's own negatives are seeded per user (`data.sequences`).
+* torch's, Python's and numpy's global generators: whatever else draws (a custom model's
+  `nn.Dropout`, a library) keeps drawing from them; checkpointed.
+
+Values are stored as tensors and plain Python objects so that a checkpoint loads without
+unpickling arbitrary types.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
+from recsys_pipe.models.dropout import DropoutRng
 
 __all__ = ["RngState"]
 
+#: stream numbers for `_stream_seed`: one per concern that seeds a generator from the run's seed
+DROPOUT_STREAM, EVALUATION_STREAM = 1, 2
+
+
+def _stream_seed(seed: int, stream: int, *counters: int) -> int:
+    """A 63-bit seed for `stream` of the run seeded `seed` (numpy's `SeedSequence`: different
+    streams and counters give unrelated seeds, unlike `seed + k`)."""
+    return int(np.random.SeedSequence([seed, stream, *counters]).generate_state(1, np.uint64)[0] >> 1)
+
 
 class RngState:
-    """`torch.distributed.checkpoint.stateful.Stateful` over this process's RNG states
-    (torch CPU and, when used, CUDA; Python `random`; numpy's global generator)."""
+    """This rank's random streams (see the module docstring) and a
+    `torch.distributed.checkpoint.stateful.Stateful` over them: the dropout generators, torch's
+    CPU and (when used) CUDA global generators, Python `random` and numpy's global generator.
 
-    def __init__(self, device: torch.device):
+    `seed_globals()` seeds Python's and numpy's global generators (torch's is seeded where the
+    model is built); `attach(model)` makes the model's dropout draw from this rank's dropout
+    stream.
+    """
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed = seed
         self.device = device
+        self.dropout = DropoutRng(_stream_seed(seed, DROPOUT_STREAM))
+
+    def seed_globals(self) -> None:
+        """Python and numpy draw from OS entropy unless seeded."""
+        random.seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+
+    def attach(self, model: nn.Module) -> int:
+        """Every `Dropout` site of `model` draws from this rank's dropout stream; returns how
+        many sites it has."""
+        return self.dropout.attach(model)
+
+    @contextmanager
+    def evaluation(self, step: int) -> Iterator[None]:
+        """Evaluate on the global generators seeded from `(seed, step)`; training's global
+        generator states are back when the block ends (see the module docstring)."""
+        saved = self._global_state()
+        eval_seed = _stream_seed(self.seed, EVALUATION_STREAM, step)
+        try:
+            torch.default_generator.manual_seed(eval_seed)
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    torch.cuda.manual_seed(eval_seed)
+            random.seed(eval_seed)
+            np.random.seed(eval_seed % 2**32)
+            yield
+        finally:
+            self._load_global_state(saved)
 
     def state_dict(self) -> dict[str, Any]:
+        return {**self._global_state(), "dropout": self.dropout.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_global_state(state)
+        self.dropout.load_state_dict(state.get("dropout", {}))
+
+    def _global_state(self) -> dict[str, Any]:
         np_state = np.random.get_state(legacy=False)
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
@@ -40,7 +111,7 @@ class RngState:
             state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _load_global_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
         version, internal, gauss_next = state["python"]
         random.setstate((version, tuple(internal), gauss_next))

@@ -15,7 +15,6 @@ run had it.
 from __future__ import annotations
 
 import logging
-import random
 import resource
 import sys
 import time
@@ -23,7 +22,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -195,10 +193,10 @@ class Trainer:
         #: a retrieval source's own validation/test evaluation (None for other sources)
         self.retrieval = RetrievalEvaluation.of(self.data, info.world_size, cfg.eval_dump, info.is_main)
         self.spec = self.data.spec
-        # python and numpy draw from OS entropy unless seeded; torch is seeded by build_model
-        random.seed(run.seed)
-        np.random.seed(run.seed)
-        model, optimizer = build_model(run, info, self.spec)
+        #: this rank's random streams (dropout, evaluation, the global generators), checkpointed
+        self.rng = RngState(run.seed, info.device)
+        self.rng.seed_globals()  # torch's is seeded by build_model
+        model, optimizer = build_model(run, info, self.spec, self.rng)
         accumulate = cfg.grad_accumulation.steps
         self.optimizer = TrainOptimizer(optimizer, run.optimizer, -(-self.planned_steps // accumulate), model)
         self.state: TrainState = build_state(run, plan, model, self.optimizer, info)
@@ -242,7 +240,7 @@ class Trainer:
         self.optimizer.prepare_load()
         try:
             with_rng = load_checkpoint(
-                path, self.checkpoint_state(), RngState(self.info.device), self.info.rank, self.info.checkpoint_group
+                path, self.checkpoint_state(), self.rng, self.info.rank, self.info.checkpoint_group
             )
         except (RuntimeError, ValueError, KeyError) as exc:  # DCP's CheckpointException is a RuntimeError
             reason = str(exc).strip().splitlines()
@@ -262,7 +260,7 @@ class Trainer:
 
     def save_checkpoint(self, blocking: bool = False) -> None:
         assert self.checkpointer is not None
-        self.checkpointer.save(self.step, self.checkpoint_state(), RngState(self.info.device), blocking=blocking)
+        self.checkpointer.save(self.step, self.checkpoint_state(), self.rng, blocking=blocking)
 
     # -- loop -----------------------------------------------------------------------------------
 
@@ -397,7 +395,14 @@ class Trainer:
         held-out loader, aggregated over all ranks; for a retrieval source, its ranking metrics
         (`RetrievalEvaluation`). With `record_batches`, also this rank's
         evaluated batches in order: `sample_ids` and `batch_losses` (which batch each output
-        belongs to, for the checks that switching to evaluation mislabels nothing)."""
+        belongs to, for the checks that switching to evaluation mislabels nothing).
+
+        Evaluation draws from its own random stream (`RngState.evaluation`): training's draws,
+        and so its losses, are the same whether and whenever it evaluates."""
+        with self.rng.evaluation(self.step):
+            return self._evaluate(record_batches)
+
+    def _evaluate(self, record_batches: bool) -> dict[str, Any]:
         if self._eval_pipeline is None:  # same plan and streams, its own executor threads
             self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
         self.state.model.train(False)

@@ -1,0 +1,216 @@
+"""Separate random streams: dropout draws from a generator of its own, evaluation runs on a
+stream of its own, so evaluating (at any cadence) leaves every training loss bitwise unchanged;
+the dropout generator is checkpointed, so a resume with dropout continues bitwise.
+
+Tolerance: bitwise (CPU kernels are deterministic): a loss that differs in any bit drew
+another dropout mask. Every run trains with dropout > 0, or the comparisons could not fail.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recsys_pipe.testing import load_run
+from recsys_pipe.train import Trainer, resolve_resume, training_plan
+
+#: what init_distributed sets in the environment of a process that trains without torchrun
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+STEPS = 6
+COMMON = [
+    "pipeline=serial",
+    "trainer=smoke",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every=100",
+    "trainer.tensorboard=false",
+    "model.dropout=0.3",
+]
+SYNTHETIC = ["data.batch_size=8", "data.num_batches=8"]
+#: the models with dropout, on small data; sasrec also on torchrec's dense kernel and a threaded plan
+MODELS = {
+    "sasrec": ["model=sasrec"],
+    "sasrec/dense_kernel": ["model=sasrec", "model.compute_kernel=dense", "model.sharding=row_wise"],
+    "sasrec/hstu_prefetch": ["model=sasrec", "pipeline=hstu_prefetch"],
+    "hstu_retrieval": ["model=hstu_retrieval"],
+    "hstu_small": ["model=hstu_small", *SYNTHETIC],
+}
+
+
+@pytest.fixture(scope="module")
+def info():
+    """A 1-rank process group for the module, torn down afterwards with its environment (or
+    later subprocesses would inherit MASTER_PORT, still bound here)."""
+    from recsys_pipe.runtime import init_distributed, teardown
+
+    with pytest.MonkeyPatch.context() as env:
+        for key in _DIST_ENV:
+            env.setenv(key, "unset")
+            env.delenv(key)
+        yield init_distributed("cpu", "gloo")
+        teardown()
+
+
+@pytest.fixture(scope="module")
+def sequences(tmp_path_factory) -> list[str]:
+    """`data=sequences` overrides for a small "user item" file (learnable chains)."""
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for u in range(1, 61):
+        n = int(torch.randint(3, 15, (1,), generator=g))
+        start = int(torch.randint(0, 40, (1,), generator=g))
+        lines += [f"{u} {(start + k) % 40 + 100}" for k in range(n)]
+    path = tmp_path_factory.mktemp("seq") / "seq.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return ["data=sequences", f"data.path={path}", "data.batch_size=8", "data.eval_negatives=10"]
+
+
+def _overrides(name: str, sequences: list[str]) -> list[str]:
+    return [*COMMON, *([] if name == "hstu_small" else sequences), *MODELS[name]]
+
+
+def _fit(info, overrides: list[str], run_dir: Path | None = None, restore: str | None = None):
+    run = load_run(*overrides)
+    trainer = Trainer(run, training_plan(run), info, str(run_dir) if run_dir else None)
+    try:
+        if restore is not None:
+            trainer.restore(restore)
+        return trainer.fit(record_steps=True)
+    finally:
+        trainer.close()
+
+
+# -- the dropout function and its generator -------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_draws_the_same_bits_as_f_dropout_from_the_same_state(p, dtype):
+    from recsys_pipe.models.dropout import dropout
+
+    x = torch.randn(37, 53).to(dtype)
+    torch.manual_seed(3)
+    expected = F.dropout(x, p)
+    generator = torch.Generator().manual_seed(3)
+    state = torch.get_rng_state()
+    got = dropout(x, p, generator)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator was not drawn from
+    assert torch.equal(dropout(x, 0.0, generator), x)
+
+
+def test_dropout_modules_are_identity_in_eval_and_restore_their_generator_state():
+    from recsys_pipe.models.dropout import Dropout, DropoutRng
+
+    model = nn.Sequential(Dropout(0.5), nn.Linear(4, 4), Dropout(0.2))
+    rng = DropoutRng(7)
+    assert rng.attach(model) == 2 and [m.site for m in model if isinstance(m, Dropout)] == [0, 1]
+    x = torch.randn(16, 4)
+    model(x)  # advances the stream
+    saved = rng.state_dict()
+    expected = [model(x) for _ in range(3)]
+    restored = DropoutRng(7)
+    restored.load_state_dict(saved)
+    restored.attach(model)
+    assert all(torch.equal(model(x), e) for e in expected)
+    fresh = DropoutRng(7)
+    fresh.attach(model)
+    assert not torch.equal(model(x), expected[0])  # the state, not the seed, continues the stream
+    model.eval()
+    assert torch.equal(model(x), model[1](x))
+
+
+def test_sasrec_attention_dropout_path_computes_multihead_attention():
+    """The written-out attention of a training forward with attention dropout is
+    `nn.MultiheadAttention`'s computation when no weight is dropped (p = 0 here)."""
+    from recsys_pipe.models.sasrec import SASRecBlock
+
+    torch.manual_seed(0)
+    block = SASRecBlock(8, 2, 0.0)
+    q, kv = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    causal = ~torch.ones(5, 5, dtype=torch.bool).tril()
+    expected = block.attention(q, kv, kv, attn_mask=causal, need_weights=False)[0]
+    torch.testing.assert_close(block._attend_with_dropout(q, kv, causal), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_every_shipped_models_dropout_draws_from_the_dropout_generator(sequences):
+    """No shipped model has a dropout site that draws from torch's global generator: no
+    `nn.Dropout`, no attention with built-in dropout; the DLRM variants have no dropout."""
+    from recsys_pipe.models import MODELS as REGISTRY
+    from recsys_pipe.models.dropout import Dropout
+
+    options = {"hstu_small": [], "dlrm": [], "dlrm_dcn": [], "dlrm_torch": [], "sasrec": sequences}
+    options["hstu_retrieval"] = sequences
+    names, sites = set(), {}
+    for option, data in options.items():
+        run = load_run(f"model={option}", *data)
+        if "dropout" in type(run.model).model_fields:
+            run = load_run(f"model={option}", *data, "model.dropout=0.3")
+        module = run.model.build(run.data.spec())
+        names.add(run.model.name)
+        assert not [m for m in module.modules() if type(m) is nn.Dropout], option
+        assert not [m for m in module.modules() if isinstance(m, nn.MultiheadAttention) and m.dropout], option
+        sites[option] = sum(isinstance(m, Dropout) for m in module.modules())
+        assert (sites[option] > 0) == ("dropout" in type(run.model).model_fields), option
+    assert names == set(REGISTRY.names)  # every registered model is checked
+    assert sites["dlrm"] == sites["dlrm_dcn"] == sites["dlrm_torch"] == 0
+    assert sites["sasrec"] > sites["hstu_retrieval"] > 1  # attention-weight dropout in SASRec's blocks
+
+
+# -- training does not depend on evaluation --------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_evaluating_at_any_cadence_leaves_every_training_loss_bitwise_unchanged(info, sequences, name):
+    overrides = _overrides(name, sequences)
+    never = _fit(info, [*overrides, "trainer.eval_every=0"])
+    often = _fit(info, [*overrides, "trainer.eval_every=2"])
+    assert len(never.losses) == len(often.losses) == STEPS
+    assert not never.evals and [e["step"] for e in often.evals] == [0, 2, 4, 6]
+    assert often.losses == never.losses
+
+
+def test_evaluation_leaves_the_global_generators_as_it_found_them(info, sequences):
+    run = load_run(*_overrides("sasrec", sequences), "trainer.eval_every=0", "trainer.max_steps=2")
+    trainer = Trainer(run, training_plan(run), info)
+    try:
+        trainer.fit()
+        before = torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=False)
+        first = trainer.evaluate()
+        after = torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=False)
+        assert torch.equal(before[0], after[0]) and before[1] == after[1]
+        assert np.array_equal(before[2]["state"]["key"], after[2]["state"]["key"])
+        first.pop("selected")
+        assert trainer.evaluate() == first  # the same stream at the same step
+    finally:
+        trainer.close()
+
+
+# -- checkpointed dropout stream -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_with_dropout_continues_bitwise_and_needs_the_dropout_state(info, sequences, tmp_path):
+    overrides = [*_overrides("sasrec", sequences), "trainer.eval_every=2"]
+    reference = _fit(info, overrides)
+    (tmp_path / "a").mkdir()
+    first = _fit(info, [*overrides, "trainer.max_steps=3", "trainer.checkpoint.interval=3"], run_dir=tmp_path / "a")
+    checkpoint = resolve_resume(tmp_path / "a", "unused")
+    second = _fit(info, overrides, restore=str(checkpoint))
+    assert first.losses + second.losses == reference.losses
+    # negative control: the checkpoint without its dropout state resumes on a fresh dropout stream
+    control = tmp_path / "control"
+    shutil.copytree(checkpoint, control)
+    rank_file = control / "rng" / "rank0.pt"
+    state = torch.load(rank_file, weights_only=True)
+    assert state.pop("dropout")
+    torch.save(state, rank_file)
+    fresh = _fit(info, overrides, restore=str(control))
+    assert fresh.losses[0] != reference.losses[3]
