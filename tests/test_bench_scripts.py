@@ -106,3 +106,16 @@ def test_nothing_below_the_benchmarks_imports_them():
         if package / "bench" not in path.parents and pattern.search(path.read_text())
     ]
     assert importers == []
+
+
+def test_sasrec_loads_the_reference_model_by_path(tmp_path):
+    """The reference's model.py is loaded from its file, not by adding its folder to the import path."""
+    from recsys_pipe.bench.sasrec import reference_model_class
+
+    (tmp_path / "model.py").write_text("class SASRec:\n    where = __file__\n")
+    path_before = list(sys.path)
+    cls = reference_model_class(str(tmp_path))
+    assert cls.__name__ == "SASRec" and cls.where == str(tmp_path / "model.py")
+    assert sys.path == path_before
+    with pytest.raises(SystemExit, match="no model.py in"):
+        reference_model_class(str(tmp_path / "missing"))
