@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from recsys_pipe.bench.common import summary
+from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, init_distributed, training_plan
+from recsys_pipe.train import Trainer, training_plan
 
 MAX_LEN, BATCH = 50, 128
 

@@ -67,7 +67,7 @@ gc.callbacks.append(GC)
 
 
 class PeakMemory:
-    """Peak memory of one run in this process (see the module docstring for the method).
+    """Peak memory of one run in this process (`recsys_pipe.bench.train`'s module docstring says how).
 
     `/proc/self/clear_refs` "5" resets VmHWM to the current RSS (Linux >= 4.0, own process);
     `malloc_trim(0)` is glibc's, called through ctypes because no library exposes it. If either

@@ -89,7 +89,8 @@ lock and bound it:
     recsys-bench train --quick     # CI smoke: tiny, every variant once
     python -m recsys_pipe.bench.train --quick   # the same, without the console script
 
-Rank 0 prints progress, a table per batch size, the targets and, last, one JSON line.
+Rank 0 prints progress, a table per batch size, the targets, the speed gate and, last, one JSON
+line.
 """
 
 from __future__ import annotations
