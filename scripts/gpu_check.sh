@@ -2,10 +2,10 @@
 # One command for a GPU machine: installs the wheels brought along into a temporary site, then runs
 # the engine's CUDA tests (tests/cuda), the launcher training model=dlrm_torch on CUDA through every
 # plan (tests/cuda/test_cuda_launcher.py), megatron-core's DDP against torch DDP
-# (tests/cuda/test_cuda_megatron.py), the GPU overlap benchmark (scripts/bench_gpu.py) and the
-# engine benchmark (scripts/bench_engine.py); where torchrec imports, also the launcher training
+# (tests/cuda/test_cuda_megatron.py), the GPU overlap benchmark (recsys_pipe.bench.gpu) and the
+# engine benchmark (recsys_pipe.bench.engine); where torchrec imports, also the launcher training
 # the torchrec HSTU model on CUDA through the plans (tests/cuda/test_cuda_torchrec.py) and the
-# training benchmark against torchrec's pipelines at world size 1 (scripts/bench_train.py). Each
+# training benchmark against torchrec's pipelines at world size 1 (recsys_pipe.bench.train). Each
 # step runs under a time limit and the whole run within --budget seconds (570 by default, so one
 # 10-minute remote call always ends with the summary); it prints one summary table.
 # Needs a python with CUDA torch, pytest and hypothesis, plus the wheels of what else is imported
@@ -317,7 +317,7 @@ run_step cuda_tests 180 "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider \
   "${TRAINING_TESTS[@]/#/--ignore=}"
 run_step launcher_cuda 120 "$PY" -m pytest "${TRAINING_TESTS[0]}" -q -rs -p no:cacheprovider
 run_step megatron_cuda 60 "$PY" -m pytest "${TRAINING_TESTS[1]}" -q -rs -p no:cacheprovider
-run_step bench_gpu 120 "$PY" scripts/bench_gpu.py ${bench_args[@]+"${bench_args[@]}"}
+run_step bench_gpu 120 "$PY" -m recsys_pipe.bench.gpu ${bench_args[@]+"${bench_args[@]}"}
 last_json bench_gpu
 
 engine_args=(${bench_args[@]+"${bench_args[@]}"})
@@ -331,7 +331,7 @@ if ! plans_error="$("$PY" -c "$probe" 2>&1)"; then
   engine_args+=(--no-plans)
   PLANS_NOTE="shipped plans skipped: ${plans_error##*$'\n'}"
 fi
-run_step bench_engine 90 "$PY" scripts/bench_engine.py ${engine_args[@]+"${engine_args[@]}"}
+run_step bench_engine 90 "$PY" -m recsys_pipe.bench.engine ${engine_args[@]+"${engine_args[@]}"}
 last_json bench_engine
 
 # torchrec's steps, where torchrec and its CUDA fbgemm-gpu import (brought by the --stage runs)
@@ -345,7 +345,7 @@ if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
   fi
   # one GPU: world size 1 (NCCL refuses two ranks on one device)
   run_step bench_train 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
-    scripts/bench_train.py "${train_args[@]}"
+    -m recsys_pipe.bench.train "${train_args[@]}"
   last_json bench_train
 elif ((STAGED)); then # the staged site was to bring torchrec: its absence fails the run
   TORCHREC_NOTE="torchrec does not import from the staged site: ${torchrec_error##*$'\n'}"

@@ -56,4 +56,4 @@ train sasrec "$SASREC_EPOCHS" model=sasrec model.norm_first=true model.compute_k
 if [ "$HSTU_EPOCHS" -gt 0 ]; then
   train hstu "$HSTU_EPOCHS" model=hstu_retrieval optimizer.sparse.name=rowwise_adagrad optimizer.sparse.lr=0.05
 fi
-python "$ROOT/scripts/retrieval_report.py" "$OUT"
+python -m recsys_pipe.bench.retrieval_report "$OUT"

@@ -1,4 +1,4 @@
-"""scripts/bench_shuffle.py runs end to end on 2 gloo ranks and prints its final JSON line.
+"""`python -m recsys_pipe.bench.shuffle` runs end to end on 2 gloo ranks and prints its final JSON line.
 
 Throughput figures are not asserted (they belong to benchmark runs). The imbalance figures are
 deterministic (seeded data, no timing), so they are: balancing must lower the per-rank workload
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(180)
 def test_bench_shuffle_reports_imbalance_and_ratios():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_shuffle.py"), "--steps", "3", "--warmup", "1", "--repeats", "1"],
+        [sys.executable, "-m", "recsys_pipe.bench.shuffle", "--steps", "3", "--warmup", "1", "--repeats", "1"],
         capture_output=True,
         text=True,
         timeout=150,

@@ -1,6 +1,6 @@
 """The GPU scripts on a machine without a GPU: argument handling, the "no CUDA" answer, the order of
 gpu_check.sh's steps and its summary, the staged runs that bring fbgemm-gpu in pieces (with small
-fake pieces), the time budget and --resume, bench_gpu.py's plan on CPU, and that what runs on the
+fake pieces), the time budget and --resume, the GPU benchmark's plan on CPU, and that what runs on the
 GPU machine imports nothing of the training stack (which is not installed there)."""
 
 import hashlib
@@ -20,8 +20,8 @@ from _launcher_runs import STRICT_ENV, require_packages
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 GPU_WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
-BENCH_GPU = ROOT / "scripts" / "bench_gpu.py"
-BENCH_ENGINE = ROOT / "scripts" / "bench_engine.py"
+BENCH_GPU = "recsys_pipe.bench.gpu"
+BENCH_ENGINE = "recsys_pipe.bench.engine"
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -40,9 +40,9 @@ def run(command, timeout=150, **kwargs):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
 
 
-def run_script_without_training_stack(script, *args):
-    code = WITHOUT_TRAINING_STACK + f"import runpy; sys.argv = [{str(script)!r}, *{list(args)!r}]\n"
-    code += f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+def run_module_without_training_stack(module, *args):
+    code = WITHOUT_TRAINING_STACK + f"import runpy; sys.argv = [{module!r}, *{list(args)!r}]\n"
+    code += f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
     return run([sys.executable, "-c", code])
 
 
@@ -96,7 +96,7 @@ def gpu_machine(tmp_path, sleep_in_cuda_tests=0, stub_steps=False):
     if sleep_in_cuda_tests:
         stubs += f'if [[ "$*" == *"pytest tests/cuda -q"* ]]; then sleep {sleep_in_cuda_tests}; exit 0; fi\n'
     if stub_steps:
-        stubs += 'if [[ "$*" == *"-m pytest"* || "$*" == *"scripts/bench_"* ]]; then echo "stub: $*"; exit 0; fi\n'
+        stubs += 'if [[ "$*" == *"-m pytest"* || "$*" == *"recsys_pipe.bench."* ]]; then echo "stub: $*"; exit 0; fi\n'
     fake.write_text(
         "#!/usr/bin/env bash\n"
         'if [[ "$*" == *"torch.cuda.is_available()"* && "$*" == *\'sep="|"\'* ]]; then\n'
@@ -118,8 +118,8 @@ def summary_rows(out_dir):
 @pytest.mark.timeout(450)  # five steps of real work, slow on a shared 2-core machine
 def test_gpu_check_runs_every_step_and_summarises(tmp_path):
     """The whole sequence as on the GPU machine (see `gpu_machine`): tests/cuda (the engine's, the
-    launcher's, megatron's) are collected and skip, bench_gpu.py finds no CUDA and fails,
-    bench_engine.py runs without the shipped plans, torchrec's steps are not run (no torchrec and
+    launcher's, megatron's) are collected and skip, the GPU benchmark finds no CUDA and fails,
+    the engine benchmark runs without the shipped plans, torchrec's steps are not run (no torchrec and
     no staged site) and the summary says so; the check fails."""
     fake, env = gpu_machine(tmp_path)
     (tmp_path / "no_wheels").mkdir()
@@ -341,11 +341,11 @@ def test_gpu_wheels_arguments():
     assert out.returncode == 2 and out.stderr == "gpu_wheels: --dir needs a directory\n"
 
 
-# -- bench_gpu.py --------------------------------------------------------------------------------------
+# -- recsys_pipe.bench.gpu ----------------------------------------------------------------------------
 
 
 def test_bench_gpu_cpu_smoke_trains_every_configuration_like_serial():
-    out = run_script_without_training_stack(BENCH_GPU, "--device", "cpu", "--quick")
+    out = run_module_without_training_stack(BENCH_GPU, "--device", "cpu", "--quick")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(report) == {
@@ -375,13 +375,13 @@ def test_bench_gpu_cpu_smoke_trains_every_configuration_like_serial():
     [(["--steps", "0"], "--steps must be >= 1, got 0"), (["--comm-ms", "-1"], "--comm-ms must be >= 0, got -1.0")],
 )
 def test_bench_gpu_rejects_bad_values(args, message):
-    out = run([sys.executable, str(BENCH_GPU), "--device", "cpu", *args])
+    out = run([sys.executable, "-m", BENCH_GPU, "--device", "cpu", *args])
     assert out.returncode == 2 and message in out.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA; this one has one")
 def test_bench_gpu_on_cuda_without_a_gpu_exits_2():
-    out = run([sys.executable, str(BENCH_GPU), "--quick"])
+    out = run([sys.executable, "-m", BENCH_GPU, "--quick"])
     assert out.returncode == 2
     assert out.stderr == "bench_gpu: no CUDA device is visible; use --device cpu for the CPU smoke test\n"
 
@@ -390,7 +390,7 @@ def test_bench_gpu_on_cuda_without_a_gpu_exits_2():
 
 
 def test_bench_engine_without_plans_needs_only_torch():
-    out = run_script_without_training_stack(BENCH_ENGINE, "--quick", "--no-plans")
+    out = run_module_without_training_stack(BENCH_ENGINE, "--quick", "--no-plans")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["plans"] == {}

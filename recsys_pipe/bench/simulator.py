@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """How well the plan simulator predicts measured iteration times, from profiled costs.
 
 1. Random plans: `--plans` (default 24) random valid schedules of synthetic tasks that release
@@ -21,7 +20,7 @@
 
 The table goes to stdout; the last line is one JSON object with every figure.
 
-    .venv/bin/python scripts/bench_simulator.py [--plans N] [--seed S] [--no-hstu] [--quick]
+    recsys-bench simulator [--plans N] [--seed S] [--no-hstu] [--quick]
 """
 
 from __future__ import annotations
@@ -58,6 +57,8 @@ TARGETS = {"random_median_error": 0.05, "random_worst_error": 0.10, "hstu_median
 
 
 def sleeper(seconds: float):
+    """A task body that sleeps `seconds` (releasing the GIL) and writes the batch index to its slots."""
+
     def run(ctx: Any) -> None:
         time.sleep(seconds)
         for slot in ctx.task.writes:
@@ -109,6 +110,7 @@ def random_plan(rng: random.Random) -> tuple[Schedule, dict[str, str]]:
 
 
 def measure_random(schedule: Schedule, thread_map: dict[str, str], warmup: int, iters: int) -> dict[str, Any]:
+    """Profile one random plan on the threaded executor and compare the simulator's prediction."""
     with SchedulablePipeline(schedule, executor=ThreadedExecutor(thread_map)) as pipe:
         profiler = TaskProfiler(pipe, lambda: range(profiler.batches_needed), warmup, iters)
         result = profiler.profile_many([])
@@ -180,6 +182,7 @@ def mean_period(trace: dict[str, Any]) -> float:
 
 
 def random_plans(count: int, seed: int, warmup: int, iters: int) -> dict[str, Any]:
+    """Measure and predict `count` random plans from `seed`; the rows and the median and worst error."""
     rng = random.Random(seed)
     rows = []
     print(
@@ -201,6 +204,7 @@ def random_plans(count: int, seed: int, warmup: int, iters: int) -> dict[str, An
 
 
 def main() -> None:
+    """Run the random plans and (unless `--no-hstu`) the HSTU plans; print the table and one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plans", type=int, default=24, help="random plans (>= 20 for the record)")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """GPU overlap benchmark: a plan shaped like recommendation training, serial and pipelined, side by
 side, against the ideal bound of its streams.
 
@@ -31,7 +30,8 @@ as serial (same seed, same batches); a mismatch exits 1.
 busy times are host times): a smoke test of the plan, not a measurement; no targets there.
 The table goes to stdout; the last line is one JSON object with every figure.
 
-    python scripts/bench_gpu.py [--quick] [--device cuda|cpu] [--repeats R] [--steps N] ...
+    recsys-bench gpu [--quick] [--device cuda|cpu] [--repeats R] [--steps N] ...
+    python -m recsys_pipe.bench.gpu ...    # the same, without the console script
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import platform
 import sys
 import threading
@@ -51,6 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsys_pipe.bench.common import format_summary as fmt
+from recsys_pipe.bench.common import summary
 from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
@@ -62,9 +63,6 @@ from recsys_pipe.engine import (
     ThreadedExecutor,
 )
 from recsys_pipe.engine.testing import cuda_spin
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however the script is run (runpy too)
-from bench_common import summary
 
 STREAMS = ("default", "memcpy", "comm")
 OFF_DEFAULT_TASKS = ("h2d", "comm")
@@ -121,6 +119,7 @@ def record_for_other_streams(ctx: Any, *tensors: torch.Tensor) -> None:
 
 
 def h2d(ctx: Any) -> None:
+    """Copy the batch's pinned host tensors to the device, recorded for the streams that read them."""
     features, targets = ctx.slots[BATCH_CPU]
     device = ctx.state.device
     batch = (features.to(device, non_blocking=True), targets.to(device, non_blocking=True))
@@ -129,6 +128,7 @@ def h2d(ctx: Any) -> None:
 
 
 def comm(ctx: Any) -> None:
+    """The stand-in for the input all-to-all: a `comm_ms` spin (a sleep on the CPU) and a device copy."""
     features, _ = ctx.slots["batch"]
     if ctx.state.device.type == "cuda":
         cuda_spin(ctx.state.comm_ms)
@@ -140,16 +140,19 @@ def comm(ctx: Any) -> None:
 
 
 def forward(ctx: Any) -> None:
+    """The MLP on the exchanged features and the MSE loss."""
     _, targets = ctx.slots["batch"]
     prediction = ctx.state.model(ctx.slots["exchanged"])
     ctx.slots.set("loss", nn.functional.mse_loss(prediction.float(), targets))
 
 
 def backward(ctx: Any) -> None:
+    """Backward of the loss."""
     ctx.slots["loss"].backward()
 
 
 def optimizer_step(ctx: Any) -> None:
+    """SGD step, gradients reset; the detached loss is the step's result."""
     ctx.state.optimizer.step()
     ctx.state.optimizer.zero_grad(set_to_none=True)
     ctx.slots.set(STEP_RESULT, ctx.slots["loss"].detach())
@@ -174,6 +177,7 @@ def training_plan(pipelined: bool) -> Schedule:
 
 
 def make_state(shape: Shape, device: torch.device, seed: int = 0) -> BenchState:
+    """A seeded MLP of `shape` with its SGD optimizer on `device`."""
     torch.manual_seed(seed)
     dims = [shape.features] + [shape.width] * (shape.layers - 1)
     layers: list[nn.Module] = []
@@ -199,6 +203,7 @@ def host_batches(shape: Shape, device: torch.device, count: int = 3, seed: int =
 
 
 def executor_of(config: str) -> Any:
+    """The executor of a configuration: one thread per stream for `pipelined_threaded`."""
     return ThreadedExecutor("by_stream") if config == "pipelined_threaded" else "sequential"
 
 
@@ -249,6 +254,7 @@ class BusyTimes(TaskObserver):
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -350,6 +356,7 @@ class _PlainContext:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the shape and counts filled in from the device's defaults; bad values exit 2."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="smoke test: a tiny shape, few steps, 2 repetitions")
@@ -382,6 +389,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark.
+
+    Returns:
+        The exit status: 0, 1 when a configuration trained other losses than serial, 2 without CUDA.
+    """
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -417,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_report(args: argparse.Namespace, device: torch.device, samples: dict[str, list], same: dict) -> dict:
+    """The report: per configuration, medians (min-max) of the iteration, ideal and busy times and ratios."""
     ms = 1e3
     configs: dict[str, Any] = {}
     for config in CONFIGS:
@@ -447,6 +460,7 @@ def build_report(args: argparse.Namespace, device: torch.device, samples: dict[s
 
 
 def machine(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The device, versions, counts and shape the report was measured with."""
     info = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -462,6 +476,7 @@ def machine(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 
 def targets(report: dict, device: torch.device) -> dict[str, Any]:
+    """Which GPU targets the report meets (not evaluated on the CPU)."""
     if device.type != "cuda":
         return {"limits": TARGETS, "evaluated": False, "reason": "the targets are for a GPU; this was a CPU run"}
     pipelined = [report["configs"][c] for c in CONFIGS[1:]]
@@ -482,11 +497,8 @@ def targets(report: dict, device: torch.device) -> dict[str, Any]:
     return {"limits": TARGETS, "evaluated": True, "met": met}
 
 
-def fmt(s: dict[str, float], unit: str = "") -> str:
-    return f"{s['median']}{unit} ({s['min']}–{s['max']})"
-
-
 def print_table(report: dict) -> None:
+    """Print the report as a table."""
     m = report["machine"]
     print(
         f"GPU overlap benchmark on {m['device']} (torch {m['torch']}, CUDA {m['cuda']}): "

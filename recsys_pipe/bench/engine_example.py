@@ -1,9 +1,11 @@
-#!/usr/bin/env python
 """A small pipelined program written with the engine alone (no torchrec, no Hydra).
 
 Batch preparation runs one batch ahead on its own stream and thread while the current batch
 trains; the serial plan runs the same two task functions at lookahead 0. Both give the same
 losses, because every batch still meets the same weights in the same order.
+
+    recsys-bench engine_example
+    python -m recsys_pipe.bench.engine_example    # the same, without the console script
 """
 
 import statistics
@@ -23,11 +25,13 @@ from recsys_pipe.engine import (
 
 
 def prepare(ctx):  # runs on batch K+1 while train runs on batch K
+    """Standardise the batch's features (the preparation the pipelined plan runs one batch ahead)."""
     x, y = ctx.slots[BATCH_CPU]
     ctx.slots.set("batch", ((x - x.mean(0)) / (x.std(0) + 1e-6), y))
 
 
 def train(ctx):
+    """One SGD step of the linear model on the prepared batch; the loss is the step's result."""
     model, opt = ctx.state
     x, y = ctx.slots["batch"]
     opt.zero_grad()
@@ -38,6 +42,7 @@ def train(ctx):
 
 
 def plan(lookahead: int) -> Schedule:
+    """The two tasks, `prepare` `lookahead` batches ahead on the `memcpy` stream (0: the serial plan)."""
     return Schedule.single_stage(
         [
             Task.from_fn("prepare", prepare, stream="memcpy", lookahead=lookahead, reads=[BATCH_CPU], writes=["batch"]),
@@ -47,6 +52,7 @@ def plan(lookahead: int) -> Schedule:
 
 
 def batches(n: int):
+    """`n` seeded (features, target) batches of a linear problem."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, generator=g)
     for _ in range(n):
@@ -55,6 +61,7 @@ def batches(n: int):
 
 
 def run(lookahead: int, executor: str, observer: TaskObserver | None = None) -> list[float]:
+    """Train a fresh seeded model on 50 batches with `plan(lookahead)`; the per-batch losses."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     state = (model, torch.optim.SGD(model.parameters(), lr=0.05))

@@ -10,14 +10,14 @@ reference trains on the same samples, left-padded as its own sampler pads them (
 multi-process sampler is not counted; ours includes the data loader). Prints samples/s of each,
 median (min-max), and the ratio ours / reference.
 
-    python scripts/bench_sasrec.py --data Video.txt --reference SASRec.pytorch/python
+    recsys-bench sasrec --data Video.txt --reference SASRec.pytorch/python
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,16 +25,16 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import summary
-
+from recsys_pipe.bench.common import summary
+from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, init_distributed, training_plan
+from recsys_pipe.train import Trainer, training_plan
 
 MAX_LEN, BATCH = 50, 128
 
 
 def ours(data: str, steps: int, info) -> float:
+    """Samples/s of recsys_pipe's trainer on the reference's configuration (serial plan, `steps` steps)."""
     run = load_run(
         "data=sequences",
         f"data.path={data}",
@@ -76,9 +76,21 @@ def reference_batches(data: str, steps: int) -> list[tuple[np.ndarray, ...]]:
     return batches
 
 
+def reference_model_class(model_dir: str) -> type:
+    """The `SASRec` class of the reference implementation's `model_dir/model.py`, loaded from that
+    file by path (it is no package, and the import path stays as it is)."""
+    path = Path(model_dir) / "model.py"
+    if not path.is_file():
+        raise SystemExit(f"error: --reference: no model.py in {model_dir}")
+    spec = importlib.util.spec_from_file_location("sasrec_reference_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SASRec
+
+
 def reference(model_dir: str, num_users: int, num_items: int, batches) -> float:
-    sys.path.insert(0, model_dir)
-    from model import SASRec  # the reference implementation's module
+    """Samples/s of the reference implementation training `batches` (its own loop and optimiser)."""
+    SASRec = reference_model_class(model_dir)
 
     args = SimpleNamespace(
         device="cpu", hidden_units=50, maxlen=MAX_LEN, dropout_rate=0.5, num_blocks=2, num_heads=1, norm_first=True
@@ -105,6 +117,7 @@ def reference(model_dir: str, num_users: int, num_items: int, batches) -> float:
 
 
 def main() -> None:
+    """Alternate the two implementations `--reps` times; print samples/s and the ratio, then one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help='"user item" file, e.g. Video.txt')
     parser.add_argument("--reference", required=True, help="directory of the reference implementation's model.py")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The engine's own cost and its overlap, measured side by side in one process.
 
 Every repetition runs every configuration once (in a rotated order), so a slow spell of a
@@ -25,23 +24,21 @@ The table goes to stdout; the last line is one JSON object with every figure. `-
 out measure 5, which composes the plans through the launcher's config and training packages
 (Hydra, pydantic, torchrec): for machines that have only torch, such as the GPU machine.
 
-    .venv/bin/python scripts/bench_engine.py [--repeats R] [--iterations N] [--quick] [--no-plans]
+    recsys-bench engine [--repeats R] [--iterations N] [--quick] [--no-plans]
+    python -m recsys_pipe.bench.engine ...    # the same, without the console script
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from recsys_pipe.bench.common import format_summary as fmt
+from recsys_pipe.bench.common import summary
 from recsys_pipe.engine import SchedulablePipeline, Schedule, SpanRecorder, Task, ThreadedExecutor
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however the script is run (runpy too)
-from bench_common import summary
 
 PLANS = ("serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch")
 THREAD_MAPS = ("hstu_default", "by_stream", "per_task", "single")
@@ -55,7 +52,7 @@ TARGETS = {
 
 
 def noop(ctx: Any) -> None:
-    pass
+    """A task body that does nothing: what remains of a step is the engine's own cost."""
 
 
 # -- schedules ------------------------------------------------------------------------------------
@@ -96,6 +93,7 @@ def timed(pipe: SchedulablePipeline, batches: int) -> float:
 
 
 def plain_loop(schedule: Schedule, iterations: int) -> float:
+    """Seconds a plain loop takes to call the schedule's task functions `iterations` times, in order."""
     tasks = schedule.tasks
     start = time.perf_counter()
     for _ in range(iterations):
@@ -148,6 +146,7 @@ def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
 
 
 def plan_us_per_step(schedule: Schedule, executor: Any, steps: int) -> float:
+    """Engine µs per step of `schedule` with no-op tasks on `executor` (after 20 untimed steps)."""
     with SchedulablePipeline(schedule, executor=executor) as pipe:
         timed(pipe, 20)
         return timed(pipe, steps) / steps * 1e6
@@ -157,6 +156,7 @@ def plan_us_per_step(schedule: Schedule, executor: Any, steps: int) -> float:
 
 
 def main() -> None:
+    """Measure every configuration in interleaved repetitions; print the table, then the JSON report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=9, help="interleaved repetitions (median and min-max)")
     parser.add_argument("--iterations", type=int, default=2000, help="batches per no-op overhead run")
@@ -237,11 +237,8 @@ def main() -> None:
     print(json.dumps(report))
 
 
-def fmt(s: dict[str, float], unit: str = "") -> str:
-    return f"{s['median']}{unit} ({s['min']}–{s['max']})"
-
-
 def print_table(report: dict[str, Any]) -> None:
+    """Print the report as a table with each measure's target."""
     m = report["machine"]
     print(f"engine benchmark: medians (min–max) over {m['repeats']} interleaved repetitions")
     print(f"{'measure':<44} {'result':<32} target")

@@ -4,7 +4,7 @@ metrics next to the published ones, the training time, a check that the run's du
 the printed metrics, and an HR@10-vs-epoch plot (`OUT_DIR/hr10_vs_epoch.png`). The last line is
 one JSON object with every figure.
 
-    python scripts/retrieval_report.py OUT_DIR
+    recsys-bench retrieval_report OUT_DIR
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ def crossing(curve: list[tuple[float, float, float]], column: int, level: float)
 
 
 def evaluations(run: Path) -> list[dict]:
+    """The evaluation records (those with a test split) of a run's metrics.jsonl."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "test" in r]
 
 
 def steps_per_epoch(run: Path) -> int | None:
+    """Steps of the first epoch, from the run's train.log; None without one."""
     for line in (run / "train.log").read_text().splitlines() if (run / "train.log").exists() else []:
         if "epoch 1/" in line and "done at step" in line:
             return int(line.rsplit("step", 1)[1])
@@ -57,6 +59,7 @@ def samples_per_s(run: Path) -> float | None:
 
 
 def summarise(run: Path) -> dict:
+    """One run's figures: the selected evaluation, the HR@10 curve by epoch, timing, and the dump check."""
     evals = evaluations(run)
     selected = [r for r in evals if r.get("selected")][-1]
     per_epoch = steps_per_epoch(run)
@@ -93,6 +96,7 @@ def summarise(run: Path) -> dict:
 
 
 def plot(runs: dict[str, dict], path: Path) -> None:
+    """Plot validation and test HR@10 against the epoch for every run into `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,6 +135,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
 
 
 def main(out_dir: str) -> None:
+    """Print the published rows next to ours, the targets, the plot's path and one JSON line."""
     root = Path(out_dir)
     runs = {name: summarise(root / name) for name in ("sasrec", "hstu") if (root / name / "metrics.jsonl").exists()}
     print(f"{'':22} {'HR@10':>7} {'NDCG@10':>8}   protocol: leave-one-out, test split, 100 sampled negatives")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The balanced batch shuffler on Zipf-distributed sequence lengths: per-rank imbalance before and
 after, and training throughput of the balanced plans against the same plans without it.
 
@@ -27,46 +26,34 @@ Note for reading the CPU figures: this repository's CPU HSTU pads attention to `
 on the CPU only the token-proportional work (projections, norms, MLP, embedding traffic) depends
 on the lengths; the quadratic workload model describes jagged attention kernels (the GPU case).
 
-Run (2 gloo ranks on the CPU; without torchrun the script re-executes itself under it):
+Run (2 gloo ranks on the CPU; without torchrun the module re-executes itself under it):
 
-    .venv/bin/python scripts/bench_shuffle.py [--steps N] [--repeats R] [--batch-size B] [--max-seq-len L]
+    recsys-bench shuffle [--steps N] [--repeats R] [--batch-size B] [--max-seq-len L]
+    python -m recsys_pipe.bench.shuffle ...    # the same, without the console script
 
 Rank 0 prints a table and, last, one JSON line with all figures.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
+import json
+import statistics
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
+
+from recsys_pipe.bench.common import one_thread_per_rank, reexec_under_torchrun, run_ranks
+from recsys_pipe.bench.timing import TAIL, StepTimer, Window
+
 NPROC = 2
-
-from bench_common import reexec_under_torchrun  # noqa: E402  (scripts/ is sys.path[0])
-
-if __name__ == "__main__":
-    reexec_under_torchrun(__file__, NPROC)
-
-os.environ["OMP_NUM_THREADS"] = "1"
-for path in (ROOT, os.path.join(ROOT, "scripts")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import traceback  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from bench_train import TAIL, StepTimer, Window  # noqa: E402  (the shared timing window)
-
 PAIRS = (("hstu_sparse_dist", "hstu_sparse_dist_balanced"), ("hstu_prefetch", "hstu_prefetch_balanced"))
 VARIANTS = tuple(v for pair in PAIRS for v in pair)
 
 
 def run_config(plan: str, args: argparse.Namespace, num_batches: int) -> Any:
+    """The run config of `plan` on the Zipf-length synthetic data of the command line."""
     from recsys_pipe.testing import load_run
 
     return load_run(
@@ -129,12 +116,14 @@ def train(run: Any, info: Any, batches: list, warmup: int, steps: int) -> tuple[
 
 
 def max_over_ranks(value: float) -> float:
+    """The largest `value` over all ranks."""
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def main() -> None:
+    """Measure imbalance, then train every variant in interleaved repetitions; rank 0 prints the report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the window (default 5)")
@@ -148,7 +137,7 @@ def main() -> None:
     if min(args.steps, args.repeats, args.warmup, args.batch_size) < 1:
         parser.error("--steps, --repeats, --warmup and --batch-size must be >= 1")
 
-    torch.set_num_threads(1)
+    one_thread_per_rank()
     from recsys_pipe.data import make_dataloader
     from recsys_pipe.runtime import init_distributed
 
@@ -236,19 +225,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-        if dist.is_initialized():
-            dist.barrier()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    reexec_under_torchrun(__spec__.name, NPROC)  # plain `python -m recsys_pipe.bench.shuffle`: 2 ranks
+    run_ranks(main)

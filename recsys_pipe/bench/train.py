@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The training performance record: the shipped plans against torchrec's own pipelines.
 
 Every variant trains the same model (same seed) on the same pre-built batches (data loading is
@@ -43,6 +42,14 @@ pinned to its own core (`--no-pin` to keep the OS's placement): with two ranks o
 cores the scheduler otherwise moves ranks and their gloo threads around, which spread the
 per-repetition ratios about twice as wide in our runs.
 
+The speed gate. A plan with a torchrec counterpart must reach `--min-vs-class` (0.95) of that
+class's speed: the median of the paired per-repetition ratios ("vs class"), per batch size. It
+is judged only in a clean window: every kept repetition of the plan and of its class with other
+jobs at or below `--max-other-load`. A clean pair below the limit fails the run (exit 1, the plan,
+class, batch size and ratio on stderr, after the report); a pair whose window was not clean is
+named as not judged, and does not fail it. `--quick` turns the gate off (3 timed steps measure
+no speed). The report's "speed_gate" holds every verdict.
+
 What a column means (per rank; the larger of the ranks):
 
 - ms/step: wall time of the window / steps; samples/s = batch * ranks / (ms/step).
@@ -73,51 +80,38 @@ What a column means (per rank; the larger of the ranks):
   run and measure the same thing (checked: README). On CUDA also the peak allocated and
   reserved device memory (`torch.cuda.max_memory_allocated/reserved`, reset per run).
 
-Run (2 ranks; without torchrun the script re-executes itself under it). Hold the shared CPU
+Run (2 ranks; without torchrun the module re-executes itself under it). Hold the shared CPU
 lock and bound it:
 
-    flock /tmp/recsys_cpu.lock timeout 3000 .venv/bin/python scripts/bench_train.py
-    .venv/bin/python scripts/bench_train.py --batch-sizes 32 --repeats 7 --steps 40
-    .venv/bin/python scripts/bench_train.py --plan 'late=pipeline=sparse_dist pipeline.tasks.h2d.lookahead=3'
-    .venv/bin/python scripts/bench_train.py --quick     # CI smoke: tiny, every variant once
+    flock /tmp/recsys_cpu.lock timeout 3000 recsys-bench train
+    recsys-bench train --batch-sizes 32 --repeats 7 --steps 40
+    recsys-bench train --plan 'late=pipeline=sparse_dist pipeline.tasks.h2d.lookahead=3'
+    recsys-bench train --quick     # CI smoke: tiny, every variant once
+    python -m recsys_pipe.bench.train --quick   # the same, without the console script
 
-Rank 0 prints progress, a table per batch size, the targets and, last, one JSON line.
+Rank 0 prints progress, a table per batch size, the targets, the speed gate and, last, one JSON
+line.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import shlex
+import statistics
 import sys
+import time
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
+
+from recsys_pipe.bench.common import one_thread_per_rank, reexec_under_torchrun, run_ranks, summary
+from recsys_pipe.bench.timing import TAIL, PeakMemory, StepTimer, Window, observer_cost_us
+
 NPROC = 2
-
-from bench_common import reexec_under_torchrun, summary  # noqa: E402  (scripts/ is sys.path[0])
-
-if __name__ == "__main__" and not any(a in ("-h", "--help") for a in sys.argv):
-    reexec_under_torchrun(__file__, NPROC)  # plain `python scripts/bench_train.py`: 2 ranks
-
-os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads its OpenMP runtime
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import ctypes.util  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from recsys_pipe.engine import Task, TaskObserver  # noqa: E402
 
 #: the engine variants: name -> overrides on top of `common_overrides`
 PLANS: dict[str, tuple[str, ...]] = {
@@ -161,283 +155,19 @@ BATCH_SIZES = (32, 256, 1024)
 #: timed and warm-up steps per batch size (about 0.7-1.5 s of timed steps per run on 2 CPU cores)
 STEPS = {32: 64, 256: 24, 1024: 8}
 WARMUP = {32: 6, 256: 4, 1024: 3}
-TAIL = 2  # untimed steps after the window: the largest lookahead, so the window never drains
 TARGET_SPEED = 1.0  # every pipelined plan >= 1.0x torchrec_sdd (median, CPU, batch 32 and 256)
 TARGET_SPEED_BATCHES = (32, 256)
 TARGET_RSS = 1.05  # peak RSS <= 1.05x torchrec_sdd's
 TARGET_ENGINE_SHARE = 0.5  # percent of a step
-
-
-# -- measuring ------------------------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine, from the first line of /proc/stat."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return sum(values) - idle, sum(values)
-
-
-class GcPauses:
-    """Python's cyclic garbage collections while `active`, from `gc.callbacks` (the interpreter's
-    own hook): `(generation, start, end)` per collection. Any Python training loop pays them,
-    at a rate set by how many objects the step allocates."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.pauses: list[tuple[int, float, float]] = []
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self.active:
-            self.pauses.append((info["generation"], self._start, time.perf_counter()))
-
-    def reset(self) -> None:
-        self.pauses = []
-
-
-GC = GcPauses()
-gc.callbacks.append(GC)
-
-
-class PeakMemory:
-    """Peak memory of one run in this process (see the module docstring for the method).
-
-    `/proc/self/clear_refs` "5" resets VmHWM to the current RSS (Linux >= 4.0, own process);
-    `malloc_trim(0)` is glibc's, called through ctypes because no library exposes it. If either
-    is missing the RSS figures are None and the report says so.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        libc_name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(libc_name) if libc_name else None
-        self._trim = getattr(libc, "malloc_trim", None)
-        self.problem: str | None = None
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            _status_kib("VmHWM")
-        except (OSError, KeyError) as exc:
-            self.problem = f"cannot reset the RSS high-water mark here ({exc}); peak RSS not measured"
-        self.base_kib = 0
-
-    def start(self) -> None:
-        gc.collect()
-        if self._trim is not None:
-            self._trim(0)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if self.problem is None:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.base_kib = _status_kib("VmRSS")
-
-    def stop(self) -> dict[str, float | None]:
-        out: dict[str, float | None] = {"peak_rss_mib": None, "rss_growth_mib": None}
-        if self.problem is None:
-            peak = _status_kib("VmHWM")
-            out = {"peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - self.base_kib) / 1024}
-        if self.device.type == "cuda":
-            out["cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-            out["cuda_peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / 2**20
-        return out
-
-
-class Window:
-    """The timed window of one run: opened after a barrier, closed after the last timed step
-    (on CUDA both after a device synchronize, so queued work is inside the window)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.t0 = self.t1 = None
-        self.cpu0 = self.cpu1 = 0.0
-        self.jiffies0 = self.jiffies1 = (0, 0)
-        self.pauses: list[tuple[int, float, float]] = []  # garbage collections in the window
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def open(self) -> None:
-        self._sync()
-        dist.barrier()
-        self.jiffies0 = _cpu_jiffies()
-        GC.reset()
-        GC.active = True
-        self.cpu0 = time.process_time()
-        self.t0 = time.perf_counter()
-
-    def close(self) -> None:
-        self._sync()
-        self.t1 = time.perf_counter()
-        self.cpu1 = time.process_time()
-        GC.active = False
-        self.pauses = list(GC.pauses)
-        self.jiffies1 = _cpu_jiffies()
-
-    def figures(self) -> dict[str, float]:
-        if self.t1 is None:
-            raise RuntimeError("the run ended before its timed window closed")
-        busy, total = (b - a for a, b in zip(self.jiffies0, self.jiffies1))
-        gc_s = [0.0, 0.0, 0.0]
-        for generation, start, end in self.pauses:
-            gc_s[generation] += end - start
-        return {
-            "seconds": self.t1 - self.t0,
-            "cpu_seconds": self.cpu1 - self.cpu0,
-            "machine_busy": busy / total if total else 0.0,
-            "gc_seconds": gc_s,  # per generation
-            "gc_count": [sum(1 for p in self.pauses if p[0] == g) for g in range(3)],
-        }
-
-
-class StepTimer(TaskObserver):
-    """Times a window of internal iterations `[first, stop)` of an engine pipeline from its
-    hooks: opens `window` when iteration `first - 1` finishes and closes it when `stop - 1`
-    finishes; records every task span and the iteration boundaries in between. Cheap on
-    purpose (a clock read and a dict or list write per hook): its cost lands in the engine
-    figure."""
-
-    def __init__(self, window: Window, first: int, stop: int):
-        self.window, self.first, self.stop = window, first, stop
-        self.started: dict[int, float] = {}
-        self.done: dict[int, float] = {}
-        self.finished: dict[int, float] = {}
-        self.spans: list[tuple[int, str, str, float, float]] = []  # iteration, task, thread, start, end
-        self._open: dict[str, float] = {}  # a task never overlaps itself: its name is its key
-
-    def iteration_started(self, iteration: int) -> None:
-        self.started[iteration] = time.perf_counter()
-
-    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
-        self._open[task.name] = time.perf_counter()
-
-    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
-        end = time.perf_counter()
-        self.spans.append((iteration, task.name, threading.current_thread().name, self._open.pop(task.name), end))
-
-    def tasks_done(self, iteration: int) -> None:
-        self.done[iteration] = time.perf_counter()
-
-    def iteration_finished(self, iteration: int, failed: bool) -> None:
-        self.finished[iteration] = time.perf_counter()
-        if iteration == self.first - 1:
-            self.window.open()
-        elif iteration == self.stop - 1:
-            self.window.close()
-
-    def breakdown(self) -> dict[str, Any]:
-        """Seconds of the window: task bodies (union over threads), engine, release, loop; and
-        task-body seconds per task and per thread."""
-        by_iteration: dict[int, list[tuple[float, float]]] = {}
-        per_task: dict[str, float] = {}
-        per_thread: dict[str, float] = {}
-        thread_of: dict[str, str] = {}
-        for iteration, task, thread, start, end in self.spans:
-            if self.first <= iteration < self.stop:
-                by_iteration.setdefault(iteration, []).append((start, end, task))
-                per_task[task] = per_task.get(task, 0.0) + end - start
-                per_thread[thread] = per_thread.get(thread, 0.0) + end - start
-                thread_of[task] = thread
-        pauses = [(start, end, None) for _, start, end in self.window.pauses]  # garbage collections
-        busy = engine = release = loop = gc_outside = 0.0
-        gaps: dict[str, float] = {}  # engine time by where it falls: before which task, or at the end
-        previous_end = self.window.t0
-        for i in range(self.first, self.stop):
-            started, done, finished = self.started[i], self.done[i], self.finished[i]
-            tasks = by_iteration.get(i, [])
-            union = _union_length(tasks, started, done)
-            covered = _union_length(tasks + pauses, started, done)  # task bodies or collections
-            busy += union
-            engine += done - started - covered
-            _attribute_gaps(tasks + pauses, started, done, gaps)
-            in_release = _union_length(pauses, done, finished)
-            in_loop = _union_length(pauses, previous_end, started)
-            release += finished - done - in_release
-            loop += started - previous_end - in_loop
-            gc_outside += covered - union + in_release + in_loop
-            previous_end = finished
-        return {
-            "busy_s": busy,
-            "engine_s": engine,
-            "release_s": release,
-            "loop_s": loop,
-            "gc_outside_tasks_s": gc_outside,
-            "per_task_s": per_task,
-            "per_thread_s": per_thread,
-            "thread_of": thread_of,
-            "gaps_s": gaps,
-        }
-
-
-def _union_length(spans: list[tuple[float, float, str | None]], lo: float, hi: float) -> float:
-    """Length of the union of the `(start, end, task)` spans, clipped to [lo, hi]."""
-    total, reach = 0.0, lo
-    for start, end, _ in sorted(spans):
-        start, end = max(start, reach), min(end, hi)
-        if end > start:
-            total += end - start
-            reach = end
-    return total
-
-
-def _attribute_gaps(spans: list[tuple[float, float, str | None]], lo: float, hi: float, gaps: dict[str, float]) -> None:
-    """Add the gaps of the spans' union within [lo, hi] to `gaps`, keyed by the next task to
-    start ("before <task>") or "after the last task" (the executor's join). Spans without a
-    task (garbage collections) cover time but name no position."""
-    reach, pending = lo, 0.0
-    for start, end, task in sorted(spans, key=lambda span: span[:2]):
-        if end <= lo or start >= hi:  # e.g. a collection in another iteration
-            continue
-        start, end = max(start, lo), min(end, hi)
-        if start > reach:
-            pending += start - reach
-        if task is not None and pending:
-            gaps[f"before {task}"] = gaps.get(f"before {task}", 0.0) + pending
-            pending = 0.0
-        reach = max(reach, end)
-    pending += max(0.0, hi - reach)
-    if pending:
-        gaps["after the last task"] = gaps.get("after the last task", 0.0) + pending
-
-
-def observer_cost_us(tasks: int, calls: int = 20000) -> float:
-    """The StepTimer's own cost per step, its hooks timed alone on this thread (µs)."""
-
-    class _Named:
-        def __init__(self, name: str):
-            self.name = name
-
-    timer = StepTimer(Window(torch.device("cpu")), 10**9, 10**9 + 1)  # never opens the window
-    named = [_Named(f"t{k}") for k in range(tasks)]
-    start = time.perf_counter()
-    for i in range(calls // tasks):
-        timer.iteration_started(i)
-        for task in named:
-            timer.task_started(task, i, i)  # type: ignore[arg-type]
-            timer.task_finished(task, i, i, False)  # type: ignore[arg-type]
-        timer.tasks_done(i)
-        timer.iteration_finished(i, False)
-    return (time.perf_counter() - start) / (calls // tasks) * 1e6
+#: the speed gate: every plan >= this fraction of its torchrec class (`COUNTERPART`), in a clean window
+MIN_VS_CLASS = 0.95
 
 
 # -- variants -------------------------------------------------------------------------------------
 
 
 def common_overrides(device: torch.device, batch_size: int, num_batches: int) -> list[str]:
+    """The overrides every variant shares: no progress bar, evaluation or metrics all-reduce; the batches."""
     return [
         "trainer.progress_bar=false",
         "trainer.eval_every=0",
@@ -537,6 +267,7 @@ def other_load(runs: list[dict[str, Any]], cores: int) -> float:
 
 
 def fmt(s: dict[str, float] | None, digits: int = 0) -> str:
+    """`median (min–max)` of a summary, or `-` for none."""
     if s is None:
         return "-"
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
@@ -632,6 +363,7 @@ def aggregate(
 
 
 def print_table(batch_size: int, steps: int, repeats: int, world: int, rows: dict[str, Any]) -> None:
+    """Print one batch size's table of every variant."""
     print(
         f"\nbatch {batch_size}/rank x {world} ranks, {steps} timed steps, medians (min–max) over {repeats} "
         "interleaved repetitions; per rank, the larger of the ranks"
@@ -671,6 +403,7 @@ def print_table(batch_size: int, steps: int, repeats: int, world: int, rows: dic
 
 
 def print_breakdown(rows: dict[str, Any]) -> None:
+    """Print rank 0's per-task times and where the engine's time falls, per variant."""
     print("rank 0 task bodies, ms/step (median), by task [thread]:")
     for name, r in rows.items():
         if "rank0_task_ms_per_step" in r:
@@ -687,6 +420,7 @@ def print_breakdown(rows: dict[str, Any]) -> None:
 
 
 def parse_args() -> argparse.Namespace:
+    """The command line; `--quick` fills in the smoke test's sizes and turns the speed gate off."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="per-rank batch sizes to sweep (32,256,1024)"
@@ -722,10 +456,19 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="pin each rank (and every thread it starts) to its own core; default: on for CPU runs, off on CUDA",
     )
+    parser.add_argument(
+        "--min-vs-class",
+        type=float,
+        default=None,
+        help=f"fail when a plan's median speed vs its torchrec class is below this in a clean window "
+        f"(default {MIN_VS_CLASS}; 0 turns the gate off; --quick: off)",
+    )
     parser.add_argument("--quick", action="store_true", help="CI smoke test: batch 16, 3 steps, 1 repetition")
     args = parser.parse_args()
     if args.quick:  # a smoke test: keep whatever the machine gives
         args.batch_sizes, args.repeats, args.steps, args.warmup, args.retries = "16", 1, 3, 1, 0
+    if args.min_vs_class is None:
+        args.min_vs_class = 0.0 if args.quick else MIN_VS_CLASS
     if args.retries is None:
         args.retries = 2 * args.repeats
     extra: dict[str, tuple[str, ...]] = {}
@@ -745,13 +488,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    """Run the benchmark on this rank: every batch size, every repetition; rank 0 prints the report."""
     args = parse_args()
     if args.pin is None:
         args.pin = not torch.cuda.is_available()
     if args.pin:  # before any thread starts, so gloo's and the executor's threads inherit it
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]})
-    torch.set_num_threads(1)
+    one_thread_per_rank()
     from recsys_pipe.runtime import init_distributed
     from recsys_pipe.train import training_plan
 
@@ -761,7 +505,7 @@ def main() -> None:
     plans = {**PLANS, **args.plan}
     variants = [*plans, TORCHREC] + ([TORCHREC_PREFETCH] if cuda else [])
     if args.variants:
-        from recsys_pipe.cli._hydra import CONF_DIR
+        from recsys_pipe.cli import CONF_DIR
 
         files = {p.stem: (f"pipeline={p.stem}",) for p in sorted((CONF_DIR / "pipeline").glob("*.yaml"))}
         plans = {**files, **plans}
@@ -854,6 +598,7 @@ def main() -> None:
             print_breakdown(rows)
             print(f"losses: {equal['note']}", flush=True)
     report["targets"] = targets(report, variants, cuda)
+    report["speed_gate"] = speed_gate(report, args.min_vs_class, args.max_other_load)
     if rss_problem:
         report["rss_problem"] = rss_problem
     if main_rank:
@@ -861,7 +606,9 @@ def main() -> None:
         if rss_problem:
             print(rss_problem)
         print_targets(report["targets"])
+        print_speed_gate(report["speed_gate"])
         print(json.dumps(report), flush=True)
+    enforce_speed_gate(report["speed_gate"], main_rank)
 
 
 def check_losses(records: dict[str, list[list[dict[str, Any]]]], cuda: bool, rank: int) -> dict[str, Any]:
@@ -940,6 +687,7 @@ def targets(report: dict[str, Any], variants: list[str], cuda: bool) -> dict[str
 
 
 def print_targets(t: dict[str, Any]) -> None:
+    """Print which targets every pipelined plan meets, per batch size."""
     limits = t["limits"]
     print(
         f"targets: pipelined plans >= {limits['speed_vs_torchrec_min']}x torchrec_sdd (median, CPU, batch "
@@ -954,22 +702,99 @@ def print_targets(t: dict[str, Any]) -> None:
             )
 
 
-if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-        if dist.is_initialized():
-            dist.barrier()
-    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
-        code = exc.code if isinstance(exc.code, int) else 2
-        if not isinstance(exc.code, int) and exc.code:
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
+def speed_gate(report: dict[str, Any], min_ratio: float, max_other_load: float) -> dict[str, Any]:
+    """The speed gate's verdict on every plan that ran next to its torchrec class.
+
+    Args:
+        report: the benchmark's report: `report["batches"][batch]["variants"]` are the rows of
+            `aggregate`, whose "vs_counterpart" and "other_load_percent" the gate reads.
+        min_ratio: the least median speed ratio plan / class that passes (0: the gate is off).
+        max_other_load: the share of all cores other jobs may use in every kept repetition of
+            the plan and its class for the pair to count as measured in a clean window.
+
+    Returns:
+        `{"min_ratio", "max_other_load", "passed", "failed", "not_clean"}`; the last three list
+        `{"batch_size", "plan", "class", "ratio", "other_load"}` (other_load: the largest share
+        of the cores other jobs used in a kept repetition of either). Empty lists when off.
+    """
+    out: dict[str, Any] = {
+        "min_ratio": min_ratio,
+        "max_other_load": max_other_load,
+        "passed": [],
+        "failed": [],
+        "not_clean": [],
+    }
+    if min_ratio <= 0:
+        return out
+    for batch_size, entry in report["batches"].items():
+        rows = entry["variants"]
+        for name, row in rows.items():
+            if "vs_counterpart" not in row:
+                continue
+            counterpart = row["vs_counterpart"]["variant"]
+            other = max(rows[v]["other_load_percent"]["max"] for v in (name, counterpart)) / 100
+            verdict = {
+                "batch_size": int(batch_size),
+                "plan": name,
+                "class": counterpart,
+                "ratio": row["vs_counterpart"]["median"],
+                "other_load": round(other, 3),
+            }
+            if other > max_other_load:
+                out["not_clean"].append(verdict)
+            elif verdict["ratio"] < min_ratio:
+                out["failed"].append(verdict)
+            else:
+                out["passed"].append(verdict)
+    return out
+
+
+def _verdict_line(v: dict[str, Any]) -> str:
+    other = f"other jobs at most {v['other_load']:.0%}"
+    return f"batch {v['batch_size']} {v['plan']}: {v['ratio']:.3f}x {v['class']} ({other})"
+
+
+def print_speed_gate(gate: dict[str, Any]) -> None:
+    """Print the gate's verdicts: passed, failed, and the pairs not judged for a noisy window."""
+    if gate["min_ratio"] <= 0:
+        print("speed gate: off")
+        return
+    print(
+        f"speed gate: every plan >= {gate['min_ratio']}x its torchrec class (median), judged where other jobs "
+        f"used at most {gate['max_other_load']:.0%} of the cores"
+    )
+    for v in gate["passed"]:
+        print(f"  passed      {_verdict_line(v)}")
+    for v in gate["failed"]:
+        print(f"  FAILED      {_verdict_line(v)}")
+    for v in gate["not_clean"]:
+        print(f"  not judged  {_verdict_line(v)}: the window was not clean")
+    if not (gate["passed"] or gate["failed"] or gate["not_clean"]):
+        print("  no plan ran next to its torchrec class")
+
+
+def enforce_speed_gate(gate: dict[str, Any], main_rank: bool = True) -> None:
+    """Fail the run when a plan fell below the gate in a clean window: the verdicts on stderr
+    (from rank 0), then `SystemExit(1)` on every rank (they all hold the same gathered report).
+    A pair measured in a window that was not clean is warned about on stderr and never fails."""
+    if main_rank:
+        for v in gate["not_clean"]:
+            print(
+                f"bench_train: warning: not judged, the window was not clean: {_verdict_line(v)}",
+                file=sys.stderr,
+            )
+        for v in gate["failed"]:
+            print(
+                f"bench_train: plan {v['plan']} at {v['ratio']:.3f}x of {v['class']} (batch {v['batch_size']}), "
+                f"below the gate's {gate['min_ratio']}x in a clean window",
+                file=sys.stderr,
+            )
         sys.stderr.flush()
-        os._exit(code)
+    if gate["failed"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    if not any(a in ("-h", "--help") for a in sys.argv):
+        reexec_under_torchrun(__spec__.name, NPROC)  # plain `python -m recsys_pipe.bench.train`: 2 ranks
+    run_ranks(main)

@@ -1,0 +1,41 @@
+"""The benchmarks and report tools `recsys-bench` runs: name -> module and a one-line summary.
+
+Names only, no imports: `recsys-bench --help` lists them without loading torch or the training
+stack, and each benchmark imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["BENCHMARKS", "Benchmark"]
+
+
+class Benchmark(NamedTuple):
+    """One entry of `BENCHMARKS`: the module run as `python -m module`, and what it measures."""
+
+    module: str
+    summary: str
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "engine": Benchmark(
+        "recsys_pipe.bench.engine", "the engine's own cost per task and per step, overlap of thread groups"
+    ),
+    "train": Benchmark(
+        "recsys_pipe.bench.train",
+        "the shipped plans against torchrec's pipelines: samples/s, CPU, memory, engine cost (2 ranks)",
+    ),
+    "shuffle": Benchmark("recsys_pipe.bench.shuffle", "balanced batches: per-rank imbalance and throughput (2 ranks)"),
+    "simulator": Benchmark("recsys_pipe.bench.simulator", "the plan simulator's predictions against measured steps"),
+    "gpu": Benchmark("recsys_pipe.bench.gpu", "overlap on CUDA streams (a GPU; --device cpu: a smoke test)"),
+    "sasrec": Benchmark(
+        "recsys_pipe.bench.sasrec", "SASRec training throughput against the reference PyTorch implementation"
+    ),
+    "retrieval_report": Benchmark(
+        "recsys_pipe.bench.retrieval_report", "summary of a retrieval reproduction (scripts/reproduce_games.sh)"
+    ),
+    "engine_example": Benchmark(
+        "recsys_pipe.bench.engine_example", "a small pipelined program written with the engine alone"
+    ),
+}
