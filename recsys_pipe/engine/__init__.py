@@ -27,7 +27,7 @@ from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
 from recsys_pipe.engine.schedule import Schedule, Stage
 from recsys_pipe.engine.shortcut import DeclaredIO, shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
-from recsys_pipe.engine.streams import CudaTimer, NoOpEvent, NoOpStream, StreamPool
+from recsys_pipe.engine.streams import DEFAULT_STREAM, CudaTimer, NoOpEvent, NoOpStream, StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, FnTask, Task, declare_effects
 from recsys_pipe.engine.threaded import ThreadedExecutor, resolve_thread_map
 
@@ -36,6 +36,7 @@ __all__ = [
     "STEP_RESULT",
     "BatchRing",
     "CudaTimer",
+    "DEFAULT_STREAM",
     "DataSlot",
     "DeclaredIO",
     "Dependency",
