@@ -28,8 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import summary
 
+from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, init_distributed, training_plan
+from recsys_pipe.train import Trainer, training_plan
 
 MAX_LEN, BATCH = 50, 128
 

@@ -5,7 +5,6 @@ instead of comparing import paths; a user's own function, registered or not, wor
 from __future__ import annotations
 
 import ast
-import importlib
 import subprocess
 import sys
 import textwrap
@@ -29,8 +28,9 @@ from recsys_pipe.config import (
     task,
 )
 from recsys_pipe.engine import STEP_RESULT, StreamPool, TaskContext
+from recsys_pipe.runtime import DistInfo
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import DistInfo, build_pipeline, build_state, training_plan
+from recsys_pipe.train import build_pipeline, build_state, training_plan
 from recsys_pipe.train import tasks as builtin
 from recsys_pipe.train.plan import derive_plan, idle_tasks
 from recsys_pipe.train.state import TrainState
@@ -318,29 +318,7 @@ def test_the_forward_task_is_found_by_its_registry_entry():
     assert plan.tasks["global_tokens_allreduce"].fn == "global_tokens_allreduce"
 
 
-# -- what is gone, and what must not come back --------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "module,name,replacement",
-    [
-        ("recsys_pipe.train.build", "SHUFFLE_FN", "Need.BALANCER"),
-        ("recsys_pipe.train.plan", "PREFETCH_FNS", "Need.PREFETCH_CONTEXT"),
-        ("recsys_pipe.train.plan", "INPUT_DIST_FNS", "Need.SPARSE_DIST"),
-        ("recsys_pipe.train.plan", "FINALIZE_FN", "Need.GRAD_BUFFERS"),
-        ("recsys_pipe.train.plan", "GLOBAL_TOKENS_TASK", "global_tokens_allreduce"),
-    ],
-)
-def test_removed_names_say_what_replaces_them(module, name, replacement):
-    with pytest.raises(AttributeError, match=f"{name} was removed: .*{replacement}"):
-        getattr(importlib.import_module(module), name)
-
-
-def test_slot_names_are_still_importable_from_the_state_module():
-    from recsys_pipe.train import slots, state
-
-    for name in ("BATCH_GPU", "TORCHREC_CTX", "INPUT_DIST_SPLITS", "GLOBAL_TOKENS", "UNBALANCED_BATCH", "SHUFFLE_PLAN"):
-        assert getattr(state, name) == getattr(slots, name)
+# -- what must not come back --------------------------------------------------------------
 
 
 SOURCES = sorted(Path(recsys_pipe.__file__).parent.rglob("*.py"))
