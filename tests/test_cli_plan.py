@@ -69,7 +69,7 @@ def test_balanced_plans_print_exactly_their_reference_text(tmp_path, capsys, pip
 
 
 def test_derived_plans_restate_only_what_differs():
-    from recsys_pipe.cli._hydra import CONF_DIR
+    from recsys_pipe.config import CONF_DIR
 
     texts = {p.stem: p.read_text() for p in (CONF_DIR / "pipeline").glob("*.yaml")}
     assert texts["serial"].count("fn: ") == 8  # the one full task set

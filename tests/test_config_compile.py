@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from recsys_pipe.cli._hydra import CONF_DIR
 from recsys_pipe.cli.plan import PlanCommandConfig
 from recsys_pipe.config import (
+    CONF_DIR,
     CompiledPlan,
     ConfigError,
     PlanConfig,

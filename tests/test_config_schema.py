@@ -160,8 +160,8 @@ def test_shipped_options_compose_every_key(group, tmp_path):
     config class's defaults, see tests/test_config_defaults.py). The component selectors are the
     exception: a section has `name` (a registered component, whose config class fills in its
     builder) or `builder` (model=custom, data=custom), not both."""
-    from recsys_pipe.cli._hydra import CONF_DIR, compose_config
-    from recsys_pipe.config import validate_section
+    from recsys_pipe.cli import compose_config
+    from recsys_pipe.config import CONF_DIR, validate_section
     from recsys_pipe.train import TrainerConfig
 
     options = sorted((CONF_DIR / group).glob("*.yaml"))
