@@ -45,7 +45,7 @@ def compose(*overrides: str, config_name: str = "config") -> Any:
     `recsys-plan` ("plan") with these command-line overrides (without the `hydra` node)."""
     from omegaconf import open_dict
 
-    from recsys_pipe.cli._hydra import compose_config
+    from recsys_pipe.cli.compose import compose_config
 
     cfg = compose_config(*overrides, config_name=config_name)
     with open_dict(cfg):

@@ -177,7 +177,7 @@ def test_plan_yaml_loads_back_as_the_same_plan(tmp_path):
 
     s, costs = two_heavy_tasks()
     result = tune(s, costs)
-    fns = {n: f"my_pkg.tasks.{n}" for n in ("a", "b", "forward")}
+    fns = {n: f"my_pkg.tasks:{n}" for n in ("a", "b", "forward")}
     path = tmp_path / "pipeline" / "tuned_two.yaml"
     text = plan_yaml(result.schedule, fns, thread_map=result.thread_map, name="tuned_two", path=path)
     assert path.read_text() == text
@@ -224,14 +224,14 @@ def test_plan_yaml_writes_every_dependency_form():
             T("step", depends_on=["prep"], same_progress_sync=["load"], nvtx_tag="s", writes=["step_result"]),
         ]
     )
-    text = plan_yaml(s, {"load": "m.load", "prep": "m.prep", "step": "m.step"}, description="a: test")
+    text = plan_yaml(s, {"load": "m:load", "prep": "m:prep", "step": "m:step"}, description="a: test")
     assert "executor: sequential" in text and 'description: "a: test"' in text
     assert "    reads: [batch_cpu]\n    writes: [x]\n    nccl: true" in text
     assert "    reads: [[x, 2]]\n    cross_iter_depends_on: [[load, -2]]\n" in text
     assert '    nvtx_tag: "my prep"' in text
     assert "    depends_on: [prep]\n    same_progress_sync: [load]\n    nvtx_tag: s" in text
-    assert "fn: test_autosched_tune.noop" in plan_yaml(Schedule.single_stage([T("x")]))  # from the function
+    assert 'fn: "test_autosched_tune:noop"' in plan_yaml(Schedule.single_stage([T("x")]))  # from the function
     with pytest.raises(ValueError, match="no import path"):
         plan_yaml(Schedule.single_stage([Task.from_fn("x", lambda ctx: None)]))
     with pytest.raises(ValueError, match="holds one stage"):
-        plan_yaml(Schedule((Stage((T("a"),)), Stage((T("b"),))), ("default",)), {"a": "m.a", "b": "m.b"})
+        plan_yaml(Schedule((Stage((T("a"),)), Stage((T("b"),))), ("default",)), {"a": "m:a", "b": "m:b"})

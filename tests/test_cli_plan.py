@@ -69,7 +69,7 @@ def test_balanced_plans_print_exactly_their_reference_text(tmp_path, capsys, pip
 
 
 def test_derived_plans_restate_only_what_differs():
-    from recsys_pipe.cli._hydra import CONF_DIR
+    from recsys_pipe.config import CONF_DIR
 
     texts = {p.stem: p.read_text() for p in (CONF_DIR / "pipeline").glob("*.yaml")}
     assert texts["serial"].count("fn: ") == 8  # the one full task set
@@ -135,7 +135,7 @@ def test_multirun_sweeps_thread_maps(tmp_path, capsys):
 
 
 def test_structure_only_mode(tmp_path, capsys):
-    assert plan(tmp_path, "check_fns=false", "pipeline.tasks.forward.fn=not_imported_xyz.forward") == 0
+    assert plan(tmp_path, "check_fns=false", "pipeline.tasks.forward.fn=not_imported_xyz:forward") == 0
 
 
 def _user_conf(tmp_path: Path, name: str, body: str) -> str:
@@ -156,7 +156,7 @@ defaults:
 name: my_plan
 tasks:
   aux_stats:
-    fn: recsys_pipe.train.tasks.zero_grad
+    fn: recsys_pipe.train.tasks:zero_grad
     stream: memcpy
     lookahead: 2
     cross_iter_depends_on: [h2d]
@@ -273,13 +273,13 @@ BAD = [
     ),
     (
         "fn-no-attribute",
-        ["pipeline.tasks.forward.fn=recsys_pipe.train.tasks.fwd"],
+        ["pipeline.tasks.forward.fn=recsys_pipe.train.tasks:fwd"],
         "pipeline.tasks.forward.fn",
         "has no attribute 'fwd'",
     ),
     (
         "fn-no-module",
-        ["pipeline.tasks.forward.fn=no_such_pkg_xyz.tasks.forward"],
+        ["pipeline.tasks.forward.fn=no_such_pkg_xyz.tasks:forward"],
         "pipeline.tasks.forward.fn",
         "No module named 'no_such_pkg_xyz'",
     ),

@@ -139,7 +139,7 @@ def test_sigterm_checkpoints_exits_75_and_latest_resumes(tmp_path):
     "override, path",
     [
         ("pipeline.tasks.forward.depends_on=[fwd]", "pipeline.tasks.forward.depends_on[0]"),
-        ("pipeline.tasks.h2d.fn=recsys_pipe.train.tasks.nope", "pipeline.tasks.h2d.fn"),
+        ("pipeline.tasks.h2d.fn=recsys_pipe.train.tasks:nope", "pipeline.tasks.h2d.fn"),
         ("trainer.max_steps=0", "trainer.max_steps"),
     ],
 )

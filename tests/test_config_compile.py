@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from recsys_pipe.cli._hydra import CONF_DIR
 from recsys_pipe.cli.plan import PlanCommandConfig
 from recsys_pipe.config import (
+    CONF_DIR,
     CompiledPlan,
     ConfigError,
     PlanConfig,
@@ -66,9 +66,9 @@ def test_recsys_train_config_validates_too():
 def test_serial_and_pipelined_plans_list_the_same_task_functions():
     fns = {p: set(compiled(f"pipeline={p}").fn_paths().values()) for p in PIPELINES}
     assert fns["serial"] == fns["sparse_dist"] == fns["hstu_sparse_dist"]
-    assert fns["hstu_prefetch"] - fns["serial"] == {"recsys_pipe.train.tasks.prefetch_embeddings"}
+    assert fns["hstu_prefetch"] - fns["serial"] == {"recsys_pipe.train.tasks:prefetch_embeddings"}
     assert fns["serial"] <= fns["hstu_prefetch"]
-    shuffles = {"recsys_pipe.train.tasks.start_shuffle", "recsys_pipe.train.tasks.finish_shuffle"}
+    shuffles = {"recsys_pipe.train.tasks:start_shuffle", "recsys_pipe.train.tasks:finish_shuffle"}
     assert fns["serial_balanced"] == fns["hstu_sparse_dist_balanced"] == fns["serial"] | shuffles
     assert fns["hstu_prefetch_balanced"] == fns["hstu_prefetch"] | shuffles
 
@@ -140,7 +140,7 @@ def test_a_global_tokens_task_needs_the_global_setting():
     from recsys_pipe.train.plan import derive_plan
 
     tokens = TaskConfig(
-        fn="recsys_pipe.train.tasks.global_tokens_allreduce", reads=["batch_gpu"], writes=["global_tokens"]
+        fn="recsys_pipe.train.tasks:global_tokens_allreduce", reads=["batch_gpu"], writes=["global_tokens"]
     )
     for setting, ok in (("local", False), ("global_tokens", True)):
         run = load_run_config(compose(f"model.loss_normalization={setting}"))
@@ -279,8 +279,8 @@ def test_compile_from_plain_dict_reports_paths():
         "executor": "threaded",
         "streams": ["default", "side"],
         "tasks": {
-            "a": {"fn": "x.y", "stream": "side", "writes": ["v"]},
-            "b": {"fn": "x.y", "reads": ["v"], "depends_on": ["c"], "lookahed": 1},
+            "a": {"fn": "x:y", "stream": "side", "writes": ["v"]},
+            "b": {"fn": "x:y", "reads": ["v"], "depends_on": ["c"], "lookahed": 1},
         },
     }
     with pytest.raises(ConfigError) as info:
@@ -300,8 +300,8 @@ def test_all_problems_reported_at_once():
     plan = PlanConfig.model_validate(
         {
             "tasks": {
-                "a": {"fn": "no_such_module_xyz.f", "stream": "nope"},
-                "b": {"fn": "os.path.join", "depends_on": ["zz"], "reads": ["missing"]},
+                "a": {"fn": "no_such_module_xyz:f", "stream": "nope"},
+                "b": {"fn": "os.path:join", "depends_on": ["zz"], "reads": ["missing"]},
             }
         }
     )
@@ -318,11 +318,13 @@ def test_all_problems_reported_at_once():
 @pytest.mark.parametrize(
     "path,fragment",
     [
-        ("recsys_pipe.train.tasks.nope", "has no attribute"),
-        ("no_such_pkg_xyz.mod.f", "No module named"),
+        ("recsys_pipe.train.tasks:nope", "has no attribute"),
+        ("no_such_pkg_xyz.mod:f", "No module named"),
         ("forward", "not an import path"),
-        ("recsys_pipe.config", "not a function"),
-        ("recsys_pipe.config.schema.TASK_FIELDS", "not a function"),
+        ("recsys_pipe:config", "not a function"),
+        ("recsys_pipe.config.schema:TASK_FIELDS", "not a function"),
+        # the dotted spelling of earlier plans: refused, with the colon form to write
+        ("recsys_pipe.train.tasks.forward", r"write pkg.module:function \('recsys_pipe.train.tasks:forward'\)"),
     ],
 )
 def test_import_fn_errors(path, fragment):
@@ -333,6 +335,5 @@ def test_import_fn_errors(path, fragment):
 def test_import_fn_forms():
     import os.path
 
-    assert import_fn("os.path.join") is os.path.join
     assert import_fn("os.path:join") is os.path.join
-    assert import_fn("recsys_pipe.config.PlanConfig.model_validate") == PlanConfig.model_validate
+    assert import_fn("recsys_pipe.config:PlanConfig.model_validate") == PlanConfig.model_validate

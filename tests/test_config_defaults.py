@@ -10,7 +10,8 @@ import pytest
 import yaml
 from omegaconf import open_dict
 
-from recsys_pipe.cli import CONF_DIR, compose_config
+from recsys_pipe.cli import compose_config
+from recsys_pipe.config import CONF_DIR
 from recsys_pipe.config.structured import defaults_node
 from recsys_pipe.train.config import RunConfig, TrainerConfig
 

@@ -23,7 +23,7 @@ def problems(data: dict, model=RunConfig) -> dict[str, str]:
 
 def base(**pipeline) -> dict:
     return {
-        "pipeline": {"tasks": {"a": {"fn": "m.f"}}, **pipeline},
+        "pipeline": {"tasks": {"a": {"fn": "m:f"}}, **pipeline},
         "model": {"name": "hstu"},
         "data": {"name": "synthetic"},
     }
@@ -39,7 +39,7 @@ def test_minimal_config_validates_with_defaults():
 
 def test_slots_accept_name_or_pair():
     plan = PlanConfig.model_validate(
-        {"tasks": {"a": {"fn": "m.f", "reads": ["x", ["y", 2]], "cross_iter_depends_on": ["b", ["c", -2]]}}}
+        {"tasks": {"a": {"fn": "m:f", "reads": ["x", ["y", 2]], "cross_iter_depends_on": ["b", ["c", -2]]}}}
     )
     assert plan.tasks["a"].reads == ["x", ("y", 2)]
     assert plan.tasks["a"].cross_iter_depends_on == ["b", ("c", -2)]
@@ -92,7 +92,7 @@ def test_omegaconf_missing_value_has_path():
 
 def test_skeleton_mirrors_task_fields():
     # A task merged into the skeleton gets every field with its default (overridable by path).
-    merged = OmegaConf.merge(OmegaConf.structured(plan_skeleton()), {"tasks": {"t": {"fn": "m.f"}}})
+    merged = OmegaConf.merge(OmegaConf.structured(plan_skeleton()), {"tasks": {"t": {"fn": "m:f"}}})
     assert tuple(merged.tasks["t"].keys()) == TASK_FIELDS
     assert merged.tasks["t"].lookahead == TaskConfig.model_fields["lookahead"].default
 
@@ -106,7 +106,7 @@ def test_problems_from_validation_error_prefix():
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError) as info:
-        PlanConfig.model_validate({"tasks": {"a": {"fn": "m.f", "lookahead": -2}}})
+        PlanConfig.model_validate({"tasks": {"a": {"fn": "m:f", "lookahead": -2}}})
     (p,) = problems_from_validation_error(info.value, PlanConfig, ("pipeline",))
     assert p.path == "pipeline.tasks.a.lookahead" and "greater than or equal to 0" in p.message
 
@@ -160,8 +160,8 @@ def test_shipped_options_compose_every_key(group, tmp_path):
     config class's defaults, see tests/test_config_defaults.py). The component selectors are the
     exception: a section has `name` (a registered component, whose config class fills in its
     builder) or `builder` (model=custom, data=custom), not both."""
-    from recsys_pipe.cli._hydra import CONF_DIR, compose_config
-    from recsys_pipe.config import validate_section
+    from recsys_pipe.cli import compose_config
+    from recsys_pipe.config import CONF_DIR, validate_section
     from recsys_pipe.train import TrainerConfig
 
     options = sorted((CONF_DIR / group).glob("*.yaml"))

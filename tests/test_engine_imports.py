@@ -41,22 +41,3 @@ def test_runtime_is_below_the_training_loop():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"runtime imported: {out.stdout.strip()}"
-
-
-def test_moved_modules_name_their_replacement():
-    code = (
-        "import warnings\n"
-        "try:\n    import recsys_pipe.train.health\nexcept ImportError as e:\n    print(e)\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    warnings.simplefilter('always')\n"
-        "    from recsys_pipe.train import PeerHealth\n"
-        "    print(w[0].message)\n"
-        "from recsys_pipe.runtime import PeerHealth as P\n"
-        "print(P is PeerHealth)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == [
-        "recsys_pipe.train.health moved to recsys_pipe.runtime.health",
-        "recsys_pipe.train.PeerHealth moved: import it from recsys_pipe.runtime",
-        "True",
-    ]

@@ -777,12 +777,13 @@ NAMES = ["a", "b", "c", "h2d", "forward"]
 SLOTS = ["x", "y", "batch_cpu", "step_result", "loss"]
 STREAMS = ["default", "memcpy", "s1", ""]
 FNS = [
-    "recsys_pipe.train.tasks.h2d",
+    "h2d",
+    "recsys_pipe.train.tasks:forward",
     "recsys_pipe.train.tasks.forward",
-    "recsys_pipe.train.tasks.nope",
-    "no_such_package.module.fn",
+    "recsys_pipe.train.tasks:nope",
+    "no_such_package.module:fn",
     "recsys_pipe",
-    "os.path.join",
+    "os.path:join",
     "",
 ]
 junk = st.one_of(

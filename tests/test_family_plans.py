@@ -48,7 +48,7 @@ def test_family_plans_are_drawn(tmp_path, capsys, pipeline):
 
 
 def test_family_plans_restate_only_what_differs():
-    from recsys_pipe.cli._hydra import CONF_DIR
+    from recsys_pipe.config import CONF_DIR
 
     texts = {p.stem: p.read_text() for p in (CONF_DIR / "pipeline").glob("*.yaml")}
     for name, parent in FAMILY.items():

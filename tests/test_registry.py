@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent
 
 def base(**sections) -> dict:
     return {
-        "pipeline": {"tasks": {"a": {"fn": "m.f"}}},
+        "pipeline": {"tasks": {"a": {"fn": "m:f"}}},
         "model": {"name": "hstu"},
         "data": {"name": "synthetic"},
         **sections,

@@ -5,7 +5,6 @@ instead of comparing import paths; a user's own function, registered or not, wor
 from __future__ import annotations
 
 import ast
-import importlib
 import subprocess
 import sys
 import textwrap
@@ -29,8 +28,9 @@ from recsys_pipe.config import (
     task,
 )
 from recsys_pipe.engine import STEP_RESULT, StreamPool, TaskContext
+from recsys_pipe.runtime import DistInfo
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import DistInfo, build_pipeline, build_state, training_plan
+from recsys_pipe.train import build_pipeline, build_state, training_plan
 from recsys_pipe.train import tasks as builtin
 from recsys_pipe.train.plan import derive_plan, idle_tasks
 from recsys_pipe.train.state import TrainState
@@ -72,7 +72,7 @@ def test_register_and_look_up_by_name_and_by_function():
     spec = reg.lookup("my_task")
     assert spec.fn is my_task and spec.needs == {Need.BALANCER} and spec.name == "my_task"
     assert reg.spec_of(my_task) is spec and reg.spec_of(noop) is None
-    assert spec.path == f"{__name__}.test_register_and_look_up_by_name_and_by_function.<locals>.my_task"
+    assert spec.path == f"{__name__}:test_register_and_look_up_by_name_and_by_function.<locals>.my_task"
     assert reg.names == ("my_task",) and "my_task" in reg
     reg.register("my_task", my_task, {Need.BALANCER})  # the same function again: nothing changes
     assert reg.lookup("my_task") is not None
@@ -104,7 +104,7 @@ def test_the_shipped_tasks_are_registered_with_their_needs():
     for name, needs in SHIPPED.items():
         spec = TASKS.lookup(name)
         assert spec.fn is getattr(builtin, name) and spec.needs == needs, name
-        assert spec.path == f"recsys_pipe.train.tasks.{name}"
+        assert spec.path == f"recsys_pipe.train.tasks:{name}"
     assert set(SHIPPED) <= set(TASKS.names)
 
 
@@ -179,16 +179,38 @@ def test_names_and_import_paths_reach_the_same_entry():
         "tasks": {
             "by_name": {"fn": "forward"},
             "by_colon_path": {"fn": "recsys_pipe.train.tasks:forward"},
-            "by_dotted_path": {"fn": "recsys_pipe.train.tasks.forward"},
         }
     }
     compiled = compile_plan(plan)
     assert {name: spec.fn for name, spec in compiled.specs.items()} == dict.fromkeys(plan["tasks"], builtin.forward)
-    assert set(compiled.fn_paths().values()) == {"recsys_pipe.train.tasks.forward"}
+    assert set(compiled.fn_paths().values()) == {"recsys_pipe.train.tasks:forward"}
     # structure-only: names are still known, import paths are not imported
     shallow = compile_plan(plan, resolve_fn=structure_only)
     assert set(shallow.specs) == {"by_name"}
     assert shallow.fn_paths()["by_colon_path"] == "recsys_pipe.train.tasks:forward"
+
+
+@pytest.mark.parametrize("resolve_fn", [None, structure_only])
+def test_a_dotted_task_path_is_refused_with_the_colon_form(resolve_fn):
+    """One spelling of a user's function: `pkg.module:function` (beside registered names)."""
+    with pytest.raises(ConfigError) as info:
+        compile_plan({"tasks": {"a": {"fn": "recsys_pipe.train.tasks.forward"}}}, resolve_fn=resolve_fn)
+    assert info.value.paths == ["pipeline.tasks.a.fn"]
+    assert "write pkg.module:function ('recsys_pipe.train.tasks:forward')" in str(info.value)
+
+
+def test_recsys_plan_refuses_a_dotted_task_path_in_one_line(tmp_path, capsys):
+    from recsys_pipe.cli.plan import run
+
+    code = run([f"hydra.run.dir={tmp_path}", "pipeline.tasks.h2d.fn=recsys_pipe.train.tasks.h2d"])
+    err = capsys.readouterr().err
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: pipeline.tasks.h2d.fn: 'recsys_pipe.train.tasks.h2d' is not an import path: "
+        "write pkg.module:function ('recsys_pipe.train.tasks:h2d'), or a registered task's name"
+    ]
+    assert "Traceback" not in err
 
 
 def test_a_registered_function_need_not_be_importable_by_path():
@@ -229,11 +251,11 @@ def _user_tasks(tmp_path, monkeypatch) -> None:
 
 def test_a_users_plain_function_runs_by_import_path(tmp_path, monkeypatch):
     _user_tasks(tmp_path, monkeypatch)
-    for path in ("user_tasks_mod:plain", "user_tasks_mod.plain"):
-        plan = compile_plan({"tasks": {"step": {"fn": path, "reads": ["batch_cpu"], "writes": [STEP_RESULT]}}})
-        assert plan.specs == {} and plan.fn_paths() == {"step": path}
-        with build_pipeline(plan, StreamPool.create(plan.schedule.stream_slots), state=None) as pipe:
-            assert list(pipe.iterate(range(4))) == [0, 10, 20, 30]
+    path = "user_tasks_mod:plain"
+    plan = compile_plan({"tasks": {"step": {"fn": path, "reads": ["batch_cpu"], "writes": [STEP_RESULT]}}})
+    assert plan.specs == {} and plan.fn_paths() == {"step": path}
+    with build_pipeline(plan, StreamPool.create(plan.schedule.stream_slots), state=None) as pipe:
+        assert list(pipe.iterate(range(4))) == [0, 10, 20, 30]
 
 
 def _with_task(run, name: str, fn: str, **fields):
@@ -318,29 +340,7 @@ def test_the_forward_task_is_found_by_its_registry_entry():
     assert plan.tasks["global_tokens_allreduce"].fn == "global_tokens_allreduce"
 
 
-# -- what is gone, and what must not come back --------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "module,name,replacement",
-    [
-        ("recsys_pipe.train.build", "SHUFFLE_FN", "Need.BALANCER"),
-        ("recsys_pipe.train.plan", "PREFETCH_FNS", "Need.PREFETCH_CONTEXT"),
-        ("recsys_pipe.train.plan", "INPUT_DIST_FNS", "Need.SPARSE_DIST"),
-        ("recsys_pipe.train.plan", "FINALIZE_FN", "Need.GRAD_BUFFERS"),
-        ("recsys_pipe.train.plan", "GLOBAL_TOKENS_TASK", "global_tokens_allreduce"),
-    ],
-)
-def test_removed_names_say_what_replaces_them(module, name, replacement):
-    with pytest.raises(AttributeError, match=f"{name} was removed: .*{replacement}"):
-        getattr(importlib.import_module(module), name)
-
-
-def test_slot_names_are_still_importable_from_the_state_module():
-    from recsys_pipe.train import slots, state
-
-    for name in ("BATCH_GPU", "TORCHREC_CTX", "INPUT_DIST_SPLITS", "GLOBAL_TOKENS", "UNBALANCED_BATCH", "SHUFFLE_PLAN"):
-        assert getattr(state, name) == getattr(slots, name)
+# -- what must not come back --------------------------------------------------------------
 
 
 SOURCES = sorted(Path(recsys_pipe.__file__).parent.rglob("*.py"))

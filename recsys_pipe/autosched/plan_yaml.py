@@ -42,8 +42,9 @@ def plan_yaml(
 
     Args:
         schedule: a single-stage plan (the plan YAML has no stages).
-        fns: task name -> import path of its function. Tasks missing here must be `FnTask`s
-            whose function is importable by its `__module__` and `__qualname__`.
+        fns: task name -> its `fn:` (a registered name or `pkg.module:function`). Tasks missing
+            here must be `FnTask`s whose function is importable by its `__module__` and
+            `__qualname__` (written as `module:qualname`).
         thread_map: task name -> CPU thread id (e.g. `TuneResult.thread_map`). Written both as
             the plan's `thread_map` (strategy `dict`) and as each task's `thread:`, which wins
             over whatever `thread_map=` group the command line or the defaults select.
@@ -101,9 +102,9 @@ def _fn_path(task: Task, fns: Mapping[str, str] | None) -> str:
     module = getattr(fn, "__module__", None)
     if fn is None or module is None or "<" in qualname:
         raise ValueError(
-            f"task '{task.name}': no import path for its function; pass fns={{'{task.name}': 'pkg.mod.fn'}}"
+            f"task '{task.name}': no import path for its function; pass fns={{'{task.name}': 'pkg.mod:fn'}}"
         )
-    return f"{module}.{qualname}"
+    return f"{module}:{qualname}"
 
 
 def _task_fields(task: Task, fn: str, thread: str | None) -> list[tuple[str, str]]:

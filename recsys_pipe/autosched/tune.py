@@ -23,6 +23,7 @@ from typing import Any
 from recsys_pipe.autosched.costs import CostModel
 from recsys_pipe.autosched.simulator import ThreadMapSpec, load_costs, resolve_threads, simulate
 from recsys_pipe.engine import (
+    DEFAULT_STREAM,
     DependencyGraph,
     Schedule,
     ScheduleValidationError,
@@ -35,7 +36,6 @@ __all__ = ["FROZEN_TASKS", "TaskChange", "TuneResult", "auto_assign_lookaheads",
 
 #: Tasks whose lookahead (0) and stream (default) are never changed: the training step itself.
 FROZEN_TASKS = frozenset({"forward", "backward", "finalize_model_grads", "optimizer_step"})
-DEFAULT_STREAM = "default"
 #: relative margin below which two predicted step times count as equal
 _TIE = 1e-9
 

@@ -505,7 +505,7 @@ def main() -> None:
     plans = {**PLANS, **args.plan}
     variants = [*plans, TORCHREC] + ([TORCHREC_PREFETCH] if cuda else [])
     if args.variants:
-        from recsys_pipe.cli import CONF_DIR
+        from recsys_pipe.config import CONF_DIR
 
         files = {p.stem: (f"pipeline={p.stem}",) for p in sorted((CONF_DIR / "pipeline").glob("*.yaml"))}
         plans = {**files, **plans}

@@ -26,16 +26,15 @@ log = logging.getLogger("recsys_pipe")
 def requested_run_dir() -> RequestedDir:
     """The directory Hydra was told to use, if any: a sweep job's, or `hydra.run.dir=...`; a plain
     run makes its own under `trainer.output_dir`."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+    from recsys_pipe.cli.hydra_adapter import hydra_runtime
 
-    if not HydraConfig.initialized():
+    runtime = hydra_runtime()
+    if runtime is None:
         return RequestedDir()
-    hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:
-        return RequestedDir(os.path.abspath(hc.runtime.output_dir), "hydra.sweep.dir", sweep=True)
-    if any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
-        return RequestedDir(os.path.abspath(hc.runtime.output_dir), "hydra.run.dir")
+    if runtime.multirun:
+        return RequestedDir(os.path.abspath(runtime.output_dir), "hydra.sweep.dir", sweep=True)
+    if any(o.startswith("hydra.run.dir=") for o in runtime.hydra_overrides):
+        return RequestedDir(os.path.abspath(runtime.output_dir), "hydra.run.dir")
     return RequestedDir()
 
 

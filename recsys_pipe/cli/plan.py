@@ -22,7 +22,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from recsys_pipe.cli._hydra import hydra_app
+from recsys_pipe.cli.app import hydra_app
 from recsys_pipe.config import ConfigError, ConfigProblem, render_plan, structure_only
 from recsys_pipe.train.build import describe_model
 from recsys_pipe.train.config import RunConfig, load_run_config
@@ -49,11 +49,10 @@ class PlanCommandConfig(RunConfig):
 
 
 def _output_dir() -> Path | None:
-    from hydra.core.hydra_config import HydraConfig
+    from recsys_pipe.cli.hydra_adapter import hydra_runtime
 
-    if not HydraConfig.initialized():
-        return None
-    return Path(HydraConfig.get().runtime.output_dir)
+    runtime = hydra_runtime()
+    return None if runtime is None else runtime.output_dir
 
 
 def _device_type(device: str) -> str:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from recsys_pipe.cli._hydra import hydra_app
+from recsys_pipe.cli.app import hydra_app
 from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, Section, suggest
 from recsys_pipe.train.config import RunConfig, load_run_config

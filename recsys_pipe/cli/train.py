@@ -26,9 +26,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from recsys_pipe.cli._hydra import hydra_app, report_config_error
+from recsys_pipe.cli.app import hydra_app
 from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.launch import Launch
+from recsys_pipe.cli.reporting import report_config_error
 from recsys_pipe.config import ConfigError
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
 from recsys_pipe.runtime.preemption import CtrlC

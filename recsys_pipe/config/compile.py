@@ -27,6 +27,7 @@ from recsys_pipe.config.resolve import FnResolveError, ResolveFn, import_fn, str
 from recsys_pipe.config.schema import PlanConfig, TaskConfig, ThreadMapConfig
 from recsys_pipe.config.task_registry import TASKS, Need, TaskSpec, is_task_name
 from recsys_pipe.engine import (
+    DEFAULT_STREAM,
     DependencyGraph,
     Problem,
     Schedule,
@@ -39,8 +40,6 @@ from recsys_pipe.engine import (
 )
 
 __all__ = ["CompiledPlan", "CpuEdge", "compile_plan", "plan_from_any", "thread_assignment"]
-
-DEFAULT_STREAM = "default"
 
 
 @dataclass(frozen=True)

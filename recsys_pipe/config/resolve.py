@@ -2,9 +2,9 @@
 
 One syntax for the user's code everywhere in the configs: `pkg.module:function` (the module to
 import, a colon, the attribute -- possibly dotted, `pkg.module:Class.method`), as in Python entry
-points. The dotted `pkg.module.function` that plans used before the task registry keeps working:
-the longest importable module prefix is imported and the rest looked up as attributes. Hydra's
-`_target_` is not read (a section that sets it gets an error naming `fn:` or `builder:`).
+points; any other spelling (the dotted `pkg.module.function` of earlier plans) is refused with
+the colon form to write instead (`check_import_path`). Hydra's `_target_` is not read (a
+section that sets it gets an error naming `fn:` or `builder:`).
 Shipped tasks are named, not imported by path: `fn: h2d` (`recsys_pipe.config.task_registry`).
 
 Why injectable: compiling a plan's *structure* (order, streams, waits) needs no task code, and
@@ -19,7 +19,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FnResolveError", "import_fn", "structure_only", "ResolveFn"]
+__all__ = ["FnResolveError", "check_import_path", "import_fn", "structure_only", "ResolveFn"]
 
 #: `resolve_fn(path) -> callable`; raises FnResolveError (or any exception) when it cannot.
 ResolveFn = Callable[[str], Callable[..., Any]]
@@ -29,40 +29,32 @@ class FnResolveError(ValueError):
     """`fn` does not name an importable callable; the message says why."""
 
 
+def check_import_path(path: str) -> tuple[str, list[str]]:
+    """The module and attribute names of `pkg.module:attr` (`attr` possibly dotted).
+
+    Raises:
+        FnResolveError: `path` is spelled otherwise; for a dotted `pkg.module.func` the message
+            names the colon form to write instead.
+    """
+    module_name, colon, attr_path = path.strip().partition(":")
+    parts = attr_path.split(".") if attr_path else []
+    if colon and module_name and parts and all(parts):
+        return module_name, parts
+    hint = ""
+    if not colon and "." in path.strip(".") and all(path.split(".")):
+        head, _, tail = path.rpartition(".")
+        hint = f" ('{head}:{tail}')"
+    raise FnResolveError(f"'{path}' is not an import path: write pkg.module:function{hint}")
+
+
 def import_fn(path: str) -> Callable[..., Any]:
-    """Import `pkg.module:func` (or `pkg.module:Class.method`; the dotted `pkg.module.func` of
-    earlier plans works too). FnResolveError saying why when it cannot."""
+    """Import `pkg.module:func` (or `pkg.module:Class.method`). FnResolveError saying why when it
+    cannot, or when `path` is spelled otherwise (`check_import_path`)."""
     path = path.strip()
     if not path:
         raise FnResolveError("empty import path")
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-        parts = attr_path.split(".") if attr_path else []
-        if not module_name or not parts or not all(parts):
-            raise FnResolveError(f"'{path}' is not an import path (expected pkg.module:func)")
-        module = _import(module_name, path)
-    else:
-        names = path.split(".")
-        if len(names) < 2 or not all(names):
-            raise FnResolveError(f"'{path}' is not an import path (expected pkg.module.func)")
-        module, parts, missing = None, [], None
-        # The longest importable module prefix; the rest are attributes.
-        for cut in range(len(names) - 1, 0, -1):
-            module_name = ".".join(names[:cut])
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError as exc:
-                if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
-                    # The module exists but something it imports does not.
-                    raise FnResolveError(f"importing '{module_name}' failed: {type(exc).__name__}: {exc}") from exc
-                missing = missing or exc
-                continue
-            except Exception as exc:
-                raise FnResolveError(f"importing '{module_name}' failed: {type(exc).__name__}: {exc}") from exc
-            parts = names[cut:]
-            break
-        if module is None or (missing is not None and not hasattr(module, parts[0])):
-            raise FnResolveError(f"cannot import '{path}': {missing}")
+    module_name, parts = check_import_path(path)
+    module = _import(module_name, path)
     obj: Any = module
     where = module.__name__
     for part in parts:

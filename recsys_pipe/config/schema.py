@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -26,6 +27,9 @@ from pydantic import (
     StrictStr,
     model_validator,
 )
+
+from recsys_pipe.config.resolve import FnResolveError, check_import_path
+from recsys_pipe.config.task_registry import is_task_name
 
 __all__ = [
     "Slot",
@@ -78,10 +82,21 @@ CrossIterDep = Annotated[str | tuple[str, int], BeforeValidator(_cross_iter)]
 TaskName = Annotated[StrictStr, Field(min_length=1)]
 
 
+def _task_fn(fn: str) -> str:
+    """A task's `fn` as plans spell it: a registered name (`h2d`) or `pkg.module:function`; any
+    other spelling (the dotted path of earlier plans) is refused with the colon form to write."""
+    if not is_task_name(fn):
+        try:
+            check_import_path(fn)
+        except FnResolveError as exc:
+            raise ValueError(f"{exc}, or a registered task's name") from None
+    return fn
+
+
 class TaskConfig(Section):
     """One task of the plan. Its name is its key in `pipeline.tasks`."""
 
-    fn: StrictStr = Field(
+    fn: Annotated[StrictStr, AfterValidator(_task_fn)] = Field(
         description="the task function `fn(ctx) -> None`: a registered task (h2d, forward, ...) or the import "
         "path of your own, pkg.module:function"
     )

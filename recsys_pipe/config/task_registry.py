@@ -6,8 +6,8 @@ A plan names each task's function in one of two ways:
 * `fn: h2d` -- a registered name (the shipped tasks, and any the user registers with `@task`);
 * `fn: my_pkg.tasks:my_task` -- the import path of any function `fn(ctx)`, e.g. the user's own,
   registered or not. This `pkg.module:attr` form is the one import-path syntax of the configs
-  (builders use it too); the dotted `my_pkg.tasks.my_task` of earlier plans keeps working (see
-  `recsys_pipe.config.resolve.import_fn`).
+  (builders use it too); any other spelling is a config error naming the colon form
+  (`recsys_pipe.config.resolve.check_import_path`).
 
 Why a registry instead of comparing import paths: what a task needs from the run is declared on
 the task (`needs`), so the plan builder asks the plan's tasks what to build and what to check
@@ -110,8 +110,9 @@ class TaskSpec:
 
     @property
     def path(self) -> str:
-        """The function's own dotted import path (`pkg.module.func`): what `recsys-plan` prints."""
-        return f"{self.fn.__module__}.{self.fn.__qualname__}"
+        """The function's import path as configs spell it (`pkg.module:func`): what `recsys-plan`
+        prints, and what a plan may write instead of the name."""
+        return f"{self.fn.__module__}:{self.fn.__qualname__}"
 
 
 class UnknownTaskError(FnResolveError):

@@ -25,10 +25,10 @@ from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, SpanRecorder, TaskObserver, TaskSpan
 from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
 from recsys_pipe.engine.schedule import Schedule, Stage
-from recsys_pipe.engine.shortcut import DeclaredIO, shortcut_refusal
+from recsys_pipe.engine.shortcut import shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
-from recsys_pipe.engine.streams import CudaTimer, NoOpEvent, NoOpStream, StreamPool
-from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, FnTask, Task, declare_effects
+from recsys_pipe.engine.streams import DEFAULT_STREAM, CudaTimer, NoOpEvent, NoOpStream, StreamPool
+from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, DeclaredIO, FnTask, Task, declare_effects
 from recsys_pipe.engine.threaded import ThreadedExecutor, resolve_thread_map
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "STEP_RESULT",
     "BatchRing",
     "CudaTimer",
+    "DEFAULT_STREAM",
     "DataSlot",
     "DeclaredIO",
     "Dependency",

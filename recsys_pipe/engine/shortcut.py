@@ -28,7 +28,6 @@ enabled the same shortcut).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,26 +36,9 @@ if TYPE_CHECKING:
     from recsys_pipe.engine.context import TaskContext
     from recsys_pipe.engine.task import DataSlot, Task
 
-__all__ = ["DeclaredIO", "ShortcutRun", "graft", "shortcut_refusal"]
+__all__ = ["ShortcutRun", "graft", "shortcut_refusal"]
 
 _MISSING = object()
-
-
-@dataclass(frozen=True)
-class DeclaredIO:
-    """An effect of a task outside its slots, made replayable for shortcuts.
-
-    Args:
-        capture: `capture(ctx) -> value`, called after the caching run with that run's context;
-            snapshots the external state the task changed. Tensors in the value (at any depth of
-            lists, tuples and dicts) are detached and cloned; other objects are kept as they are.
-        restore: `restore(ctx, value)`, called on every replay, after the slots were replayed,
-            with the replaying run's context and a fresh copy of the captured value (new
-            tensors); writes the external state back so later tasks find it.
-    """
-
-    capture: Callable[[TaskContext], Any]
-    restore: Callable[[TaskContext, Any], None]
 
 
 def shortcut_refusal(task: Task) -> str | None:

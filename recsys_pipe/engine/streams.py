@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+#: The stream every plan has without declaring it (CUDA's default stream); the one definition,
+#: which the plan compiler and the tuner import.
 DEFAULT_STREAM = "default"
 _NULL_CONTEXT = contextlib.nullcontext()
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from recsys_pipe.engine.errors import Problem, ScheduleValidationError
-from recsys_pipe.engine.shortcut import DeclaredIO
 
 if TYPE_CHECKING:
     from recsys_pipe.engine.context import TaskContext
@@ -34,6 +33,23 @@ class DataSlot:
 
     def __str__(self) -> str:
         return f"{self.name}@{self.batch_offset}"
+
+
+@dataclass(frozen=True)
+class DeclaredIO:
+    """An effect of a task outside its slots, made replayable for shortcuts.
+
+    Args:
+        capture: `capture(ctx) -> value`, called after the caching run with that run's context;
+            snapshots the external state the task changed. Tensors in the value (at any depth of
+            lists, tuples and dicts) are detached and cloned; other objects are kept as they are.
+        restore: `restore(ctx, value)`, called on every replay, after the slots were replayed,
+            with the replaying run's context and a fresh copy of the captured value (new
+            tensors); writes the external state back so later tasks find it.
+    """
+
+    capture: Callable[[TaskContext], Any]
+    restore: Callable[[TaskContext, Any], None]
 
 
 DEPENDENCY_FIELDS = ("depends_on", "cross_iter_depends_on", "same_progress_sync")

@@ -25,7 +25,7 @@ __all__ = ["HSTURetrievalConfig", "HSTURetrievalEncoder", "build_hstu_retrieval"
 
 def build_hstu_retrieval(cfg: HSTURetrievalConfig, spec: DataSpec) -> RetrievalModel:
     """Builder of `model.name=hstu_retrieval`."""
-    return RetrievalModel(cfg, spec)
+    return RetrievalModel(cfg, spec, HSTURetrievalEncoder)
 
 
 class HSTURetrievalEncoder(nn.Module):

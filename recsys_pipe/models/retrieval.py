@@ -29,6 +29,7 @@ retrieval evaluation does); -1 when the batch has no catalogue.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
@@ -96,14 +97,14 @@ def left_pad(values: torch.Tensor, lengths: torch.Tensor, n: int) -> tuple[torch
 class RetrievalHead(nn.Module):
     """Everything after the item lookup: encoder, loss, evaluation ranks (an FX leaf)."""
 
-    def __init__(self, cfg: RetrievalConfig, spec: DataSpec) -> None:
+    def __init__(self, cfg: RetrievalConfig, encoder: Callable[[RetrievalConfig], nn.Module]) -> None:
         super().__init__()
         self.max_len = cfg.max_seq_len
         self.dim = cfg.embedding_dim
         self.loss = cfg.loss
         self.num_negatives = cfg.num_negatives
         self.temperature = cfg.temperature
-        self.encoder = cfg.encoder(spec)
+        self.encoder = encoder(cfg)
 
     def forward(
         self, embeddings: dict[str, JaggedTensor], ids: KeyedJaggedTensor, timestamps: torch.Tensor
@@ -197,10 +198,19 @@ class RetrievalModel(nn.Module):
     `forward(batch) -> (loss, outputs)`; see the module docstring for the loss and the outputs.
     """
 
-    def __init__(self, cfg: RetrievalConfig, spec: DataSpec, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RetrievalConfig,
+        spec: DataSpec,
+        encoder: Callable[[RetrievalConfig], nn.Module],
+        device: torch.device | None = None,
+    ) -> None:
+        """`encoder(cfg)` makes the causal sequence encoder: `(embeddings [B, N, D], timestamps
+        [B, N], valid [B, N]) -> [B, N, D]` on left-padded sequences (each model's builder passes
+        its own; made after the item table, so the initial weights do not depend on the caller)."""
         super().__init__()
         self.ec = EmbeddingCollection(tables=[item_table(cfg, spec)], device=device)
-        self.head = RetrievalHead(cfg, spec)
+        self.head = RetrievalHead(cfg, encoder)
 
     def forward(self, batch: RetrievalBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)

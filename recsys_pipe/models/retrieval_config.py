@@ -7,12 +7,10 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
-from torch import nn
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.sequences import SequencesDataConfig
-from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.base import ShardedModelConfig, heads_divide_width
 
 __all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]
@@ -41,11 +39,6 @@ class RetrievalConfig(ShardedModelConfig):
             ]
         return []
 
-    def encoder(self, spec: DataSpec) -> nn.Module:
-        """The causal sequence encoder: `(embeddings [B, N, D], timestamps [B, N], valid [B, N])
-        -> [B, N, D]` on left-padded sequences."""
-        raise NotImplementedError
-
 
 class SASRecConfig(RetrievalConfig):
     """`model=sasrec`: the SASRec encoder's sizes (`model.*`); the item count comes from the data."""
@@ -61,11 +54,6 @@ class SASRecConfig(RetrievalConfig):
     )
 
     _heads_divide_width = field_validator("num_heads")(heads_divide_width)
-
-    def encoder(self, spec: DataSpec) -> nn.Module:
-        from recsys_pipe.models.sasrec import SASRecEncoder  # the model code needs torch only; kept apart
-
-        return SASRecEncoder(self)
 
 
 class HSTURetrievalConfig(RetrievalConfig):
@@ -84,8 +72,3 @@ class HSTURetrievalConfig(RetrievalConfig):
     num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
 
     _heads_divide_width = field_validator("num_heads")(heads_divide_width)
-
-    def encoder(self, spec: DataSpec) -> nn.Module:
-        from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder  # needs fbgemm's jagged ops
-
-        return HSTURetrievalEncoder(self)

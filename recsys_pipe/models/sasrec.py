@@ -35,7 +35,7 @@ LAYER_NORM_EPS = 1e-8
 
 def build_sasrec(cfg: SASRecConfig, spec: DataSpec) -> RetrievalModel:
     """Builder of `model.name=sasrec`."""
-    return RetrievalModel(cfg, spec)
+    return RetrievalModel(cfg, spec, SASRecEncoder)
 
 
 class SASRecBlock(nn.Module):

@@ -1,5 +1,5 @@
 """How a run ended, at a glance: `<run dir>/status.json` (the exit codes it records are defined
-by the CLI, `recsys_pipe.cli._hydra`).
+by the CLI, `recsys_pipe.cli.app`).
 
 `status.json` is written when the run starts (`running`) and replaced (atomically) when it ends:
 `completed`, `failed` (with the message and the rank that failed first), `interrupted` (Ctrl-C)

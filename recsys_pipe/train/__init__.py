@@ -8,24 +8,7 @@ plumbing around the loop (process group, run directory, peer health, preemption)
 
 from __future__ import annotations
 
-from recsys_pipe._lazy import lazy_exports, refuse_moved_modules
-
-#: modules and names that moved to `recsys_pipe.runtime` (old imports say where they went)
-_RUNTIME_MODULES = ("distributed", "health", "preemption", "rundir", "status", "verify")
-_RUNTIME_NAMES = (
-    "CollectiveGuard",
-    "DistInfo",
-    "PeerFailure",
-    "PeerHealth",
-    "RunStatus",
-    "StopRequest",
-    "UndeclaredCollectiveError",
-    "init_distributed",
-    "resolve_device",
-    "shared_run_dir",
-    "teardown",
-)
-refuse_moved_modules({f"{__name__}.{m}": f"recsys_pipe.runtime.{m}" for m in _RUNTIME_MODULES})
+from recsys_pipe._lazy import lazy_exports
 
 _EXPORTS = {
     "CheckpointConfig": "checkpoint",
@@ -62,4 +45,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, moved=dict.fromkeys(_RUNTIME_NAMES, "recsys_pipe.runtime"))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

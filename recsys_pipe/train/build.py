@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys_pipe._removed import removed_names
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.config.task_registry import Need
 from recsys_pipe.data.spec import DataSpec
@@ -142,9 +141,3 @@ def describe_model(run: RunConfig, plan: CompiledPlan, world_size: int, local_si
         lines.append("tasks with nothing to do in this run:")
         lines += [f"  {name}: {reason}" for name, reason in idle.items()]
     return "\n".join(lines)
-
-
-__getattr__ = removed_names(
-    __name__,
-    {"SHUFFLE_FN": "tasks declare what they need (@task(..., needs={Need.BALANCER})); use plan.needing(Need.BALANCER)"},
-)

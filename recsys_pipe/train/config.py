@@ -129,7 +129,7 @@ class TrainerConfig(Section):
 
     @model_validator(mode="after")
     def _accumulation_fits(self) -> TrainerConfig:
-        check_grad_accumulation(self)
+        check_grad_accumulation(self.grad_accumulation, self.checkpoint.interval, self.dense_ddp)
         return self
 
     @model_validator(mode="after")

@@ -29,16 +29,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import Field, StrictBool, StrictInt
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from recsys_pipe.config import Section
-
-if TYPE_CHECKING:
-    from recsys_pipe.train.config import TrainerConfig
 
 __all__ = ["GradAccumulation", "GradAccumulationConfig", "check_grad_accumulation"]
 
@@ -116,21 +113,27 @@ def _no_sync_modules(model: nn.Module) -> list[Any]:
     return modules
 
 
-def check_grad_accumulation(trainer: TrainerConfig) -> None:
+def check_grad_accumulation(cfg: GradAccumulationConfig, checkpoint_interval: int, dense_ddp: str) -> None:
     """ValueError for settings gradient accumulation cannot honour (checked by `TrainerConfig`,
     so the run is refused before anything starts): a checkpoint inside a window would lose the
     gradients accumulated so far (they are not part of the checkpoint), and megatron-core's DDP
-    reduces its gradient buffers in `finalize_model_grads`, which these rules do not gate."""
-    steps = trainer.grad_accumulation.steps
+    reduces its gradient buffers in `finalize_model_grads`, which these rules do not gate.
+
+    Args:
+        cfg: `trainer.grad_accumulation`.
+        checkpoint_interval: `trainer.checkpoint.interval`.
+        dense_ddp: `trainer.dense_ddp`.
+    """
+    steps = cfg.steps
     if steps == 1:
         return
-    if trainer.checkpoint.interval % steps:
+    if checkpoint_interval % steps:
         raise ValueError(
-            f"trainer.checkpoint.interval={trainer.checkpoint.interval} is not a multiple of "
+            f"trainer.checkpoint.interval={checkpoint_interval} is not a multiple of "
             f"trainer.grad_accumulation.steps={steps}: a checkpoint inside an accumulation window would drop its "
             "gradients"
         )
-    if trainer.dense_ddp == "megatron":
+    if dense_ddp == "megatron":
         raise ValueError(
             "trainer.grad_accumulation.steps > 1 needs trainer.dense_ddp=torch (megatron-core's DDP reduces in "
             "finalize_model_grads, which accumulation does not gate)"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 
-from recsys_pipe._removed import removed_names
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, PlanConfig, TaskConfig, compile_plan
 from recsys_pipe.config.resolve import ResolveFn, import_fn
 from recsys_pipe.config.task_registry import TASKS, Need, TaskSpec, is_task_name
@@ -155,15 +154,3 @@ def idle_tasks(plan: CompiledPlan, run: RunConfig) -> dict[str, str]:
 
 def _slot_name(slot: str | tuple[str, int]) -> str:
     return slot if isinstance(slot, str) else slot[0]
-
-
-_NEEDS = "tasks declare what they need (@task(..., needs=...)); use CompiledPlan.needing"
-__getattr__ = removed_names(
-    __name__,
-    {
-        "PREFETCH_FNS": f"{_NEEDS}(Need.PREFETCH_CONTEXT)",
-        "INPUT_DIST_FNS": f"{_NEEDS}(Need.SPARSE_DIST)",
-        "FINALIZE_FN": f"{_NEEDS}(Need.GRAD_BUFFERS)",
-        "GLOBAL_TOKENS_TASK": "the task is registered as 'global_tokens_allreduce' (TASKS.lookup)",
-    },
-)

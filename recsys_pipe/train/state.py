@@ -18,32 +18,14 @@ import torch
 from torch import nn
 
 from recsys_pipe.engine import StreamPool
-from recsys_pipe.train.slots import (  # the slot names stay importable from here too (older code)
-    BATCH_CPU,
-    BATCH_GPU,
-    GLOBAL_TOKENS,
-    INPUT_DIST_SPLITS,
-    SHUFFLE_PLAN,
-    TORCHREC_CTX,
-    UNBALANCED_BATCH,
-)
+from recsys_pipe.train.slots import BATCH_CPU, BATCH_GPU, INPUT_DIST_SPLITS, TORCHREC_CTX
 
 if TYPE_CHECKING:
     from recsys_pipe.train.grad_accumulation import GradAccumulation
     from recsys_pipe.train.shuffle import BatchBalancer
     from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
-# the slot names (defined in recsys_pipe.train.slots) are listed for code that imports them from here
-__all__ = [
-    "BATCH_GPU",
-    "GLOBAL_TOKENS",
-    "GradBuffers",
-    "INPUT_DIST_SPLITS",
-    "SHUFFLE_PLAN",
-    "TORCHREC_CTX",
-    "UNBALANCED_BATCH",
-    "TrainState",
-]
+__all__ = ["GradBuffers", "TrainState"]
 
 
 class GradBuffers(Protocol):

@@ -1,4 +1,4 @@
-"""Shared Hydra plumbing for the console scripts (`recsys-plan`, `recsys-train`).
+"""The Hydra app every console script runs (`recsys-plan`, `recsys-train`, `recsys-profile`).
 
 Why a wrapper around `@hydra.main`: we keep Hydra's real entry point (so `--help`, `--cfg job`,
 `-m` sweeps, `+`/`~` overrides and run dirs all behave as Hydra users expect) but fix its exit
@@ -16,11 +16,9 @@ Usage from a CLI module:
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import sys
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +26,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.cli.compose import compose_config
+from recsys_pipe.cli.hydra_adapter import (
+    clear_global_hydra,
+    hydra_main,
+    hydra_runtime,
+    parse_hydra_args,
+    sweep_jobs,
+)
+from recsys_pipe.cli.reporting import debug_requested, first_to_report, report_config_error
+from recsys_pipe.cli.schemas import register_schemas
+from recsys_pipe.config import CONF_DIR, ConfigError, ConfigProblem
 from recsys_pipe.runtime.failures import (  # the exit codes, re-exported for the CLIs
     EXIT_CONFIG_ERROR,
     EXIT_FAILURE,
@@ -38,25 +46,16 @@ from recsys_pipe.runtime.failures import (  # the exit codes, re-exported for th
 )
 
 __all__ = [
-    "CONF_DIR",
+    "CHECK_ONLY",
     "EXIT_CONFIG_ERROR",
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_PREEMPTED",
-    "HydraApp",
-    "compose_config",
-    "hydra_app",
-    "CHECK_ONLY",
     "KEEP_GOING",
-    "first_to_report",
-    "register_schemas",
-    "report_config_error",
+    "HydraApp",
+    "hydra_app",
 ]
-
-#: The packaged config tree (the repo-root `conf` is a symlink to it).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
 
 #: Command-line flag of a sweep (`-m`): run the valid jobs even if some are invalid; each invalid
 #: one is recorded as failed (exit code 2) in its job directory, and the sweep exits 2.
@@ -65,144 +64,6 @@ KEEP_GOING = "--keep-going"
 #: process group (`check`), print the problems, exit 0 or 2; nothing runs (scripts/train.sh uses
 #: it so that config errors never go through torchrun).
 CHECK_ONLY = "--check"
-
-#: Name under which the pipeline skeleton is registered; conf/config.yaml lists it first.
-SCHEMA_NAME = "recsys_schema"
-#: Group of the per-component defaults (see register_schemas).
-DEFAULTS_GROUP = "hydra/recsys_defaults"
-
-
-def register_schemas() -> None:
-    """Register in Hydra's ConfigStore the defaults every YAML file overrides (one source per
-    default: the pydantic `Field`s, see `recsys_pipe.config.structured`), and the
-    `recsys_sweep_dir` resolver. Idempotent; must run before Hydra composes conf/config.yaml.
-
-    - `recsys_schema`: the root: the `pipeline` skeleton, the trainer's defaults, `seed`, `debug`;
-    - `hydra/recsys_defaults/<section>/<name>` for every registered model, data source and
-      optimizer (and `.../builder` for a user's own builder): the option files of that group list
-      theirs first (`- /hydra/recsys_defaults/model/hstu@_here_`). Under `hydra/` because --help
-      lists every other group as a user's choice, and these are not.
-    """
-    from hydra.core.config_store import ConfigStore
-
-    from recsys_pipe.config import ConfigError
-    from recsys_pipe.config.structured import defaults_node, root_skeleton
-    from recsys_pipe.train.config import RunConfig, TrainerConfig
-
-    store = ConfigStore.instance()
-    fields = RunConfig.model_fields
-    store.store(
-        name=SCHEMA_NAME,
-        node=root_skeleton({"trainer": TrainerConfig}, seed=fields["seed"].default, debug=fields["debug"].default),
-    )
-    for section, registry in RunConfig.COMPONENTS.items():
-        # model=custom, data=custom: the user must name their builder (??? is OmegaConf's "missing")
-        store.store(
-            group=f"{DEFAULTS_GROUP}/{section}", name="builder", node={**defaults_node(registry.base), "builder": "???"}
-        )
-        for name in registry.names:
-            try:  # `builder` stays null: `name` picks it (a section sets one or the other)
-                node = {**defaults_node(registry.config_class({"name": name}, section)), "builder": None}
-            except ConfigError:  # cannot be imported here (e.g. no torchrec): validation says so, by path
-                node = {"name": name}
-            store.store(group=f"{DEFAULTS_GROUP}/{section}", name=name, node=node)
-    if not OmegaConf.has_resolver("recsys_sweep_dir"):
-        OmegaConf.register_new_resolver("recsys_sweep_dir", sweep_dir)
-
-
-_SWEEP_DIRS: dict[str, str] = {}
-
-
-def sweep_dir(base: str) -> str:
-    """`${recsys_sweep_dir:<base>}`: a new directory `<base>/<time>` for one `-m` sweep.
-
-    Unique (`-2`, `-3`, ... when two sweeps start in the same second) and, under torchrun, the
-    same for every rank: local rank 0 of global rank 0 creates it and publishes the path in
-    torchrun's store, the others read it there. Hydra resolves this more than once per sweep,
-    so the answer is kept per process.
-    """
-    if base in _SWEEP_DIRS:
-        return _SWEEP_DIRS[base]
-    from recsys_pipe.runtime.rundir import unique_dir
-
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
-        store = _torchrun_store(timeout_s=300)
-        key = f"recsys_pipe/sweep_dir/{base}"
-        if os.environ.get("RANK") == "0":
-            store.set(key, unique_dir(base, stamp))
-        path = store.get(key).decode()  # waits for rank 0
-    else:
-        path = unique_dir(base, stamp)
-    _SWEEP_DIRS[base] = path
-    return path
-
-
-def _torchrun_store(timeout_s: float) -> Any:
-    """A client of torchrun's own rendezvous store (MASTER_ADDR:MASTER_PORT), for the ranks to
-    agree on something before any process group exists."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-
-
-def _debug_requested(cfg: Any = None) -> bool:
-    if os.environ.get("HYDRA_FULL_ERROR", "") == "1":
-        return True
-    try:
-        return bool(cfg is not None and cfg.get("debug", False) is True)
-    except Exception:
-        return False
-
-
-_REPORTS = [0]
-
-
-def first_to_report() -> bool:
-    """Whether this process prints a config error that every rank of a torchrun job finds.
-
-    Before the process group starts, each rank validates the same config and would print the
-    same lines. The ranks agree through torchrun's own store (an atomic counter per report):
-    the first rank to get there prints, the others stay silent. Outside torchrun: always. If
-    the store cannot be reached, the first local rank prints.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return True
-    _REPORTS[0] += 1
-    try:
-        store = _torchrun_store(timeout_s=10)
-        key = f"recsys_pipe/report/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_REPORTS[0]}"
-        first = store.add(key, 1) == 1
-    except Exception:  # no store: one line per machine is still better than one per rank
-        return os.environ.get("LOCAL_RANK", "0") == "0"
-    if not first:  # let the reporting rank print before this one exits and torchrun stops the others
-        time.sleep(1.0)
-    return first
-
-
-def report_config_error(
-    error: ConfigError, prog: str, stream: Any = None, started: bool = False, outcome: str | None = None
-) -> None:
-    """Print `error: <path>: <message>` per problem plus a one-line hint (`started`: found after
-    the run started, e.g. a checkpoint that does not fit; `outcome` says what happened instead
-    of "nothing was started"). Under torchrun, one rank prints (`first_to_report`)."""
-    if not first_to_report():
-        return
-    stream = stream or sys.stderr
-    for p in error.problems:
-        print(f"error: {p}", file=stream)
-    n = len(error.problems)
-    outcome = outcome or ("the run stopped" if started else "nothing was started")
-    print(
-        f"{prog}: {n} config error{'s' if n != 1 else ''}, {outcome}. "
-        f"`{prog} --help` lists the groups and keys; debug=true shows a traceback.",
-        file=stream,
-    )
 
 
 class HydraApp:
@@ -257,7 +118,7 @@ class HydraApp:
             os.dup2(devnull, sys.stdout.fileno())
             raise SystemExit(0) from None
         except ConfigError as exc:
-            if _debug_requested(cfg):
+            if debug_requested(cfg):
                 traceback.print_exc()
             job = _sweep_job()
             if job is not None:  # its directory (made by Hydra) says why it did not run
@@ -292,9 +153,6 @@ class HydraApp:
 
     def run(self, argv: Sequence[str] | None = None) -> int:
         """Run with `argv` (default: sys.argv[1:]) and return the exit code."""
-        import hydra
-        from hydra.core.global_hydra import GlobalHydra
-
         register_schemas()
         self._started = False
         self._failed_jobs = []
@@ -309,7 +167,7 @@ class HydraApp:
         if self._check_only:
             return EXIT_OK
         argv = checked
-        entry = hydra.main(config_path=str(CONF_DIR), config_name=self.config_name, version_base="1.3")(self._task)
+        entry = hydra_main(self._task, CONF_DIR, self.config_name)
         # Hydra names the job after the task function's file unless the config says otherwise.
         saved = sys.argv
         sys.argv = [self.prog, *argv]
@@ -338,7 +196,7 @@ class HydraApp:
             raise
         finally:
             sys.argv = saved
-            GlobalHydra.instance().clear()
+            clear_global_hydra()
         if code == 0 and self._failed_jobs:
             if first_to_report():
                 print(
@@ -359,10 +217,8 @@ class HydraApp:
         """Compose and validate the config of every job before Hydra runs any: EXIT_CONFIG_ERROR
         after reporting the problems, or the arguments to run Hydra with (`argv`, where an
         override of a schema key that no YAML file spells out is made `++key=value`)."""
-        from hydra._internal.utils import get_args_parser
-
         try:
-            args = get_args_parser().parse_args(argv)
+            args = parse_hydra_args(argv)
         except SystemExit:  # a bad flag: Hydra's own parser reports it the same way
             return argv
         if any(getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "config_path")):
@@ -375,7 +231,7 @@ class HydraApp:
             extra = [f"hydra.searchpath=[file://{search_dirs[-1]}]"]
         config_name = args.config_name or self.config_name
         try:
-            jobs = _sweep_jobs(given) if args.multirun else [given]
+            jobs = sweep_jobs(given) if args.multirun else [given]
         except Exception as exc:
             return self._report(self._composition_error(exc, search_dirs))
         swept = _swept_keys(jobs)
@@ -426,7 +282,7 @@ class HydraApp:
             except Exception as exc:
                 key = self._schema_key_not_in_yaml(exc, overrides)
                 if key is None:
-                    if _debug_requested() or "debug=true" in overrides:
+                    if debug_requested() or "debug=true" in overrides:
                         traceback.print_exc()
                     return self._composition_error(exc, search_dirs)
                 added.add(key)
@@ -440,7 +296,7 @@ class HydraApp:
             try:
                 validator(cfg)
             except ConfigError as exc:
-                if _debug_requested(cfg):
+                if debug_requested(cfg):
                     traceback.print_exc()
                 return exc
         return None
@@ -508,31 +364,6 @@ class HydraApp:
         sys.exit(self.run())
 
 
-def compose_config(*overrides: str, config_name: str = "config") -> DictConfig:
-    """The config Hydra composes for `config_name` with these command-line overrides, with its
-    `hydra` node (as `recsys-train`/`recsys-plan` would see it, without running anything)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_schemas()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def _sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """The overrides of each job of a `-m` sweep, in Hydra's order (its BasicSweeper's own
-    expansion: the cartesian product of the comma-separated values)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-
-
 def _swept_keys(jobs: list[list[str]]) -> set[str]:
     """Keys whose value differs between the jobs (what names a job)."""
     values: dict[str, set[str]] = {}
@@ -554,15 +385,10 @@ def _search_dirs(overrides: list[str]) -> list[Path]:
 
 def _sweep_job() -> tuple[int, list[str], str] | None:
     """(job number, its swept overrides, its directory) when running a job of a `-m` sweep."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():
+    runtime = hydra_runtime()
+    if runtime is None or not runtime.multirun:
         return None
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN:
-        return None
-    return int(hc.job.num), list(hc.overrides.task), str(hc.runtime.output_dir)
+    return runtime.job_num, list(runtime.task_overrides), str(runtime.output_dir)
 
 
 def _exit_code(code: Any) -> int:

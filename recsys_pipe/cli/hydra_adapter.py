@@ -1,0 +1,119 @@
+"""Every use of Hydra's internals (`hydra._internal`, `hydra.core`), in one small module.
+
+Why: Hydra's public API (`@hydra.main`, `compose`) covers running an app, but checking every
+job of a sweep before any starts needs Hydra's own command-line parser and its sweeper's
+expansion of `a=1,2`, and a run needs to know which directory Hydra gave it. Those live in
+modules Hydra does not promise to keep; keeping them here means one file to read on a Hydra
+upgrade (a test checks that no other module imports `hydra._internal` or `hydra.core`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+__all__ = [
+    "VERSION_BASE",
+    "HydraRuntime",
+    "clear_global_hydra",
+    "compose_with_hydra_node",
+    "hydra_main",
+    "hydra_runtime",
+    "parse_hydra_args",
+    "store_config",
+    "sweep_jobs",
+]
+
+#: Hydra's `version_base` for every entry point: the 1.3 defaults (no implicit run-dir chdir).
+VERSION_BASE = "1.3"
+
+
+def store_config(name: str, node: Any, group: str | None = None) -> None:
+    """Register `node` in Hydra's ConfigStore as `<group>/<name>` (a config a YAML file can list)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=name, node=node, group=group)
+
+
+def clear_global_hydra() -> None:
+    """Forget Hydra's process-wide state, so that the next compose or app starts afresh."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+
+
+def compose_with_hydra_node(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
+    """The config Hydra composes from `config_dir` for `config_name` and `overrides`, with its
+    `hydra` node; Hydra's global state is cleared before and after."""
+    from hydra import compose, initialize_config_dir
+
+    clear_global_hydra()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=VERSION_BASE):
+            return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    finally:
+        clear_global_hydra()
+
+
+def hydra_main(task: Callable[[DictConfig], Any], config_dir: Path, config_name: str) -> Callable[[], Any]:
+    """`@hydra.main` around `task`, reading `config_dir`: call it to run with `sys.argv`."""
+    import hydra
+
+    return hydra.main(config_path=str(config_dir), config_name=config_name, version_base=VERSION_BASE)(task)
+
+
+def parse_hydra_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed by Hydra's own command-line parser (`overrides`, `multirun`, `cfg`, ...);
+    SystemExit for a bad flag, as Hydra would."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_args(argv)
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The overrides of each job of a `-m` sweep, in Hydra's order (its BasicSweeper's own
+    expansion: the cartesian product of the comma-separated values)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+@dataclass(frozen=True)
+class HydraRuntime:
+    """What Hydra says about the job running in this process (inside `@hydra.main`)."""
+
+    #: whether the job is one of a `-m` sweep
+    multirun: bool
+    #: its number in the sweep (0 for a single run)
+    job_num: int
+    #: the command line's overrides of the config (`trainer.lr=0.1`)
+    task_overrides: tuple[str, ...]
+    #: the command line's overrides of Hydra's own settings (`hydra.run.dir=...`)
+    hydra_overrides: tuple[str, ...]
+    #: the directory Hydra made for the job
+    output_dir: Path
+
+
+def hydra_runtime() -> HydraRuntime | None:
+    """The running job as Hydra sees it, or None outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    return HydraRuntime(
+        multirun=multirun,
+        job_num=int(hc.job.num) if multirun else 0,  # only a sweep's jobs are numbered
+        task_overrides=tuple(hc.overrides.task),
+        hydra_overrides=tuple(hc.overrides.hydra),
+        output_dir=Path(hc.runtime.output_dir),
+    )
