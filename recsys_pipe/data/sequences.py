@@ -257,6 +257,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
 
     @property
     def num_users(self) -> int:
+        """The number of users (one sequence each) in the file."""
         return len(self.sequences)
 
     def __len__(self) -> int:
@@ -289,6 +290,17 @@ class SequencesDataset(Dataset[RetrievalSample]):
         return self.sequences[user][-2 if split == "valid" else -1]
 
     def eval_sample(self, user: int, split: str) -> RetrievalSample:
+        """One held-out evaluation sample of `user`.
+
+        Args:
+            user: the user's index.
+            split: `"valid"` (the second-to-last item is the target) or `"test"` (the last).
+
+        Returns:
+            The history before the target (at most `max_seq_len` items, with timestamps) and the
+            candidates: the target first, then `eval_negatives` items the user never interacted
+            with, drawn from a stream of the user's own.
+        """
         seq = self.sequences[user]
         end = len(seq) - (2 if split == "valid" else 1)
         history = seq[:end][-self.max_seq_len :]

@@ -76,6 +76,7 @@ class DropoutRng:
         return {**self._loaded, **{kind: g.get_state() for kind, g in self._generators.items()}}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore generator states saved by `state_dict`; each is applied when its device type next draws."""
         self._generators = {}
         self._loaded = dict(state)
 

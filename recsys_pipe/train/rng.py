@@ -89,9 +89,11 @@ class RngState:
             self._load_global_state(saved)
 
     def state_dict(self) -> dict[str, Any]:
+        """Every generator's state: torch's, Python's, numpy's (CUDA's where present) and the dropout stream's."""
         return {**self._global_state(), "dropout": self.dropout.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved; a state without `dropout` starts a fresh dropout stream."""
         self._load_global_state(state)
         self.dropout.load_state_dict(state.get("dropout", {}))
 
