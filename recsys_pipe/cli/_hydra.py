@@ -245,6 +245,7 @@ class HydraApp:
         self._check_only = False
         self._failed_jobs: list[str] = []
         self._jobs_done = 0
+        self._jobs_checked = 0
 
     def _task(self, cfg: DictConfig) -> Any:
         self._started = True
@@ -307,6 +308,7 @@ class HydraApp:
         if isinstance(checked, int):
             return checked
         if self._check_only:
+            print(f"{self.prog}: config OK: {self._jobs_checked} job(s) checked, nothing was started")
             return EXIT_OK
         argv = checked
         entry = hydra.main(config_path=str(CONF_DIR), config_name=self.config_name, version_base="1.3")(self._task)
@@ -379,6 +381,7 @@ class HydraApp:
         except Exception as exc:
             return self._report(self._composition_error(exc, search_dirs))
         swept = _swept_keys(jobs)
+        self._jobs_checked = len(jobs)
         added: set[str] = set()
         bad: list[tuple[int, list[str], ConfigError]] = []
         for number, job in enumerate(jobs):

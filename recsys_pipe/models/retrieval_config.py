@@ -41,6 +41,20 @@ class RetrievalConfig(ShardedModelConfig):
             ]
         return []
 
+    def check_spec(self, spec: DataSpec) -> list[ConfigProblem]:
+        from recsys_pipe.data.sequences import INPUT_KEY
+
+        others = spec.vocab_sizes[INPUT_KEY] - 1
+        if self.loss == "sampled_softmax" and self.num_negatives > others:
+            return [
+                ConfigProblem(
+                    "model.num_negatives",
+                    f"{self.num_negatives} negatives per batch, but the data has {others + 1} items: at most {others} "
+                    "can be negatives of a position",
+                )
+            ]
+        return []
+
     def encoder(self, spec: DataSpec) -> nn.Module:
         """The causal sequence encoder: `(embeddings [B, N, D], timestamps [B, N], valid [B, N])
         -> [B, N, D]` on left-padded sequences."""
