@@ -8,7 +8,6 @@ by the run itself the same way before any process group starts (the run and `--c
 
 from __future__ import annotations
 
-import os
 import signal
 import warnings
 from pathlib import Path
