@@ -8,6 +8,7 @@ by the run itself the same way before any process group starts (the run and `--c
 
 from __future__ import annotations
 
+import os
 import signal
 import warnings
 from pathlib import Path
@@ -266,3 +267,49 @@ def test_recsys_profile_on_too_little_data_names_the_key(tmp_path, capsys, no_pr
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and lines[0].startswith("error: profile.iters: the data gives "), err
     assert "each profiling pass needs 23" in lines[0] and "Traceback" not in err
+
+
+# -- sweeps: a summary at the end, and no train.log left open -------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_ends_with_a_summary_and_closes_each_train_log(tmp_path):
+    """In a subprocess with ResourceWarning an error (shown through `-W error`): an unclosed
+    train.log of the first job would be reported when the second job replaces its handler."""
+    import subprocess
+    import sys
+
+    sweep = tmp_path / "sweep"
+    smoke = ["trainer=smoke", "trainer.eval_every=0", "trainer.tensorboard=false"]
+    code = (
+        "import gc, sys, warnings; warnings.simplefilter('error', ResourceWarning); "
+        "from recsys_pipe.cli import train; code = train.run(sys.argv[1:]); gc.collect(); sys.exit(code)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", code, "-m", "trainer.max_steps=1,2", *smoke, f"hydra.sweep.dir={sweep}"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ResourceWarning" not in proc.stderr and "unclosed file" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert "recsys-train: sweep of 2 job(s): 2 completed, 0 did not" in lines, proc.stderr[-3000:]
+    start = lines.index("recsys-train: sweep of 2 job(s): 2 completed, 0 did not")
+    assert lines[start + 1] == f"  job 0 [trainer.max_steps=1]: completed, exit 0 ({sweep}/0)"
+    assert lines[start + 2] == f"  job 1 [trainer.max_steps=2]: completed, exit 0 ({sweep}/1)"
+
+
+def test_help_gives_every_description_whole(capsys):
+    from recsys_pipe.cli.keys import describe_keys
+    from recsys_pipe.config import to_container
+    from recsys_pipe.testing import compose
+    from recsys_pipe.train.config import RunConfig
+
+    assert train_cli.run(["--help"]) == 0
+    listing = capsys.readouterr().out.split("== Keys ==", 1)[1]
+    for path, value, description in describe_keys(RunConfig, to_container(compose(config_name="train"))):
+        (line,) = [x for x in listing.splitlines() if x.startswith(f"  {path}=" if value else f"  {path}:")]
+        assert line.endswith(description), line
