@@ -112,13 +112,18 @@ def no_process_group(monkeypatch):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("check", [True, False], ids=["--check", "run"])
+@pytest.mark.parametrize("check", ["--check", "run", "train.sh"])
 @pytest.mark.parametrize("name, overrides, path, fragment", CASES, ids=[c[0] for c in CASES])
 def test_refused_by_check_and_by_the_run_before_anything_starts(
-    name, overrides, path, fragment, check, tmp_path, capsys, no_process_group
+    name, overrides, path, fragment, check, tmp_path, capsys, monkeypatch, no_process_group
 ):
+    """`run`: one rank, as `recsys-train` alone; `train.sh`: the check scripts/train.sh makes
+    before torchrun (`--check` as the last of 2 ranks)."""
+    if check == "train.sh":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
     argv = [*overrides(tmp_path), "trainer.device=cpu", f"trainer.output_dir={tmp_path}/runs"]
-    code = train_cli.run(["--check", *argv] if check else argv)
+    code = train_cli.run(argv if check == "run" else ["--check", *argv])
     captured = capsys.readouterr()
     err = captured.err
     assert code == 2, err
@@ -271,6 +276,8 @@ def test_recsys_profile_on_too_little_data_names_the_key(tmp_path, capsys, no_pr
 
 # -- sweeps: a summary at the end, and no train.log left open -------------------------------------
 
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
 
 @pytest.mark.timeout(300)
 def test_a_sweep_ends_with_a_summary_and_closes_each_train_log(tmp_path):
@@ -291,7 +298,10 @@ def test_a_sweep_ends_with_a_summary_and_closes_each_train_log(tmp_path):
         text=True,
         timeout=280,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        env={  # not this process's rendezvous (an in-process run of an earlier test may have set it)
+            **{k: v for k, v in os.environ.items() if k not in _RENDEZVOUS},
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        },
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ResourceWarning" not in proc.stderr and "unclosed file" not in proc.stderr, proc.stderr[-3000:]

@@ -328,7 +328,7 @@ def _check_negatives_exist(data: Interactions, sequences: list[list[int]], num_i
     interacted with to sample negatives from; checked for every user of the file (not only this
     rank's) when the data is read, so `--check` finds it before anything starts."""
     for user, seq in enumerate(sequences):
-        if len(seq) >= 2 and len(set(seq)) >= num_items:
+        if len(seq) >= max(2, num_items) and len(set(seq)) >= num_items:
             raise ConfigError(
                 ConfigProblem(
                     "data.path",
