@@ -46,7 +46,7 @@ train() {  # name, epochs, then overrides
   launch data=sequences "data.path=$DATA" "data.batch_size=$BATCH" data.eval_batch_size=512 pipeline=prefetch model.sharding=row_wise \
     "optimizer.betas=[0.9,0.98]" \
     trainer.max_steps=null "trainer.epochs=$epochs" trainer.eval_every=1000000000 "trainer.eval_epochs=$EVAL_EPOCHS" trainer.log_every=100 \
-    trainer.progress_bar=false "hydra.run.dir=$OUT/$name" "trainer.eval_dump=$OUT/$name/eval_dump.csv" \
+    trainer.progress_bar=false "hydra.run.dir=$OUT/$name" trainer.eval_dump=eval_dump.csv \
     "$@" ${EXTRA:-}
   end=$(date +%s)
   echo "$((end - start))" > "$OUT/$name/train_seconds"

@@ -142,6 +142,29 @@ def test_two_rank_checkpoint_resumes_on_one_rank(plain, tmp_path):
     assert all(0 < loss < 10 for loss in report["losses"])
 
 
+def test_two_rank_dense_kernel_checkpoint_resumes_on_one_rank(plain, tmp_path):
+    """2 -> 1 ranks with the tables on the dense kernel: each table's rows (two shards) and its
+    Adam moments come back whole on the one rank, and training continues."""
+    out, ranks = plain
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "reshard", str(out / "dense_kernel" / "checkpoints" / "step_15"), str(tmp_path)]
+        + ["dense"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "reshard.json").read_text())
+    tables = ranks[0]["dense_kernel"]["tables"]  # global sizes, as the checkpoint holds them
+    assert report["moments"] and len(report["moments"]) == len(tables)
+    for name, (shape, magnitude) in report["moments"].items():
+        assert shape in tables.values(), name  # the whole table on this rank
+        assert magnitude > 0, name  # restored from the checkpoint, not fresh zeros
+    assert report["start"][0] == 15 and report["end_step"] == 20
+    assert all(0 < loss < 10 for loss in report["losses"])
+
+
 # -- the CLI: SIGKILL between checkpoints, SIGTERM, two torchrun agents -------------------------
 
 

@@ -367,6 +367,7 @@ def test_recsys_train_logs_metrics_that_the_dump_recomputes(tmp_path, model):
             "trainer.eval_every=1000",
             "trainer.progress_bar=false",
             f"trainer.eval_dump={dump}",
+            "model.num_negatives=32",  # sampled_softmax (hstu_retrieval): at most the 39 other items
             f"trainer.output_dir={tmp_path}/runs",
         ]
     )

@@ -36,6 +36,7 @@ def plan_yaml(
     description: str = "",
     executor: str | None = None,
     settings: Mapping[str, str] | None = None,
+    options: Mapping[str, Mapping[str, object]] | None = None,
     path: str | os.PathLike | None = None,
 ) -> str:
     """The plan YAML of `schedule`; also written to `path` when given.
@@ -54,6 +55,10 @@ def plan_yaml(
         settings: further top-level plan keys written as they are, e.g. the launcher's
             `{"torchrec_context": "prefetch"}` (a tuned plan keeps the settings of the plan it
             came from).
+        options: task name -> its `options:` as the source plan file spells them, written instead
+            of the schedule's resolved values, so that an interpolation such as semi_sync's
+            `start_batch: ${pipeline.tasks.start_embedding_lookup.options.start_batch}` still
+            follows the one key it names.
     """
     if len(schedule.stages) != 1:
         raise ValueError(f"a plan YAML holds one stage; this schedule has {len(schedule.stages)}")
@@ -86,7 +91,10 @@ def plan_yaml(
     lines.append("tasks:")
     for t in tasks:
         lines.append(f"  {_scalar(t.name)}:")
-        lines += [f"    {key}: {value}" for key, value in _task_fields(t, paths[t.name], threads.get(t.name))]
+        lines += [
+            f"    {key}: {value}"
+            for key, value in _task_fields(t, paths[t.name], threads.get(t.name), (options or {}).get(t.name))
+        ]
     text = "\n".join(lines) + "\n"
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +115,9 @@ def _fn_path(task: Task, fns: Mapping[str, str] | None) -> str:
     return f"{module}:{qualname}"
 
 
-def _task_fields(task: Task, fn: str, thread: str | None) -> list[tuple[str, str]]:
+def _task_fields(
+    task: Task, fn: str, thread: str | None, spelled: Mapping[str, object] | None = None
+) -> list[tuple[str, str]]:
     def slots(values) -> list:
         return [s.name if s.batch_offset == task.lookahead else [s.name, s.batch_offset] for s in values]
 
@@ -131,7 +141,7 @@ def _task_fields(task: Task, fn: str, thread: str | None) -> list[tuple[str, str
         fields.append(("thread", _scalar(thread)))
     if task.nvtx_tag is not None:
         fields.append(("nvtx_tag", _scalar(task.nvtx_tag)))
-    options = task.options
+    options = spelled if spelled is not None else task.options
     if options is not None and hasattr(options, "model_dump"):  # a registered task's options model
         options = options.model_dump(mode="json", exclude_unset=True)
     if options:

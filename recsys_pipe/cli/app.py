@@ -36,6 +36,7 @@ from recsys_pipe.cli.hydra_adapter import (
 )
 from recsys_pipe.cli.reporting import debug_requested, first_to_report, report_config_error
 from recsys_pipe.cli.schemas import register_schemas
+from recsys_pipe.cli.sweeps import SweepLog
 from recsys_pipe.config import CONF_DIR, ConfigError, ConfigProblem
 from recsys_pipe.runtime.failures import (  # the exit codes, re-exported for the CLIs
     EXIT_CONFIG_ERROR,
@@ -106,13 +107,19 @@ class HydraApp:
         self._check_only = False
         self._failed_jobs: list[str] = []
         self._jobs_done = 0
+        self._jobs_checked = 0
+        self._sweep = SweepLog()
 
     def _task(self, cfg: DictConfig) -> Any:
         self._started = True
         try:
             result = self.task(cfg)
             self._jobs_done += 1
+            self._sweep.record(_sweep_job(), EXIT_OK)
             return result
+        except SystemExit as exc:  # the job's own exit code (1, 75, 130...), for the sweep's summary
+            self._sweep.record(_sweep_job(), exc.code if isinstance(exc.code, int) else EXIT_FAILURE)
+            raise
         except BrokenPipeError:  # `recsys-plan | head`: the reader left; not an error
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -121,6 +128,7 @@ class HydraApp:
             if debug_requested(cfg):
                 traceback.print_exc()
             job = _sweep_job()
+            self._sweep.record(job, EXIT_CONFIG_ERROR)
             if job is not None:  # its directory (made by Hydra) says why it did not run
                 self._record_failed_job(job, exc, announce=self._keep_going)
                 if self._keep_going:
@@ -157,6 +165,7 @@ class HydraApp:
         self._started = False
         self._failed_jobs = []
         self._jobs_done = 0
+        self._sweep = SweepLog()
         argv = list(sys.argv[1:] if argv is None else argv)
         self._keep_going = KEEP_GOING in argv
         self._check_only = CHECK_ONLY in argv
@@ -165,6 +174,7 @@ class HydraApp:
         if isinstance(checked, int):
             return checked
         if self._check_only:
+            print(f"{self.prog}: config OK: {self._jobs_checked} job(s) checked, nothing was started")
             return EXIT_OK
         argv = checked
         entry = hydra_main(self._task, CONF_DIR, self.config_name)
@@ -197,6 +207,8 @@ class HydraApp:
         finally:
             sys.argv = saved
             clear_global_hydra()
+            if self._sweep.jobs and int(os.environ.get("RANK", "0")) == 0:
+                print(self._sweep.summary(self.prog, self._jobs_checked), file=sys.stderr)
         if code == 0 and self._failed_jobs:
             if first_to_report():
                 print(
@@ -235,6 +247,8 @@ class HydraApp:
         except Exception as exc:
             return self._report(self._composition_error(exc, search_dirs))
         swept = _swept_keys(jobs)
+        self._jobs_checked = len(jobs)
+        self._sweep.swept = {key.lstrip("+~") for key in swept}
         added: set[str] = set()
         bad: list[tuple[int, list[str], ConfigError]] = []
         for number, job in enumerate(jobs):

@@ -37,14 +37,15 @@ def describe_keys(model: type[BaseModel], values: Any = None) -> list[tuple[str,
     return rows
 
 
-def format_keys(rows: list[tuple[str, str, str]], width: int = 120) -> str:
-    """One line per key: `path=value` padded to a column, then the description."""
+def format_keys(rows: list[tuple[str, str, str]]) -> str:
+    """One line per key: `path=value` padded to a column, then the whole description (never cut:
+    a terminal wraps a long line at its own width, and `grep` finds a key with all it says)."""
     column = min(48, max((len(_left(p, v)) for p, v, _ in rows), default=0) + 2)
     lines = []
     for path, value, description in rows:
         left = _left(path, value)
         gap = column - len(left) if len(left) < column else 2
-        lines.append(f"  {left}{' ' * gap}{description}".rstrip()[: width + 40])
+        lines.append(f"  {left}{' ' * gap}{description}".rstrip())
     return "\n".join(lines)
 
 

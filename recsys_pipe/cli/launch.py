@@ -16,7 +16,7 @@ from recsys_pipe.config import CompiledPlan
 from recsys_pipe.data import RankData
 from recsys_pipe.runtime.session import RequestedDir, RunSession
 from recsys_pipe.train.config import RunConfig, load_run_config
-from recsys_pipe.train.plan import training_plan
+from recsys_pipe.train.plan import pipelining_without_effect, training_plan
 
 __all__ = ["Launch", "requested_run_dir"]
 
@@ -53,9 +53,10 @@ class Launch:
     @classmethod
     def prepare(cls, cfg: DictConfig) -> Launch:
         """Validate the config, compile the plan (task code imported), and check the device, the
-        dense DDP choice, `resume_from`, this rank's data and the output directory; ConfigError
-        (with config paths) for the first bad one."""
-        from recsys_pipe.cli.preflight import run_device
+        dense DDP choice, `resume_from`, this rank's data (and the model, fused optimizer and
+        eval dump against it: `check_inputs`) and the output directory; ConfigError (with config
+        paths) for the first bad one."""
+        from recsys_pipe.cli.preflight import check_inputs, run_device
         from recsys_pipe.runtime import check_output_dir, check_unused
         from recsys_pipe.train.checkpoint import resolve_resume
         from recsys_pipe.train.dense_ddp import check_dense_ddp
@@ -67,6 +68,7 @@ class Launch:
         resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
+        check_inputs(run, data, device.type)
         requested = requested_run_dir()
         if requested.path is None:
             check_output_dir(run.trainer.output_dir)
@@ -100,4 +102,7 @@ class Launch:
                 info.device,
                 info.backend,
             )
+            warning = pipelining_without_effect(self.plan, self.run)
+            if warning is not None:
+                log.warning("%s", warning)
         return session, resume[0]

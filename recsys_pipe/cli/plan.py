@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from recsys_pipe.cli.app import hydra_app
@@ -104,7 +104,12 @@ def plan_task(cfg: DictConfig) -> None:
         written += predict(plan, costs, out, run_cfg.plot)
         if run_cfg.tune:
             name = run_cfg.tune_name or f"{plan.config.name or 'plan'}_tuned"
-            written += tune_plan(plan, costs, name, out or Path.cwd(), run_cfg.tune_time_limit_s)
+            spelled = {  # the options as the plan file spells them (interpolations kept)
+                task: OmegaConf.to_container(node.options, resolve=False)
+                for task, node in cfg.pipeline.tasks.items()
+                if node.get("options")
+            }
+            written += tune_plan(plan, costs, name, out or Path.cwd(), run_cfg.tune_time_limit_s, spelled)
     if out is None:
         return
     if run_cfg.plot:

@@ -7,8 +7,9 @@ Lives in the CLI layer: it joins the compiled plan (config) with the schedule to
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 
@@ -50,8 +51,16 @@ def predict(plan: CompiledPlan, costs: CostModel, out: Path | None, plot: bool) 
     return []
 
 
-def tune_plan(plan: CompiledPlan, costs: CostModel, name: str, out: Path, time_limit_s: float | None) -> list[Path]:
-    """Search thread map x streams x order x lookaheads; print the diff; write `<out>/pipeline/<name>.yaml`."""
+def tune_plan(
+    plan: CompiledPlan,
+    costs: CostModel,
+    name: str,
+    out: Path,
+    time_limit_s: float | None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[Path]:
+    """Search thread map x streams x order x lookaheads; print the diff; write `<out>/pipeline/<name>.yaml`
+    (with each task's `options` as the plan file spells them: interpolations kept)."""
     from recsys_pipe.autosched import plan_yaml, tune
 
     try:
@@ -73,6 +82,7 @@ def tune_plan(plan: CompiledPlan, costs: CostModel, name: str, out: Path, time_l
         description=description,
         executor="threaded" if len(set(result.thread_map.values())) > 1 else "sequential",
         settings={"torchrec_context": plan.config.torchrec_context},
+        options=options,
         path=path,
     )
     print(

@@ -1,9 +1,15 @@
-"""Checks of the machine a run needs, shared by the CLIs that start a process group.
+"""Checks of the machine a run needs and of the inputs as read, shared by the CLIs that start a
+process group (`recsys-train` runs them in `Launch.prepare`, and `--check` runs the same).
 
 Why here and not in the config schema: whether CUDA is visible is a fact about this machine,
 not about the config, but it is still the user's input that is wrong (`trainer.device=cuda` or
 `trainer.backend=nccl` on a machine without a GPU), so it is a ConfigError (exit 2, one line)
 found before any process group starts, never a traceback from inside `init_process_group`.
+
+`check_inputs` runs the checks that need the data as read or the device but no process group;
+each lives with the component it concerns (the model's `check_spec`, the fused optimizer's
+`check_sparse_device`, the retrieval evaluation's `check_eval_dump`), so that the run and
+`--check` find the same problems.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from typing import Any
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 
-__all__ = ["run_device"]
+__all__ = ["check_inputs", "run_device"]
 
 
 def run_device(trainer: Any) -> Any:
@@ -30,3 +36,19 @@ def run_device(trainer: Any) -> Any:
             ConfigProblem("trainer.backend", f"nccl needs CUDA and {where}; use trainer.backend=gloo (or auto)")
         )
     return device
+
+
+def check_inputs(run: Any, data: Any, device_type: str) -> None:
+    """ConfigError for what `run` would refuse after start-up, given this rank's `data` (a
+    `RankData`, read) and the device type: the model against the data as read, the fused
+    embedding optimizer on this device, and `trainer.eval_dump`."""
+    from recsys_pipe.models.base import ShardedModelConfig
+    from recsys_pipe.train.optim import check_sparse_device
+    from recsys_pipe.train.retrieval_eval import check_eval_dump
+
+    problems = run.model.check_spec(data.spec)
+    if problems:
+        raise ConfigError(problems)
+    if isinstance(run.model, ShardedModelConfig) and run.model.compute_kernel == "fused":
+        check_sparse_device(run.optimizer.sparse, device_type)
+    check_eval_dump(run.trainer.eval_dump, run.trainer.eval_every, data)

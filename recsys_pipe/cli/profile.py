@@ -71,8 +71,9 @@ class ProfileCommandConfig(RunConfig):
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="what to measure")
 
 
-def _check(run: ProfileCommandConfig, plan: CompiledPlan) -> None:
-    """Config problems found before any process group starts."""
+def _check(run: ProfileCommandConfig, plan: CompiledPlan, batches: int | None = None) -> None:
+    """Config problems found before any process group starts (`batches`: this rank's training
+    batches per epoch, once its data is read)."""
     problems = []
     names = [t.name for t in plan.order]
     for i, name in enumerate(run.profile.tasks or ()):
@@ -91,6 +92,15 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan) -> None:
                 f"(profile.warmup or the max lookahead, plus profile.iters)",
             )
         )
+    elif batches is not None and batches < needed:
+        problems.append(
+            ConfigProblem(
+                "profile.iters",
+                f"the data gives {batches} training batches per rank ({run.data.SIZE_KEY} with data.batch_size="
+                f"{run.data.batch_size}); each profiling pass needs {needed} (profile.warmup or the max lookahead, "
+                "plus profile.iters): lower profile.iters or data.batch_size, or use more data",
+            )
+        )
     if problems:
         raise ConfigError(problems)
     from recsys_pipe.runtime import check_output_dir
@@ -103,9 +113,14 @@ def profile_task(cfg: DictConfig) -> None:
     show_library_warnings(int(os.environ.get("RANK", 0)), run.debug)
     plan = training_plan(run)
     _check(run, plan)
-    from recsys_pipe.cli.preflight import run_device
+    from recsys_pipe.cli.preflight import check_inputs, run_device
+    from recsys_pipe.data import RankData
 
-    run_device(run.trainer)
+    device = run_device(run.trainer)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
+    check_inputs(run, data, device.type)
+    _check(run, plan, data.batches_per_epoch)
 
     from recsys_pipe.runtime import init_distributed, shared_run_dir, teardown
     from recsys_pipe.train import Trainer
@@ -127,7 +142,7 @@ def profile_task(cfg: DictConfig) -> None:
                 info.device,
                 run_dir,
             )
-        trainer = Trainer(run, plan, info)
+        trainer = Trainer(run, plan, info, data=data)
         result = _measure(trainer, run.profile)
         if info.is_main:
             meta = {
@@ -231,6 +246,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main() -> None:
     """Console-script entry point; exits with os._exit after flushing (gloo's threads can abort an
     orderly interpreter shutdown, as for recsys-train)."""
+    show_library_warnings(int(os.environ.get("RANK", 0)), debug="debug=true" in sys.argv)  # before any import warns
     code = _app.run()
     sys.stdout.flush()
     sys.stderr.flush()

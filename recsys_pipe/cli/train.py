@@ -61,7 +61,9 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
     from recsys_pipe.train import Trainer
     from recsys_pipe.train.trainer import PREEMPTED
 
-    run, info = launch.run, session.info
+    run, info = _with_run_paths(launch.run, session.run_dir), session.info
+    if info.is_main and run.trainer.eval_dump is not None:
+        log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
     trainer = None
     ctrl_c = CtrlC()
     try:
@@ -101,11 +103,22 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
     )
 
 
+def _with_run_paths(run: Any, run_dir: str) -> Any:
+    """`run` with a relative `trainer.eval_dump` made a path inside the run directory."""
+    from recsys_pipe.train.retrieval_eval import eval_dump_path
+
+    trainer = run.trainer.model_copy(update={"eval_dump": eval_dump_path(run.trainer.eval_dump, str(run_dir))})
+    return run.model_copy(update={"trainer": trainer})
+
+
 def _interrupted(session: RunSession, trainer: Any) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
-    code = session.interrupted(trainer.step if trainer is not None else 0)
-    if trainer is not None:
-        trainer.close()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
+    try:
+        code = session.interrupted(trainer.step if trainer is not None else 0)
+        if trainer is not None:
+            trainer.close()
+    finally:  # the process goes on (a caller of `run`, the next job): Ctrl-C works again
+        signal.signal(signal.SIGINT, previous)
     return code
 
 
@@ -136,6 +149,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main() -> None:
     """Console-script entry point. Exits with os._exit after flushing: gloo's worker threads
     can abort an orderly interpreter shutdown (seen ~1 run in 10)."""
+    show_library_warnings(int(os.environ.get("RANK", 0)), debug="debug=true" in sys.argv)  # before any import warns
     code = _app.run()
     if code == 0:
         from recsys_pipe.runtime.distributed import teardown

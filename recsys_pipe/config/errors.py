@@ -155,7 +155,9 @@ def _message(err: dict[str, Any]) -> str:
         shown = repr(err["input"])
         if len(shown) > 60:
             shown = shown[:57] + "..."
-        if shown not in msg:
+        # a validator's own message that already names the string (`no such file: x.txt`) needs no `got 'x.txt'`
+        named = err["type"] == "value_error" and isinstance(err["input"], str) and err["input"] in msg
+        if shown not in msg and not named:
             msg += f", got {shown}"
     return msg
 

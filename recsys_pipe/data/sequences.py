@@ -97,6 +97,8 @@ class Interactions:
     users: list[int]
     items: list[list[int]]
     timestamps: list[list[int]]
+    #: the file read (named in errors about its content)
+    source: str = "the data"
 
 
 def read_interactions(path: str | Path) -> Interactions:
@@ -119,7 +121,7 @@ def read_interactions(path: str | Path) -> Interactions:
             by_user[user].append((stamp, movie))
         users = sorted(by_user)
         events = [sorted(by_user[u]) for u in users]
-        return Interactions(users, [[m for _, m in e] for e in events], [[t for t, _ in e] for e in events])
+        return Interactions(users, [[m for _, m in e] for e in events], [[t for t, _ in e] for e in events], str(path))
     return _read_pairs(path)
 
 
@@ -147,7 +149,7 @@ def _read_pairs(path: Path) -> Interactions:
     users = sorted(by_user)
     items = [by_user[u] for u in users]
     # no timestamps in this layout: the position in the user's sequence stands in for time
-    return Interactions(users, items, [list(range(len(seq))) for seq in items])
+    return Interactions(users, items, [list(range(len(seq))) for seq in items], str(path))
 
 
 class SequencesDataConfig(DataConfig):
@@ -244,6 +246,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
                     "data.eval_negatives", f"{eval_negatives} exceeds the {self.num_items - 1} other items of the data"
                 )
             )
+        _check_negatives_exist(data, self.sequences, self.num_items)
         self.max_seq_len, self.rank, self.world_size, self.seed = max_seq_len, rank, world_size, seed
         self.eval_negatives, self.full_eval = eval_negatives, full_eval
         self.spec = DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: self.num_items})
@@ -330,6 +333,21 @@ class _EvalSplit(Dataset[RetrievalSample]):
             return RetrievalSample(-1, [0], [0], [], [], list(range(self.source.eval_negatives + 1)))
         sample.sample_id = -1
         return sample
+
+
+def _check_negatives_exist(data: Interactions, sequences: list[list[int]], num_items: int) -> None:
+    """Every user that is trained or evaluated (two interactions or more) needs items it never
+    interacted with to sample negatives from; checked for every user of the file (not only this
+    rank's) when the data is read, so `--check` finds it before anything starts."""
+    for user, seq in enumerate(sequences):
+        if len(seq) >= max(2, num_items) and len(set(seq)) >= num_items:
+            raise ConfigError(
+                ConfigProblem(
+                    "data.path",
+                    f"{data.source}: user {data.users[user]} interacted with all {num_items} items, so no negatives "
+                    "can be sampled for it; remove the user's lines or add items",
+                )
+            )
 
 
 def _sample_unseen(rng: np.random.Generator, num_items: int, seen: set[int], count: int) -> list[int]:

@@ -70,6 +70,11 @@ class ModelConfig(Component):
         """Problems with using this model on `data` (cross-section constraints); none by default."""
         return []
 
+    def check_spec(self, spec: Any) -> list[ConfigProblem]:
+        """Problems with using this model on the data as read (its `DataSpec`: vocabulary sizes),
+        found by the pre-flight before anything starts; none by default."""
+        return []
+
     def sample_costs(self, batch: Any) -> torch.Tensor:
         """Per-sample compute cost `[B]` (float64, any unit) of a batch, for the balanced batch
         shuffler (`start_shuffle`). By default every sample costs the same: there is nothing to

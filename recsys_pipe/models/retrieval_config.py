@@ -10,7 +10,8 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.sequences import SequencesDataConfig
+from recsys_pipe.data.sequences import INPUT_KEY, SequencesDataConfig
+from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.base import ShardedModelConfig, heads_divide_width
 
 __all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]
@@ -36,6 +37,18 @@ class RetrievalConfig(ShardedModelConfig):
         if data.max_seq_len > self.max_seq_len:
             return [
                 ConfigProblem("data.max_seq_len", f"{data.max_seq_len} exceeds model.max_seq_len ({self.max_seq_len})")
+            ]
+        return []
+
+    def check_spec(self, spec: DataSpec) -> list[ConfigProblem]:
+        others = spec.vocab_sizes[INPUT_KEY] - 1
+        if self.loss == "sampled_softmax" and self.num_negatives > others:
+            return [
+                ConfigProblem(
+                    "model.num_negatives",
+                    f"{self.num_negatives} negatives per batch, but the data has {others + 1} items: at most {others} "
+                    "can be negatives of a position",
+                )
             ]
         return []
 

@@ -21,18 +21,25 @@ class _OneLine(logging.Formatter):
             record.exc_info, record.exc_text = saved
 
 
+#: the train.log handlers setup_logging opened (closed by the next call)
+_OWN_FILES: list[logging.FileHandler] = []
+
+
 def setup_logging(rank: int, run_dir: str, debug: bool) -> None:
     """Rank 0: INFO to the console and train.log; other ranks: warnings and errors to both (so a
     failure is in train.log whichever rank saw it). Tracebacks only in train.log, unless debug."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
+    while _OWN_FILES:  # the previous job's train.log (a sweep): closed, not left to the garbage collector
+        _OWN_FILES.pop().close()
     pattern = f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s"
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(pattern, "%H:%M:%S") if debug else _OneLine(pattern, "%H:%M:%S"))
     root.addHandler(console)
     file = logging.FileHandler(os.path.join(run_dir, "train.log"))  # appends: one line per write
     file.setFormatter(logging.Formatter(pattern, "%H:%M:%S"))
+    _OWN_FILES.append(file)
     root.addHandler(file)
     root.setLevel(logging.WARNING)
     logging.getLogger("recsys_pipe").setLevel(logging.INFO if rank == 0 else logging.WARNING)

@@ -16,10 +16,12 @@ Like `recsys_pipe.train.tasks`, this module imports no torchrec: the work is don
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import Field, StrictInt
 
+from recsys_pipe.config.errors import ConfigProblem
 from recsys_pipe.config.schema import Section
 from recsys_pipe.config.task_registry import Need, task, task_options
 from recsys_pipe.engine import TaskContext, declare_effects
@@ -29,6 +31,7 @@ from recsys_pipe.train.state import TrainState
 __all__ = [
     "EMBEDDING_LOOKUP",
     "LookupOptions",
+    "lookup_coverage_problems",
     "StashOptions",
     "embedding_backward",
     "stash_gradients",
@@ -61,6 +64,44 @@ class LookupOptions(Section):
         if self.start_batch is None:
             return True
         return (batch_index > self.start_batch) == (self.batches == "after")
+
+
+def lookup_coverage_problems(tasks: Mapping[str, LookupOptions]) -> list[ConfigProblem]:
+    """Problems with the lookup tasks of a plan (`tasks`: name -> options): every batch must be
+    looked up by exactly one of them. A batch looked up twice fails inside torchrec ("input_dist
+    of ec is not available, probably consumed by others"), a batch looked up by none finds no
+    started lookup; so both are plan errors, found when the plan compiles.
+
+    Checking the batches up to the largest `start_batch` + 1 is enough: past it, every task looks
+    up every batch or none."""
+    if not tasks:
+        return []
+    last = max((o.start_batch for o in tasks.values() if o.start_batch is not None), default=0) + 1
+    for batch in range(last + 1):
+        owners = [name for name, options in tasks.items() if options.looks_up(batch)]
+        if len(owners) == 1:
+            continue
+        first = next(iter(tasks))
+        settings = "; ".join(f"{name}: {_describe(o)}" for name, o in tasks.items())
+        if owners:
+            message = f"batch {batch} is looked up by {' and '.join(owners)}, each batch must be looked up once"
+        else:
+            message = f"batch {batch} is looked up by no lookup task"
+        path = f"pipeline.tasks.{owners[0] if owners else first}.options"
+        return [
+            ConfigProblem(
+                path,
+                f"{message} ({settings}); give the tasks one start_batch, one batches=after "
+                "and the other batches=until",
+            )
+        ]
+    return []
+
+
+def _describe(options: LookupOptions) -> str:
+    if options.start_batch is None:
+        return "every batch"
+    return f"start_batch={options.start_batch}, batches={options.batches}"
 
 
 @declare_effects(

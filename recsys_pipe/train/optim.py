@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, StrictInt, StrictStr
 
-from recsys_pipe.config import Component, Registry, Section, builder_field
+from recsys_pipe.config import Component, ConfigError, ConfigProblem, Registry, Section, builder_field
 
 __all__ = [
     "OPTIMIZERS",
@@ -34,6 +34,8 @@ __all__ = [
     "TrainOptimizer",
     "dense_optimizer_factory",
     "sparse_optimizer",
+    "CPU_FUSED",
+    "check_sparse_device",
 ]
 
 DenseFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -140,6 +142,25 @@ OPTIMIZERS = Registry(
 def dense_optimizer_factory(cfg: OptimizerConfig) -> DenseFactory:
     """params -> optimizer for the dense part of the model."""
     return cfg.build
+
+
+#: the fused optimizers fbgemm's CPU kernels implement (its `use_cpu` assertion in
+#: `SplitTableBatchedEmbeddingBagsCodegen`; fbgemm-gpu-cpu 1.8)
+CPU_FUSED = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+def check_sparse_device(cfg: SparseOptimizerConfig, device_type: str) -> None:
+    """ConfigError at `optimizer.sparse.name` if fbgemm cannot fuse it into tables on `device_type`
+    (checked before anything starts: fbgemm itself asserts while the model is sharded)."""
+    if device_type == "cpu" and cfg.name not in CPU_FUSED:
+        raise ConfigError(
+            ConfigProblem(
+                "optimizer.sparse.name",
+                f"{cfg.name} is not fused into torchrec tables on the CPU (fbgemm's CPU kernels fuse "
+                f"{', '.join(CPU_FUSED)}); pick one of those, or model.compute_kernel=dense to update the tables with "
+                "the dense optimizer (e.g. optimizer=adam)",
+            )
+        )
 
 
 def sparse_optimizer(cfg: SparseOptimizerConfig) -> tuple[type, dict[str, Any]]:

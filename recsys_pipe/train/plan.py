@@ -24,11 +24,11 @@ from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, PlanCon
 from recsys_pipe.config.resolve import ResolveFn, import_fn
 from recsys_pipe.config.task_registry import TASKS, Need, TaskSpec, is_task_name
 from recsys_pipe.models.base import ShardedModelConfig
-from recsys_pipe.train import tasks
+from recsys_pipe.train import lookup_tasks, tasks
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.slots import BATCH_GPU, GLOBAL_TOKENS
 
-__all__ = ["derive_plan", "idle_tasks", "training_plan"]
+__all__ = ["derive_plan", "idle_tasks", "pipelining_without_effect", "training_plan"]
 
 
 def derive_plan(plan: PlanConfig, run: RunConfig, resolve_fn: ResolveFn | None = None) -> PlanConfig:
@@ -108,6 +108,13 @@ def training_plan(run: RunConfig, resolve_fn: ResolveFn | None = None) -> Compil
                 "context; set pipeline.torchrec_context=prefetch",
             )
         )
+    lookups = TASKS.spec_of(lookup_tasks.start_embedding_lookup)
+    options = {t.name: t.options for t in plan.order if plan.specs.get(t.name) is lookups}
+    problems = lookup_tasks.lookup_coverage_problems(
+        {name: o if o is not None else lookup_tasks.LookupOptions() for name, o in options.items()}
+    )
+    if problems:
+        raise ConfigError(problems)
     return plan
 
 
@@ -150,6 +157,25 @@ def idle_tasks(plan: CompiledPlan, run: RunConfig) -> dict[str, str]:
         if missing:
             idle[task.name] = _IDLE_WITHOUT[missing[0]]
     return idle
+
+
+def pipelining_without_effect(plan: CompiledPlan, run: RunConfig) -> str | None:
+    """A one-line warning when the plan pipelines work the model does not have: a plan that runs
+    torchrec's input distribution or lookup ahead (lookahead > 0) or uses a torchrec context, for
+    a model without torchrec tables (e.g. `model=dlrm_torch`): those tasks do nothing and the run
+    trains as the serial plan does. A warning, not an error: the run is correct, only not what
+    the plan's name promises. None when the plan has its effect."""
+    if _provides(run, Need.SPARSE_DIST):
+        return None
+    idle = idle_tasks(plan, run)
+    ahead = [t.name for t in plan.order if t.name in idle and t.lookahead > 0]
+    if not ahead and plan.config.torchrec_context == "base":
+        return None
+    what = f"runs {', '.join(ahead)} ahead" if ahead else f"uses torchrec's {plan.config.torchrec_context} context"
+    return (
+        f"pipeline={plan.config.name} {what}, but model '{run.model.label}' has no torchrec tables: those tasks have "
+        "nothing to do and this run trains as pipeline=serial would"
+    )
 
 
 def _slot_name(slot: str | tuple[str, int]) -> str:

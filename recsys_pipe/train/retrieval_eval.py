@@ -15,10 +15,11 @@ item, so the ideal DCG is 1), `MRR = mean(1 / (rank + 1))`. torchmetrics' retrie
 compute the same from scores (tests check that); here ranks are what the model hands back and
 what the dump records, so the metrics are computed from them directly.
 
-`trainer.eval_dump=<file.csv>` (rank 0) writes, whenever the validation HR@10 improves on every
-earlier evaluation of the run, the test split's rows `user,item,rank_sampled,rank_full` (raw
-user and held-out item ids as written in the input file; `rank_full` -1 without `data.full_eval`):
-the test ranks of the evaluation that validation picks.
+`trainer.eval_dump=<file.csv>` (rank 0; a relative path inside the run directory) writes,
+whenever the validation HR@10 improves on every earlier evaluation of the run, the test split's
+rows `user,item,rank_sampled,rank_full` (raw user and held-out item ids as written in the input
+file; `rank_full` -1 without `data.full_eval`): the test ranks of the evaluation that validation
+picks.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import csv
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.loader import RankData, has_eval_splits
 from recsys_pipe.data.sequences import SPLITS, SequencesDataset
 
-__all__ = ["KS", "PROTOCOLS", "RetrievalEvaluation", "retrieval_metrics"]
+__all__ = ["KS", "PROTOCOLS", "RetrievalEvaluation", "check_eval_dump", "eval_dump_path", "retrieval_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,50 @@ def retrieval_metrics(ranks: torch.Tensor, ks: tuple[int, ...] = KS) -> dict[str
         out[f"NDCG@{k}"] = float(torch.where(hit, 1.0 / torch.log2(ranks + 2), torch.zeros_like(ranks)).mean())
     out["MRR"] = float((1.0 / (ranks + 1)).mean())
     return out
+
+
+def check_eval_dump(dump: str | None, eval_every: int, data: RankData) -> None:
+    """ConfigError at `trainer.eval_dump` for a dump that would not be written: a data source
+    without retrieval evaluation, evaluation turned off (`trainer.eval_every=0`), or an absolute
+    path in a missing directory or naming a directory. Run by the pre-flight of `recsys-train`
+    (and `--check`) before anything starts. A relative path is taken inside the run directory
+    (`eval_dump_path`), which the run creates."""
+    if dump is None:
+        return
+    _check_dump_source(dump, data)
+
+    def refuse(message: str) -> NoReturn:
+        raise ConfigError(ConfigProblem("trainer.eval_dump", message))
+
+    if eval_every == 0:
+        refuse(
+            "nothing would be written: trainer.eval_every=0 turns evaluation off and the dump is written at "
+            "evaluations; set trainer.eval_every > 0 or drop trainer.eval_dump"
+        )
+    if not os.path.isabs(dump):
+        return
+    if os.path.isdir(dump):
+        refuse(f"{dump} is a directory; trainer.eval_dump names the CSV file to write")
+    folder = os.path.dirname(dump)
+    if not os.path.isdir(folder):
+        refuse(f"no such directory: {folder} (a relative path is written inside the run directory)")
+    if not os.access(folder, os.W_OK):
+        refuse(f"cannot write into {folder}")
+
+
+def eval_dump_path(dump: str | None, run_dir: str) -> str | None:
+    """Where the dump is written: an absolute `trainer.eval_dump` as it is, a relative one inside
+    the run directory (so that the jobs of a sweep never overwrite each other's dump)."""
+    if dump is None:
+        return None
+    return dump if os.path.isabs(dump) else os.path.abspath(os.path.join(run_dir, dump))
+
+
+def _check_dump_source(dump: str | None, data: RankData) -> None:
+    if dump is not None and not has_eval_splits(data.dataset):
+        raise ConfigError(
+            ConfigProblem("trainer.eval_dump", f"data source '{data.cfg.label}' has no retrieval evaluation to dump")
+        )
 
 
 class RetrievalEvaluation:
@@ -96,12 +141,7 @@ class RetrievalEvaluation:
             The evaluation, or None for a dataset without evaluation splits (ConfigError when a dump
             is asked of one)."""
         if not has_eval_splits(data.dataset):
-            if dump is not None:
-                raise ConfigError(
-                    ConfigProblem(
-                        "trainer.eval_dump", f"data source '{data.cfg.label}' has no retrieval evaluation to dump"
-                    )
-                )
+            _check_dump_source(dump, data)
             return None
         batch_size = data.cfg.eval_batch_size or data.cfg.batch_size
         return cls(data.dataset, batch_size, world_size, dump if is_main else None)
@@ -143,6 +183,7 @@ class RetrievalEvaluation:
 
     def _write_dump(self, table: torch.Tensor) -> None:
         ds = self.dataset
+        os.makedirs(os.path.dirname(os.path.abspath(self.dump)), exist_ok=True)  # a relative path's folders
         tmp = f"{self.dump}.tmp"
         with open(tmp, "w", newline="") as f:
             writer = csv.writer(f)

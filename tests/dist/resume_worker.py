@@ -8,8 +8,9 @@ rowwise-Adagrad table state, a cosine LR schedule with warmup, gradient clipping
 two shuffled epochs (the resume lands mid-epoch 1 and crosses into epoch 2) and evaluations.
 Writes rank<r>.json (and the step-15 parameters as rank<r>_step15.pt for `reshard`).
 
-`reshard <checkpoint> <out>` (1 process): loads a 2-rank checkpoint through DCP's resharding,
-writes the loaded parameters, then trains 5 more steps.
+`reshard <checkpoint> <out> [dense]` (1 process): loads a 2-rank checkpoint through DCP's
+resharding (`dense`: of the dense-kernel run, with the tables' Adam moments), writes the loaded
+parameters, then trains 5 more steps.
 """
 
 import json
@@ -149,26 +150,32 @@ def dense_kernel(info, out):
     }
 
 
-def reshard(checkpoint, out):
+def reshard(checkpoint, out, kernel="fused"):
     info = init_distributed("cpu", "gloo")
-    t = trainer(info, None, "pipeline=hstu_prefetch", "trainer.max_steps=20")
+    overrides = DENSE_KERNEL if kernel == "dense" else ["pipeline=hstu_prefetch"]
+    t = trainer(info, None, *overrides, "trainer.max_steps=20")
     try:
         t.restore(checkpoint)
         loaded = local_parameters(t.state.model)
         start = t.step, t.position
+        moments = {  # dense kernel: the tables' Adam moments, loaded whole onto this one rank
+            name: [list(p.shape), float(t.optimizer.dense.state[p]["exp_avg"].abs().sum())]
+            for name, p in t.state.model.named_parameters()
+            if "embeddings" in name and p in t.optimizer.dense.state
+        }
         summary = t.fit(record_steps=True)
     finally:
         t.close()
     torch.save(loaded, os.path.join(out, "resharded.pt"))
     with open(os.path.join(out, "reshard.json"), "w") as f:
-        json.dump({"start": start, "losses": summary.losses, "end_step": summary.end_step}, f)
+        json.dump({"start": start, "losses": summary.losses, "end_step": summary.end_step, "moments": moments}, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "reshard":
-        reshard(sys.argv[2], sys.argv[3])
+        reshard(*sys.argv[2:])
     else:
         main(sys.argv[2])
     sys.stdout.flush()
