@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
     "VERSION_BASE",
@@ -97,8 +97,9 @@ class HydraRuntime:
     task_overrides: tuple[str, ...]
     #: the command line's overrides of Hydra's own settings (`hydra.run.dir=...`)
     hydra_overrides: tuple[str, ...]
-    #: the directory Hydra made for the job
-    output_dir: Path
+    #: the directory Hydra made for the job (None where Hydra composed a config without running
+    #: a job, as `compose_config` does)
+    output_dir: Path | None
 
 
 def hydra_runtime() -> HydraRuntime | None:
@@ -110,10 +111,11 @@ def hydra_runtime() -> HydraRuntime | None:
         return None
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    output_dir = OmegaConf.select(hc, "runtime.output_dir", default=None, throw_on_missing=False)
     return HydraRuntime(
         multirun=multirun,
         job_num=int(hc.job.num) if multirun else 0,  # only a sweep's jobs are numbered
         task_overrides=tuple(hc.overrides.task),
         hydra_overrides=tuple(hc.overrides.hydra),
-        output_dir=Path(hc.runtime.output_dir),
+        output_dir=None if output_dir is None else Path(output_dir),
     )
