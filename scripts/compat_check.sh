@@ -11,7 +11,7 @@
 #
 #   --venv DIR     the environment to build and use (default: .venv-compat in the repository)
 #   --setup-only   build the environment, print its versions, run nothing
-#   PYTEST_ARG     replace the default test selection, e.g. tests/test_sharding.py -k planner
+#   PYTEST_ARG     replace the default test selection, e.g. tests/integration/test_sharding.py -k planner
 #
 # PyPI publishes torch 2.11.0 for Linux x86-64 only as its CUDA 13 build (the CPU build lives on
 # PyTorch's own index): pip installs that build with its CUDA libraries, and with no GPU visible it
@@ -34,10 +34,10 @@ RUNTIME_DEPS=(
 )
 # every test that imports torchrec or trains a torchrec model (the multi-process ones included)
 DEFAULT_TESTS=(
-  tests/test_train_parity.py tests/test_model_parity.py tests/test_sharding.py
-  tests/test_models_hstu.py tests/test_models_dlrm.py tests/test_data.py
-  tests/test_train_lifecycle.py tests/test_resume.py tests/test_dense_ddp.py
-  tests/test_launcher_torchrec.py tests/test_bench_train.py
+  tests/integration/test_train_parity.py tests/integration/test_model_parity.py tests/integration/test_sharding.py
+  tests/unit/test_models_hstu.py tests/unit/test_models_dlrm.py tests/unit/test_data.py
+  tests/unit/test_train_lifecycle.py tests/integration/test_resume.py tests/integration/test_dense_ddp.py
+  tests/integration/test_launcher_torchrec.py tests/integration/test_bench_train.py
 )
 
 SETUP_ONLY=0

@@ -1,4 +1,4 @@
-"""Shared by the `trainer.dense_ddp` tests on CPU (tests/test_dense_ddp.py) and on CUDA
+"""Shared by the `trainer.dense_ddp` tests on CPU (tests/integration/test_dense_ddp.py) and on CUDA
 (tests/cuda/test_cuda_megatron.py): run tests/dist/dense_ddp_worker.py, and the assertions on what
 it recorded. Imports only the standard library, pytest and torch (the GPU machine has no torchrec).
 

@@ -1,4 +1,4 @@
-"""Shared by the launcher tests on CPU (tests/test_torch_only.py) and on CUDA
+"""Shared by the launcher tests on CPU (tests/integration/test_torch_only.py) and on CUDA
 (tests/cuda/test_cuda_launcher.py): run tests/dist/launcher_worker.py, and the assertions on what
 it wrote; and the packages those runs need. Imports only the standard library and pytest (the GPU
 machine has no torchrec).

@@ -19,7 +19,7 @@ from recsys_pipe.testing import check_torchrun, read_rank_results, run_torchrun
 
 pytestmark = pytest.mark.timeout(500)
 CPU_COUNTERPART = (
-    "tests/test_train_parity.py::test_semi_sync_plan_matches_a_loop_with_one_step_stale_embeddings_bitwise "
+    "tests/integration/test_train_parity.py::test_semi_sync_plan_matches_a_loop_with_one_step_stale_embeddings_bitwise "
     "::test_semi_sync_warm_up_matches_its_reference_loop_bitwise and "
     "::test_each_family_plan_matches_its_torchrec_class_bitwise (fused_sparse_dist, in-place copy) check the plans "
     "on CPU"

@@ -8,7 +8,7 @@ batches copied on the memcpy stream, recorded for the other streams (the trainin
 on one GPU, `torch.use_deterministic_algorithms(True)`, torchrec made unimportable.
 
 Tolerance: bitwise; why, in tests/_launcher_runs.py. The CPU counterpart (same worker) is
-tests/test_torch_only.py::test_launcher_plans_train_the_same_losses_without_torchrec.
+tests/integration/test_torch_only.py::test_launcher_plans_train_the_same_losses_without_torchrec.
 """
 
 import pytest
@@ -16,7 +16,8 @@ from _launcher_runs import LAUNCHER_PACKAGES, assert_runs_match_serial, require_
 
 pytestmark = pytest.mark.timeout(400)
 CPU_COUNTERPART = (
-    "tests/test_torch_only.py::test_launcher_plans_train_the_same_losses_without_torchrec runs the same worker on CPU"
+    "tests/integration/test_torch_only.py::test_launcher_plans_train_the_same_losses_without_torchrec "
+    "runs the same worker on CPU"
 )
 
 STEPS = 16

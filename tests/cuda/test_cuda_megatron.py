@@ -9,7 +9,7 @@ each `.grad` is a view of them after finalize_model_grads (no copy), parallel_st
 initialized while the model lives and destroyed when it is closed.
 
 Tolerance: bitwise; why, in tests/_dense_ddp.py. The CPU counterparts (same worker, one and two
-ranks on gloo) are in tests/test_dense_ddp.py.
+ranks on gloo) are in tests/integration/test_dense_ddp.py.
 """
 
 import pytest
@@ -17,7 +17,9 @@ from _dense_ddp import assert_megatron_matches_torch, run_worker
 from _launcher_runs import LAUNCHER_PACKAGES, require_packages
 
 pytestmark = pytest.mark.timeout(300)
-CPU_COUNTERPART = "tests/test_dense_ddp.py runs the same worker on CPU (megatron-core's buffers redirected to the CPU)"
+CPU_COUNTERPART = (
+    "tests/integration/test_dense_ddp.py runs the same worker on CPU (megatron-core's buffers redirected to the CPU)"
+)
 
 
 def test_megatron_ddp_trains_like_torch_ddp_bitwise_on_one_gpu(tmp_path):

@@ -10,7 +10,7 @@ distribution and the prefetch to other streams and threads and change no value.
 Tolerance: bitwise, with `torch.use_deterministic_algorithms(True)` (why, in tests/_launcher_runs.py);
 a difference here is a scheduling bug or a kernel that is not deterministic on this GPU, which the
 failure message shows step by step. Needs torchrec and the CUDA fbgemm-gpu (brought by
-`scripts/gpu_check.sh --stage`); the CPU counterpart is tests/test_launcher_torchrec.py.
+`scripts/gpu_check.sh --stage`); the CPU counterpart is tests/integration/test_launcher_torchrec.py.
 """
 
 import pytest
@@ -18,8 +18,8 @@ from _launcher_runs import LAUNCHER_PACKAGES, assert_runs_match_serial, require_
 
 pytestmark = pytest.mark.timeout(400)
 CPU_COUNTERPART = (
-    "tests/test_launcher_torchrec.py::test_launcher_plans_train_the_same_losses_with_torchrec_tables runs the same "
-    "worker on CPU"
+    "tests/integration/test_launcher_torchrec.py::test_launcher_plans_train_the_same_losses_with_torchrec_tables "
+    "runs the same worker on CPU"
 )
 
 STEPS = 16

@@ -300,7 +300,7 @@ def test_a_sweep_ends_with_a_summary_and_closes_each_train_log(tmp_path):
         cwd=tmp_path,
         env={  # not this process's rendezvous (an in-process run of an earlier test may have set it)
             **{k: v for k, v in os.environ.items() if k not in _RENDEZVOUS},
-            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
         },
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,7 +26,7 @@ from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, check_torchrun, read_
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "dist" / "resume_worker.py"
 BIN = Path(sys.executable).parent
 PLANS = ["serial", "hstu_sparse_dist", "hstu_prefetch"]

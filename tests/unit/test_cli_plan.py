@@ -47,7 +47,7 @@ def test_prints_the_resolved_plan(tmp_path, capsys):
     assert (tmp_path / "plan.txt").read_text().startswith("plan: hstu_prefetch")
 
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 @pytest.mark.parametrize("pipeline", ["serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _launcher_runs import STRICT_ENV, require_packages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 GPU_WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
 BENCH_GPU = "recsys_pipe.bench.gpu"
@@ -415,8 +415,9 @@ def test_training_tests_on_the_gpu_machine_need_no_torchrec(tmp_path):
         assert not skipped and " 2 passed" in out.stdout
     else:
         assert len(skipped) == 2 and all("no CUDA device is visible" in line for line in skipped), out.stdout
-        assert "tests/test_dense_ddp.py runs the same worker on CPU" in out.stdout
-        assert "tests/test_torch_only.py::test_launcher_plans_train_the_same_losses_without_torchrec" in out.stdout
+        assert "tests/integration/test_dense_ddp.py runs the same worker on CPU" in out.stdout
+        counterpart = "tests/integration/test_torch_only.py::test_launcher_plans_train_the_same_losses_without_torchrec"
+        assert counterpart in out.stdout
 
 
 @pytest.mark.parametrize("strict", [False, True])

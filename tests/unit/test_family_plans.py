@@ -2,7 +2,7 @@
 and restates only what differs from the plan it derives from.
 
 The numbers (bitwise against torchrec's own classes on 2 gloo ranks) are checked by
-tests/test_train_parity.py.
+tests/integration/test_train_parity.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from recsys_pipe.cli.plan import run
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 #: plan -> the plan it derives from
 FAMILY = {

@@ -460,7 +460,7 @@ def test_reproduce_games_script_prints_the_table_and_one_json_line(tmp_path):
     last line of JSON whose dumps recompute its metrics."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     data = _pairs(tmp_path, users=300, items=200)
     out = tmp_path / "out"
     env = {

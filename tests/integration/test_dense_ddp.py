@@ -27,7 +27,7 @@ from recsys_pipe.runtime import DistInfo
 from recsys_pipe.testing import load_run
 from recsys_pipe.train import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CPU_REFUSAL = (
     "error: trainer.dense_ddp: megatron needs CUDA: megatron-core's DistributedDataParallel keeps its gradient "

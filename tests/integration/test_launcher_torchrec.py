@@ -1,6 +1,6 @@
 """`recsys-train` trains the torchrec HSTU model through the plans at world size 1, on CPU: the
 worker that tests/cuda/test_cuda_torchrec.py runs on a GPU, here with gloo (the 2-rank torchrec
-parity of every plan is tests/test_train_parity.py).
+parity of every plan is tests/integration/test_train_parity.py).
 
 Tolerance: bitwise (why, in tests/_launcher_runs.py)."""
 

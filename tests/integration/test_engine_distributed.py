@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_two_ranks_different_thread_maps_never_deadlock_and_match_sequential(tmp_path):
-    worker = Path(__file__).parent / "dist" / "nccl_order_worker.py"
+    worker = Path(__file__).resolve().parents[1] / "dist" / "nccl_order_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [

@@ -17,7 +17,7 @@ import pytest
 
 from recsys_pipe.bench.train import aggregate, enforce_speed_gate, parse_args, speed_gate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLANS = {
     "serial",
     "sparse_dist",

@@ -157,7 +157,7 @@ def plain_data(cfg: DataConfig, rank, world_size):
 def test_shipped_options_compose_every_key(group, tmp_path):
     """Every key of a section is in the composed config of each of its options, so it is
     overridable by path (no `+`), although the YAML holds only overrides (the rest comes from the
-    config class's defaults, see tests/test_config_defaults.py). The component selectors are the
+    config class's defaults, see tests/unit/test_config_defaults.py). The component selectors are the
     exception: a section has `name` (a registered component, whose config class fills in its
     builder) or `builder` (model=custom, data=custom), not both."""
     from recsys_pipe.cli import compose_config

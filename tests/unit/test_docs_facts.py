@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PLANS_PAGE = DOCS / "plans.md"
 CONF = ROOT / "conf"

@@ -18,7 +18,7 @@ from recsys_pipe.models import MODELS, DLRMConfig, HSTUConfig, ModelConfig, Torc
 from recsys_pipe.train import OPTIMIZERS, OptimizerConfig, load_run_config
 from recsys_pipe.train.optim import AdamWConfig, SGDConfig
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: custom_components.py
 BIN = Path(sys.executable).parent
 
 

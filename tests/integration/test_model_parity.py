@@ -15,7 +15,7 @@ from recsys_pipe.testing import check_torchrun, read_rank_results, run_torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-WORKER = Path(__file__).parent / "dist" / "model_parity_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "dist" / "model_parity_worker.py"
 SAME_AS_REFERENCE = [
     "dlrm",
     "dlrm_dcn",

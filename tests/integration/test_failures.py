@@ -750,7 +750,7 @@ def test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads(tmp_pa
 
 @pytest.mark.timeout(300)
 def test_train_sh_checks_the_config_in_one_process_before_torchrun(tmp_path):
-    script = Path(__file__).resolve().parent.parent / "scripts" / "train.sh"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train.sh"
     proc = subprocess.run(
         ["bash", str(script), "trainer.max_step=3", f"trainer.output_dir={tmp_path}/r"],
         capture_output=True,

@@ -3,7 +3,7 @@
 Every ```bash block of the page runs, in order, in a scratch directory with the package's
 scripts on PATH, as a reader would after `source .venv/bin/activate`. Skipped: the install
 (`scripts/setup.sh` made this environment) and the blocks that start a torchrun job or the
-profiler (`scripts/...`, `recsys-profile`: tests/test_cli_train.py and test_cli_profile.py cover
+profiler (`scripts/...`, `recsys-profile`: tests/integration/test_cli_train.py and test_cli_profile.py cover
 them). The block under "Break it on purpose" must exit 2 with the error lines the page shows;
 every other block must exit 0, and the comparison must print that the losses are bitwise equal.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "first-plan.md"
 SECTION = re.compile(r"^## (.+)$", re.MULTILINE)
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)

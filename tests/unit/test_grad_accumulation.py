@@ -1,6 +1,6 @@
 """trainer.grad_accumulation: the per-micro-step rules against torchrec's own wrapper, and the
 settings it refuses. (End to end, bitwise against torchrec's GradientAccumulationWrapper on 2
-ranks: tests/test_train_parity.py.)"""
+ranks: tests/integration/test_train_parity.py.)"""
 
 from __future__ import annotations
 
