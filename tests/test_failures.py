@@ -1221,13 +1221,15 @@ def test_ctrl_c_raises_until_a_failure_is_being_handled_then_is_recorded():
     from recsys_pipe.runtime import CtrlC
 
     before = signal.getsignal(signal.SIGINT)
+    # raise_signal: delivered to this (the main) thread before it returns, whatever other threads
+    # the process has, so the handler runs at the next bytecode, not after some sleep
     with CtrlC() as ctrl_c, pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         time.sleep(5)  # interrupted well before
     assert ctrl_c.seen
     with CtrlC() as ctrl_c:
         assert ctrl_c.during_failure() is False
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         time.sleep(0.01)  # no KeyboardInterrupt
         assert ctrl_c.during_failure() is True
     assert signal.getsignal(signal.SIGINT) is before
