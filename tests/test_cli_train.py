@@ -136,17 +136,21 @@ def test_sigterm_checkpoints_exits_75_and_latest_resumes(tmp_path):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "override, path",
+    "overrides, paths",
     [
-        ("pipeline.tasks.forward.depends_on=[fwd]", "pipeline.tasks.forward.depends_on[0]"),
-        ("pipeline.tasks.h2d.fn=recsys_pipe.train.tasks.nope", "pipeline.tasks.h2d.fn"),
-        ("trainer.max_steps=0", "trainer.max_steps"),
+        # two plan errors in one run: both are reported (one process start instead of two)
+        (
+            ["pipeline.tasks.forward.depends_on=[fwd]", "pipeline.tasks.h2d.fn=recsys_pipe.train.tasks.nope"],
+            ["pipeline.tasks.forward.depends_on[0]", "pipeline.tasks.h2d.fn"],
+        ),
+        (["trainer.max_steps=0"], ["trainer.max_steps"]),
     ],
 )
-def test_config_errors_exit_2_before_any_process_group(tmp_path, override, path):
-    proc = run([str(BIN / "recsys-train"), override, f"trainer.output_dir={tmp_path}/r"], tmp_path)
+def test_config_errors_exit_2_before_any_process_group(tmp_path, overrides, paths):
+    proc = run([str(BIN / "recsys-train"), *overrides, f"trainer.output_dir={tmp_path}/r"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"error: {path}" in proc.stderr
+    for path in paths:
+        assert f"error: {path}" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
 
