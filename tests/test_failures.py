@@ -725,6 +725,8 @@ def test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads(tmp_pa
         env=_env(),
     )
     assert saved.returncode == 0, saved.stderr[-3000:]
+    # an explicit hydra.run.dir is the run directory as it is (no recsys-train/<time>/ under it)
+    assert _status(tmp_path / "old")["status"] == "completed" and (tmp_path / "old" / "train.log").is_file()
     (tmp_path / "old" / "config.yaml").unlink()  # so that the model is not refused by its name first
     for overrides, fragment in [
         (
@@ -1029,7 +1031,8 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_sweep_in_one_process_uses_hydra_sweep_dir_and_hydra_run_dir_is_honoured(tmp_path):
+def test_sweep_in_one_process_uses_hydra_sweep_dir(tmp_path):
+    """(hydra.run.dir, honoured as it is: test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads)"""
     sweep = tmp_path / "my_sweep"
     proc = subprocess.run(
         [str(BIN / "recsys-train"), "-m", "thread_map=by_stream,per_task", *SMOKE, f"hydra.sweep.dir={sweep}"],
@@ -1047,17 +1050,6 @@ def test_sweep_in_one_process_uses_hydra_sweep_dir_and_hydra_run_dir_is_honoured
         assert f"name: {thread_map}" in (job / "config.yaml").read_text()
         assert len((job / "metrics.jsonl").read_text().splitlines()) == 3
     assert not (tmp_path / "runs").exists()  # nothing written elsewhere
-    named = tmp_path / "named"
-    again = subprocess.run(
-        [str(BIN / "recsys-train"), *SMOKE, f"hydra.run.dir={named}"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env=_env(),
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert _status(named)["status"] == "completed" and (named / "train.log").is_file()
 
 
 # -- faults on 2 ranks --------------------------------------------------------------------------
