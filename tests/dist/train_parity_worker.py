@@ -5,7 +5,8 @@ and threaded executors) and through torchrec's own classes (TrainPipelineSparseD
 without enqueue_batch_after_forward, TrainPipelineBase, TrainPipelineSparseDistLite), and records
 per-step losses, trained sample ids and final parameters (dense and every local embedding
 shard). Also runs the train/eval interleaving and learning-signal checks. Writes
-rank<r>.json into the directory given as argv[1]; the test asserts on it.
+rank<r>.json (and the accumulation check's tables as rank<r>_accumulate_<name>.pt) into the
+directory given as argv[1]; the test asserts on them.
 """
 
 import json
@@ -172,7 +173,10 @@ def accumulate_vs_large_batch(info, k=4):
         ("summed", micro, [f"trainer.grad_accumulation.steps={k}"]),
     ]:
         summary, params = train_variant(info, [*overrides, *extra], batches)
-        results[name] = {"losses": summary.losses, "params": {n: p.flatten().tolist() for n, p in params.items()}}
+        # the tables as tensors, not JSON lists (about 10 MB of text per model, slow to write and compare)
+        path = os.path.join(sys.argv[1], f"rank{info.rank}_accumulate_{name}.pt")
+        torch.save({n: p.detach().flatten().clone() for n, p in params.items()}, path)
+        results[name] = {"losses": summary.losses, "params": os.path.basename(path)}
     results["k"] = k
     return results
 
@@ -274,7 +278,7 @@ def main():
         learn.close()
 
     with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
-        json.dump(out, f)
+        f.write(json.dumps(out))  # json.dumps uses the C encoder, json.dump the pure-Python one
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,7 +1,9 @@
 """ThreadedExecutor: same results as sequential, ordered collectives, no hangs."""
 
+import linecache
 import random
 import signal
+import sys
 import threading
 import time
 
@@ -371,19 +373,42 @@ def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_pipeline(raised_
     assert time.monotonic() - start < 5 and threading.active_count() == before
 
 
+def _blocked_in_a_wait(thread_id: int) -> bool:
+    """Whether the thread's innermost Python frame is on a lock wait (`.acquire(`): a
+    threading.Lock, Event or Condition blocks in one."""
+    frame = sys._current_frames().get(thread_id)
+    return frame is not None and ".acquire(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
 @pytest.mark.parametrize("caller_blocked_on", ["dependency", "end_of_iteration"])
 def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
     """Ctrl-C reaches the caller while it is blocked on a worker: the iteration is cancelled,
-    the workers are released, and KeyboardInterrupt propagates."""
+    the workers are released, and KeyboardInterrupt propagates.
+
+    No timing is assumed: the worker task sends SIGINT once the caller is seen blocked in a
+    wait, and keeps running until the caller's handler has run (sending again if the signal
+    came just before the wait started, when the interpreter runs the handler only after it)."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals are delivered to the main thread only; this test needs to run on it")
     main = threading.main_thread().ident
     ran = []
+    blocked, handled = threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame):  # Python's Ctrl-C (KeyboardInterrupt), once, saying when it ran
+        if not handled.is_set():
+            handled.set()
+            raise KeyboardInterrupt
 
     def send_sigint(ctx):
         if ctx.batch_index == 1:
-            signal.pthread_kill(main, signal.SIGINT)
-            time.sleep(0.3)  # the caller is interrupted while this task is still running
+            deadline = time.monotonic() + 30
+            while not _blocked_in_a_wait(main) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if _blocked_in_a_wait(main):
+                blocked.set()
+            while not handled.is_set() and time.monotonic() < deadline:
+                signal.pthread_kill(main, signal.SIGINT)
+                handled.wait(0.05)  # the caller is interrupted while this task is still running
         ran.append((ctx.task.name, ctx.batch_index))
 
     def record(ctx):
@@ -398,19 +423,23 @@ def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
     before = threading.active_count()
     pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
     it = iter(range(4))
-    # Python's own Ctrl-C handler, whatever an earlier test or library of this process left
-    # installed: what is checked here is the engine's response to KeyboardInterrupt
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # the handler is installed here, not inherited: a process started in the background by a
+    # non-interactive shell (a CI job's `pytest &`) inherits SIGINT ignored, and Python then
+    # leaves it ignored, so no KeyboardInterrupt would come
+    previous = signal.signal(signal.SIGINT, on_sigint)
     start = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
             list(pipe.iterate(it))
     finally:
         signal.signal(signal.SIGINT, previous)
+    assert blocked.is_set() and handled.is_set()  # the state under test was reached
     assert time.monotonic() - start < 5
     assert ("w", 1) in ran and ("w", 2) not in ran
     if caller_blocked_on == "dependency":
         assert ("c1", 1) not in ran  # cancelled: its producer's batch was interrupted
+    else:
+        assert ("c1", 1) in ran and ("c2", 1) in ran  # the caller's own tasks ran, then it waited
     with pytest.raises(PipelineBrokenError):
         pipe.progress(it)
     pipe.shutdown()
