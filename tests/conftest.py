@@ -1,4 +1,4 @@
-"""Suite-wide settings for a small CI box (2 cores): one intra-op thread per process.
+"""Suite-wide settings for a small CI box (2 cores): one intra-op thread per process; shared fixtures.
 
 With torch's default thread count, tests (and the torchrun ranks they spawn) oversubscribe the
 cores and timings swing by 30x; one thread keeps the suite fast and stable.
@@ -8,6 +8,22 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def no_process_group(monkeypatch):
+    """Fail, instead of starting a process group, if an input that should be refused slipped through
+    to `init_distributed` (patched where recsys-train and recsys-profile find it)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was started for an input that should have been refused")
+
+    import recsys_pipe.runtime
+    import recsys_pipe.runtime.session
+
+    for module in (recsys_pipe.runtime, recsys_pipe.runtime.session):
+        monkeypatch.setattr(module, "init_distributed", refuse)

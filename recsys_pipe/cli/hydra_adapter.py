@@ -25,6 +25,7 @@ __all__ = [
     "hydra_main",
     "hydra_runtime",
     "parse_hydra_args",
+    "parse_override_value",
     "store_config",
     "sweep_jobs",
 ]
@@ -73,6 +74,13 @@ def parse_hydra_args(argv: list[str]) -> argparse.Namespace:
     from hydra._internal.utils import get_args_parser
 
     return get_args_parser().parse_args(argv)
+
+
+def parse_override_value(text: str) -> Any:
+    """The value of `key=<text>` as Hydra's override grammar reads it (`[a,b]` a list, `null` None)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(f"k={text}").value()
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:

@@ -438,19 +438,6 @@ CATALOGUE = [
 ]
 
 
-@pytest.fixture
-def no_process_group(monkeypatch):
-    """If a bad input slipped through, fail instead of starting a process group in the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a process group was started for an input that should have been refused")
-
-    import recsys_pipe.runtime.session
-
-    for module in (recsys_pipe.runtime, recsys_pipe.runtime.session):  # where recsys-train/-profile find it
-        monkeypatch.setattr(module, "init_distributed", refuse)
-
-
 def test_the_catalogue_is_large_enough():
     assert len(CATALOGUE) >= 40
     assert len({case[0] for case in CATALOGUE}) == len(CATALOGUE)

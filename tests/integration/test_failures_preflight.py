@@ -99,18 +99,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def no_process_group(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a process group was started for an input that should have been refused")
-
-    import recsys_pipe.runtime
-    import recsys_pipe.runtime.session
-
-    for module in (recsys_pipe.runtime, recsys_pipe.runtime.session):
-        monkeypatch.setattr(module, "init_distributed", refuse)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", ["--check", "run", "train.sh"])
 @pytest.mark.parametrize("name, overrides, path, fragment", CASES, ids=[c[0] for c in CASES])

@@ -39,19 +39,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def no_process_group(monkeypatch):
-    """If a bad value slipped through, fail instead of starting a process group in the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a process group was started for a config that should have been refused")
-
-    import recsys_pipe.runtime.session
-
-    for module in (recsys_pipe.runtime, recsys_pipe.runtime.session):  # where recsys-train/-profile find it
-        monkeypatch.setattr(module, "init_distributed", refuse)
-
-
 @pytest.mark.parametrize("overrides, path, fragment", CASES, ids=[" ".join(c[0]) for c in CASES])
 @pytest.mark.parametrize("cli", ["recsys-plan", "recsys-train"])
 def test_bad_value_exits_2_naming_its_path(cli, overrides, path, fragment, tmp_path, capsys, no_process_group):

@@ -98,9 +98,9 @@ mutation = st.tuples(
 
 def _value(text: str) -> Any:
     """An override's value as Hydra parses it."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from recsys_pipe.cli.hydra_adapter import parse_override_value
 
-    return OverridesParser.create().parse_override(f"k={text}").value()
+    return parse_override_value(text)
 
 
 @functools.cache

@@ -15,7 +15,6 @@ import pytest
 import torch
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
-import recsys_pipe.train
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import make_dataloader
@@ -70,12 +69,12 @@ def _pairs(tmp_path: Path, users: int = 60, items: int = 40, seed: int = 0, name
 
 def test_user_item_lines_keep_file_order_and_remap_densely(tmp_path):
     path = tmp_path / "s.txt"
-    path.write_text("5 30\n5 10\n2 20\n5 20\n2 30\n\n2 10\n")
+    path.write_text("5 30\n5 10\n2 20\n5 20\n2 30\n\n2 10\n7 40\n")
     data = read_interactions(path)
-    assert data.users == [2, 5]
-    assert data.items == [[20, 30, 10], [30, 10, 20]]  # file order is time order
+    assert data.users == [2, 5, 7]
+    assert data.items == [[20, 30, 10], [30, 10, 20], [40]]  # file order is time order
     ds = SequencesDataset(data, max_seq_len=10, eval_negatives=1)
-    assert ds.raw_items == [10, 20, 30] and ds.sequences == [[1, 2, 0], [2, 0, 1]]
+    assert ds.raw_items == [10, 20, 30, 40] and ds.sequences == [[1, 2, 0], [2, 0, 1], [3]]
 
 
 def test_movielens_ratings_are_sorted_by_time(tmp_path):
@@ -102,14 +101,6 @@ def test_bad_files_name_the_file_and_line(tmp_path, content, fragment):
     with pytest.raises(ConfigError) as info:
         read_interactions(path)
     assert info.value.problems[0].path == "data.path" and fragment in str(info.value)
-
-
-@pytest.fixture
-def no_process_group(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a process group was started for an input that should have been refused")
-
-    monkeypatch.setattr(recsys_pipe.train, "init_distributed", refuse)
 
 
 def test_recsys_train_refuses_a_bad_file_with_exit_2(tmp_path, capsys, no_process_group):
