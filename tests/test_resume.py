@@ -316,3 +316,45 @@ def test_two_torchrun_agents_train_like_one_agent_with_two_processes(reference, 
     assert "2 rank(s)" in (run_dir / "train.log").read_text()
     assert _losses(run_dir) == _losses(reference)
     _assert_same_checkpoint(run_dir / "checkpoints" / "step_30", reference / "checkpoints" / "step_30", tmp_path)
+
+
+# -- gradient accumulation: resume after a checkpoint and after SIGTERM inside a window ----------
+
+
+@pytest.fixture(scope="module")
+def accumulation(tmp_path_factory):
+    """tests/dist/resume_worker.py `accumulation` on 2 ranks (serial, sparse_dist, hstu_prefetch)
+    and on 1 rank (serial, hstu_prefetch): {world size: [per-rank results]}."""
+    runs = {}
+    for nproc, plans in ((2, ["serial", "sparse_dist", "hstu_prefetch"]), (1, ["serial", "hstu_prefetch"])):
+        out = tmp_path_factory.mktemp(f"accumulation{nproc}")
+        check_torchrun(run_torchrun(WORKER, "accumulation", str(out), *plans, nproc=nproc, timeout=TIMEOUT))
+        runs[nproc] = [json.loads((out / f"accumulation_rank{r}.json").read_text()) for r in range(nproc)]
+    return runs
+
+
+def test_accumulation_resumes_bitwise_from_a_checkpoint(accumulation):
+    """Resuming at a window boundary (step 8 of 4-micro-step windows) starts on a micro-step that
+    runs under no_sync: the run continues (no DDP reducer assertion) and bitwise."""
+    for nproc, ranks in accumulation.items():
+        for data in ranks:
+            assert len(data) == (3 if nproc == 2 else 2)
+            for plan, got in data.items():
+                assert len(got["ref_losses"]) == 24
+                assert got["resumed_at"] == 8, (nproc, plan)
+                assert got["resumed_losses"] == got["ref_losses"][8:], (nproc, plan)
+                assert got["resumed_params"] == got["ref_params"], (nproc, plan)
+
+
+def test_sigterm_inside_an_accumulation_window_finishes_the_window_then_resumes_bitwise(accumulation):
+    """SIGTERM reaches the last rank at step 13, inside the window of steps 13..16: every rank
+    trains on to step 16 (the window's optimizer step), checkpoints there and stops; resuming
+    that checkpoint loses nothing."""
+    for nproc, ranks in accumulation.items():
+        for data in ranks:
+            for plan, got in data.items():
+                assert got["stopped"] == ["preempted", 16, "step_16"], (nproc, plan)
+                assert got["stopped_losses"] == got["ref_losses"][:16], (nproc, plan)
+                assert got["after_at"] == 16
+                assert got["after_losses"] == got["ref_losses"][16:], (nproc, plan)
+                assert got["after_params"] == got["ref_params"], (nproc, plan)

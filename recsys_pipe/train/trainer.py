@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.health import PeerHealth
 from recsys_pipe.runtime.preemption import StopRequest
 from recsys_pipe.train.build import TrainParts, build_parts
-from recsys_pipe.train.checkpoint import load_checkpoint
+from recsys_pipe.train.checkpoint import load_checkpoint, saved_config
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
@@ -75,6 +76,8 @@ class TrainSummary:
 
     def describe(self) -> str:
         """One line for the log: steps, samples, speed, loss and eval AUC from first to last."""
+        if not self.steps:
+            return f"trained nothing: at step {self.start_step}, {self.stop_reason or 'no batch'}"
         evals = ""
         if self.evals and "auc" in self.evals[-1]:  # retrieval evaluations log their own line
             evals = f"; eval auc {self.evals[0]['auc']:.4f} -> {self.evals[-1]['auc']:.4f}"
@@ -168,6 +171,8 @@ class _Loop:
     last_checkpoint: int | None = None
     window_start: float = field(default_factory=time.perf_counter)
     window_samples: int = 0
+    #: every rank agreed to stop (SIGTERM); it does once the accumulation window is complete
+    stopping: bool = False
 
 
 class Trainer:
@@ -247,6 +252,8 @@ class Trainer:
                 ConfigProblem("trainer.resume_from", f"{path} does not fit this model and optimizer: {detail[:300]}")
             ) from exc
         if self.info.is_main:
+            for line in self._resume_changes(path):
+                log.warning("resuming %s", line)
             log.info(
                 "resumed from %s: step %d, epoch %d, batch %d of the epoch%s",
                 path,
@@ -255,6 +262,42 @@ class Trainer:
                 self.position % self.data.batches_per_epoch,
                 "" if with_rng else " (the checkpoint has no RNG state of this rank: fresh RNG)",
             )
+
+    def _resume_changes(self, path: str) -> list[str]:
+        """What this run changes about the checkpoint's run (its config.yaml), one line each:
+        what is dropped or restarted. (A change that cannot load -- another model, an optimizer
+        whose state the checkpoint lacks -- is refused by `restore` with exit 2.)"""
+        saved = saved_config(Path(path))
+        if saved is None:
+            return []
+        lines = []
+        old_opt, new_opt = saved.get("optimizer", {}).get("name"), self.run.optimizer.name
+        if old_opt is not None and old_opt != new_opt:
+            lines.append(
+                f"with optimizer.name={new_opt}, the checkpoint's run used {old_opt}: its dense optimizer state "
+                f"is dropped ({new_opt} starts from none)"
+            )
+        old_k = saved.get("trainer", {}).get("grad_accumulation", {}).get("steps", 1)
+        new_k = self.run.trainer.grad_accumulation.steps
+        if old_k != new_k:
+            first = -(-self.step // new_k) * new_k
+            lines.append(
+                f"with trainer.grad_accumulation.steps={new_k}, the checkpoint's run used {old_k}: windows of {new_k} "
+                f"micro-steps count from step 0, the first full one starts after step {first}"
+            )
+        old_plan, new_plan = saved.get("pipeline", {}).get("name"), self.run.pipeline.name
+        if old_plan is not None and old_plan != new_plan:
+            lines.append(
+                f"with pipeline={new_plan}, the checkpoint's run used {old_plan}: batches in flight are not part of a "
+                "checkpoint, so the new plan refills its own"
+            )
+        if self.plan.config.torchrec_context == "semi_sync":
+            lines.append(
+                f"a semi-synchronous plan ({new_plan}): the first batch after the resume is looked up from the "
+                "checkpoint's tables, one update fresher than in the uninterrupted run (the lookup in flight is not "
+                "part of a checkpoint; so are gradients a stash_gradients task keeps), so the resume is not bitwise"
+            )
+        return lines
 
     def save_checkpoint(self, blocking: bool = False) -> None:
         assert self.checkpointer is not None
@@ -296,7 +339,7 @@ class Trainer:
                 self._log_progress(loop, result)
                 if self._evaluation_due(loop):
                     self._evaluate(loop)
-                summary.stop_reason = self._stop_reason()
+                summary.stop_reason = self._stop_reason(loop)
                 self._checkpoint_if_due(loop, preempted=summary.stop_reason == PREEMPTED)
             self.stop.drain()
         self._flush_accumulation(summary)
@@ -328,13 +371,15 @@ class Trainer:
         """The stop reason if the run is already done (e.g. resumed from the last checkpoint of a
         finished run), else ''."""
         cfg = self.run.trainer
-        reason = ""
+        per_epoch = self.data.batches_per_epoch
         if cfg.max_steps is not None and self.step >= cfg.max_steps:
-            reason = MAX_STEPS
-        elif epochs and self.position >= cfg.epochs * self.data.batches_per_epoch:
-            reason = EPOCHS_DONE
-        if reason and self.info.is_main:
-            log.warning("nothing to train: at step %d, %s already", self.step, reason)
+            reason, detail = MAX_STEPS, f"step {self.step} >= trainer.max_steps={cfg.max_steps}"
+        elif epochs and self.position >= cfg.epochs * per_epoch:
+            reason, detail = EPOCHS_DONE, f"batch {self.position} >= trainer.epochs={cfg.epochs} x {per_epoch} batches"
+        else:
+            return ""
+        if self.info.is_main:
+            log.warning("nothing to train: %s (raise it to train on)", detail)
         return reason
 
     def _start(self, batches: Iterator | None) -> Iterator[StepResult] | None:
@@ -347,10 +392,10 @@ class Trainer:
             log.warning("the training data yielded no batch")
             return None
         self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
+        self.state.start_step = self.step
         accumulation = self.state.grad_accumulation
         if accumulation is not None:  # micro-steps are counted over the run; the pipeline counts from 0
-            accumulation.start_step = self.step
-            accumulation.last_step = self.planned_steps - 1 if batches is None else None
+            accumulation.start(self.step, self.planned_steps - 1 if batches is None else None)
         return self.pipeline.iterate(it)
 
     def _new_loop(self, summary: TrainSummary, record_steps: bool, per_epoch: int | None) -> _Loop:
@@ -410,13 +455,30 @@ class Trainer:
         loop.summary.evals.append(self._log_eval(self.step, loop.record_steps))
         loop.last_eval = self.step
 
-    def _stop_reason(self) -> str:
+    def _stop_reason(self, loop: _Loop) -> str:
         """Why training stops after this step ('' to go on): a stop request (SIGTERM) that every
-        rank agreed on after this same step, or `trainer.max_steps`."""
-        if self.stop.should_stop():
+        rank agreed on after the same step, or `trainer.max_steps`. A stop inside a gradient
+        accumulation window waits for the window's optimizer step: the checkpoint then loses
+        no accumulated gradient (they are not part of it)."""
+        if not loop.stopping and self.stop.should_stop():
+            loop.stopping = True
+            if self._inside_window() and self.info.is_main:
+                window = self.state.grad_accumulation.steps  # type: ignore[union-attr]
+                log.warning(
+                    "%s received inside a gradient accumulation window: training on to step %d, the window's "
+                    "optimizer step, before stopping",
+                    self.stop.signal_name or "stop request",
+                    -(-self.step // window) * window,
+                )
+        if loop.stopping and not self._inside_window():
             return PREEMPTED
         max_steps = self.run.trainer.max_steps
         return MAX_STEPS if max_steps is not None and self.step >= max_steps else ""
+
+    def _inside_window(self) -> bool:
+        """Whether gradients accumulated so far wait for an optimizer step."""
+        accumulation = self.state.grad_accumulation
+        return accumulation is not None and accumulation.pending(self.step)
 
     def _checkpoint_if_due(self, loop: _Loop, preempted: bool) -> None:
         """Every `trainer.checkpoint.interval` steps, and (blocking) when preempted."""
@@ -435,8 +497,7 @@ class Trainer:
 
     def _flush_accumulation(self, summary: TrainSummary) -> None:
         """Training ended inside an accumulation window: step what was accumulated (torchrec's flush)."""
-        accumulation = self.state.grad_accumulation
-        if accumulation is not None and summary.stop_reason != PREEMPTED and accumulation.pending(self.step):
+        if summary.stop_reason != PREEMPTED and self._inside_window():
             self.optimizer.step()
             self.optimizer.zero_grad()
 
