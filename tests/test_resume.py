@@ -145,8 +145,11 @@ def test_two_rank_checkpoint_resumes_on_one_rank(plain, tmp_path):
 # -- the CLI: SIGKILL between checkpoints, SIGTERM, two torchrun agents -------------------------
 
 
-def _torchrun(*args: str, nproc: int = 2, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
+def _torchrun(
+    *args: str, nproc: int = 2, env: dict | None = None, cwd: Path, restarts: int = 0
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    command += [f"--max-restarts={restarts}"] if restarts else []
     return subprocess.run(
         [*command, "--no-python", str(BIN / "recsys-train"), *CONFIG, *args],
         capture_output=True,
@@ -358,3 +361,29 @@ def test_sigterm_inside_an_accumulation_window_finishes_the_window_then_resumes_
                 assert got["after_at"] == 16
                 assert got["after_losses"] == got["ref_losses"][16:], (nproc, plan)
                 assert got["after_params"] == got["ref_params"], (nproc, plan)
+
+
+# -- self-healing: torchrun restarts the job after a rank dies, and it resumes by itself ---------
+
+
+def test_a_rank_killed_under_torchrun_restarts_costs_nothing_but_time(reference, tmp_path):
+    """`torchrun --max-restarts=2 ... trainer.resume_from=latest`: rank 1 is SIGKILLed at step 17 of
+    the first attempt; torchrun restarts both ranks, which resume from step_10 and finish with
+    exit 0 and the per-step losses and final checkpoint of an uninterrupted run."""
+    healed = _torchrun(
+        "pipeline=hstu_prefetch",
+        FAULT_OVERRIDE,
+        f"trainer.output_dir={tmp_path}",
+        "trainer.resume_from=latest",
+        env={FAULT_ENV: "sigkill:1:17"},
+        cwd=tmp_path,
+        restarts=2,  # one for the kill; one more for a restart whose gloo connect times out on a loaded machine
+    )
+    assert healed.returncode == 0, healed.stderr[-4000:]
+    first, second = sorted((tmp_path / "recsys-train").iterdir())  # one run directory per attempt
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_10"]
+    ref, before, after = _losses(reference), _losses(first), _losses(second)
+    assert 10 <= max(before) < 17  # the first attempt died in step 17
+    assert sorted(after) == list(range(11, 31)) and after == {step: ref[step] for step in after}
+    assert before and before == {step: ref[step] for step in before}
+    _assert_same_checkpoint(second / "checkpoints" / "step_30", reference / "checkpoints" / "step_30", tmp_path)

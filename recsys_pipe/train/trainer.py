@@ -34,7 +34,7 @@ from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.health import PeerHealth
 from recsys_pipe.runtime.preemption import StopRequest
 from recsys_pipe.train.build import TrainParts, build_parts
-from recsys_pipe.train.checkpoint import load_checkpoint, saved_config
+from recsys_pipe.train.checkpoint import load_checkpoint, read_metadata, saved_config
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
@@ -88,27 +88,42 @@ class TrainSummary:
         )
 
 
+#: DCP key of a retrieval run's best validation score so far (`_Progress`)
+EVAL_BEST_KEY = "train.progress.eval_best"
+
+
 class _Progress:
     """The checkpointed part of the loop itself: step, data position and the run's data layout
-    (so a resume on another world size can map the position onto its own batches)."""
+    (so a resume on another world size can map the position onto its own batches), and for a
+    retrieval run the best validation score so far, so that a resumed run's `eval_dump` still
+    holds the evaluation validation picks over the whole run. `eval_best=False` leaves that out
+    (loading a checkpoint written before it was saved)."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, eval_best: bool = True):
         self.trainer = trainer
+        self.eval_best = eval_best and trainer.retrieval is not None
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        return {
+        state = {
             "step": t.step,
             "position": t.position,
             "batches_per_epoch": t.data.batches_per_epoch,
             "batch_size": t.run.data.batch_size,
             "world_size": t.info.world_size,
         }
+        if self.eval_best:
+            assert t.retrieval is not None
+            state["eval_best"] = float("-inf") if t.retrieval.best is None else t.retrieval.best
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
         t.step = int(state["step"])
         t.position = int(state["position"])
+        if self.eval_best and t.retrieval is not None:
+            best = float(state["eval_best"])
+            t.retrieval.best = None if best == float("-inf") else best
         old = (int(state["world_size"]), int(state["batch_size"]), int(state["batches_per_epoch"]))
         new = (t.info.world_size, t.run.data.batch_size, t.data.batches_per_epoch)
         if old != new:
@@ -134,9 +149,9 @@ class _TrainingState:
     """`Stateful` view of everything the ranks share in a checkpoint: model (sharded tables and
     dense weights), both optimizers, LR scheduler and the loop's progress."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, eval_best: bool = True):
         self.trainer = trainer
-        self.progress = _Progress(trainer)
+        self.progress = _Progress(trainer, eval_best)
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -232,18 +247,20 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, eval_best: bool = True) -> dict[str, Any]:
         """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
         Each rank's RNG states (`RngState`) are saved next to it."""
-        return {"train": _TrainingState(self)}
+        return {"train": _TrainingState(self, eval_best)}
 
     def restore(self, path: str) -> None:
         """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
         data position and (if the checkpoint has this rank's) RNG states."""
         self.optimizer.prepare_load()
         try:
+            # a checkpoint written before retrieval runs saved their best validation score has none
+            state = self.checkpoint_state(eval_best=EVAL_BEST_KEY in read_metadata(Path(path)).state_dict_metadata)
             with_rng = load_checkpoint(
-                path, self.checkpoint_state(), RngState(self.info.device), self.info.rank, self.info.checkpoint_group
+                path, state, RngState(self.info.device), self.info.rank, self.info.checkpoint_group
             )
         except (RuntimeError, ValueError, KeyError) as exc:  # DCP's CheckpointException is a RuntimeError
             reason = str(exc).strip().splitlines()
