@@ -1,5 +1,9 @@
 """The training loop: one plan-driven pipeline for training, one for evaluation, same model.
 
+The parts are built once, before the loop (`recsys_pipe.train.build.build_parts`); `Trainer.fit`
+is the loop, `Trainer.train_step` one step, and named helpers log, evaluate, checkpoint and
+decide when to stop.
+
 Evaluation runs through its own pipeline (same plan, optimizer work switched off) over the
 held-out loader, so the training pipeline keeps its in-flight batches across an evaluation:
 no training batch is dropped or replayed, and no training batch leaks into evaluation.
@@ -288,13 +292,13 @@ class Trainer:
         if saved is None:
             return []
         lines = []
-        old_opt, new_opt = saved.get("optimizer", {}).get("name"), self.run.optimizer.name
+        old_opt, new_opt = _key(saved, "optimizer.name"), self.run.optimizer.name
         if old_opt is not None and old_opt != new_opt:
             lines.append(
                 f"with optimizer.name={new_opt}, the checkpoint's run used {old_opt}: its dense optimizer state "
                 f"is dropped ({new_opt} starts from none)"
             )
-        old_k = saved.get("trainer", {}).get("grad_accumulation", {}).get("steps", 1)
+        old_k = _key(saved, "trainer.grad_accumulation.steps") or 1
         new_k = self.run.trainer.grad_accumulation.steps
         if old_k != new_k:
             first = -(-self.step // new_k) * new_k
@@ -302,7 +306,7 @@ class Trainer:
                 f"with trainer.grad_accumulation.steps={new_k}, the checkpoint's run used {old_k}: windows of {new_k} "
                 f"micro-steps count from step 0, the first full one starts after step {first}"
             )
-        old_plan, new_plan = saved.get("pipeline", {}).get("name"), self.run.pipeline.name
+        old_plan, new_plan = _key(saved, "pipeline.name"), self.run.pipeline.name
         if old_plan is not None and old_plan != new_plan:
             lines.append(
                 f"with pipeline={new_plan}, the checkpoint's run used {old_plan}: batches in flight are not part of a "
@@ -605,6 +609,14 @@ class Trainer:
             dist.all_reduce(value)
             value /= self.info.world_size
         return float(value)
+
+
+def _key(config: dict[str, Any], path: str) -> Any:
+    """The value at dotted `path` of a plain config mapping, None where it is missing."""
+    node: Any = config
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _memory_gib(device: torch.device) -> float:
