@@ -146,7 +146,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(plain, tmp_path):
 
 
 def _torchrun(
-    *args: str, nproc: int = 2, env: dict | None = None, cwd: Path, restarts: int = 0, timeout: float = TIMEOUT
+    *args: str, nproc: int = 2, env: dict | None = None, cwd: Path, restarts: int = 0
 ) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     command += [f"--max-restarts={restarts}"] if restarts else []
@@ -154,7 +154,7 @@ def _torchrun(
         [*command, "--no-python", str(BIN / "recsys-train"), *CONFIG, *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=TIMEOUT,
         cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
@@ -367,7 +367,7 @@ def test_sigterm_inside_an_accumulation_window_finishes_the_window_then_resumes_
 
 
 def test_a_rank_killed_under_torchrun_restarts_costs_nothing_but_time(reference, tmp_path):
-    """`torchrun --max-restarts=2 ... trainer.resume_from=latest`: rank 1 is SIGKILLed at step 17 of
+    """`torchrun --max-restarts=1 ... trainer.resume_from=latest`: rank 1 is SIGKILLed at step 17 of
     the first attempt; torchrun restarts both ranks, which resume from step_10 and finish with
     exit 0 and the per-step losses and final checkpoint of an uninterrupted run."""
     healed = _torchrun(
@@ -377,8 +377,7 @@ def test_a_rank_killed_under_torchrun_restarts_costs_nothing_but_time(reference,
         "trainer.resume_from=latest",
         env={FAULT_ENV: "sigkill:1:17"},
         cwd=tmp_path,
-        restarts=2,  # one for the kill; one more for a restart whose gloo connect times out on a loaded machine
-        timeout=2 * TIMEOUT,  # up to three attempts
+        restarts=1,
     )
     assert healed.returncode == 0, healed.stderr[-4000:]
     first, second = sorted((tmp_path / "recsys-train").iterdir())  # one run directory per attempt
