@@ -100,10 +100,11 @@ def inject_fault(ctx: Any) -> None:
     counted from the start of this process's training) of the task that calls it:
     `sigkill` (the process dies), `sigterm` (as a scheduler's preemption), `raise` (an exception
     in the task), `collective` (the rank's next collective fails), `hang` (the rank stops
-    responding). Evaluation never fires it.
+    responding). Evaluation never fires it, nor a job restarted by torchrun (`--max-restarts`:
+    `TORCHELASTIC_RESTART_COUNT` > 0), so a fault hits the first attempt only.
     """
     spec = os.environ.get(FAULT_ENV)
-    if not spec or not ctx.state.training:
+    if not spec or not ctx.state.training or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
     kind, rank, step = spec.split(":")
     import torch.distributed as dist

@@ -58,7 +58,7 @@ def train_task(cfg: DictConfig) -> None:
 
 def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
     """Build, restore, fit; returns the exit code and records the outcome in status.json."""
-    from recsys_pipe.train import Trainer
+    from recsys_pipe.train import Trainer, build_parts
     from recsys_pipe.train.trainer import PREEMPTED
 
     run, info = _with_run_paths(launch.run, session.run_dir), session.info
@@ -68,8 +68,10 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
     ctrl_c = CtrlC()
     try:
         with ctrl_c:
+            # the build phase: every part the loop runs on, from the config, once
+            parts = build_parts(run, launch.plan, info, session.run_dir, data=launch.data)
             trainer = Trainer(
-                run, launch.plan, info, session.run_dir, data=launch.data, stop=session.stop, health=session.health
+                run, launch.plan, info, session.run_dir, stop=session.stop, health=session.health, parts=parts
             )
             if resume is not None:
                 trainer.restore(str(resume))

@@ -73,6 +73,19 @@ def _free_port() -> int:
 _INFO: DistInfo | None = None
 
 
+def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store of a job torchrun restarted (`--max-restarts`: `TORCHELASTIC_RESTART_COUNT` > 0)
+    on its own agent store, under a prefix of this attempt; None otherwise (env:// as usual).
+    The agent keeps its store across restarts, so the keys the ranks of the attempt before
+    wrote (gloo's addresses of processes now dead) would otherwise be read by this attempt's
+    ranks, which then fail to connect (seen: a restarted job timing out in connectFullMesh)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"recsys_pipe/attempt_{attempt}", agent)
+
+
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300) -> DistInfo:
     """Join the torchrun group (env://), or make a 1-rank group when run as a plain process.
 
@@ -109,7 +122,11 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+    store = _restart_store(timeout)
+    ranks = {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])} if store else {}
+    dist.init_process_group(
+        backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, store=store, **ranks
+    )
     world_size = dist.get_world_size()
     _INFO = DistInfo(
         rank=dist.get_rank(),

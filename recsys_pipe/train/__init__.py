@@ -41,7 +41,10 @@ _EXPORTS = {
     "build_state": "build",
     "Trainer": "trainer",
     "TrainSummary": "trainer",
-    "build_pipeline": "trainer",
+    "build_pipeline": "build",
+    "build_parts": "build",
+    "TrainParts": "build",
+    "Evaluator": "evaluation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,5 +1,6 @@
-"""Build what the task functions run on: the distributed model with its optimizer, and the
-`TrainState` for a compiled plan.
+"""Build what a run trains with, once, from its config: the distributed model with its
+optimizer, the `TrainState` for a compiled plan, and (`build_parts`) every finished part the
+training loop runs on -- data, pipelines, evaluator, checkpointer, metrics writer.
 
 The model's config class decides the distribution (see `recsys_pipe.models.base`): a
 `ShardedModelConfig` model's torchrec tables are sharded by `DistributedModelParallel`
@@ -11,6 +12,7 @@ path): torch's, or megatron-core's with `trainer.dense_ddp=megatron` (`recsys_pi
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,17 +22,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.config.task_registry import Need
+from recsys_pipe.data import RankData
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.engine import StreamPool
+from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.runtime.distributed import DistInfo
+from recsys_pipe.runtime.verify import CollectiveGuard
+from recsys_pipe.train.checkpoint import Checkpointer
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.dense_ddp import MegatronGrads, check_dense_ddp, megatron_ddp
-from recsys_pipe.train.optim import dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.evaluation import Evaluator
+from recsys_pipe.train.grad_accumulation import GradAccumulation
+from recsys_pipe.train.metrics import MetricsWriter
+from recsys_pipe.train.optim import TrainOptimizer, dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 
-__all__ = ["build_model", "build_state", "describe_model"]
+__all__ = ["TrainParts", "build_model", "build_parts", "build_pipeline", "build_state", "describe_model"]
 
 
 def _has_torchrec_tables(model: nn.Module) -> bool:
@@ -105,6 +114,93 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
         balancer=balancer,
         grad_buffers=MegatronGrads(model) if run.trainer.dense_ddp == "megatron" else None,
         autocast_dtype=torch.bfloat16 if run.trainer.precision == "bf16" else None,
+    )
+
+
+def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
+    """A pipeline running `plan` on `streams`, with its own executor (and worker threads)."""
+    executor = ThreadedExecutor(thread_map=dict(plan.thread_of)) if plan.threaded else SequentialExecutor()
+    return SchedulablePipeline(plan.graph, streams, executor, state=state)
+
+
+@dataclass
+class TrainParts:
+    """The finished parts a training loop runs on (`build_parts`): nothing in it is built later
+    from the config, except the evaluation pipeline, which `evaluator` makes on first use."""
+
+    #: this rank's share of the data (training and held-out batches)
+    data: RankData
+    #: what the plan's tasks share: model, optimizer, streams, input distribution, accumulation
+    state: TrainState
+    optimizer: TrainOptimizer
+    #: the training pipeline (the plan on the state's streams)
+    pipeline: SchedulablePipeline
+    evaluator: Evaluator
+    #: writes `<run dir>/metrics.jsonl` and TensorBoard events (rank 0; a no-op elsewhere)
+    metrics: MetricsWriter
+    #: None without a run directory
+    checkpointer: Checkpointer | None
+    #: steps the run trains in all: `trainer.epochs` epochs, capped by `trainer.max_steps`
+    planned_steps: int
+    #: this rank's random streams: dropout, evaluation and the global generators (checkpointed)
+    rng: RngState
+
+    def close(self) -> None:
+        self.pipeline.shutdown()
+        self.evaluator.close()
+        self.state.close()
+        self.metrics.close()
+
+
+def build_parts(
+    run: RunConfig, plan: CompiledPlan, info: DistInfo, run_dir: str | None = None, data: RankData | None = None
+) -> TrainParts:
+    """Everything a run trains with, built once from its config (after the process group
+    exists). With a `run_dir`, rank 0 writes metrics there and every rank takes part in
+    checkpoints. `data` is this rank's `RankData` if the caller built it already."""
+    cfg = run.trainer
+    data = data or RankData(run.data, info.rank, info.world_size, eval_batches=cfg.eval_batches)
+    eval_loader = data.eval_loader()
+    # a retrieval source's own validation/test evaluation (None for other sources)
+    retrieval = RetrievalEvaluation.of(data, info.world_size, cfg.eval_dump, info.is_main)
+    # this rank's random streams (dropout, evaluation, the global generators), checkpointed
+    rng = RngState(run.seed, info.device)
+    rng.seed_globals()  # torch's is seeded by build_model
+    steps = cfg.epochs * data.batches_per_epoch
+    planned_steps = min(steps, cfg.max_steps) if cfg.max_steps is not None else steps
+    model, optimizer = build_model(run, info, data.spec, rng)
+    accumulate = cfg.grad_accumulation.steps
+    train_optimizer = TrainOptimizer(optimizer, run.optimizer, -(-planned_steps // accumulate), model)
+    state = build_state(run, plan, model, train_optimizer, info)
+    if cfg.grad_accumulation.enabled:
+        state.grad_accumulation = GradAccumulation(cfg.grad_accumulation, model)
+
+    def verified(pipeline: SchedulablePipeline) -> SchedulablePipeline:
+        """`pipeline` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
+        if cfg.verify_collectives != "off":  # startup: long enough for every task to run in prefill and steady state
+            CollectiveGuard(pipeline, None if cfg.verify_collectives == "always" else plan.graph.max_lookahead + 2)
+        return pipeline
+
+    evaluator = Evaluator(
+        state,
+        data.spec.num_tasks,
+        eval_loader,
+        retrieval,
+        lambda eval_state: verified(build_pipeline(plan, state.streams, eval_state)),
+    )
+    checkpointer = None
+    if run_dir is not None:
+        checkpointer = Checkpointer(run_dir, cfg.checkpoint, info.checkpoint_group, info.rank)
+    return TrainParts(
+        data=data,
+        state=state,
+        optimizer=train_optimizer,
+        pipeline=verified(build_pipeline(plan, state.streams, state)),
+        evaluator=evaluator,
+        metrics=MetricsWriter(run_dir if info.is_main else None, tensorboard=cfg.tensorboard),
+        checkpointer=checkpointer,
+        planned_steps=planned_steps,
+        rng=rng,
     )
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "load_checkpoint",
     "read_metadata",
     "resolve_resume",
+    "saved_config",
     "saved_model_name",
 ]
 
@@ -157,16 +158,22 @@ def read_metadata(path: Path) -> Any:
         raise _mismatch(path, f"its {_METADATA} cannot be read ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
-def saved_model_name(path: Path) -> str | None:
-    """`model.name` in the config.yaml of the run that wrote the checkpoint (None if absent)."""
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The config.yaml of the run that wrote the checkpoint at `path` (None if absent)."""
     import yaml
 
-    config = path.parent.parent / "config.yaml"
+    config = Path(path).parent.parent / "config.yaml"
     try:
         data = yaml.safe_load(config.read_text())
     except (OSError, yaml.YAMLError):
         return None
-    model = data.get("model") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def saved_model_name(path: Path) -> str | None:
+    """`model.name` in the config.yaml of the run that wrote the checkpoint (None if absent)."""
+    data = saved_config(path)
+    model = data.get("model") if data is not None else None
     name = model.get("name") if isinstance(model, dict) else None
     return str(name) if name is not None else None
 
@@ -314,6 +321,7 @@ class Checkpointer:
         self.on_published: Callable[[CheckpointInfo], None] | None = None
 
     def due(self, step: int) -> bool:
+        """Whether `trainer.checkpoint.interval` asks for a checkpoint after `step`."""
         return self.cfg.interval > 0 and step % self.cfg.interval == 0
 
     def save(self, step: int, state: dict[str, Any], rank_state: Any = None, blocking: bool = False) -> None:

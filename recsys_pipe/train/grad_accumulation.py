@@ -10,13 +10,24 @@ training micro-step c (one trained batch, counted over the run from 0), with k =
   (torchrec's `is_last_batch`); on the others the forward and backward run under DDP's
   `no_sync` on every DDP module of the model (the root wrapper and any inner DDP);
 - if training stops inside a window, the accumulated gradients are stepped once more and
-  cleared (torchrec's flush), by `Trainer.fit`;
+  cleared (torchrec's flush), by `Trainer.fit`; a SIGTERM inside a window lets the window
+  finish (its optimizer step) before the checkpoint, so no accumulated gradient is lost;
 - the loss is not scaled (torchrec sums the k gradients); `scale_loss: true` multiplies it by
   1/k in backward, so the step sees the mean over the window instead.
 
 Embedding tables whose optimizer is fused into backward (torchrec's sharded tables) are updated
 by every micro-step's backward, as under torchrec's wrapper: accumulation applies to the dense
 parameters.
+
+A resumed run starts at a window boundary (checkpoints are taken there), on a micro-step that
+runs under `no_sync` in the uninterrupted run. torch DDP with `static_graph=True` (torchrec's
+DMP wraps the dense part so) cannot take its first backward under `no_sync` (its delayed
+first-iteration all-reduce asserts, reducer.cpp `expect_autograd_hooks_`), and syncing there
+would average one micro-step's gradients early: the same mean, other rounding. So the first
+micro-step of a `fit` that would not sync runs *synced* on such modules, through a DDP
+communication hook (`_LocalFirstBackward`) that leaves that one backward's gradients local
+(no all-reduce, no division): bitwise what `no_sync` gives. Every later all-reduce goes through
+the hook as DDP's built-in one does it (scale by 1/world size, then sum).
 
 Why not torchrec's wrapper itself: it wraps one pipeline object's whole `progress()` call and
 intercepts that pipeline's optimizer. Here each decision is taken by the task of a given batch
@@ -31,6 +42,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from pydantic import Field, StrictBool, StrictInt
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -69,6 +82,27 @@ class GradAccumulation:
         self.start_step = 0
         self.last_step: int | None = None
         self.ddp_modules = _no_sync_modules(model)
+        #: the hooks of static-graph DDP modules whose first backward is still to come (see the
+        #: module docstring), by module id; installed by `start` when that backward would not sync
+        self._first_backward: dict[int, _LocalFirstBackward] = {}
+        self._backward_done = False
+        #: the micro-step whose backward is the model's first, when it must stay local
+        self._local_step: int | None = None
+
+    def start(self, start_step: int, last_step: int | None) -> None:
+        """A `fit` begins: its first batch is micro-step `start_step`; `last_step` is the run's
+        last planned micro-step (None: unknown)."""
+        self.start_step, self.last_step = start_step, last_step
+        self._local_step = None
+        if self._backward_done or self.syncs(start_step):
+            return
+        for module in self.ddp_modules:
+            if getattr(module, "static_graph", False) and id(module) not in self._first_backward:
+                hook = _LocalFirstBackward(module.process_group)
+                module.register_comm_hook(None, hook.reduce)
+                self._first_backward[id(module)] = hook
+        if self._first_backward:
+            self._local_step = start_step
 
     def micro_step(self, batch_index: int) -> int:
         """The run's micro-step of the pipeline's batch `batch_index`."""
@@ -94,13 +128,54 @@ class GradAccumulation:
     def grad_sync(self, step: int) -> Iterator[None]:
         """The context of micro-step `step`'s forward and backward: `no_sync` on every DDP
         module unless the step all-reduces."""
+        self._backward_done = True
         if self.syncs(step):
             yield
             return
+        local = step == self._local_step
         with contextlib.ExitStack() as stack:
             for module in self.ddp_modules:
-                stack.enter_context(module.no_sync())
+                hook = self._first_backward.get(id(module)) if local else None
+                if hook is None:
+                    stack.enter_context(module.no_sync())
+                else:  # synced for DDP, local in effect (see the module docstring)
+                    stack.enter_context(hook.local())
             yield
+
+
+class _LocalFirstBackward:
+    """DDP communication hook (`register_comm_hook`) of a static-graph DDP module whose first
+    backward must not sync: inside `local()` a bucket is handed back as it is (the gradients
+    stay this rank's, as under `no_sync`); otherwise it is reduced as DDP's built-in all-reduce
+    does (multiplied by 1/world size while copied into the bucket, then summed over the ranks),
+    so later steps are bitwise those of a module without the hook. Hand-written: torch offers no
+    hook that skips one backward's communication, and DDP takes one hook for its lifetime."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._local = False
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
+
+    # not annotated: DDP checks a hook's annotations against the classes themselves, and
+    # `from __future__ import annotations` makes them strings
+    def reduce(self, state, bucket):  # type: ignore[no-untyped-def]
+        """A bucket of `dist.GradBucket` -> the future of its reduced buffer."""
+        buffer = bucket.buffer()
+        if self._local:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+        buffer.mul_(1.0 / dist.get_world_size(self.group))
+        reduced = dist.all_reduce(buffer, group=self.group, async_op=True)
+        assert reduced is not None
+        return reduced.get_future().then(lambda fut: fut.value()[0])
 
 
 def _no_sync_modules(model: nn.Module) -> list[Any]:

@@ -114,7 +114,8 @@ def start_embedding_lookup(ctx: TaskContext[TrainState]) -> None:
     `options` give it this batch; otherwise another lookup task of the plan does it). Writes
     its declared slot (the started lookup, or None) either way."""
     sparse = ctx.state.sparse_dist
-    mine = sparse is not None and task_options(ctx, LookupOptions).looks_up(ctx.batch_index)
+    # the run's step: a resumed run does not warm up again
+    mine = sparse is not None and task_options(ctx, LookupOptions).looks_up(ctx.state.run_step(ctx.batch_index))
     result = sparse.start_lookup(ctx.slots[TORCHREC_CTX]) if mine else None
     for slot in ctx.task.writes:
         ctx.slots.set(slot.name, result)
@@ -147,7 +148,7 @@ def stash_gradients(ctx: TaskContext[TrainState]) -> None:
     batch `options.start_batch` on: the first swap finds no kept gradients, so that step changes
     no parameter (torchrec skips it)."""
     state = ctx.state
-    if not state.training or ctx.batch_index < task_options(ctx, StashOptions).start_batch:
+    if not state.training or state.run_step(ctx.batch_index) < task_options(ctx, StashOptions).start_batch:
         return
     for name, param in state.model.named_parameters():
         kept = state.grad_stash.get(name)

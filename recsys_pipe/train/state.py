@@ -68,6 +68,14 @@ class TrainState:
     grad_accumulation: GradAccumulation | None = None
     #: the previous batch's gradients, by parameter name (the stash_gradients task of semi_sync)
     grad_stash: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: the run's step of the pipeline's batch 0 (a resumed run's start step), so tasks can count
+    #: steps over the run (`run_step`) rather than from this pipeline's start
+    start_step: int = 0
+
+    def run_step(self, batch_index: int) -> int:
+        """The run's 0-based step of the pipeline's batch `batch_index`; evaluation batches count
+        from 0 (evaluation trains no step)."""
+        return batch_index + (self.start_step if self.training else 0)
 
     def autocast(self) -> torch.autocast:
         """The forward's autocast context (disabled without `autocast_dtype`). Autocast state is

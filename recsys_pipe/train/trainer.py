@@ -1,5 +1,9 @@
 """The training loop: one plan-driven pipeline for training, one for evaluation, same model.
 
+The parts are built once, before the loop (`recsys_pipe.train.build.build_parts`); `Trainer.fit`
+is the loop, `Trainer.train_step` one step, and named helpers log, evaluate, checkpoint and
+decide when to stop.
+
 Evaluation runs through its own pipeline (same plan, optimizer work switched off) over the
 held-out loader, so the training pipeline keeps its in-flight batches across an evaluation:
 no training batch is dropped or replayed, and no training batch leaks into evaluation.
@@ -20,32 +24,23 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torchmetrics import MeanMetric
-from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
-from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.health import PeerHealth
 from recsys_pipe.runtime.preemption import StopRequest
-from recsys_pipe.runtime.verify import CollectiveGuard
-from recsys_pipe.train.build import build_model, build_state
-from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint
+from recsys_pipe.train.build import TrainParts, build_parts
+from recsys_pipe.train.checkpoint import load_checkpoint, read_metadata, saved_config
 from recsys_pipe.train.config import RunConfig
-from recsys_pipe.train.grad_accumulation import GradAccumulation
-from recsys_pipe.train.metrics import MetricsWriter
-from recsys_pipe.train.optim import TrainOptimizer
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
-from recsys_pipe.train.rng import RngState
-from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.tasks import StepResult
 from recsys_pipe.train.torch_profile import StepWindow
 
@@ -76,14 +71,18 @@ class TrainSummary:
 
     @property
     def end_step(self) -> int:
+        """The step the run stands at after this `fit` (a resumed run starts above 0)."""
         return self.start_step + self.steps
 
     @property
     def samples_per_s(self) -> float:
+        """Training throughput of this `fit`: samples over its wall-clock seconds (0 if none)."""
         return self.samples / self.seconds if self.seconds else 0.0
 
     def describe(self) -> str:
         """One line for the log: steps, samples, speed, loss and eval AUC from first to last."""
+        if not self.steps:
+            return f"trained nothing: at step {self.start_step}, {self.stop_reason or 'no batch'}"
         evals = ""
         if self.evals and "auc" in self.evals[-1]:  # retrieval evaluations log their own line
             evals = f"; eval auc {self.evals[0]['auc']:.4f} -> {self.evals[-1]['auc']:.4f}"
@@ -94,33 +93,42 @@ class TrainSummary:
         )
 
 
-def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
-    """A pipeline running `plan` on `streams`, with its own executor (and worker threads)."""
-    executor = ThreadedExecutor(thread_map=dict(plan.thread_of)) if plan.threaded else SequentialExecutor()
-    return SchedulablePipeline(plan.graph, streams, executor, state=state)
+#: DCP key of a retrieval run's best validation score so far (`_Progress`)
+EVAL_BEST_KEY = "train.progress.eval_best"
 
 
 class _Progress:
     """The checkpointed part of the loop itself: step, data position and the run's data layout
-    (so a resume on another world size can map the position onto its own batches)."""
+    (so a resume on another world size can map the position onto its own batches), and for a
+    retrieval run the best validation score so far, so that a resumed run's `eval_dump` still
+    holds the evaluation validation picks over the whole run. `eval_best=False` leaves that out
+    (loading a checkpoint written before it was saved)."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, eval_best: bool = True):
         self.trainer = trainer
+        self.eval_best = eval_best and trainer.retrieval is not None
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        return {
+        state = {
             "step": t.step,
             "position": t.position,
             "batches_per_epoch": t.data.batches_per_epoch,
             "batch_size": t.run.data.batch_size,
             "world_size": t.info.world_size,
         }
+        if self.eval_best:
+            assert t.retrieval is not None
+            state["eval_best"] = float("-inf") if t.retrieval.best is None else t.retrieval.best
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
         t.step = int(state["step"])
         t.position = int(state["position"])
+        if self.eval_best and t.retrieval is not None:
+            best = float(state["eval_best"])
+            t.retrieval.best = None if best == float("-inf") else best
         old = (int(state["world_size"]), int(state["batch_size"]), int(state["batches_per_epoch"]))
         new = (t.info.world_size, t.run.data.batch_size, t.data.batches_per_epoch)
         if old != new:
@@ -146,9 +154,9 @@ class _TrainingState:
     """`Stateful` view of everything the ranks share in a checkpoint: model (sharded tables and
     dense weights), both optimizers, LR scheduler and the loop's progress."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, eval_best: bool = True):
         self.trainer = trainer
-        self.progress = _Progress(trainer)
+        self.progress = _Progress(trainer, eval_best)
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -165,10 +173,33 @@ class _TrainingState:
         self.progress.load_state_dict(state["progress"])
 
 
+@dataclass
+class _Loop:
+    """The bookkeeping of one `fit`: what it trained, when it last evaluated and checkpointed,
+    the throughput window of the log lines, the progress bar and the profiled steps."""
+
+    summary: TrainSummary
+    record_steps: bool
+    #: batches per epoch; None when `fit` trains a given batch iterator (no epochs)
+    per_epoch: int | None
+    #: whether this run evaluates (`trainer.eval_every` > 0 and held-out data)
+    evaluating: bool
+    bar: tqdm
+    traced: StepWindow
+    last: StepResult | None = None
+    last_eval: int | None = None
+    last_checkpoint: int | None = None
+    window_start: float = field(default_factory=time.perf_counter)
+    window_samples: int = 0
+    #: every rank agreed to stop (SIGTERM); it does once the accumulation window is complete
+    stopping: bool = False
+
+
 class Trainer:
-    """Builds everything from a validated RunConfig and its compiled plan (after the process
-    group exists): data, model, optimizer with its schedule, streams, the training pipeline;
-    the evaluation pipeline is derived from the same plan and streams when first needed.
+    """The training loop of a run, over its finished parts (`build_parts`: data, model,
+    optimizer with its schedule, streams, the training pipeline, the evaluator, checkpointer and
+    metrics writer), built once from a validated RunConfig and its compiled plan (after the
+    process group exists) unless `parts` are given.
 
     With a `run_dir`, rank 0 writes metrics there and every rank takes part in checkpoints
     (`trainer.checkpoint.*`). `restore(path)` loads a checkpoint before `fit()`. `data` is this
@@ -185,63 +216,57 @@ class Trainer:
         data: RankData | None = None,
         stop: StopRequest | None = None,
         health: PeerHealth | None = None,
+        parts: TrainParts | None = None,
     ):
         self.run, self.plan, self.info, self.run_dir = run, plan, info, run_dir
-        cfg = run.trainer
-        self.data = data or RankData(run.data, info.rank, info.world_size, eval_batches=cfg.eval_batches)
-        self.eval_loader = self.data.eval_loader()
-        #: a retrieval source's own validation/test evaluation (None for other sources)
-        self.retrieval = RetrievalEvaluation.of(self.data, info.world_size, cfg.eval_dump, info.is_main)
-        self.spec = self.data.spec
+        self.parts = parts or build_parts(run, plan, info, run_dir, data)
+        self.data, self.state, self.optimizer = self.parts.data, self.parts.state, self.parts.optimizer
+        self.pipeline, self.evaluator = self.parts.pipeline, self.parts.evaluator
         #: this rank's random streams (dropout, evaluation, the global generators), checkpointed
-        self.rng = RngState(run.seed, info.device)
-        self.rng.seed_globals()  # torch's is seeded by build_model
-        model, optimizer = build_model(run, info, self.spec, self.rng)
-        accumulate = cfg.grad_accumulation.steps
-        self.optimizer = TrainOptimizer(optimizer, run.optimizer, -(-self.planned_steps // accumulate), model)
-        self.state: TrainState = build_state(run, plan, model, self.optimizer, info)
-        if cfg.grad_accumulation.enabled:
-            self.state.grad_accumulation = GradAccumulation(cfg.grad_accumulation, model)
-        self.pipeline = self._verified(build_pipeline(plan, self.state.streams, self.state))
-        self._eval_pipeline: SchedulablePipeline | None = None  # built after the bootstrap
+        self.rng = self.parts.rng
+        self.metrics, self.checkpointer = self.parts.metrics, self.parts.checkpointer
+        if self.checkpointer is not None and info.is_main:
+            self.checkpointer.on_published = lambda c: log.info("checkpoint step %d -> %s", c.step, c.path)
         #: training steps taken (over the whole run, across resumes): trained batches, so with
         #: gradient accumulation micro-steps (the optimizer steps every grad_accumulation.steps)
         self.step = 0
         #: the next training batch to train, counted across epochs
         self.position = 0
-        self.metrics = MetricsWriter(run_dir if info.is_main else None, tensorboard=cfg.tensorboard)
-        self.checkpointer = (
-            Checkpointer(run_dir, cfg.checkpoint, info.checkpoint_group, info.rank) if run_dir is not None else None
-        )
-        if self.checkpointer is not None and info.is_main:
-            self.checkpointer.on_published = lambda c: log.info("checkpoint step %d -> %s", c.step, c.path)
         #: SIGTERM handling (the CLI passes the one it installed for the whole process)
-        self.stop = stop or StopRequest(info.control_group, cfg.preemption_check_s)
+        self.stop = stop or StopRequest(info.control_group, run.trainer.preemption_check_s)
         #: heartbeats carry the step (set by the CLI for multi-rank runs)
         self.health = health
 
     @property
     def planned_steps(self) -> int:
         """Steps this configuration trains in all: `trainer.epochs` epochs, capped by `max_steps`."""
-        cfg = self.run.trainer
-        steps = cfg.epochs * self.data.batches_per_epoch
-        return min(steps, cfg.max_steps) if cfg.max_steps is not None else steps
+        return self.parts.planned_steps
+
+    @property
+    def eval_loader(self) -> Any:
+        """The held-out loader of a ranking source (None for a retrieval source)."""
+        return self.evaluator.loader
+
+    @property
+    def retrieval(self) -> RetrievalEvaluation | None:
+        """A retrieval source's own validation/test evaluation (None for other sources)."""
+        return self.evaluator.retrieval
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, eval_best: bool = True) -> dict[str, Any]:
         """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
         Each rank's RNG states (`RngState`) are saved next to it."""
-        return {"train": _TrainingState(self)}
+        return {"train": _TrainingState(self, eval_best)}
 
     def restore(self, path: str) -> None:
         """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
         data position and (if the checkpoint has this rank's) RNG states."""
         self.optimizer.prepare_load()
         try:
-            with_rng = load_checkpoint(
-                path, self.checkpoint_state(), self.rng, self.info.rank, self.info.checkpoint_group
-            )
+            # a checkpoint written before retrieval runs saved their best validation score has none
+            state = self.checkpoint_state(eval_best=EVAL_BEST_KEY in read_metadata(Path(path)).state_dict_metadata)
+            with_rng = load_checkpoint(path, state, self.rng, self.info.rank, self.info.checkpoint_group)
         except (RuntimeError, ValueError, KeyError) as exc:  # DCP's CheckpointException is a RuntimeError
             reason = str(exc).strip().splitlines()
             detail = next((line for line in reversed(reason) if "Error" in line), reason[0] if reason else "")
@@ -249,6 +274,8 @@ class Trainer:
                 ConfigProblem("trainer.resume_from", f"{path} does not fit this model and optimizer: {detail[:300]}")
             ) from exc
         if self.info.is_main:
+            for line in self._resume_changes(path):
+                log.warning("resuming %s", line)
             log.info(
                 "resumed from %s: step %d, epoch %d, batch %d of the epoch%s",
                 path,
@@ -258,7 +285,45 @@ class Trainer:
                 "" if with_rng else " (the checkpoint has no RNG state of this rank: fresh RNG)",
             )
 
+    def _resume_changes(self, path: str) -> list[str]:
+        """What this run changes about the checkpoint's run (its config.yaml), one line each:
+        what is dropped or restarted. (A change that cannot load -- another model, an optimizer
+        whose state the checkpoint lacks -- is refused by `restore` with exit 2.)"""
+        saved = saved_config(Path(path))
+        if saved is None:
+            return []
+        lines = []
+        old_opt, new_opt = _key(saved, "optimizer.name"), self.run.optimizer.name
+        if old_opt is not None and old_opt != new_opt:
+            lines.append(
+                f"with optimizer.name={new_opt}, the checkpoint's run used {old_opt}: its dense optimizer state "
+                f"is dropped ({new_opt} starts from none)"
+            )
+        old_k = _key(saved, "trainer.grad_accumulation.steps") or 1
+        new_k = self.run.trainer.grad_accumulation.steps
+        if old_k != new_k:
+            first = -(-self.step // new_k) * new_k
+            lines.append(
+                f"with trainer.grad_accumulation.steps={new_k}, the checkpoint's run used {old_k}: windows of {new_k} "
+                f"micro-steps count from step 0, the first full one starts after step {first}"
+            )
+        old_plan, new_plan = _key(saved, "pipeline.name"), self.run.pipeline.name
+        if old_plan is not None and old_plan != new_plan:
+            lines.append(
+                f"with pipeline={new_plan}, the checkpoint's run used {old_plan}: batches in flight are not part of a "
+                "checkpoint, so the new plan refills its own"
+            )
+        if self.plan.config.torchrec_context == "semi_sync":
+            lines.append(
+                f"a semi-synchronous plan ({new_plan}): the first batch after the resume is looked up from the "
+                "checkpoint's tables, one update fresher than in the uninterrupted run (the lookup in flight is not "
+                "part of a checkpoint; so are gradients a stash_gradients task keeps), so the resume is not bitwise"
+            )
+        return lines
+
     def save_checkpoint(self, blocking: bool = False) -> None:
+        """Checkpoint the current step (every rank takes part); asynchronous as configured
+        unless `blocking`. Needs a run directory."""
         assert self.checkpointer is not None
         self.checkpointer.save(self.step, self.checkpoint_state(), self.rng, blocking=blocking)
 
@@ -276,35 +341,94 @@ class Trainer:
         and undo the pipelining on CUDA. `batches` replaces the training data by any iterator
         (one pass, no epochs).
         """
-        cfg = self.run.trainer
-        per_epoch = self.data.batches_per_epoch if batches is None else None
-        summary = TrainSummary(start_step=self.step)
-        if cfg.max_steps is not None and self.step >= cfg.max_steps:
-            summary.stop_reason = MAX_STEPS
-        elif batches is None and self.position >= cfg.epochs * self.data.batches_per_epoch:
-            summary.stop_reason = EPOCHS_DONE
-        if summary.stop_reason:  # e.g. resumed from the last checkpoint of a finished run
-            if self.info.is_main:
-                log.warning("nothing to train: at step %d, %s already", self.step, summary.stop_reason)
+        summary = TrainSummary(start_step=self.step, stop_reason=self._nothing_to_train(batches is None))
+        if summary.stop_reason:
             return summary
         self._warn_if_data_ends_first()
-        it = iter(self.data.train_loader(cfg.epochs, self.position)) if batches is None else batches
+        results = self._start(batches)
+        if results is None:
+            summary.stop_reason = DATA_EXHAUSTED
+            return summary
+        loop = self._new_loop(summary, record_steps, None if batches is not None else self.data.batches_per_epoch)
+        if loop.evaluating and self.step == 0:
+            self._evaluate(loop)
+        start = time.perf_counter()
+        with self.stop, logging_redirect_tqdm():
+            while not summary.stop_reason:
+                result = self.train_step(results)
+                if result is None:  # the data ended
+                    summary.stop_reason = EPOCHS_DONE if loop.per_epoch else DATA_EXHAUSTED
+                    break
+                self._record(loop, result)
+                self._log_progress(loop, result)
+                if self._evaluation_due(loop):
+                    self._evaluate(loop)
+                summary.stop_reason = self._stop_reason(loop)
+                self._checkpoint_if_due(loop, preempted=summary.stop_reason == PREEMPTED)
+            self.stop.drain()
+        self._flush_accumulation(summary)
+        summary.seconds = time.perf_counter() - start
+        self._finish(loop)
+        return summary
+
+    def train_step(self, results: Iterator[StepResult]) -> StepResult | None:
+        """One training step: the pipeline trains the next batch (running this iteration's tasks,
+        those of batches ahead included) and hands back its result; None once the data ended."""
+        result = next(results, None)
+        if result is not None:
+            self.step += 1
+            self.position += 1
+            if self.health is not None:
+                self.health.step = self.step
+        return result
+
+    def evaluate(self, record_batches: bool = False) -> dict[str, Any]:
+        """The model's metrics on held-out data (`Evaluator.evaluate`), over all ranks.
+
+        Evaluation draws from its own random stream (`RngState.evaluation`): training's draws,
+        and so its losses, are the same whether and whenever it evaluates."""
+        with self.rng.evaluation(self.step):
+            return self.evaluator.evaluate(record_batches)
+
+    def close(self) -> None:
+        """Shut down the pipelines' worker threads, the state's resources and the metrics writer."""
+        self.parts.close()
+
+    # -- the loop's steps -------------------------------------------------------------------------
+
+    def _nothing_to_train(self, epochs: bool) -> str:
+        """The stop reason if the run is already done (e.g. resumed from the last checkpoint of a
+        finished run), else ''."""
+        cfg = self.run.trainer
+        per_epoch = self.data.batches_per_epoch
+        if cfg.max_steps is not None and self.step >= cfg.max_steps:
+            reason, detail = MAX_STEPS, f"step {self.step} >= trainer.max_steps={cfg.max_steps}"
+        elif epochs and self.position >= cfg.epochs * per_epoch:
+            reason, detail = EPOCHS_DONE, f"batch {self.position} >= trainer.epochs={cfg.epochs} x {per_epoch} batches"
+        else:
+            return ""
+        if self.info.is_main:
+            log.warning("nothing to train: %s (raise it to train on)", detail)
+        return reason
+
+    def _start(self, batches: Iterator | None) -> Iterator[StepResult] | None:
+        """Seed the training pipeline with the first batch (`TrainState.bootstrap`) and return its
+        results; None if there is no batch to train."""
+        it = iter(self.data.train_loader(self.run.trainer.epochs, self.position)) if batches is None else batches
         try:
             first = next(it)
         except StopIteration:
-            summary.stop_reason = DATA_EXHAUSTED
             log.warning("the training data yielded no batch")
-            return summary
+            return None
         self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
+        self.state.start_step = self.step
         accumulation = self.state.grad_accumulation
         if accumulation is not None:  # micro-steps are counted over the run; the pipeline counts from 0
-            accumulation.start_step = self.step
-            accumulation.last_step = self.planned_steps - 1 if batches is None else None
-        evaluating = (self.eval_loader is not None or self.retrieval is not None) and cfg.eval_every > 0
-        last_eval = last_checkpoint = None
-        if evaluating and self.step == 0:
-            summary.evals.append(self._log_eval(0, record_steps))
-            last_eval = 0
+            accumulation.start(self.step, self.planned_steps - 1 if batches is None else None)
+        return self.pipeline.iterate(it)
+
+    def _new_loop(self, summary: TrainSummary, record_steps: bool, per_epoch: int | None) -> _Loop:
+        cfg = self.run.trainer
         bar = tqdm(
             total=self.planned_steps,
             initial=self.step,
@@ -314,148 +438,117 @@ class Trainer:
             disable=not self.info.is_main or not cfg.progress_bar or not sys.stderr.isatty(),
             dynamic_ncols=True,
         )
-        window_start, window_samples = time.perf_counter(), 0
         traced = StepWindow(cfg.torch_profiler.steps, self.run_dir or ".", self.info.rank, self.pipeline)
         traced.step(self.step)
-        start = time.perf_counter()
-        with self.stop, logging_redirect_tqdm():
-            result: StepResult
-            for result in self.pipeline.iterate(it):
-                self.step += 1
-                self.position += 1
-                traced.step(self.step)
-                summary.steps += 1
-                if self.health is not None:
-                    self.health.step = self.step
-                samples = result.num_samples * self.info.world_size
-                summary.samples += samples
-                window_samples += samples
-                if record_steps:
-                    summary.losses.append(float(result.loss))
-                    summary.sample_ids.append(result.sample_ids.cpu())
-                if summary.steps == 1:
-                    summary.first_loss = float(result.loss)
-                last = result
-                bar.update(1)
-                if self.step % cfg.log_every == 0:
-                    now = time.perf_counter()
-                    loss = self._log_step(result, window_samples / (now - window_start))
-                    bar.set_postfix(loss=f"{loss:.4f}")
-                    window_start, window_samples = now, 0
-                epoch_end = per_epoch is not None and self.position % per_epoch == 0
-                if epoch_end and self.info.is_main:
-                    log.info("epoch %d/%d done at step %d", self.position // per_epoch, cfg.epochs, self.step)
-                epoch_eval = epoch_end and cfg.eval_epochs > 0 and (self.position // per_epoch) % cfg.eval_epochs == 0
-                if evaluating and (epoch_eval or self.step % cfg.eval_every == 0):
-                    summary.evals.append(self._log_eval(self.step, record_steps))
-                    last_eval = self.step
-                stop = self.stop.should_stop()
-                if self.checkpointer is not None:
-                    self.checkpointer.poll()
-                    if stop or self.checkpointer.due(self.step):
-                        self.save_checkpoint(blocking=stop)
-                        last_checkpoint = self.step
-                if stop:
-                    summary.stop_reason = PREEMPTED
-                    log.warning(
-                        "%s received: stopped after step %d on every rank%s",
-                        self.stop.signal_name or "stop request",
-                        self.step,
-                        f"; checkpoint {self.checkpointer.last.path}" if self.checkpointer else " (no run dir)",
-                    )
-                    break
-                if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                    summary.stop_reason = MAX_STEPS
-                    break
-            else:
-                summary.stop_reason = EPOCHS_DONE if per_epoch else DATA_EXHAUSTED
-            self.stop.drain()
-        if accumulation is not None and summary.stop_reason != PREEMPTED and accumulation.pending(self.step):
-            # training ended inside a window: step what was accumulated (torchrec's flush)
+        evaluating = self.evaluator.has_data and cfg.eval_every > 0
+        return _Loop(summary, record_steps, per_epoch, evaluating, bar, traced)
+
+    def _record(self, loop: _Loop, result: StepResult) -> None:
+        """Count the step's samples; keep its loss (and ids) where asked."""
+        loop.traced.step(self.step)
+        summary = loop.summary
+        summary.steps += 1
+        samples = result.num_samples * self.info.world_size
+        summary.samples += samples
+        loop.window_samples += samples
+        if loop.record_steps:
+            summary.losses.append(float(result.loss))
+            summary.sample_ids.append(result.sample_ids.cpu())
+        if summary.steps == 1:
+            summary.first_loss = float(result.loss)
+        loop.last = result
+        loop.bar.update(1)
+
+    def _log_progress(self, loop: _Loop, result: StepResult) -> None:
+        """The log step's line and metrics record (every `trainer.log_every` steps), and the end
+        of an epoch."""
+        cfg = self.run.trainer
+        if self.step % cfg.log_every == 0:
+            now = time.perf_counter()
+            loss = self._log_step(result, loop.window_samples / (now - loop.window_start))
+            loop.bar.set_postfix(loss=f"{loss:.4f}")
+            loop.window_start, loop.window_samples = now, 0
+        if loop.per_epoch is not None and self.position % loop.per_epoch == 0 and self.info.is_main:
+            log.info("epoch %d/%d done at step %d", self.position // loop.per_epoch, cfg.epochs, self.step)
+
+    def _evaluation_due(self, loop: _Loop) -> bool:
+        """Every `trainer.eval_every` steps and at the end of every `trainer.eval_epochs`-th epoch."""
+        cfg = self.run.trainer
+        if not loop.evaluating:
+            return False
+        epoch_end = loop.per_epoch is not None and self.position % loop.per_epoch == 0
+        epoch_eval = epoch_end and cfg.eval_epochs > 0 and (self.position // loop.per_epoch) % cfg.eval_epochs == 0
+        return epoch_eval or self.step % cfg.eval_every == 0
+
+    def _evaluate(self, loop: _Loop) -> None:
+        loop.summary.evals.append(self._log_eval(self.step, loop.record_steps))
+        loop.last_eval = self.step
+
+    def _stop_reason(self, loop: _Loop) -> str:
+        """Why training stops after this step ('' to go on): a stop request (SIGTERM) that every
+        rank agreed on after the same step, or `trainer.max_steps`. A stop inside a gradient
+        accumulation window waits for the window's optimizer step: the checkpoint then loses
+        no accumulated gradient (they are not part of it)."""
+        if not loop.stopping and self.stop.should_stop():
+            loop.stopping = True
+            if self._inside_window() and self.info.is_main:
+                window = self.state.grad_accumulation.steps  # type: ignore[union-attr]
+                log.warning(
+                    "%s received inside a gradient accumulation window: training on to step %d, the window's "
+                    "optimizer step, before stopping",
+                    self.stop.signal_name or "stop request",
+                    -(-self.step // window) * window,
+                )
+        if loop.stopping and not self._inside_window():
+            return PREEMPTED
+        max_steps = self.run.trainer.max_steps
+        return MAX_STEPS if max_steps is not None and self.step >= max_steps else ""
+
+    def _inside_window(self) -> bool:
+        """Whether gradients accumulated so far wait for an optimizer step."""
+        accumulation = self.state.grad_accumulation
+        return accumulation is not None and accumulation.pending(self.step)
+
+    def _checkpoint_if_due(self, loop: _Loop, preempted: bool) -> None:
+        """Every `trainer.checkpoint.interval` steps, and (blocking) when preempted."""
+        if self.checkpointer is not None:
+            self.checkpointer.poll()
+            if preempted or self.checkpointer.due(self.step):
+                self.save_checkpoint(blocking=preempted)
+                loop.last_checkpoint = self.step
+        if preempted:
+            log.warning(
+                "%s received: stopped after step %d on every rank%s",
+                self.stop.signal_name or "stop request",
+                self.step,
+                f"; checkpoint {self.checkpointer.last.path}" if self.checkpointer else " (no run dir)",
+            )
+
+    def _flush_accumulation(self, summary: TrainSummary) -> None:
+        """Training ended inside an accumulation window: step what was accumulated (torchrec's flush)."""
+        if summary.stop_reason != PREEMPTED and self._inside_window():
             self.optimizer.step()
             self.optimizer.zero_grad()
-        summary.seconds = time.perf_counter() - start
-        traced.close()
-        if summary.steps:
-            summary.last_loss = float(last.loss)
-        bar.close()
+
+    def _finish(self, loop: _Loop) -> None:
+        """After the last step: close the trace and the bar; unless preempted, the last evaluation
+        and checkpoint and the line saying why training stopped; wait for a pending save."""
+        summary = loop.summary
+        loop.traced.close()
+        if loop.last is not None:
+            summary.last_loss = float(loop.last.loss)
+        loop.bar.close()
         if summary.stop_reason != PREEMPTED:
-            if evaluating and last_eval != self.step:
-                summary.evals.append(self._log_eval(self.step, record_steps))
-            if self.checkpointer is not None and self.checkpointer.cfg.interval and last_checkpoint != self.step:
+            if loop.evaluating and loop.last_eval != self.step:
+                self._evaluate(loop)
+            if self.checkpointer is not None and self.checkpointer.cfg.interval and loop.last_checkpoint != self.step:
                 self.save_checkpoint()
             self._log_stop(summary)
         if self.checkpointer is not None:
             self.checkpointer.wait()
             summary.checkpoint = str(self.checkpointer.last.path) if self.checkpointer.last else None
-        return summary
-
-    def evaluate(self, record_batches: bool = False) -> dict[str, Any]:
-        """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the
-        held-out loader, aggregated over all ranks; for a retrieval source, its ranking metrics
-        (`RetrievalEvaluation`). With `record_batches`, also this rank's
-        evaluated batches in order: `sample_ids` and `batch_losses` (which batch each output
-        belongs to, for the checks that switching to evaluation mislabels nothing).
-
-        Evaluation draws from its own random stream (`RngState.evaluation`): training's draws,
-        and so its losses, are the same whether and whenever it evaluates."""
-        with self.rng.evaluation(self.step):
-            return self._evaluate(record_batches)
-
-    def _evaluate(self, record_batches: bool) -> dict[str, Any]:
-        if self._eval_pipeline is None:  # same plan and streams, its own executor threads
-            self._eval_pipeline = self._verified(build_pipeline(self.plan, self.state.streams, self.state.for_eval()))
-        self.state.model.train(False)
-        if self.retrieval is not None:
-            try:
-                return self.retrieval.evaluate(self._eval_pipeline)
-            finally:
-                self.state.model.train(True)
-        assert self.eval_loader is not None
-        num_tasks = self.spec.num_tasks
-        aurocs = [BinaryAUROC().to(self.info.device) for _ in range(num_tasks)]  # any task count, 1 included
-        mean_loss = MeanMetric().to(self.info.device)
-        log_loss = MeanMetric().to(self.info.device)
-        sample_ids: list[list[int]] = []
-        batch_losses: list[float] = []
-        try:
-            for result in self._eval_pipeline.iterate(self.eval_loader):
-                if record_batches:
-                    sample_ids.append(result.sample_ids.tolist())
-                    batch_losses.append(float(result.loss))
-                logits = result.logits.float()  # bf16 under trainer.precision=bf16
-                for task, auroc in enumerate(aurocs):
-                    auroc.update(logits[:, task], result.labels[:, task].int())
-                mean_loss.update(result.loss.float())
-                log_loss.update(F.binary_cross_entropy_with_logits(logits, result.labels, reduction="none"))
-            per_task = [float(auroc.compute()) for auroc in aurocs]
-            metrics = {
-                "eval_loss": float(mean_loss.compute()),
-                "log_loss": float(log_loss.compute()),
-                "auc": sum(per_task) / num_tasks,
-                "auc_per_task": [round(a, 5) for a in per_task],
-            }
-            if record_batches:
-                metrics.update(sample_ids=sample_ids, batch_losses=batch_losses)
-            return metrics
-        finally:
-            self.state.model.train(True)
-
-    def close(self) -> None:
-        self.pipeline.shutdown()
-        if self._eval_pipeline is not None:
-            self._eval_pipeline.shutdown()
-        self.state.close()
-        self.metrics.close()
 
     # -- helpers --------------------------------------------------------------------------------
-
-    def _verified(self, pipeline: SchedulablePipeline) -> SchedulablePipeline:
-        """`pipeline` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
-        mode = self.run.trainer.verify_collectives
-        if mode != "off":  # startup: long enough for every task to run in prefill and steady state
-            CollectiveGuard(pipeline, None if mode == "always" else self.plan.graph.max_lookahead + 2)
-        return pipeline
 
     def _warn_if_data_ends_first(self) -> None:
         cfg = self.run.trainer
@@ -524,6 +617,14 @@ class Trainer:
             dist.all_reduce(value)
             value /= self.info.world_size
         return float(value)
+
+
+def _key(config: dict[str, Any], path: str) -> Any:
+    """The value at dotted `path` of a plain config mapping, None where it is missing."""
+    node: Any = config
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _memory_gib(device: torch.device) -> float:

@@ -11,6 +11,11 @@ Writes rank<r>.json (and the step-15 parameters as rank<r>_step15.pt for `reshar
 `reshard <checkpoint> <out> [dense]` (1 process): loads a 2-rank checkpoint through DCP's
 resharding (`dense`: of the dense-kernel run, with the tables' Adam moments), writes the loaded
 parameters, then trains 5 more steps.
+
+`accumulation <out> <plan>...` (1 or 2 ranks): gradient accumulation over 4 micro-steps, for each
+plan: an uninterrupted 24-step run (checkpoints at 8, 16, 24), a run resumed from its step-8
+checkpoint, and a run that gets SIGTERM inside a window (the last rank, at step 13) and its
+resume; writes accumulation_rank<r>.json.
 """
 
 import json
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, load_run
 from recsys_pipe.train import Trainer, local_parameters, resolve_resume, training_plan
 
 CONFIG = [
@@ -172,10 +177,57 @@ def reshard(checkpoint, out, kernel="fused"):
     dist.destroy_process_group()
 
 
+#: 4 micro-steps per optimizer step (2 warm-up micro-steps), checkpoints at window ends
+ACCUMULATION = [
+    "trainer.grad_accumulation.steps=4",
+    "trainer.grad_accumulation.warmup_steps=2",
+    "trainer.max_steps=24",
+    "trainer.checkpoint.interval=8",
+    "trainer.preemption_check_s=0",  # agree on a stop every step: the stop step is known exactly
+]
+
+
+def accumulation(out, plans):
+    info = init_distributed("cpu", "gloo")
+    result = {}
+    for plan in plans:
+        overrides = [*ACCUMULATION, f"pipeline={plan}"]
+        ref_dir = os.path.join(out, plan, "reference")
+        ref, ref_params = fit(trainer(info, ref_dir, *overrides))
+        dist.barrier()
+        resumed, params = fit(trainer(info, None, *overrides), restore=os.path.join(ref_dir, "checkpoints", "step_8"))
+        stop_dir = os.path.join(out, plan, "sigterm")
+        os.environ[FAULT_ENV] = f"sigterm:{info.world_size - 1}:13"
+        try:
+            stopped, _ = fit(trainer(info, stop_dir, *overrides, FAULT_OVERRIDE))
+        finally:
+            del os.environ[FAULT_ENV]
+        dist.barrier()
+        after, after_params = fit(trainer(info, None, *overrides), restore=str(resolve_resume(stop_dir, "unused")))
+        result[plan] = {
+            "ref_losses": ref.losses,
+            "ref_params": digest(ref_params),
+            "resumed_at": resumed.start_step,
+            "resumed_losses": resumed.losses,
+            "resumed_params": digest(params),
+            "stopped": [stopped.stop_reason, stopped.end_step, os.path.basename(stopped.checkpoint or "")],
+            "stopped_losses": stopped.losses,
+            "after_at": after.start_step,
+            "after_losses": after.losses,
+            "after_params": digest(after_params),
+        }
+    with open(os.path.join(out, f"accumulation_rank{info.rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "reshard":
         reshard(*sys.argv[2:])
+    elif sys.argv[1] == "accumulation":
+        accumulation(sys.argv[2], sys.argv[3:])
     else:
         main(sys.argv[2])
     sys.stdout.flush()

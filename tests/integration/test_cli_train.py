@@ -168,3 +168,38 @@ def test_help_lists_groups(capsys):
         "trainer:",
     ):
         assert group in out
+
+
+@pytest.mark.timeout(300)
+def test_resume_says_what_it_changes_and_when_there_is_nothing_to_train(tmp_path):
+    """Resuming an adam / 4-micro-step / hstu_prefetch checkpoint with sgd, 2 micro-steps and the
+    serial plan says so in one line each; at its max_steps already, it says why nothing trains
+    (not `loss nan -> nan`) and exits 0. sgd -> adam is refused with exit 2: the checkpoint has
+    no Adam state."""
+    common = [str(BIN / "recsys-train"), "trainer=smoke", "trainer.checkpoint.interval=4", "trainer.tensorboard=false"]
+    first = run([*common, "trainer.grad_accumulation.steps=4", f"trainer.output_dir={tmp_path}/a"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    changed = [
+        *common,
+        "optimizer=sgd",
+        "trainer.grad_accumulation.steps=2",
+        "pipeline=serial",
+        f"trainer.output_dir={tmp_path}/a",
+        "trainer.resume_from=latest",
+    ]
+    again = run(changed, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = [line for line in again.stderr.splitlines() if "[WARNING] resuming with" in line]
+    assert len(lines) == 3, again.stderr[-3000:]
+    assert "optimizer.name=sgd, the checkpoint's run used adam: its dense optimizer state is dropped" in lines[0]
+    assert "trainer.grad_accumulation.steps=2, the checkpoint's run used 4" in lines[1]
+    assert "pipeline=serial, the checkpoint's run used hstu_prefetch" in lines[2]
+    assert "nothing to train: step 8 >= trainer.max_steps=8" in again.stderr
+    assert "trained nothing: at step 8, max_steps reached" in again.stderr and "nan" not in again.stderr
+    sgd = run([*common, "optimizer=sgd", "optimizer.momentum=0.9", f"trainer.output_dir={tmp_path}/b"], tmp_path)
+    assert sgd.returncode == 0, sgd.stderr[-3000:]
+    refused = run(
+        [*common, "trainer.max_steps=12", f"trainer.output_dir={tmp_path}/b", "trainer.resume_from=latest"], tmp_path
+    )
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "error: trainer.resume_from:" in refused.stderr

@@ -168,8 +168,11 @@ def test_two_rank_dense_kernel_checkpoint_resumes_on_one_rank(plain, tmp_path):
 # -- the CLI: SIGKILL between checkpoints, SIGTERM, two torchrun agents -------------------------
 
 
-def _torchrun(*args: str, nproc: int = 2, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
+def _torchrun(
+    *args: str, nproc: int = 2, env: dict | None = None, cwd: Path, restarts: int = 0
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    command += [f"--max-restarts={restarts}"] if restarts else []
     return subprocess.run(
         [*command, "--no-python", str(BIN / "recsys-train"), *CONFIG, *args],
         capture_output=True,
@@ -339,3 +342,71 @@ def test_two_torchrun_agents_train_like_one_agent_with_two_processes(reference, 
     assert "2 rank(s)" in (run_dir / "train.log").read_text()
     assert _losses(run_dir) == _losses(reference)
     _assert_same_checkpoint(run_dir / "checkpoints" / "step_30", reference / "checkpoints" / "step_30", tmp_path)
+
+
+# -- gradient accumulation: resume after a checkpoint and after SIGTERM inside a window ----------
+
+
+@pytest.fixture(scope="module")
+def accumulation(tmp_path_factory):
+    """tests/dist/resume_worker.py `accumulation` on 2 ranks (serial, sparse_dist, hstu_prefetch)
+    and on 1 rank (serial, hstu_prefetch): {world size: [per-rank results]}."""
+    runs = {}
+    for nproc, plans in ((2, ["serial", "sparse_dist", "hstu_prefetch"]), (1, ["serial", "hstu_prefetch"])):
+        out = tmp_path_factory.mktemp(f"accumulation{nproc}")
+        check_torchrun(run_torchrun(WORKER, "accumulation", str(out), *plans, nproc=nproc, timeout=TIMEOUT))
+        runs[nproc] = [json.loads((out / f"accumulation_rank{r}.json").read_text()) for r in range(nproc)]
+    return runs
+
+
+def test_accumulation_resumes_bitwise_from_a_checkpoint(accumulation):
+    """Resuming at a window boundary (step 8 of 4-micro-step windows) starts on a micro-step that
+    runs under no_sync: the run continues (no DDP reducer assertion) and bitwise."""
+    for nproc, ranks in accumulation.items():
+        for data in ranks:
+            assert len(data) == (3 if nproc == 2 else 2)
+            for plan, got in data.items():
+                assert len(got["ref_losses"]) == 24
+                assert got["resumed_at"] == 8, (nproc, plan)
+                assert got["resumed_losses"] == got["ref_losses"][8:], (nproc, plan)
+                assert got["resumed_params"] == got["ref_params"], (nproc, plan)
+
+
+def test_sigterm_inside_an_accumulation_window_finishes_the_window_then_resumes_bitwise(accumulation):
+    """SIGTERM reaches the last rank at step 13, inside the window of steps 13..16: every rank
+    trains on to step 16 (the window's optimizer step), checkpoints there and stops; resuming
+    that checkpoint loses nothing."""
+    for nproc, ranks in accumulation.items():
+        for data in ranks:
+            for plan, got in data.items():
+                assert got["stopped"] == ["preempted", 16, "step_16"], (nproc, plan)
+                assert got["stopped_losses"] == got["ref_losses"][:16], (nproc, plan)
+                assert got["after_at"] == 16
+                assert got["after_losses"] == got["ref_losses"][16:], (nproc, plan)
+                assert got["after_params"] == got["ref_params"], (nproc, plan)
+
+
+# -- self-healing: torchrun restarts the job after a rank dies, and it resumes by itself ---------
+
+
+def test_a_rank_killed_under_torchrun_restarts_costs_nothing_but_time(reference, tmp_path):
+    """`torchrun --max-restarts=1 ... trainer.resume_from=latest`: rank 1 is SIGKILLed at step 17 of
+    the first attempt; torchrun restarts both ranks, which resume from step_10 and finish with
+    exit 0 and the per-step losses and final checkpoint of an uninterrupted run."""
+    healed = _torchrun(
+        "pipeline=hstu_prefetch",
+        FAULT_OVERRIDE,
+        f"trainer.output_dir={tmp_path}",
+        "trainer.resume_from=latest",
+        env={FAULT_ENV: "sigkill:1:17"},
+        cwd=tmp_path,
+        restarts=1,
+    )
+    assert healed.returncode == 0, healed.stderr[-4000:]
+    first, second = sorted((tmp_path / "recsys-train").iterdir())  # one run directory per attempt
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_10"]
+    ref, before, after = _losses(reference), _losses(first), _losses(second)
+    assert 10 <= max(before) < 17  # the first attempt died in step 17
+    assert sorted(after) == list(range(11, 31)) and after == {step: ref[step] for step in after}
+    assert before and before == {step: ref[step] for step in before}
+    _assert_same_checkpoint(second / "checkpoints" / "step_30", reference / "checkpoints" / "step_30", tmp_path)

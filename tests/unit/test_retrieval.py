@@ -484,3 +484,51 @@ def test_reproduce_games_script_prints_the_table_and_one_json_line(tmp_path):
         assert Path(summary["dump"][model]).read_text().startswith("user,item,rank_sampled,rank_full\n")
         assert summary["train_s"][model] >= 1
     assert (out / "hr10_vs_epoch.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_keeps_the_best_validation_choice(tmp_path):
+    """The checkpoint holds the best validation HR@10 so far (it picks what eval_dump holds), so a
+    run resumed from it selects exactly the evaluations the uninterrupted run selects."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from recsys_pipe.train.trainer import EVAL_BEST_KEY
+
+    path = _pairs(tmp_path, users=80)
+    common = [
+        "data=sequences",
+        f"data.path={path}",
+        "data.batch_size=16",
+        "data.eval_negatives=20",
+        "model=sasrec",
+        "pipeline=serial",
+        "trainer.device=cpu",
+        "trainer.max_steps=null",
+        "trainer.epochs=4",
+        "trainer.eval_every=2",
+        "trainer.progress_bar=false",
+        "trainer.tensorboard=false",
+        "trainer.checkpoint.interval=4",
+        "trainer.checkpoint.keep_latest=0",
+    ]
+
+    def evals(run_dir: Path) -> dict[int, dict]:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in records if "test" in r}
+
+    assert train_cli.run([*common, f"trainer.eval_dump={tmp_path}/a.csv", f"trainer.output_dir={tmp_path}/a"]) == 0
+    (run_dir,) = (tmp_path / "a" / "recsys-train").iterdir()
+    ref = evals(run_dir)
+    checkpoint = run_dir / "checkpoints" / "step_4"
+    dcp_to_torch_save(checkpoint, tmp_path / "step_4.pt")
+    saved = torch.load(tmp_path / "step_4.pt", weights_only=False)["train"]["progress"]["eval_best"]
+    assert EVAL_BEST_KEY == "train.progress.eval_best"
+    assert saved == max(r["valid"]["sampled"]["HR@10"] for step, r in ref.items() if step <= 4)
+    args = [*common, f"trainer.eval_dump={tmp_path}/b.csv", f"trainer.output_dir={tmp_path}/b"]
+    assert train_cli.run([*args, f"trainer.resume_from={checkpoint}"]) == 0
+    (resumed_dir,) = (tmp_path / "b" / "recsys-train").iterdir()
+    resumed = evals(resumed_dir)
+    assert sorted(resumed) == [step for step in sorted(ref) if step > 4]
+    assert {s: r.get("selected", False) for s, r in resumed.items()} == {
+        s: ref[s].get("selected", False) for s in resumed
+    }
