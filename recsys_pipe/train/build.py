@@ -146,6 +146,7 @@ class TrainParts:
     rng: RngState
 
     def close(self) -> None:
+        """Release what the parts hold: pipeline threads, the state's resources, the metrics files."""
         self.pipeline.shutdown()
         self.evaluator.close()
         self.state.close()

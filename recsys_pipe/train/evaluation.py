@@ -95,5 +95,6 @@ class Evaluator:
         return metrics
 
     def close(self) -> None:
+        """Shut down the evaluation pipeline's worker threads, if it was built."""
         if self.pipeline is not None:
             self.pipeline.shutdown()
