@@ -37,7 +37,7 @@ __all__ = [
 FAULT_ENV = "RECSYS_PIPE_FAULT"
 #: the override that makes any shipped plan inject that fault: its zero_grad task (the first
 #: of each training step) goes through `zero_grad_with_fault`
-FAULT_OVERRIDE = "pipeline.tasks.zero_grad.fn=recsys_pipe.testing.zero_grad_with_fault"
+FAULT_OVERRIDE = "pipeline.tasks.zero_grad.fn=recsys_pipe.testing:zero_grad_with_fault"
 
 
 def compose(*overrides: str, config_name: str = "config") -> Any:
