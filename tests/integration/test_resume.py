@@ -234,11 +234,28 @@ def reference(tmp_path_factory):
     return _run_dir(out)
 
 
-# the serial plan and the most pipelined one; the in-process resume above covers every plan
-@pytest.mark.parametrize("plan", ["serial", "hstu_prefetch"])
-def test_sigkill_between_checkpoints_then_resume_is_bitwise(plan, reference, tmp_path):
+#: 2-micro-step gradient accumulation (a checkpoint every 10 steps ends a window)
+ACCUMULATE = ("trainer.grad_accumulation.steps=2",)
+
+
+@pytest.fixture(scope="module")
+def accumulated_reference(tmp_path_factory):
+    """The uninterrupted run of `reference` with gradient accumulation, on the hstu_prefetch plan."""
+    out = tmp_path_factory.mktemp("accumulated_reference")
+    proc = _torchrun("pipeline=hstu_prefetch", *ACCUMULATE, f"trainer.output_dir={out}", cwd=out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _run_dir(out)
+
+
+# The serial plan, and the most pipelined one with gradient accumulation (killed at step 17,
+# inside a window). The in-process resume above covers every plan, and the self-healing test
+# below kills hstu_prefetch without accumulation.
+@pytest.mark.parametrize("plan, extra", [("serial", ()), ("hstu_prefetch", ACCUMULATE)], ids=["serial", "accumulate"])
+def test_sigkill_between_checkpoints_then_resume_is_bitwise(plan, extra, request, tmp_path):
+    reference = request.getfixturevalue("accumulated_reference" if extra else "reference")
     killed = _torchrun(
         f"pipeline={plan}",
+        *extra,
         FAULT_OVERRIDE,
         f"trainer.output_dir={tmp_path}/a",
         env={FAULT_ENV: "sigkill:0:17"},
@@ -248,7 +265,11 @@ def test_sigkill_between_checkpoints_then_resume_is_bitwise(plan, reference, tmp
     crashed = _run_dir(tmp_path / "a")
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_10"]  # 20 was never reached
     resumed = _torchrun(
-        f"pipeline={plan}", f"trainer.output_dir={tmp_path}/b", f"trainer.resume_from={crashed}", cwd=tmp_path
+        f"pipeline={plan}",
+        *extra,
+        f"trainer.output_dir={tmp_path}/b",
+        f"trainer.resume_from={crashed}",
+        cwd=tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     run_dir = _run_dir(tmp_path / "b")
