@@ -28,6 +28,7 @@ and `TrainPipelineSparseDist`); the private helpers imported below have the same
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -94,6 +95,8 @@ class TorchrecSparseDist:
         self._started: dict[int, EmbeddingTrainPipelineContext] = {}
         #: looked-up values a checkpoint saved, by the run's step: that step's lookup returns them
         self._restored: dict[int, dict[str, list[torch.Tensor]]] = {}
+        #: the lookup and forward tasks of different batches may run on different threads
+        self._lock = threading.Lock()
 
     def stream(self, name: str) -> torch.cuda.Stream | None:
         """The CUDA stream torchrec should use, or None on CPU (where a stream would make the
@@ -186,9 +189,10 @@ class TorchrecSparseDist:
         collects the batch's lookup, if one was started: it is no longer in flight)."""
         for module in self.pipelined_modules:
             module.forward.set_context(context)
-        for step, started in list(self._started.items()):
-            if started is context:
-                del self._started[step]
+        with self._lock:
+            for step, started in list(self._started.items()):
+                if started is context:
+                    del self._started[step]
 
     def start_lookup(self, context: EmbeddingTrainPipelineContext, step: int | None = None) -> Any:
         """torchrec's `_start_embedding_lookup` for every pipelined module: wait for the batch's
@@ -208,8 +212,9 @@ class TorchrecSparseDist:
         for module in self.pipelined_modules:
             _start_embedding_lookup(module, context, self.stream("data_dist"), target, torch.cuda.stream)
         if step is not None:
-            self._started[step] = context
-            saved = self._restored.pop(step, None)
+            with self._lock:
+                self._started[step] = context
+                saved = self._restored.pop(step, None)
             if saved is not None:
                 _substitute(context, saved, step)
         return context.embedding_a2a_requests
@@ -224,7 +229,9 @@ class TorchrecSparseDist:
         for here and its result handed to the forward as is (torchrec's `NoWait`), so the batch
         trains on exactly these tensors."""
         saved: dict[int, dict[str, list[torch.Tensor]]] = {}
-        for step, context in sorted(self._started.items()):
+        with self._lock:
+            started = sorted(self._started.items())
+        for step, context in started:
             modules = {}
             for name, request in list(context.embedding_a2a_requests.items()):
                 embeddings, context.embedding_a2a_requests[name] = _settle(request)

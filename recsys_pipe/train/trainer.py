@@ -284,12 +284,12 @@ class Trainer:
 
     def checkpoint_state(self, eval_best: bool = True) -> dict[str, Any]:
         """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
-        Each rank's RNG states (`RngState`) are saved next to it."""
+        Each rank's RNG states and what it has in flight (`_RankState`) are saved next to it."""
         return {"train": _TrainingState(self, eval_best)}
 
     def restore(self, path: str) -> None:
         """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
-        data position and (if the checkpoint has this rank's) RNG states."""
+        data position and (if the checkpoint has this rank's file) RNG states and what was in flight."""
         self.optimizer.prepare_load()
         try:
             # a checkpoint written before retrieval runs saved their best validation score has none
