@@ -17,10 +17,11 @@ plan: an uninterrupted 24-step run (checkpoints at 8, 16, 24), a run resumed fro
 checkpoint, and a run that gets SIGTERM inside a window (the last rank, at step 13) and its
 resume; writes accumulation_rank<r>.json.
 
-`semi_sync <out> <plan>...` (2 ranks): semi-synchronous plans with a warm-up of 3 batches
-(start_batch=2), for each plan: an uninterrupted 10-step run (checkpoints every 2 steps), runs
-resumed from its steps 2 and 4, and a control resume from step 4 without the saved lookups
-(semi_sync) or kept gradients (semi_sync_stash); writes semi_sync_rank<r>.json.
+`semi_sync <out> <plan>...` (2 ranks): semi-synchronous plans (SEMI_SYNC_PLANS: semi_sync,
+semi_sync_stash, semi_sync/threaded) with a warm-up of 3 batches (start_batch=2), for each: an
+uninterrupted 10-step run (checkpoints every 2 steps), runs resumed from its steps 2 and 4, and
+a control resume from step 4 without the saved lookups (semi_sync) or kept gradients
+(semi_sync_stash); writes semi_sync_rank<r>.json.
 """
 
 import json
@@ -237,19 +238,24 @@ SEMI_SYNC = [
 #: the resumes: step 2 (inside the warm-up, the resumed run crosses into the semi-synchronous
 #: steps) and step 4 (after it: warming up again would train steps 4..6 on fresh embeddings)
 SEMI_SYNC_RESUMES = (2, 4)
+SEMI_SYNC_PLANS = {
+    "semi_sync": ["pipeline=semi_sync"],
+    "semi_sync_stash": ["pipeline=semi_sync_stash"],
+    "semi_sync/threaded": ["pipeline=semi_sync", "pipeline.executor=threaded", "thread_map=per_task"],
+}
 #: what the control resume's checkpoint loses of what was in flight, per plan
 SEMI_SYNC_CONTROL = {"semi_sync": "lookups", "semi_sync_stash": "grad_stash"}
 
 
 def semi_sync(out, plans):
-    """For each plan: an uninterrupted 10-step run, its resumes from SEMI_SYNC_RESUMES, and a
-    control resume from step 4 whose rank files lost part of what was in flight
-    (SEMI_SYNC_CONTROL)."""
+    """For each plan (a key of SEMI_SYNC_PLANS): an uninterrupted 10-step run, its resumes from
+    SEMI_SYNC_RESUMES, and for the plans of SEMI_SYNC_CONTROL a control resume from step 4 whose
+    rank files lost part of what was in flight."""
     info = init_distributed("cpu", "gloo")
     result = {}
     for plan in plans:
-        overrides = [*SEMI_SYNC, f"pipeline={plan}"]
-        ref_dir = os.path.join(out, plan)
+        overrides = [*SEMI_SYNC, *SEMI_SYNC_PLANS[plan]]
+        ref_dir = os.path.join(out, plan.replace("/", "_"))
         ref, ref_params = fit(trainer(info, ref_dir, *overrides))
         dist.barrier()
         checkpoints = os.path.join(ref_dir, "checkpoints")
@@ -263,6 +269,9 @@ def semi_sync(out, plans):
                 "stashed": len(own.get("grad_stash", {})),
             }
             got["resumes"][step] = {"at": resumed.start_step, "losses": resumed.losses, "params": digest(params)}
+        result[plan] = got
+        if plan not in SEMI_SYNC_CONTROL:
+            continue
         control = os.path.join(out, f"{plan}_control")
         if info.is_main:  # the step-4 checkpoint without part of what was in flight
             shutil.copytree(os.path.join(checkpoints, "step_4"), control)
@@ -273,7 +282,6 @@ def semi_sync(out, plans):
         dist.barrier()
         lost, _ = fit(trainer(info, None, *overrides), restore=control)
         got["control_losses"] = lost.losses
-        result[plan] = got
     with open(os.path.join(out, f"semi_sync_rank{info.rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

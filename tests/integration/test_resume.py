@@ -391,10 +391,12 @@ def test_sigterm_inside_an_accumulation_window_finishes_the_window_then_resumes_
 
 @pytest.fixture(scope="module")
 def semi_sync(tmp_path_factory):
-    """tests/dist/resume_worker.py `semi_sync` on 2 ranks (semi_sync, semi_sync_stash; warm-up of
-    batches 0..2): per-rank results and the launch's output."""
+    """tests/dist/resume_worker.py `semi_sync` on 2 ranks (semi_sync, semi_sync_stash, and
+    semi_sync on the threaded executor with a thread per task; warm-up of batches 0..2):
+    per-rank results and the launch's output."""
     out = tmp_path_factory.mktemp("semi_sync")
-    proc = run_torchrun(WORKER, "semi_sync", str(out), "semi_sync", "semi_sync_stash", timeout=TIMEOUT)
+    plans = ["semi_sync", "semi_sync_stash", "semi_sync/threaded"]
+    proc = run_torchrun(WORKER, "semi_sync", str(out), *plans, timeout=TIMEOUT)
     check_torchrun(proc)
     return [json.loads((out / f"semi_sync_rank{r}.json").read_text()) for r in range(2)], proc.stdout + proc.stderr
 
@@ -403,10 +405,11 @@ def test_semi_sync_plans_resume_bitwise_inside_and_after_the_warm_up(semi_sync):
     """The checkpoint holds the lookup of the next step (started before the last update, so the
     tables it holds cannot give it again) and semi_sync_stash's kept gradients: a resume from
     step 2 (inside the warm-up; the resumed run crosses into the stale steps) and from step 4
-    (after it; warming up again would train steps 4..6 on fresh embeddings) is bitwise."""
+    (after it; warming up again would train steps 4..6 on fresh embeddings) is bitwise, also
+    with a thread per task."""
     ranks, _ = semi_sync
     for data in ranks:
-        assert set(data) == {"semi_sync", "semi_sync_stash"}
+        assert set(data) == {"semi_sync", "semi_sync_stash", "semi_sync/threaded"}
         for plan, got in data.items():
             assert len(got["ref_losses"]) == 10
             for step in ("2", "4"):
@@ -420,6 +423,7 @@ def test_semi_sync_plans_resume_bitwise_inside_and_after_the_warm_up(semi_sync):
         assert data["semi_sync_stash"]["in_flight"]["2"]["stashed"] == 0
         assert data["semi_sync_stash"]["in_flight"]["4"]["stashed"] > 0
         assert data["semi_sync"]["ref_losses"] != data["semi_sync_stash"]["ref_losses"]
+        assert data["semi_sync/threaded"]["ref_losses"] == data["semi_sync"]["ref_losses"]
 
 
 def test_semi_sync_resume_without_what_was_in_flight_is_not_bitwise(semi_sync):
