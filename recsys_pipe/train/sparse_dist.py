@@ -23,7 +23,9 @@ and `TrainPipelineSparseDist`); the private helpers imported below have the same
   stream); `EmbeddingPipelinedForward` on an EmbeddingBagCollection still records its KeyedTensor
   on that stream, which fails on the CPU (the HSTU model's EmbeddingCollection does not);
 - torchrec's own TrainPipelineSemiSync and TrainPipelineFusedSparseDist fail on the CPU: they
-  pass the CPU's current stream to `record_stream` (`RuntimeError: unknown parameter type`).
+  pass the CPU's current stream to `record_stream` (`RuntimeError: unknown parameter type`);
+- an `Awaitable`'s `wait()` passes its result through the awaitable's `callbacks`: a lookup a
+  checkpoint saved (`restore_lookups`) is put in place by one, when the forward waits for it.
 """
 
 from __future__ import annotations
@@ -231,6 +233,8 @@ class TorchrecSparseDist:
         saved: dict[int, dict[str, list[torch.Tensor]]] = {}
         with self._lock:
             started = sorted(self._started.items())
+        if started and self.streams.is_cuda:  # the lookups ran on the plan's streams, not this thread's
+            torch.cuda.synchronize(self.device)
         for step, context in started:
             modules = {}
             for name, request in list(context.embedding_a2a_requests.items()):
