@@ -4,9 +4,9 @@ A checkpoint is a DCP directory `<run dir>/checkpoints/step_<N>/`: every rank wr
 shards (the sharded embedding tables and their fused optimizer state as torchrec
 `ShardedTensor`s, which DCP can reshard on load for another world size) and the replicated
 state once (dense model and optimizer, LR scheduler, step and data position). What belongs to
-one rank only (its RNG states) goes to `rng/rank<r>.pt` next to DCP's files: a DCP load
-expects every key of the checkpoint in every rank's state dict, so per-rank keys cannot be
-loaded there.
+one rank only (its RNG states; a semi-synchronous plan's lookups and gradients in flight) goes
+to `rng/rank<r>.pt` next to DCP's files: a DCP load expects every key of the checkpoint in
+every rank's state dict, so per-rank keys cannot be loaded there.
 
 A checkpoint becomes visible only once complete: the ranks write into a hidden
 `.step_<N>.partial/` directory, and rank 0 renames it to `step_<N>` after DCP has written its

@@ -113,10 +113,13 @@ def start_embedding_lookup(ctx: TaskContext[TrainState]) -> None:
     """torchrec's `_start_embedding_lookup` for every sharded module of the batch (when
     `options` give it this batch; otherwise another lookup task of the plan does it). Writes
     its declared slot (the started lookup, or None) either way."""
-    sparse = ctx.state.sparse_dist
-    # the run's step: a resumed run does not warm up again
-    mine = sparse is not None and task_options(ctx, LookupOptions).looks_up(ctx.state.run_step(ctx.batch_index))
-    result = sparse.start_lookup(ctx.slots[TORCHREC_CTX]) if mine else None
+    state = ctx.state
+    sparse = state.sparse_dist
+    # the run's step: a resumed run does not warm up again, and its first lookup returns what the
+    # checkpoint saved of that step's lookup (TorchrecSparseDist.restore_lookups)
+    step = state.run_step(ctx.batch_index)
+    mine = sparse is not None and task_options(ctx, LookupOptions).looks_up(step)
+    result = sparse.start_lookup(ctx.slots[TORCHREC_CTX], step if state.training else None) if mine else None
     for slot in ctx.task.writes:
         ctx.slots.set(slot.name, result)
 

@@ -23,11 +23,15 @@ and `TrainPipelineSparseDist`); the private helpers imported below have the same
   stream); `EmbeddingPipelinedForward` on an EmbeddingBagCollection still records its KeyedTensor
   on that stream, which fails on the CPU (the HSTU model's EmbeddingCollection does not);
 - torchrec's own TrainPipelineSemiSync and TrainPipelineFusedSparseDist fail on the CPU: they
-  pass the CPU's current stream to `record_stream` (`RuntimeError: unknown parameter type`).
+  pass the CPU's current stream to `record_stream` (`RuntimeError: unknown parameter type`);
+- an `Awaitable`'s `wait()` passes its result through the awaitable's `callbacks`: a lookup a
+  checkpoint saved (`restore_lookups`) is put in place by one, when the forward waits for it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +54,8 @@ from torchrec.distributed.train_pipeline.utils import (
     _start_data_dist,
     _start_embedding_lookup,
 )
+from torchrec.distributed.types import Awaitable, NoWait
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_pipe.engine import StreamPool
 
@@ -87,6 +93,12 @@ class TorchrecSparseDist:
         self.context_type, self.pipelined_forward = CONTEXTS[context]
         #: torchrec modules whose forward the model rewrite split (set by `rewrite`).
         self.pipelined_modules: list = []
+        #: training lookups started and not yet collected by their forward, by the run's step
+        self._started: dict[int, EmbeddingTrainPipelineContext] = {}
+        #: looked-up values a checkpoint saved, by the run's step: that step's lookup returns them
+        self._restored: dict[int, dict[str, list[torch.Tensor]]] = {}
+        #: the lookup and forward tasks of different batches may run on different threads
+        self._lock = threading.Lock()
 
     def stream(self, name: str) -> torch.cuda.Stream | None:
         """The CUDA stream torchrec should use, or None on CPU (where a stream would make the
@@ -175,15 +187,24 @@ class TorchrecSparseDist:
         return context.module_input_post_prefetch
 
     def bind(self, context: TrainPipelineContext) -> None:
-        """Tie the shared pipelined forwards to this batch's context before its forward."""
+        """Tie the shared pipelined forwards to this batch's context before its forward (which
+        collects the batch's lookup, if one was started: it is no longer in flight)."""
         for module in self.pipelined_modules:
             module.forward.set_context(context)
+        with self._lock:
+            for step, started in list(self._started.items()):
+                if started is context:
+                    del self._started[step]
 
-    def start_lookup(self, context: EmbeddingTrainPipelineContext) -> Any:
+    def start_lookup(self, context: EmbeddingTrainPipelineContext, step: int | None = None) -> Any:
         """torchrec's `_start_embedding_lookup` for every pipelined module: wait for the batch's
         input tensors, run the lookup and start the output all-to-all; the awaitables go to
         `context.embedding_a2a_requests`, which the pipelined forward consumes (semi_sync: it
-        detaches the embeddings and keeps them for `embedding_backward`)."""
+        detaches the embeddings and keeps them for `embedding_backward`).
+
+        `step`: the run's step of a training batch (None for evaluation). Its lookup is in
+        flight until the forward collects it (`lookups_in_flight`); if a checkpoint saved this
+        step's looked-up values (`restore_lookups`), the lookup returns those instead."""
         if not isinstance(context, EmbeddingTrainPipelineContext):
             raise RuntimeError(
                 "start_embedding_lookup needs torchrec's embedding context: set pipeline.torchrec_context "
@@ -192,7 +213,44 @@ class TorchrecSparseDist:
         target = self.stream("default")
         for module in self.pipelined_modules:
             _start_embedding_lookup(module, context, self.stream("data_dist"), target, torch.cuda.stream)
+        if step is not None:
+            with self._lock:
+                self._started[step] = context
+                saved = self._restored.pop(step, None)
+            if saved is not None:
+                _substitute(context, saved, step)
         return context.embedding_a2a_requests
+
+    def lookups_in_flight(self) -> dict[int, dict[str, list[torch.Tensor]]]:
+        """The values of the training lookups started for steps not trained yet (a checkpoint's
+        share of what is in flight), by the run's step and module: {step: {module: [tensors]}}.
+
+        In the semi-synchronous plans the next batch's lookup reads the tables from before the
+        last update, which no checkpoint holds; saving what it returned lets a resumed run train
+        that batch on the same embeddings (`restore_lookups`). Each output all-to-all is waited
+        for here and its result handed to the forward as is (torchrec's `NoWait`), so the batch
+        trains on exactly these tensors."""
+        saved: dict[int, dict[str, list[torch.Tensor]]] = {}
+        with self._lock:
+            started = sorted(self._started.items())
+        if started and self.streams.is_cuda:  # the lookups ran on the plan's streams, not this thread's
+            torch.cuda.synchronize(self.device)
+        for step, context in started:
+            modules = {}
+            for name, request in list(context.embedding_a2a_requests.items()):
+                embeddings, context.embedding_a2a_requests[name] = _settle(request)
+                modules[name] = [values.detach().clone() for values in _embedding_values(embeddings)]
+            if modules:
+                saved[step] = modules
+        return saved
+
+    def restore_lookups(self, saved: Mapping[int, Mapping[str, Sequence[torch.Tensor]]]) -> None:
+        """Make the lookups of the steps in `saved` (`lookups_in_flight` of a checkpoint) return
+        the saved values. The lookup itself still runs: the embeddings' backward goes through it
+        to the tables (and their fused optimizer), exactly as in the run that saved them."""
+        self._restored = {
+            int(step): {name: list(values) for name, values in modules.items()} for step, modules in saved.items()
+        }
 
     def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
         """The embeddings' own backward (semi_sync): the gradients forward's backward left on the
@@ -206,3 +264,66 @@ class TorchrecSparseDist:
             ]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+class _Substitute(torch.autograd.Function):
+    """The saved values in the forward, the looked-up tensor's place in the backward: the
+    gradient passes to the fresh lookup unchanged (as it would to the saved lookup's own graph),
+    so the tables get the update of the run that saved the values."""
+
+    @staticmethod
+    def forward(ctx: Any, looked_up: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+        return saved.to(device=looked_up.device).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _settle(request: Any) -> tuple[Any, Any]:
+    """Wait for a started lookup (`embedding_a2a_requests` value; a pair of awaitables for
+    managed-collision modules) and return its embeddings and an already-done stand-in for it."""
+    if isinstance(request, Awaitable):
+        result = request.wait()
+        return result, NoWait(result)
+    results = [awaitable.wait() for awaitable in request]
+    return results[0], type(request)(NoWait(r) for r in results)
+
+
+def _embedding_values(embeddings: Any) -> list[torch.Tensor]:
+    """The dense tensors of a lookup's output, the ones torchrec's semi-sync forward detaches:
+    one KeyedTensor's values (EmbeddingBagCollection) or every JaggedTensor's (EmbeddingCollection)."""
+    if isinstance(embeddings, KeyedTensor):
+        return [embeddings.values()]
+    return [jt.values() for jt in embeddings.values()]
+
+
+def _substitute(context: EmbeddingTrainPipelineContext, saved: Mapping[str, list[torch.Tensor]], step: int) -> None:
+    """Have the started lookups of `context` return `saved` (one callback per module's
+    awaitable, run when the forward waits for it)."""
+    for name, values in saved.items():
+        request = context.embedding_a2a_requests.get(name)
+        if request is None:
+            raise RuntimeError(
+                f"the checkpoint holds a lookup of module {name} for step {step}, which this model lacks"
+            )
+        first = request if isinstance(request, Awaitable) else request[0]
+        first.callbacks.append(lambda embeddings, name=name, values=values: _replace(embeddings, values, name, step))
+
+
+def _replace(embeddings: Any, saved: list[torch.Tensor], name: str, step: int) -> Any:
+    """Put the saved values in place of the looked-up ones (same shapes: the same batch)."""
+    looked_up = _embedding_values(embeddings)
+    shapes = [tuple(t.shape) for t in looked_up]
+    if shapes != [tuple(t.shape) for t in saved]:
+        raise RuntimeError(
+            f"the checkpoint's lookup of module {name} for step {step} has shapes {[tuple(t.shape) for t in saved]}, "
+            f"this run looks up {shapes}: it trains another batch than the run that saved it"
+        )
+    replaced = [_Substitute.apply(fresh, value) for fresh, value in zip(looked_up, saved, strict=True)]
+    if isinstance(embeddings, KeyedTensor):
+        embeddings._values = replaced[0]
+    else:
+        for jt, values in zip(embeddings.values(), replaced, strict=True):
+            jt._values = values
+    return embeddings

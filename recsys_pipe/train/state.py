@@ -77,6 +77,27 @@ class TrainState:
         from 0 (evaluation trains no step)."""
         return batch_index + (self.start_step if self.training else 0)
 
+    def in_flight(self) -> dict[str, Any]:
+        """What the next steps depend on beyond the model and optimizer state, for a checkpoint
+        of this rank (empty where nothing is in flight): the semi-synchronous plans' lookups
+        already started for later steps (`lookups`, by the run's step: they read the tables
+        before the last update) and the gradients a stash_gradients task keeps (`grad_stash`)."""
+        state: dict[str, Any] = {}
+        lookups = self.sparse_dist.lookups_in_flight() if self.sparse_dist is not None else {}
+        if lookups:
+            state["lookups"] = lookups
+        if self.grad_stash:
+            state["grad_stash"] = {name: grad.detach().clone() for name, grad in self.grad_stash.items()}
+        return state
+
+    def restore_in_flight(self, state: dict[str, Any]) -> None:
+        """Take back what `in_flight` saved: the kept gradients at once, the lookups when their
+        steps are looked up again."""
+        self.grad_stash.clear()  # in place: views of the state share the dict
+        self.grad_stash.update(state.get("grad_stash", {}))
+        if self.sparse_dist is not None:
+            self.sparse_dist.restore_lookups(state.get("lookups", {}))
+
     def autocast(self) -> torch.autocast:
         """The forward's autocast context (disabled without `autocast_dtype`). Autocast state is
         per thread, so the task running the forward enters it itself."""

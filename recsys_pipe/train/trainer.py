@@ -173,6 +173,34 @@ class _TrainingState:
         self.progress.load_state_dict(state["progress"])
 
 
+#: the key of `TrainState.in_flight` in a rank's own checkpoint file, next to its RNG states
+IN_FLIGHT_KEY = "in_flight"
+
+
+class _RankState:
+    """`Stateful` of what a checkpoint holds for one rank only: its RNG states (`RngState`) and
+    what is in flight (`TrainState.in_flight`: a semi-synchronous plan's started lookups and
+    kept gradients, absent otherwise). `lookups_restored` says whether the loaded file had
+    lookups in flight."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.lookups_restored = False
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.trainer.rng.state_dict()
+        in_flight = self.trainer.state.in_flight()
+        if in_flight:
+            state[IN_FLIGHT_KEY] = in_flight
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.rng.load_state_dict(state)
+        in_flight = state.get(IN_FLIGHT_KEY, {})
+        self.trainer.state.restore_in_flight(in_flight)
+        self.lookups_restored = bool(in_flight.get("lookups"))
+
+
 @dataclass
 class _Loop:
     """The bookkeeping of one `fit`: what it trained, when it last evaluated and checkpointed,
@@ -256,17 +284,18 @@ class Trainer:
 
     def checkpoint_state(self, eval_best: bool = True) -> dict[str, Any]:
         """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
-        Each rank's RNG states (`RngState`) are saved next to it."""
+        Each rank's RNG states and what it has in flight (`_RankState`) are saved next to it."""
         return {"train": _TrainingState(self, eval_best)}
 
     def restore(self, path: str) -> None:
         """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
-        data position and (if the checkpoint has this rank's) RNG states."""
+        data position and (if the checkpoint has this rank's file) RNG states and what was in flight."""
         self.optimizer.prepare_load()
         try:
             # a checkpoint written before retrieval runs saved their best validation score has none
             state = self.checkpoint_state(eval_best=EVAL_BEST_KEY in read_metadata(Path(path)).state_dict_metadata)
-            with_rng = load_checkpoint(path, state, self.rng, self.info.rank, self.info.checkpoint_group)
+            own = _RankState(self)
+            with_rng = load_checkpoint(path, state, own, self.info.rank, self.info.checkpoint_group)
         except (RuntimeError, ValueError, KeyError) as exc:  # DCP's CheckpointException is a RuntimeError
             reason = str(exc).strip().splitlines()
             detail = next((line for line in reversed(reason) if "Error" in line), reason[0] if reason else "")
@@ -274,7 +303,7 @@ class Trainer:
                 ConfigProblem("trainer.resume_from", f"{path} does not fit this model and optimizer: {detail[:300]}")
             ) from exc
         if self.info.is_main:
-            for line in self._resume_changes(path):
+            for line in self._resume_changes(path, own.lookups_restored):
                 log.warning("resuming %s", line)
             log.info(
                 "resumed from %s: step %d, epoch %d, batch %d of the epoch%s",
@@ -285,14 +314,20 @@ class Trainer:
                 "" if with_rng else " (the checkpoint has no RNG state of this rank: fresh RNG)",
             )
 
-    def _resume_changes(self, path: str) -> list[str]:
+    def _resume_changes(self, path: str, lookups_restored: bool) -> list[str]:
         """What this run changes about the checkpoint's run (its config.yaml), one line each:
         what is dropped or restarted. (A change that cannot load -- another model, an optimizer
         whose state the checkpoint lacks -- is refused by `restore` with exit 2.)"""
+        lines = []
+        if self.plan.config.torchrec_context == "semi_sync" and not lookups_restored and self.step < self.planned_steps:
+            lines.append(
+                f"a semi-synchronous plan ({self.run.pipeline.name}) from a checkpoint that holds no lookup in flight "
+                "for this rank (written by another plan, or on another world size): the first batch is looked up "
+                "from the checkpoint's tables, one update fresher than in the run that wrote it"
+            )
         saved = saved_config(Path(path))
         if saved is None:
-            return []
-        lines = []
+            return lines
         old_opt, new_opt = _key(saved, "optimizer.name"), self.run.optimizer.name
         if old_opt is not None and old_opt != new_opt:
             lines.append(
@@ -313,19 +348,13 @@ class Trainer:
                 f"with pipeline={new_plan}, the checkpoint's run used {old_plan}: batches in flight are not part of a "
                 "checkpoint, so the new plan refills its own"
             )
-        if self.plan.config.torchrec_context == "semi_sync":
-            lines.append(
-                f"a semi-synchronous plan ({new_plan}): the first batch after the resume is looked up from the "
-                "checkpoint's tables, one update fresher than in the uninterrupted run (the lookup in flight is not "
-                "part of a checkpoint; so are gradients a stash_gradients task keeps), so the resume is not bitwise"
-            )
         return lines
 
     def save_checkpoint(self, blocking: bool = False) -> None:
         """Checkpoint the current step (every rank takes part); asynchronous as configured
         unless `blocking`. Needs a run directory."""
         assert self.checkpointer is not None
-        self.checkpointer.save(self.step, self.checkpoint_state(), self.rng, blocking=blocking)
+        self.checkpointer.save(self.step, self.checkpoint_state(), _RankState(self), blocking=blocking)
 
     # -- loop -----------------------------------------------------------------------------------
 

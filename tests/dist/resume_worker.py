@@ -16,6 +16,12 @@ parameters, then trains 5 more steps.
 plan: an uninterrupted 24-step run (checkpoints at 8, 16, 24), a run resumed from its step-8
 checkpoint, and a run that gets SIGTERM inside a window (the last rank, at step 13) and its
 resume; writes accumulation_rank<r>.json.
+
+`semi_sync <out> <plan>...` (2 ranks): semi-synchronous plans (SEMI_SYNC_PLANS: semi_sync,
+semi_sync_stash, semi_sync/threaded) with a warm-up of 3 batches (start_batch=2), for each: an
+uninterrupted 10-step run (checkpoints every 2 steps), runs resumed from its steps 2 and 4, and
+a control resume from step 4 without the saved lookups (semi_sync) or kept gradients
+(semi_sync_stash); writes semi_sync_rank<r>.json.
 """
 
 import json
@@ -222,12 +228,74 @@ def accumulation(out, plans):
     dist.destroy_process_group()
 
 
+#: semi-synchronous plans with a synchronous warm-up of batches 0..2 (start_batch=2), checkpoints every 2 steps
+SEMI_SYNC = [
+    "pipeline.tasks.start_embedding_lookup.options.start_batch=2",
+    "trainer.max_steps=10",
+    "trainer.checkpoint.interval=2",
+    "trainer.checkpoint.keep_latest=0",
+]
+#: the resumes: step 2 (inside the warm-up, the resumed run crosses into the semi-synchronous
+#: steps) and step 4 (after it: warming up again would train steps 4..6 on fresh embeddings)
+SEMI_SYNC_RESUMES = (2, 4)
+SEMI_SYNC_PLANS = {
+    "semi_sync": ["pipeline=semi_sync"],
+    "semi_sync_stash": ["pipeline=semi_sync_stash"],
+    "semi_sync/threaded": ["pipeline=semi_sync", "pipeline.executor=threaded", "thread_map=per_task"],
+}
+#: what the control resume's checkpoint loses of what was in flight, per plan
+SEMI_SYNC_CONTROL = {"semi_sync": "lookups", "semi_sync_stash": "grad_stash"}
+
+
+def semi_sync(out, plans):
+    """For each plan (a key of SEMI_SYNC_PLANS): an uninterrupted 10-step run, its resumes from
+    SEMI_SYNC_RESUMES, and for the plans of SEMI_SYNC_CONTROL a control resume from step 4 whose
+    rank files lost part of what was in flight."""
+    info = init_distributed("cpu", "gloo")
+    result = {}
+    for plan in plans:
+        overrides = [*SEMI_SYNC, *SEMI_SYNC_PLANS[plan]]
+        ref_dir = os.path.join(out, plan.replace("/", "_"))
+        ref, ref_params = fit(trainer(info, ref_dir, *overrides))
+        dist.barrier()
+        checkpoints = os.path.join(ref_dir, "checkpoints")
+        got = {"ref_losses": ref.losses, "ref_params": digest(ref_params), "resumes": {}, "in_flight": {}}
+        for step in SEMI_SYNC_RESUMES:
+            path = os.path.join(checkpoints, f"step_{step}")
+            resumed, params = fit(trainer(info, None, *overrides), restore=path)
+            own = torch.load(os.path.join(path, "rng", f"rank{info.rank}.pt"), weights_only=True)["in_flight"]
+            got["in_flight"][step] = {
+                "lookup_steps": sorted(own.get("lookups", {})),
+                "stashed": len(own.get("grad_stash", {})),
+            }
+            got["resumes"][step] = {"at": resumed.start_step, "losses": resumed.losses, "params": digest(params)}
+        result[plan] = got
+        if plan not in SEMI_SYNC_CONTROL:
+            continue
+        control = os.path.join(out, f"{plan}_control")
+        if info.is_main:  # the step-4 checkpoint without part of what was in flight
+            shutil.copytree(os.path.join(checkpoints, "step_4"), control)
+            for rank_file in os.scandir(os.path.join(control, "rng")):
+                state = torch.load(rank_file.path, weights_only=True)
+                del state["in_flight"][SEMI_SYNC_CONTROL[plan]]
+                torch.save(state, rank_file.path)
+        dist.barrier()
+        lost, _ = fit(trainer(info, None, *overrides), restore=control)
+        got["control_losses"] = lost.losses
+    with open(os.path.join(out, f"semi_sync_rank{info.rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "reshard":
         reshard(*sys.argv[2:])
     elif sys.argv[1] == "accumulation":
         accumulation(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "semi_sync":
+        semi_sync(sys.argv[2], sys.argv[3:])
     else:
         main(sys.argv[2])
     sys.stdout.flush()

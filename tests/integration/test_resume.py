@@ -407,6 +407,62 @@ def test_sigterm_inside_an_accumulation_window_finishes_the_window_then_resumes_
                 assert got["after_params"] == got["ref_params"], (nproc, plan)
 
 
+# -- semi-synchronous plans: the lookup in flight and the kept gradients -----------------------
+
+
+@pytest.fixture(scope="module")
+def semi_sync(tmp_path_factory):
+    """tests/dist/resume_worker.py `semi_sync` on 2 ranks (semi_sync, semi_sync_stash, and
+    semi_sync on the threaded executor with a thread per task; warm-up of batches 0..2):
+    per-rank results and the launch's output."""
+    out = tmp_path_factory.mktemp("semi_sync")
+    plans = ["semi_sync", "semi_sync_stash", "semi_sync/threaded"]
+    proc = run_torchrun(WORKER, "semi_sync", str(out), *plans, timeout=TIMEOUT)
+    check_torchrun(proc)
+    return [json.loads((out / f"semi_sync_rank{r}.json").read_text()) for r in range(2)], proc.stdout + proc.stderr
+
+
+def test_semi_sync_plans_resume_bitwise_inside_and_after_the_warm_up(semi_sync):
+    """The checkpoint holds the lookup of the next step (started before the last update, so the
+    tables it holds cannot give it again) and semi_sync_stash's kept gradients: a resume from
+    step 2 (inside the warm-up; the resumed run crosses into the stale steps) and from step 4
+    (after it; warming up again would train steps 4..6 on fresh embeddings) is bitwise, also
+    with a thread per task."""
+    ranks, _ = semi_sync
+    for data in ranks:
+        assert set(data) == {"semi_sync", "semi_sync_stash", "semi_sync/threaded"}
+        for plan, got in data.items():
+            assert len(got["ref_losses"]) == 10
+            for step in ("2", "4"):
+                resumed = got["resumes"][step]
+                assert resumed["at"] == int(step), (plan, step)
+                assert resumed["losses"] == got["ref_losses"][int(step) :], (plan, step)
+                assert resumed["params"] == got["ref_params"], (plan, step)
+                assert got["in_flight"][step]["lookup_steps"] == [int(step)], (plan, step)
+        # the stash starts at batch 2: the step-4 checkpoint keeps batch 3's gradients
+        assert data["semi_sync"]["in_flight"]["4"]["stashed"] == 0
+        assert data["semi_sync_stash"]["in_flight"]["2"]["stashed"] == 0
+        assert data["semi_sync_stash"]["in_flight"]["4"]["stashed"] > 0
+        assert data["semi_sync"]["ref_losses"] != data["semi_sync_stash"]["ref_losses"]
+        assert data["semi_sync/threaded"]["ref_losses"] == data["semi_sync"]["ref_losses"]
+
+
+def test_semi_sync_resume_without_what_was_in_flight_is_not_bitwise(semi_sync):
+    """Controls: resumed from the step-4 checkpoint without the saved lookup, semi_sync's step 5
+    already differs; without the kept gradients, semi_sync_stash's step 5 has the same loss (its
+    forward comes before the optimizer step that applies them) and the later steps differ. So
+    each is what keeps the resumes above bitwise; only the resume without a lookup warns."""
+    ranks, output = semi_sync
+    for data in ranks:
+        lookup, stash = data["semi_sync"], data["semi_sync_stash"]
+        assert len(lookup["control_losses"]) == len(stash["control_losses"]) == 6
+        assert lookup["control_losses"][0] != lookup["ref_losses"][4]
+        assert stash["control_losses"][0] == stash["ref_losses"][4]
+        assert stash["control_losses"][1] != stash["ref_losses"][5]
+    warnings = [line for line in output.splitlines() if "holds no lookup in flight" in line]
+    assert len(warnings) == 1 and "(semi_sync)" in warnings[0], warnings
+
+
 # -- self-healing: torchrun restarts the job after a rank dies, and it resumes by itself ---------
 
 
