@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from dataclasses import dataclass
 
@@ -64,10 +63,20 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _own_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store of a 1-rank group run as a plain process, on a port the OS picks as it binds.
+    Asking for a free port first and binding it later races with every other process doing the
+    same (seen: EADDRINUSE when tests start runs side by side); binding port 0 cannot. The port
+    goes to MASTER_PORT, where the health watch and sweep-directory clients look for it."""
+    global _OWN_PORT
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout)
+    _OWN_PORT = os.environ["MASTER_PORT"] = str(store.port)
+    return store
+
+
+#: the port of the last store `_own_store` made: an environment that names it is one this
+#: process wrote itself (a second run in the same process), not torchrun's
+_OWN_PORT: str | None = None
 
 
 _INFO: DistInfo | None = None
@@ -103,17 +112,13 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     global _INFO
     if _INFO is not None and dist.is_initialized():
         return _INFO
-    if "WORLD_SIZE" not in os.environ:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store: dist.Store | None = None
+    if "WORLD_SIZE" not in os.environ or os.environ.get("MASTER_PORT") == _OWN_PORT:
         os.environ.update(
-            {
-                "RANK": "0",
-                "WORLD_SIZE": "1",
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()),
-            }
+            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
         )
+        store = _own_store(timeout)
     dev = resolve_device(device)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -121,8 +126,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         raise RuntimeError("trainer.backend=nccl needs trainer.device=cuda; use gloo on the CPU")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = _restart_store(timeout)
+    store = store or _restart_store(timeout)
     ranks = {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])} if store else {}
     dist.init_process_group(
         backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, store=store, **ranks
