@@ -1,0 +1,189 @@
+"""One pipeline stage on one rank: forward (F), input gradient (B), weight gradient (W).
+
+A stage module is an `nn.Module` called as `module(batch, inputs)`: `batch` is the microbatch
+(every rank of a pipeline reads the same one; the first stage uses its features, the last its
+labels) and `inputs` the tuple of tensors the previous stage produced (empty on the first
+stage). It returns a tensor or a tuple of tensors for the next stage; the last stage returns
+its loss (a scalar).
+
+The backward split is torch.distributed.pipelining's own (`stage_backward_input`, then
+`stage_backward_weight` over the graph it saved, and `stage_backward` for a full backward),
+including its treatment of the first stage: its inputs need no gradient, so B does nothing
+there and W runs the whole backward. Gradients of the microbatches add up in the parameters'
+`.grad` in microbatch order and are scaled by 1/m once at the end of the step (`scale_grads`,
+`div_`, as torch's schedules do), which is exactly what a one-rank loop over the same
+microbatches computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+from recsys_pipe.pp.dropout import microbatch_seed
+from recsys_pipe.pp.p2p import PeerLink, activation_tag, gradient_tag
+
+__all__ = ["BackwardRecord", "ChainedStages", "ForwardRecord", "StageRuntime"]
+
+
+@dataclass
+class ForwardRecord:
+    """What F keeps for the backward of one microbatch: the stage's inputs and outputs."""
+
+    microbatch: int
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]  #: `(loss,)` on the last stage
+    loss: torch.Tensor | None  #: detached, last stage only
+
+
+@dataclass
+class BackwardRecord:
+    """What B leaves for W (and the input gradients to send back)."""
+
+    forward: ForwardRecord
+    output_grads: tuple[torch.Tensor | None, ...] | None
+    input_grads: tuple[torch.Tensor, ...]
+    param_groups: list[dict[str, Any]] | None = None
+    full_backward_in_w: bool = False  #: first stage: W runs the whole backward
+
+
+def _as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+class StageRuntime:
+    """Runs stage `stage` of `num_stages` on this rank and talks to its neighbours.
+
+    Args:
+        module: the stage's module (see the module docstring for its call convention).
+        stage, num_stages: this stage's index and the pipeline's length.
+        prev_rank, next_rank: global ranks of the neighbouring stages (None at the ends).
+        link: the point-to-point link (one per rank, shared by its stages).
+        seed: base seed of the placement-independent dropout masks.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        num_stages: int,
+        *,
+        prev_rank: int | None = None,
+        next_rank: int | None = None,
+        link: PeerLink | None = None,
+        seed: int = 0,
+    ):
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} outside 0..{num_stages - 1}")
+        self.module = module
+        self.stage = stage
+        self.num_stages = num_stages
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        if (prev_rank is None) != self.is_first or (next_rank is None) != self.is_last:
+            raise ValueError(f"stage {stage} of {num_stages}: only the end stages have no neighbour")
+        if link is None and num_stages > 1:
+            raise ValueError("a pipeline of more than one stage needs a PeerLink")
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.link = link
+        self.seed = seed
+        #: the optimizer step being run (part of the dropout key); set by the step runner
+        self.step = 0
+
+    # -- F --------------------------------------------------------------------------------------
+
+    def recv_activation(self) -> tuple[torch.Tensor, ...]:
+        """The next activation from the previous stage, as leaves that collect its gradient."""
+        tensors = self.link.recv(self.prev_rank, activation_tag(self.stage))
+        return tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in tensors)
+
+    def forward(self, microbatch: int, batch: Any, inputs: tuple[torch.Tensor, ...] = ()) -> ForwardRecord:
+        with microbatch_seed(self.step, microbatch, self.seed):
+            outputs = _as_tuple(self.module(batch, inputs))
+        if self.is_last:
+            if len(outputs) != 1 or outputs[0].dim() != 0:
+                raise ValueError(f"the last stage must return its loss (a scalar), got {len(outputs)} tensor(s)")
+            return ForwardRecord(microbatch, inputs, outputs, outputs[0].detach())
+        return ForwardRecord(microbatch, inputs, outputs, None)
+
+    def send_activation(self, record: ForwardRecord) -> None:
+        self.link.send(record.outputs, self.next_rank, activation_tag(self.stage + 1))
+
+    # -- B / W ----------------------------------------------------------------------------------
+
+    def recv_gradient(self, record: ForwardRecord) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of `record`'s outputs from the next stage (None for integer outputs)."""
+        grads = iter(self.link.recv(self.next_rank, gradient_tag(self.stage)))
+        return tuple(next(grads) if t.is_floating_point() else None for t in record.outputs)
+
+    def _backward_args(self, record: ForwardRecord, output_grads) -> tuple[Any, Any]:
+        """What torch's backward helpers take: the loss itself on the last stage (its gradient
+        is implicitly 1), else the outputs with the gradients the next stage sent back."""
+        if self.is_last:
+            return record.outputs[0], None
+        return list(record.outputs), list(output_grads)
+
+    def backward_input(self, record: ForwardRecord, output_grads=None) -> BackwardRecord:
+        """B: the gradient of the stage's inputs only; the weight gradient waits for W."""
+        outputs, grads = self._backward_args(record, output_grads)
+        if self.is_first:  # no input needs a gradient: W runs the whole backward (as torch does)
+            return BackwardRecord(record, grads, (), None, full_backward_in_w=True)
+        outputs = [outputs] if self.is_last else outputs
+        input_grads, param_groups = stage_backward_input(outputs, grads, list(record.inputs), self.module.parameters())
+        return BackwardRecord(record, grads, self._sendable(record, input_grads), param_groups)
+
+    def backward_weight(self, record: BackwardRecord) -> None:
+        """W: the weight gradient of a microbatch whose B ran, accumulated into `.grad`."""
+        if record.full_backward_in_w:
+            outputs, _ = self._backward_args(record.forward, record.output_grads)
+            stage_backward(outputs, record.output_grads, list(record.forward.inputs))
+        else:
+            stage_backward_weight(self.module.parameters(), record.param_groups)
+        record.param_groups = None
+
+    def backward(self, record: ForwardRecord, output_grads=None) -> BackwardRecord:
+        """B and W as one full backward."""
+        outputs, grads = self._backward_args(record, output_grads)
+        input_grads = stage_backward(outputs, grads, list(record.inputs))
+        return BackwardRecord(record, grads, self._sendable(record, input_grads))
+
+    def _sendable(self, record: ForwardRecord, input_grads) -> tuple[torch.Tensor, ...]:
+        """One gradient per floating-point input (zeros where the input was unused)."""
+        out = []
+        for inp, grad in zip(record.inputs, input_grads, strict=True):
+            if inp.is_floating_point():
+                out.append(torch.zeros_like(inp) if grad is None else grad)
+        return tuple(out)
+
+    def send_gradient(self, record: BackwardRecord) -> None:
+        self.link.send(record.input_grads, self.prev_rank, gradient_tag(self.stage - 1))
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def scale_grads(self, num_microbatches: int) -> None:
+        """Divide the summed gradients by the number of microbatches (torch's `scale_grads`)."""
+        if num_microbatches != 1:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(num_microbatches)
+
+
+class ChainedStages(nn.Module):
+    """Stage modules run one after another as one stage: the whole model on one rank, with
+    the same modules (and so the same parameters and dropout layers) as the split run."""
+
+    def __init__(self, stages: Sequence[nn.Module]):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...] = ()) -> Any:
+        value: Any = inputs
+        for module in self.stages:
+            value = _as_tuple(module(batch, value))
+        return value[0] if len(value) == 1 else value

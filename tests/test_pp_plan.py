@@ -1,0 +1,110 @@
+"""The pipeline-parallel stage plans fire in exactly the per-rank order of the schedules.
+
+No processes: each rank's engine plan runs over m microbatches against a recording stand-in
+for the stage runtime, and the order its compute tasks fire in is compared with
+`recsys_pipe.autosched.pp_schedules.build()` (1F1B, ZB-H1, ZB-H2) or with GPipe's definition.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from recsys_pipe.autosched.pp_schedules import build
+from recsys_pipe.engine import SchedulablePipeline
+from recsys_pipe.pp import stage_plan, stage_schedule
+
+
+class RecordingStage:
+    """Logs each call as (kind, microbatch); passes records along like the real runtime."""
+
+    def __init__(self):
+        self.log = []
+
+    def recv_activation(self):
+        self.log.append(("RECV_F", None))
+        return ("act",)
+
+    def forward(self, microbatch, batch, inputs):
+        assert batch == f"mb{microbatch}"
+        self.log.append(("F", microbatch))
+        return SimpleNamespace(microbatch=microbatch, loss=f"loss{microbatch}")
+
+    def send_activation(self, record):
+        self.log.append(("SEND_F", record.microbatch))
+
+    def recv_gradient(self, record):
+        self.log.append(("RECV_B", record.microbatch))
+        return ("grad",)
+
+    def backward_input(self, record, grads):
+        self.log.append(("B", record.microbatch))
+        return SimpleNamespace(forward=record)
+
+    def backward_weight(self, record):
+        self.log.append(("W", record.forward.microbatch))
+
+    def backward(self, record, grads):
+        self.log.append(("BW", record.microbatch))
+        return SimpleNamespace(forward=record)
+
+    def send_gradient(self, record):
+        self.log.append(("SEND_B", record.forward.microbatch))
+
+
+def run_plan(schedule, p, r, m):
+    state = RecordingStage()
+    with SchedulablePipeline(stage_schedule(stage_plan(schedule, p, r, m)), state=state) as pipe:
+        results = list(pipe.iterate(iter([f"mb{j}" for j in range(m)])))
+    return state.log, results
+
+
+CASES = [(name, p, m) for name in ("1f1b", "zb_h1", "zb_h2") for p in (1, 2, 4) for m in (1, 2, 3, 4, 8) if m >= p]
+
+
+@pytest.mark.parametrize(("name", "p", "m"), CASES)
+def test_firing_order_equals_build(name, p, m):
+    expected = build(name, p, m)
+    for r in range(p):
+        log, results = run_plan(name, p, r, m)
+        compute = [(kind, mb) for kind, mb in log if kind in ("F", "B", "W", "BW")]
+        assert compute == [(a.kind, a.microbatch) for a in expected.ranks[r]], f"rank {r}"
+        # the lookahead-0 task completes the microbatches in order and reports their loss
+        assert results == [f"loss{j}" for j in range(m)]
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
+def test_gpipe_runs_every_forward_before_any_backward(p, m):
+    for r in range(p):
+        log, _ = run_plan("gpipe", p, r, m)
+        compute = [(kind, mb) for kind, mb in log if kind in ("F", "BW")]
+        assert compute == [("F", j) for j in range(m)] + [("BW", j) for j in range(m)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "zb_h2", "gpipe"])
+def test_transfers_wrap_their_compute(name):
+    """recv before and send right after each compute step; none at the pipeline's ends."""
+    p, m = 4, 8
+    for r in range(p):
+        log, _ = run_plan(name, p, r, m)
+        for i, (kind, mb) in enumerate(log):
+            if kind == "F":
+                assert (log[i - 1][0] == "RECV_F") == (r > 0)
+                assert (log[i + 1] == ("SEND_F", mb)) == (r < p - 1)
+            if kind in ("B", "BW"):
+                assert (log[i - 1] == ("RECV_B", mb)) == (r < p - 1)
+                assert (i + 1 < len(log) and log[i + 1] == ("SEND_B", mb)) == (r > 0)
+        assert sum(k == "SEND_F" for k, _ in log) == (m if r < p - 1 else 0)
+        assert sum(k == "SEND_B" for k, _ in log) == (m if r > 0 else 0)
+
+
+def test_ring_depth_is_the_activation_memory():
+    """F's lookahead + 1 microbatches are in flight: 1F1B's p - r on rank r, ZB-H2's 2p - 1."""
+    p, m = 4, 8
+    assert [stage_plan("1f1b", p, r, m).ring_slots for r in range(p)] == [4, 3, 2, 1]
+    assert [stage_plan("zb_h2", p, r, m).ring_slots for r in range(p)] == [7] * 4
+    assert stage_plan("gpipe", p, 0, m).ring_slots == m
+
+
+def test_unknown_schedule_is_refused():
+    with pytest.raises(ValueError, match="unknown single-stage pipeline schedule 'dualpipe'"):
+        stage_plan("dualpipe", 2, 0, 4)

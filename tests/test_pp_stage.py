@@ -1,0 +1,108 @@
+"""The stage runtime's backward split and the placement-independent dropout, in one process."""
+
+import pytest
+import torch
+from torch import nn
+
+from recsys_pipe.pp import ChainedStages, SeededDropout, StageRuntime, microbatch_seed
+from recsys_pipe.pp.p2p import PeerLink
+
+
+class Block(nn.Module):
+    def __init__(self, first, last, layer):
+        super().__init__()
+        self.first, self.last = first, last
+        self.linear = nn.Linear(8, 8)
+        self.drop = SeededDropout(0.3, layer=layer)
+
+    def forward(self, batch, inputs):
+        h = self.drop(torch.tanh(self.linear(batch["x"] if self.first else inputs[0])))
+        return ((h - batch["y"]) ** 2).mean() if self.last else h
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return {"x": torch.randn(4, 8, generator=g), "y": torch.randn(4, 8, generator=g)}
+
+
+def _last_stage():
+    torch.manual_seed(0)
+    module = Block(first=False, last=True, layer=1)
+    return module, StageRuntime(module, 1, 2, prev_rank=0, link=PeerLink())
+
+
+def test_b_computes_only_the_input_gradient_and_w_the_weights_bitwise_as_a_full_backward():
+    module, runtime = _last_stage()
+    h = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    record = runtime.forward(0, _batch(), (h,))
+    after_b = runtime.backward_input(record)
+    assert all(p.grad is None for p in module.parameters()), "B must leave the weight gradients to W"
+    assert after_b.input_grads[0].shape == h.shape
+    runtime.backward_weight(after_b)
+    split = [p.grad.clone() for p in module.parameters()]
+
+    module2, runtime2 = _last_stage()
+    h2 = h.detach().clone().requires_grad_(True)
+    full = runtime2.backward(runtime2.forward(0, _batch(), (h2,)))
+    assert all(torch.equal(a, p.grad) for a, p in zip(split, module2.parameters(), strict=True))
+    assert torch.equal(after_b.input_grads[0], full.input_grads[0])
+    assert after_b.forward.loss is not None and after_b.forward.loss.dim() == 0
+
+
+def test_first_stage_runs_the_whole_backward_in_w():
+    torch.manual_seed(0)
+    module = ChainedStages([Block(True, False, 0), Block(False, True, 1)])
+    runtime = StageRuntime(module, 0, 1)
+    after_b = runtime.backward_input(runtime.forward(0, _batch()))
+    assert all(p.grad is None for p in module.parameters())
+    runtime.backward_weight(after_b)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+
+
+def test_scale_grads_divides_by_the_microbatch_count():
+    module, runtime = _last_stage()
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 6.0)
+    runtime.scale_grads(4)
+    assert all(torch.equal(p.grad, torch.full_like(p, 1.5)) for p in module.parameters())
+
+
+def test_last_stage_must_return_a_scalar_loss():
+    class NoLoss(nn.Module):
+        def forward(self, batch, inputs):
+            return batch
+
+    runtime = StageRuntime(NoLoss(), 0, 1)
+    with pytest.raises(ValueError, match="last stage must return its loss"):
+        runtime.forward(0, torch.ones(3))
+
+
+def test_dropout_mask_depends_on_step_microbatch_and_layer_only():
+    x = torch.ones(64, 64)
+
+    def mask(step, mb, layer):
+        with microbatch_seed(step, mb):
+            return SeededDropout(0.5, layer)(x)
+
+    assert torch.equal(mask(1, 2, 3), mask(1, 2, 3))
+    for other in [(2, 2, 3), (1, 3, 3), (1, 2, 4)]:
+        assert not torch.equal(mask(1, 2, 3), mask(*other)), other
+    kept = mask(0, 0, 0)
+    assert set(kept.unique().tolist()) == {0.0, 2.0}
+
+
+def test_dropout_refuses_to_draw_outside_a_microbatch_key_and_is_identity_in_eval():
+    drop = SeededDropout(0.5, layer=0)
+    with pytest.raises(RuntimeError, match="outside microbatch_seed"):
+        drop(torch.ones(3))
+    drop.eval()
+    assert torch.equal(drop(torch.ones(3)), torch.ones(3))
+    with pytest.raises(ValueError, match="dropout probability"):
+        SeededDropout(1.0, layer=0)
+
+
+def test_stage_neighbours_are_checked():
+    with pytest.raises(ValueError, match="only the end stages have no neighbour"):
+        StageRuntime(nn.Identity(), 1, 3, prev_rank=0, link=PeerLink())
+    with pytest.raises(ValueError, match="needs a PeerLink"):
+        StageRuntime(nn.Identity(), 0, 2, next_rank=1)
