@@ -57,6 +57,7 @@ class Launch:
         dense DDP choice, `resume_from`, this rank's data and the output directory; ConfigError
         (with config paths) for the first bad one."""
         from recsys_pipe.cli.preflight import run_device
+        from recsys_pipe.pp.config import check_pipeline_parallel
         from recsys_pipe.runtime import check_output_dir, check_unused
         from recsys_pipe.train.checkpoint import resolve_resume
         from recsys_pipe.train.dense_ddp import check_dense_ddp
@@ -67,6 +68,7 @@ class Launch:
         check_dense_ddp(run, device.type)
         resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        check_pipeline_parallel(run, world_size)
         data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
         requested = requested_run_dir()
         if requested.path is None:

@@ -4,27 +4,33 @@ Each rank runs one stage (`StageRuntime`: forward F, input gradient B, weight gr
 the point-to-point transfers) under an engine plan over the step's microbatches
 (`stage_plan` / `stage_schedule`: GPipe, 1F1B, ZB-H1, ZB-H2 as lookaheads). `SeededDropout`
 draws masks keyed by (step, microbatch, layer), so a pipelined run equals the one-rank run.
+`parallel.pp` is the config section (`PipelineParallelConfig`).
+
+Names are imported on first use: loading the config must not import
+torch.distributed.pipelining (seconds of start-up for every CLI).
 """
 
-from recsys_pipe.pp.dropout import SeededDropout, current_microbatch_seed, microbatch_seed
-from recsys_pipe.pp.p2p import PeerLink
-from recsys_pipe.pp.plan import SCHEDULES, StagePlan, stage_plan, stage_schedule, stage_tasks
-from recsys_pipe.pp.runner import StageStepRunner
-from recsys_pipe.pp.stage import BackwardRecord, ChainedStages, ForwardRecord, StageRuntime
+from recsys_pipe._lazy import lazy_exports
 
-__all__ = [
-    "SCHEDULES",
-    "BackwardRecord",
-    "ChainedStages",
-    "ForwardRecord",
-    "PeerLink",
-    "SeededDropout",
-    "StagePlan",
-    "StageRuntime",
-    "StageStepRunner",
-    "current_microbatch_seed",
-    "microbatch_seed",
-    "stage_plan",
-    "stage_schedule",
-    "stage_tasks",
-]
+_EXPORTS = {
+    "ParallelConfig": "config",
+    "PipelineParallelConfig": "config",
+    "check_pipeline_parallel": "config",
+    "split_layers": "config",
+    "SeededDropout": "dropout",
+    "current_microbatch_seed": "dropout",
+    "microbatch_seed": "dropout",
+    "PeerLink": "p2p",
+    "SCHEDULES": "plan",
+    "StagePlan": "plan",
+    "stage_plan": "plan",
+    "stage_schedule": "plan",
+    "stage_tasks": "plan",
+    "StageStepRunner": "runner",
+    "BackwardRecord": "stage",
+    "ChainedStages": "stage",
+    "ForwardRecord": "stage",
+    "StageRuntime": "stage",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,149 @@
+"""The `parallel.pp` config section: how many pipeline stages, which schedule, how many
+microbatches, and how the model's layers are split over the stages.
+
+`data.batch_size` stays the batch of one data-parallel replica: it is cut into
+`parallel.pp.microbatches` microbatches, and the world is `parallel.pp.size` x the
+data-parallel size. Every constraint is checked before any process group starts and reported
+as a ConfigError naming its key (exit 2): inside the section by the validator below, against
+the model, the data and the world size by `check_pipeline_parallel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictInt, model_validator
+
+from recsys_pipe.config import ConfigError, ConfigProblem, Section
+from recsys_pipe.models.hstu_config import HSTUConfig
+from recsys_pipe.models.retrieval_config import HSTURetrievalConfig, SASRecConfig
+
+__all__ = ["ParallelConfig", "PipelineParallelConfig", "check_pipeline_parallel", "split_layers"]
+
+PATH = "parallel.pp"
+
+#: the model configs that can be split into stages, and the field that counts their layers
+STAGEABLE_MODELS: dict[type, str] = {
+    HSTUConfig: "num_layers",
+    HSTURetrievalConfig: "num_layers",
+    SASRecConfig: "num_blocks",
+}
+
+
+class PipelineParallelConfig(Section):
+    """Pipeline parallelism (`parallel.pp.*`): the model split into stages over ranks."""
+
+    size: StrictInt = Field(1, ge=1, description="pipeline stages, one per rank (world = size x data-parallel size)")
+    microbatches: StrictInt | None = Field(
+        None, ge=1, description="microbatches per step, each data.batch_size / microbatches samples (null: size)"
+    )
+    schedule: Literal["gpipe", "1f1b", "zb_h1", "zb_h2"] = Field(
+        "1f1b",
+        description="per-rank order of forwards (F) and backwards (B: input gradient, W: weight gradient): gpipe, "
+        "1f1b, zb_h1, zb_h2 (Zero Bubble: W held back to fill the bubbles)",
+    )
+    layers: list[StrictInt] | None = Field(
+        None, description="layers of each stage, first to last (null: as even as possible, the first stages larger)"
+    )
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.size if self.microbatches is None else self.microbatches
+
+    @model_validator(mode="after")
+    def _fits(self) -> PipelineParallelConfig:
+        problems = []
+        if self.size > 1 and self.num_microbatches < self.size:
+            problems.append(
+                ConfigProblem(
+                    f"{PATH}.microbatches",
+                    f"{self.num_microbatches} microbatch(es) cannot fill {self.size} stages: need at least "
+                    f"parallel.pp.size={self.size}",
+                )
+            )
+        if self.layers is not None:
+            if len(self.layers) != self.size:
+                problems.append(
+                    ConfigProblem(
+                        f"{PATH}.layers",
+                        f"lists {len(self.layers)} stage(s), parallel.pp.size={self.size} has {self.size}",
+                    )
+                )
+            elif min(self.layers) < 1:
+                problems.append(
+                    ConfigProblem(f"{PATH}.layers", f"every stage needs at least one layer, got {self.layers}")
+                )
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+
+class ParallelConfig(Section):
+    """How the model is spread over ranks (`parallel.*`)."""
+
+    pp: PipelineParallelConfig = Field(
+        default_factory=PipelineParallelConfig, description="pipeline parallelism: the model's layers split into stages"
+    )
+
+
+def split_layers(num_layers: int, num_stages: int, explicit: list[int] | None = None) -> list[range]:
+    """The layer indices of each stage: `explicit` counts, or as even as possible with the
+    first `num_layers % num_stages` stages one layer larger."""
+    if explicit is None:
+        base, extra = divmod(num_layers, num_stages)
+        explicit = [base + (s < extra) for s in range(num_stages)]
+    if len(explicit) != num_stages or sum(explicit) != num_layers or min(explicit) < 1:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages as {explicit}")
+    starts = [sum(explicit[:s]) for s in range(num_stages)]
+    return [range(start, start + count) for start, count in zip(starts, explicit, strict=True)]
+
+
+def check_pipeline_parallel(run: Any, world_size: int) -> None:
+    """The constraints of `parallel.pp` against the model, the data and the world size;
+    ConfigError naming the key. `run` is the validated RunConfig."""
+    pp: PipelineParallelConfig = run.parallel.pp
+    if pp.size == 1 and pp.microbatches in (None, 1):
+        return
+    problems = []
+    if world_size % pp.size:
+        problems.append(
+            ConfigProblem(f"{PATH}.size", f"{pp.size} stages do not divide the world of {world_size} rank(s)")
+        )
+    layers_field = STAGEABLE_MODELS.get(type(run.model))
+    if layers_field is None:
+        names = ", ".join(sorted(cls.model_fields["name"].default for cls in STAGEABLE_MODELS))
+        problems.append(
+            ConfigProblem(f"{PATH}.size", f"model '{run.model.name}' cannot be split into stages (models: {names})")
+        )
+    else:
+        num_layers = getattr(run.model, layers_field)
+        if pp.layers is not None and sum(pp.layers) != num_layers:
+            problems.append(
+                ConfigProblem(
+                    f"{PATH}.layers",
+                    f"{pp.layers} adds up to {sum(pp.layers)} layers, model.{layers_field}={num_layers}",
+                )
+            )
+        elif num_layers < pp.size:
+            problems.append(
+                ConfigProblem(
+                    f"{PATH}.size",
+                    f"{pp.size} stages need at least {pp.size} layers, model.{layers_field}={num_layers}",
+                )
+            )
+    if run.data.batch_size % pp.num_microbatches:
+        problems.append(
+            ConfigProblem(
+                f"{PATH}.microbatches",
+                f"{pp.num_microbatches} microbatches do not divide data.batch_size={run.data.batch_size}",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
+    raise ConfigError(
+        ConfigProblem(
+            f"{PATH}.size",
+            "recsys-train does not run pipeline-parallel models yet (the stage runtime and schedules are in "
+            "recsys_pipe.pp); use parallel.pp.size=1 and parallel.pp.microbatches=1",
+        )
+    )
