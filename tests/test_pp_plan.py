@@ -9,9 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from recsys_pipe.autosched.pp_actions import PipelineSchedule
 from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.engine import SchedulablePipeline
 from recsys_pipe.pp import stage_plan, stage_schedule
+from recsys_pipe.pp.actions import action_schedule, stage_ranks
 
 
 class RecordingStage:
@@ -20,8 +22,8 @@ class RecordingStage:
     def __init__(self):
         self.log = []
 
-    def recv_activation(self):
-        self.log.append(("RECV_F", None))
+    def recv_activation(self, microbatch):
+        self.log.append(("RECV_F", microbatch))
         return ("act",)
 
     def forward(self, microbatch, batch, inputs):
@@ -32,8 +34,8 @@ class RecordingStage:
     def send_activation(self, record):
         self.log.append(("SEND_F", record.microbatch))
 
-    def recv_gradient(self, record):
-        self.log.append(("RECV_B", record.microbatch))
+    def recv_gradient(self, microbatch):
+        self.log.append(("RECV_B", microbatch))
         return ("grad",)
 
     def backward_input(self, record, grads):
@@ -88,7 +90,7 @@ def test_transfers_wrap_their_compute(name):
         log, _ = run_plan(name, p, r, m)
         for i, (kind, mb) in enumerate(log):
             if kind == "F":
-                assert (log[i - 1][0] == "RECV_F") == (r > 0)
+                assert (log[i - 1] == ("RECV_F", mb)) == (r > 0)
                 assert (log[i + 1] == ("SEND_F", mb)) == (r < p - 1)
             if kind in ("B", "BW"):
                 assert (log[i - 1] == ("RECV_B", mb)) == (r < p - 1)
@@ -108,3 +110,40 @@ def test_ring_depth_is_the_activation_memory():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="unknown single-stage pipeline schedule 'dualpipe'"):
         stage_plan("dualpipe", 2, 0, 4)
+
+
+# -- the static action-order mode (several stages per rank, CSVs) ---------------------------------
+
+
+def test_stage_layouts():
+    assert stage_ranks(2, 2, "loop") == (0, 1, 0, 1)
+    assert stage_ranks(2, 2, "v") == (0, 1, 1, 0)
+    assert stage_ranks(4, 2, "v") == (0, 1, 2, 3, 3, 2, 1, 0)
+    with pytest.raises(ValueError, match="2 stages per rank"):
+        stage_ranks(2, 3, "v")
+
+
+def test_actions_become_tasks_in_order_with_transfers_only_between_ranks():
+    """V layout on 2 ranks: rank 1 holds stages 1 and 2, which hand over to each other locally."""
+    schedule = PipelineSchedule.of(
+        [["0F0", "3F0", "3I0", "3W0", "0I0", "0W0"], ["1F0", "2F0", "2I0", "1I0", "2W0", "1W0"]]
+    )
+    rank1 = [t.name for t in action_schedule(schedule, 1, stage_ranks(2, 2, "v"), 1).tasks]
+    assert rank1 == ["1RECV_F0", "1F0", "2F0", "2SEND_F0", "2RECV_B0", "2I0", "1I0", "1SEND_B0", "2W0", "1W0", "losses"]
+    rank0 = [t.name for t in action_schedule(schedule, 0, stage_ranks(2, 2, "v"), 1).tasks]
+    assert rank0 == ["0F0", "0SEND_F0", "3RECV_F0", "3F0", "3I0", "3SEND_B0", "3W0", "0RECV_B0", "0I0", "0W0", "losses"]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (["0F0", "1F0"], r"action 1F0 does not fit \(stage 1 is on rank 1"),
+        (["0F0", "0F5"], "microbatches 0..1"),
+        (["0I0", "0F0"], r"action 0I0 runs before what it needs \(0F0\)"),
+        (["0F0", "0W0"], "the action list does not fit"),  # W without its B
+    ],
+)
+def test_an_action_list_that_does_not_fit_is_refused(row, message):
+    schedule = PipelineSchedule.of([row, []])
+    with pytest.raises(ValueError, match=message):
+        action_schedule(schedule, 0, (0, 1), 2)

@@ -2,7 +2,9 @@
 
 Each rank runs one stage (`StageRuntime`: forward F, input gradient B, weight gradient W, and
 the point-to-point transfers) under an engine plan over the step's microbatches
-(`stage_plan` / `stage_schedule`: GPipe, 1F1B, ZB-H1, ZB-H2 as lookaheads). `SeededDropout`
+(`stage_plan` / `stage_schedule`: GPipe, 1F1B, ZB-H1, ZB-H2 as lookaheads); schedules with
+several stages per rank (interleaved 1F1B, ZBV, DualPipeV, a torch CSV) run as a static
+per-rank action order on the engine (`ActionOrderRunner`). `SeededDropout`
 draws masks keyed by (step, microbatch, layer), so a pipelined run equals the one-rank run.
 `parallel.pp` is the config section (`PipelineParallelConfig`).
 
@@ -13,6 +15,10 @@ torch.distributed.pipelining (seconds of start-up for every CLI).
 from recsys_pipe._lazy import lazy_exports
 
 _EXPORTS = {
+    "ActionOrderRunner": "actions",
+    "Site": "actions",
+    "action_schedule": "actions",
+    "stage_ranks": "actions",
     "ParallelConfig": "config",
     "PipelineParallelConfig": "config",
     "check_pipeline_parallel": "config",

@@ -9,8 +9,9 @@ receives block, which is what orders a stage after its producer.
 Hand-written rather than torch.distributed.pipelining's stage I/O: that code needs the shapes
 fixed up front (shape inference on the first step), which jagged batches do not allow.
 
-Tags keep the two directions and the stages apart on one pair of ranks: an activation for
-stage s has tag 2s, a gradient for stage s has tag 2s + 1.
+Tags keep the directions, the stages and the microbatches apart on one pair of ranks (a rank
+may hold several stages whose transfers interleave): a receive matches exactly the send of the
+same activation or gradient, whatever else is in flight.
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 HEADER_SIZE = 64
 
 
-def activation_tag(stage: int) -> int:
-    """The tag of an activation sent to `stage`."""
-    return 2 * stage
+_MICROBATCHES = 1 << 20
 
 
-def gradient_tag(stage: int) -> int:
-    """The tag of an input gradient sent back to `stage`."""
-    return 2 * stage + 1
+def activation_tag(stage: int, microbatch: int) -> int:
+    """The tag of `microbatch`'s activation sent to `stage`."""
+    return 2 * stage * _MICROBATCHES + microbatch
+
+
+def gradient_tag(stage: int, microbatch: int) -> int:
+    """The tag of `microbatch`'s output gradient sent back to `stage`."""
+    return (2 * stage + 1) * _MICROBATCHES + microbatch
 
 
 def _header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

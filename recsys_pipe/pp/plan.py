@@ -76,7 +76,7 @@ def stage_plan(schedule: str, num_stages: int, stage: int, microbatches: int) ->
 
 
 def recv_f(ctx: TaskContext) -> None:
-    ctx.slots.set("act_in", ctx.state.recv_activation())
+    ctx.slots.set("act_in", ctx.state.recv_activation(ctx.batch_index))
 
 
 def forward(ctx: TaskContext) -> None:
@@ -89,7 +89,7 @@ def send_f(ctx: TaskContext) -> None:
 
 
 def recv_b(ctx: TaskContext) -> None:
-    ctx.slots.set("grad_in", ctx.state.recv_gradient(ctx.slots["fwd"]))
+    ctx.slots.set("grad_in", ctx.state.recv_gradient(ctx.batch_index))
 
 
 def backward_input(ctx: TaskContext) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.pipelining._backward import stage_backward, stage_backwar
 from recsys_pipe.pp.dropout import microbatch_seed
 from recsys_pipe.pp.p2p import PeerLink, activation_tag, gradient_tag
 
-__all__ = ["BackwardRecord", "ChainedStages", "ForwardRecord", "StageRuntime"]
+__all__ = ["BackwardRecord", "ChainedStages", "ForwardRecord", "StageRuntime", "as_stage_input"]
 
 
 @dataclass
@@ -50,6 +50,13 @@ class BackwardRecord:
     input_grads: tuple[torch.Tensor, ...]
     param_groups: list[dict[str, Any]] | None = None
     full_backward_in_w: bool = False  #: first stage: W runs the whole backward
+
+
+def as_stage_input(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Another stage's outputs as this stage's inputs: detached (each stage's graph ends at
+    its inputs, so B can stop there) and, for floating-point tensors, leaves that collect their
+    gradient. Received tensors and a hand-over between two stages of one rank go through this."""
+    return tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in tensors)
 
 
 def _as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -98,10 +105,9 @@ class StageRuntime:
 
     # -- F --------------------------------------------------------------------------------------
 
-    def recv_activation(self) -> tuple[torch.Tensor, ...]:
+    def recv_activation(self, microbatch: int) -> tuple[torch.Tensor, ...]:
         """The next activation from the previous stage, as leaves that collect its gradient."""
-        tensors = self.link.recv(self.prev_rank, activation_tag(self.stage))
-        return tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in tensors)
+        return as_stage_input(self.link.recv(self.prev_rank, activation_tag(self.stage, microbatch)))
 
     def forward(self, microbatch: int, batch: Any, inputs: tuple[torch.Tensor, ...] = ()) -> ForwardRecord:
         with microbatch_seed(self.step, microbatch, self.seed):
@@ -113,21 +119,21 @@ class StageRuntime:
         return ForwardRecord(microbatch, inputs, outputs, None)
 
     def send_activation(self, record: ForwardRecord) -> None:
-        self.link.send(record.outputs, self.next_rank, activation_tag(self.stage + 1))
+        self.link.send(record.outputs, self.next_rank, activation_tag(self.stage + 1, record.microbatch))
 
     # -- B / W ----------------------------------------------------------------------------------
 
-    def recv_gradient(self, record: ForwardRecord) -> tuple[torch.Tensor | None, ...]:
-        """The gradients of `record`'s outputs from the next stage (None for integer outputs)."""
-        grads = iter(self.link.recv(self.next_rank, gradient_tag(self.stage)))
-        return tuple(next(grads) if t.is_floating_point() else None for t in record.outputs)
+    def recv_gradient(self, microbatch: int) -> tuple[torch.Tensor, ...]:
+        """The gradients of `microbatch`'s floating-point outputs, from the next stage."""
+        return self.link.recv(self.next_rank, gradient_tag(self.stage, microbatch))
 
     def _backward_args(self, record: ForwardRecord, output_grads) -> tuple[Any, Any]:
         """What torch's backward helpers take: the loss itself on the last stage (its gradient
         is implicitly 1), else the outputs with the gradients the next stage sent back."""
         if self.is_last:
             return record.outputs[0], None
-        return list(record.outputs), list(output_grads)
+        grads = iter(output_grads)  # one per floating-point output (what `_sendable` sends)
+        return list(record.outputs), [next(grads) if t.is_floating_point() else None for t in record.outputs]
 
     def backward_input(self, record: ForwardRecord, output_grads=None) -> BackwardRecord:
         """B: the gradient of the stage's inputs only; the weight gradient waits for W."""
@@ -141,8 +147,10 @@ class StageRuntime:
     def backward_weight(self, record: BackwardRecord) -> None:
         """W: the weight gradient of a microbatch whose B ran, accumulated into `.grad`."""
         if record.full_backward_in_w:
-            outputs, _ = self._backward_args(record.forward, record.output_grads)
-            stage_backward(outputs, record.output_grads, list(record.forward.inputs))
+            outputs = record.forward.outputs
+            stage_backward(
+                outputs[0] if self.is_last else list(outputs), record.output_grads, list(record.forward.inputs)
+            )
         else:
             stage_backward_weight(self.module.parameters(), record.param_groups)
         record.param_groups = None
@@ -162,7 +170,7 @@ class StageRuntime:
         return tuple(out)
 
     def send_gradient(self, record: BackwardRecord) -> None:
-        self.link.send(record.input_grads, self.prev_rank, gradient_tag(self.stage - 1))
+        self.link.send(record.input_grads, self.prev_rank, gradient_tag(self.stage - 1, record.forward.microbatch))
 
     # -- the step -------------------------------------------------------------------------------
 

@@ -1,14 +1,20 @@
 """Worker for test_pp_parity: run under torchrun (gloo, CPU), 2 ranks.
 
-A stack of Linear + ReLU + dropout layers with a regression head, split into 2 stages, trains
-3 SGD steps of 4 microbatches under every single-stage schedule on our engine (GPipe, 1F1B,
-ZB-H1, ZB-H2) and under torch.distributed.pipelining's own classes on the same stages
-(ScheduleGPipe, Schedule1F1B, and its runtime playing our ZB-H1 / ZB-H2 CSVs). Rank 0 also
-runs the reference in one process: the whole model as one stage (`parallel.pp.size=1`) on the
-same engine, and a plain loop (forward, loss.backward per microbatch, grads / m).
+A stack of 4 Linear + ReLU + dropout layers with a regression head trains 2 SGD steps of 4
+microbatches, split into stages in every way the tests compare:
+
+- 2 stages, one per rank, under each single-stage schedule as an engine plan (GPipe, 1F1B,
+  ZB-H1, ZB-H2), under our ZB-H1 CSV in the static action-order mode, and under torch's
+  ScheduleGPipe, Schedule1F1B and its runtime playing our ZB-H1 / ZB-H2 CSVs;
+- 4 stages, two per rank, under torch's Interleaved1F1B, InterleavedZeroBubble,
+  ZBVZeroBubble and DualPipeV: their action lists on our engine, and the classes themselves.
+
+Rank 0 also trains the whole model in one process: as one stage on the same engine
+(`parallel.pp.size=1`), and as a plain loop (forward, loss.backward per microbatch, grads / m).
 
 Each rank saves `rank<r>.pt`: {variant: {"losses": [per step, per microbatch], "params":
-{name: tensor}}} for its stage; rank 0 adds "reference/*" variants holding the whole model.
+{name: tensor}}}, parameters named by their layer in the whole model (`layer2.weight`,
+`head.bias`), so every split compares with the one reference.
 """
 
 import os
@@ -19,10 +25,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-from recsys_pipe.autosched.pp_actions import to_csv
+from recsys_pipe.autosched.pp_actions import PipelineSchedule, from_csv, to_csv
 from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.pp import (
     ChainedStages,
@@ -33,9 +48,17 @@ from recsys_pipe.pp import (
     microbatch_seed,
     stage_plan,
 )
+from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 
-WIDTH, LAYERS, BATCH, M, STEPS, P_DROP, LR = 32, 4, 16, 4, 3, 0.2, 0.05
-SPLIT = ((0, 1), (2, 3))  # layers of stage 0 and stage 1
+WIDTH, BATCH, M, STEPS, P_DROP, LR = 32, 16, 4, 2, 0.2, 0.05
+SPLIT2 = ((0, 1), (2, 3))
+SPLIT4 = ((0,), (1,), (2,), (3,))
+MULTI = {  # torch class -> stage layout
+    "Interleaved1F1B": (ScheduleInterleaved1F1B, "loop"),
+    "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, "loop"),
+    "ZBVZeroBubble": (ScheduleZBVZeroBubble, "v"),
+    "DualPipeV": (ScheduleDualPipeV, "v"),
+}
 
 
 class ToyStage(nn.Module):
@@ -43,7 +66,7 @@ class ToyStage(nn.Module):
 
     def __init__(self, layers, first, last):
         super().__init__()
-        self.first, self.last = first, last
+        self.first, self.last, self.indices = first, last, tuple(layers)
         self.layers = nn.Sequential(
             *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), SeededDropout(P_DROP, layer=i)) for i in layers]
         )
@@ -57,10 +80,18 @@ class ToyStage(nn.Module):
         out = self.body(batch["x"] if self.first else inputs[0])
         return F.mse_loss(out, batch["y"]) if self.last else out
 
+    def named_by_layer(self):
+        out = {}
+        for k, i in enumerate(self.indices):
+            out[f"layer{i}.weight"], out[f"layer{i}.bias"] = self.layers[k][0].weight, self.layers[k][0].bias
+        if self.last:
+            out["head.weight"], out["head.bias"] = self.head.weight, self.head.bias
+        return out
 
-def make_stages():
-    torch.manual_seed(0)
-    return [ToyStage(layers, s == 0, s == len(SPLIT) - 1) for s, layers in enumerate(SPLIT)]
+
+def make_stages(split):
+    torch.manual_seed(0)  # the same values whatever the split: layers are created in order
+    return [ToyStage(layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
 
 
 def make_data():
@@ -72,16 +103,15 @@ def microbatches(x, y):
     return [{"x": a, "y": b} for a, b in zip(x.chunk(M), y.chunk(M), strict=True)]
 
 
-def result(module, losses):
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+def result(stages, losses):
+    params = {}
+    for stage in stages:
+        params.update({n: p.detach().clone() for n, p in stage.named_by_layer().items()})
+    return {"losses": losses, "params": params}
 
 
-def run_ours(schedule, module, stage, p, link, rank):
-    prev = rank - 1 if stage > 0 else None
-    nxt = rank + 1 if stage < p - 1 else None
-    runtime = StageRuntime(module, stage, p, prev_rank=prev, next_rank=nxt, link=link)
-    runner = StageStepRunner(runtime, stage_plan(schedule, p, stage, M))
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
+def train(runner, stages):
+    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=LR)
     losses = []
     for step, (x, y) in enumerate(make_data()):
         opt.zero_grad(set_to_none=True)
@@ -89,7 +119,36 @@ def run_ours(schedule, module, stage, p, link, rank):
         losses.append([None if v is None else v.item() for v in out])
         opt.step()
     runner.shutdown()
-    return result(module, losses)
+    return result(stages, losses)
+
+
+def runtimes(stages, local, ranks, link):
+    n = len(stages)
+    return {
+        s: StageRuntime(
+            stages[s],
+            s,
+            n,
+            prev_rank=ranks[s - 1] if s > 0 else None,
+            next_rank=ranks[s + 1] if s < n - 1 else None,
+            link=link,
+        )
+        for s in local
+    }
+
+
+def run_plan(schedule, rank, link):
+    stages = make_stages(SPLIT2)
+    runtime = runtimes(stages, [rank], (0, 1), link)[rank]
+    return train(StageStepRunner(runtime, stage_plan(schedule, 2, rank, M)), [stages[rank]])
+
+
+def run_actions(schedule, layout, split, rank, link):
+    stages = make_stages(split)
+    ranks = stage_ranks(2, len(split) // 2, layout)
+    local = [s for s, r in enumerate(ranks) if r == rank]
+    runner = ActionOrderRunner(runtimes(stages, local, ranks, link), schedule, rank, ranks, M, link=link)
+    return train(runner, [stages[s] for s in local])
 
 
 class TorchAdapter(nn.Module):
@@ -106,60 +165,61 @@ class TorchAdapter(nn.Module):
             return self.stage.body(x)
 
 
-def run_torch(kind, module, rank, out_dir):
+def torch_stage(module, index, num_stages):
     adapter = TorchAdapter(module)
     mb_in = torch.zeros(BATCH // M, WIDTH, requires_grad=not module.first)  # received: needs a gradient
     mb_out = torch.zeros(BATCH // M, 1 if module.last else WIDTH, requires_grad=True)
-    stage = PipelineStage(adapter, rank, 2, torch.device("cpu"), input_args=(mb_in,), output_args=(mb_out,))
-    if kind == "ScheduleGPipe":
-        schedule = ScheduleGPipe(stage, M, loss_fn=F.mse_loss)
-    elif kind == "Schedule1F1B":
-        schedule = Schedule1F1B(stage, M, loss_fn=F.mse_loss)
-    else:  # our generator's CSV on torch's runtime
-        path = os.path.join(out_dir, f"{kind}.csv")
-        if rank == 0:
-            to_csv(build(kind, 2, M), path)
-        dist.barrier()
-        schedule = _PipelineScheduleRuntime([stage], M, loss_fn=F.mse_loss)
-        schedule._load_csv(path)
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    return adapter, PipelineStage(adapter, index, num_stages, torch.device("cpu"), input_args=mb_in, output_args=mb_out)
+
+
+def run_torch(make_schedule, split, local):
+    stages = make_stages(split)
+    adapters, pipeline_stages = zip(*(torch_stage(stages[s], s, len(split)) for s in local), strict=True)
+    schedule = make_schedule(list(pipeline_stages))
+    opt = torch.optim.SGD([p for s in local for p in stages[s].parameters()], lr=LR)
     losses = []
     for step, (x, y) in enumerate(make_data()):
-        adapter.step, adapter.count = step, 0
+        for adapter in adapters:
+            adapter.step, adapter.count = step, 0
         opt.zero_grad(set_to_none=True)
+        args = (x,) if 0 in local else ()
         mb_losses = []
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=mb_losses)
+        kwargs = {"target": y, "losses": mb_losses} if len(split) - 1 in local else {}
+        schedule.step(*args, **kwargs)
         losses.append([v.item() for v in mb_losses] if mb_losses else [None] * M)
         opt.step()
-    return result(module, losses)
+    return result([stages[s] for s in local], losses)
 
 
-def reference_engine():
-    module = ChainedStages(make_stages())
-    return run_ours("1f1b", module, 0, 1, None, 0)
+def csv_runtime(path):
+    def make(stages):
+        schedule = _PipelineScheduleRuntime(stages, M, loss_fn=F.mse_loss)
+        schedule._load_csv(path)
+        return schedule
+
+    return make
 
 
-def reference_loop(shift=0):
-    """A plain loop; `shift` moves every microbatch's dropout key (a control: masks matter)."""
-    module = ChainedStages(make_stages())
+def reference(split, runner_kind):
+    stages = make_stages(split)
+    module = ChainedStages(stages)
+    if runner_kind == "engine":
+        return train(StageStepRunner(StageRuntime(module, 0, 1), stage_plan("1f1b", 1, 0, M)), stages)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
     losses = []
     for step, (x, y) in enumerate(make_data()):
         opt.zero_grad(set_to_none=True)
         step_losses = []
         for j, mb in enumerate(microbatches(x, y)):
-            with microbatch_seed(step, j + shift):
-                loss = module(mb)
+            with microbatch_seed(step, j + (runner_kind == "shifted")):  # shifted: a control, other masks
+                loss = module(mb, ())
             loss.backward()
             step_losses.append(loss.item())
         for p in module.parameters():
             p.grad.div_(M)
         losses.append(step_losses)
         opt.step()
-    return result(module, losses)
+    return result(stages, losses)
 
 
 def main():
@@ -169,13 +229,28 @@ def main():
     link = PeerLink()
     results = {}
     for schedule in ("gpipe", "1f1b", "zb_h1", "zb_h2"):
-        results[f"ours/{schedule}"] = run_ours(schedule, make_stages()[rank], rank, 2, link, rank)
-    for kind in ("ScheduleGPipe", "Schedule1F1B", "zb_h1", "zb_h2"):
-        results[f"torch/{kind}"] = run_torch(kind, make_stages()[rank], rank, out_dir)
+        results[f"ours/{schedule}"] = run_plan(schedule, rank, link)
+    csv_paths = {name: os.path.join(out_dir, f"{name}.csv") for name in ("zb_h1", "zb_h2")}
     if rank == 0:
-        results["reference/engine"] = reference_engine()
-        results["reference/loop"] = reference_loop()
-        results["control/shifted_masks"] = reference_loop(shift=1)
+        for name, path in csv_paths.items():
+            to_csv(build(name, 2, M), path)
+    dist.barrier()
+    results["ours/csv_zb_h1"] = run_actions(from_csv(csv_paths["zb_h1"]), "loop", SPLIT2, rank, link)
+    for name, (cls, layout) in MULTI.items():
+        actions = PipelineSchedule.of(get_schedule_ops(cls, 2, M, 2))
+        results[f"ours/{name}"] = run_actions(actions, layout, SPLIT4, rank, link)
+    results["torch/ScheduleGPipe"] = run_torch(lambda s: ScheduleGPipe(s[0], M, loss_fn=F.mse_loss), SPLIT2, [rank])
+    results["torch/Schedule1F1B"] = run_torch(lambda s: Schedule1F1B(s[0], M, loss_fn=F.mse_loss), SPLIT2, [rank])
+    for name, path in csv_paths.items():
+        results[f"torch/csv_{name}"] = run_torch(csv_runtime(path), SPLIT2, [rank])
+    for name, (cls, layout) in MULTI.items():
+        ranks = stage_ranks(2, 2, layout)
+        local = [s for s, r in enumerate(ranks) if r == rank]
+        results[f"torch/{name}"] = run_torch(lambda s, cls=cls: cls(s, M, loss_fn=F.mse_loss), SPLIT4, local)
+    if rank == 0:
+        results["reference/engine"] = reference(SPLIT2, "engine")
+        results["reference/loop"] = reference(SPLIT2, "loop")
+        results["control/shifted_masks"] = reference(SPLIT2, "shifted")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
