@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+from recsys_pipe.autosched.pp_actions import to_csv
+from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.cli import train as train_cli
-from recsys_pipe.pp import split_layers
+from recsys_pipe.config import ConfigError
+from recsys_pipe.pp import PipelineParallelConfig, split_layers
 
 # (WORLD_SIZE, overrides, the key the first error names, a fragment of its message)
 CASES = [
     (2, ["parallel.pp.size=2", "parallel.pp.microbatches=1"], "parallel.pp.microbatches", "cannot fill 2 stages"),
-    (1, ["parallel.pp.size=2"], "parallel.pp.size", "2 stages do not divide the world of 1 rank(s)"),
-    (2, ["parallel.pp.schedule=dualpipe"], "parallel.pp.schedule", "'gpipe', '1f1b', 'zb_h1' or 'zb_h2'"),
-    (2, ["parallel.pp.size=2", "parallel.pp.layers=[1,1,1]"], "parallel.pp.layers", "lists 3 stage(s)"),
+    (1, ["parallel.pp.size=2"], "parallel.pp.size", "2 pipeline ranks do not divide the world of 1 rank(s)"),
+    (2, ["parallel.pp.schedule=dualpipe"], "parallel.pp.schedule", "unknown schedule 'dualpipe'"),
+    (2, ["parallel.pp.size=2", "parallel.pp.layers=[1,1,1]"], "parallel.pp.layers", "the schedule has 2"),
     (2, ["parallel.pp.size=2", "parallel.pp.layers=[1,2]"], "parallel.pp.layers", "model.num_layers=2"),
     (4, ["parallel.pp.size=4"], "parallel.pp.size", "4 stages need at least 4 layers, model.num_layers=2"),
     (2, ["parallel.pp.size=2", "model=dlrm"], "parallel.pp.size", "model 'dlrm' cannot be split into stages"),
@@ -62,3 +65,50 @@ def test_layers_split_evenly_first_stages_larger_or_as_listed():
     assert split_layers(4, 3, [1, 2, 1]) == [range(0, 1), range(1, 3), range(3, 4)]
     with pytest.raises(ValueError, match="cannot split 4 layers into 2 stages"):
         split_layers(4, 2, [1, 2])
+
+
+def _problem(**fields):
+    with pytest.raises(ConfigError) as info:
+        PipelineParallelConfig(**fields)
+    (problem,) = info.value.problems
+    return problem.path, problem.message
+
+
+def test_named_schedules_resolve_to_plans_or_torchs_action_orders():
+    plan = PipelineParallelConfig(size=2, schedule="zb_h1").resolved()
+    assert plan.actions is None and plan.ranks_of_stages == (0, 1) and plan.microbatches == 2
+    interleaved = PipelineParallelConfig(size=2, microbatches=4, schedule="interleaved_1f1b").resolved()
+    assert interleaved.ranks_of_stages == (0, 1, 0, 1) and interleaved.local_stages(1) == (1, 3)
+    v = PipelineParallelConfig(size=2, microbatches=4, schedule="dualpipev").resolved()
+    assert v.ranks_of_stages == (0, 1, 1, 0)
+    assert {a.kind for row in v.actions.ranks for a in row} >= {"F", "B", "W"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "path", "fragment"),
+    [
+        ({"size": 2, "microbatches": 2, "schedule": "dualpipev"}, "parallel.pp.microbatches", "DualPipeV requires"),
+        ({"size": 2, "microbatches": 4, "schedule": "zbv", "stages_per_rank": 3}, "parallel.pp.stages_per_rank", "V"),
+        ({"size": 2, "schedule": "1f1b", "stages_per_rank": 2}, "parallel.pp.stages_per_rank", "one stage per rank"),
+        ({"size": 2, "microbatches": 4, "schedule": "interleaved_1f1b", "layers": [1, 1]}, "parallel.pp.layers", "4"),
+        ({"size": 2, "schedule": "/nonexistent/s.csv"}, "parallel.pp.schedule", "no such file"),
+    ],
+)
+def test_schedule_misfits_name_their_key(fields, path, fragment):
+    got_path, message = _problem(**fields)
+    assert got_path == path and fragment in message, message
+
+
+def test_a_csv_schedule_is_checked_against_the_config(tmp_path):
+    csv = tmp_path / "zb.csv"
+    to_csv(build("zb_h1", 2, 4), csv)
+    resolved = PipelineParallelConfig(size=2, microbatches=4, schedule=str(csv)).resolved()
+    assert resolved.ranks_of_stages == (0, 1) and resolved.actions is not None
+    assert "has 2 rank row(s), parallel.pp.size=4" in _problem(size=4, microbatches=4, schedule=str(csv))[1]
+    assert "runs 4 microbatch(es), parallel.pp.microbatches=8" in _problem(size=2, microbatches=8, schedule=str(csv))[1]
+    assert "not 2 on each" in _problem(size=2, microbatches=4, schedule=str(csv), stages_per_rank=2)[1]
+    broken = tmp_path / "broken.csv"
+    broken.write_text("0F0,0W0,0I0\n1F0,1I0,1W0\n")  # W before its B on rank 0
+    path, message = _problem(size=2, microbatches=2, schedule=str(broken))
+    assert path == "parallel.pp.schedule" and "broken.csv" in message and "0W0 comes before 0I0" in message
+    assert "\n" not in message

@@ -10,13 +10,14 @@ the model, the data and the world size by `check_pipeline_parallel`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, StrictInt, model_validator
+from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.models.hstu_config import HSTUConfig
 from recsys_pipe.models.retrieval_config import HSTURetrievalConfig, SASRecConfig
+from recsys_pipe.pp.schedules import NAMED_SCHEDULES, ResolvedSchedule, resolve_schedule
 
 __all__ = ["ParallelConfig", "PipelineParallelConfig", "check_pipeline_parallel", "split_layers"]
 
@@ -37,14 +38,22 @@ class PipelineParallelConfig(Section):
     microbatches: StrictInt | None = Field(
         None, ge=1, description="microbatches per step, each data.batch_size / microbatches samples (null: size)"
     )
-    schedule: Literal["gpipe", "1f1b", "zb_h1", "zb_h2"] = Field(
+    schedule: StrictStr = Field(
         "1f1b",
-        description="per-rank order of forwards (F) and backwards (B: input gradient, W: weight gradient): gpipe, "
-        "1f1b, zb_h1, zb_h2 (Zero Bubble: W held back to fill the bubbles)",
+        min_length=1,
+        description=f"per-rank order of forwards and backwards: {' | '.join(NAMED_SCHEDULES)}, or a schedule CSV "
+        "in torch's format (one row per rank, actions like 0F1, 0I1, 0W1)",
+    )
+    stages_per_rank: StrictInt | None = Field(
+        None, ge=1, description="stages on each rank (null: 1; 2 for interleaved_1f1b, zbv, dualpipev; a CSV's own)"
     )
     layers: list[StrictInt] | None = Field(
         None, description="layers of each stage, first to last (null: as even as possible, the first stages larger)"
     )
+
+    def resolved(self) -> ResolvedSchedule:
+        """What every rank runs (reads a CSV schedule again); ConfigError naming the key."""
+        return resolve_schedule(self.schedule, self.size, self.num_microbatches, self.stages_per_rank)
 
     @property
     def num_microbatches(self) -> int:
@@ -61,13 +70,13 @@ class PipelineParallelConfig(Section):
                     f"parallel.pp.size={self.size}",
                 )
             )
+        if problems:
+            raise ConfigError(problems)
+        num_stages = self.resolved().num_stages
         if self.layers is not None:
-            if len(self.layers) != self.size:
+            if len(self.layers) != num_stages:
                 problems.append(
-                    ConfigProblem(
-                        f"{PATH}.layers",
-                        f"lists {len(self.layers)} stage(s), parallel.pp.size={self.size} has {self.size}",
-                    )
+                    ConfigProblem(f"{PATH}.layers", f"lists {len(self.layers)} stage(s), the schedule has {num_stages}")
                 )
             elif min(self.layers) < 1:
                 problems.append(
@@ -102,12 +111,12 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
     """The constraints of `parallel.pp` against the model, the data and the world size;
     ConfigError naming the key. `run` is the validated RunConfig."""
     pp: PipelineParallelConfig = run.parallel.pp
-    if pp.size == 1 and pp.microbatches in (None, 1):
+    if pp.size == 1 and pp.num_microbatches == 1 and pp.resolved().num_stages == 1:
         return
     problems = []
     if world_size % pp.size:
         problems.append(
-            ConfigProblem(f"{PATH}.size", f"{pp.size} stages do not divide the world of {world_size} rank(s)")
+            ConfigProblem(f"{PATH}.size", f"{pp.size} pipeline ranks do not divide the world of {world_size} rank(s)")
         )
     layers_field = STAGEABLE_MODELS.get(type(run.model))
     if layers_field is None:
