@@ -56,3 +56,24 @@ def test_pipelined_run_is_bitwise_the_one_rank_run(ranks, variant):
     assert ranks[1 - last][variant]["losses"] == [[None] * 4] * 2
     params = {**ranks[0][variant]["params"], **ranks[1][variant]["params"]}
     _assert_same_params(params, reference["params"], variant)
+
+
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp_dp")
+    check_torchrun(run_torchrun("tests/dist/pp_dp_worker.py", str(out), nproc=4, timeout=240))
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.parametrize("variant", ["ours/1f1b", "ours/zb_h2", "ours/ZBVZeroBubble"])
+def test_pp_times_dp_on_4_ranks_is_bitwise_the_one_rank_run(mesh_ranks, variant):
+    """2 stages x 2 replicas: each replica's pipeline trains its share of the batch, the stages'
+    gradients are averaged over the replicas; the reference is one process over both shares."""
+    reference = mesh_ranks[0]["reference"]
+    assert [r["coords"] for r in mesh_ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # rank = pp * 2 + dp
+    for replica in (0, 1):
+        ranks = [r for r in mesh_ranks if r["coords"][1] == replica]
+        params = {name: t for r in ranks for name, t in r[variant]["params"].items()}
+        _assert_same_params(params, reference["params"], f"{variant}, replica {replica}")
+        (last,) = [r for r in ranks if r[variant]["losses"][0][0] is not None]
+        assert last[variant]["losses"] == [step[replica] for step in reference["losses"]]

@@ -27,6 +27,7 @@ _EXPORTS = {
     "current_microbatch_seed": "dropout",
     "microbatch_seed": "dropout",
     "PeerLink": "p2p",
+    "PipelineMesh": "mesh",
     "SCHEDULES": "plan",
     "NAMED_SCHEDULES": "schedules",
     "ResolvedSchedule": "schedules",

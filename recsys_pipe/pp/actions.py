@@ -245,12 +245,12 @@ class ActionOrderRunner:
         if len(microbatches) != self.microbatches:
             raise ValueError(f"the plan is for {self.microbatches} microbatches, got {len(microbatches)}")
         for runtime in self.runtimes.values():
-            runtime.step = step
+            runtime.begin_step(step, len(microbatches))
         losses = self.pipeline.progress(iter([list(microbatches)]))
         if self.link is not None:
             self.link.wait_sends()
-        for runtime in self.runtimes.values():
-            runtime.scale_grads(len(microbatches))
+        for _, runtime in sorted(self.runtimes.items()):  # the same collective order on every replica
+            runtime.end_step(len(microbatches))
         return losses
 
     def shutdown(self) -> None:

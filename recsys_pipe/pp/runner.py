@@ -44,14 +44,15 @@ class StageStepRunner:
     def run_step(self, step: int, microbatches: Sequence[Any]) -> list[torch.Tensor | None]:
         """Forward and backward of every microbatch of optimizer step `step`; returns the
         microbatches' losses in order (the last stage's; None on the other stages). The
-        parameters' `.grad` then hold the mean over the microbatches of their gradients."""
+        parameters' `.grad` then hold the mean over the microbatches (and the data-parallel
+        replicas) of their gradients."""
         if len(microbatches) != self.plan.microbatches:
             raise ValueError(f"the plan is for {self.plan.microbatches} microbatches, got {len(microbatches)}")
-        self.runtime.step = step
+        self.runtime.begin_step(step, len(microbatches))
         losses = list(self.pipeline.iterate(iter(microbatches)))
         if self.runtime.link is not None:
             self.runtime.link.wait_sends()
-        self.runtime.scale_grads(len(microbatches))
+        self.runtime.end_step(len(microbatches))
         return losses
 
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
@@ -72,6 +73,8 @@ class StageRuntime:
         prev_rank, next_rank: global ranks of the neighbouring stages (None at the ends).
         link: the point-to-point link (one per rank, shared by its stages).
         seed: base seed of the placement-independent dropout masks.
+        dp_group: the ranks holding this stage in the other data-parallel replicas; their
+            gradients are averaged at the end of each step (`reduce_grads`).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class StageRuntime:
         next_rank: int | None = None,
         link: PeerLink | None = None,
         seed: int = 0,
+        dp_group: dist.ProcessGroup | None = None,
     ):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} outside 0..{num_stages - 1}")
@@ -100,8 +104,14 @@ class StageRuntime:
         self.next_rank = next_rank
         self.link = link
         self.seed = seed
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         #: the optimizer step being run (part of the dropout key); set by the step runner
         self.step = 0
+        #: added to the microbatch index in the dropout key: replica d's microbatch j is the
+        #: step's global microbatch d * m + j, so replicas draw different masks; set per step
+        self.microbatch_offset = 0
 
     # -- F --------------------------------------------------------------------------------------
 
@@ -110,7 +120,7 @@ class StageRuntime:
         return as_stage_input(self.link.recv(self.prev_rank, activation_tag(self.stage, microbatch)))
 
     def forward(self, microbatch: int, batch: Any, inputs: tuple[torch.Tensor, ...] = ()) -> ForwardRecord:
-        with microbatch_seed(self.step, microbatch, self.seed):
+        with microbatch_seed(self.step, self.microbatch_offset + microbatch, self.seed):
             outputs = _as_tuple(self.module(batch, inputs))
         if self.is_last:
             if len(outputs) != 1 or outputs[0].dim() != 0:
@@ -180,6 +190,34 @@ class StageRuntime:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(num_microbatches)
+
+    def begin_step(self, step: int, num_microbatches: int) -> None:
+        """Set the dropout key's step and this replica's microbatch offset."""
+        self.step = step
+        self.microbatch_offset = self.dp_rank * num_microbatches
+
+    def end_step(self, num_microbatches: int) -> None:
+        """The step's gradients: scaled by 1/m, then averaged over the data-parallel replicas."""
+        self.scale_grads(num_microbatches)
+        self.reduce_grads()
+
+    def reduce_grads(self) -> None:
+        """Average the gradients over `dp_group`, as DDP does: each divided by the group's size,
+        then summed (one all-reduce over the stage's gradients, flattened).
+
+        Hand-written rather than DDP: DDP's reducer hooks the autograd accumulation of each
+        parameter, which the weight-gradient step (`stage_backward_weight` adds into `.grad`
+        itself) bypasses; torch's pipelining likewise reduces outside autograd."""
+        if self.dp_group is None:
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
+        dist.all_reduce(flat, group=self.dp_group)
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 class ChainedStages(nn.Module):
