@@ -87,7 +87,11 @@ def test_named_schedules_resolve_to_plans_or_torchs_action_orders():
 @pytest.mark.parametrize(
     ("fields", "path", "fragment"),
     [
-        ({"size": 2, "microbatches": 2, "schedule": "dualpipev"}, "parallel.pp.microbatches", "DualPipeV requires"),
+        (
+            {"size": 2, "microbatches": 2, "schedule": "dualpipev"},
+            "parallel.pp.microbatches",
+            "dualpipev needs m >= 2p",
+        ),
         ({"size": 2, "microbatches": 4, "schedule": "zbv", "stages_per_rank": 3}, "parallel.pp.stages_per_rank", "V"),
         ({"size": 2, "schedule": "1f1b", "stages_per_rank": 2}, "parallel.pp.stages_per_rank", "one stage per rank"),
         ({"size": 2, "microbatches": 4, "schedule": "interleaved_1f1b", "layers": [1, 1]}, "parallel.pp.layers", "4"),

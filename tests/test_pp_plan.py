@@ -147,3 +147,19 @@ def test_an_action_list_that_does_not_fit_is_refused(row, message):
     schedule = PipelineSchedule.of([row, []])
     with pytest.raises(ValueError, match=message):
         action_schedule(schedule, 0, (0, 1), 2)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_our_dualpipev_is_torchs_dualpipev_order(p):
+    """build("dualpipev") generates the V form torch's ScheduleDualPipeV runs, action for action
+    (overlapped F&B pairs included), and it passes validation (no deadlock)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from recsys_pipe.autosched.pipeline_parallel import validate
+
+    for m in (2 * p, 2 * p + 1, 2 * p + 4):
+        ours = validate(build("dualpipev", p, m))
+        torchs = PipelineSchedule.of(get_schedule_ops("DualPipeV", p, m, 2))
+        assert [list(map(str, row)) for row in ours.ranks] == [list(map(str, row)) for row in torchs.ranks]
+    with pytest.raises(ValueError, match="dualpipev needs m >= 2p"):
+        build("dualpipev", p, 2 * p - 1)

@@ -2,8 +2,10 @@
 
 A single-stage-per-rank schedule (gpipe, 1f1b, zb_h1, zb_h2) runs as an engine plan of
 lookaheads (`recsys_pipe.pp.plan`); the others run as a static per-rank action order
-(`recsys_pipe.pp.actions`): interleaved 1F1B, ZBV and DualPipeV take their orders from
-torch.distributed.pipelining's own schedule classes (so they are the orders torch runs), and a
+(`recsys_pipe.pp.actions`): interleaved 1F1B and ZBV take their orders from
+torch.distributed.pipelining's own schedule classes (so they are the orders torch runs),
+DualPipeV from `recsys_pipe.autosched.pp_schedules.build("dualpipev")` (the same order as
+torch's class, tested), and a
 CSV in torch's format is read with `recsys_pipe.autosched.pp_actions.from_csv` and checked with
 `recsys_pipe.autosched.pipeline_parallel.validate` (routes, B after F, no deadlock). Where each
 stage lives is read off the action lists. Every misfit is a ConfigError naming its key.
@@ -16,13 +18,15 @@ from pathlib import Path
 
 from recsys_pipe.autosched.pipeline_parallel import PipelineScheduleError, validate
 from recsys_pipe.autosched.pp_actions import PipelineSchedule, from_csv
+from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.pp.plan import SCHEDULES as PLAN_SCHEDULES
 
 __all__ = ["ACTION_SCHEDULES", "NAMED_SCHEDULES", "ResolvedSchedule", "default_stages_per_rank", "resolve_schedule"]
 
-#: schedule name -> torch.distributed.pipelining's class name (whose action order is used)
-ACTION_SCHEDULES = {"interleaved_1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+#: schedule name -> torch.distributed.pipelining's class name (whose action order is used), or
+#: None for our own generator (`recsys_pipe.autosched.pp_schedules.build`)
+ACTION_SCHEDULES = {"interleaved_1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble", "dualpipev": None}
 NAMED_SCHEDULES = (*PLAN_SCHEDULES, *ACTION_SCHEDULES)
 _V_SCHEDULES = ("zbv", "dualpipev")
 KEY = "parallel.pp"
@@ -78,15 +82,18 @@ def resolve_schedule(schedule: str, size: int, microbatches: int, stages_per_ran
         raise _problem("stages_per_rank", f"{schedule} folds the stages into a V: 2 per rank, got {per_rank}")
     if per_rank < 2:
         raise _problem("stages_per_rank", f"{schedule} interleaves stages: at least 2 per rank, got {per_rank}")
-    # torch's classes generate their order from mock stages; their own checks (microbatches
-    # versus stages) raise ValueError, reported here against the microbatches.
+    # torch's classes generate their order from mock stages; their checks (microbatches versus
+    # stages) and our generators' raise ValueError, reported here against the microbatches.
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
+    torch_class = ACTION_SCHEDULES[schedule]
     try:
-        ops = get_schedule_ops(ACTION_SCHEDULES[schedule], size, microbatches, per_rank)
+        if torch_class is None:
+            actions = build(schedule, size, microbatches)
+        else:
+            actions = PipelineSchedule.of(get_schedule_ops(torch_class, size, microbatches, per_rank), schedule)
     except ValueError as exc:
         raise _problem("microbatches", f"{schedule} on {size} rank(s) x {per_rank} stages: {exc}") from None
-    actions = PipelineSchedule.of(ops, schedule)
     return ResolvedSchedule(schedule, microbatches, _ranks_of_stages(actions, schedule), actions)
 
 

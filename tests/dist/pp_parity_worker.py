@@ -6,8 +6,9 @@ microbatches, split into stages in every way the tests compare:
 - 2 stages, one per rank, under each single-stage schedule as an engine plan (GPipe, 1F1B,
   ZB-H1, ZB-H2), under our ZB-H1 CSV in the static action-order mode, and under torch's
   ScheduleGPipe, Schedule1F1B and its runtime playing our ZB-H1 / ZB-H2 CSVs;
-- 4 stages, two per rank, under torch's Interleaved1F1B, InterleavedZeroBubble,
-  ZBVZeroBubble and DualPipeV: their action lists on our engine, and the classes themselves.
+- 4 stages, two per rank, under Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and
+  DualPipeV: their action lists on our engine (as `parallel.pp.schedule` resolves them: torch's
+  orders, our own dualpipev generator), and torch's classes themselves.
 
 Rank 0 also trains the whole model in one process: as one stage on the same engine
 (`parallel.pp.size=1`), and as a plain loop (forward, loss.backward per microbatch, grads / m).
@@ -49,15 +50,16 @@ from recsys_pipe.pp import (
     stage_plan,
 )
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
+from recsys_pipe.pp.schedules import resolve_schedule
 
 WIDTH, BATCH, M, STEPS, P_DROP, LR = 32, 16, 4, 2, 0.2, 0.05
 SPLIT2 = ((0, 1), (2, 3))
 SPLIT4 = ((0,), (1,), (2,), (3,))
-MULTI = {  # torch class -> stage layout
-    "Interleaved1F1B": (ScheduleInterleaved1F1B, "loop"),
-    "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, "loop"),
-    "ZBVZeroBubble": (ScheduleZBVZeroBubble, "v"),
-    "DualPipeV": (ScheduleDualPipeV, "v"),
+MULTI = {  # torch class -> stage layout, and our config's name for the schedule (None: none)
+    "Interleaved1F1B": (ScheduleInterleaved1F1B, "loop", "interleaved_1f1b"),
+    "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, "loop", None),
+    "ZBVZeroBubble": (ScheduleZBVZeroBubble, "v", "zbv"),
+    "DualPipeV": (ScheduleDualPipeV, "v", "dualpipev"),  # our generator's order
 }
 
 
@@ -236,14 +238,17 @@ def main():
             to_csv(build(name, 2, M), path)
     dist.barrier()
     results["ours/csv_zb_h1"] = run_actions(from_csv(csv_paths["zb_h1"]), "loop", SPLIT2, rank, link)
-    for name, (cls, layout) in MULTI.items():
-        actions = PipelineSchedule.of(get_schedule_ops(cls, 2, M, 2))
+    for name, (cls, layout, config_name) in MULTI.items():
+        if config_name is None:
+            actions = PipelineSchedule.of(get_schedule_ops(cls, 2, M, 2))
+        else:  # as parallel.pp.schedule=<config_name> resolves it
+            actions = resolve_schedule(config_name, 2, M, None).actions
         results[f"ours/{name}"] = run_actions(actions, layout, SPLIT4, rank, link)
     results["torch/ScheduleGPipe"] = run_torch(lambda s: ScheduleGPipe(s[0], M, loss_fn=F.mse_loss), SPLIT2, [rank])
     results["torch/Schedule1F1B"] = run_torch(lambda s: Schedule1F1B(s[0], M, loss_fn=F.mse_loss), SPLIT2, [rank])
     for name, path in csv_paths.items():
         results[f"torch/csv_{name}"] = run_torch(csv_runtime(path), SPLIT2, [rank])
-    for name, (cls, layout) in MULTI.items():
+    for name, (cls, layout, _) in MULTI.items():
         ranks = stage_ranks(2, 2, layout)
         local = [s for s, r in enumerate(ranks) if r == rank]
         results[f"torch/{name}"] = run_torch(lambda s, cls=cls: cls(s, M, loss_fn=F.mse_loss), SPLIT4, local)
