@@ -116,3 +116,35 @@ def test_a_csv_schedule_is_checked_against_the_config(tmp_path):
     path, message = _problem(size=2, microbatches=2, schedule=str(broken))
     assert path == "parallel.pp.schedule" and "broken.csv" in message and "0W0 comes before 0I0" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["parallel.pp.schedule=zb_h1", "parallel.pp.microbatches=4"],
+            [
+                "rank 0 (stage 0):",
+                "  tasks@lookahead: F@1, send_F@1, recv_B@0, B@0, W@0  (ring: 2 microbatch(es) in flight)",
+                "  order: 0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3",
+                "rank 1 (stage 1):",
+                "  order: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3",
+                "simulated with T_F = T_B = T_W = 1: makespan 13, bubble 1, peak activations per rank [2, 1]",
+            ],
+        ),
+        (
+            ["parallel.pp.schedule=dualpipev", "parallel.pp.microbatches=4", "model.num_layers=4"],
+            ["rank 0 (stages 0, 3):", "rank 1 (stages 1, 2):", "each rank runs its action list in order"],
+        ),
+    ],
+)
+def test_recsys_plan_shows_each_ranks_pipeline(overrides, expected, tmp_path, capsys):
+    from recsys_pipe.cli import plan as plan_cli
+
+    code = plan_cli.run(["parallel.pp.size=2", *overrides, f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    for line in expected:
+        assert any(got.startswith(line) for got in lines), f"{line!r} not in:\n{out}"
+    assert "rank 1 (stage" in (tmp_path / "plan.txt").read_text()

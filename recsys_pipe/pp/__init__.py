@@ -33,6 +33,8 @@ _EXPORTS = {
     "ResolvedSchedule": "schedules",
     "resolve_schedule": "schedules",
     "StagePlan": "plan",
+    "firing_order": "plan",
+    "render_pipeline_parallel": "render",
     "stage_plan": "plan",
     "stage_schedule": "plan",
     "stage_tasks": "plan",

@@ -24,10 +24,12 @@ microbatch's store: `act_in` -> F -> `fwd` -> B -> `bwd` -> W.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
-from recsys_pipe.engine import BATCH_CPU, STEP_RESULT, Schedule, Task, TaskContext
+from recsys_pipe.engine import BATCH_CPU, STEP_RESULT, SchedulablePipeline, Schedule, Task, TaskContext
 
-__all__ = ["SCHEDULES", "StagePlan", "stage_plan", "stage_schedule", "stage_tasks"]
+__all__ = ["SCHEDULES", "StagePlan", "firing_order", "stage_plan", "stage_schedule", "stage_tasks"]
 
 #: the schedules a single stage per rank runs as an engine plan
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2")
@@ -141,3 +143,52 @@ def stage_tasks(plan: StagePlan) -> tuple[Task, ...]:
 def stage_schedule(plan: StagePlan) -> Schedule:
     """The rank's engine schedule (one stage, the default stream)."""
     return Schedule.single_stage(stage_tasks(plan))
+
+
+class _DryStage:
+    """Stands in for a StageRuntime: runs nothing, logs the task of each call, passes records on."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def _record(self, kind: str, microbatch: int) -> Any:
+        self.log.append((kind, microbatch))
+        return SimpleNamespace(
+            microbatch=microbatch, loss=None, forward=SimpleNamespace(microbatch=microbatch, loss=None)
+        )
+
+    def recv_activation(self, microbatch: int) -> tuple:
+        self._record("recv_F", microbatch)
+        return ()
+
+    def forward(self, microbatch: int, batch: Any, inputs: tuple) -> Any:
+        return self._record("F", microbatch)
+
+    def send_activation(self, record: Any) -> None:
+        self._record("send_F", record.microbatch)
+
+    def recv_gradient(self, microbatch: int) -> tuple:
+        self._record("recv_B", microbatch)
+        return ()
+
+    def backward_input(self, record: Any, grads: Any) -> Any:
+        return self._record("B", record.microbatch)
+
+    def backward(self, record: Any, grads: Any) -> Any:
+        return self._record("BW", record.microbatch)
+
+    def backward_weight(self, record: Any) -> None:
+        self._record("W", record.forward.microbatch)
+
+    def send_gradient(self, record: Any) -> None:
+        self._record("send_B", record.forward.microbatch)
+
+
+def firing_order(plan: StagePlan) -> list[tuple[str, int]]:
+    """(task, microbatch) in the order the engine runs `plan` over one step, found by running
+    it on the engine with a stand-in stage that computes nothing."""
+    dry = _DryStage()
+    with SchedulablePipeline(stage_schedule(plan), state=dry) as pipeline:
+        for _ in pipeline.iterate(iter(range(plan.microbatches))):
+            pass
+    return dry.log
