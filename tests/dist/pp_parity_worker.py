@@ -25,7 +25,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -44,13 +43,13 @@ from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp import (
     ChainedStages,
     PeerLink,
-    SeededDropout,
     StageRuntime,
     StageStepRunner,
     microbatch_seed,
     stage_plan,
 )
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
+from recsys_pipe.pp.mlp import TorchStageAdapter, mlp_stages
 from recsys_pipe.pp.schedules import resolve_schedule
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
@@ -65,37 +64,8 @@ MULTI = {  # torch class -> stage layout, and our config's name for the schedule
 }
 
 
-class ToyStage(nn.Module):
-    """Layers `layers` of the stack; the last stage adds the head and the loss."""
-
-    def __init__(self, layers, first, last):
-        super().__init__()
-        self.first, self.last, self.indices = first, last, tuple(layers)
-        self.layers = nn.Sequential(
-            *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), SeededDropout(P_DROP, layer=i)) for i in layers]
-        )
-        self.head = nn.Linear(WIDTH, 1) if last else None
-
-    def body(self, x):
-        h = self.layers(x)
-        return self.head(h) if self.last else h
-
-    def forward(self, batch, inputs):
-        out = self.body(batch["x"] if self.first else inputs[0])
-        return F.mse_loss(out, batch["y"]) if self.last else out
-
-    def named_by_layer(self):
-        out = {}
-        for k, i in enumerate(self.indices):
-            out[f"layer{i}.weight"], out[f"layer{i}.bias"] = self.layers[k][0].weight, self.layers[k][0].bias
-        if self.last:
-            out["head.weight"], out["head.bias"] = self.head.weight, self.head.bias
-        return out
-
-
 def make_stages(split):
-    torch.manual_seed(0)  # the same values whatever the split: layers are created in order
-    return [ToyStage(layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
+    return mlp_stages(WIDTH, split, P_DROP)
 
 
 def make_data():
@@ -163,22 +133,8 @@ def run_actions(schedule, layout, split, rank, link):
     return train(runner, [stages[s] for s in local], timeline=(rank, None))
 
 
-class TorchAdapter(nn.Module):
-    """A stage as torch's PipelineStage calls it, `forward(x)`; the loss goes to loss_fn.
-    Forwards of a stage run in microbatch order, so a counter gives the dropout key."""
-
-    def __init__(self, stage):
-        super().__init__()
-        self.stage, self.step, self.count = stage, 0, 0
-
-    def forward(self, x):
-        with microbatch_seed(self.step, self.count):
-            self.count += 1
-            return self.stage.body(x)
-
-
 def torch_stage(module, index, num_stages):
-    adapter = TorchAdapter(module)
+    adapter = TorchStageAdapter(module)
     mb_in = torch.zeros(BATCH // M, WIDTH, requires_grad=not module.first)  # received: needs a gradient
     mb_out = torch.zeros(BATCH // M, 1 if module.last else WIDTH, requires_grad=True)
     return adapter, PipelineStage(adapter, index, num_stages, torch.device("cpu"), input_args=mb_in, output_args=mb_out)
@@ -192,7 +148,7 @@ def run_torch(make_schedule, split, local):
     losses = []
     for step, (x, y) in enumerate(make_data()):
         for adapter in adapters:
-            adapter.step, adapter.count = step, 0
+            adapter.begin_step(step)
         opt.zero_grad(set_to_none=True)
         args = (x,) if 0 in local else ()
         mb_losses = []
