@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from recsys_pipe.autosched.pipeline_parallel import simulate
-from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule
 from recsys_pipe.pp.config import PipelineParallelConfig
-from recsys_pipe.pp.plan import firing_order, stage_plan, stage_tasks
+from recsys_pipe.pp.plan import stage_plan, stage_tasks
 
 __all__ = ["render_pipeline_parallel"]
 
@@ -23,7 +22,7 @@ def render_pipeline_parallel(pp: PipelineParallelConfig) -> str:
         out.append("each rank runs its stage as an engine plan over the step's microbatches (one ring slot each):")
     else:
         out.append("each rank runs its action list in order (one engine task per action, one iteration per step):")
-    orders = []
+    orders = resolved.compute_orders()
     for rank in range(size):
         stages = resolved.local_stages(rank)
         out.append("")
@@ -32,12 +31,8 @@ def render_pipeline_parallel(pp: PipelineParallelConfig) -> str:
             plan = stage_plan(resolved.name, size, rank, m)
             lookaheads = ", ".join(f"{t.name}@{t.lookahead}" for t in stage_tasks(plan))
             out.append(f"  tasks@lookahead: {lookaheads}  (ring: {plan.ring_slots} microbatch(es) in flight)")
-            steps = [Action(kind, rank, mb) for kind, mb in firing_order(plan) if kind in ("F", "B", "W", "BW")]
-        else:
-            steps = [c for a in resolved.actions.ranks[rank] for c in a.computes]
-        orders.append(steps)
-        out.append(f"  order: {' '.join(map(str, steps))}")
-    unit = simulate(PipelineSchedule.of(orders), 1.0, 1.0, 1.0)
+        out.append(f"  order: {' '.join(map(str, orders.ranks[rank]))}")
+    unit = simulate(orders, 1.0, 1.0, 1.0)
     out.append("")
     out.append(
         f"simulated with T_F = T_B = T_W = 1: makespan {unit.makespan:g}, bubble {unit.bubble:g}, "

@@ -17,12 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recsys_pipe.autosched.pipeline_parallel import PipelineScheduleError, validate
-from recsys_pipe.autosched.pp_actions import PipelineSchedule, from_csv
+from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule, from_csv
 from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.pp.plan import SCHEDULES as PLAN_SCHEDULES
 
-__all__ = ["ACTION_SCHEDULES", "NAMED_SCHEDULES", "ResolvedSchedule", "default_stages_per_rank", "resolve_schedule"]
+__all__ = [
+    "ACTION_SCHEDULES",
+    "NAMED_SCHEDULES",
+    "ResolvedSchedule",
+    "default_stages_per_rank",
+    "resolve_schedule",
+]
 
 #: schedule name -> torch.distributed.pipelining's class name (whose action order is used), or
 #: None for our own generator (`recsys_pipe.autosched.pp_schedules.build`)
@@ -48,6 +54,19 @@ class ResolvedSchedule:
 
     def local_stages(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.ranks_of_stages) if r == rank)
+
+    def compute_orders(self) -> PipelineSchedule:
+        """Every rank's compute steps in the order it runs them: the action lists, or for a
+        lookahead plan the order the engine fires it in (`firing_order`); for `simulate`."""
+        if self.actions is not None:
+            return PipelineSchedule.of([[c for a in row for c in a.computes] for row in self.actions.ranks], self.name)
+        from recsys_pipe.pp.plan import firing_order, stage_plan
+
+        rows = []
+        for rank in range(len(self.ranks_of_stages)):
+            plan = stage_plan(self.name, len(self.ranks_of_stages), rank, self.microbatches)
+            rows.append([Action(k, rank, mb) for k, mb in firing_order(plan) if k in ("F", "B", "W", "BW")])
+        return PipelineSchedule.of(rows, self.name)
 
 
 def is_csv(schedule: str) -> bool:
