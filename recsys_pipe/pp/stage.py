@@ -13,6 +13,10 @@ there and W runs the whole backward. Gradients of the microbatches add up in the
 `.grad` in microbatch order and are scaled by 1/m once at the end of the step (`scale_grads`,
 `div_`, as torch's schedules do), which is exactly what a one-rank loop over the same
 microbatches computes.
+
+The helpers come from a private torch module (`torch.distributed.pipelining._backward`): they
+are what torch's own schedules run, so our B and W stay bitwise equal to torch's (the parity
+tests compare against torch's classes, so a change there shows up as a failing test).
 """
 
 from __future__ import annotations
