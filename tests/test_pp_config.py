@@ -19,6 +19,7 @@ CASES = [
     (2, ["parallel.pp.size=2", "parallel.pp.layers=[1,1,1]"], "parallel.pp.layers", "the schedule has 2"),
     (2, ["parallel.pp.size=2", "parallel.pp.layers=[1,2]"], "parallel.pp.layers", "model.num_layers=2"),
     (4, ["parallel.pp.size=4"], "parallel.pp.size", "4 stages need at least 4 layers, model.num_layers=2"),
+    (2, ["parallel.pp.size=2", "model.dropout=0.1"], "model.dropout", "use 0 with parallel.pp"),
     (2, ["parallel.pp.size=2", "model=dlrm"], "parallel.pp.size", "model 'dlrm' cannot be split into stages"),
     (2, ["parallel.pp.size=2", "parallel.pp.microbatches=3"], "parallel.pp.microbatches", "data.batch_size=32"),
     (2, ["parallel.pp.size=2", "parallel.pp.schedule=zb_h1"], "parallel.pp.size", "does not run pipeline-parallel"),

@@ -79,6 +79,23 @@ def test_each_rank_ran_its_declared_order_and_its_timeline_measures_like_the_sim
     assert measured.peak_activations == simulate(declared, 1, 1, 1).peak_activations
 
 
+@pytest.mark.parametrize(
+    ("variant", "reference", "last"),
+    [
+        ("hstu/1f1b", "hstu/reference2", 1),
+        ("hstu/zb_h1", "hstu/reference2", 1),
+        ("hstu/dualpipev", "hstu/reference4", 0),
+    ],
+)
+def test_hstu_ranking_pipelined_is_bitwise_the_one_rank_run(ranks, variant, reference, last):
+    """The main job's model split into stages (embeddings and token assembly on the first,
+    head and loss on the last) trains 2 steps of 4 microbatches bitwise as on one rank."""
+    expected = ranks[0][reference]
+    assert ranks[last][variant]["losses"] == expected["losses"]
+    params = {**ranks[0][variant]["params"], **ranks[1][variant]["params"]}
+    _assert_same_params(params, expected["params"], variant)
+
+
 def test_the_measured_gantt_is_drawn(launch):
     out, _ = launch
     assert (out / "zb_h1_measured.png").stat().st_size > 1000

@@ -106,3 +106,35 @@ def test_stage_neighbours_are_checked():
         StageRuntime(nn.Identity(), 1, 3, prev_rank=0, link=PeerLink())
     with pytest.raises(ValueError, match="needs a PeerLink"):
         StageRuntime(nn.Identity(), 0, 2, next_rank=1)
+
+
+@pytest.mark.parametrize(("use_user", "relative_bias"), [(False, True), (True, True), (True, False)])
+def test_hstu_split_into_stages_computes_the_models_loss_and_gradients_bitwise(use_user, relative_bias):
+    from recsys_pipe.data import SyntheticConfig, SyntheticDataConfig, make_dataloader
+    from recsys_pipe.models import HSTUConfig, build_hstu
+    from recsys_pipe.pp.models import hstu_stages
+
+    synthetic = SyntheticConfig(num_items=100, num_users=50, num_clusters=4)
+    data = SyntheticDataConfig(
+        batch_size=8, max_seq_len=12, num_candidates=3, use_user_feature=use_user, synthetic=synthetic
+    )
+    loader = make_dataloader(data)
+    torch.manual_seed(0)
+    model = build_hstu(HSTUConfig(max_seq_len=12, relative_bias=relative_bias, num_layers=3), loader.dataset.spec)
+    batch = next(iter(loader))
+    loss, _ = model(batch)
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    stages = hstu_stages(model, [[0], [1, 2]])
+    assert torch.equal(ChainedStages(stages)(batch, ()), loss)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is None}  # before backward: none
+    assert len(got) == len(list(model.parameters()))
+    ChainedStages(stages)(batch, ()).backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    # every parameter lives on exactly one stage: the embeddings and bias first, the head last
+    owners = [{id(p) for p in stage.parameters()} for stage in stages]
+    assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="layers 0..2 in order"):
+        hstu_stages(model, [[0, 2], [1]])

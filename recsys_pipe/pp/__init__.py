@@ -29,6 +29,8 @@ _EXPORTS = {
     "MLPStage": "mlp",
     "TorchStageAdapter": "mlp",
     "mlp_stages": "mlp",
+    "HSTUStage": "models",
+    "hstu_stages": "models",
     "PeerLink": "p2p",
     "PipelineMesh": "mesh",
     "SCHEDULES": "plan",

@@ -16,19 +16,15 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.models.hstu_config import HSTUConfig
-from recsys_pipe.models.retrieval_config import HSTURetrievalConfig, SASRecConfig
 from recsys_pipe.pp.schedules import NAMED_SCHEDULES, ResolvedSchedule, resolve_schedule
 
 __all__ = ["ParallelConfig", "PipelineParallelConfig", "check_pipeline_parallel", "split_layers"]
 
 PATH = "parallel.pp"
 
-#: the model configs that can be split into stages, and the field that counts their layers
-STAGEABLE_MODELS: dict[type, str] = {
-    HSTUConfig: "num_layers",
-    HSTURetrievalConfig: "num_layers",
-    SASRecConfig: "num_blocks",
-}
+#: the model configs that can be split into stages (`recsys_pipe.pp.models`), and the field
+#: that counts their layers
+STAGEABLE_MODELS: dict[type, str] = {HSTUConfig: "num_layers"}
 
 
 class PipelineParallelConfig(Section):
@@ -125,6 +121,14 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
             ConfigProblem(f"{PATH}.size", f"model '{run.model.name}' cannot be split into stages (models: {names})")
         )
     else:
+        if run.model.dropout > 0:  # HSTU's dropout layers draw from the global generator
+            problems.append(
+                ConfigProblem(
+                    "model.dropout",
+                    f"{run.model.dropout}: the model's dropout masks depend on where its layers run; "
+                    "use 0 with parallel.pp",
+                )
+            )
         num_layers = getattr(run.model, layers_field)
         if pp.layers is not None and sum(pp.layers) != num_layers:
             problems.append(

@@ -50,6 +50,7 @@ from recsys_pipe.pp import (
 )
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mlp import TorchStageAdapter, mlp_stages
+from recsys_pipe.pp.models import hstu_stages
 from recsys_pipe.pp.schedules import resolve_schedule
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
@@ -190,6 +191,63 @@ def reference(split, runner_kind):
     return result(stages, losses)
 
 
+HSTU_SCHEDULES = ("1f1b", "zb_h1", "dualpipev")
+
+
+def hstu_setup(num_layers):
+    from recsys_pipe.data import SyntheticConfig, SyntheticDataConfig, make_dataloader
+    from recsys_pipe.models import HSTUConfig, build_hstu
+
+    data = SyntheticDataConfig(
+        batch_size=8,
+        max_seq_len=12,
+        num_candidates=3,
+        use_user_feature=True,
+        synthetic=SyntheticConfig(num_items=100, num_users=50, num_clusters=4),
+    )
+    loader = make_dataloader(data)
+    torch.manual_seed(0)
+    model = build_hstu(HSTUConfig(max_seq_len=12, num_layers=num_layers), loader.dataset.spec)
+    batches = [b for _, b in zip(range(STEPS), loader)]
+    microbatches = [[b.select(torch.arange(j * 2, j * 2 + 2)) for j in range(M)] for b in batches]
+    return model, microbatches
+
+
+def train_hstu(runner, model, stages, microbatches):
+    params = [p for s in stages for p in s.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    losses = []
+    for step, mbs in enumerate(microbatches):
+        opt.zero_grad(set_to_none=True)
+        out = runner.run_step(step, mbs)
+        losses.append([None if v is None else v.item() for v in out])
+        opt.step()
+    runner.shutdown()
+    mine = {id(p) for p in params}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in mine}}
+
+
+def run_hstu(schedule, rank, link):
+    """HSTU ranking split into stages (2 layers over 2 stages, or 4 over dualpipev's 4)."""
+    resolved = resolve_schedule(schedule, 2, M, None)
+    model, microbatches = hstu_setup(resolved.num_stages)
+    stages = hstu_stages(model, [[s] for s in range(resolved.num_stages)])
+    local = resolved.local_stages(rank)
+    runtimes_ = runtimes(stages, local, resolved.ranks_of_stages, link)
+    if resolved.actions is None:
+        runner = StageStepRunner(runtimes_[rank], stage_plan(schedule, 2, rank, M))
+    else:
+        runner = ActionOrderRunner(runtimes_, resolved.actions, rank, resolved.ranks_of_stages, M, link=link)
+    return train_hstu(runner, model, [stages[s] for s in local], microbatches)
+
+
+def hstu_reference(num_layers):
+    model, microbatches = hstu_setup(num_layers)
+    stages = hstu_stages(model, [[s] for s in range(num_layers)])
+    runner = StageStepRunner(StageRuntime(ChainedStages(stages), 0, 1), stage_plan("1f1b", 1, 0, M))
+    return train_hstu(runner, model, stages, microbatches)
+
+
 def main():
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
@@ -218,6 +276,8 @@ def main():
         ranks = stage_ranks(2, 2, layout)
         local = [s for s, r in enumerate(ranks) if r == rank]
         results[f"torch/{name}"] = run_torch(lambda s, cls=cls: cls(s, M, loss_fn=F.mse_loss), SPLIT4, local)
+    for schedule in HSTU_SCHEDULES:
+        results[f"hstu/{schedule}"] = run_hstu(schedule, rank, link)
     gathered = gather_spans(results["ours/zb_h1"]["spans"])
     if rank == 0:  # the measured Gantt of a ZB-H1 step (the test checks the file is drawn)
         measured_result(gathered, "zb_h1 (measured)").plot(os.path.join(out_dir, "zb_h1_measured.png"))
@@ -225,6 +285,8 @@ def main():
         results["reference/engine"] = reference(SPLIT2, "engine")
         results["reference/loop"] = reference(SPLIT2, "loop")
         results["control/shifted_masks"] = reference(SPLIT2, "shifted")
+        results["hstu/reference2"] = hstu_reference(2)
+        results["hstu/reference4"] = hstu_reference(4)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

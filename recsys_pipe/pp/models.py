@@ -1,0 +1,81 @@
+"""Models split into pipeline stages: the HSTU ranking model (`model=hstu`, the main job's).
+
+`hstu_stages(model, split)` cuts an `HSTUModel` into stage modules that share its parameters:
+the first stage holds the embedding collection, the token assembly (items + actions, the user's
+context tokens), the relative time bias and the first layers; the middle stages hold layers;
+the last stage holds the last layers, the final norm, the multi-task head and the loss. Between
+stages travel the jagged tokens `[T, D]`, their offsets, the attention mask and the bias (whose
+gradient flows back to the first stage's bias parameters like any activation's).
+
+The stages run the model's own modules and helpers in the model's order, so the stages chained
+on one rank compute the model's loss and gradients bitwise (a test checks it). The model's
+dropout layers draw from torch's global generator, which depends on placement: pipelined runs
+need `model.dropout=0` until those layers draw keyed masks (`recsys_pipe.pp.dropout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
+from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
+
+__all__ = ["HSTUStage", "hstu_stages"]
+
+
+class HSTUStage(nn.Module):
+    """Layers `layers` of an `HSTUModel`; see the module docstring for what each end adds."""
+
+    def __init__(self, model: HSTUModel, layers: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        ranker = model.ranker
+        self.first, self.last = first, last
+        self.padded_len, self.with_user = ranker.padded_len, ranker.with_user
+        self.layers = nn.ModuleList(ranker.layers[i] for i in layers)
+        if first:
+            self.ec = model.ec
+            self.input_dropout = ranker.input_dropout
+            self.bias = ranker.bias
+        if last:
+            self.final_norm = ranker.final_norm
+            self.head = ranker.head
+
+    def _embed(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """HSTURanker's token assembly: tokens, offsets, attention mask, bias (or an empty tensor)."""
+        embeddings = self.ec(batch.sparse_features)
+        items, actions = embeddings[ITEM_KEY], embeddings[ACTION_KEY]
+        tokens, timestamps = items.values() + actions.values(), batch.timestamps
+        lengths = items.lengths().long()
+        if self.with_user:
+            tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        mask = _attention_mask(lengths, batch.num_candidates, self.padded_len)
+        bias = torch.empty(0)
+        if self.bias is not None:
+            padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
+            bias = self.bias(padded_ts)
+        return self.input_dropout(tokens), offsets, mask, bias
+
+    def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
+        x, offsets, mask, bias = self._embed(batch) if self.first else inputs
+        for layer in self.layers:
+            x = layer(x, offsets, mask, bias if bias.numel() else None)
+        if not self.last:
+            return x, offsets, mask, bias
+        labels = batch.labels
+        rows = _candidate_rows(offsets, batch.num_candidates, labels.shape[0])
+        logits = self.head(self.final_norm(x)[rows])
+        per_token = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        return per_token.mean(dim=0).sum()
+
+
+def hstu_stages(model: HSTUModel, split: Sequence[Sequence[int]]) -> list[HSTUStage]:
+    """`model` cut into stages holding the layers `split[s]` (consecutive, covering all)."""
+    flat = [i for layers in split for i in layers]
+    if flat != list(range(len(model.ranker.layers))):
+        raise ValueError(f"the stages must hold layers 0..{len(model.ranker.layers) - 1} in order, got {split}")
+    return [HSTUStage(model, layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
