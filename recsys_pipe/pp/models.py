@@ -4,8 +4,10 @@
 the first stage holds the embedding collection, the token assembly (items + actions, the user's
 context tokens), the relative time bias and the first layers; the middle stages hold layers;
 the last stage holds the last layers, the final norm, the multi-task head and the loss. Between
-stages travel the jagged tokens `[T, D]`, their offsets, the attention mask and the bias (whose
-gradient flows back to the first stage's bias parameters like any activation's).
+stages travel the jagged tokens `[T, D]` and the relative bias `[B, N, N]` (its gradient flows
+back to the first stage's bias parameters like any activation's); the token offsets and the
+attention mask depend only on the batch's lengths, so every stage computes them from its copy
+of the microbatch instead of receiving them.
 
 The stages run the model's own modules and helpers in the model's order, so the stages chained
 on one rank compute the model's loss and gradients bitwise (a test checks it). The model's
@@ -44,28 +46,35 @@ class HSTUStage(nn.Module):
             self.final_norm = ranker.final_norm
             self.head = ranker.head
 
-    def _embed(self, batch: Any) -> tuple[torch.Tensor, ...]:
-        """HSTURanker's token assembly: tokens, offsets, attention mask, bias (or an empty tensor)."""
+    def _geometry(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens per sample (items, plus the user's context tokens), their offsets and the
+        attention mask, from the batch's lengths alone (as HSTURanker computes them)."""
+        kjt = batch.sparse_features
+        lengths = kjt[ITEM_KEY].lengths().long()
+        if self.with_user:
+            lengths = kjt[USER_KEY].lengths().long() + lengths
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        return lengths, offsets, _attention_mask(lengths, batch.num_candidates, self.padded_len)
+
+    def _embed(self, batch: Any, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """HSTURanker's token assembly: the tokens, and the relative bias if the model has one."""
         embeddings = self.ec(batch.sparse_features)
         items, actions = embeddings[ITEM_KEY], embeddings[ACTION_KEY]
         tokens, timestamps = items.values() + actions.values(), batch.timestamps
-        lengths = items.lengths().long()
         if self.with_user:
-            tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        mask = _attention_mask(lengths, batch.num_candidates, self.padded_len)
-        bias = torch.empty(0)
-        if self.bias is not None:
-            padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
-            bias = self.bias(padded_ts)
-        return self.input_dropout(tokens), offsets, mask, bias
+            tokens, timestamps, _ = _prepend_context(tokens, timestamps, items.lengths().long(), embeddings[USER_KEY])
+        if self.bias is None:
+            return (self.input_dropout(tokens),)
+        padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
+        return self.input_dropout(tokens), self.bias(padded_ts)
 
     def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
-        x, offsets, mask, bias = self._embed(batch) if self.first else inputs
+        _, offsets, mask = self._geometry(batch)
+        x, *bias = self._embed(batch, offsets) if self.first else inputs
         for layer in self.layers:
-            x = layer(x, offsets, mask, bias if bias.numel() else None)
+            x = layer(x, offsets, mask, bias[0] if bias else None)
         if not self.last:
-            return x, offsets, mask, bias
+            return (x, *bias)
         labels = batch.labels
         rows = _candidate_rows(offsets, batch.num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])

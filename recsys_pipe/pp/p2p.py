@@ -2,7 +2,9 @@
 
 A message is a tuple of tensors whose shapes may change from microbatch to microbatch (jagged
 sequence batches), so each message is a fixed-size header (count, then per tensor its dtype
-code, rank and sizes) followed by the tensors. Sends are asynchronous (`dist.isend`) and kept
+code, whether it requires a gradient, its rank and sizes) followed by the tensors. A received
+tensor requires a gradient exactly when the sent one did, so the receiving stage computes (and
+sends back) gradients only for what the sender's graph can use. Sends are asynchronous (`dist.isend`) and kept
 until `wait_sends()`, so a rank never blocks on a peer that is busy with its own schedule;
 receives block, which is what orders a stage after its producer.
 
@@ -57,7 +59,7 @@ def _header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         if t.dtype not in _CODE:
             raise TypeError(f"cannot send a {t.dtype} tensor between pipeline stages")
-        fields += [_CODE[t.dtype], t.dim(), *t.shape]
+        fields += [_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
     if len(fields) > HEADER_SIZE:
         raise ValueError(
             f"a stage message of {len(tensors)} tensors needs {len(fields)} header fields (max {HEADER_SIZE})"
@@ -67,13 +69,13 @@ def _header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return header
 
 
-def _parse(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+def _parse(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
     fields = header.tolist()
     count, pos, specs = fields[0], 1, []
     for _ in range(count):
-        dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
-        specs.append((dtype, tuple(fields[pos + 2 : pos + 2 + ndim])))
-        pos += 2 + ndim
+        dtype, requires_grad, ndim = _DTYPES[fields[pos]], bool(fields[pos + 1]), fields[pos + 2]
+        specs.append((dtype, requires_grad, tuple(fields[pos + 3 : pos + 3 + ndim])))
+        pos += 3 + ndim
     return specs
 
 
@@ -86,20 +88,21 @@ class PeerLink:
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
         """Post an asynchronous send of `tensors` to rank `dst`; `wait_sends()` completes it."""
+        header = _header(tensors)
         payload = tuple(t.detach().contiguous() for t in tensors)
-        header = _header(payload)
         for t in (header, *payload):
             self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), (t,)))
 
     def recv(self, src: int, tag: int) -> tuple[torch.Tensor, ...]:
-        """Receive the next message with `tag` from rank `src` (blocks until it arrives)."""
+        """Receive the message with `tag` from rank `src` (blocks until it arrives); each tensor
+        requires a gradient as the sent one did."""
         header = torch.empty(HEADER_SIZE, dtype=torch.int64)
         dist.recv(header, src, group=self.group, tag=tag)
         out = []
-        for dtype, shape in _parse(header):
+        for dtype, requires_grad, shape in _parse(header):
             t = torch.empty(shape, dtype=dtype)
             dist.recv(t, src, group=self.group, tag=tag)
-            out.append(t)
+            out.append(t.requires_grad_(requires_grad))
         return tuple(out)
 
     def wait_sends(self) -> None:

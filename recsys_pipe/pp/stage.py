@@ -44,6 +44,10 @@ class ForwardRecord:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]  #: `(loss,)` on the last stage
     loss: torch.Tensor | None  #: detached, last stage only
+    #: which inputs and outputs take part in the backward, taken at F: torch's backward helpers
+    #: detach a stage's outputs in place, which may include an input passed through unchanged
+    inputs_need_grad: tuple[bool, ...] = ()
+    outputs_need_grad: tuple[bool, ...] = ()
 
 
 @dataclass
@@ -59,9 +63,10 @@ class BackwardRecord:
 
 def as_stage_input(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Another stage's outputs as this stage's inputs: detached (each stage's graph ends at
-    its inputs, so B can stop there) and, for floating-point tensors, leaves that collect their
-    gradient. Received tensors and a hand-over between two stages of one rank go through this."""
-    return tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t.detach() for t in tensors)
+    its inputs, so B can stop there), leaves that collect their gradient where the output was
+    part of a graph (`requires_grad`). Received tensors (whose flag the sender's header set) and
+    a hand-over between two stages of one rank go through this."""
+    return tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
 
 
 def _as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -126,11 +131,16 @@ class StageRuntime:
     def forward(self, microbatch: int, batch: Any, inputs: tuple[torch.Tensor, ...] = ()) -> ForwardRecord:
         with microbatch_seed(self.step, self.microbatch_offset + microbatch, self.seed):
             outputs = _as_tuple(self.module(batch, inputs))
-        if self.is_last:
-            if len(outputs) != 1 or outputs[0].dim() != 0:
-                raise ValueError(f"the last stage must return its loss (a scalar), got {len(outputs)} tensor(s)")
-            return ForwardRecord(microbatch, inputs, outputs, outputs[0].detach())
-        return ForwardRecord(microbatch, inputs, outputs, None)
+        if self.is_last and (len(outputs) != 1 or outputs[0].dim() != 0):
+            raise ValueError(f"the last stage must return its loss (a scalar), got {len(outputs)} tensor(s)")
+        return ForwardRecord(
+            microbatch,
+            inputs,
+            outputs,
+            outputs[0].detach() if self.is_last else None,
+            tuple(t.requires_grad for t in inputs),
+            tuple(t.requires_grad for t in outputs),
+        )
 
     def send_activation(self, record: ForwardRecord) -> None:
         self.link.send(record.outputs, self.next_rank, activation_tag(self.stage + 1, record.microbatch))
@@ -138,7 +148,7 @@ class StageRuntime:
     # -- B / W ----------------------------------------------------------------------------------
 
     def recv_gradient(self, microbatch: int) -> tuple[torch.Tensor, ...]:
-        """The gradients of `microbatch`'s floating-point outputs, from the next stage."""
+        """The gradients of `microbatch`'s outputs that require one, from the next stage."""
         return self.link.recv(self.next_rank, gradient_tag(self.stage, microbatch))
 
     def _backward_args(self, record: ForwardRecord, output_grads) -> tuple[Any, Any]:
@@ -146,8 +156,8 @@ class StageRuntime:
         is implicitly 1), else the outputs with the gradients the next stage sent back."""
         if self.is_last:
             return record.outputs[0], None
-        grads = iter(output_grads)  # one per floating-point output (what `_sendable` sends)
-        return list(record.outputs), [next(grads) if t.is_floating_point() else None for t in record.outputs]
+        grads = iter(output_grads)  # one per output that requires a gradient (what `_sendable` sends)
+        return list(record.outputs), [next(grads) if needs else None for needs in record.outputs_need_grad]
 
     def backward_input(self, record: ForwardRecord, output_grads=None) -> BackwardRecord:
         """B: the gradient of the stage's inputs only; the weight gradient waits for W."""
@@ -176,10 +186,10 @@ class StageRuntime:
         return BackwardRecord(record, grads, self._sendable(record, input_grads))
 
     def _sendable(self, record: ForwardRecord, input_grads) -> tuple[torch.Tensor, ...]:
-        """One gradient per floating-point input (zeros where the input was unused)."""
+        """One gradient per input that requires one (zeros where the input was unused)."""
         out = []
-        for inp, grad in zip(record.inputs, input_grads, strict=True):
-            if inp.is_floating_point():
+        for inp, needs, grad in zip(record.inputs, record.inputs_need_grad, input_grads, strict=True):
+            if needs:
                 out.append(torch.zeros_like(inp) if grad is None else grad)
         return tuple(out)
 
