@@ -18,6 +18,9 @@ MULTI = ["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 VARIANTS = {
     **{f"ours/{name}": 1 for name in ("gpipe", "1f1b", "zb_h1", "zb_h2", "csv_zb_h1")},
     **{f"torch/{name}": 1 for name in ("ScheduleGPipe", "Schedule1F1B", "csv_zb_h1", "csv_zb_h2")},
+    # ZB-H2 checkpointed after step 0 (stage parameters and optimizer state only) and resumed
+    # in new stages and engine plans: no RNG state needed, the dropout masks are keyed by step
+    "resumed/zb_h2": 1,
     **{
         f"{side}/{name}": 0 if name in ("ZBVZeroBubble", "DualPipeV") else 1
         for side in ("ours", "torch")

@@ -16,7 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from pp_parity_worker import LR, SPLIT2, SPLIT4, M, make_stages, result, train
+from pp_parity_worker import SPLIT2, SPLIT4, M, make_opt, make_stages, result, train
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from recsys_pipe.autosched.pp_actions import PipelineSchedule
@@ -77,7 +77,7 @@ def run_actions(name, mesh, link):
 def reference():
     stages = make_stages(SPLIT2)
     module = ChainedStages(stages)
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    opt = make_opt(module.parameters())
     losses = []
     for step, (x, y) in enumerate(make_global_data()):
         per_replica = []

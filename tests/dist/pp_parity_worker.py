@@ -69,6 +69,11 @@ def make_stages(split):
     return mlp_stages(WIDTH, split, P_DROP)
 
 
+def make_opt(params):
+    """SGD with momentum: optimizer state a resumed run must restore."""
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
 def make_data():
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, 1, generator=g)) for _ in range(STEPS)]
@@ -85,13 +90,19 @@ def result(stages, losses):
     return {"losses": losses, "params": params}
 
 
-def train(runner, stages, data=None, timeline=None):
-    """`timeline`: (rank, stage or None); the last step's compute spans are kept in "spans"."""
-    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=LR)
+def train(runner, stages, data=None, timeline=None, steps=None, opt_state=None):
+    """`timeline`: (rank, stage or None); the last step's compute spans are kept in "spans".
+    `steps`: which steps of the data to run (default all); `opt_state`: the optimizer's state
+    to start from (a resumed run); the result's "opt_state" is the state at the end."""
+    opt = make_opt([p for s in stages for p in s.parameters()])
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
     losses = []
     data = make_data() if data is None else data
     recorder = SpanRecorder()
     for step, (x, y) in enumerate(data):
+        if steps is not None and step not in steps:
+            continue
         if timeline is not None and step == len(data) - 1:
             runner.pipeline.observer = recorder
         opt.zero_grad(set_to_none=True)
@@ -100,6 +111,7 @@ def train(runner, stages, data=None, timeline=None):
         opt.step()
     runner.shutdown()
     out = result(stages, losses)
+    out["opt_state"] = opt.state_dict()
     if timeline is not None:
         out["spans"] = compute_spans(recorder.spans(), *timeline)
     return out
@@ -126,6 +138,28 @@ def run_plan(schedule, rank, link):
     return train(StageStepRunner(runtime, stage_plan(schedule, 2, rank, M)), [stages[rank]], timeline=(rank, rank))
 
 
+def run_resumed(schedule, rank, link):
+    """Step 0, then a checkpoint (the stage's parameters and optimizer state, through bytes), and
+    step 1 in new stages, runtime and engine plan restored from it: no RNG state is saved (the
+    dropout masks are keyed by step), nothing else carries over."""
+    import io
+
+    stages = make_stages(SPLIT2)
+    runner = StageStepRunner(runtimes(stages, [rank], (0, 1), link)[rank], stage_plan(schedule, 2, rank, M))
+    first = train(runner, [stages[rank]], steps={0})
+    buffer = io.BytesIO()
+    torch.save({"model": stages[rank].state_dict(), "opt": first["opt_state"]}, buffer)
+    torch.manual_seed(12345)  # the global generator's state does not matter
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    stages = make_stages(SPLIT2)
+    stages[rank].load_state_dict(checkpoint["model"])
+    runner = StageStepRunner(runtimes(stages, [rank], (0, 1), link)[rank], stage_plan(schedule, 2, rank, M))
+    second = train(runner, [stages[rank]], steps={1}, opt_state=checkpoint["opt"])
+    second["losses"] = first["losses"] + second["losses"]
+    return second
+
+
 def run_actions(schedule, layout, split, rank, link):
     stages = make_stages(split)
     ranks = stage_ranks(2, len(split) // 2, layout)
@@ -145,7 +179,7 @@ def run_torch(make_schedule, split, local):
     stages = make_stages(split)
     adapters, pipeline_stages = zip(*(torch_stage(stages[s], s, len(split)) for s in local), strict=True)
     schedule = make_schedule(list(pipeline_stages))
-    opt = torch.optim.SGD([p for s in local for p in stages[s].parameters()], lr=LR)
+    opt = make_opt([p for s in local for p in stages[s].parameters()])
     losses = []
     for step, (x, y) in enumerate(make_data()):
         for adapter in adapters:
@@ -174,7 +208,7 @@ def reference(split, runner_kind):
     module = ChainedStages(stages)
     if runner_kind == "engine":
         return train(StageStepRunner(StageRuntime(module, 0, 1), stage_plan("1f1b", 1, 0, M)), stages)
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    opt = make_opt(module.parameters())
     losses = []
     for step, (x, y) in enumerate(make_data()):
         opt.zero_grad(set_to_none=True)
@@ -256,6 +290,7 @@ def main():
     results = {}
     for schedule in ("gpipe", "1f1b", "zb_h1", "zb_h2"):
         results[f"ours/{schedule}"] = run_plan(schedule, rank, link)
+    results["resumed/zb_h2"] = run_resumed("zb_h2", rank, link)
     csv_paths = {name: os.path.join(out_dir, f"{name}.csv") for name in ("zb_h1", "zb_h2")}
     if rank == 0:
         for name, path in csv_paths.items():
@@ -287,6 +322,8 @@ def main():
         results["control/shifted_masks"] = reference(SPLIT2, "shifted")
         results["hstu/reference2"] = hstu_reference(2)
         results["hstu/reference4"] = hstu_reference(4)
+    for value in results.values():
+        value.pop("opt_state", None)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
