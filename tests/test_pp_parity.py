@@ -88,11 +88,14 @@ def test_each_rank_ran_its_declared_order_and_its_timeline_measures_like_the_sim
         ("hstu/1f1b", "hstu/reference2", 1),
         ("hstu/zb_h1", "hstu/reference2", 1),
         ("hstu/dualpipev", "hstu/reference4", 0),
+        ("sasrec/1f1b", "sasrec/reference2", 1),
+        ("sasrec/zb_h2", "sasrec/reference2", 1),
     ],
 )
-def test_hstu_ranking_pipelined_is_bitwise_the_one_rank_run(ranks, variant, reference, last):
-    """The main job's model split into stages (embeddings and token assembly on the first,
-    head and loss on the last) trains 2 steps of 4 microbatches bitwise as on one rank."""
+def test_models_pipelined_are_bitwise_the_one_rank_run(ranks, variant, reference, last):
+    """HSTU ranking (the main job's model) and SASRec split into stages (embeddings on the
+    first, head and loss on the last; SASRec's tied item rows travel to the loss) train 2 steps
+    of 4 microbatches bitwise as on one rank."""
     expected = ranks[0][reference]
     assert ranks[last][variant]["losses"] == expected["losses"]
     params = {**ranks[0][variant]["params"], **ranks[1][variant]["params"]}

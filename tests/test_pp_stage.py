@@ -138,3 +138,47 @@ def test_hstu_split_into_stages_computes_the_models_loss_and_gradients_bitwise(u
     assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
     with pytest.raises(ValueError, match="layers 0..2 in order"):
         hstu_stages(model, [[0, 2], [1]])
+
+
+def _sequences_file(tmp_path):
+    """A "user item" file: user u's items follow a chain (as test_retrieval's)."""
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for u in range(1, 61):
+        n, start = int(torch.randint(2, 15, (1,), generator=g)), int(torch.randint(0, 40, (1,), generator=g))
+        lines += [f"{u * 7} {(start + k) % 40 + 100}" for k in range(n)]
+    path = tmp_path / "seq.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("dropout", "loss"), [(0.0, "bce"), (0.5, "bce"), (0.0, "sampled_softmax")])
+def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise(tmp_path, dropout, loss):
+    """Chained on one rank (the global generator seeded alike: dropout draws in the same order)."""
+    from recsys_pipe.data import make_dataloader
+    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.models.sasrec import SASRecConfig
+    from recsys_pipe.pp.models import sasrec_stages
+
+    data = SequencesDataConfig(path=str(_sequences_file(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
+    torch.manual_seed(0)
+    cfg = SASRecConfig(dropout=dropout, loss=loss, num_blocks=3, embedding_dim=16, max_seq_len=20)
+    model = cfg.build(data.dataset(0, 1).spec)
+    batch = next(iter(make_dataloader(data)))
+    torch.manual_seed(5)
+    expected_loss, _ = model(batch)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    stages = sasrec_stages(model, [[0], [1, 2]])
+    torch.manual_seed(5)
+    got_loss = ChainedStages(stages)(batch, ())
+    got_loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.equal(got_loss, expected_loss)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    assert {id(p) for p in stages[0].parameters()} >= {id(p) for p in model.ec.parameters()}  # the table: first
+    owners = [{id(p) for p in stage.parameters()} for stage in stages]  # each parameter on one stage
+    assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="blocks 0..2 in order"):
+        sasrec_stages(model, [[0], [2, 1]])

@@ -16,6 +16,7 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.models.hstu_config import HSTUConfig
+from recsys_pipe.models.retrieval_config import SASRecConfig
 from recsys_pipe.pp.schedules import NAMED_SCHEDULES, ResolvedSchedule, resolve_schedule
 
 __all__ = ["ParallelConfig", "PipelineParallelConfig", "check_pipeline_parallel", "split_layers"]
@@ -24,7 +25,7 @@ PATH = "parallel.pp"
 
 #: the model configs that can be split into stages (`recsys_pipe.pp.models`), and the field
 #: that counts their layers
-STAGEABLE_MODELS: dict[type, str] = {HSTUConfig: "num_layers"}
+STAGEABLE_MODELS: dict[type, str] = {HSTUConfig: "num_layers", SASRecConfig: "num_blocks"}
 
 
 class PipelineParallelConfig(Section):
@@ -121,7 +122,7 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
             ConfigProblem(f"{PATH}.size", f"model '{run.model.name}' cannot be split into stages (models: {names})")
         )
     else:
-        if run.model.dropout > 0:  # HSTU's dropout layers draw from the global generator
+        if run.model.dropout > 0:  # the models' dropout layers draw from the global generator
             problems.append(
                 ConfigProblem(
                     "model.dropout",

@@ -1,4 +1,5 @@
-"""Models split into pipeline stages: the HSTU ranking model (`model=hstu`, the main job's).
+"""Models split into pipeline stages: the HSTU ranking model (`model=hstu`, the main job's) and
+SASRec (`model=sasrec`).
 
 `hstu_stages(model, split)` cuts an `HSTUModel` into stage modules that share its parameters:
 the first stage holds the embedding collection, the token assembly (items + actions, the user's
@@ -9,10 +10,18 @@ back to the first stage's bias parameters like any activation's); the token offs
 attention mask depend only on the batch's lengths, so every stage computes them from its copy
 of the microbatch instead of receiving them.
 
+`sasrec_stages(model, split)` cuts a SASRec `RetrievalModel` likewise: the item table lookup,
+left padding, the scaled input plus position embeddings and the first blocks on the first
+stage; the last blocks, the final norm and the loss on the last. The table is tied: the loss
+scores the positions against the embeddings of their target and negative items, which the first
+stage looked up, so those rows travel with the activations and their gradients come back to the
+table. The padding mask comes from the batch's lengths on every stage.
+
 The stages run the model's own modules and helpers in the model's order, so the stages chained
-on one rank compute the model's loss and gradients bitwise (a test checks it). The model's
+on one rank compute the model's loss and gradients bitwise (a test checks it). The models'
 dropout layers draw from torch's global generator, which depends on placement: pipelined runs
 need `model.dropout=0` until those layers draw keyed masks (`recsys_pipe.pp.dropout`).
+Training only: evaluation through stages is not split yet.
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ import torch
 from torch import nn
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
+from recsys_pipe.data.sequences import INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
+from recsys_pipe.models.retrieval import RetrievalModel, left_pad
 
-__all__ = ["HSTUStage", "hstu_stages"]
+__all__ = ["HSTUStage", "SASRecStage", "hstu_stages", "sasrec_stages"]
 
 
 class HSTUStage(nn.Module):
@@ -88,3 +99,62 @@ def hstu_stages(model: HSTUModel, split: Sequence[Sequence[int]]) -> list[HSTUSt
     if flat != list(range(len(model.ranker.layers))):
         raise ValueError(f"the stages must hold layers 0..{len(model.ranker.layers) - 1} in order, got {split}")
     return [HSTUStage(model, layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
+
+
+class SASRecStage(nn.Module):
+    """Blocks `blocks` of a SASRec `RetrievalModel`; see the module docstring for each end."""
+
+    def __init__(self, model: RetrievalModel, blocks: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        head, encoder = model.head, model.head.encoder
+        self.first, self.last = first, last
+        self.max_len, self.dim = head.max_len, head.dim
+        self.blocks = nn.ModuleList(encoder.blocks[i] for i in blocks)
+        self.register_buffer("causal", encoder.causal, persistent=False)
+        if first:
+            self.ec, self.position, self.dropout, self.scale = (
+                model.ec,
+                encoder.position,
+                encoder.dropout,
+                encoder.scale,
+            )
+        if last:
+            self.final_norm = encoder.final_norm
+            # the head's loss as a bound method, not a submodule: the head's only parameters are
+            # the encoder's, which belong to the stages holding them
+            self._loss = head._train_loss
+
+    def _valid(self, batch: Any) -> torch.Tensor:
+        """The `[B, N]` mask of real (left-padded) positions, from the batch's lengths."""
+        lengths = batch.lengths(INPUT_KEY).long()
+        return left_pad(torch.empty(int(lengths.sum()), 0), lengths, self.max_len)[1]
+
+    def _embed(self, batch: Any, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """RetrievalHead's lookup and SASRecEncoder's input: the scaled items plus positions, and
+        the rows of the target and negative items the loss scores."""
+        embeddings = self.ec(batch.sparse_features)
+        lengths = embeddings[INPUT_KEY].lengths().long()
+        rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
+        x, _ = left_pad(rows[INPUT_KEY], lengths, self.max_len)
+        positions = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] * valid
+        x = self.dropout(x * self.scale + self.position(positions)) * valid[..., None].to(x.dtype)
+        return x, rows[POS_KEY], rows[NEG_KEY]
+
+    def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
+        valid = self._valid(batch)
+        x, pos, neg = self._embed(batch, valid) if self.first else inputs
+        keep = valid[..., None].to(x.dtype)
+        for block in self.blocks:
+            x = block(x, self.causal) * keep
+        if not self.last:
+            return x, pos, neg
+        loss, _ = self._loss(self.final_norm(x), valid, {POS_KEY: pos, NEG_KEY: neg}, batch.sparse_features)
+        return loss
+
+
+def sasrec_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[SASRecStage]:
+    """A SASRec `model` cut into stages holding the blocks `split[s]` (consecutive, covering all)."""
+    blocks = model.head.encoder.blocks
+    if [i for part in split for i in part] != list(range(len(blocks))):
+        raise ValueError(f"the stages must hold blocks 0..{len(blocks) - 1} in order, got {split}")
+    return [SASRecStage(model, part, s == 0, s == len(split) - 1) for s, part in enumerate(split)]

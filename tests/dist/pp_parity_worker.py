@@ -50,7 +50,7 @@ from recsys_pipe.pp import (
 )
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mlp import TorchStageAdapter, mlp_stages
-from recsys_pipe.pp.models import hstu_stages
+from recsys_pipe.pp.models import hstu_stages, sasrec_stages
 from recsys_pipe.pp.schedules import resolve_schedule
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
@@ -226,6 +226,7 @@ def reference(split, runner_kind):
 
 
 HSTU_SCHEDULES = ("1f1b", "zb_h1", "dualpipev")
+SASREC_SCHEDULES = ("1f1b", "zb_h2")
 
 
 def hstu_setup(num_layers):
@@ -261,11 +262,41 @@ def train_hstu(runner, model, stages, microbatches):
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in mine}}
 
 
-def run_hstu(schedule, rank, link):
-    """HSTU ranking split into stages (2 layers over 2 stages, or 4 over dualpipev's 4)."""
+def sasrec_setup(num_blocks, out_dir, rank):
+    from recsys_pipe.data import make_dataloader
+    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.models.sasrec import SASRecConfig
+
+    path = os.path.join(out_dir, f"sequences_rank{rank}.txt")  # one copy per rank: no waiting
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for u in range(1, 61):
+        n, start = int(torch.randint(2, 15, (1,), generator=g)), int(torch.randint(0, 40, (1,), generator=g))
+        lines += [f"{u * 7} {(start + k) % 40 + 100}" for k in range(n)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    data = SequencesDataConfig(path=path, batch_size=8, max_seq_len=20, eval_negatives=5)
+    torch.manual_seed(0)
+    cfg = SASRecConfig(dropout=0.0, num_blocks=num_blocks, embedding_dim=16, max_seq_len=20)
+    model = cfg.build(data.dataset(0, 1).spec)
+    batches = [b for _, b in zip(range(STEPS), make_dataloader(data))]
+    microbatches = [[b.select(torch.arange(j * 2, j * 2 + 2)) for j in range(M)] for b in batches]
+    return model, microbatches
+
+
+def split_model(kind, num_stages, out_dir, rank):
+    """(model, its stages of one layer each, the microbatches) of HSTU ranking or SASRec."""
+    if kind == "hstu":
+        model, microbatches = hstu_setup(num_stages)
+        return model, hstu_stages(model, [[s] for s in range(num_stages)]), microbatches
+    model, microbatches = sasrec_setup(num_stages, out_dir, rank)
+    return model, sasrec_stages(model, [[s] for s in range(num_stages)]), microbatches
+
+
+def run_model(kind, schedule, rank, link, out_dir):
+    """A model split into stages (one layer each: 2 over 2 ranks, or 4 over dualpipev's 4)."""
     resolved = resolve_schedule(schedule, 2, M, None)
-    model, microbatches = hstu_setup(resolved.num_stages)
-    stages = hstu_stages(model, [[s] for s in range(resolved.num_stages)])
+    model, stages, microbatches = split_model(kind, resolved.num_stages, out_dir, rank)
     local = resolved.local_stages(rank)
     runtimes_ = runtimes(stages, local, resolved.ranks_of_stages, link)
     if resolved.actions is None:
@@ -275,9 +306,8 @@ def run_hstu(schedule, rank, link):
     return train_hstu(runner, model, [stages[s] for s in local], microbatches)
 
 
-def hstu_reference(num_layers):
-    model, microbatches = hstu_setup(num_layers)
-    stages = hstu_stages(model, [[s] for s in range(num_layers)])
+def model_reference(kind, num_layers, out_dir):
+    model, stages, microbatches = split_model(kind, num_layers, out_dir, 0)
     runner = StageStepRunner(StageRuntime(ChainedStages(stages), 0, 1), stage_plan("1f1b", 1, 0, M))
     return train_hstu(runner, model, stages, microbatches)
 
@@ -312,7 +342,9 @@ def main():
         local = [s for s, r in enumerate(ranks) if r == rank]
         results[f"torch/{name}"] = run_torch(lambda s, cls=cls: cls(s, M, loss_fn=F.mse_loss), SPLIT4, local)
     for schedule in HSTU_SCHEDULES:
-        results[f"hstu/{schedule}"] = run_hstu(schedule, rank, link)
+        results[f"hstu/{schedule}"] = run_model("hstu", schedule, rank, link, out_dir)
+    for schedule in SASREC_SCHEDULES:
+        results[f"sasrec/{schedule}"] = run_model("sasrec", schedule, rank, link, out_dir)
     gathered = gather_spans(results["ours/zb_h1"]["spans"])
     if rank == 0:  # the measured Gantt of a ZB-H1 step (the test checks the file is drawn)
         measured_result(gathered, "zb_h1 (measured)").plot(os.path.join(out_dir, "zb_h1_measured.png"))
@@ -320,8 +352,9 @@ def main():
         results["reference/engine"] = reference(SPLIT2, "engine")
         results["reference/loop"] = reference(SPLIT2, "loop")
         results["control/shifted_masks"] = reference(SPLIT2, "shifted")
-        results["hstu/reference2"] = hstu_reference(2)
-        results["hstu/reference4"] = hstu_reference(4)
+        results["hstu/reference2"] = model_reference("hstu", 2, out_dir)
+        results["hstu/reference4"] = model_reference("hstu", 4, out_dir)
+        results["sasrec/reference2"] = model_reference("sasrec", 2, out_dir)
     for value in results.values():
         value.pop("opt_state", None)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
