@@ -69,7 +69,9 @@ class Launch:
         resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         check_pipeline_parallel(run, world_size)
-        data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
+        # the ranks of one pipeline read the same batches: data is sharded over the replicas
+        replicas = world_size // run.parallel.pp.size
+        data = RankData(run.data, rank % replicas, replicas, eval_batches=run.trainer.eval_batches)
         requested = requested_run_dir()
         if requested.path is None:
             check_output_dir(run.trainer.output_dir)

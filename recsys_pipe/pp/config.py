@@ -108,7 +108,9 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
     """The constraints of `parallel.pp` against the model, the data and the world size;
     ConfigError naming the key. `run` is the validated RunConfig."""
     pp: PipelineParallelConfig = run.parallel.pp
-    if pp.size == 1 and pp.num_microbatches == 1 and pp.resolved().num_stages == 1:
+    from recsys_pipe.pp.train import is_pipelined
+
+    if not is_pipelined(run):
         return
     problems = []
     if world_size % pp.size:
@@ -138,11 +140,11 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
                     f"{pp.layers} adds up to {sum(pp.layers)} layers, model.{layers_field}={num_layers}",
                 )
             )
-        elif num_layers < pp.size:
+        elif num_layers < (num_stages := pp.resolved().num_stages):
             problems.append(
                 ConfigProblem(
                     f"{PATH}.size",
-                    f"{pp.size} stages need at least {pp.size} layers, model.{layers_field}={num_layers}",
+                    f"{num_stages} stages need at least {num_stages} layers, model.{layers_field}={num_layers}",
                 )
             )
     if run.data.batch_size % pp.num_microbatches:
@@ -154,10 +156,6 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
         )
     if problems:
         raise ConfigError(problems)
-    raise ConfigError(
-        ConfigProblem(
-            f"{PATH}.size",
-            "recsys-train does not run pipeline-parallel models yet (the stage runtime and schedules are in "
-            "recsys_pipe.pp); use parallel.pp.size=1 and parallel.pp.microbatches=1",
-        )
-    )
+    from recsys_pipe.pp.train import check_training
+
+    check_training(run)

@@ -45,6 +45,10 @@ def _has_torchrec_tables(model: nn.Module) -> bool:
 def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[nn.Module, Any]:
     """The configured model, distributed over the process group, and its optimizer; the same
     initial weights on every rank (seeded)."""
+    from recsys_pipe.pp.train import build_pipelined_model, is_pipelined
+
+    if is_pipelined(run):  # parallel.pp: this rank's stages, one module (recsys_pipe.pp.train)
+        return build_pipelined_model(run, info, spec)
     check_dense_ddp(run, info.device.type)
     torch.manual_seed(run.seed)
     module = run.model.build(spec)
@@ -84,8 +88,10 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
     tables), the balancer (when a task of the plan needs it: `Need.BALANCER`), megatron-core's
     gradient buffers (`trainer.dense_ddp=megatron`)."""
     streams = StreamPool.create(plan.schedule.stream_slots, info.device)
+    from recsys_pipe.pp.train import is_pipelined
+
     sparse_dist = None
-    if isinstance(run.model, ShardedModelConfig):
+    if isinstance(run.model, ShardedModelConfig) and not is_pipelined(run):  # pipelined: plain tables
         from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
         sparse_dist = TorchrecSparseDist(model, info.device, streams, context=plan.config.torchrec_context)

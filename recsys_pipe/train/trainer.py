@@ -329,7 +329,7 @@ class Trainer:
                 summary.steps += 1
                 if self.health is not None:
                     self.health.step = self.step
-                samples = result.num_samples * self.info.world_size
+                samples = result.num_samples * self.info.world_size // self.run.parallel.pp.size  # replicas
                 summary.samples += samples
                 window_samples += samples
                 if record_steps:
