@@ -13,6 +13,8 @@ from recsys_pipe.autosched.pipeline_parallel import build, simulate
 from recsys_pipe.pp import measured_result
 from recsys_pipe.testing import check_torchrun, run_torchrun
 
+pytestmark = pytest.mark.slow  # torchrun launches
+
 MULTI = ["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 #: variant -> the rank holding the last stage (its losses); V layouts fold it back to rank 0
 VARIANTS = {

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # torchrun launches
+
 COMMON = [
     "parallel.pp.microbatches=4",
     "trainer.eval_every=0",
@@ -23,6 +25,7 @@ COMMON = [
 
 
 def _train(out: Path, nproc: int, *overrides: str) -> list[float]:
+    """Train; the per-step losses of metrics.jsonl."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     command = [*launcher, "--no-python", "recsys-train"] if nproc > 1 else ["recsys-train"]
     proc = subprocess.run(
@@ -42,16 +45,22 @@ def one_rank(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("pp1"), 1, "model.num_layers=4", "parallel.pp.size=1")
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["parallel.pp.schedule=zb_h2", "parallel.pp.layers=[3,1]"],  # engine plan, uneven split
-        ["parallel.pp.schedule=dualpipev"],  # action order, 4 stages in a V
-    ],
-    ids=["zb_h2", "dualpipev"],
-)
-def test_pipelined_recsys_train_is_bitwise_the_one_rank_run(tmp_path, one_rank, overrides):
-    losses = _train(tmp_path, 2, "model.num_layers=4", "parallel.pp.size=2", *overrides)
+ZB_H2 = ["model.num_layers=4", "parallel.pp.size=2", "parallel.pp.schedule=zb_h2", "parallel.pp.layers=[3,1]"]
+
+
+def test_pipelined_recsys_train_is_bitwise_the_one_rank_run_and_resumes_bitwise(tmp_path, one_rank):
+    """ZB-H2 as an engine plan with an uneven split; checkpointed every 2 steps, and resumed from
+    step 2's checkpoint in a new job, which trains steps 3-5 bitwise as the uninterrupted run."""
+    losses = _train(tmp_path / "full", 2, *ZB_H2, "trainer.checkpoint.interval=2")
+    assert len(losses) == 5 and losses == one_rank
+    (checkpoint,) = (tmp_path / "full").glob("recsys-train/*/checkpoints/step_2")
+    resumed = _train(tmp_path / "resumed", 2, *ZB_H2, f"trainer.resume_from={checkpoint}")
+    assert resumed == one_rank[2:]
+
+
+def test_pipelined_dualpipev_is_bitwise_the_one_rank_run(tmp_path, one_rank):
+    """DualPipeV: the action-order mode, 4 stages folded into a V over 2 ranks."""
+    losses = _train(tmp_path, 2, "model.num_layers=4", "parallel.pp.size=2", "parallel.pp.schedule=dualpipev")
     assert len(losses) == 5 and losses == one_rank
 
 

@@ -84,19 +84,23 @@ class PipelinedModel(nn.Module):
     """This rank's stages of the model and the runner of its schedule; `forward(batch)` runs one
     pipelined step (see the module docstring) and returns `(loss, outputs)` like the model."""
 
+    #: ranks hold different parameters: checkpoints key the optimizer's hyperparameters by
+    #: parameter name (`recsys_pipe.train.optim`), so no rank's param groups override another's
+    flat_optimizer_state = True
+
     def __init__(self, stages: dict[int, nn.Module], runner: Any, mesh: PipelineMesh, last_rank: int, m: int):
         super().__init__()
         self.stages = nn.ModuleDict({str(s): module for s, module in sorted(stages.items())})
         self.runner, self.mesh, self.last_rank, self.microbatches = runner, mesh, last_rank, m
-        #: the optimizer steps taken (the dropout key's step)
-        self.step = 0
+        #: the optimizer steps taken (the dropout key's step), saved with the stages' weights
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if not self.training:
             raise RuntimeError("evaluation through pipeline stages is not supported yet")
         size, m = batch.sample_ids.shape[0], self.microbatches
         microbatches = [batch.select(torch.arange(j * size // m, (j + 1) * size // m)) for j in range(m)]
-        losses = self.runner.run_step(self.step, microbatches)
+        losses = self.runner.run_step(int(self.step), microbatches)
         self.step += 1
         mine = [v for v in losses if v is not None]
         loss = torch.stack(mine).mean() if mine else torch.zeros(())
