@@ -80,3 +80,11 @@ def test_pipelined_sasrec_is_bitwise_the_one_rank_run(tmp_path):
     one = _train(tmp_path / "one", 1, *sasrec, "parallel.pp.size=1")
     two = _train(tmp_path / "two", 2, *sasrec, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
     assert len(one) == 5 and two == one
+
+
+def test_pp_times_dp_on_4_ranks_is_bitwise_dp_alone_on_2(tmp_path):
+    """2 stages x 2 replicas (each pipeline reads its replica's share of the data) against the
+    same microbatching with 2 replicas of one stage; the logged loss is the replicas' mean."""
+    dp_only = _train(tmp_path / "dp", 2, "parallel.pp.size=1")
+    pp_dp = _train(tmp_path / "ppdp", 4, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
+    assert len(dp_only) == 5 and pp_dp == dp_only

@@ -95,6 +95,16 @@ class PipelinedModel(nn.Module):
         #: the optimizer steps taken (the dropout key's step), saved with the stages' weights
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
 
+    def replica_mean(self, value: torch.Tensor) -> float:
+        """A value every rank of a pipeline holds alike (the step's loss), averaged over the
+        data-parallel replicas (as a one-stage run over the same replicas averages it)."""
+        value = value.detach().float().reshape(1).clone()
+        group = self.mesh.dp_group
+        if group is not None:
+            dist.all_reduce(value, group=group)
+            value /= self.mesh.dp_size
+        return float(value)
+
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if not self.training:
             raise RuntimeError("evaluation through pipeline stages is not supported yet")

@@ -514,6 +514,9 @@ class Trainer:
         return metrics
 
     def _global_mean(self, value: torch.Tensor) -> float:
+        replica_mean = getattr(self.state.model, "replica_mean", None)  # pipelined: over the replicas
+        if replica_mean is not None:
+            return replica_mean(value)
         value = value.detach().float().reshape(1).clone()
         if self.info.world_size > 1:
             dist.all_reduce(value)
