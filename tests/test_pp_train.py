@@ -88,3 +88,26 @@ def test_pp_times_dp_on_4_ranks_is_bitwise_dp_alone_on_2(tmp_path):
     dp_only = _train(tmp_path / "dp", 2, "parallel.pp.size=1")
     pp_dp = _train(tmp_path / "ppdp", 4, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
     assert len(dp_only) == 5 and pp_dp == dp_only
+
+
+def test_recsys_profile_draws_each_ranks_pipeline_timeline_and_bubble(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python"]
+    overrides = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.log_every"))]
+    profile = ["profile.exposed=false", "profile.iters=3", "profile.warmup=1", "profile.rounds=1"]
+    proc = subprocess.run(
+        [*launcher, "recsys-profile", *overrides, *profile, "parallel.pp.size=2", "parallel.pp.schedule=zb_h1"]
+        + [f"trainer.output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = tmp_path.glob("recsys-profile/*")
+    report = json.loads((run_dir / "pp_timeline.json").read_text())
+    assert report["schedule"] == "zb_h1" and [r["rank"] for r in report["ranks"]] == [0, 1]
+    for rank in report["ranks"]:
+        assert 0 < rank["busy_ms"] <= report["measured_step_ms"] and rank["bubble_ms"] >= 0
+    assert report["simulated_step_ms"] > 0
+    assert (run_dir / "pp_timeline.png").stat().st_size > 1000 and (run_dir / "pp_simulated.png").is_file()
+    assert "rank 1: busy" in proc.stdout

@@ -58,6 +58,7 @@ class Launch:
         (with config paths) for the first bad one."""
         from recsys_pipe.cli.preflight import run_device
         from recsys_pipe.pp.config import check_pipeline_parallel
+        from recsys_pipe.pp.train import data_replica
         from recsys_pipe.runtime import check_output_dir, check_unused
         from recsys_pipe.train.checkpoint import resolve_resume
         from recsys_pipe.train.dense_ddp import check_dense_ddp
@@ -69,9 +70,7 @@ class Launch:
         resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         check_pipeline_parallel(run, world_size)
-        # the ranks of one pipeline read the same batches: data is sharded over the replicas
-        replicas = world_size // run.parallel.pp.size
-        data = RankData(run.data, rank % replicas, replicas, eval_batches=run.trainer.eval_batches)
+        data = RankData(run.data, *data_replica(run, rank, world_size), eval_batches=run.trainer.eval_batches)
         requested = requested_run_dir()
         if requested.path is None:
             check_output_dir(run.trainer.output_dir)

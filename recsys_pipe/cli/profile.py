@@ -128,7 +128,13 @@ def profile_task(cfg: DictConfig) -> None:
                 run_dir,
             )
         trainer = Trainer(run, plan, info)
+        pipelined = getattr(trainer.state.model, "record_timelines", None)  # parallel.pp
+        if pipelined is not None:
+            pipelined()
         result = _measure(trainer, run.profile)
+        pp_written = []
+        if pipelined is not None:  # each rank's F/B/W timeline of the last step, and its bubble
+            pp_written = trainer.state.model.write_step_timeline(run_dir, run.parallel.pp.resolved())
         if info.is_main:
             meta = {
                 "plan": plan.config.name,
@@ -142,7 +148,7 @@ def profile_task(cfg: DictConfig) -> None:
             print(f"\nprofile of plan '{plan.config.name}' on {info.world_size} rank(s), {info.device} (rank 0):")
             result.print_report()
             _print_prediction(plan, result)
-            for path in written:
+            for path in [*written, *pp_written]:
                 print(f"wrote {path}")
             sys.stdout.flush()
     finally:

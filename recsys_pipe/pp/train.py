@@ -21,28 +21,44 @@ process group starts.
 
 from __future__ import annotations
 
+import json
+import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from recsys_pipe.autosched.pipeline_parallel import simulate
+from recsys_pipe.autosched.pp_actions import Action
 from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp.actions import ActionOrderRunner
 from recsys_pipe.pp.config import split_layers
 from recsys_pipe.pp.mesh import PipelineMesh
 from recsys_pipe.pp.p2p import PeerLink
 from recsys_pipe.pp.plan import stage_plan
 from recsys_pipe.pp.runner import StageStepRunner
+from recsys_pipe.pp.schedules import ResolvedSchedule
 from recsys_pipe.pp.stage import StageRuntime
+from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
-__all__ = ["PipelinedModel", "build_pipelined_model", "check_training", "is_pipelined"]
+__all__ = ["PipelinedModel", "build_pipelined_model", "check_training", "data_replica", "is_pipelined"]
 
 
 def is_pipelined(run: Any) -> bool:
     """Whether `run` trains through pipeline stages (several stages, or microbatches)."""
     pp = run.parallel.pp
     return pp.size > 1 or pp.num_microbatches > 1 or pp.resolved().num_stages > 1
+
+
+def data_replica(run: Any, rank: int, world_size: int) -> tuple[int, int]:
+    """(this rank's share, the number of shares) of the training data: one share per
+    data-parallel replica, so the ranks of one pipeline read the same batches (mesh rank =
+    pp_rank * replicas + replica)."""
+    replicas = world_size // run.parallel.pp.size
+    return rank % replicas, replicas
 
 
 def check_training(run: Any) -> None:
@@ -94,6 +110,50 @@ class PipelinedModel(nn.Module):
         self.runner, self.mesh, self.last_rank, self.microbatches = runner, mesh, last_rank, m
         #: the optimizer steps taken (the dropout key's step), saved with the stages' weights
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        #: with `record_timelines()`: this rank's compute spans of the last step
+        self.last_spans: list | None = None
+        self._recording = False
+
+    def record_timelines(self) -> None:
+        """From the next step on, keep each step's F / B / W spans (`last_spans`)."""
+        self._recording = True
+
+    def write_step_timeline(self, out: Path, schedule: ResolvedSchedule) -> list[Path]:
+        """The last recorded step of this rank's pipeline, measured and simulated (a collective
+        over the pipeline's ranks): global rank 0 writes `pp_timeline.png` (measured Gantt),
+        `pp_simulated.png` (the schedule simulated with the measured medians of F, B and W) and
+        `pp_timeline.json` (per rank: busy time and bubble), and prints the table."""
+        gathered = gather_spans(self.last_spans or [], group=self.mesh.mesh.get_group("pp"))
+        if dist.get_rank() != 0:
+            return []
+        measured = measured_result(gathered, f"{schedule.name} (measured)")
+        durations: dict[str, list[float]] = {}
+        for span in (s for rank in gathered for s in rank):
+            durations.setdefault(Action.parse(span.action).kind, []).append(span.end - span.start)
+        med = {kind: statistics.median(v) for kind, v in durations.items()}
+        t_b = med.get("B", med.get("BW", 0.0))
+        simulated = simulate(schedule.compute_orders(), med.get("F", 0.0), t_b, med.get("W", 0.0))
+        paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
+        measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
+        simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
+        ranks = [
+            {"rank": r, "busy_ms": busy * 1e3, "bubble_ms": (measured.makespan - busy) * 1e3}
+            for r, busy in enumerate(measured.busy)
+        ]
+        report = {
+            "schedule": schedule.name,
+            "measured_step_ms": measured.makespan * 1e3,
+            "simulated_step_ms": simulated.makespan * 1e3,
+            "ranks": ranks,
+        }
+        paths[2].write_text(json.dumps(report, indent=2) + "\n")
+        print(
+            f"\npipeline ({schedule.name}), last profiled step: {measured.makespan * 1e3:.2f} ms measured, "
+            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W medians"
+        )
+        for row in ranks:
+            print(f"  rank {row['rank']}: busy {row['busy_ms']:.2f} ms, bubble {row['bubble_ms']:.2f} ms")
+        return paths
 
     def replica_mean(self, value: torch.Tensor) -> float:
         """A value every rank of a pipeline holds alike (the step's loss), averaged over the
@@ -110,8 +170,15 @@ class PipelinedModel(nn.Module):
             raise RuntimeError("evaluation through pipeline stages is not supported yet")
         size, m = batch.sample_ids.shape[0], self.microbatches
         microbatches = [batch.select(torch.arange(j * size // m, (j + 1) * size // m)) for j in range(m)]
+        recorder = SpanRecorder() if self._recording else None
+        self.runner.pipeline.observer = recorder
         losses = self.runner.run_step(int(self.step), microbatches)
         self.step += 1
+        if recorder is not None:
+            lookahead_plan = isinstance(self.runner, StageStepRunner)
+            self.last_spans = compute_spans(
+                recorder.spans(), self.mesh.pp_rank, self.mesh.pp_rank if lookahead_plan else None
+            )
         mine = [v for v in losses if v is not None]
         loss = torch.stack(mine).mean() if mine else torch.zeros(())
         if self.mesh.pp_size > 1:  # every rank of the pipeline logs the step's loss

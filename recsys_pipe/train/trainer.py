@@ -190,7 +190,10 @@ class Trainer:
     ):
         self.run, self.plan, self.info, self.run_dir = run, plan, info, run_dir
         cfg = run.trainer
-        self.data = data or RankData(run.data, info.rank, info.world_size, eval_batches=cfg.eval_batches)
+        from recsys_pipe.pp.train import data_replica  # the ranks of a pipeline read the same batches
+
+        shard, shards = data_replica(run, info.rank, info.world_size)
+        self.data = data or RankData(run.data, shard, shards, eval_batches=cfg.eval_batches)
         self.eval_loader = self.data.eval_loader()
         #: a retrieval source's own validation/test evaluation (None for other sources)
         self.retrieval = RetrievalEvaluation.of(self.data, info.world_size, cfg.eval_dump, info.is_main)
