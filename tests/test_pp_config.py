@@ -19,7 +19,6 @@ CASES = [
     (2, ["parallel.pp.size=2", "parallel.pp.layers=[1,1,1]"], "parallel.pp.layers", "the schedule has 2"),
     (2, ["parallel.pp.size=2", "parallel.pp.layers=[1,2]"], "parallel.pp.layers", "model.num_layers=2"),
     (4, ["parallel.pp.size=4"], "parallel.pp.size", "4 stages need at least 4 layers, model.num_layers=2"),
-    (2, ["parallel.pp.size=2", "model.dropout=0.1"], "model.dropout", "use 0 with parallel.pp"),
     (2, ["parallel.pp.size=2", "model=dlrm"], "parallel.pp.size", "model 'dlrm' cannot be split into stages"),
     (2, ["parallel.pp.size=2", "parallel.pp.microbatches=3"], "parallel.pp.microbatches", "data.batch_size=32"),
     (2, ["parallel.pp.size=2"], "trainer.eval_every", "evaluation through pipeline stages is not supported yet"),
@@ -160,3 +159,27 @@ def test_recsys_plan_shows_each_ranks_pipeline(overrides, expected, tmp_path, ca
     for line in expected:
         assert any(got.startswith(line) for got in lines), f"{line!r} not in:\n{out}"
     assert "rank 1 (stage" in (tmp_path / "plan.txt").read_text()
+
+
+def test_sasrec_needs_dropout_0_and_hstu_does_not():
+    """HSTU's split draws keyed dropout masks; SASRec's attention dropout cannot."""
+    from types import SimpleNamespace
+
+    from recsys_pipe.models.hstu_config import HSTUConfig
+    from recsys_pipe.models.retrieval_config import SASRecConfig
+    from recsys_pipe.pp import ParallelConfig, check_pipeline_parallel
+    from recsys_pipe.train.config import TrainerConfig
+
+    def run(model):
+        return SimpleNamespace(
+            parallel=ParallelConfig(pp=PipelineParallelConfig(size=2)),
+            model=model,
+            data=SimpleNamespace(batch_size=32),
+            trainer=TrainerConfig(eval_every=0, eval_epochs=0),
+            optimizer=SimpleNamespace(clip_grad_norm=None),
+        )
+
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_parallel(run(SASRecConfig(dropout=0.1)), 2)
+    assert [p.path for p in info.value.problems] == ["model.dropout"]
+    check_pipeline_parallel(run(HSTUConfig(dropout=0.1)), 2)  # passes

@@ -26,6 +26,10 @@ PATH = "parallel.pp"
 #: the model configs that can be split into stages (`recsys_pipe.pp.models`), and the field
 #: that counts their layers
 STAGEABLE_MODELS: dict[type, str] = {HSTUConfig: "num_layers", SASRecConfig: "num_blocks"}
+#: the stageable models whose split draws placement-independent dropout masks (HSTU: its
+#: dropout layers become `SeededDropout`); the others need model.dropout=0 (SASRec's attention
+#: dropout is inside torch's MultiheadAttention, on the global generator)
+SEEDED_DROPOUT_MODELS: tuple[type, ...] = (HSTUConfig,)
 
 
 class PipelineParallelConfig(Section):
@@ -124,7 +128,7 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
             ConfigProblem(f"{PATH}.size", f"model '{run.model.name}' cannot be split into stages (models: {names})")
         )
     else:
-        if run.model.dropout > 0:  # the models' dropout layers draw from the global generator
+        if run.model.dropout > 0 and not isinstance(run.model, SEEDED_DROPOUT_MODELS):
             problems.append(
                 ConfigProblem(
                     "model.dropout",

@@ -18,9 +18,11 @@ stage looked up, so those rows travel with the activations and their gradients c
 table. The padding mask comes from the batch's lengths on every stage.
 
 The stages run the model's own modules and helpers in the model's order, so the stages chained
-on one rank compute the model's loss and gradients bitwise (a test checks it). The models'
-dropout layers draw from torch's global generator, which depends on placement: pipelined runs
-need `model.dropout=0` until those layers draw keyed masks (`recsys_pipe.pp.dropout`).
+on one rank compute the model's loss and gradients bitwise (a test checks it). Dropout must not
+depend on placement: `hstu_stages` turns HSTU's dropout layers (the tokens' and each layer's)
+into `SeededDropout` with the same probability, keyed by (step, microbatch, layer), so a
+pipelined run draws the masks of the one-rank run. SASRec's attention dropout is inside torch's
+`MultiheadAttention` (the global generator): SASRec is split with `model.dropout=0` only.
 Training only: evaluation through stages is not split yet.
 """
 
@@ -36,6 +38,7 @@ from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
 from recsys_pipe.data.sequences import INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
 from recsys_pipe.models.retrieval import RetrievalModel, left_pad
+from recsys_pipe.pp.dropout import SeededDropout
 
 __all__ = ["HSTUStage", "SASRecStage", "hstu_stages", "sasrec_stages"]
 
@@ -94,10 +97,17 @@ class HSTUStage(nn.Module):
 
 
 def hstu_stages(model: HSTUModel, split: Sequence[Sequence[int]]) -> list[HSTUStage]:
-    """`model` cut into stages holding the layers `split[s]` (consecutive, covering all)."""
+    """`model` cut into stages holding the layers `split[s]` (consecutive, covering all). Its
+    dropout layers become `SeededDropout` (the model itself then needs `microbatch_seed` to
+    train with dropout, as the stage runtime provides)."""
     flat = [i for layers in split for i in layers]
     if flat != list(range(len(model.ranker.layers))):
         raise ValueError(f"the stages must hold layers 0..{len(model.ranker.layers) - 1} in order, got {split}")
+    ranker = model.ranker
+    if not isinstance(ranker.input_dropout, SeededDropout):  # keys: tokens 0, layer i: i + 1
+        ranker.input_dropout = SeededDropout(ranker.input_dropout.p, layer=0)
+        for i, layer in enumerate(ranker.layers):
+            layer.dropout = SeededDropout(layer.dropout.p, layer=i + 1)
     return [HSTUStage(model, layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
 
 

@@ -242,7 +242,7 @@ def hstu_setup(num_layers):
     )
     loader = make_dataloader(data)
     torch.manual_seed(0)
-    model = build_hstu(HSTUConfig(max_seq_len=12, num_layers=num_layers), loader.dataset.spec)
+    model = build_hstu(HSTUConfig(max_seq_len=12, num_layers=num_layers, dropout=0.2), loader.dataset.spec)
     batches = [b for _, b in zip(range(STEPS), loader)]
     microbatches = [[b.select(torch.arange(j * 2, j * 2 + 2)) for j in range(M)] for b in batches]
     return model, microbatches
