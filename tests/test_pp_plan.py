@@ -117,3 +117,17 @@ def test_our_dualpipev_is_torchs_dualpipev_order(p):
         assert [list(map(str, row)) for row in ours.ranks] == [list(map(str, row)) for row in torchs.ranks]
     with pytest.raises(ValueError, match="dualpipev needs m >= 2p"):
         build("dualpipev", p, 2 * p - 1)
+
+
+def test_the_lower_layers_do_not_import_the_pipeline_package():
+    """recsys_pipe.pp sits at the training-adapter level: the engine, the schedule tooling and
+    the plan compiler never import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, recsys_pipe.engine, recsys_pipe.autosched, recsys_pipe.config\n"
+        "print(sorted(m for m in sys.modules if m.startswith('recsys_pipe.pp')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
