@@ -1,7 +1,8 @@
 """`recsys-train` with `parallel.pp`: the main job's model (HSTU ranking) and SASRec train split
 into stages on 2 gloo ranks, every step's loss (metrics.jsonl) bitwise equal to the same model
 and microbatching on one rank (`parallel.pp.size=1`), with the batch-level plan (the default,
-hstu_prefetch) still preparing the next batches ahead."""
+hstu_prefetch) still preparing the next batches ahead; HSTU's evaluations (forward through the
+stages) equal too."""
 
 import json
 import os
@@ -15,8 +16,8 @@ pytestmark = pytest.mark.slow  # torchrun launches
 
 COMMON = [
     "parallel.pp.microbatches=4",
-    "trainer.eval_every=0",
-    "trainer.eval_epochs=0",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=2",
     "trainer.max_steps=5",
     "trainer.log_every=1",
     "trainer.progress_bar=false",
@@ -24,8 +25,9 @@ COMMON = [
 ]
 
 
-def _train(out: Path, nproc: int, *overrides: str) -> list[float]:
-    """Train; the per-step losses of metrics.jsonl."""
+def _train(out: Path, nproc: int, *overrides: str) -> list[dict]:
+    """Train; the records of metrics.jsonl: each step's loss, each evaluation's loss, log loss
+    and AUC (timings left out)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     command = [*launcher, "--no-python", "recsys-train"] if nproc > 1 else ["recsys-train"]
     proc = subprocess.run(
@@ -37,7 +39,12 @@ def _train(out: Path, nproc: int, *overrides: str) -> list[float]:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (metrics,) = out.glob("recsys-train/*/metrics.jsonl")
-    return [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    keys = ("step", "loss", "eval_loss", "log_loss", "auc")
+    return [{k: r[k] for k in keys if k in r} for r in map(json.loads, metrics.read_text().splitlines())]
+
+
+def _steps(records: list[dict]) -> int:
+    return sum("loss" in r for r in records)
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +58,18 @@ ZB_H2 = ["model.num_layers=4", "parallel.pp.size=2", "parallel.pp.schedule=zb_h2
 def test_pipelined_recsys_train_is_bitwise_the_one_rank_run_and_resumes_bitwise(tmp_path, one_rank):
     """ZB-H2 as an engine plan with an uneven split; checkpointed every 2 steps, and resumed from
     step 2's checkpoint in a new job, which trains steps 3-5 bitwise as the uninterrupted run."""
-    losses = _train(tmp_path / "full", 2, *ZB_H2, "trainer.checkpoint.interval=2")
-    assert len(losses) == 5 and losses == one_rank
+    records = _train(tmp_path / "full", 2, *ZB_H2, "trainer.checkpoint.interval=2")
+    assert _steps(records) == 5 and sum("auc" in r for r in records) == 4  # steps 0, 2, 4, 5
+    assert records == one_rank  # the training losses and the evaluations (forward through the stages)
     (checkpoint,) = (tmp_path / "full").glob("recsys-train/*/checkpoints/step_2")
     resumed = _train(tmp_path / "resumed", 2, *ZB_H2, f"trainer.resume_from={checkpoint}")
-    assert resumed == one_rank[2:]
+    assert resumed == [r for r in one_rank if r["step"] > 2]
 
 
 def test_pipelined_dualpipev_is_bitwise_the_one_rank_run(tmp_path, one_rank):
     """DualPipeV: the action-order mode, 4 stages folded into a V over 2 ranks."""
-    losses = _train(tmp_path, 2, "model.num_layers=4", "parallel.pp.size=2", "parallel.pp.schedule=dualpipev")
-    assert len(losses) == 5 and losses == one_rank
+    records = _train(tmp_path, 2, "model.num_layers=4", "parallel.pp.size=2", "parallel.pp.schedule=dualpipev")
+    assert _steps(records) == 5 and records == one_rank
 
 
 def test_pipelined_sasrec_is_bitwise_the_one_rank_run(tmp_path):
@@ -76,23 +84,25 @@ def test_pipelined_sasrec_is_bitwise_the_one_rank_run(tmp_path):
     data = tmp_path / "seq.txt"
     data.write_text("\n".join(lines) + "\n")
     sasrec = ["model=sasrec", "model.num_blocks=2", "model.dropout=0", "data=sequences", f"data.path={data}"]
-    sasrec += ["data.eval_negatives=20", "data.batch_size=32"]
+    sasrec += ["data.eval_negatives=20", "data.batch_size=32", "trainer.eval_every=0", "trainer.eval_epochs=0"]
     one = _train(tmp_path / "one", 1, *sasrec, "parallel.pp.size=1")
     two = _train(tmp_path / "two", 2, *sasrec, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
-    assert len(one) == 5 and two == one
+    assert _steps(one) == 5 and two == one
 
 
 def test_pp_times_dp_on_4_ranks_is_bitwise_dp_alone_on_2(tmp_path):
     """2 stages x 2 replicas (each pipeline reads its replica's share of the data) against the
     same microbatching with 2 replicas of one stage; the logged loss is the replicas' mean."""
-    dp_only = _train(tmp_path / "dp", 2, "parallel.pp.size=1")
-    pp_dp = _train(tmp_path / "ppdp", 4, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
-    assert len(dp_only) == 5 and pp_dp == dp_only
+    no_eval = ["trainer.eval_every=0", "trainer.eval_epochs=0"]  # world means of eval metrics round differently
+    dp_only = _train(tmp_path / "dp", 2, "parallel.pp.size=1", *no_eval)
+    pp_dp = _train(tmp_path / "ppdp", 4, "parallel.pp.size=2", "parallel.pp.schedule=1f1b", *no_eval)
+    assert _steps(dp_only) == 5 and pp_dp == dp_only
 
 
 def test_recsys_profile_draws_each_ranks_pipeline_timeline_and_bubble(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python"]
-    overrides = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.log_every"))]
+    overrides = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.log_every", "trainer.eval"))]
+    overrides += ["trainer.eval_every=0", "trainer.eval_epochs=0"]
     profile = ["profile.exposed=false", "profile.iters=3", "profile.warmup=1", "profile.rounds=1"]
     proc = subprocess.run(
         [*launcher, "recsys-profile", *overrides, *profile, "parallel.pp.size=2", "parallel.pp.schedule=zb_h1"]

@@ -93,6 +93,8 @@ class HSTUStage(nn.Module):
         rows = _candidate_rows(offsets, batch.num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])
         per_token = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        #: what evaluation reads besides the loss (the model's `logits` and `labels` outputs)
+        self.last_outputs = {"logits": logits.detach(), "labels": labels}
         return per_token.mean(dim=0).sum()
 
 

@@ -41,7 +41,7 @@ from recsys_pipe.pp.p2p import PeerLink
 from recsys_pipe.pp.plan import stage_plan
 from recsys_pipe.pp.runner import StageStepRunner
 from recsys_pipe.pp.schedules import ResolvedSchedule
-from recsys_pipe.pp.stage import StageRuntime
+from recsys_pipe.pp.stage import StageRuntime, as_stage_input
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
 __all__ = ["PipelinedModel", "build_pipelined_model", "check_training", "data_replica", "is_pipelined"]
@@ -63,13 +63,15 @@ def data_replica(run: Any, rank: int, world_size: int) -> tuple[int, int]:
 
 def check_training(run: Any) -> None:
     """What a pipelined run cannot do yet; ConfigError naming the key."""
+    from recsys_pipe.models.hstu_config import HSTUConfig
+
     cfg, problems = run.trainer, []
-    if cfg.eval_every > 0 or cfg.eval_epochs > 0:
+    if (cfg.eval_every > 0 or cfg.eval_epochs > 0) and not isinstance(run.model, HSTUConfig):
         problems.append(
             ConfigProblem(
                 "trainer.eval_every",
-                "evaluation through pipeline stages is not supported yet: set trainer.eval_every=0 "
-                "trainer.eval_epochs=0 with parallel.pp",
+                f"evaluation of model '{run.model.name}' through pipeline stages is not supported yet: set "
+                "trainer.eval_every=0 trainer.eval_epochs=0 with parallel.pp",
             )
         )
     if run.optimizer.clip_grad_norm is not None:
@@ -165,9 +167,47 @@ class PipelinedModel(nn.Module):
             value /= self.mesh.dp_size
         return float(value)
 
+    def _runtimes(self) -> dict[int, StageRuntime]:
+        if isinstance(self.runner, StageStepRunner):
+            return {self.runner.runtime.stage: self.runner.runtime}
+        return self.runner.runtimes
+
+    def _evaluate(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward only, the whole batch at once, stage after stage (a rank's stages in order;
+        sends are asynchronous, so a V layout's rank waits for the stages between its two)."""
+        runtimes = self._runtimes()
+        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        loss = torch.zeros(())
+        with torch.no_grad():
+            for s, runtime in sorted(runtimes.items()):
+                if runtime.is_first:
+                    inputs: tuple[torch.Tensor, ...] = ()
+                elif s - 1 in outputs:
+                    inputs = as_stage_input(outputs[s - 1])
+                else:
+                    inputs = runtime.recv_activation(0)
+                record = runtime.forward(0, batch, inputs)
+                outputs[s] = record.outputs
+                if runtime.is_last:
+                    loss = record.loss
+                elif s + 1 not in runtimes:
+                    runtime.send_activation(record)
+        link = next(iter(runtimes.values())).link
+        if link is not None:
+            link.wait_sends()
+        last = max(runtimes)
+        if runtimes[last].is_last:
+            result = dict(runtimes[last].module.last_outputs)
+        else:
+            empty = torch.zeros(0, batch.labels.shape[1])
+            result = {"logits": empty, "labels": empty}
+        if self.mesh.pp_size > 1:
+            dist.broadcast(loss, self.last_rank, group=self.mesh.mesh.get_group("pp"))
+        return loss, result
+
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if not self.training:
-            raise RuntimeError("evaluation through pipeline stages is not supported yet")
+            return self._evaluate(batch)
         size, m = batch.sample_ids.shape[0], self.microbatches
         microbatches = [batch.select(torch.arange(j * size // m, (j + 1) * size // m)) for j in range(m)]
         recorder = SpanRecorder() if self._recording else None
