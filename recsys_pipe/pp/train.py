@@ -14,9 +14,10 @@ keeps its stages and registers only those, so its parameters, optimizer and chec
 its stages alone. The embedding tables are the first stage's plain torch parameters (not
 sharded by torchrec: averaged over the first stage's replicas like any dense weight).
 
-Not yet: evaluation through the stages, gradient clipping across stages, global-token loss
-normalisation, gradient accumulation; `check_training` refuses them (exit 2) before any
-process group starts.
+In evaluation mode a call runs the batch forward through the stages (HSTU ranking: the last
+stage keeps the logits and labels the metrics read). Not yet: SASRec's retrieval evaluation,
+gradient clipping across stages, global-token loss normalisation, gradient accumulation, bf16;
+`check_training` refuses them (exit 2) before any process group starts.
 """
 
 from __future__ import annotations
