@@ -57,8 +57,7 @@ class Launch:
         dense DDP choice, `resume_from`, this rank's data and the output directory; ConfigError
         (with config paths) for the first bad one."""
         from recsys_pipe.cli.preflight import run_device
-        from recsys_pipe.pp.config import check_pipeline_parallel
-        from recsys_pipe.pp.train import data_replica
+        from recsys_pipe.pp.config import check_pipeline_parallel, data_replica
         from recsys_pipe.runtime import check_output_dir, check_unused
         from recsys_pipe.train.checkpoint import resolve_resume
         from recsys_pipe.train.dense_ddp import check_dense_ddp

@@ -22,6 +22,8 @@ _EXPORTS = {
     "ParallelConfig": "config",
     "PipelineParallelConfig": "config",
     "check_pipeline_parallel": "config",
+    "data_replica": "config",
+    "is_pipelined": "config",
     "split_layers": "config",
     "SeededDropout": "dropout",
     "current_microbatch_seed": "dropout",

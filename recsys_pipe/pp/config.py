@@ -19,7 +19,14 @@ from recsys_pipe.models.hstu_config import HSTUConfig
 from recsys_pipe.models.retrieval_config import SASRecConfig
 from recsys_pipe.pp.schedules import NAMED_SCHEDULES, ResolvedSchedule, resolve_schedule
 
-__all__ = ["ParallelConfig", "PipelineParallelConfig", "check_pipeline_parallel", "split_layers"]
+__all__ = [
+    "ParallelConfig",
+    "PipelineParallelConfig",
+    "check_pipeline_parallel",
+    "data_replica",
+    "is_pipelined",
+    "split_layers",
+]
 
 PATH = "parallel.pp"
 
@@ -108,12 +115,24 @@ def split_layers(num_layers: int, num_stages: int, explicit: list[int] | None = 
     return [range(start, start + count) for start, count in zip(starts, explicit, strict=True)]
 
 
+def is_pipelined(run: Any) -> bool:
+    """Whether `run` trains through pipeline stages (several stages, or microbatches)."""
+    pp = run.parallel.pp
+    return pp.size > 1 or pp.num_microbatches > 1 or pp.resolved().num_stages > 1
+
+
+def data_replica(run: Any, rank: int, world_size: int) -> tuple[int, int]:
+    """(this rank's share, the number of shares) of the training data: one share per
+    data-parallel replica, so the ranks of one pipeline read the same batches (mesh rank =
+    pp_rank * replicas + replica)."""
+    replicas = world_size // run.parallel.pp.size
+    return rank % replicas, replicas
+
+
 def check_pipeline_parallel(run: Any, world_size: int) -> None:
     """The constraints of `parallel.pp` against the model, the data and the world size;
     ConfigError naming the key. `run` is the validated RunConfig."""
     pp: PipelineParallelConfig = run.parallel.pp
-    from recsys_pipe.pp.train import is_pipelined
-
     if not is_pipelined(run):
         return
     problems = []

@@ -45,21 +45,7 @@ from recsys_pipe.pp.schedules import ResolvedSchedule
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
-__all__ = ["PipelinedModel", "build_pipelined_model", "check_training", "data_replica", "is_pipelined"]
-
-
-def is_pipelined(run: Any) -> bool:
-    """Whether `run` trains through pipeline stages (several stages, or microbatches)."""
-    pp = run.parallel.pp
-    return pp.size > 1 or pp.num_microbatches > 1 or pp.resolved().num_stages > 1
-
-
-def data_replica(run: Any, rank: int, world_size: int) -> tuple[int, int]:
-    """(this rank's share, the number of shares) of the training data: one share per
-    data-parallel replica, so the ranks of one pipeline read the same batches (mesh rank =
-    pp_rank * replicas + replica)."""
-    replicas = world_size // run.parallel.pp.size
-    return rank % replicas, replicas
+__all__ = ["PipelinedModel", "build_pipelined_model", "check_training"]
 
 
 def check_training(run: Any) -> None:

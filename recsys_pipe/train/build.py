@@ -45,9 +45,11 @@ def _has_torchrec_tables(model: nn.Module) -> bool:
 def build_model(run: RunConfig, info: DistInfo, spec: DataSpec) -> tuple[nn.Module, Any]:
     """The configured model, distributed over the process group, and its optimizer; the same
     initial weights on every rank (seeded)."""
-    from recsys_pipe.pp.train import build_pipelined_model, is_pipelined
+    from recsys_pipe.pp.config import is_pipelined
 
     if is_pipelined(run):  # parallel.pp: this rank's stages, one module (recsys_pipe.pp.train)
+        from recsys_pipe.pp.train import build_pipelined_model
+
         return build_pipelined_model(run, info, spec)
     check_dense_ddp(run, info.device.type)
     torch.manual_seed(run.seed)
@@ -88,7 +90,7 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
     tables), the balancer (when a task of the plan needs it: `Need.BALANCER`), megatron-core's
     gradient buffers (`trainer.dense_ddp=megatron`)."""
     streams = StreamPool.create(plan.schedule.stream_slots, info.device)
-    from recsys_pipe.pp.train import is_pipelined
+    from recsys_pipe.pp.config import is_pipelined
 
     sparse_dist = None
     if isinstance(run.model, ShardedModelConfig) and not is_pipelined(run):  # pipelined: plain tables

@@ -190,7 +190,7 @@ class Trainer:
     ):
         self.run, self.plan, self.info, self.run_dir = run, plan, info, run_dir
         cfg = run.trainer
-        from recsys_pipe.pp.train import data_replica  # the ranks of a pipeline read the same batches
+        from recsys_pipe.pp.config import data_replica  # the ranks of a pipeline read the same batches
 
         shard, shards = data_replica(run, info.rank, info.world_size)
         self.data = data or RankData(run.data, shard, shards, eval_batches=cfg.eval_batches)
