@@ -34,6 +34,7 @@ __all__ = [
     "PipelineSpan",
     "build",
     "from_csv",
+    "peak_activations",
     "simulate",
     "to_csv",
     "validate",
@@ -375,13 +376,15 @@ class _Model:
             bubble=makespan - min(busy) if spans else 0.0,
             bubble_without_sync=max(inner, default=0.0),
             busy=tuple(busy),
-            peak_activations=tuple(_peak_activations(row) for row in self.schedule.ranks),
+            peak_activations=tuple(peak_activations(row) for row in self.schedule.ranks),
             spans=spans,
             name=self.schedule.name,
         )
 
 
-def _peak_activations(row: Sequence[Action]) -> int:
+def peak_activations(row: Sequence[Action]) -> int:
+    """The most microbatches whose forward ran and whose backward (B or BW) has not, along one
+    rank's action order."""
     held = peak = 0
     for action in row:
         for c in action.computes:  # an overlapped pair holds the new activation before freeing

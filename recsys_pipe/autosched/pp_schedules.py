@@ -17,8 +17,12 @@
   DualPipe's eight phases; in the steady phase a forward of one direction and a full
   backward of the other run as one overlapped `FB` action, and some backwards are split into
   B and a later W to fill bubbles. Needs an even `p` and an even `m >= 2p`.
+- `dualpipev` (DualPipe "cut in half", the V form torch's `ScheduleDualPipeV` runs): one
+  pipeline of `2p` stages folded into a V, rank r holding stages r and `2p-1-r`; all `m`
+  microbatches enter at rank 0 and the loss is on rank 0. Each rank follows DualPipe's eight
+  phases over its two stages (the same order as torch's class). Needs `m >= 2p`.
 
-Stage s of the single-pipeline schedules runs on rank s.
+Stage s of the single-stage-per-rank schedules runs on rank s.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ __all__ = ["SCHEDULES", "build"]
 
 
 def build(name: str, p: int, m: int) -> PipelineSchedule:
-    """The `name` schedule ("1f1b", "zb_h1", "zb_h2", "dualpipe") for `p` ranks, `m` microbatches."""
+    """The `name` schedule ("1f1b", "zb_h1", "zb_h2", "dualpipe", "dualpipev") for `p` ranks,
+    `m` microbatches."""
     generator = SCHEDULES.get(name)
     if generator is None:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
@@ -85,24 +90,41 @@ def _dualpipe(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     if p % 2 or m % 2 or m < 2 * p:
         raise ValueError(f"dualpipe needs an even number of ranks and an even m >= 2p, got p={p}, m={m}")
     half, chunks = p // 2, m // 2
-    return tuple(_DualPipeRank(p, chunks, r).actions(half) for r in range(p))
+    return tuple(_DualPipeRank.bidirectional(p, chunks, r).actions(half) for r in range(p))
+
+
+def _dualpipev(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    if m < 2 * p:
+        raise ValueError(f"dualpipev needs m >= 2p microbatches (one per stage), got p={p}, m={m}")
+    return tuple(_DualPipeRank.v_shape(p, m, r).actions(p) for r in range(p))
 
 
 class _DualPipeRank:
-    """One rank's DualPipe order. Phase 0 is the direction in which this rank sits in the first
-    half of the pipeline (position h = min(r, p-1-r)), phase 1 the other direction."""
+    """One rank's DualPipe order over its two phases: phase 0 is the one in which the rank sits
+    at position h of its half of the pipeline (nearer the start), phase 1 the other.
 
-    def __init__(self, p: int, chunks: int, rank: int):
-        self.p, self.chunks, self.rank = p, chunks, rank
-        self.h = min(rank, p - 1 - rank)
-        first_half = rank < p // 2
-        # (stage, first microbatch) of each phase: direction 0 runs stage r, direction 1 stage 2p-1-r
-        forward_dir = (rank, 0)
-        reverse_dir = (2 * p - 1 - rank, chunks)
-        self.phase = (forward_dir, reverse_dir) if first_half else (reverse_dir, forward_dir)
+    DualPipe (`bidirectional`): two directions of `chunks` microbatches each, h = min(r, p-1-r).
+    DualPipeV (`v_shape`): one pipeline of 2p stages folded into a V, h = r, phase 0 its stage r
+    and phase 1 its stage 2p-1-r; the phases' counts are DualPipe's with 2p ranks in halves of p.
+    """
+
+    def __init__(self, span: int, chunks: int, h: int, phase: tuple[tuple[int, int], tuple[int, int]]):
+        self.p, self.chunks, self.h, self.phase = span, chunks, h, phase
         self.forwards = [0, 0]
         self.backwards = [0, 0]
         self.held_w: list[Action] = []
+
+    @classmethod
+    def bidirectional(cls, p: int, chunks: int, rank: int) -> _DualPipeRank:
+        # (stage, first microbatch) of each phase: direction 0 runs stage r, direction 1 stage 2p-1-r
+        forward_dir = (rank, 0)
+        reverse_dir = (2 * p - 1 - rank, chunks)
+        phase = (forward_dir, reverse_dir) if rank < p // 2 else (reverse_dir, forward_dir)
+        return cls(p, chunks, min(rank, p - 1 - rank), phase)
+
+    @classmethod
+    def v_shape(cls, p: int, m: int, rank: int) -> _DualPipeRank:
+        return cls(2 * p, m, rank, ((rank, 0), (2 * p - 1 - rank, 0)))
 
     def F(self, phase: int) -> Action:
         stage, base = self.phase[phase]
@@ -162,4 +184,5 @@ SCHEDULES: dict[str, Callable[[int, int], tuple[tuple[Action, ...], ...]]] = {
     "zb_h1": _zb_h1,
     "zb_h2": _zb_h2,
     "dualpipe": _dualpipe,
+    "dualpipev": _dualpipev,
 }

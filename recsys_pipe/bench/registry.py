@@ -28,6 +28,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "shuffle": Benchmark("recsys_pipe.bench.shuffle", "balanced batches: per-rank imbalance and throughput (2 ranks)"),
     "simulator": Benchmark("recsys_pipe.bench.simulator", "the plan simulator's predictions against measured steps"),
+    "pp": Benchmark(
+        "recsys_pipe.bench.pp", "pipeline-parallel schedules: our engine against torch.distributed.pipelining (2 ranks)"
+    ),
     "gpu": Benchmark("recsys_pipe.bench.gpu", "overlap on CUDA streams (a GPU; --device cpu: a smoke test)"),
     "sasrec": Benchmark(
         "recsys_pipe.bench.sasrec", "SASRec training throughput against the reference PyTorch implementation"

@@ -57,7 +57,9 @@ class Launch:
         eval dump against it: `check_inputs`) and the output directory; ConfigError (with config
         paths) for the first bad one."""
         from recsys_pipe.cli.preflight import check_inputs, run_device
+        from recsys_pipe.pp.config import check_pipeline_parallel
         from recsys_pipe.runtime import check_output_dir, check_unused
+        from recsys_pipe.train.build import rank_data
         from recsys_pipe.train.checkpoint import resolve_resume
         from recsys_pipe.train.dense_ddp import check_dense_ddp
 
@@ -67,7 +69,8 @@ class Launch:
         check_dense_ddp(run, device.type)
         resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
+        check_pipeline_parallel(run, world_size)
+        data = rank_data(run, rank, world_size)
         check_inputs(run, data, device.type)
         requested = requested_run_dir()
         if requested.path is None:

@@ -88,13 +88,20 @@ def plan_task(cfg: DictConfig) -> None:
             _device_type(run_cfg.trainer.device),
         )
     print(text)
+    pp_text = None
+    if run_cfg.parallel.pp.size > 1:
+        from recsys_pipe.pp.render import render_pipeline_parallel
+
+        pp_text = render_pipeline_parallel(run_cfg.parallel.pp)
+        print()
+        print(pp_text)
     if model_text:
         print()
         print(model_text)
     out = _output_dir()
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.txt").write_text(text + "\n")
+        (out / "plan.txt").write_text(text + "\n" + (f"\n{pp_text}\n" if pp_text else ""))
         if model_text:
             (out / "model.txt").write_text(model_text + "\n")
     written = [] if out is None else [out / "plan.txt"] + ([out / "model.txt"] if model_text else [])

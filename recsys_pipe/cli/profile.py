@@ -114,11 +114,13 @@ def profile_task(cfg: DictConfig) -> None:
     plan = training_plan(run)
     _check(run, plan)
     from recsys_pipe.cli.preflight import check_inputs, run_device
-    from recsys_pipe.data import RankData
+    from recsys_pipe.pp.config import check_pipeline_parallel
+    from recsys_pipe.train.build import rank_data
 
     device = run_device(run.trainer)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    data = RankData(run.data, rank, world_size, eval_batches=run.trainer.eval_batches)
+    check_pipeline_parallel(run, world_size)
+    data = rank_data(run, rank, world_size)
     check_inputs(run, data, device.type)
     _check(run, plan, data.batches_per_epoch)
 
@@ -143,7 +145,13 @@ def profile_task(cfg: DictConfig) -> None:
                 run_dir,
             )
         trainer = Trainer(run, plan, info, data=data)
+        pipelined = getattr(trainer.state.model, "record_timelines", None)  # parallel.pp
+        if pipelined is not None:
+            pipelined()
         result = _measure(trainer, run.profile)
+        pp_written = []
+        if pipelined is not None:  # each rank's F/B/W timeline of the last step, and its bubble
+            pp_written = trainer.state.model.write_step_timeline(run_dir, run.parallel.pp.resolved())
         if info.is_main:
             meta = {
                 "plan": plan.config.name,
@@ -157,7 +165,7 @@ def profile_task(cfg: DictConfig) -> None:
             print(f"\nprofile of plan '{plan.config.name}' on {info.world_size} rank(s), {info.device} (rank 0):")
             result.print_report()
             _print_prediction(plan, result)
-            for path in written:
+            for path in [*written, *pp_written]:
                 print(f"wrote {path}")
             sys.stdout.flush()
     finally:

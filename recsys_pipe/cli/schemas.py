@@ -33,12 +33,17 @@ def register_schemas() -> None:
     """
     from recsys_pipe.config import ConfigError
     from recsys_pipe.config.structured import defaults_node, root_skeleton
+    from recsys_pipe.pp.config import ParallelConfig
     from recsys_pipe.train.config import RunConfig, TrainerConfig
 
     fields = RunConfig.model_fields
     store_config(
         name=SCHEMA_NAME,
-        node=root_skeleton({"trainer": TrainerConfig}, seed=fields["seed"].default, debug=fields["debug"].default),
+        node=root_skeleton(
+            {"trainer": TrainerConfig, "parallel": ParallelConfig},
+            seed=fields["seed"].default,
+            debug=fields["debug"].default,
+        ),
     )
     for section, registry in RunConfig.COMPONENTS.items():
         # model=custom, data=custom: the user must name their builder (??? is OmegaConf's "missing")

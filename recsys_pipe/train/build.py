@@ -26,6 +26,7 @@ from recsys_pipe.data import RankData
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.pp.config import data_replica, is_pipelined
 from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.verify import CollectiveGuard
 from recsys_pipe.train.checkpoint import Checkpointer
@@ -39,7 +40,7 @@ from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 
-__all__ = ["TrainParts", "build_model", "build_parts", "build_pipeline", "build_state", "describe_model"]
+__all__ = ["TrainParts", "build_model", "build_parts", "build_pipeline", "build_state", "describe_model", "rank_data"]
 
 
 def _has_torchrec_tables(model: nn.Module) -> bool:
@@ -55,6 +56,10 @@ def build_model(run: RunConfig, info: DistInfo, spec: DataSpec, rng: RngState | 
     """The configured model, distributed over the process group, and its optimizer; the same
     initial weights on every rank (seeded). Its dropout draws from `rng`'s dropout stream (by
     default a fresh one of `run.seed`: the stream a `Trainer` starts with)."""
+    if is_pipelined(run):  # parallel.pp: this rank's stages, one module (recsys_pipe.pp.train)
+        from recsys_pipe.pp.train import build_pipelined_model
+
+        return build_pipelined_model(run, info, spec)
     check_dense_ddp(run, info.device.type)
     torch.manual_seed(run.seed)
     module = run.model.build(spec)
@@ -96,7 +101,7 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
     gradient buffers (`trainer.dense_ddp=megatron`)."""
     streams = StreamPool.create(plan.schedule.stream_slots, info.device)
     sparse_dist = None
-    if isinstance(run.model, ShardedModelConfig):
+    if isinstance(run.model, ShardedModelConfig) and not is_pipelined(run):  # pipelined: plain tables
         from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
         sparse_dist = TorchrecSparseDist(model, info.device, streams, context=plan.config.torchrec_context)
@@ -153,6 +158,12 @@ class TrainParts:
         self.metrics.close()
 
 
+def rank_data(run: RunConfig, rank: int, world_size: int) -> RankData:
+    """This rank's data: its share of every batch, one share per data-parallel replica (the
+    stages of one pipeline, `parallel.pp`, read the same batches)."""
+    return RankData(run.data, *data_replica(run, rank, world_size), eval_batches=run.trainer.eval_batches)
+
+
 def build_parts(
     run: RunConfig, plan: CompiledPlan, info: DistInfo, run_dir: str | None = None, data: RankData | None = None
 ) -> TrainParts:
@@ -160,7 +171,7 @@ def build_parts(
     exists). With a `run_dir`, rank 0 writes metrics there and every rank takes part in
     checkpoints. `data` is this rank's `RankData` if the caller built it already."""
     cfg = run.trainer
-    data = data or RankData(run.data, info.rank, info.world_size, eval_batches=cfg.eval_batches)
+    data = data or rank_data(run, info.rank, info.world_size)
     eval_loader = data.eval_loader()
     # a retrieval source's own validation/test evaluation (None for other sources)
     retrieval = RetrievalEvaluation.of(data, info.world_size, cfg.eval_dump, info.is_main)

@@ -38,6 +38,7 @@ from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
+from recsys_pipe.pp.config import ParallelConfig
 from recsys_pipe.train.checkpoint import CheckpointConfig
 from recsys_pipe.train.grad_accumulation import GradAccumulationConfig, check_grad_accumulation
 from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
@@ -156,6 +157,7 @@ class RunConfig(Section):
         default_factory=AdamConfig, description="dense and embedding optimizers; optimizer.name picks the dense one"
     )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the training loop")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="model parallelism (pipeline stages)")
     seed: StrictInt = Field(0, description="model initialisation seed")
     debug: StrictBool = Field(False, description="show tracebacks for errors instead of one-line messages")
 

@@ -279,7 +279,7 @@ class TrainOptimizer:
         else:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_options(self.model))
         return {"optimizer": optim_state, "lr_scheduler": self.scheduler.state_dict()}
 
     def prepare_load(self) -> None:
@@ -303,11 +303,21 @@ class TrainOptimizer:
         else:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_options(self.model))
         self.scheduler.load_state_dict(state["lr_scheduler"])
         # the scheduler restores its step, not the optimizer's lr: set the lr of the next step
         for group, lr in zip(self.dense.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
+
+
+def _options(model: torch.nn.Module) -> Any:
+    """DCP's options for the optimizer state: flattened (hyperparameters keyed by parameter name)
+    for a model whose ranks hold different parameters (`flat_optimizer_state`, e.g. pipeline
+    stages), else DCP's default; the default's param groups are one list, the same key on every
+    rank, of which a checkpoint keeps one rank's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=getattr(model, "flat_optimizer_state", False))
 
 
 def _sharded_tables(dense: Any, model: torch.nn.Module) -> dict[str, Any]:

@@ -477,7 +477,7 @@ class Trainer:
         loop.traced.step(self.step)
         summary = loop.summary
         summary.steps += 1
-        samples = result.num_samples * self.info.world_size
+        samples = result.num_samples * self.info.world_size // self.run.parallel.pp.size  # replicas
         summary.samples += samples
         loop.window_samples += samples
         if loop.record_steps:
@@ -641,6 +641,9 @@ class Trainer:
         return metrics
 
     def _global_mean(self, value: torch.Tensor) -> float:
+        replica_mean = getattr(self.state.model, "replica_mean", None)  # pipelined: over the replicas
+        if replica_mean is not None:
+            return replica_mean(value)
         value = value.detach().float().reshape(1).clone()
         if self.info.world_size > 1:
             dist.all_reduce(value)

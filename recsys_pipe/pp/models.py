@@ -1,0 +1,171 @@
+"""Models split into pipeline stages: the HSTU ranking model (`model=hstu`, the main job's) and
+SASRec (`model=sasrec`).
+
+`hstu_stages(model, split)` cuts an `HSTUModel` into stage modules that share its parameters:
+the first stage holds the embedding collection, the token assembly (items + actions, the user's
+context tokens), the relative time bias and the first layers; the middle stages hold layers;
+the last stage holds the last layers, the final norm, the multi-task head and the loss. Between
+stages travel the jagged tokens `[T, D]` and the relative bias `[B, N, N]` (its gradient flows
+back to the first stage's bias parameters like any activation's); the token offsets and the
+attention mask depend only on the batch's lengths, so every stage computes them from its copy
+of the microbatch instead of receiving them.
+
+`sasrec_stages(model, split)` cuts a SASRec `RetrievalModel` likewise: the item table lookup,
+left padding, the scaled input plus position embeddings and the first blocks on the first
+stage; the last blocks, the final norm and the loss on the last. The table is tied: the loss
+scores the positions against the embeddings of their target and negative items, which the first
+stage looked up, so those rows travel with the activations and their gradients come back to the
+table. The padding mask comes from the batch's lengths on every stage.
+
+The stages run the model's own modules and helpers in the model's order, so the stages chained
+on one rank compute the model's loss and gradients bitwise (a test checks it). Dropout must not
+depend on placement: `hstu_stages` turns HSTU's dropout layers (the tokens' and each layer's)
+into sites keyed by (step, microbatch, layer) (`seeded_dropout`), so a
+pipelined run draws the masks of the one-rank run. SASRec's attention dropout is inside torch's
+`MultiheadAttention` (the global generator): SASRec is split with `model.dropout=0` only.
+Training only: evaluation through stages is not split yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
+from recsys_pipe.data.sequences import INPUT_KEY, NEG_KEY, POS_KEY
+from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
+from recsys_pipe.models.retrieval import RetrievalModel, left_pad
+from recsys_pipe.pp.dropout import seeded_dropout
+
+__all__ = ["HSTUStage", "SASRecStage", "hstu_stages", "sasrec_stages"]
+
+
+class HSTUStage(nn.Module):
+    """Layers `layers` of an `HSTUModel`; see the module docstring for what each end adds."""
+
+    def __init__(self, model: HSTUModel, layers: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        ranker = model.ranker
+        self.first, self.last = first, last
+        self.padded_len, self.with_user = ranker.padded_len, ranker.with_user
+        self.layers = nn.ModuleList(ranker.layers[i] for i in layers)
+        if first:
+            self.ec = model.ec
+            self.input_dropout = ranker.input_dropout
+            self.bias = ranker.bias
+        if last:
+            self.final_norm = ranker.final_norm
+            self.head = ranker.head
+
+    def _geometry(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens per sample (items, plus the user's context tokens), their offsets and the
+        attention mask, from the batch's lengths alone (as HSTURanker computes them)."""
+        kjt = batch.sparse_features
+        lengths = kjt[ITEM_KEY].lengths().long()
+        if self.with_user:
+            lengths = kjt[USER_KEY].lengths().long() + lengths
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        return lengths, offsets, _attention_mask(lengths, batch.num_candidates, self.padded_len)
+
+    def _embed(self, batch: Any, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """HSTURanker's token assembly: the tokens, and the relative bias if the model has one."""
+        embeddings = self.ec(batch.sparse_features)
+        items, actions = embeddings[ITEM_KEY], embeddings[ACTION_KEY]
+        tokens, timestamps = items.values() + actions.values(), batch.timestamps
+        if self.with_user:
+            tokens, timestamps, _ = _prepend_context(tokens, timestamps, items.lengths().long(), embeddings[USER_KEY])
+        if self.bias is None:
+            return (self.input_dropout(tokens),)
+        padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
+        return self.input_dropout(tokens), self.bias(padded_ts)
+
+    def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
+        _, offsets, mask = self._geometry(batch)
+        x, *bias = self._embed(batch, offsets) if self.first else inputs
+        for layer in self.layers:
+            x = layer(x, offsets, mask, bias[0] if bias else None)
+        if not self.last:
+            return (x, *bias)
+        labels = batch.labels
+        rows = _candidate_rows(offsets, batch.num_candidates, labels.shape[0])
+        logits = self.head(self.final_norm(x)[rows])
+        per_token = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        #: what evaluation reads besides the loss (the model's `logits` and `labels` outputs)
+        self.last_outputs = {"logits": logits.detach(), "labels": labels}
+        return per_token.mean(dim=0).sum()
+
+
+def hstu_stages(model: HSTUModel, split: Sequence[Sequence[int]]) -> list[HSTUStage]:
+    """`model` cut into stages holding the layers `split[s]` (consecutive, covering all). Its
+    dropout sites are keyed by layer (`seeded_dropout`: the model itself then needs
+    `microbatch_seed` to train with dropout, as the stage runtime provides)."""
+    flat = [i for layers in split for i in layers]
+    if flat != list(range(len(model.ranker.layers))):
+        raise ValueError(f"the stages must hold layers 0..{len(model.ranker.layers) - 1} in order, got {split}")
+    ranker = model.ranker
+    seeded_dropout(ranker.input_dropout, layer=0)  # keys: tokens 0, layer i: i + 1
+    for i, layer in enumerate(ranker.layers):
+        seeded_dropout(layer.dropout, layer=i + 1)
+    return [HSTUStage(model, layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
+
+
+class SASRecStage(nn.Module):
+    """Blocks `blocks` of a SASRec `RetrievalModel`; see the module docstring for each end."""
+
+    def __init__(self, model: RetrievalModel, blocks: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        head, encoder = model.head, model.head.encoder
+        self.first, self.last = first, last
+        self.max_len, self.dim = head.max_len, head.dim
+        self.blocks = nn.ModuleList(encoder.blocks[i] for i in blocks)
+        self.register_buffer("causal", encoder.causal, persistent=False)
+        if first:
+            self.ec, self.position, self.dropout, self.scale = (
+                model.ec,
+                encoder.position,
+                encoder.dropout,
+                encoder.scale,
+            )
+        if last:
+            self.final_norm = encoder.final_norm
+            # the head's loss as a bound method, not a submodule: the head's only parameters are
+            # the encoder's, which belong to the stages holding them
+            self._loss = head._train_loss
+
+    def _valid(self, batch: Any) -> torch.Tensor:
+        """The `[B, N]` mask of real (left-padded) positions, from the batch's lengths."""
+        lengths = batch.lengths(INPUT_KEY).long()
+        return left_pad(torch.empty(int(lengths.sum()), 0), lengths, self.max_len)[1]
+
+    def _embed(self, batch: Any, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """RetrievalHead's lookup and SASRecEncoder's input: the scaled items plus positions, and
+        the rows of the target and negative items the loss scores."""
+        embeddings = self.ec(batch.sparse_features)
+        lengths = embeddings[INPUT_KEY].lengths().long()
+        rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
+        x, _ = left_pad(rows[INPUT_KEY], lengths, self.max_len)
+        positions = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] * valid
+        x = self.dropout(x * self.scale + self.position(positions)) * valid[..., None].to(x.dtype)
+        return x, rows[POS_KEY], rows[NEG_KEY]
+
+    def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
+        valid = self._valid(batch)
+        x, pos, neg = self._embed(batch, valid) if self.first else inputs
+        keep = valid[..., None].to(x.dtype)
+        for block in self.blocks:
+            x = block(x, self.causal) * keep
+        if not self.last:
+            return x, pos, neg
+        loss, _ = self._loss(self.final_norm(x), valid, {POS_KEY: pos, NEG_KEY: neg}, batch.sparse_features)
+        return loss
+
+
+def sasrec_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[SASRecStage]:
+    """A SASRec `model` cut into stages holding the blocks `split[s]` (consecutive, covering all)."""
+    blocks = model.head.encoder.blocks
+    if [i for part in split for i in part] != list(range(len(blocks))):
+        raise ValueError(f"the stages must hold blocks 0..{len(blocks) - 1} in order, got {split}")
+    return [SASRecStage(model, part, s == 0, s == len(split) - 1) for s, part in enumerate(split)]

@@ -1,0 +1,229 @@
+"""`recsys-train` with `parallel.pp`: the model split into stages over ranks, as one module.
+
+`PipelinedModel` stands where the model stands in the batch-level plan: the plan's `forward`
+task calls it on a batch, and one call runs the whole pipelined step of this rank (the
+microbatches' F, B and W under the rank's schedule, the transfers, the gradients scaled by 1/m
+and averaged over the stage's data-parallel replicas). It returns the step's loss (the mean of
+the last stage's microbatch losses, broadcast over the pipeline so every rank logs it) as a
+leaf, so the plan's `backward` task has nothing left to do; `optimizer_step` then steps this
+rank's stages. The batch-level plan is unchanged: h2d, input dist and friends still prepare the
+next batches ahead.
+
+Each rank builds the whole model from the run's seed (the same initial weights everywhere),
+keeps its stages and registers only those, so its parameters, optimizer and checkpoint hold
+its stages alone. The embedding tables are the first stage's plain torch parameters (not
+sharded by torchrec: averaged over the first stage's replicas like any dense weight).
+
+In evaluation mode a call runs the batch forward through the stages (HSTU ranking: the last
+stage keeps the logits and labels the metrics read). Not yet: SASRec's retrieval evaluation,
+gradient clipping across stages, global-token loss normalisation, gradient accumulation, bf16;
+`recsys_pipe.pp.config.check_training` refuses them (exit 2) before any process group starts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recsys_pipe.autosched.pipeline_parallel import simulate
+from recsys_pipe.autosched.pp_actions import Action
+from recsys_pipe.engine import SpanRecorder
+from recsys_pipe.pp.actions import ActionOrderRunner
+from recsys_pipe.pp.config import split_layers
+from recsys_pipe.pp.mesh import PipelineMesh
+from recsys_pipe.pp.p2p import PeerLink
+from recsys_pipe.pp.plan import stage_plan
+from recsys_pipe.pp.runner import StageStepRunner
+from recsys_pipe.pp.schedules import ResolvedSchedule
+from recsys_pipe.pp.stage import StageRuntime, as_stage_input
+from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
+
+__all__ = ["PipelinedModel", "build_pipelined_model"]
+
+
+def _stage_modules(model: nn.Module, split: list[list[int]]) -> list[nn.Module]:
+    """The model's stages, by its type (`recsys_pipe.pp.models`)."""
+    from recsys_pipe.models.hstu import HSTUModel
+    from recsys_pipe.pp.models import hstu_stages, sasrec_stages
+
+    if isinstance(model, HSTUModel):
+        return hstu_stages(model, split)
+    return sasrec_stages(model, split)
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages of the model and the runner of its schedule; `forward(batch)` runs one
+    pipelined step (see the module docstring) and returns `(loss, outputs)` like the model."""
+
+    #: ranks hold different parameters: checkpoints key the optimizer's hyperparameters by
+    #: parameter name (`recsys_pipe.train.optim`), so no rank's param groups override another's
+    flat_optimizer_state = True
+
+    def __init__(self, stages: dict[int, nn.Module], runner: Any, mesh: PipelineMesh, last_rank: int, m: int):
+        super().__init__()
+        self.stages = nn.ModuleDict({str(s): module for s, module in sorted(stages.items())})
+        self.runner, self.mesh, self.last_rank, self.microbatches = runner, mesh, last_rank, m
+        #: the optimizer steps taken (the dropout key's step), saved with the stages' weights
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        #: with `record_timelines()`: this rank's compute spans of the last step
+        self.last_spans: list | None = None
+        self._recording = False
+
+    def record_timelines(self) -> None:
+        """From the next step on, keep each step's F / B / W spans (`last_spans`)."""
+        self._recording = True
+
+    def write_step_timeline(self, out: Path, schedule: ResolvedSchedule) -> list[Path]:
+        """The last recorded step of this rank's pipeline, measured and simulated (a collective
+        over the pipeline's ranks): global rank 0 writes `pp_timeline.png` (measured Gantt),
+        `pp_simulated.png` (the schedule simulated with the measured medians of F, B and W) and
+        `pp_timeline.json` (per rank: busy time and bubble), and prints the table."""
+        gathered = gather_spans(self.last_spans or [], group=self.mesh.mesh.get_group("pp"))
+        if dist.get_rank() != 0:
+            return []
+        measured = measured_result(gathered, f"{schedule.name} (measured)")
+        durations: dict[str, list[float]] = {}
+        for span in (s for rank in gathered for s in rank):
+            durations.setdefault(Action.parse(span.action).kind, []).append(span.end - span.start)
+        med = {kind: statistics.median(v) for kind, v in durations.items()}
+        t_b = med.get("B", med.get("BW", 0.0))
+        simulated = simulate(schedule.compute_orders(), med.get("F", 0.0), t_b, med.get("W", 0.0))
+        paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
+        measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
+        simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
+        ranks = [
+            {"rank": r, "busy_ms": busy * 1e3, "bubble_ms": (measured.makespan - busy) * 1e3}
+            for r, busy in enumerate(measured.busy)
+        ]
+        report = {
+            "schedule": schedule.name,
+            "measured_step_ms": measured.makespan * 1e3,
+            "simulated_step_ms": simulated.makespan * 1e3,
+            "ranks": ranks,
+        }
+        paths[2].write_text(json.dumps(report, indent=2) + "\n")
+        print(
+            f"\npipeline ({schedule.name}), last profiled step: {measured.makespan * 1e3:.2f} ms measured, "
+            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W medians"
+        )
+        for row in ranks:
+            print(f"  rank {row['rank']}: busy {row['busy_ms']:.2f} ms, bubble {row['bubble_ms']:.2f} ms")
+        return paths
+
+    def replica_mean(self, value: torch.Tensor) -> float:
+        """A value every rank of a pipeline holds alike (the step's loss), averaged over the
+        data-parallel replicas (as a one-stage run over the same replicas averages it)."""
+        value = value.detach().float().reshape(1).clone()
+        group = self.mesh.dp_group
+        if group is not None:
+            dist.all_reduce(value, group=group)
+            value /= self.mesh.dp_size
+        return float(value)
+
+    def _runtimes(self) -> dict[int, StageRuntime]:
+        if isinstance(self.runner, StageStepRunner):
+            return {self.runner.runtime.stage: self.runner.runtime}
+        return self.runner.runtimes
+
+    def _evaluate(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward only, the whole batch at once, stage after stage (a rank's stages in order;
+        sends are asynchronous, so a V layout's rank waits for the stages between its two)."""
+        runtimes = self._runtimes()
+        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        loss = torch.zeros(())
+        with torch.no_grad():
+            for s, runtime in sorted(runtimes.items()):
+                if runtime.is_first:
+                    inputs: tuple[torch.Tensor, ...] = ()
+                elif s - 1 in outputs:
+                    inputs = as_stage_input(outputs[s - 1])
+                else:
+                    inputs = runtime.recv_activation(0)
+                record = runtime.forward(0, batch, inputs)
+                outputs[s] = record.outputs
+                if runtime.is_last:
+                    loss = record.loss
+                elif s + 1 not in runtimes:
+                    runtime.send_activation(record)
+        link = next(iter(runtimes.values())).link
+        if link is not None:
+            link.wait_sends()
+        last = max(runtimes)
+        if runtimes[last].is_last:
+            result = dict(runtimes[last].module.last_outputs)
+        else:
+            empty = torch.zeros(0, batch.labels.shape[1])
+            result = {"logits": empty, "labels": empty}
+        if self.mesh.pp_size > 1:
+            dist.broadcast(loss, self.last_rank, group=self.mesh.mesh.get_group("pp"))
+        return loss, result
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if not self.training:
+            return self._evaluate(batch)
+        size, m = batch.sample_ids.shape[0], self.microbatches
+        microbatches = [batch.select(torch.arange(j * size // m, (j + 1) * size // m)) for j in range(m)]
+        recorder = SpanRecorder() if self._recording else None
+        self.runner.pipeline.observer = recorder
+        losses = self.runner.run_step(int(self.step), microbatches)
+        self.step += 1
+        if recorder is not None:
+            lookahead_plan = isinstance(self.runner, StageStepRunner)
+            self.last_spans = compute_spans(
+                recorder.spans(), self.mesh.pp_rank, self.mesh.pp_rank if lookahead_plan else None
+            )
+        mine = [v for v in losses if v is not None]
+        loss = torch.stack(mine).mean() if mine else torch.zeros(())
+        if self.mesh.pp_size > 1:  # every rank of the pipeline logs the step's loss
+            dist.broadcast(loss, self.last_rank, group=self.mesh.mesh.get_group("pp"))
+        empty = torch.zeros(0, 1)
+        return loss.requires_grad_(), {"logits": empty, "labels": empty}
+
+
+def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedModel, Any]:
+    """The model split over the `parallel.pp` mesh and the dense optimizer of this rank's stages."""
+    from recsys_pipe.train.optim import dense_optimizer_factory
+
+    pp = run.parallel.pp
+    resolved = pp.resolved()
+    mesh = PipelineMesh.create(pp.size, info.device.type)
+    torch.manual_seed(run.seed)
+    model = run.model.build(spec).to(info.device)
+    split = [list(r) for r in split_layers(_num_layers(run), resolved.num_stages, pp.layers)]
+    modules = _stage_modules(model, split)
+    ranks = [mesh.rank_of(r) for r in resolved.ranks_of_stages]
+    local = resolved.local_stages(mesh.pp_rank)
+    link = PeerLink()
+    n = len(modules)
+    runtimes = {
+        s: StageRuntime(
+            modules[s],
+            s,
+            n,
+            prev_rank=ranks[s - 1] if s > 0 else None,
+            next_rank=ranks[s + 1] if s < n - 1 else None,
+            link=link,
+            seed=run.seed,
+            dp_group=mesh.dp_group,
+        )
+        for s in local
+    }
+    m = resolved.microbatches
+    if resolved.actions is None:
+        runner = StageStepRunner(runtimes[mesh.pp_rank], stage_plan(resolved.name, pp.size, mesh.pp_rank, m))
+    else:
+        runner = ActionOrderRunner(runtimes, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, m, link=link)
+    pipelined = PipelinedModel({s: modules[s] for s in local}, runner, mesh, ranks[-1], m)
+    return pipelined, dense_optimizer_factory(run.optimizer)(pipelined.parameters())
+
+
+def _num_layers(run: Any) -> int:
+    from recsys_pipe.pp.config import STAGEABLE_MODELS
+
+    return getattr(run.model, STAGEABLE_MODELS[type(run.model)])

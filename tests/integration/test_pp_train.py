@@ -1,0 +1,133 @@
+"""`recsys-train` with `parallel.pp`: the main job's model (HSTU ranking) and SASRec train split
+into stages on 2 gloo ranks, every step's loss (metrics.jsonl) bitwise equal to the same model
+and microbatching on one rank (`parallel.pp.size=1`), with the batch-level plan (the default,
+hstu_prefetch) still preparing the next batches ahead; HSTU's evaluations (forward through the
+stages) equal too."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # torchrun launches
+
+BIN = Path(sys.executable).parent  # the environment's console scripts, on PATH or not
+
+COMMON = [
+    "parallel.pp.microbatches=4",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=2",
+    "trainer.max_steps=5",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.device=cpu",
+]
+
+
+def _train(out: Path, nproc: int, *overrides: str) -> list[dict]:
+    """Train; the records of metrics.jsonl: each step's loss, each evaluation's loss, log loss
+    and AUC (timings left out)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    command = [*launcher, "--no-python", "recsys-train"] if nproc > 1 else ["recsys-train"]
+    proc = subprocess.run(
+        [*command, *COMMON, *overrides, f"trainer.output_dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (metrics,) = out.glob("recsys-train/*/metrics.jsonl")
+    keys = ("step", "loss", "eval_loss", "log_loss", "auc")
+    return [{k: r[k] for k in keys if k in r} for r in map(json.loads, metrics.read_text().splitlines())]
+
+
+def _steps(records: list[dict]) -> int:
+    return sum("loss" in r for r in records)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("pp1"), 1, "model.num_layers=4", "parallel.pp.size=1")
+
+
+ZB_H2 = ["model.num_layers=4", "parallel.pp.size=2", "parallel.pp.schedule=zb_h2", "parallel.pp.layers=[3,1]"]
+
+
+def test_pipelined_recsys_train_is_bitwise_the_one_rank_run_and_resumes_bitwise(tmp_path, one_rank):
+    """ZB-H2 as an engine plan with an uneven split; checkpointed every 2 steps, and resumed from
+    step 2's checkpoint in a new job, which trains steps 3-5 bitwise as the uninterrupted run."""
+    records = _train(tmp_path / "full", 2, *ZB_H2, "trainer.checkpoint.interval=2")
+    assert _steps(records) == 5 and sum("auc" in r for r in records) == 4  # steps 0, 2, 4, 5
+    assert records == one_rank  # the training losses and the evaluations (forward through the stages)
+    (checkpoint,) = (tmp_path / "full").glob("recsys-train/*/checkpoints/step_2")
+    resumed = _train(tmp_path / "resumed", 2, *ZB_H2, f"trainer.resume_from={checkpoint}")
+    assert resumed == [r for r in one_rank if r["step"] > 2]
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "csv"])
+def test_action_order_schedules_are_bitwise_the_one_rank_run(tmp_path, one_rank, schedule):
+    """The action-order mode: DualPipeV (4 stages folded into a V over 2 ranks), and a schedule
+    CSV in torch's format (ZB-H2's order written by our generator)."""
+    if schedule == "csv":
+        from recsys_pipe.autosched.pp_actions import to_csv
+        from recsys_pipe.autosched.pp_schedules import build
+
+        schedule = str(tmp_path / "zb_h2.csv")
+        to_csv(build("zb_h2", 2, 4), schedule)
+    records = _train(tmp_path, 2, "model.num_layers=4", "parallel.pp.size=2", f"parallel.pp.schedule={schedule}")
+    assert _steps(records) == 5 and records == one_rank
+
+
+def test_pipelined_sasrec_is_bitwise_the_one_rank_run(tmp_path):
+    """SASRec (its item table tied to the loss on the last stage), 1F1B on 2 ranks."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for u in range(1, 201):
+        n, start = int(torch.randint(3, 20, (1,), generator=g)), int(torch.randint(0, 80, (1,), generator=g))
+        lines += [f"{u * 7} {(start + k) % 80 + 100}" for k in range(n)]
+    data = tmp_path / "seq.txt"
+    data.write_text("\n".join(lines) + "\n")
+    sasrec = ["model=sasrec", "model.num_blocks=2", "model.dropout=0", "data=sequences", f"data.path={data}"]
+    sasrec += ["data.eval_negatives=20", "data.batch_size=32", "trainer.eval_every=0", "trainer.eval_epochs=0"]
+    one = _train(tmp_path / "one", 1, *sasrec, "parallel.pp.size=1")
+    two = _train(tmp_path / "two", 2, *sasrec, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
+    assert _steps(one) == 5 and two == one
+
+
+def test_pp_times_dp_on_4_ranks_is_bitwise_dp_alone_on_2(tmp_path):
+    """2 stages x 2 replicas (each pipeline reads its replica's share of the data) against the
+    same microbatching with 2 replicas of one stage; the logged loss is the replicas' mean."""
+    no_eval = ["trainer.eval_every=0", "trainer.eval_epochs=0"]  # world means of eval metrics round differently
+    dp_only = _train(tmp_path / "dp", 2, "parallel.pp.size=1", *no_eval)
+    pp_dp = _train(tmp_path / "ppdp", 4, "parallel.pp.size=2", "parallel.pp.schedule=1f1b", *no_eval)
+    assert _steps(dp_only) == 5 and pp_dp == dp_only
+
+
+def test_recsys_profile_draws_each_ranks_pipeline_timeline_and_bubble(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python"]
+    overrides = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.log_every", "trainer.eval"))]
+    overrides += ["trainer.eval_every=0", "trainer.eval_epochs=0"]
+    profile = ["profile.exposed=false", "profile.iters=3", "profile.warmup=1", "profile.rounds=1"]
+    proc = subprocess.run(
+        [*launcher, "recsys-profile", *overrides, *profile, "parallel.pp.size=2", "parallel.pp.schedule=zb_h1"]
+        + [f"trainer.output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = tmp_path.glob("recsys-profile/*")
+    report = json.loads((run_dir / "pp_timeline.json").read_text())
+    assert report["schedule"] == "zb_h1" and [r["rank"] for r in report["ranks"]] == [0, 1]
+    for rank in report["ranks"]:
+        assert 0 < rank["busy_ms"] <= report["measured_step_ms"] and rank["bubble_ms"] >= 0
+    assert report["simulated_step_ms"] > 0
+    assert (run_dir / "pp_timeline.png").stat().st_size > 1000 and (run_dir / "pp_simulated.png").is_file()
+    assert "rank 1: busy" in proc.stdout

@@ -1,0 +1,133 @@
+"""The pipeline-parallel stage plans fire in exactly the per-rank order of the schedules.
+
+No processes: each rank's engine plan runs over m microbatches against a stand-in for the
+stage runtime (`firing_order`), and the order its compute tasks fire in is compared with
+`recsys_pipe.autosched.pp_schedules.build()` (1F1B, ZB-H1, ZB-H2) or with GPipe's definition.
+"""
+
+import pytest
+
+from recsys_pipe.autosched.pp_actions import PipelineSchedule
+from recsys_pipe.autosched.pp_schedules import build
+from recsys_pipe.pp.actions import action_schedule, stage_ranks
+from recsys_pipe.pp.plan import firing_order, stage_plan
+
+
+def run_plan(schedule, p, r, m):
+    return firing_order(stage_plan(schedule, p, r, m))
+
+
+CASES = [(name, p, m) for name in ("1f1b", "zb_h1", "zb_h2") for p in (1, 2, 4) for m in (1, 2, 3, 4, 8) if m >= p]
+
+
+@pytest.mark.parametrize(("name", "p", "m"), CASES)
+def test_firing_order_equals_build(name, p, m):
+    expected = build(name, p, m)
+    for r in range(p):
+        compute = [(kind, mb) for kind, mb in run_plan(name, p, r, m) if kind in ("F", "B", "W", "BW")]
+        assert compute == [(a.kind, a.microbatch) for a in expected.ranks[r]], f"rank {r}"
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
+def test_gpipe_runs_every_forward_before_any_backward(p, m):
+    for r in range(p):
+        log = run_plan("gpipe", p, r, m)
+        compute = [(kind, mb) for kind, mb in log if kind in ("F", "BW")]
+        assert compute == [("F", j) for j in range(m)] + [("BW", j) for j in range(m)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "zb_h2", "gpipe"])
+def test_transfers_wrap_their_compute(name):
+    """recv before and send right after each compute step; none at the pipeline's ends."""
+    p, m = 4, 8
+    for r in range(p):
+        log = run_plan(name, p, r, m)
+        for i, (kind, mb) in enumerate(log):
+            if kind == "F":
+                assert (log[i - 1] == ("recv_F", mb)) == (r > 0)
+                assert (log[i + 1] == ("send_F", mb)) == (r < p - 1)
+            if kind in ("B", "BW"):
+                assert (log[i - 1] == ("recv_B", mb)) == (r < p - 1)
+                assert (i + 1 < len(log) and log[i + 1] == ("send_B", mb)) == (r > 0)
+        assert sum(k == "send_F" for k, _ in log) == (m if r < p - 1 else 0)
+        assert sum(k == "send_B" for k, _ in log) == (m if r > 0 else 0)
+
+
+def test_ring_depth_is_the_activation_memory():
+    """F's lookahead + 1 microbatches are in flight: 1F1B's p - r on rank r, ZB-H2's 2p - 1."""
+    p, m = 4, 8
+    assert [stage_plan("1f1b", p, r, m).ring_slots for r in range(p)] == [4, 3, 2, 1]
+    assert [stage_plan("zb_h2", p, r, m).ring_slots for r in range(p)] == [7] * 4
+    assert stage_plan("gpipe", p, 0, m).ring_slots == m
+
+
+def test_unknown_schedule_is_refused():
+    with pytest.raises(ValueError, match="unknown single-stage pipeline schedule 'dualpipe'"):
+        stage_plan("dualpipe", 2, 0, 4)
+
+
+# -- the static action-order mode (several stages per rank, CSVs) ---------------------------------
+
+
+def test_stage_layouts():
+    assert stage_ranks(2, 2, "loop") == (0, 1, 0, 1)
+    assert stage_ranks(2, 2, "v") == (0, 1, 1, 0)
+    assert stage_ranks(4, 2, "v") == (0, 1, 2, 3, 3, 2, 1, 0)
+    with pytest.raises(ValueError, match="2 stages per rank"):
+        stage_ranks(2, 3, "v")
+
+
+def test_actions_become_tasks_in_order_with_transfers_only_between_ranks():
+    """V layout on 2 ranks: rank 1 holds stages 1 and 2, which hand over to each other locally."""
+    schedule = PipelineSchedule.of(
+        [["0F0", "3F0", "3I0", "3W0", "0I0", "0W0"], ["1F0", "2F0", "2I0", "1I0", "2W0", "1W0"]]
+    )
+    rank1 = [t.name for t in action_schedule(schedule, 1, stage_ranks(2, 2, "v"), 1).tasks]
+    assert rank1 == ["1RECV_F0", "1F0", "2F0", "2SEND_F0", "2RECV_B0", "2I0", "1I0", "1SEND_B0", "2W0", "1W0", "losses"]
+    rank0 = [t.name for t in action_schedule(schedule, 0, stage_ranks(2, 2, "v"), 1).tasks]
+    assert rank0 == ["0F0", "0SEND_F0", "3RECV_F0", "3F0", "3I0", "3SEND_B0", "3W0", "0RECV_B0", "0I0", "0W0", "losses"]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (["0F0", "1F0"], r"action 1F0 does not fit \(stage 1 is on rank 1"),
+        (["0F0", "0F5"], "microbatches 0..1"),
+        (["0I0", "0F0"], r"action 0I0 runs before what it needs \(0F0\)"),
+        (["0F0", "0W0"], "the action list does not fit"),  # W without its B
+    ],
+)
+def test_an_action_list_that_does_not_fit_is_refused(row, message):
+    schedule = PipelineSchedule.of([row, []])
+    with pytest.raises(ValueError, match=message):
+        action_schedule(schedule, 0, (0, 1), 2)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_our_dualpipev_is_torchs_dualpipev_order(p):
+    """build("dualpipev") generates the V form torch's ScheduleDualPipeV runs, action for action
+    (overlapped F&B pairs included), and it passes validation (no deadlock)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from recsys_pipe.autosched.pipeline_parallel import validate
+
+    for m in (2 * p, 2 * p + 1, 2 * p + 4):
+        ours = validate(build("dualpipev", p, m))
+        torchs = PipelineSchedule.of(get_schedule_ops("DualPipeV", p, m, 2))
+        assert [list(map(str, row)) for row in ours.ranks] == [list(map(str, row)) for row in torchs.ranks]
+    with pytest.raises(ValueError, match="dualpipev needs m >= 2p"):
+        build("dualpipev", p, 2 * p - 1)
+
+
+def test_the_lower_layers_do_not_import_the_pipeline_package():
+    """recsys_pipe.pp sits at the training-adapter level: the engine, the schedule tooling and
+    the plan compiler never import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, recsys_pipe.engine, recsys_pipe.autosched, recsys_pipe.config\n"
+        "print(sorted(m for m in sys.modules if m.startswith('recsys_pipe.pp')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
