@@ -66,18 +66,25 @@ def resolve_device(device: str) -> torch.device:
 def _own_store(timeout: datetime.timedelta) -> dist.TCPStore:
     """The store of a 1-rank group run as a plain process, on a port the OS picks as it binds.
     Asking for a free port first and binding it later races with every other process doing the
-    same (seen: EADDRINUSE when tests start runs side by side); binding port 0 cannot. The port
-    goes to MASTER_PORT, where the health watch and sweep-directory clients look for it."""
-    global _OWN_PORT
+    same (seen: EADDRINUSE when tests start runs side by side); binding port 0 cannot. The
+    group's variables go to the environment, where the health watch and sweep-directory clients
+    look for them, until `teardown` takes them out again."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout)
-    _OWN_PORT = os.environ["MASTER_PORT"] = str(store.port)
+    _OWN_ENV.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+    )
+    os.environ.update(_OWN_ENV)
     return store
 
 
-#: the port of the last store `_own_store` made: an environment that names it is one this
-#: process wrote itself (a second run in the same process), not torchrun's
-_OWN_PORT: str | None = None
-
+#: the variables `_own_store` wrote: a process that trains again after `teardown` (a test, a
+#: notebook) or starts a subprocess must not read them as torchrun's
+_OWN_ENV: dict[str, str] = {}
 
 _INFO: DistInfo | None = None
 
@@ -114,10 +121,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         return _INFO
     timeout = datetime.timedelta(seconds=timeout_s)
     store: dist.Store | None = None
-    if "WORLD_SIZE" not in os.environ or os.environ.get("MASTER_PORT") == _OWN_PORT:
-        os.environ.update(
-            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-        )
+    if "WORLD_SIZE" not in os.environ:
         store = _own_store(timeout)
     dev = resolve_device(device)
     if backend == "auto":
@@ -146,7 +150,8 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
 
 
 def teardown() -> None:
-    """Barrier, destroy the group, let gloo's threads wind down."""
+    """Barrier, destroy the group, let gloo's threads wind down; take out of the environment
+    what a plain process's group put there."""
     global _INFO
     if not dist.is_initialized():
         return
@@ -155,4 +160,8 @@ def teardown() -> None:
     finally:
         dist.destroy_process_group()
         _INFO = None
+        for key, value in _OWN_ENV.items():
+            if os.environ.get(key) == value:
+                del os.environ[key]
+        _OWN_ENV.clear()
         time.sleep(0.2)

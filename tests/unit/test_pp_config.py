@@ -31,17 +31,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def no_process_group(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a process group was started for a config that should have been refused")
-
-    import recsys_pipe.runtime.session
-
-    for module in (recsys_pipe.runtime, recsys_pipe.runtime.session):
-        monkeypatch.setattr(module, "init_distributed", refuse)
-
-
 @pytest.mark.parametrize(("world", "overrides", "path", "fragment"), CASES, ids=[" ".join(c[1]) for c in CASES])
 def test_pp_constraint_exits_2_naming_its_key(
     world, overrides, path, fragment, tmp_path, capsys, monkeypatch, no_process_group
