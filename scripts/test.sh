@@ -10,4 +10,8 @@ cd "$ROOT"
 # The docs site: a broken link or anchor, a page missing from the nav or an API reference that no
 # longer resolves fails here. Not --quiet: it keeps warnings from the strict count (mkdocs#4126).
 NO_MKDOCS_2_WARNING=1 "$ROOT/.venv/bin/mkdocs" build --strict --site-dir "$ROOT/site"
-exec "$ROOT/.venv/bin/python" -m pytest "$@"
+# Two workers, one test file each at a time (--dist loadfile): a file's tests share its module
+# fixtures (one torchrun launch for many checks). Run in one process, the suite keeps about one of
+# two cores busy (CPU time / wall time ~1.1: process start-up, ranks waiting on each other); two
+# workers fill the other. `-n 0` in "$@" turns it off.
+exec "$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile "$@"
