@@ -16,7 +16,7 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.models.hstu_config import HSTUConfig
-from recsys_pipe.models.retrieval_config import SASRecConfig
+from recsys_pipe.models.retrieval_config import HSTURetrievalConfig, SASRecConfig
 from recsys_pipe.pp.schedules import NAMED_SCHEDULES, ResolvedSchedule, resolve_schedule
 
 __all__ = [
@@ -33,11 +33,15 @@ PATH = "parallel.pp"
 
 #: the model configs that can be split into stages (`recsys_pipe.pp.models`), and the field
 #: that counts their layers
-STAGEABLE_MODELS: dict[type, str] = {HSTUConfig: "num_layers", SASRecConfig: "num_blocks"}
-#: the stageable models whose split draws placement-independent dropout masks (HSTU: its
-#: dropout sites are keyed by layer, `seeded_dropout`); the others need model.dropout=0 (SASRec's attention
-#: dropout is inside torch's MultiheadAttention, on the global generator)
-SEEDED_DROPOUT_MODELS: tuple[type, ...] = (HSTUConfig,)
+STAGEABLE_MODELS: dict[type, str] = {
+    HSTUConfig: "num_layers",
+    SASRecConfig: "num_blocks",
+    HSTURetrievalConfig: "num_layers",
+}
+#: the stageable models whose split draws placement-independent dropout masks (the HSTU models:
+#: their dropout sites are keyed by layer, `seeded_dropout`); the others need model.dropout=0
+#: (SASRec's attention dropout is inside torch's MultiheadAttention, on the global generator)
+SEEDED_DROPOUT_MODELS: tuple[type, ...] = (HSTUConfig, HSTURetrievalConfig)
 
 
 class PipelineParallelConfig(Section):

@@ -1,5 +1,6 @@
-"""Models split into pipeline stages: the HSTU ranking model (`model=hstu`, the main job's) and
-SASRec (`model=sasrec`).
+"""Models split into pipeline stages: the HSTU ranking model (`model=hstu`, the main job's),
+SASRec (`model=sasrec`) and HSTU retrieval (`model=hstu_retrieval`); `model_stages` picks by
+the model's type.
 
 `hstu_stages(model, split)` cuts an `HSTUModel` into stage modules that share its parameters:
 the first stage holds the embedding collection, the token assembly (items + actions, the user's
@@ -17,13 +18,19 @@ scores the positions against the embeddings of their target and negative items, 
 stage looked up, so those rows travel with the activations and their gradients come back to the
 table. The padding mask comes from the batch's lengths on every stage.
 
+`hstu_retrieval_stages(model, split)` cuts an HSTU retrieval `RetrievalModel` the same way as
+SASRec at its ends (lookup, scaled items plus positions and the relative time bias first; final
+norm and loss last), with HSTU's jagged tokens `[T, D]` and the bias `[B, N, N]` travelling
+between stages as in `hstu_stages`.
+
 The stages run the model's own modules and helpers in the model's order, so the stages chained
 on one rank compute the model's loss and gradients bitwise (a test checks it). Dropout must not
 depend on placement: `hstu_stages` turns HSTU's dropout layers (the tokens' and each layer's)
 into sites keyed by (step, microbatch, layer) (`seeded_dropout`), so a
 pipelined run draws the masks of the one-rank run. SASRec's attention dropout is inside torch's
 `MultiheadAttention` (the global generator): SASRec is split with `model.dropout=0` only.
-Training only: evaluation through stages is not split yet.
+HSTU retrieval's dropout sites are keyed like HSTU ranking's. Retrieval evaluation through
+stages is not split yet.
 """
 
 from __future__ import annotations
@@ -31,16 +38,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 from torch import nn
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
 from recsys_pipe.data.sequences import INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
+from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder
 from recsys_pipe.models.retrieval import RetrievalModel, left_pad
+from recsys_pipe.models.sasrec import SASRecEncoder
 from recsys_pipe.pp.dropout import seeded_dropout
 
-__all__ = ["HSTUStage", "SASRecStage", "hstu_stages", "sasrec_stages"]
+__all__ = [
+    "HSTURetrievalStage",
+    "HSTUStage",
+    "SASRecStage",
+    "hstu_retrieval_stages",
+    "hstu_stages",
+    "model_stages",
+    "sasrec_stages",
+]
 
 
 class HSTUStage(nn.Module):
@@ -169,3 +187,85 @@ def sasrec_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list
     if [i for part in split for i in part] != list(range(len(blocks))):
         raise ValueError(f"the stages must hold blocks 0..{len(blocks) - 1} in order, got {split}")
     return [SASRecStage(model, part, s == 0, s == len(split) - 1) for s, part in enumerate(split)]
+
+
+class HSTURetrievalStage(nn.Module):
+    """Layers `layers` of an HSTU retrieval `RetrievalModel`; see the module docstring."""
+
+    def __init__(self, model: RetrievalModel, layers: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        head, encoder = model.head, model.head.encoder
+        self.first, self.last = first, last
+        self.max_len, self.dim = head.max_len, head.dim
+        self.layers = nn.ModuleList(encoder.layers[i] for i in layers)
+        if first:
+            self.ec, self.position, self.dropout, self.bias = model.ec, encoder.position, encoder.dropout, encoder.bias
+            self.scale = encoder.scale
+        if last:
+            self.final_norm = encoder.final_norm
+            self._loss = head._train_loss  # a bound method: the head's parameters are the stages'
+
+    def _geometry(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the batch's lengths: the left-padded `valid` mask `[B, N]`, the jagged offsets
+        and the causal attention mask of right-padded blocks (as `HSTURetrievalEncoder`)."""
+        n = self.max_len
+        lengths = batch.lengths(INPUT_KEY).long()
+        valid = left_pad(torch.empty(int(lengths.sum()), 0), lengths, n)[1]
+        lengths = valid.sum(dim=1)
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        pos = torch.arange(n, device=valid.device)
+        right_valid = pos[None] < lengths[:, None]
+        mask = (right_valid[:, :, None] & right_valid[:, None, :] & (pos[:, None] >= pos[None, :])).float()
+        return valid, offsets, mask
+
+    def _embed(self, batch: Any, valid: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`RetrievalHead`'s lookup and `HSTURetrievalEncoder`'s input tokens (and time bias),
+        with the rows of the target and negative items the loss scores."""
+        embeddings = self.ec(batch.sparse_features)
+        lengths = embeddings[INPUT_KEY].lengths().long()
+        rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
+        x, _ = left_pad(rows[INPUT_KEY], lengths, self.max_len)
+        ts, _ = left_pad(batch.timestamps, lengths, self.max_len)
+        positions = self.position.weight[None].expand(x.shape[0], -1, -1)[valid]
+        tokens = self.dropout(x[valid] * self.scale + positions)
+        bias = ()
+        if self.bias is not None:
+            bias = (self.bias(torch.ops.fbgemm.jagged_1d_to_dense(ts[valid], offsets, self.max_len, 0)),)
+        return tokens, rows[POS_KEY], rows[NEG_KEY], *bias
+
+    def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
+        valid, offsets, mask = self._geometry(batch)
+        tokens, pos, neg, *bias = self._embed(batch, valid, offsets) if self.first else inputs
+        for layer in self.layers:
+            tokens = layer(tokens, offsets, mask, bias[0] if bias else None)
+        if not self.last:
+            return tokens, pos, neg, *bias
+        out = tokens.new_zeros(valid.shape[0], self.max_len, self.dim)
+        out[valid] = self.final_norm(tokens)
+        loss, _ = self._loss(out, valid, {POS_KEY: pos, NEG_KEY: neg}, batch.sparse_features)
+        return loss
+
+
+def hstu_retrieval_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[HSTURetrievalStage]:
+    """An HSTU retrieval `model` cut into stages holding the layers `split[s]` (consecutive,
+    covering all); its dropout sites are keyed by layer (tokens 0, layer i: i + 1)."""
+    encoder = model.head.encoder
+    if [i for part in split for i in part] != list(range(len(encoder.layers))):
+        raise ValueError(f"the stages must hold layers 0..{len(encoder.layers) - 1} in order, got {split}")
+    seeded_dropout(encoder.dropout, layer=0)
+    for i, layer in enumerate(encoder.layers):
+        seeded_dropout(layer.dropout, layer=i + 1)
+    return [HSTURetrievalStage(model, part, s == 0, s == len(split) - 1) for s, part in enumerate(split)]
+
+
+def model_stages(model: nn.Module, split: Sequence[Sequence[int]]) -> list[nn.Module]:
+    """`model` cut into the stages `split`, by its type: HSTU ranking, or a retrieval model by
+    its encoder (SASRec, HSTU)."""
+    if isinstance(model, HSTUModel):
+        return hstu_stages(model, split)
+    encoder = model.head.encoder if isinstance(model, RetrievalModel) else None
+    if isinstance(encoder, SASRecEncoder):
+        return sasrec_stages(model, split)
+    if isinstance(encoder, HSTURetrievalEncoder):
+        return hstu_retrieval_stages(model, split)
+    raise TypeError(f"{type(model).__name__} cannot be split into pipeline stages")

@@ -15,7 +15,7 @@ its stages alone. The embedding tables are the first stage's plain torch paramet
 sharded by torchrec: averaged over the first stage's replicas like any dense weight).
 
 In evaluation mode a call runs the batch forward through the stages (HSTU ranking: the last
-stage keeps the logits and labels the metrics read). Not yet: SASRec's retrieval evaluation,
+stage keeps the logits and labels the metrics read). Not yet: the retrieval models' evaluation,
 gradient clipping across stages, global-token loss normalisation, gradient accumulation, bf16;
 `recsys_pipe.pp.config.check_training` refuses them (exit 2) before any process group starts.
 """
@@ -37,6 +37,7 @@ from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp.actions import ActionOrderRunner
 from recsys_pipe.pp.config import split_layers
 from recsys_pipe.pp.mesh import PipelineMesh
+from recsys_pipe.pp.models import model_stages
 from recsys_pipe.pp.p2p import PeerLink
 from recsys_pipe.pp.plan import stage_plan
 from recsys_pipe.pp.runner import StageStepRunner
@@ -45,16 +46,6 @@ from recsys_pipe.pp.stage import StageRuntime, as_stage_input
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
 __all__ = ["PipelinedModel", "build_pipelined_model"]
-
-
-def _stage_modules(model: nn.Module, split: list[list[int]]) -> list[nn.Module]:
-    """The model's stages, by its type (`recsys_pipe.pp.models`)."""
-    from recsys_pipe.models.hstu import HSTUModel
-    from recsys_pipe.pp.models import hstu_stages, sasrec_stages
-
-    if isinstance(model, HSTUModel):
-        return hstu_stages(model, split)
-    return sasrec_stages(model, split)
 
 
 class PipelinedModel(nn.Module):
@@ -196,7 +187,7 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
     torch.manual_seed(run.seed)
     model = run.model.build(spec).to(info.device)
     split = [list(r) for r in split_layers(_num_layers(run), resolved.num_stages, pp.layers)]
-    modules = _stage_modules(model, split)
+    modules = model_stages(model, split)
     ranks = [mesh.rank_of(r) for r in resolved.ranks_of_stages]
     local = resolved.local_stages(mesh.pp_rank)
     link = PeerLink()

@@ -1,4 +1,4 @@
-"""`recsys-train` with `parallel.pp`: the main job's model (HSTU ranking) and SASRec train split
+"""`recsys-train` with `parallel.pp`: the main job's model (HSTU ranking), SASRec and HSTU retrieval train split
 into stages on 2 gloo ranks, every step's loss (metrics.jsonl) bitwise equal to the same model
 and microbatching on one rank (`parallel.pp.size=1`), with the batch-level plan (the default,
 hstu_prefetch) still preparing the next batches ahead; HSTU's evaluations (forward through the
@@ -82,8 +82,19 @@ def test_action_order_schedules_are_bitwise_the_one_rank_run(tmp_path, one_rank,
     assert _steps(records) == 5 and records == one_rank
 
 
-def test_pipelined_sasrec_is_bitwise_the_one_rank_run(tmp_path):
-    """SASRec (its item table tied to the loss on the last stage), 1F1B on 2 ranks."""
+RETRIEVAL = {
+    # SASRec (its item table tied to the loss on the last stage), 1F1B; its attention dropout is torch's
+    "sasrec": (["model=sasrec", "model.num_blocks=2", "model.dropout=0"], "1f1b"),
+    # HSTU retrieval with dropout on (keyed sites), ZB-H1: the weight gradients split off
+    "hstu_retrieval": (
+        ["model=hstu_retrieval", "model.num_layers=2", "model.dropout=0.2", "model.num_negatives=32"],
+        "zb_h1",
+    ),
+}
+
+
+@pytest.mark.parametrize("model", list(RETRIEVAL))
+def test_pipelined_retrieval_models_are_bitwise_the_one_rank_run(tmp_path, model):
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -93,10 +104,11 @@ def test_pipelined_sasrec_is_bitwise_the_one_rank_run(tmp_path):
         lines += [f"{u * 7} {(start + k) % 80 + 100}" for k in range(n)]
     data = tmp_path / "seq.txt"
     data.write_text("\n".join(lines) + "\n")
-    sasrec = ["model=sasrec", "model.num_blocks=2", "model.dropout=0", "data=sequences", f"data.path={data}"]
-    sasrec += ["data.eval_negatives=20", "data.batch_size=32", "trainer.eval_every=0", "trainer.eval_epochs=0"]
-    one = _train(tmp_path / "one", 1, *sasrec, "parallel.pp.size=1")
-    two = _train(tmp_path / "two", 2, *sasrec, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
+    overrides, schedule = RETRIEVAL[model]
+    overrides = [*overrides, "data=sequences", f"data.path={data}", "data.eval_negatives=20", "data.batch_size=32"]
+    overrides += ["trainer.eval_every=0", "trainer.eval_epochs=0"]
+    one = _train(tmp_path / "one", 1, *overrides, "parallel.pp.size=1")
+    two = _train(tmp_path / "two", 2, *overrides, "parallel.pp.size=2", f"parallel.pp.schedule={schedule}")
     assert _steps(one) == 5 and two == one
 
 

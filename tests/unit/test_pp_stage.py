@@ -180,3 +180,43 @@ def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise
     assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
     with pytest.raises(ValueError, match="blocks 0..2 in order"):
         sasrec_stages(model, [[0], [2, 1]])
+
+
+@pytest.mark.parametrize(("dropout", "relative_bias"), [(0.3, True), (0.0, False)])
+def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients_bitwise(
+    tmp_path, dropout, relative_bias
+):
+    """Chained on one rank under one microbatch key: the keyed dropout sites draw the same masks
+    in the model and in its stages."""
+    from recsys_pipe.data import make_dataloader
+    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.models.retrieval_config import HSTURetrievalConfig
+    from recsys_pipe.pp.models import hstu_retrieval_stages, model_stages
+
+    data = SequencesDataConfig(path=str(_sequences_file(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
+    torch.manual_seed(0)
+    cfg = HSTURetrievalConfig(
+        dropout=dropout, relative_bias=relative_bias, num_layers=3, embedding_dim=16, max_seq_len=20
+    )
+    model = cfg.build(data.dataset(0, 1).spec)
+    batch = next(iter(make_dataloader(data)))
+    stages = model_stages(model, [[0, 1], [2]])  # keys the model's dropout sites too
+    assert all(type(s).__name__ == "HSTURetrievalStage" for s in stages)
+    with microbatch_seed(3, 1):
+        expected_loss, _ = model(batch)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with microbatch_seed(3, 1):
+        got_loss = ChainedStages(stages)(batch, ())
+    got_loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.equal(got_loss, expected_loss)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    owners = [{id(p) for p in stage.parameters()} for stage in stages]  # each parameter on one stage
+    assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
+    if dropout:
+        with microbatch_seed(3, 2):  # another microbatch: other masks
+            assert not torch.equal(ChainedStages(stages)(batch, ()), expected_loss)
+    with pytest.raises(ValueError, match="layers 0..2 in order"):
+        hstu_retrieval_stages(model, [[1], [0, 2]])
