@@ -2,7 +2,10 @@
 
 Per rank, a schedule is a plan whose "batches" are the microbatches of one optimizer step: one
 ring slot per microbatch, and the engine's prefill / steady state / drain are the schedule's
-warm-up / steady state / cool-down. Tasks (stage r of p; lookaheads in microbatches):
+warm-up / steady state / cool-down. A schedule is declared in YAML: the lookaheads of F, B and W
+as integer expressions in p (stages), r (this rank's stage) and m (microbatches), one file per
+schedule in `recsys_pipe/pp/lookahead/` (or a file of the user's, `parallel.pp.schedule=my.yaml`).
+The shipped files (stage r of p; lookaheads in microbatches):
 
 | schedule | F | B | W | |
 |---|---|---|---|---|
@@ -23,16 +26,115 @@ microbatch's store: `act_in` -> F -> `fwd` -> B -> `bwd` -> W.
 
 from __future__ import annotations
 
+import ast
+import operator
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import yaml
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+
 from recsys_pipe.engine import BATCH_CPU, STEP_RESULT, SchedulablePipeline, Schedule, Task, TaskContext
 
-__all__ = ["SCHEDULES", "StagePlan", "firing_order", "stage_plan", "stage_schedule", "stage_tasks"]
+__all__ = [
+    "LOOKAHEAD_DIR",
+    "SCHEDULES",
+    "LookaheadSchedule",
+    "StagePlan",
+    "firing_order",
+    "is_lookahead_file",
+    "load_lookahead_schedule",
+    "stage_plan",
+    "stage_schedule",
+    "stage_tasks",
+]
 
-#: the schedules a single stage per rank runs as an engine plan
-SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2")
+#: the shipped lookahead schedules, one YAML file each
+LOOKAHEAD_DIR = Path(__file__).resolve().parent / "lookahead"
+#: the schedules a single stage per rank runs as an engine plan: the files of `LOOKAHEAD_DIR`
+SCHEDULES = tuple(sorted(path.stem for path in LOOKAHEAD_DIR.glob("*.yaml")))
+
+Lookahead = StrictInt | StrictStr
+
+# A lookahead is a small integer expression. Python's `ast` parses it and the walk below allows
+# only integers, the names p, r, m and + - * // (no library evaluates such expressions safely
+# without also allowing calls and attributes; sympy would be a heavy dependency for four operators).
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def _evaluate(value: int | str, names: dict[str, int]) -> int:
+    """`value` (an int, or an expression in `names`) as an int; ValueError if it is not one."""
+    if isinstance(value, int):
+        return value
+
+    def walk(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            return names[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        raise ValueError(f"{value!r}: a lookahead is an integer expression of p, r, m with + - * // and ()")
+
+    try:
+        tree = ast.parse(value, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"{value!r}: not an expression") from None
+    return walk(tree)
+
+
+class LookaheadSchedule(BaseModel):
+    """A single-stage-per-rank schedule as the YAML file declares it: how many microbatches each
+    task runs ahead, as integer expressions in p (stages), r (this stage), m (microbatches)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: the forward F (and the activations' receive and send)
+    forward: Lookahead
+    #: the backward: B (input gradient) when `weight` is set, else the full backward BW
+    backward: Lookahead
+    #: the weight gradient W, or null for one full backward
+    weight: Lookahead | None = None
+
+    def lookaheads(self, p: int, r: int, m: int) -> tuple[int, int, int | None]:
+        """(forward, backward, weight) of stage `r` of `p` over `m` microbatches."""
+        names = {"p": p, "r": r, "m": m}
+        values = [_evaluate(self.forward, names), _evaluate(self.backward, names)]
+        weight = None if self.weight is None else _evaluate(self.weight, names)
+        for key, value in zip(("forward", "backward", "weight"), [*values, weight]):
+            if value is not None and value < 0:
+                raise ValueError(f"{key}: {value} for stage {r} of {p} with {m} microbatches; lookaheads are >= 0")
+        return values[0], values[1], weight
+
+
+def is_lookahead_file(schedule: str) -> bool:
+    """Whether `parallel.pp.schedule` names a YAML file of the user's (not a shipped name)."""
+    return schedule.endswith((".yaml", ".yml"))
+
+
+def load_lookahead_schedule(schedule: str) -> LookaheadSchedule:
+    """The schedule a shipped name or a YAML file declares; ValueError (one line, the file and
+    the key) when it cannot be read or does not fit."""
+    path = Path(schedule) if is_lookahead_file(schedule) else LOOKAHEAD_DIR / f"{schedule}.yaml"
+    if not is_lookahead_file(schedule) and schedule not in SCHEDULES:
+        raise ValueError(f"unknown single-stage pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    try:
+        data = yaml.safe_load(path.read_text())
+        return LookaheadSchedule.model_validate(data)
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not YAML: {' '.join(str(exc).split())}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the file"
+        raise ValueError(f"{path}: {where}: {first['msg']}") from None
 
 
 @dataclass(frozen=True)
@@ -60,18 +162,12 @@ class StagePlan:
 
 
 def stage_plan(schedule: str, num_stages: int, stage: int, microbatches: int) -> StagePlan:
-    """The plan of stage `stage` of `num_stages` for `schedule` over `microbatches`."""
+    """The plan of stage `stage` of `num_stages` for `schedule` (a shipped name or a YAML file,
+    `load_lookahead_schedule`) over `microbatches`."""
     p, r, m = num_stages, stage, microbatches
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown single-stage pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     if p < 1 or not 0 <= r < p or m < 1:
         raise ValueError(f"need 0 <= stage < num_stages and microbatches >= 1, got stage={r}, p={p}, m={m}")
-    lookaheads = {
-        "gpipe": (m - 1, 0, None),
-        "1f1b": (p - 1 - r, 0, None),
-        "zb_h1": (p - 1, r, 0),
-        "zb_h2": (2 * (p - 1), 2 * r, 0),
-    }[schedule]
+    lookaheads = load_lookahead_schedule(schedule).lookaheads(p, r, m)
     return StagePlan(schedule, p, r, m, *lookaheads)
 
 

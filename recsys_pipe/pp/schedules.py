@@ -1,8 +1,8 @@
 """`parallel.pp.schedule` resolved into what each rank runs.
 
-A single-stage-per-rank schedule (gpipe, 1f1b, zb_h1, zb_h2) runs as an engine plan of
-lookaheads (`recsys_pipe.pp.plan`); the others run as a static per-rank action order
-(`recsys_pipe.pp.actions`): interleaved 1F1B and ZBV take their orders from
+A single-stage-per-rank schedule (gpipe, 1f1b, zb_h1, zb_h2, or a YAML file declaring the
+lookaheads) runs as an engine plan of lookaheads (`recsys_pipe.pp.plan`); the others run as a
+static per-rank action order (`recsys_pipe.pp.actions`): interleaved 1F1B and ZBV take their orders from
 torch.distributed.pipelining's own schedule classes (so they are the orders torch runs),
 DualPipeV from `recsys_pipe.autosched.pp_schedules.build("dualpipev")` (the same order as
 torch's class, tested), and a
@@ -21,6 +21,7 @@ from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule, from_csv
 from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.pp.plan import SCHEDULES as PLAN_SCHEDULES
+from recsys_pipe.pp.plan import is_lookahead_file, stage_plan
 
 __all__ = [
     "ACTION_SCHEDULES",
@@ -62,7 +63,7 @@ class ResolvedSchedule:
         lookahead plan the order the engine fires it in (`firing_order`); for `simulate`."""
         if self.actions is not None:
             return PipelineSchedule.of([[c for a in row for c in a.computes] for row in self.actions.ranks], self.name)
-        from recsys_pipe.pp.plan import firing_order, stage_plan
+        from recsys_pipe.pp.plan import firing_order
 
         rows = []
         for rank in range(len(self.ranks_of_stages)):
@@ -76,10 +77,11 @@ def is_csv(schedule: str) -> bool:
 
 
 def default_stages_per_rank(schedule: str) -> int | None:
-    """1 for the lookahead schedules, 2 for the others; None for a CSV (read off the file)."""
+    """1 for the lookahead schedules (a YAML file too), 2 for the others; None for a CSV (read
+    off the file)."""
     if is_csv(schedule):
         return None
-    return 1 if schedule in PLAN_SCHEDULES else 2
+    return 1 if schedule in PLAN_SCHEDULES or is_lookahead_file(schedule) else 2
 
 
 def _problem(field: str, message: str) -> ConfigError:
@@ -90,9 +92,12 @@ def resolve_schedule(schedule: str, size: int, microbatches: int, stages_per_ran
     """The schedule `parallel.pp.schedule` names, for `size` ranks and `microbatches`."""
     if is_csv(schedule):
         return _from_csv(schedule, size, microbatches, stages_per_rank)
+    if is_lookahead_file(schedule):
+        return _from_lookahead_file(schedule, size, microbatches, stages_per_rank)
     if schedule not in NAMED_SCHEDULES:
         raise _problem(
-            "schedule", f"unknown schedule {schedule!r}: one of {', '.join(NAMED_SCHEDULES)}, or a .csv file"
+            "schedule",
+            f"unknown schedule {schedule!r}: one of {', '.join(NAMED_SCHEDULES)}, or a .yaml or .csv file",
         )
     per_rank = default_stages_per_rank(schedule) if stages_per_rank is None else stages_per_rank
     if schedule in PLAN_SCHEDULES:
@@ -116,6 +121,22 @@ def resolve_schedule(schedule: str, size: int, microbatches: int, stages_per_ran
     except ValueError as exc:
         raise _problem("microbatches", f"{schedule} on {size} rank(s) x {per_rank} stages: {exc}") from None
     return ResolvedSchedule(schedule, microbatches, _ranks_of_stages(actions, schedule), actions)
+
+
+def _from_lookahead_file(path: str, size: int, microbatches: int, stages_per_rank: int | None) -> ResolvedSchedule:
+    """A YAML file of lookaheads: one stage per rank; every rank's plan must evaluate and the
+    ranks' orders fit together (routes, B after F, no deadlock: `validate`)."""
+    if stages_per_rank not in (None, 1):
+        raise _problem("stages_per_rank", f"{path} declares lookaheads: one stage per rank, got {stages_per_rank}")
+    try:
+        for rank in range(size):
+            stage_plan(path, size, rank, microbatches)
+        resolved = ResolvedSchedule(path, microbatches, tuple(range(size)), None)
+        validate(resolved.compute_orders())
+    except (ValueError, PipelineScheduleError) as exc:
+        reason = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line
+        raise _problem("schedule", reason if reason.startswith(path) else f"{path}: {reason}") from None
+    return resolved
 
 
 def _from_csv(path: str, size: int, microbatches: int, stages_per_rank: int | None) -> ResolvedSchedule:

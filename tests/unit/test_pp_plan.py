@@ -131,3 +131,60 @@ def test_the_lower_layers_do_not_import_the_pipeline_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+# -- schedules declared in YAML ------------------------------------------------------------------
+
+
+def test_a_users_yaml_schedule_runs_like_the_shipped_one_it_copies(tmp_path):
+    """The shipped files are read like a user's: the same expressions in a file of one's own
+    give the same plan and firing order on every rank."""
+    from recsys_pipe.pp.plan import LOOKAHEAD_DIR, SCHEDULES
+    from recsys_pipe.pp.schedules import resolve_schedule
+
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "zb_h1", "zb_h2"}
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((LOOKAHEAD_DIR / "zb_h1.yaml").read_text())
+    resolved = resolve_schedule(str(mine), 4, 8, None)
+    assert resolved.actions is None and resolved.ranks_of_stages == (0, 1, 2, 3)
+    for r in range(4):
+        assert run_plan(str(mine), 4, r, 8) == run_plan("zb_h1", 4, r, 8)
+    orders = resolved.compute_orders()
+    assert [[(a.kind, a.microbatch) for a in row] for row in orders.ranks] == [
+        [(a.kind, a.microbatch) for a in row] for row in build("zb_h1", 4, 8).ranks
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("forward: p - 1 - q\nbackward: 0\n", "integer expression of p, r, m"),
+        ("forward: __import__('os')\nbackward: 0\n", "integer expression of p, r, m"),
+        ("forward: r - 1\nbackward: 0\n", "forward: -1 for stage 0 of 2"),
+        ("forward: p - 1\nbackward: 0\nweight: 0\nextra: 1\n", "extra: Extra inputs are not permitted"),
+        ("forward: [1\n", "not YAML"),
+        # every stage's backward ahead of its forward: B of a microbatch before its F
+        ("forward: 0\nbackward: 1\n", "mine.yaml: "),
+    ],
+)
+def test_a_yaml_schedule_that_does_not_fit_is_a_config_error_naming_the_file(tmp_path, text, fragment):
+    from recsys_pipe.config import ConfigError
+    from recsys_pipe.pp.schedules import resolve_schedule
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        resolve_schedule(str(mine), 2, 4, None)
+    (problem,) = info.value.problems
+    assert problem.path == "parallel.pp.schedule" and str(mine) in problem.message, problem.message
+    assert fragment in problem.message and "\n" not in problem.message, problem.message
+    with pytest.raises(ConfigError, match="one stage per rank"):
+        resolve_schedule(str(mine), 2, 4, 2)
+
+
+def test_a_missing_yaml_schedule_is_named():
+    from recsys_pipe.config import ConfigError
+    from recsys_pipe.pp.schedules import resolve_schedule
+
+    with pytest.raises(ConfigError, match="nope.yaml: No such file"):
+        resolve_schedule("nope.yaml", 2, 4, None)
