@@ -38,10 +38,6 @@ STAGEABLE_MODELS: dict[type, str] = {
     SASRecConfig: "num_blocks",
     HSTURetrievalConfig: "num_layers",
 }
-#: the stageable models whose split draws placement-independent dropout masks (the HSTU models:
-#: their dropout sites are keyed by layer, `seeded_dropout`); the others need model.dropout=0
-#: (SASRec's attention dropout is inside torch's MultiheadAttention, on the global generator)
-SEEDED_DROPOUT_MODELS: tuple[type, ...] = (HSTUConfig, HSTURetrievalConfig)
 
 
 class PipelineParallelConfig(Section):
@@ -153,14 +149,6 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
             ConfigProblem(f"{PATH}.size", f"model '{run.model.name}' cannot be split into stages (models: {names})")
         )
     else:
-        if run.model.dropout > 0 and not isinstance(run.model, SEEDED_DROPOUT_MODELS):
-            problems.append(
-                ConfigProblem(
-                    "model.dropout",
-                    f"{run.model.dropout}: the model's dropout masks depend on where its layers run; "
-                    "use 0 with parallel.pp",
-                )
-            )
         num_layers = getattr(run.model, layers_field)
         if pp.layers is not None and sum(pp.layers) != num_layers:
             problems.append(

@@ -25,12 +25,10 @@ between stages as in `hstu_stages`.
 
 The stages run the model's own modules and helpers in the model's order, so the stages chained
 on one rank compute the model's loss and gradients bitwise (a test checks it). Dropout must not
-depend on placement: `hstu_stages` turns HSTU's dropout layers (the tokens' and each layer's)
-into sites keyed by (step, microbatch, layer) (`seeded_dropout`), so a
-pipelined run draws the masks of the one-rank run. SASRec's attention dropout is inside torch's
-`MultiheadAttention` (the global generator): SASRec is split with `model.dropout=0` only.
-HSTU retrieval's dropout sites are keyed like HSTU ranking's. Retrieval evaluation through
-stages is not split yet.
+depend on placement: each cut keys the model's dropout sites (`Dropout` modules, the attention
+weights' included) by (step, microbatch, site) (`MICROBATCH_DROPOUT.attach`, sites numbered in
+the whole model's module order), so a pipelined run draws the masks of the one-rank run.
+Retrieval evaluation through stages is not split yet.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows,
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder
 from recsys_pipe.models.retrieval import RetrievalModel, left_pad
 from recsys_pipe.models.sasrec import SASRecEncoder
-from recsys_pipe.pp.dropout import seeded_dropout
+from recsys_pipe.pp.dropout import MICROBATCH_DROPOUT
 
 __all__ = [
     "HSTURetrievalStage",
@@ -118,15 +116,12 @@ class HSTUStage(nn.Module):
 
 def hstu_stages(model: HSTUModel, split: Sequence[Sequence[int]]) -> list[HSTUStage]:
     """`model` cut into stages holding the layers `split[s]` (consecutive, covering all). Its
-    dropout sites are keyed by layer (`seeded_dropout`: the model itself then needs
-    `microbatch_seed` to train with dropout, as the stage runtime provides)."""
+    dropout sites are keyed (`MICROBATCH_DROPOUT`: the model itself then needs `microbatch_seed`
+    to train with dropout, as the stage runtime provides)."""
     flat = [i for layers in split for i in layers]
     if flat != list(range(len(model.ranker.layers))):
         raise ValueError(f"the stages must hold layers 0..{len(model.ranker.layers) - 1} in order, got {split}")
-    ranker = model.ranker
-    seeded_dropout(ranker.input_dropout, layer=0)  # keys: tokens 0, layer i: i + 1
-    for i, layer in enumerate(ranker.layers):
-        seeded_dropout(layer.dropout, layer=i + 1)
+    MICROBATCH_DROPOUT.attach(model)
     return [HSTUStage(model, layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
 
 
@@ -182,10 +177,12 @@ class SASRecStage(nn.Module):
 
 
 def sasrec_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[SASRecStage]:
-    """A SASRec `model` cut into stages holding the blocks `split[s]` (consecutive, covering all)."""
+    """A SASRec `model` cut into stages holding the blocks `split[s]` (consecutive, covering
+    all); its dropout sites are keyed (`MICROBATCH_DROPOUT`)."""
     blocks = model.head.encoder.blocks
     if [i for part in split for i in part] != list(range(len(blocks))):
         raise ValueError(f"the stages must hold blocks 0..{len(blocks) - 1} in order, got {split}")
+    MICROBATCH_DROPOUT.attach(model)
     return [SASRecStage(model, part, s == 0, s == len(split) - 1) for s, part in enumerate(split)]
 
 
@@ -248,13 +245,11 @@ class HSTURetrievalStage(nn.Module):
 
 def hstu_retrieval_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[HSTURetrievalStage]:
     """An HSTU retrieval `model` cut into stages holding the layers `split[s]` (consecutive,
-    covering all); its dropout sites are keyed by layer (tokens 0, layer i: i + 1)."""
+    covering all); its dropout sites are keyed (`MICROBATCH_DROPOUT`)."""
     encoder = model.head.encoder
     if [i for part in split for i in part] != list(range(len(encoder.layers))):
         raise ValueError(f"the stages must hold layers 0..{len(encoder.layers) - 1} in order, got {split}")
-    seeded_dropout(encoder.dropout, layer=0)
-    for i, layer in enumerate(encoder.layers):
-        seeded_dropout(layer.dropout, layer=i + 1)
+    MICROBATCH_DROPOUT.attach(model)
     return [HSTURetrievalStage(model, part, s == 0, s == len(split) - 1) for s, part in enumerate(split)]
 
 

@@ -83,8 +83,8 @@ def test_action_order_schedules_are_bitwise_the_one_rank_run(tmp_path, one_rank,
 
 
 RETRIEVAL = {
-    # SASRec (its item table tied to the loss on the last stage), 1F1B; its attention dropout is torch's
-    "sasrec": (["model=sasrec", "model.num_blocks=2", "model.dropout=0"], "1f1b"),
+    # SASRec (its item table tied to the loss on the last stage), 1F1B, dropout on (attention weights' too)
+    "sasrec": (["model=sasrec", "model.num_blocks=2", "model.dropout=0.2"], "1f1b"),
     # HSTU retrieval with dropout on (keyed sites), ZB-H1: the weight gradients split off
     "hstu_retrieval": (
         ["model=hstu_retrieval", "model.num_layers=2", "model.dropout=0.2", "model.num_negatives=32"],

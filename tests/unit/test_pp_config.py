@@ -148,27 +148,3 @@ def test_recsys_plan_shows_each_ranks_pipeline(overrides, expected, tmp_path, ca
     for line in expected:
         assert any(got.startswith(line) for got in lines), f"{line!r} not in:\n{out}"
     assert "rank 1 (stage" in (tmp_path / "plan.txt").read_text()
-
-
-def test_sasrec_needs_dropout_0_and_hstu_does_not():
-    """HSTU's split draws keyed dropout masks; SASRec's attention dropout cannot."""
-    from types import SimpleNamespace
-
-    from recsys_pipe.models.hstu_config import HSTUConfig
-    from recsys_pipe.models.retrieval_config import SASRecConfig
-    from recsys_pipe.pp import ParallelConfig, check_pipeline_parallel
-    from recsys_pipe.train.config import TrainerConfig
-
-    def run(model):
-        return SimpleNamespace(
-            parallel=ParallelConfig(pp=PipelineParallelConfig(size=2)),
-            model=model,
-            data=SimpleNamespace(batch_size=32),
-            trainer=TrainerConfig(),
-            optimizer=SimpleNamespace(clip_grad_norm=None),
-        )
-
-    with pytest.raises(ConfigError) as info:
-        check_pipeline_parallel(run(SASRecConfig(dropout=0.1)), 2)
-    assert [p.path for p in info.value.problems] == ["model.dropout"]
-    check_pipeline_parallel(run(HSTUConfig(dropout=0.1)), 2)  # passes

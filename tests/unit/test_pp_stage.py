@@ -152,7 +152,8 @@ def _sequences_file(tmp_path):
 
 @pytest.mark.parametrize(("dropout", "loss"), [(0.0, "bce"), (0.5, "bce"), (0.0, "sampled_softmax")])
 def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise(tmp_path, dropout, loss):
-    """Chained on one rank (the global generator seeded alike: dropout draws in the same order)."""
+    """Chained on one rank under one microbatch key: the keyed dropout sites (the attention
+    weights' too) draw the same masks in the model and in its stages."""
     from recsys_pipe.data import make_dataloader
     from recsys_pipe.data.sequences import SequencesDataConfig
     from recsys_pipe.models.sasrec import SASRecConfig
@@ -163,14 +164,14 @@ def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise
     cfg = SASRecConfig(dropout=dropout, loss=loss, num_blocks=3, embedding_dim=16, max_seq_len=20)
     model = cfg.build(data.dataset(0, 1).spec)
     batch = next(iter(make_dataloader(data)))
-    torch.manual_seed(5)
-    expected_loss, _ = model(batch)
+    stages = sasrec_stages(model, [[0], [1, 2]])  # keys the model's dropout sites too
+    with microbatch_seed(2, 0):
+        expected_loss, _ = model(batch)
     expected_loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    stages = sasrec_stages(model, [[0], [1, 2]])
-    torch.manual_seed(5)
-    got_loss = ChainedStages(stages)(batch, ())
+    with microbatch_seed(2, 0):
+        got_loss = ChainedStages(stages)(batch, ())
     got_loss.backward()
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert torch.equal(got_loss, expected_loss)
