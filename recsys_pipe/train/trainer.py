@@ -42,6 +42,7 @@ from recsys_pipe.train.checkpoint import load_checkpoint, read_metadata, saved_c
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.tasks import StepResult
+from recsys_pipe.train.torch_compile import CompileStats, compile_failures
 from recsys_pipe.train.torch_profile import StepWindow
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,9 @@ class _Loop:
     last_checkpoint: int | None = None
     window_start: float = field(default_factory=time.perf_counter)
     window_samples: int = 0
+    #: torch.compile's counts at the last log step (`trainer.compile=true`): its seconds since
+    #: then are left out of the window's samples/s
+    compile_stats: CompileStats = field(default_factory=CompileStats)
     #: every rank agreed to stop (SIGTERM); it does once the accumulation window is complete
     stopping: bool = False
 
@@ -368,8 +372,13 @@ class Trainer:
         The loss is read back to the host only at log steps (and, with `record_steps`, every
         step): reading it every step would make the host wait for the device each iteration
         and undo the pipelining on CUDA. `batches` replaces the training data by any iterator
-        (one pass, no epochs).
+        (one pass, no epochs). Under `trainer.compile=true`, a torch.compile failure is a
+        ConfigError naming the key (`compile_failures`).
         """
+        with compile_failures(self.parts.compiled):
+            return self._fit(batches, record_steps)
+
+    def _fit(self, batches: Iterator | None, record_steps: bool) -> TrainSummary:
         summary = TrainSummary(start_step=self.step, stop_reason=self._nothing_to_train(batches is None))
         if summary.stop_reason:
             return summary
@@ -494,7 +503,10 @@ class Trainer:
         cfg = self.run.trainer
         if self.step % cfg.log_every == 0:
             now = time.perf_counter()
-            loss = self._log_step(result, loop.window_samples / (now - loop.window_start))
+            compiled = self._compile_stats(loop)
+            seconds = now - loop.window_start - (compiled.seconds - loop.compile_stats.seconds if compiled else 0.0)
+            loss = self._log_step(result, loop.window_samples / max(seconds, 1e-9), compiled)
+            loop.compile_stats = compiled or loop.compile_stats
             loop.bar.set_postfix(loss=f"{loss:.4f}")
             loop.window_start, loop.window_samples = now, 0
         if loop.per_epoch is not None and self.position % loop.per_epoch == 0 and self.info.is_main:
@@ -605,8 +617,20 @@ class Trainer:
         if summary.stop_reason != MAX_STEPS and cfg.max_steps is not None and self.step < cfg.max_steps:
             log.warning("the data ran out at step %d, before trainer.max_steps=%d", self.step, cfg.max_steps)
 
-    def _log_step(self, result: StepResult, samples_per_s: float) -> float:
-        """Metrics record and console summary of a log step; returns the loss (mean over ranks)."""
+    def _compile_stats(self, loop: _Loop) -> CompileStats | None:
+        """torch.compile's counts now (None in eager mode); a line in the log when they changed
+        since the last log step."""
+        compiled = self.parts.compiled
+        if compiled is None:
+            return None
+        stats = compiled.stats()
+        if stats != loop.compile_stats and self.info.is_main:
+            log.info("step %d | %s", self.step, stats.describe())
+        return stats
+
+    def _log_step(self, result: StepResult, samples_per_s: float, compiled: CompileStats | None = None) -> float:
+        """Metrics record and console summary of a log step; returns the loss (mean over ranks).
+        With `compiled`, the record carries torch.compile's counts (`CompileStats.record`)."""
         loss = self._global_mean(result.loss)
         record: dict[str, Any] = {
             "step": self.step,
@@ -617,6 +641,8 @@ class Trainer:
         if self.optimizer.last_grad_norm is not None:
             record["grad_norm"] = float(self.optimizer.last_grad_norm)
         record["mem_gib"] = round(_memory_gib(self.info.device), 3)
+        if compiled is not None:
+            record.update(compiled.record())
         self.metrics.write(record)
         if self.info.is_main:
             per_epoch = self.data.batches_per_epoch
