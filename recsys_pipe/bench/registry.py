@@ -28,6 +28,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "shuffle": Benchmark("recsys_pipe.bench.shuffle", "balanced batches: per-rank imbalance and throughput (2 ranks)"),
     "simulator": Benchmark("recsys_pipe.bench.simulator", "the plan simulator's predictions against measured steps"),
+    "compile": Benchmark(
+        "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
+    ),
     "gpu": Benchmark("recsys_pipe.bench.gpu", "overlap on CUDA streams (a GPU; --device cpu: a smoke test)"),
     "sasrec": Benchmark(
         "recsys_pipe.bench.sasrec", "SASRec training throughput against the reference PyTorch implementation"
