@@ -193,7 +193,7 @@ def compile_dense(model: nn.Module, options: CompileOptions, label: str) -> Comp
         label: the model's name, for the error.
 
     Raises:
-        ConfigError at `trainer.compile` when no module of `model` names its dense submodules.
+        ConfigError: at `trainer.compile`, when no module of `model` names its dense submodules.
     """
     owners = [m for m in model.modules() if isinstance(m, DenseSubmodules)]
     if not owners:
