@@ -88,6 +88,15 @@ class CompileStats:
     #: frames compiled again because a guard failed (a new shape, train/eval mode)
     recompiles: int = 0
 
+    def since(self, earlier: CompileStats) -> CompileStats:
+        """What was compiled after `earlier` (counts of the same model)."""
+        return CompileStats(
+            self.seconds - earlier.seconds,
+            self.graphs - earlier.graphs,
+            self.graph_breaks - earlier.graph_breaks,
+            self.recompiles - earlier.recompiles,
+        )
+
     def record(self) -> dict[str, Any]:
         """The `metrics.jsonl` keys of a log step."""
         return {

@@ -69,6 +69,8 @@ class TrainSummary:
     stop_reason: str = ""
     #: the last checkpoint written (a directory), if any
     checkpoint: str | None = None
+    #: what torch.compile did during this fit (`trainer.compile=true`), else None
+    compiled: CompileStats | None = None
 
     @property
     def end_step(self) -> int:
@@ -90,7 +92,16 @@ class TrainSummary:
         return (
             f"trained {self.steps} steps ({self.start_step} -> {self.end_step}), {self.samples} samples, "
             f"{self.samples_per_s:.1f} samples/s; loss {self.first_loss or float('nan'):.4f} -> "
-            f"{self.last_loss or float('nan'):.4f}{evals}"
+            f"{self.last_loss or float('nan'):.4f}{evals}{self._compiled()}"
+        )
+
+    def _compiled(self) -> str:
+        if self.compiled is None:
+            return ""
+        c = self.compiled
+        return (
+            f"; torch.compile: {c.seconds:.1f} s of it compiling, {c.graphs} graphs, {c.graph_breaks} graph breaks, "
+            f"{c.recompiles} recompiles"
         )
 
 
@@ -223,6 +234,8 @@ class _Loop:
     #: torch.compile's counts at the last log step (`trainer.compile=true`): its seconds since
     #: then are left out of the window's samples/s
     compile_stats: CompileStats = field(default_factory=CompileStats)
+    #: torch.compile's counts when this fit began
+    initial_compile_stats: CompileStats = field(default_factory=CompileStats)
     #: every rank agreed to stop (SIGTERM); it does once the accumulation window is complete
     stopping: bool = False
 
@@ -406,6 +419,8 @@ class Trainer:
             self.stop.drain()
         self._flush_accumulation(summary)
         summary.seconds = time.perf_counter() - start
+        if self.parts.compiled is not None:
+            summary.compiled = self.parts.compiled.stats().since(loop.initial_compile_stats)
         self._finish(loop)
         return summary
 
@@ -479,7 +494,10 @@ class Trainer:
         traced = StepWindow(cfg.torch_profiler.steps, self.run_dir or ".", self.info.rank, self.pipeline)
         traced.step(self.step)
         evaluating = self.evaluator.has_data and cfg.eval_every > 0
-        return _Loop(summary, record_steps, per_epoch, evaluating, bar, traced)
+        loop = _Loop(summary, record_steps, per_epoch, evaluating, bar, traced)
+        if self.parts.compiled is not None:  # counts of an earlier fit are not this one's
+            loop.compile_stats = loop.initial_compile_stats = self.parts.compiled.stats()
+        return loop
 
     def _record(self, loop: _Loop, result: StepResult) -> None:
         """Count the step's samples; keep its loss (and ids) where asked."""

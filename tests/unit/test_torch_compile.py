@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,8 @@ def test_compile_time_graph_breaks_and_recompiles_go_to_the_log_and_metrics(tmp_
         assert record["compile_recompiles"] >= 0
     log = (metrics.parent / "train.log").read_text()
     assert "step 2 | torch.compile: " in log and " graph breaks, " in log and " recompiles" in log
+    summary = next(line for line in log.splitlines() if f"trained {STEPS} steps" in line)
+    assert re.search(r"; torch\.compile: \d+\.\d s of it compiling, [1-9]\d* graphs, ", summary), summary
 
 
 def _error_lines(capsys) -> list[str]:
