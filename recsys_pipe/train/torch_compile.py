@@ -231,7 +231,7 @@ def compile_failures(compiled: CompiledDense | None) -> Iterator[None]:
     if compiled is None:
         yield
         return
-    from torch._dynamo.exc import TorchDynamoException, Unsupported
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException, Unsupported
 
     try:
         yield
@@ -241,8 +241,9 @@ def compile_failures(compiled: CompiledDense | None) -> Iterator[None]:
             raise
         fullgraph = compiled.options.fullgraph and isinstance(failure, Unsupported)
         key = "trainer.compile_options.fullgraph" if fullgraph else "trainer.compile"
-        first = next((line.strip() for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
+        shown = failure.inner_exception if isinstance(failure, BackendCompilerFailed) else failure  # the backend's
+        first = next((line.strip() for line in str(shown).splitlines() if line.strip()), "")
         hint = "a graph break in a dense module; set it to false" if fullgraph else "set trainer.compile=false"
         raise ConfigError(
-            ConfigProblem(key, f"torch.compile failed ({type(failure).__name__}: {first[:200]}): {hint}")
+            ConfigProblem(key, f"torch.compile failed ({type(shown).__name__}: {first[:200]}): {hint}")
         ) from exc
