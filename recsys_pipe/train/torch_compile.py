@@ -209,8 +209,9 @@ def compile_dense(model: nn.Module, options: CompileOptions, label: str) -> Comp
         raise ConfigError(
             ConfigProblem(
                 "trainer.compile",
-                f"model '{label}' names no dense modules to compile: give its module a dense_modules() method "
-                "(recsys_pipe.models.base.DenseSubmodules), or set trainer.compile=false",
+                f"model '{label}' as built for this run has no module naming its dense modules to compile (a "
+                "dense_modules() method: recsys_pipe.models.base.DenseSubmodules): give the model's module one, or "
+                "set trainer.compile=false",
             )
         )
     return CompiledDense([m for owner in owners for m in owner.dense_modules()], options)
