@@ -17,6 +17,7 @@ from recsys_pipe._lazy import lazy_exports
 
 _EXPORTS = {
     "SHARDING_TYPES": "base",
+    "DenseSubmodules": "base",
     "ModelConfig": "base",
     "ShardedModelConfig": "base",
     "MODELS": "registry",

@@ -16,6 +16,9 @@ A model is a builder function and the config class of its keys (see `recsys_pipe
 * `outputs["loss_sum"]`: the loss summed over the `batch.num_loss_tokens()` terms it averages,
   used instead of `loss` when `model.loss_normalization=global_tokens`.
 
+A model's module may name its dense submodules (`DenseSubmodules`): what `trainer.compile=true`
+compiles, the torchrec tables being left to torchrec.
+
 The config class decides how the tables are distributed: a `ShardedModelConfig` model has torchrec
 tables (`EmbeddingCollection` / `EmbeddingBagCollection`) that `DistributedModelParallel` shards
 (`model.sharding`); a plain `ModelConfig` model has plain torch tables and is replicated under
@@ -24,7 +27,7 @@ DDP (small vocabularies), and then needs no torchrec at all.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -36,11 +39,31 @@ if TYPE_CHECKING:
 
     from recsys_pipe.data import DataConfig, DataSpec
 
-__all__ = ["SHARDING_TYPES", "ModelConfig", "ShardedModelConfig", "ShardingType", "heads_divide_width"]
+__all__ = [
+    "SHARDING_TYPES",
+    "DenseSubmodules",
+    "ModelConfig",
+    "ShardedModelConfig",
+    "ShardingType",
+    "heads_divide_width",
+]
 
 #: torchrec sharding types a table can be constrained to (`model.sharding_constraints`).
 ShardingType = Literal["row_wise", "column_wise", "table_wise", "table_row_wise", "data_parallel"]
 SHARDING_TYPES: tuple[str, ...] = ShardingType.__args__
+
+
+@runtime_checkable
+class DenseSubmodules(Protocol):
+    """A model module that names its dense submodules: the part after the embedding lookup
+    (replicated under DDP), which `trainer.compile=true` compiles in place; the torchrec tables
+    stay torchrec's. Every shipped model implements it; a custom model without it cannot be
+    compiled (exit 2 naming `trainer.compile`). Name modules of the model's own classes:
+    torch.compile skips a bare torch.nn module (an `nn.Sequential`) compiled on its own."""
+
+    def dense_modules(self) -> list[nn.Module]:
+        """The submodules to compile, each called by the model's forward."""
+        ...
 
 
 def heads_divide_width(num_heads: int, info: ValidationInfo) -> int:

@@ -133,6 +133,11 @@ class TorchDLRM(nn.Module):
             [d + n * (n - 1) // 2, *cfg.over_arch_layer_sizes, spec.num_tasks], final_activation=False
         )
 
+    def dense_modules(self) -> list[nn.Module]:
+        """What `trainer.compile` compiles (`DenseSubmodules`): the whole model, whose plain
+        torch tables are replicated like the MLPs (torch.compile would skip a bare `nn.Sequential`)."""
+        return [self]
+
     def forward(self, batch: CriteoBatch) -> ModelOutput:
         dense = self.dense_arch(batch.dense_features)
         ids = batch.sparse_ids

@@ -38,6 +38,11 @@ class DLRMRanker(nn.Module):
         super().__init__()
         self.model = model
 
+    def dense_modules(self) -> list[nn.Module]:
+        """What `trainer.compile` compiles (`DenseSubmodules`): torchrec's dense, interaction
+        and over arches; the sparse arch is the sharded tables."""
+        return [self.model.dense_arch, self.model.inter_arch, self.model.over_arch]
+
     def forward(self, batch: CriteoBatch) -> ModelOutput:
         logits = self.model(batch.dense_features, batch.sparse_features)
         return click_loss(logits, batch.labels)

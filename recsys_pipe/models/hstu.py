@@ -193,6 +193,10 @@ class HSTUModel(nn.Module):
         self.ec = EmbeddingCollection(tables=embedding_tables(cfg, spec), device=device)
         self.ranker = HSTURanker(cfg, spec)
 
+    def dense_modules(self) -> list[nn.Module]:
+        """What `trainer.compile` compiles: the ranker (`DenseSubmodules`)."""
+        return [self.ranker]
+
     def forward(self, batch: SequenceBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
         return self.ranker(embeddings, batch.timestamps, batch.num_candidates, batch.labels)

@@ -212,6 +212,11 @@ class RetrievalModel(nn.Module):
         self.ec = EmbeddingCollection(tables=[item_table(cfg, spec)], device=device)
         self.head = RetrievalHead(cfg, encoder)
 
+    def dense_modules(self) -> list[nn.Module]:
+        """What `trainer.compile` compiles: the sequence encoder (`DenseSubmodules`); the loss
+        and the ranks read the batch's KJT on the host."""
+        return [self.head.encoder]
+
     def forward(self, batch: RetrievalBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
         return self.head(embeddings, batch.sparse_features, batch.timestamps)

@@ -45,6 +45,9 @@ _EXPORTS = {
     "build_parts": "build",
     "TrainParts": "build",
     "Evaluator": "evaluation",
+    "CompileOptions": "torch_compile",
+    "CompiledDense": "torch_compile",
+    "compile_dense": "torch_compile",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,7 @@
 """Build what a run trains with, once, from its config: the distributed model with its
 optimizer, the `TrainState` for a compiled plan, and (`build_parts`) every finished part the
-training loop runs on -- data, pipelines, evaluator, checkpointer, metrics writer.
+training loop runs on -- data, pipelines, evaluator, checkpointer, metrics writer -- with the
+model's dense modules compiled in place under `trainer.compile=true` (`recsys_pipe.train.torch_compile`).
 
 The model's config class decides the distribution (see `recsys_pipe.models.base`): a
 `ShardedModelConfig` model's torchrec tables are sharded by `DistributedModelParallel`
@@ -39,6 +40,7 @@ from recsys_pipe.train.optim import TrainOptimizer, dense_optimizer_factory, spa
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
+from recsys_pipe.train.torch_compile import CompiledDense, compile_dense
 
 __all__ = ["TrainParts", "build_model", "build_parts", "build_pipeline", "build_state", "describe_model", "rank_data"]
 
@@ -149,6 +151,8 @@ class TrainParts:
     planned_steps: int
     #: this rank's random streams: dropout, evaluation and the global generators (checkpointed)
     rng: RngState
+    #: the model's compiled dense modules (`trainer.compile=true`), None in eager mode
+    compiled: CompiledDense | None = None
 
     def close(self) -> None:
         """Release what the parts hold: pipeline threads, the state's resources, the metrics files."""
@@ -156,6 +160,8 @@ class TrainParts:
         self.evaluator.close()
         self.state.close()
         self.metrics.close()
+        if self.compiled is not None:
+            self.compiled.close()
 
 
 def rank_data(run: RunConfig, rank: int, world_size: int) -> RankData:
@@ -186,6 +192,8 @@ def build_parts(
     state = build_state(run, plan, model, train_optimizer, info)
     if cfg.grad_accumulation.enabled:
         state.grad_accumulation = GradAccumulation(cfg.grad_accumulation, model)
+    # after DMP and the sparse-dist rewrite (build_state): the modules are compiled where they are
+    compiled = compile_dense(model, cfg.compile_options, run.model.label) if cfg.compile else None
 
     def verified(pipeline: SchedulablePipeline) -> SchedulablePipeline:
         """`pipeline` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
@@ -213,6 +221,7 @@ def build_parts(
         checkpointer=checkpointer,
         planned_steps=planned_steps,
         rng=rng,
+        compiled=compiled,
     )
 
 

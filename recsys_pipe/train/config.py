@@ -42,6 +42,7 @@ from recsys_pipe.pp.config import ParallelConfig
 from recsys_pipe.train.checkpoint import CheckpointConfig
 from recsys_pipe.train.grad_accumulation import GradAccumulationConfig, check_grad_accumulation
 from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
+from recsys_pipe.train.torch_compile import CompileOptions
 
 __all__ = ["RunConfig", "TorchProfilerConfig", "TrainerConfig", "load_run_config"]
 
@@ -120,6 +121,13 @@ class TrainerConfig(Section):
     grad_accumulation: GradAccumulationConfig = Field(
         default_factory=GradAccumulationConfig,
         description="micro-batches per optimizer step, DDP no_sync between (torchrec's GradientAccumulationWrapper)",
+    )
+    compile: StrictBool = Field(
+        False,
+        description="torch.compile the model's dense modules (its torchrec tables stay torchrec's), under any plan",
+    )
+    compile_options: CompileOptions = Field(
+        default_factory=CompileOptions, description="torch.compile's options for trainer.compile=true"
     )
     dense_ddp: Literal["torch", "megatron"] = Field(
         "torch",

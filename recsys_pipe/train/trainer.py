@@ -42,6 +42,7 @@ from recsys_pipe.train.checkpoint import load_checkpoint, read_metadata, saved_c
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.tasks import StepResult
+from recsys_pipe.train.torch_compile import CompileStats, compile_failures
 from recsys_pipe.train.torch_profile import StepWindow
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class TrainSummary:
     stop_reason: str = ""
     #: the last checkpoint written (a directory), if any
     checkpoint: str | None = None
+    #: what torch.compile did during this fit (`trainer.compile=true`), else None
+    compiled: CompileStats | None = None
 
     @property
     def end_step(self) -> int:
@@ -89,7 +92,16 @@ class TrainSummary:
         return (
             f"trained {self.steps} steps ({self.start_step} -> {self.end_step}), {self.samples} samples, "
             f"{self.samples_per_s:.1f} samples/s; loss {self.first_loss or float('nan'):.4f} -> "
-            f"{self.last_loss or float('nan'):.4f}{evals}"
+            f"{self.last_loss or float('nan'):.4f}{evals}{self._compiled()}"
+        )
+
+    def _compiled(self) -> str:
+        if self.compiled is None:
+            return ""
+        c = self.compiled
+        return (
+            f"; torch.compile: {c.seconds:.1f} s of it compiling, {c.graphs} graphs, {c.graph_breaks} graph breaks, "
+            f"{c.recompiles} recompiles"
         )
 
 
@@ -219,6 +231,11 @@ class _Loop:
     last_checkpoint: int | None = None
     window_start: float = field(default_factory=time.perf_counter)
     window_samples: int = 0
+    #: torch.compile's counts at the last log step (`trainer.compile=true`): its seconds since
+    #: then are left out of the window's samples/s
+    compile_stats: CompileStats = field(default_factory=CompileStats)
+    #: torch.compile's counts when this fit began
+    initial_compile_stats: CompileStats = field(default_factory=CompileStats)
     #: every rank agreed to stop (SIGTERM); it does once the accumulation window is complete
     stopping: bool = False
 
@@ -368,8 +385,13 @@ class Trainer:
         The loss is read back to the host only at log steps (and, with `record_steps`, every
         step): reading it every step would make the host wait for the device each iteration
         and undo the pipelining on CUDA. `batches` replaces the training data by any iterator
-        (one pass, no epochs).
+        (one pass, no epochs). Under `trainer.compile=true`, a torch.compile failure is a
+        ConfigError naming the key (`compile_failures`).
         """
+        with compile_failures(self.parts.compiled):
+            return self._fit(batches, record_steps)
+
+    def _fit(self, batches: Iterator | None, record_steps: bool) -> TrainSummary:
         summary = TrainSummary(start_step=self.step, stop_reason=self._nothing_to_train(batches is None))
         if summary.stop_reason:
             return summary
@@ -397,6 +419,8 @@ class Trainer:
             self.stop.drain()
         self._flush_accumulation(summary)
         summary.seconds = time.perf_counter() - start
+        if self.parts.compiled is not None:
+            summary.compiled = self.parts.compiled.stats().since(loop.initial_compile_stats)
         self._finish(loop)
         return summary
 
@@ -470,7 +494,10 @@ class Trainer:
         traced = StepWindow(cfg.torch_profiler.steps, self.run_dir or ".", self.info.rank, self.pipeline)
         traced.step(self.step)
         evaluating = self.evaluator.has_data and cfg.eval_every > 0
-        return _Loop(summary, record_steps, per_epoch, evaluating, bar, traced)
+        loop = _Loop(summary, record_steps, per_epoch, evaluating, bar, traced)
+        if self.parts.compiled is not None:  # counts of an earlier fit are not this one's
+            loop.compile_stats = loop.initial_compile_stats = self.parts.compiled.stats()
+        return loop
 
     def _record(self, loop: _Loop, result: StepResult) -> None:
         """Count the step's samples; keep its loss (and ids) where asked."""
@@ -494,7 +521,10 @@ class Trainer:
         cfg = self.run.trainer
         if self.step % cfg.log_every == 0:
             now = time.perf_counter()
-            loss = self._log_step(result, loop.window_samples / (now - loop.window_start))
+            compiled = self._compile_stats(loop)
+            seconds = now - loop.window_start - (compiled.seconds - loop.compile_stats.seconds if compiled else 0.0)
+            loss = self._log_step(result, loop.window_samples / max(seconds, 1e-9), compiled)
+            loop.compile_stats = compiled or loop.compile_stats
             loop.bar.set_postfix(loss=f"{loss:.4f}")
             loop.window_start, loop.window_samples = now, 0
         if loop.per_epoch is not None and self.position % loop.per_epoch == 0 and self.info.is_main:
@@ -605,8 +635,20 @@ class Trainer:
         if summary.stop_reason != MAX_STEPS and cfg.max_steps is not None and self.step < cfg.max_steps:
             log.warning("the data ran out at step %d, before trainer.max_steps=%d", self.step, cfg.max_steps)
 
-    def _log_step(self, result: StepResult, samples_per_s: float) -> float:
-        """Metrics record and console summary of a log step; returns the loss (mean over ranks)."""
+    def _compile_stats(self, loop: _Loop) -> CompileStats | None:
+        """torch.compile's counts now (None in eager mode); a line in the log when they changed
+        since the last log step."""
+        compiled = self.parts.compiled
+        if compiled is None:
+            return None
+        stats = compiled.stats()
+        if stats != loop.compile_stats and self.info.is_main:
+            log.info("step %d | %s", self.step, stats.describe())
+        return stats
+
+    def _log_step(self, result: StepResult, samples_per_s: float, compiled: CompileStats | None = None) -> float:
+        """Metrics record and console summary of a log step; returns the loss (mean over ranks).
+        With `compiled`, the record carries torch.compile's counts (`CompileStats.record`)."""
         loss = self._global_mean(result.loss)
         record: dict[str, Any] = {
             "step": self.step,
@@ -617,6 +659,8 @@ class Trainer:
         if self.optimizer.last_grad_norm is not None:
             record["grad_norm"] = float(self.optimizer.last_grad_norm)
         record["mem_gib"] = round(_memory_gib(self.info.device), 3)
+        if compiled is not None:
+            record.update(compiled.record())
         self.metrics.write(record)
         if self.info.is_main:
             per_epoch = self.data.batches_per_epoch
