@@ -197,5 +197,12 @@ def check_training(run: Any) -> None:
         problems.append(ConfigProblem("trainer.grad_accumulation.steps", "1 with parallel.pp (microbatches instead)"))
     if cfg.precision != "fp32":
         problems.append(ConfigProblem("trainer.precision", "fp32 with parallel.pp for now"))
+    if cfg.compile:
+        problems.append(
+            ConfigProblem(
+                "trainer.compile",
+                "not with parallel.pp yet: the stages run the model's layers one by one, not its dense modules",
+            )
+        )
     if problems:
         raise ConfigError(problems)

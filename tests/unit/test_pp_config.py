@@ -22,6 +22,7 @@ CASES = [
     (2, ["parallel.pp.size=2", "model=dlrm"], "parallel.pp.size", "model 'dlrm' cannot be split into stages"),
     (2, ["parallel.pp.size=2", "parallel.pp.microbatches=3"], "parallel.pp.microbatches", "data.batch_size=32"),
     (2, ["parallel.pp.size=2", "trainer.precision=bf16"], "trainer.precision", "fp32 with parallel.pp"),
+    (2, ["parallel.pp.size=2", "trainer.compile=true"], "trainer.compile", "not with parallel.pp yet"),
     (
         2,
         ["parallel.pp.size=2", "optimizer.clip_grad_norm=1"],
