@@ -68,16 +68,16 @@ def test_pipelined_recsys_train_is_bitwise_the_one_rank_run_and_resumes_bitwise(
     assert resumed == [r for r in one_rank if r["step"] > 2]
 
 
-@pytest.mark.parametrize("schedule", ["dualpipev", "csv"])
-def test_action_order_schedules_are_bitwise_the_one_rank_run(tmp_path, one_rank, schedule):
-    """The action-order mode: DualPipeV (4 stages folded into a V over 2 ranks), and a schedule
-    CSV in torch's format (ZB-H2's order written by our generator)."""
-    if schedule == "csv":
-        from recsys_pipe.autosched.pp_actions import to_csv
-        from recsys_pipe.autosched.pp_schedules import build
+def test_a_schedule_csv_runs_in_action_order_bitwise_the_one_rank_run(tmp_path, one_rank):
+    """The action-order mode through recsys-train: a schedule CSV in torch's format (DualPipeV's
+    order, 4 stages folded into a V over 2 ranks, written by our generator). The named
+    multi-stage schedules run the same mode (tests/integration/test_pp_parity.py: bitwise
+    against torch's own classes)."""
+    from recsys_pipe.autosched.pp_actions import to_csv
+    from recsys_pipe.autosched.pp_schedules import build
 
-        schedule = str(tmp_path / "zb_h2.csv")
-        to_csv(build("zb_h2", 2, 4), schedule)
+    schedule = str(tmp_path / "dualpipev.csv")
+    to_csv(build("dualpipev", 2, 4), schedule)
     records = _train(tmp_path, 2, "model.num_layers=4", "parallel.pp.size=2", f"parallel.pp.schedule={schedule}")
     assert _steps(records) == 5 and records == one_rank
 

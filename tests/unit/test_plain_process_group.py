@@ -5,10 +5,9 @@ run in the process, or a subprocess started afterwards, does not take them for t
 import os
 
 import torch.distributed as dist
+from _process_group import DIST_ENV
 
 from recsys_pipe.runtime import init_distributed, teardown
-
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def test_runs_in_one_process_each_get_their_own_group_and_leave_no_environment(monkeypatch):

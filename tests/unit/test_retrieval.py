@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _process_group import one_rank_group
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
 from recsys_pipe.cli import train as train_cli
@@ -34,21 +35,13 @@ from recsys_pipe.models.retrieval import left_pad
 from recsys_pipe.models.sasrec import SASRecConfig
 from recsys_pipe.train.retrieval_eval import KS, retrieval_metrics
 
-#: what init_distributed sets in the environment of a process that trains without torchrun
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 
 @pytest.fixture(autouse=True)
-def _leave_no_process_group(monkeypatch):
-    """Tests here train in-process (`train_cli.run`): tear the 1-rank group down afterwards and
-    undo its environment, or later subprocesses would inherit MASTER_PORT (still bound here)."""
-    for key in _DIST_ENV:
-        monkeypatch.setenv(key, "unset")
-        monkeypatch.delenv(key)
-    yield
-    from recsys_pipe.runtime import teardown
-
-    teardown()
+def _leave_no_process_group():
+    """Tests here train in-process (`train_cli.run`): the 1-rank group a run starts is torn down
+    afterwards."""
+    with one_rank_group(start=False):
+        yield
 
 
 def _pairs(tmp_path: Path, users: int = 60, items: int = 40, seed: int = 0, name: str = "seq.txt") -> Path:

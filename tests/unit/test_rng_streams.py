@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _process_group import one_rank_group
 from torch import nn
 
 from recsys_pipe.testing import load_run
 from recsys_pipe.train import Trainer, resolve_resume, training_plan
 
-#: what init_distributed sets in the environment of a process that trains without torchrun
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STEPS = 6
 COMMON = [
     "pipeline=serial",
@@ -45,16 +44,9 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def info():
-    """A 1-rank process group for the module, torn down afterwards with its environment (or
-    later subprocesses would inherit MASTER_PORT, still bound here)."""
-    from recsys_pipe.runtime import init_distributed, teardown
-
-    with pytest.MonkeyPatch.context() as env:
-        for key in _DIST_ENV:
-            env.setenv(key, "unset")
-            env.delenv(key)
-        yield init_distributed("cpu", "gloo")
-        teardown()
+    """A 1-rank process group for the module."""
+    with one_rank_group() as info:
+        yield info
 
 
 @pytest.fixture(scope="module")

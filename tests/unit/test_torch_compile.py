@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _process_group import one_rank_group
 
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.testing import load_run
 from recsys_pipe.train import Trainer, training_plan
 from recsys_pipe.train.torch_compile import CompileOptions
 
-#: what init_distributed sets in the environment of a process that trains without torchrun
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STEPS = 5
 #: the default model (hstu_small) with dropout, so masks are drawn between compiled graphs
 COMMON = [
@@ -43,16 +42,10 @@ PLANS = ["serial", "sparse_dist", "hstu_prefetch", "semi_sync"]
 
 
 @pytest.fixture
-def info(monkeypatch):
-    """A 1-rank process group for one test, torn down afterwards with its environment (or later
-    subprocesses would inherit MASTER_PORT, still bound here)."""
-    from recsys_pipe.runtime import init_distributed, teardown
-
-    for key in _DIST_ENV:
-        monkeypatch.setenv(key, "unset")
-        monkeypatch.delenv(key)
-    yield init_distributed("cpu", "gloo")
-    teardown()
+def info():
+    """A 1-rank process group for one test."""
+    with one_rank_group() as info:
+        yield info
 
 
 def _fit(info, *overrides: str) -> tuple[list[float], dict]:
@@ -174,19 +167,14 @@ def test_deterministic_algorithms_are_on_while_compiled_and_restored_after():
 
 
 @pytest.fixture
-def no_process_group(monkeypatch):
-    """`recsys-train` in-process makes its own 1-rank group: tear it down afterwards."""
-    for key in _DIST_ENV:
-        monkeypatch.setenv(key, "unset")
-        monkeypatch.delenv(key)
-    yield
-    from recsys_pipe.runtime import teardown
-
-    teardown()
+def cli_group():
+    """`recsys-train` in-process makes its own 1-rank group: torn down afterwards."""
+    with one_rank_group(start=False):
+        yield
 
 
 @pytest.mark.timeout(300)
-def test_compile_time_graph_breaks_and_recompiles_go_to_the_log_and_metrics(tmp_path, no_process_group):
+def test_compile_time_graph_breaks_and_recompiles_go_to_the_log_and_metrics(tmp_path, cli_group):
     argv = ["pipeline=hstu_prefetch", *COMMON, *AOT, "trainer.log_every=2", f"trainer.output_dir={tmp_path}"]
     assert train_cli.run(argv) == 0
     (metrics,) = tmp_path.glob("recsys-train/*/metrics.jsonl")
@@ -206,7 +194,7 @@ def _error_lines(capsys) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_fullgraph_over_a_graph_break_exits_2_naming_the_key(tmp_path, capsys, no_process_group):
+def test_fullgraph_over_a_graph_break_exits_2_naming_the_key(tmp_path, capsys, cli_group):
     """Dropout draws its mask from a generator of its own: a graph break dynamo cannot trace."""
     argv = [*COMMON, *AOT, "trainer.compile_options.fullgraph=true", f"trainer.output_dir={tmp_path}"]
     assert train_cli.run(argv) == 2
@@ -214,7 +202,7 @@ def test_fullgraph_over_a_graph_break_exits_2_naming_the_key(tmp_path, capsys, n
     assert line.startswith("error: trainer.compile_options.fullgraph: torch.compile failed (")
 
 
-def test_a_model_naming_no_dense_modules_exits_2_naming_the_key(tmp_path, capsys, no_process_group):
+def test_a_model_naming_no_dense_modules_exits_2_naming_the_key(tmp_path, capsys, cli_group):
     argv = [
         "model=custom",
         "model.builder=custom_components:build_model",
@@ -229,7 +217,7 @@ def test_a_model_naming_no_dense_modules_exits_2_naming_the_key(tmp_path, capsys
     assert line.startswith("error: trainer.compile: model 'custom") and "dense_modules()" in line
 
 
-def test_eager_runs_record_no_compile_keys(tmp_path, no_process_group):
+def test_eager_runs_record_no_compile_keys(tmp_path, cli_group):
     assert (
         train_cli.run([*COMMON[:5], "trainer.max_steps=2", "trainer.log_every=1", f"trainer.output_dir={tmp_path}"])
         == 0

@@ -1,0 +1,25 @@
+"""A 1-rank process group for tests that train in-process, made and torn down in one place."""
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+#: what torchrun sets and a plain process's group writes for itself (`init_distributed`)
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def one_rank_group(start: bool = True) -> Iterator[object]:
+    """A 1-rank process group as a plain process makes it (no torchrun variables around it, so
+    a test's own never leak in), torn down afterwards. Yields its `DistInfo`; with `start=False`
+    nothing is started here (a test that trains through the CLI starts it), only torn down."""
+    from recsys_pipe.runtime import init_distributed, teardown
+
+    with pytest.MonkeyPatch.context() as env:
+        for key in DIST_ENV:
+            env.delenv(key, raising=False)
+        try:
+            yield init_distributed("cpu", "gloo") if start else None
+        finally:
+            teardown()
