@@ -138,6 +138,27 @@ def test_hstu_split_into_stages_computes_the_models_loss_and_gradients_bitwise(u
         hstu_stages(model, [[0, 2], [1]])
 
 
+def _assert_stages_compute_the_model(model, stages, batch, key=(2, 0)):
+    """The two stages chained on one rank under microbatch key `key` give the model's loss and
+    gradients bitwise (the same keyed dropout masks), every parameter on exactly one stage and
+    the item table on the first; returns the loss."""
+    with microbatch_seed(*key):
+        expected_loss, _ = model(batch)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with microbatch_seed(*key):
+        got_loss = ChainedStages(stages)(batch, ())
+    got_loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.equal(got_loss, expected_loss)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    assert {id(p) for p in stages[0].parameters()} >= {id(p) for p in model.ec.parameters()}  # the table: first
+    owners = [{id(p) for p in stage.parameters()} for stage in stages]  # each parameter on one stage
+    assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
+    return expected_loss
+
+
 def _sequences_file(tmp_path):
     """A "user item" file: user u's items follow a chain (as test_retrieval's)."""
     g = torch.Generator().manual_seed(0)
@@ -165,20 +186,7 @@ def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise
     model = cfg.build(data.dataset(0, 1).spec)
     batch = next(iter(make_dataloader(data)))
     stages = sasrec_stages(model, [[0], [1, 2]])  # keys the model's dropout sites too
-    with microbatch_seed(2, 0):
-        expected_loss, _ = model(batch)
-    expected_loss.backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    with microbatch_seed(2, 0):
-        got_loss = ChainedStages(stages)(batch, ())
-    got_loss.backward()
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert torch.equal(got_loss, expected_loss)
-    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
-    assert {id(p) for p in stages[0].parameters()} >= {id(p) for p in model.ec.parameters()}  # the table: first
-    owners = [{id(p) for p in stage.parameters()} for stage in stages]  # each parameter on one stage
-    assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
+    _assert_stages_compute_the_model(model, stages, batch)
     with pytest.raises(ValueError, match="blocks 0..2 in order"):
         sasrec_stages(model, [[0], [2, 1]])
 
@@ -203,19 +211,7 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
     batch = next(iter(make_dataloader(data)))
     stages = model_stages(model, [[0, 1], [2]])  # keys the model's dropout sites too
     assert all(type(s).__name__ == "HSTURetrievalStage" for s in stages)
-    with microbatch_seed(3, 1):
-        expected_loss, _ = model(batch)
-    expected_loss.backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    with microbatch_seed(3, 1):
-        got_loss = ChainedStages(stages)(batch, ())
-    got_loss.backward()
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert torch.equal(got_loss, expected_loss)
-    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
-    owners = [{id(p) for p in stage.parameters()} for stage in stages]  # each parameter on one stage
-    assert not owners[0] & owners[1] and len(owners[0] | owners[1]) == len(list(model.parameters()))
+    expected_loss = _assert_stages_compute_the_model(model, stages, batch, key=(3, 1))
     if dropout:
         with microbatch_seed(3, 2):  # another microbatch: other masks
             assert not torch.equal(ChainedStages(stages)(batch, ()), expected_loss)
