@@ -28,7 +28,7 @@ def plan(tmp_path: Path, *argv: str) -> int:
 
 
 def test_prints_the_resolved_plan(tmp_path, capsys):
-    assert plan(tmp_path, "pipeline=hstu_prefetch") == 0
+    assert plan(tmp_path, "pipeline=hstu_prefetch", *REFERENCE_LAYOUT) == 0
     out = capsys.readouterr().out
     for fragment in [
         "plan: hstu_prefetch",
@@ -48,6 +48,9 @@ def test_prints_the_resolved_plan(tmp_path, capsys):
 
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+#: the reference texts are the plans as declared, torchrec's layout: as planned for a GPU (a CPU
+#: run moves the prefetch plans' input-dist wait and prefetch: test_cpu_prefetch_layout below)
+REFERENCE_LAYOUT = ("trainer.device=cuda",)
 
 
 @pytest.mark.parametrize("pipeline", ["serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch"])
@@ -56,7 +59,7 @@ def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipe
     """The plans are Hydra derivations of one task set (serial <- sparse_dist <- hstu_sparse_dist;
     sparse_dist <- prefetch <- hstu_prefetch); each must compile to exactly the schedule it
     printed as a stand-alone file."""
-    assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}") == 0
+    assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}", *REFERENCE_LAYOUT) == 0
     expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()
     assert (tmp_path / "plan.txt").read_text() == expected
 
@@ -64,7 +67,7 @@ def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipe
 @pytest.mark.parametrize("pipeline", ["serial_balanced", "hstu_sparse_dist_balanced", "hstu_prefetch_balanced"])
 def test_balanced_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline):
     """With the default thread map (hstu_default: the shuffle tasks on io with h2d)."""
-    assert plan(tmp_path, f"pipeline={pipeline}") == 0
+    assert plan(tmp_path, f"pipeline={pipeline}", *REFERENCE_LAYOUT) == 0
     assert (tmp_path / "plan.txt").read_text() == (GOLDEN / f"plan_{pipeline}.default.txt").read_text()
 
 
@@ -506,3 +509,27 @@ def test_bad_costs_are_config_errors(tmp_path, capsys, args, path, fragment):
     assert plan(tmp_path, *args) == 2
     err = capsys.readouterr().err
     assert f"error: {path}: " in err and fragment in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("pipeline", ["prefetch", "hstu_prefetch"])
+def test_cpu_prefetch_layout(tmp_path, capsys, pipeline):
+    """On the CPU the prefetch plans wait for the next batch's input dist after the forward and
+    prefetch after the backward (nothing to warm; gloo's all-to-all then overlaps the backward,
+    not the forward); planned for a GPU they keep torchrec's layout. Training parity of both
+    layouts: test_train_parity (CPU) and the CUDA family tests."""
+
+    def order(device: str) -> list[str]:
+        out = tmp_path / device
+        assert plan(out, f"pipeline={pipeline}", f"trainer.device={device}") == 0
+        text = (out / "plan.txt").read_text().split("tasks, in topological order", 1)[1]
+        rows = text.split("\n\n", 1)[0].splitlines()[3:]
+        return [row.split()[1] for row in rows if row.strip() and row.split()[0].isdigit()]
+
+    cpu, gpu = order("cpu"), order("cuda")
+    assert sorted(cpu) == sorted(gpu)
+    assert (
+        gpu.index("wait_input_dist") < gpu.index("forward") < gpu.index("prefetch_embeddings") < gpu.index("backward")
+    )
+    assert (
+        cpu.index("forward") < cpu.index("wait_input_dist") < cpu.index("backward") < cpu.index("prefetch_embeddings")
+    )

@@ -111,7 +111,7 @@ def test_hstu_plans_match_spec_table():
     }
     assert native.graph.in_flight_batches == 3
 
-    pf = compiled("pipeline=hstu_prefetch")
+    pf = compiled("pipeline=hstu_prefetch", "trainer.device=cuda")  # as declared (a CPU run moves two tasks)
     t = pf.graph.task("prefetch_embeddings")
     assert (t.lookahead, t.stream) == (1, "prefetch")
     assert pf.graph.task("backward").same_progress_sync == ("prefetch_embeddings",)

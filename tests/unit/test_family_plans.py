@@ -34,8 +34,8 @@ def plan(tmp_path: Path, *argv: str) -> int:
 @pytest.mark.parametrize("pipeline", sorted(FAMILY))
 @pytest.mark.parametrize("thread_map", ["hstu_default", "by_stream", "per_task"])
 def test_family_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline, thread_map):
-    assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}") == 0
-    expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()
+    assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}", "trainer.device=cuda") == 0
+    expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()  # as declared: planned for a GPU
     assert (tmp_path / "plan.txt").read_text() == expected
 
 
