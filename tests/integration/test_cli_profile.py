@@ -19,16 +19,18 @@ from recsys_pipe.testing import load_run
 from recsys_pipe.train.torch_profile import StepWindow
 
 BIN = Path(sys.executable).parent
+#: hstu_prefetch's tasks in the order a CPU run runs them (its CPU layout: the input-dist wait
+#: after forward, the prefetch after backward; recsys_pipe.train.plan.cpu_prefetch_layout)
 HSTU_TASKS = [
     "h2d",
     "start_input_dist",
-    "wait_input_dist",
     "zero_grad",
     "forward",
-    "prefetch_embeddings",
+    "wait_input_dist",
     "backward",
     "finalize_model_grads",
     "optimizer_step",
+    "prefetch_embeddings",
 ]
 
 
