@@ -27,7 +27,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem, render_plan, structur
 from recsys_pipe.train.build import describe_model
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.dense_ddp import check_dense_ddp
-from recsys_pipe.train.plan import training_plan
+from recsys_pipe.train.plan import planned_device_type, training_plan
 
 __all__ = ["PlanCommandConfig", "plan_task", "run", "main"]
 
@@ -55,23 +55,13 @@ def _output_dir() -> Path | None:
     return None if runtime is None else runtime.output_dir
 
 
-def _device_type(device: str) -> str:
-    """The device type to plan the sharding for: `trainer.device`, auto meaning CUDA if visible
-    (a plan for cuda can be shown on a machine without one)."""
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def plan_task(cfg: DictConfig) -> None:
     """Validate, compile, print; write plan.txt (+ PNGs with plot=true) into the run dir."""
     run_cfg = load_run_config(cfg, PlanCommandConfig)
     if run_cfg.tune and run_cfg.costs is None:
         raise ConfigError(ConfigProblem("tune", "tune=true needs costs=<costs.json> (per-task costs to simulate)"))
     plan = training_plan(run_cfg, resolve_fn=None if run_cfg.check_fns else structure_only)
-    check_dense_ddp(run_cfg, _device_type(run_cfg.trainer.device))
+    check_dense_ddp(run_cfg, planned_device_type(run_cfg.trainer.device))
     costs = None
     if run_cfg.costs is not None:
         from recsys_pipe.cli.predict import load_costs
@@ -85,7 +75,7 @@ def plan_task(cfg: DictConfig) -> None:
             plan,
             run_cfg.world_size,
             run_cfg.local_world_size or run_cfg.world_size,
-            _device_type(run_cfg.trainer.device),
+            planned_device_type(run_cfg.trainer.device),
         )
     print(text)
     pp_text = None

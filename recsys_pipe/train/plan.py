@@ -35,7 +35,14 @@ from recsys_pipe.train import lookup_tasks, tasks
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.slots import BATCH_GPU, GLOBAL_TOKENS
 
-__all__ = ["cpu_prefetch_layout", "derive_plan", "idle_tasks", "pipelining_without_effect", "training_plan"]
+__all__ = [
+    "cpu_prefetch_layout",
+    "derive_plan",
+    "idle_tasks",
+    "pipelining_without_effect",
+    "planned_device_type",
+    "training_plan",
+]
 
 
 def derive_plan(plan: PlanConfig, run: RunConfig, resolve_fn: ResolveFn | None = None) -> PlanConfig:
@@ -44,13 +51,14 @@ def derive_plan(plan: PlanConfig, run: RunConfig, resolve_fn: ResolveFn | None =
 
     The forward task is the one running the registered `forward` (by name, or by an import path
     when `resolve_fn` imports it: the default)."""
-    if _device_type(run.trainer.device) == "cpu":
+    if planned_device_type(run.trainer.device) == "cpu":
         plan = cpu_prefetch_layout(plan, resolve_fn)
     return _with_global_tokens(plan, run, resolve_fn)
 
 
-def _device_type(device: str) -> str:
-    """`trainer.device` as the device type it runs on: auto is CUDA when one is visible."""
+def planned_device_type(device: str) -> str:
+    """The device type a run of `trainer.device` is planned for: auto meaning CUDA if visible
+    (a plan for cuda can be shown on a machine without one)."""
     if device == "auto":
         import torch
 
