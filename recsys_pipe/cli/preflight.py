@@ -43,12 +43,14 @@ def check_inputs(run: Any, data: Any, device_type: str) -> None:
     `RankData`, read) and the device type: the model against the data as read, the fused
     embedding optimizer on this device, and `trainer.eval_dump`."""
     from recsys_pipe.models.base import ShardedModelConfig
+    from recsys_pipe.pp.config import is_pipelined
     from recsys_pipe.train.optim import check_sparse_device
     from recsys_pipe.train.retrieval_eval import check_eval_dump
 
     problems = run.model.check_spec(data.spec)
     if problems:
         raise ConfigError(problems)
-    if isinstance(run.model, ShardedModelConfig) and run.model.compute_kernel == "fused":
+    fused = isinstance(run.model, ShardedModelConfig) and run.model.compute_kernel == "fused"
+    if fused and not is_pipelined(run):  # pipelined: the tables are on the dense kernel (recsys_pipe.pp.train)
         check_sparse_device(run.optimizer.sparse, device_type)
     check_eval_dump(run.trainer.eval_dump, run.trainer.eval_every, data)

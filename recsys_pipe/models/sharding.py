@@ -228,6 +228,7 @@ def make_sharded_model(
     batch_size: int = 512,
     embedding_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
     embedding_optimizer_kwargs: Mapping[str, Any] | None = None,
+    data_parallel: bool = True,
 ) -> DistributedModelParallel:
     """Wrap `model` in DistributedModelParallel over `pg`, its tables sharded by `cfg.sharding` on
     `cfg.compute_kernel`. Works for world size 1 and up.
@@ -242,6 +243,8 @@ def make_sharded_model(
             one torchrec maps to an fbgemm fused optimizer (`torch.optim.SGD`, `Adagrad`, `Adam`
             or `torchrec.optim.RowWiseAdagrad`; on CPU not Adam).
         embedding_optimizer_kwargs: its arguments (`lr`, ...).
+        data_parallel: wrap the rest of the model in DMP's DDP over `pg`; False leaves its
+            gradients alone (pipeline stages average theirs themselves, `recsys_pipe.pp.stage`).
 
     Returns:
         The `DistributedModelParallel` model."""
@@ -263,6 +266,7 @@ def make_sharded_model(
         device=device,
         plan=plan,
         sharders=[EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()],
+        init_data_parallel=data_parallel,
     )
     if cfg.compute_kernel == "dense" and device.type == "cpu":
         from recsys_pipe.models.cpu_dense_lookup import use_unpooled_cpu_lookups

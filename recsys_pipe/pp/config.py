@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
+from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.models.hstu_config import HSTUConfig
 from recsys_pipe.models.retrieval_config import HSTURetrievalConfig, SASRecConfig
 from recsys_pipe.pp.schedules import NAMED_SCHEDULES, ResolvedSchedule, resolve_schedule
@@ -190,6 +191,14 @@ def check_training(run: Any) -> None:
     if run.optimizer.clip_grad_norm is not None:
         problems.append(
             ConfigProblem("optimizer.clip_grad_norm", "clipping over pipeline stages is not supported yet (use null)")
+        )
+    if isinstance(run.model, ShardedModelConfig) and run.model.sharding == "planner":
+        problems.append(
+            ConfigProblem(
+                "model.sharding",
+                "table_wise or row_wise with parallel.pp: the first stage's tables train on torchrec's dense kernel, "
+                "which torchrec's planner does not offer",
+            )
         )
     if getattr(run.model, "loss_normalization", "local") != "local":
         problems.append(ConfigProblem("model.loss_normalization", "only local with parallel.pp"))

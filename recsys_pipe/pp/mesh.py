@@ -2,8 +2,9 @@
 
 The world is a 2-D mesh (torch's `DeviceMesh`, dimensions `pp` x `dp`, row-major): rank
 `pp_rank * dp_size + dp_rank`. The ranks of one pipeline position form its data-parallel group
-(contiguous, so the first stage's embedding tables shard over ranks 0..dp-1); one data-parallel
-replica's pipeline is the column `dp_rank`, and its transfers go to the ranks of that column.
+(contiguous, so the first stage's embedding tables shard over ranks 0..dp-1: `table_group`);
+one data-parallel replica's pipeline is the column `dp_rank`, and its transfers go to the ranks
+of that column.
 """
 
 from __future__ import annotations
@@ -58,3 +59,9 @@ class PipelineMesh:
     def dp_group(self) -> dist.ProcessGroup | None:
         """The ranks holding this rank's stages in the other replicas; None without data parallelism."""
         return self.mesh.get_group("dp") if self.dp_size > 1 else None
+
+    @property
+    def table_group(self) -> dist.ProcessGroup:
+        """The group the first stage's embedding tables shard over: its data-parallel group,
+        this rank alone without data parallelism (torchrec shards over a process group)."""
+        return self.mesh.get_group("dp")

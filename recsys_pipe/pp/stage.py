@@ -21,7 +21,7 @@ tests compare against torch's classes, so a change there shows up as a failing t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,10 @@ class StageRuntime:
         seed: base seed of the placement-independent dropout masks.
         dp_group: the ranks holding this stage in the other data-parallel replicas; their
             gradients are averaged at the end of each step (`reduce_grads`).
+        summed_params: parameters whose gradients arrive already summed over `dp_group`: the
+            first stage's torchrec-sharded tables, whose backward all-to-all adds every
+            replica's gradient of the rows (as in an unpipelined run, where DDP leaves them
+            out); `reduce_grads` leaves them alone.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class StageRuntime:
         link: PeerLink | None = None,
         seed: int = 0,
         dp_group: dist.ProcessGroup | None = None,
+        summed_params: Iterable[nn.Parameter] = (),
     ):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} outside 0..{num_stages - 1}")
@@ -116,6 +121,7 @@ class StageRuntime:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.summed_params = list(summed_params)
         #: the optimizer step being run (part of the dropout key); set by the step runner
         self.step = 0
         #: added to the microbatch index in the dropout key: replica d's microbatch j is the
@@ -220,14 +226,16 @@ class StageRuntime:
 
     def reduce_grads(self) -> None:
         """Average the gradients over `dp_group`, as DDP does: each divided by the group's size,
-        then summed (one all-reduce over the stage's gradients, flattened).
+        then summed (one all-reduce over the stage's gradients, flattened), except the
+        `summed_params`' (already summed by their own backward).
 
         Hand-written rather than DDP: DDP's reducer hooks the autograd accumulation of each
         parameter, which the weight-gradient step (`stage_backward_weight` adds into `.grad`
         itself) bypasses; torch's pipelining likewise reduces outside autograd."""
         if self.dp_group is None:
             return
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        summed = {id(p) for p in self.summed_params}
+        params = [p for p in self.module.parameters() if p.requires_grad and id(p) not in summed]
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
         dist.all_reduce(flat, group=self.dp_group)

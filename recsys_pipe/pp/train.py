@@ -3,16 +3,24 @@
 `PipelinedModel` stands where the model stands in the batch-level plan: the plan's `forward`
 task calls it on a batch, and one call runs the whole pipelined step of this rank (the
 microbatches' F, B and W under the rank's schedule, the transfers, the gradients scaled by 1/m
-and averaged over the stage's data-parallel replicas). It returns the step's loss (the mean of
-the last stage's microbatch losses, broadcast over the pipeline so every rank logs it) as a
-leaf, so the plan's `backward` task has nothing left to do; `optimizer_step` then steps this
-rank's stages. The batch-level plan is unchanged: h2d, input dist and friends still prepare the
-next batches ahead.
+and, but the sharded tables', averaged over the stage's data-parallel replicas). It returns the
+step's loss (the mean of the last stage's microbatch losses, broadcast over the pipeline so
+every rank logs it) as a leaf, so the plan's `backward` task has nothing left to do;
+`optimizer_step` then steps this rank's stages. The batch-level plan is unchanged: h2d,
+input dist and friends still prepare the next batches ahead.
 
 Each rank builds the whole model from the run's seed (the same initial weights everywhere),
 keeps its stages and registers only those, so its parameters, optimizer and checkpoint hold
-its stages alone. The embedding tables are the first stage's plain torch parameters (not
-sharded by torchrec: averaged over the first stage's replicas like any dense weight).
+its stages alone. The first stage's ranks shard the model's torchrec tables with
+`DistributedModelParallel` over their data-parallel group (`shard_tables`: `model.sharding`,
+one rank's group without data parallelism), always on torchrec's dense kernel: the tables'
+gradients add up over the microbatches and the dense optimizer steps them once per step, with
+the other weights, whatever the schedule. Each table's lookup runs its all-to-alls inside the
+stage's forward and backward, which every replica's schedule runs in the same order. Its
+gradient arrives summed over the replicas, as in an unpipelined run (torchrec's backward
+all-to-all adds every rank's gradient of the rows; DDP averages only the dense weights), so
+the stage averages all but the tables' (`StageRuntime.summed_params`). A checkpoint holds the
+tables and their optimizer state (Adam's moments) as `ShardedTensor`s laid out like the tables.
 
 In evaluation mode a call runs the batch forward through the stages (HSTU ranking: the last
 stage keeps the logits and labels the metrics read). Not yet: the retrieval models' evaluation,
@@ -45,7 +53,7 @@ from recsys_pipe.pp.schedules import ResolvedSchedule
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
 
-__all__ = ["PipelinedModel", "build_pipelined_model"]
+__all__ = ["PipelinedModel", "build_pipelined_model", "shard_tables"]
 
 
 class PipelinedModel(nn.Module):
@@ -186,10 +194,13 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
     mesh = PipelineMesh.create(pp.size, info.device.type)
     torch.manual_seed(run.seed)
     model = run.model.build(spec).to(info.device)
+    local = resolved.local_stages(mesh.pp_rank)
+    tables: list[nn.Parameter] = []
+    if 0 in local:  # the first stage's ranks: its tables sharded over their data-parallel group
+        tables = shard_tables(model, run, mesh, info.device)
     split = [list(r) for r in split_layers(_num_layers(run), resolved.num_stages, pp.layers)]
     modules = model_stages(model, split)
     ranks = [mesh.rank_of(r) for r in resolved.ranks_of_stages]
-    local = resolved.local_stages(mesh.pp_rank)
     link = PeerLink()
     n = len(modules)
     runtimes = {
@@ -202,6 +213,7 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
             link=link,
             seed=run.seed,
             dp_group=mesh.dp_group,
+            summed_params=tables if s == 0 else (),
         )
         for s in local
     }
@@ -212,6 +224,28 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
         runner = ActionOrderRunner(runtimes, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, m, link=link)
     pipelined = PipelinedModel({s: modules[s] for s in local}, runner, mesh, ranks[-1], m)
     return pipelined, dense_optimizer_factory(run.optimizer)(pipelined.parameters())
+
+
+def shard_tables(model: nn.Module, run: Any, mesh: PipelineMesh, device: torch.device) -> list[nn.Parameter]:
+    """Shard `model`'s torchrec tables in place with `DistributedModelParallel` over the first
+    stage's data-parallel group (`mesh.table_group`; collective over it), as `model.sharding`
+    lays them out, on torchrec's dense kernel, without DMP's DDP (the stage averages its dense
+    gradients itself). Returns the tables' parameters: their gradients arrive summed over the
+    group (torchrec's backward all-to-all), so the stage does not average them again.
+
+    Dense, whatever `model.compute_kernel` says: a step runs m microbatch backwards and one
+    optimizer step, and the fused kernel would update the rows inside each backward, in an order
+    that depends on the schedule; the dense kernel lets the gradients add up over the
+    microbatches and the dense optimizer update the tables once, with the other weights."""
+    from torchrec.distributed.types import ShardedModule
+
+    from recsys_pipe.models.sharding import make_sharded_model
+
+    cfg = run.model.model_copy(update={"compute_kernel": "dense"})
+    sharded = make_sharded_model(
+        model, cfg, mesh.table_group, device, batch_size=run.data.batch_size, data_parallel=False
+    ).module
+    return [p for m in sharded.modules() if isinstance(m, ShardedModule) for p in m.parameters()]
 
 
 def _num_layers(run: Any) -> int:

@@ -103,7 +103,8 @@ def build_state(run: RunConfig, plan: CompiledPlan, model: nn.Module, optimizer:
     gradient buffers (`trainer.dense_ddp=megatron`)."""
     streams = StreamPool.create(plan.schedule.stream_slots, info.device)
     sparse_dist = None
-    if isinstance(run.model, ShardedModelConfig) and not is_pipelined(run):  # pipelined: plain tables
+    # pipelined: the first stage's sharded tables run their input distribution in its forward
+    if isinstance(run.model, ShardedModelConfig) and not is_pipelined(run):
         from recsys_pipe.train.sparse_dist import TorchrecSparseDist
 
         sparse_dist = TorchrecSparseDist(model, info.device, streams, context=plan.config.torchrec_context)

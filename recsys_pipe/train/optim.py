@@ -14,7 +14,7 @@ It updates every parameter that is not in a torchrec-sharded table (plain torch 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -217,7 +217,8 @@ class TrainOptimizer:
     optimizer but never clipped: each rank holds other rows, so a norm over them would differ
     between ranks and so would the clipped replicas. `state_dict()` holds what a checkpoint needs:
     the optimizer state and the scheduler's; the state of a sharded table (e.g. its Adam moments)
-    is a `ShardedTensor` laid out like the table, so DCP saves every rank's rows (and reshards).
+    is a `ShardedTensor` laid out like the table, so DCP saves every rank's rows (and reshards),
+    with torchrec's optimizer or a plain one (the pipeline stages', `recsys_pipe.pp.train`).
     """
 
     def __init__(self, optimizer: Any, cfg: OptimizerConfig, total_steps: int, model: torch.nn.Module):
@@ -236,8 +237,9 @@ class TrainOptimizer:
             self.dense = optimizer
         #: the table parameters the dense optimizer updates, by key, with the table as the model's
         #: state_dict holds it (a ShardedTensor: the layout their optimizer state is saved in)
-        self.sharded_tables = _sharded_tables(self.dense, model) if self.keyed else {}
-        tables = {id(self.dense.params[key]) for key in self.sharded_tables}
+        params = dict(self.dense.params) if self.keyed else _named(self.dense, model)
+        self.sharded_tables = _sharded_tables(params, model)
+        tables = {id(params[key]) for key in self.sharded_tables}
         #: the parameters gradient clipping covers: the dense network's
         self.dense_params = [p for group in self.dense.param_groups for p in group["params"] if id(p) not in tables]
         self.max_grad_norm = cfg.clip_grad_norm
@@ -272,14 +274,12 @@ class TrainOptimizer:
         made state (e.g. Adam moments) created, so a checkpoint can be loaded into it in place."""
         if self.keyed:
             optim_state = self.optimizer.state_dict()
-            for key, table in self.sharded_tables.items():
-                moments = optim_state["state"].get(key, {})
-                for name, value in moments.items():
-                    moments[name] = _like_table(value, table)
         else:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_options(self.model))
+        for key, table in self.sharded_tables.items():
+            _map_param_state(optim_state, key, lambda value, table=table: _like_table(value, table))
         return {"optimizer": optim_state, "lr_scheduler": self.scheduler.state_dict()}
 
     def prepare_load(self) -> None:
@@ -294,11 +294,9 @@ class TrainOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict()` returned (after DCP loaded it into this optimizer's tensors) in place."""
+        for key in self.sharded_tables:  # DCP loaded into the shards, which are the state's tensors
+            _map_param_state(state["optimizer"], key, _local)
         if self.keyed:
-            for key in self.sharded_tables:  # DCP loaded into the shards, which are the state's tensors
-                moments = state["optimizer"]["state"].get(key, {})
-                for name, value in moments.items():
-                    moments[name] = _local(value)
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
@@ -320,13 +318,19 @@ def _options(model: torch.nn.Module) -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=getattr(model, "flat_optimizer_state", False))
 
 
-def _sharded_tables(dense: Any, model: torch.nn.Module) -> dict[str, Any]:
-    """The dense optimizer's parameters that the model's state_dict holds as a `ShardedTensor`:
-    tables on torchrec's dense kernel. Each has at most one shard per rank."""
+def _named(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A plain optimizer's parameters by their name in `model`."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {name: p for name, p in model.named_parameters() if id(p) in stepped}
+
+
+def _sharded_tables(params: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, Any]:
+    """The dense optimizer's parameters (`params`, by key) that the model's state_dict holds as
+    a `ShardedTensor`: tables on torchrec's dense kernel. Each has at most one shard per rank."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     model_state = model.state_dict()
-    tables = {key: model_state[key] for key in dense.params if isinstance(model_state.get(key), ShardedTensor)}
+    tables = {key: model_state[key] for key in params if isinstance(model_state.get(key), ShardedTensor)}
     for key, table in tables.items():
         if len(table.local_shards()) > 1:
             raise NotImplementedError(
@@ -334,6 +338,20 @@ def _sharded_tables(dense: Any, model: torch.nn.Module) -> dict[str, Any]:
                 "is saved for one shard per rank (use model.sharding=row_wise or table_wise)"
             )
     return tables
+
+
+def _map_param_state(optim_state: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> None:
+    """Replace each state value of parameter `key` (e.g. its Adam moments) by `fn(value)`, in an
+    optimizer state dict nested (`state[key][name]`) or flattened by DCP (`state.<key>.<name>`,
+    `flat_optimizer_state`)."""
+    if isinstance(optim_state.get("state"), dict):
+        moments = optim_state["state"].get(key, {})
+        for name, value in moments.items():
+            moments[name] = fn(value)
+        return
+    prefix = f"state.{key}."
+    for name in [k for k in optim_state if k.startswith(prefix)]:
+        optim_state[name] = fn(optim_state[name])
 
 
 def _like_table(value: Any, table: Any) -> Any:

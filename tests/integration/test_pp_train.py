@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from recsys_pipe.train.checkpoint import read_metadata
+
 pytestmark = pytest.mark.slow  # torchrun launches
 
 BIN = Path(sys.executable).parent  # the environment's console scripts, on PATH or not
@@ -112,13 +114,24 @@ def test_pipelined_retrieval_models_are_bitwise_the_one_rank_run(tmp_path, model
     assert _steps(one) == 5 and two == one
 
 
-def test_pp_times_dp_on_4_ranks_is_bitwise_dp_alone_on_2(tmp_path):
+def test_pp_times_dp_on_4_ranks_is_bitwise_dp_alone_on_2_and_resumes_bitwise(tmp_path):
     """2 stages x 2 replicas (each pipeline reads its replica's share of the data) against the
-    same microbatching with 2 replicas of one stage; the logged loss is the replicas' mean."""
+    same microbatching with 2 replicas of one stage; the logged loss is the replicas' mean. The
+    first stage's tables are split by rows over its 2 replicas (each holds half of every table
+    and of its Adam moments); resumed from step 2's checkpoint, steps 3-5 train bitwise alike."""
     no_eval = ["trainer.eval_every=0", "trainer.eval_epochs=0"]  # world means of eval metrics round differently
-    dp_only = _train(tmp_path / "dp", 2, "parallel.pp.size=1", *no_eval)
-    pp_dp = _train(tmp_path / "ppdp", 4, "parallel.pp.size=2", "parallel.pp.schedule=1f1b", *no_eval)
-    assert _steps(dp_only) == 5 and pp_dp == dp_only
+    common = [*no_eval, "model.sharding=row_wise"]
+    dp_only = _train(tmp_path / "dp", 2, "parallel.pp.size=1", *common)
+    pp_dp = [*common, "parallel.pp.size=2", "parallel.pp.schedule=1f1b"]
+    records = _train(tmp_path / "ppdp", 4, *pp_dp, "trainer.checkpoint.interval=2")
+    assert _steps(dp_only) == 5 and records == dp_only
+    (checkpoint,) = (tmp_path / "ppdp").glob("recsys-train/*/checkpoints/step_2")
+    saved = read_metadata(checkpoint).state_dict_metadata
+    table = "stages.0.ec.embeddings.item_table.weight"
+    for key in (f"train.model.{table}", f"train.optim.optimizer.state.{table}.exp_avg"):
+        assert [c.offsets[0] for c in saved[key].chunks] == [0, saved[key].size[0] // 2], key  # a row shard each
+    resumed = _train(tmp_path / "resumed", 4, *pp_dp, f"trainer.resume_from={checkpoint}")
+    assert resumed == [r for r in dp_only if r["step"] > 2]
 
 
 def test_recsys_profile_draws_each_ranks_pipeline_timeline_and_bubble(tmp_path):

@@ -23,6 +23,7 @@ CASES = [
     (2, ["parallel.pp.size=2", "parallel.pp.microbatches=3"], "parallel.pp.microbatches", "data.batch_size=32"),
     (2, ["parallel.pp.size=2", "trainer.precision=bf16"], "trainer.precision", "fp32 with parallel.pp"),
     (2, ["parallel.pp.size=2", "trainer.compile=true"], "trainer.compile", "not with parallel.pp yet"),
+    (2, ["parallel.pp.size=2", "model.sharding=planner"], "model.sharding", "torchrec's dense kernel"),
     (
         2,
         ["parallel.pp.size=2", "optimizer.clip_grad_norm=1"],
@@ -51,6 +52,8 @@ def test_pp_constraint_exits_2_naming_its_key(
     [
         (1, ["parallel.pp.microbatches=1"]),  # no pipeline (the default)
         (2, ["parallel.pp.size=2", "parallel.pp.schedule=zb_h1"]),  # the main job's model, evaluation included
+        # the tables train on the dense kernel under parallel.pp: no fused optimizer to check on the CPU
+        (2, ["parallel.pp.size=2", "optimizer.sparse.name=adam", "model.sharding=row_wise"]),
     ],
 )
 def test_a_config_that_fits_passes_every_check(world, overrides, tmp_path, monkeypatch, no_process_group):

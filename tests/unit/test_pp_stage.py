@@ -217,3 +217,86 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
             assert not torch.equal(ChainedStages(stages)(batch, ()), expected_loss)
     with pytest.raises(ValueError, match="layers 0..2 in order"):
         hstu_retrieval_stages(model, [[1], [0, 2]])
+
+
+@pytest.fixture
+def one_rank():
+    """A 1-rank gloo group in this process, removed again (no environment variables)."""
+    import torch.distributed as dist
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if own_group:
+        dist.destroy_process_group()
+
+
+def test_the_first_stages_tables_are_sharded_by_dmp_and_train_bitwise_as_plain_tables(one_rank):
+    """`build_pipelined_model` on one rank (`parallel.pp.size=1`, 2 microbatches): the first
+    stage's collection is torchrec's `ShardedEmbeddingCollection` on the dense kernel (whatever
+    `model.compute_kernel` says), its tables are the stage's `summed_params`, and 2 steps (Adam,
+    dropout on) equal a plain loop over the unsharded model's stages: forward and backward per
+    microbatch under its dropout key, gradients / 2, one optimizer step."""
+    from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BatchedDenseEmbedding
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+
+    from recsys_pipe.data import make_dataloader
+    from recsys_pipe.pp.models import model_stages
+    from recsys_pipe.pp.train import build_pipelined_model
+    from recsys_pipe.runtime.distributed import DistInfo
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train.optim import dense_optimizer_factory
+
+    overrides = ["parallel.pp.microbatches=2", "model.num_layers=2", "model.dropout=0.2", "data.batch_size=16"]
+    run = load_run(*overrides, "model.compute_kernel=fused", "trainer.device=cpu")
+    loader = make_dataloader(run.data)
+    batches = [batch for _, batch in zip(range(2), loader)]
+    pipelined, optimizer = build_pipelined_model(run, DistInfo(0, 1, 0, torch.device("cpu"), "gloo"), run.data.spec())
+    ec = pipelined.stages["0"].ec
+    assert isinstance(ec, ShardedEmbeddingCollection)
+    kernels = [k for lookup in ec._lookups for k in lookup.modules() if isinstance(k, BaseBatchedEmbedding)]
+    assert kernels and all(isinstance(k, BatchedDenseEmbedding) for k in kernels)
+    runtime = pipelined.runner.runtime
+    assert {id(p) for p in runtime.summed_params} == {id(p) for p in ec.parameters()} != set()
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        losses.append(pipelined(batch)[0].detach())
+        optimizer.step()
+
+    torch.manual_seed(run.seed)
+    plain = ChainedStages(model_stages(run.model.build(run.data.spec()), [[0, 1]]))
+    plain_optimizer = dense_optimizer_factory(run.optimizer)(plain.parameters())
+    expected = []
+    for step, batch in enumerate(batches):
+        plain_optimizer.zero_grad()
+        n, mb_losses = batch.sample_ids.shape[0], []
+        for j in range(2):
+            with microbatch_seed(step, j, run.seed):
+                loss = plain(batch.select(torch.arange(j * n // 2, (j + 1) * n // 2)), ())
+            loss.backward()
+            mb_losses.append(loss.detach())
+        for p in plain.parameters():
+            p.grad.div_(2)
+        plain_optimizer.step()
+        expected.append(torch.stack(mb_losses).mean())
+    assert [float(v) for v in losses] == [float(v) for v in expected]
+    got, want = dict(pipelined.stages["0"].named_parameters()), dict(plain.stages[0].named_parameters())
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
+
+
+def test_reduce_grads_averages_all_but_the_summed_params(one_rank):
+    """As if a second replica had contributed zero gradients (`dp_size` 2 over this rank's
+    group): the dense gradients are divided by 2, the sharded tables' (summed by their own
+    backward) are left as they are."""
+    dense, table = nn.Linear(2, 2), nn.Parameter(torch.ones(3, 2))
+    module = nn.Module()
+    module.dense, module.table = dense, table
+    runtime = StageRuntime(module, 0, 1, dp_group=one_rank, summed_params=[table])
+    runtime.dp_size = 2
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 4.0)
+    runtime.reduce_grads()
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in dense.parameters())
+    assert torch.equal(table.grad, torch.full((3, 2), 4.0))
