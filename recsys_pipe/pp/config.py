@@ -27,6 +27,7 @@ __all__ = [
     "check_training",
     "data_replica",
     "is_pipelined",
+    "pipelined_tables",
     "split_layers",
 ]
 
@@ -122,6 +123,12 @@ def is_pipelined(run: Any) -> bool:
     """Whether `run` trains through pipeline stages (several stages, or microbatches)."""
     pp = run.parallel.pp
     return pp.size > 1 or pp.num_microbatches > 1 or pp.resolved().num_stages > 1
+
+
+def pipelined_tables(model: ShardedModelConfig) -> ShardedModelConfig:
+    """`model`'s config as a pipelined run shards its tables: on torchrec's dense kernel, whatever
+    `model.compute_kernel` says (why: `recsys_pipe.pp.train.shard_tables`)."""
+    return model.model_copy(update={"compute_kernel": "dense"})
 
 
 def data_replica(run: Any, rank: int, world_size: int) -> tuple[int, int]:

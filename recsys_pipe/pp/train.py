@@ -43,7 +43,7 @@ from recsys_pipe.autosched.pipeline_parallel import simulate
 from recsys_pipe.autosched.pp_actions import Action
 from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp.actions import ActionOrderRunner
-from recsys_pipe.pp.config import split_layers
+from recsys_pipe.pp.config import pipelined_tables, split_layers
 from recsys_pipe.pp.mesh import PipelineMesh
 from recsys_pipe.pp.models import model_stages
 from recsys_pipe.pp.p2p import PeerLink
@@ -241,7 +241,7 @@ def shard_tables(model: nn.Module, run: Any, mesh: PipelineMesh, device: torch.d
 
     from recsys_pipe.models.sharding import make_sharded_model
 
-    cfg = run.model.model_copy(update={"compute_kernel": "dense"})
+    cfg = pipelined_tables(run.model)
     sharded = make_sharded_model(
         model, cfg, mesh.table_group, device, batch_size=run.data.batch_size, data_parallel=False
     ).module

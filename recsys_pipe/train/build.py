@@ -27,7 +27,7 @@ from recsys_pipe.data import RankData
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.models.base import ShardedModelConfig
-from recsys_pipe.pp.config import data_replica, is_pipelined
+from recsys_pipe.pp.config import data_replica, is_pipelined, pipelined_tables
 from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.verify import CollectiveGuard
 from recsys_pipe.train.checkpoint import Checkpointer
@@ -239,12 +239,16 @@ def describe_model(run: RunConfig, plan: CompiledPlan, world_size: int, local_si
         spec = run.data.spec()
         with torch.device("meta"):
             module = run.model.build(spec)
-        if run.model.compute_kernel == "fused":  # as in training
+        cfg, ranks, where = run.model, world_size, ""
+        if is_pipelined(run):  # the first stage's tables, over its data-parallel group (recsys_pipe.pp.train)
+            ranks = max(1, world_size // run.parallel.pp.size)
+            cfg, local_size, where = pipelined_tables(cfg), min(local_size, ranks), " (the first stage's replicas)"
+        if cfg.compute_kernel == "fused":  # as in training
             optimize_tables_in_backward(module, *sparse_optimizer(run.optimizer.sparse))
-        sharding = sharding_plan(module, run.model, world_size, device_type, local_size, batch_size=run.data.batch_size)
+        sharding = sharding_plan(module, cfg, ranks, device_type, local_size, batch_size=run.data.batch_size)
         lines.append(
             f"model: {run.model.label} (torchrec tables, model.sharding={run.model.sharding}; sharding plan for "
-            f"{world_size} rank(s), {local_size} per host, on {device_type})"
+            f"{ranks} rank(s){where}, {local_size} per host, on {device_type})"
         )
         lines.append(str(sharding).strip("\n"))
     elif run.trainer.dense_ddp == "megatron":

@@ -137,8 +137,16 @@ def test_a_csv_schedule_is_checked_against_the_config(tmp_path):
             ],
         ),
         (
-            ["parallel.pp.schedule=dualpipev", "parallel.pp.microbatches=4", "model.num_layers=4"],
-            ["rank 0 (stages 0, 3):", "rank 1 (stages 1, 2):", "each rank runs its action list in order"],
+            ["parallel.pp.schedule=dualpipev", "parallel.pp.microbatches=4", "model.num_layers=4", "world_size=4"],
+            [
+                "rank 0 (stages 0, 3):",
+                "rank 1 (stages 1, 2):",
+                "each rank runs its action list in order",
+                # 2 x 2 ranks: the tables shard over the first stage's 2 replicas, on the dense kernel
+                "model: hstu (torchrec tables, model.sharding=table_wise; sharding plan for 2 rank(s) (the first "
+                "stage's replicas)",
+                "item_table   | table_wise    | dense          | [0]",
+            ],
         ),
     ],
 )
