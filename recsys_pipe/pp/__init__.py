@@ -25,6 +25,7 @@ _EXPORTS = {
     "check_pipeline_parallel": "config",
     "data_replica": "config",
     "is_pipelined": "config",
+    "pipelined_tables": "config",
     "split_layers": "config",
     "MICROBATCH_DROPOUT": "dropout",
     "MicrobatchDropoutRng": "dropout",

@@ -20,7 +20,7 @@ stage's forward and backward, which every replica's schedule runs in the same or
 gradient arrives summed over the replicas, as in an unpipelined run (torchrec's backward
 all-to-all adds every rank's gradient of the rows; DDP averages only the dense weights), so
 the stage averages all but the tables' (`StageRuntime.summed_params`). A checkpoint holds the
-tables and their optimizer state (Adam's moments) as `ShardedTensor`s laid out like the tables.
+tables and their optimizer state (e.g. Adam's moments) as `ShardedTensor`s laid out like the tables.
 
 In evaluation mode a call runs the batch forward through the stages (HSTU ranking: the last
 stage keeps the logits and labels the metrics read). Not yet: the retrieval models' evaluation,
