@@ -20,6 +20,7 @@ from typing import Any
 __all__ = [
     "FAULT_ENV",
     "FAULT_OVERRIDE",
+    "PRELOADED",
     "StaleEmbeddingLoop",
     "check_torchrun",
     "compose",
@@ -30,6 +31,7 @@ __all__ = [
     "run_stale_embedding_reference",
     "run_torchrec_pipeline",
     "torchrec_pipeline",
+    "run_ranks",
     "run_torchrun",
 ]
 
@@ -73,6 +75,105 @@ def run_torchrun(
         timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
+
+
+#: what a training rank imports: the fork server of `run_ranks` imports them once
+PRELOADED = ["torchrec.distributed", "torchmetrics", "recsys_pipe.cli.train", "recsys_pipe.train.build"]
+
+
+def run_ranks(
+    script: str | os.PathLike, *args: str, nproc: int = 2, timeout: float = 500, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`script args...` as `nproc` ranks in torchrun's environment, each forked from a server
+    process that has imported torch, torchrec and this package once; the same result as
+    `run_torchrun` (output captured, `TimeoutExpired` after `timeout`).
+
+    For the tests whose subject is what the ranks compute, not the launcher: a torchrun launch
+    spends about 10 CPU-seconds importing torch, torchrec and this package again in an agent and
+    in every rank. Built on multiprocessing's fork server (a clean process, started once, which
+    imports `PRELOADED` and forks each rank; forking the caller instead would copy its state,
+    e.g. a test runner's threads or compile workers, and can hang) and torch's
+    `torch.multiprocessing.start_processes` (a failed rank ends the others, as torchrun does).
+    This process hosts the group's store, as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE`),
+    so no rank races another for a port. A rank gets this process's environment and working
+    directory. The tests that are about torchrun itself (restarts, signals, failures) keep
+    `run_torchrun`."""
+    import multiprocessing
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    # takes effect when the server starts; "__main__" (guarded, as multiprocessing requires: a
+    # test runner's) imported there too, or every rank would import it again
+    multiprocessing.set_forkserver_preload(["__main__", *PRELOADED])
+    store = dist.TCPStore("127.0.0.1", 0, nproc, True, wait_for_workers=False)
+    variables = {
+        **os.environ,
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    with tempfile.TemporaryDirectory(prefix="run_ranks_") as logs:
+        context = mp.start_processes(
+            _rank_main,
+            (str(Path(script).resolve()), args, variables, os.getcwd(), logs),
+            nprocs=nproc,
+            join=False,
+            start_method="forkserver",
+        )
+        deadline, code = time.monotonic() + timeout, 0
+        try:
+            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired([str(script), *args], timeout)
+        except mp.ProcessExitedException as failed:
+            code = failed.exit_code
+        except mp.ProcessRaisedException as failed:  # the rank's traceback, as its stderr would show
+            code = 1
+            with Path(logs, f"stderr{failed.error_index}").open("a") as stderr:
+                stderr.write(str(failed))
+        finally:
+            for process in context.processes:  # the others, once one failed or time ran out
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            del store
+        outputs = [
+            "".join(
+                Path(logs, f"{kind}{r}").read_text(errors="replace")
+                for r in range(nproc)
+                if Path(logs, f"{kind}{r}").exists()
+            )
+            for kind in ("stdout", "stderr")
+        ]
+    return subprocess.CompletedProcess([str(script), *args], code, *outputs)
+
+
+def _rank_main(rank: int, script: str, args: tuple[str, ...], variables: dict[str, str], cwd: str, logs: str) -> None:
+    """One rank of `run_ranks`, as `python script args...` would start it: its output to the log
+    directory, the caller's environment with torchrun's variables, the caller's working
+    directory, the script's folder first on sys.path, the script run as `__main__`; a script's
+    `sys.exit(code)` is the rank's exit code."""
+    import runpy
+
+    for fd, kind in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(Path(logs, f"{kind}{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the rank's own stdout)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(variables, RANK=str(rank), LOCAL_RANK=str(rank))
+    os.chdir(cwd)
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def read_rank_results(directory: str | os.PathLike, nproc: int = 2) -> list[Any]:

@@ -2,35 +2,18 @@
 with collective tasks skipped by shortcut replay; a skipped task keeps a DDP graph connected."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from recsys_pipe.testing import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_two_ranks_different_thread_maps_never_deadlock_and_match_sequential(tmp_path):
     worker = Path(__file__).resolve().parents[1] / "dist" / "nccl_order_worker.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--standalone",
-            str(worker),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env,
-    )
+    proc = run_ranks(worker, str(tmp_path), timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["ok"] for r in ranks)

@@ -6,16 +6,15 @@ stages) equal too. With data parallelism, the first stage's tables are sharded o
 replicas and get an unpipelined run's gradients."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from recsys_pipe.testing import run_ranks
 from recsys_pipe.train.checkpoint import read_metadata
 
-pytestmark = pytest.mark.slow  # torchrun launches
+pytestmark = pytest.mark.slow  # multi-rank runs (forked ranks: `run_ranks`)
 
 BIN = Path(sys.executable).parent  # the environment's console scripts, on PATH or not
 
@@ -33,15 +32,7 @@ COMMON = [
 def _train(out: Path, nproc: int, *overrides: str) -> list[dict]:
     """Train; the records of metrics.jsonl: each step's loss, each evaluation's loss, log loss
     and AUC (timings left out)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    command = [*launcher, "--no-python", "recsys-train"] if nproc > 1 else ["recsys-train"]
-    proc = subprocess.run(
-        [*command, *COMMON, *overrides, f"trainer.output_dir={out}"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"},
-    )
+    proc = run_ranks(BIN / "recsys-train", *COMMON, *overrides, f"trainer.output_dir={out}", nproc=nproc, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (metrics,) = out.glob("recsys-train/*/metrics.jsonl")
     keys = ("step", "loss", "eval_loss", "log_loss", "auc")
@@ -155,17 +146,17 @@ def test_the_sharded_tables_gradients_are_those_of_an_unpipelined_run(tmp_path, 
 
 
 def test_recsys_profile_draws_each_ranks_pipeline_timeline_and_bubble(tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python"]
     overrides = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.log_every", "trainer.eval"))]
     overrides += ["trainer.eval_every=0", "trainer.eval_epochs=0"]
     profile = ["profile.exposed=false", "profile.iters=3", "profile.warmup=1", "profile.rounds=1"]
-    proc = subprocess.run(
-        [*launcher, "recsys-profile", *overrides, *profile, "parallel.pp.size=2", "parallel.pp.schedule=zb_h1"]
-        + [f"trainer.output_dir={tmp_path}"],
-        capture_output=True,
-        text=True,
+    proc = run_ranks(
+        BIN / "recsys-profile",
+        *overrides,
+        *profile,
+        "parallel.pp.size=2",
+        "parallel.pp.schedule=zb_h1",
+        f"trainer.output_dir={tmp_path}",
         timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = tmp_path.glob("recsys-profile/*")

@@ -1,4 +1,4 @@
-"""End-to-end training on 2 ranks (torchrun, gloo, CPU): every plan trains the same numbers.
+"""End-to-end training on 2 ranks (forked ranks, gloo, CPU): every plan trains the same numbers.
 
 Tolerance: bitwise (torch.equal / identical floats). On CPU every kernel is deterministic and
 every plan performs the same operations in the same order on the same batches, so any
@@ -7,13 +7,12 @@ weights of the wrong step), not floating-point noise.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from recsys_pipe.testing import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -23,22 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "tests" / "dist" / "train_parity_worker.py"),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = run_ranks(ROOT / "tests" / "dist" / "train_parity_worker.py", str(out), timeout=500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for data in ranks:  # the accumulation check's tables, saved as tensors
