@@ -192,20 +192,23 @@ def main() -> None:
                 results[clock][name].append(value)
     report: dict = {"steps": args.steps, "reps": args.reps, "threads": args.threads}
     for clock, table in results.items():
-        ref = table["reference"]
-        report[clock] = {
-            name: {
-                "samples_per_s": summary(values, 1),
-                **({} if name == "reference" else {"over_reference": summary(a / b for a, b in zip(values, ref))}),
-            }
-            for name, values in table.items()
-        }
+        report[clock] = {}
+        for name, values in table.items():
+            entry = report[clock][name] = {"samples_per_s": summary(values, 1), "values": [round(v, 1) for v in values]}
+            for base in ("reference", "neither"):  # paired ratios, repetition by repetition
+                if name not in ("reference", base) and base in table:
+                    entry[f"over_{base}"] = summary(a / b for a, b in zip(values, table[base]))
         print(f"-- {clock} clock")
         for name, r in report[clock].items():
             s = r["samples_per_s"]
             line = f"{name:14} {s['median']:8.1f} samples/s ({s['min']}-{s['max']})"
-            if "over_reference" in r:
-                o = r["over_reference"]
-                line += f"  / reference {o['median']:.3f} ({o['min']}-{o['max']})"
+            for base in ("reference", "neither"):
+                if f"over_{base}" in r:
+                    o = r[f"over_{base}"]
+                    line += f"  / {base} {o['median']:.3f} ({o['min']}-{o['max']})"
             print(line)
     print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
