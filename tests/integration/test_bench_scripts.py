@@ -147,3 +147,10 @@ def test_sasrec_levers_off_put_back_torchs_stock_paths():
     assert AdamConfig().build(params).defaults["fused"]
     with levers_off(("fused_adam",)):
         assert not torch.equal(drop(), stock)
+
+
+def test_recsys_bench_sasrec_runs_its_main():
+    """`recsys-bench sasrec --help` reaches the benchmark's own parser (its `__main__` guard)."""
+    out = run_bench("sasrec", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--levers" in out.stdout and "--reference" in out.stdout
