@@ -91,7 +91,7 @@ def test_keep_mask_keeps_each_element_with_probability_keep_independently(keep, 
     from recsys_pipe.models.dropout import _threshold, keep_mask
 
     got_bits, got_threshold = _threshold(keep)
-    assert got_bits == bits and abs(got_threshold / 2**bits - keep) <= 2**-33
+    assert got_bits == bits and abs(got_threshold / 2**bits - keep) <= 2**-32
     if threshold is not None:
         assert got_threshold == threshold
     n = 1 << 20
