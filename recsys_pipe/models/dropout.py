@@ -10,7 +10,7 @@ one (a unit test, a script) draws from torch's default generator, as `nn.Dropout
 
 The mask has `F.dropout`'s distribution (each element kept with probability `1 - p`, kept ones
 scaled by `1 / (1 - p)`) but is drawn from random bits compared with a threshold (`keep_mask`)
-rather than by `bernoulli_`: torch's CPU `bernoulli_` draws one double per element, 5-12 ms
+rather than by `bernoulli_`: torch's CPU `bernoulli_` draws one double per element, 4-12 ms
 for one of SASRec's 320,000-element masks against 0.4 ms here (docs/benchmarks.md, SASRec).
 Every site knows its index among the model's dropout sites (`Dropout.site`), so the generator
 can be chosen per site.
