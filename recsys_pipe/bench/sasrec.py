@@ -26,7 +26,7 @@ import contextlib
 import importlib.util
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -38,6 +38,7 @@ from recsys_pipe.bench.common import summary
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
 from recsys_pipe.train import Trainer, training_plan
+from recsys_pipe.train.optim import AdamConfig
 
 MAX_LEN, BATCH = 50, 128
 
@@ -49,7 +50,7 @@ def bernoulli_dropout(x: torch.Tensor, p: float, generator: torch.Generator | No
     return x * torch.empty_like(x).bernoulli_(1 - p, generator=generator).div_(1 - p)
 
 
-def loop_adam(cfg, params) -> torch.optim.Optimizer:
+def loop_adam(cfg: AdamConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """`optimizer=adam` on torch's per-parameter loop (its CPU default): the `fused_adam` lever switched off."""
     return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
