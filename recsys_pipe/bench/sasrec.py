@@ -8,19 +8,28 @@ item table included: ours on torchrec's dense kernel) in one process with `--thr
 repetitions alternate between the two so that load on the machine hits both alike. The
 reference trains on the same samples, left-padded as its own sampler pads them (the time of its
 multi-process sampler is not counted; ours includes the data loader). Prints samples/s of each,
-median (min-max), and the ratio ours / reference.
+median (min-max), and the ratio ours / reference, by the wall clock and by the process's CPU
+clock (samples per CPU-second: on a machine shared with other jobs it varies far less; with one
+thread the two agree on an idle machine).
 
-    recsys-bench sasrec --data Video.txt --reference SASRec.pytorch/python
+`--levers` also trains ours with each speed lever switched back to torch's stock path, to
+measure what each one saves: `mask` (dropout masks by `bernoulli_` instead of `keep_mask`),
+`fused_adam` (Adam's per-parameter loop instead of the fused kernel), and both.
+
+    recsys-bench sasrec --data Video.txt --reference SASRec.pytorch/python [--levers]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import torch
@@ -29,12 +38,46 @@ from recsys_pipe.bench.common import summary
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
 from recsys_pipe.train import Trainer, training_plan
+from recsys_pipe.train.optim import AdamConfig
 
 MAX_LEN, BATCH = 50, 128
 
 
-def ours(data: str, steps: int, info) -> float:
-    """Samples/s of recsys_pipe's trainer on the reference's configuration (serial plan, `steps` steps)."""
+def bernoulli_dropout(x: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Dropout as `F.dropout` draws it on the CPU (`bernoulli_`): the `mask` lever switched off."""
+    if p == 0:
+        return x
+    return x * torch.empty_like(x).bernoulli_(1 - p, generator=generator).div_(1 - p)
+
+
+def loop_adam(cfg: AdamConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """`optimizer=adam` on torch's per-parameter loop (its CPU default): the `fused_adam` lever switched off."""
+    return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+#: the variants `--levers` trains: name -> the levers switched off
+LEVERS_OFF = {
+    "all levers": (),
+    "no mask": ("mask",),
+    "no fused_adam": ("fused_adam",),
+    "neither": ("mask", "fused_adam"),
+}
+
+
+@contextlib.contextmanager
+def levers_off(names: tuple[str, ...]) -> Iterator[None]:
+    """Within the block, the levers `names` use torch's stock path (module attributes patched)."""
+    with contextlib.ExitStack() as stack:
+        if "mask" in names:
+            stack.enter_context(mock.patch("recsys_pipe.models.dropout.dropout", bernoulli_dropout))
+        if "fused_adam" in names:
+            stack.enter_context(mock.patch("recsys_pipe.train.optim.build_adam", loop_adam))
+        yield
+
+
+def ours(data: str, steps: int, info) -> tuple[float, float]:
+    """Samples/s of recsys_pipe's trainer on the reference's configuration (serial plan, `steps`
+    steps), by the wall clock and by the CPU clock."""
     run = load_run(
         "data=sequences",
         f"data.path={data}",
@@ -52,7 +95,9 @@ def ours(data: str, steps: int, info) -> float:
     )
     trainer = Trainer(run, training_plan(run), info)
     try:
-        return trainer.fit().samples_per_s
+        cpu = time.process_time()
+        summary_ = trainer.fit()
+        return summary_.samples_per_s, summary_.samples / (time.process_time() - cpu)
     finally:
         trainer.close()
 
@@ -88,8 +133,9 @@ def reference_model_class(model_dir: str) -> type:
     return module.SASRec
 
 
-def reference(model_dir: str, num_users: int, num_items: int, batches) -> float:
-    """Samples/s of the reference implementation training `batches` (its own loop and optimiser)."""
+def reference(model_dir: str, num_users: int, num_items: int, batches) -> tuple[float, float]:
+    """Samples/s of the reference implementation training `batches` (its own loop and
+    optimiser), by the wall clock and by the CPU clock."""
     SASRec = reference_model_class(model_dir)
 
     args = SimpleNamespace(
@@ -104,7 +150,7 @@ def reference(model_dir: str, num_users: int, num_items: int, batches) -> float:
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
     bce = torch.nn.BCEWithLogitsLoss()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for users, seq, pos, neg in batches:
         pos_logits, neg_logits = model(users, seq, pos, neg)
         indices = np.where(pos != 0)
@@ -113,17 +159,19 @@ def reference(model_dir: str, num_users: int, num_items: int, batches) -> float:
         loss = loss + bce(neg_logits[indices], torch.zeros_like(neg_logits[indices]))
         loss.backward()
         optimizer.step()
-    return len(batches) * BATCH / (time.perf_counter() - start)
+    samples = len(batches) * BATCH
+    return samples / (time.perf_counter() - start), samples / (time.process_time() - cpu)
 
 
 def main() -> None:
-    """Alternate the two implementations `--reps` times; print samples/s and the ratio, then one JSON line."""
+    """Alternate the implementations `--reps` times; print samples/s and the ratios, then one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help='"user item" file, e.g. Video.txt')
     parser.add_argument("--reference", required=True, help="directory of the reference implementation's model.py")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--levers", action="store_true", help="also train ours with each speed lever switched off")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     info = init_distributed("cpu", "gloo")
@@ -131,22 +179,35 @@ def main() -> None:
 
     dataset = SequencesDataConfig(path=args.data).dataset(0, 1)
     batches = reference_batches(args.data, args.steps)
-    results: dict[str, list[float]] = {"ours": [], "reference": []}
-    for _ in range(args.reps):
-        results["ours"].append(ours(args.data, args.steps, info))
-        results["reference"].append(reference(args.reference, dataset.num_users, dataset.num_items, batches))
-    ratios = [a / b for a, b in zip(results["ours"], results["reference"])]
-    report = {
-        "samples_per_s": {name: summary(values, 1) for name, values in results.items()},
-        "ratio_ours_over_reference": summary(ratios),
-        "steps": args.steps,
-        "reps": args.reps,
-        "threads": args.threads,
-    }
-    for name, s in report["samples_per_s"].items():
-        print(f"{name:10} {s['median']:8.1f} samples/s ({s['min']}-{s['max']})")
-    r = report["ratio_ours_over_reference"]
-    print(f"ours / reference: {r['median']:.3f} ({r['min']}-{r['max']})")
+    variants = LEVERS_OFF if args.levers else {"ours": ()}
+    names = [*variants, "reference"]
+    results: dict[str, dict[str, list[float]]] = {clock: {name: [] for name in names} for clock in ("wall", "cpu")}
+    for rep in range(args.reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # the order rotates
+            if name == "reference":
+                speeds = reference(args.reference, dataset.num_users, dataset.num_items, batches)
+            else:
+                with levers_off(variants[name]):
+                    speeds = ours(args.data, args.steps, info)
+            for clock, value in zip(("wall", "cpu"), speeds):
+                results[clock][name].append(value)
+    report: dict = {"steps": args.steps, "reps": args.reps, "threads": args.threads}
+    for clock, table in results.items():
+        report[clock] = {}
+        for name, values in table.items():
+            entry = report[clock][name] = {"samples_per_s": summary(values, 1), "values": [round(v, 1) for v in values]}
+            for base in ("reference", "neither"):  # paired ratios, repetition by repetition
+                if name not in ("reference", base) and base in table:
+                    entry[f"over_{base}"] = summary(a / b for a, b in zip(values, table[base]))
+        print(f"-- {clock} clock")
+        for name, r in report[clock].items():
+            s = r["samples_per_s"]
+            line = f"{name:14} {s['median']:8.1f} samples/s ({s['min']}-{s['max']})"
+            for base in ("reference", "neither"):
+                if f"over_{base}" in r:
+                    o = r[f"over_{base}"]
+                    line += f"  / {base} {o['median']:.3f} ({o['min']}-{o['max']})"
+            print(line)
     print(json.dumps(report))
 
 

@@ -8,8 +8,10 @@ masks come from the `DropoutRng` attached to the model (`DropoutRng.attach`), wh
 dropout draws from and which a checkpoint saves (`recsys_pipe.train.rng`). A model used without
 one (a unit test, a script) draws from torch's default generator, as `nn.Dropout` does.
 
-The mask is drawn and applied exactly as `F.dropout` does it on the CPU (`bernoulli_(1 - p)`,
-divided by `1 - p`, multiplied in): given the same generator state, the output is the same bits.
+The mask has `F.dropout`'s distribution (each element kept with probability `1 - p`, kept ones
+scaled by `1 / (1 - p)`) but is drawn from random bits compared with a threshold (`keep_mask`)
+rather than by `bernoulli_`: torch's CPU `bernoulli_` draws one double per element, 4-12 ms
+for one of SASRec's 320,000-element masks against 0.4 ms here (docs/benchmarks.md, SASRec).
 Every site knows its index among the model's dropout sites (`Dropout.site`), so the generator
 can be chosen per site.
 """
@@ -19,18 +21,51 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Dropout", "DropoutRng", "dropout"]
+__all__ = ["Dropout", "DropoutRng", "dropout", "keep_mask"]
+
+
+#: signed integer dtypes by width in bits, the views of the random words a mask compares
+_WORDS = {8: torch.int8, 16: torch.int16, 32: torch.int32}
+
+
+def _threshold(keep: float) -> tuple[int, int]:
+    """(bits per element, threshold t): an element is kept when its `bits` uniform random bits,
+    read as an unsigned integer u, have u < t, so with probability t / 2**bits. The fewest bits
+    that give `keep` exactly (p = 0.5: 8 bits); otherwise 32 bits with t = round(keep * 2**32),
+    within 2**-32 of `keep` (finer than the float32 uniform `torch.rand` draws)."""
+    for bits in (8, 16):
+        scaled = keep * 2**bits
+        if scaled == int(scaled):
+            return bits, int(scaled)
+    return 32, min(max(round(keep * 2**32), 0), 2**32 - 1)
+
+
+def keep_mask(shape: torch.Size, keep: float, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """A bool tensor of `shape`, each element True with probability `keep` (see `_threshold`),
+    independently, drawn from `generator`.
+
+    Written by hand because torch has no cheap Bernoulli sampler on the CPU: `bernoulli_` and
+    `rand` draw a float per element. Here one full-range `random_` over int64 words yields 64
+    random bits per word (two 32-bit draws of the generator), viewed as 8-, 16- or 32-bit
+    signed integers s; u = s + 2**(bits-1) is uniform on [0, 2**bits), so u < t reads as
+    s < t - 2**(bits-1).
+    """
+    bits, threshold = _threshold(keep)
+    n = shape.numel()
+    words = torch.empty((n * bits + 63) // 64, dtype=torch.int64, device=device)
+    words.random_(-(2**63), None, generator=generator)
+    return (words.view(_WORDS[bits])[:n] < threshold - 2 ** (bits - 1)).view(shape)
 
 
 def dropout(x: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """`F.dropout(x, p, training=True)` with the mask drawn from `generator` (torch's default
-    generator of `x`'s device when None): each element kept with probability `1 - p` and scaled
-    by `1 / (1 - p)`; `p == 0` returns `x` itself."""
+    """`F.dropout(x, p, training=True)`'s distribution with the mask drawn from `generator`
+    (torch's default generator of `x`'s device when None) by `keep_mask`: each element kept with
+    probability `1 - p` and scaled by `1 / (1 - p)`; `p == 0` returns `x` itself."""
     if p == 0:
         return x
     if p == 1:
         return x * torch.zeros((), dtype=x.dtype, device=x.device)
-    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator)
+    noise = keep_mask(x.shape, 1 - p, generator, x.device).to(x.dtype)
     noise.div_(1 - p)
     return x * noise
 

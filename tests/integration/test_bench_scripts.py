@@ -119,3 +119,38 @@ def test_sasrec_loads_the_reference_model_by_path(tmp_path):
     assert sys.path == path_before
     with pytest.raises(SystemExit, match="no model.py in"):
         reference_model_class(str(tmp_path / "missing"))
+
+
+def test_sasrec_levers_off_put_back_torchs_stock_paths():
+    """`--levers` measures each lever against torch's stock path: within `levers_off` the
+    model's dropout draws `bernoulli_` masks and `optimizer=adam` runs the per-parameter loop;
+    outside, the bit-threshold masks and the fused kernel."""
+    import torch
+
+    from recsys_pipe.bench.sasrec import levers_off
+    from recsys_pipe.models.dropout import Dropout, DropoutRng
+    from recsys_pipe.train.optim import AdamConfig
+
+    x = torch.ones(4096)
+
+    def drop() -> torch.Tensor:
+        site = Dropout(0.5)
+        DropoutRng(7).attach(site)
+        return site(x)
+
+    stock = x * torch.empty_like(x).bernoulli_(0.5, generator=torch.Generator().manual_seed(7)).div_(0.5)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with levers_off(("mask", "fused_adam")):
+        assert torch.equal(drop(), stock)
+        assert not AdamConfig().build(params).defaults["fused"]
+    assert not torch.equal(drop(), stock)
+    assert AdamConfig().build(params).defaults["fused"]
+    with levers_off(("fused_adam",)):
+        assert not torch.equal(drop(), stock)
+
+
+def test_recsys_bench_sasrec_runs_its_main():
+    """`recsys-bench sasrec --help` reaches the benchmark's own parser (its `__main__` guard)."""
+    out = run_bench("sasrec", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--levers" in out.stdout and "--reference" in out.stdout

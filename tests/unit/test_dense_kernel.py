@@ -93,7 +93,7 @@ def test_a_dense_kernel_table_trains_like_a_torch_embedding_under_adam(one_rank,
     model = make_sharded_model(module, cfg, one_rank, torch.device("cpu"))
     adam = AdamConfig(lr=0.01, betas=(0.9, 0.98), clip_grad_norm=1.0)
     optimizer = TrainOptimizer(make_optimizer(model, adam.build), adam, total_steps=3, model=model)
-    torch_adam = torch.optim.Adam(reference.parameters(), lr=0.01, betas=(0.9, 0.98))
+    torch_adam = torch.optim.Adam(reference.parameters(), lr=0.01, betas=(0.9, 0.98), fused=True)  # as optimizer=adam
     assert list(optimizer.sharded_tables) == ["ec.embeddings.item_rows.weight"]
     assert optimizer.dense_params == []  # a table's gradient is never clipped (its rows are per rank)
     for step in range(3):

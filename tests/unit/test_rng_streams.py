@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from _process_group import one_rank_group
 from torch import nn
 
@@ -81,20 +80,48 @@ def _fit(info, overrides: list[str], run_dir: Path | None = None, restore: str |
 # -- the dropout function and its generator -------------------------------------------------------
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize(
+    ("keep", "bits", "threshold"),
+    [(0.5, 8, 128), (0.75, 8, 192), (0.9, 32, round(0.9 * 2**32)), (1 - 1 / 1024, 16, 65536 - 64), (0.1, 32, None)],
+)
+def test_keep_mask_keeps_each_element_with_probability_keep_independently(keep, bits, threshold):
+    """The mask's keep rate is `keep` (exact thresholds where `keep` allows), alike at every
+    position of the random words (a biased byte, e.g. the top bit of `random_`'s default
+    [0, 2**63) range, would show), and neighbouring elements are independent."""
+    from recsys_pipe.models.dropout import _threshold, keep_mask
+
+    got_bits, got_threshold = _threshold(keep)
+    assert got_bits == bits and abs(got_threshold / 2**bits - keep) <= 2**-32
+    if threshold is not None:
+        assert got_threshold == threshold
+    n = 1 << 20
+    mask = keep_mask(torch.Size([n]), keep, torch.Generator().manual_seed(1), torch.device("cpu")).float()
+    sigma = (keep * (1 - keep) / n) ** 0.5
+    assert abs(mask.mean().item() - keep) < 5 * sigma
+    per_slot = mask.view(-1, 64 // bits).mean(0)  # the rate of each position within a 64-bit word
+    assert (per_slot - keep).abs().max().item() < 5 * sigma * (64 // bits) ** 0.5
+    both = (mask[:-1] * mask[1:]).mean().item()  # neighbours kept together: keep**2 if independent
+    assert abs(both - keep**2) < 5 * (keep**2 * (1 - keep**2) / n) ** 0.5
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dropout_draws_the_same_bits_as_f_dropout_from_the_same_state(p, dtype):
+def test_dropout_scales_kept_elements_and_draws_only_from_its_generator(p, dtype):
+    """Kept elements are x / (1 - p), the others 0 (and so are their gradients); the same
+    generator state draws the same mask, the global generator is never drawn from."""
     from recsys_pipe.models.dropout import dropout
 
-    x = torch.randn(37, 53).to(dtype)
-    torch.manual_seed(3)
-    expected = F.dropout(x, p)
-    generator = torch.Generator().manual_seed(3)
+    x = (torch.rand(37, 53) + 0.5).to(dtype).requires_grad_()
     state = torch.get_rng_state()
-    got = dropout(x, p, generator)
-    assert torch.equal(got, expected)
-    assert torch.equal(torch.get_rng_state(), state)  # the global generator was not drawn from
-    assert torch.equal(dropout(x, 0.0, generator), x)
+    got = dropout(x, p, torch.Generator().manual_seed(3))
+    assert torch.equal(torch.get_rng_state(), state)
+    kept = got != 0
+    assert torch.equal(got[kept], x[kept] * torch.tensor(1 / (1 - p), dtype=dtype))
+    got.sum().backward()
+    assert torch.equal(x.grad, kept.to(dtype) / (1 - p))
+    assert torch.equal(dropout(x, p, torch.Generator().manual_seed(3)), got)
+    assert not torch.equal(dropout(x, p, torch.Generator().manual_seed(4)), got)
+    assert dropout(x, 0.0, torch.Generator()) is x
 
 
 def test_dropout_modules_are_identity_in_eval_and_restore_their_generator_state():
