@@ -82,7 +82,12 @@ PRELOADED = ["torchrec.distributed", "torchmetrics", "recsys_pipe.cli.train", "r
 
 
 def run_ranks(
-    script: str | os.PathLike, *args: str, nproc: int = 2, timeout: float = 500, env: dict[str, str] | None = None
+    script: str | os.PathLike,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 500,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
 ) -> subprocess.CompletedProcess:
     """`script args...` as `nproc` ranks in torchrun's environment, each forked from a server
     process that has imported torch, torchrec and this package once; the same result as
@@ -95,9 +100,9 @@ def run_ranks(
     e.g. a test runner's threads or compile workers, and can hang) and torch's
     `torch.multiprocessing.start_processes` (a failed rank ends the others, as torchrun does).
     This process hosts the group's store, as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE`),
-    so no rank races another for a port. A rank gets this process's environment and working
-    directory. The tests that are about torchrun itself (restarts, signals, failures) keep
-    `run_torchrun`."""
+    so no rank races another for a port. A rank gets this process's environment with `env` on
+    top, in `cwd` (default: this process's working directory). The tests that are about torchrun
+    itself (restarts, signals, failures) keep `run_torchrun`."""
     import multiprocessing
     import tempfile
 
@@ -122,7 +127,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="run_ranks_") as logs:
         context = mp.start_processes(
             _rank_main,
-            (str(Path(script).resolve()), args, variables, os.getcwd(), logs),
+            (str(Path(script).resolve()), args, variables, str(cwd or os.getcwd()), logs),
             nprocs=nproc,
             join=False,
             start_method="forkserver",

@@ -183,6 +183,12 @@ def _torchrun(
     )
 
 
+def _ranks(*args: str, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
+    """`recsys-train` on 2 ranks, the ranks forked (`run_ranks`): for the runs that are not about
+    torchrun (references, resumes); the killed and preempted runs go through torchrun."""
+    return run_ranks(BIN / "recsys-train", *CONFIG, *args, timeout=TIMEOUT, env=env, cwd=cwd)
+
+
 def _run_dir(output_dir: Path) -> Path:
     (path,) = (output_dir / "recsys-train").iterdir()
     return path
@@ -229,7 +235,7 @@ def _assert_same_checkpoint(a: Path, b: Path, tmp: Path) -> None:
 def reference(tmp_path_factory):
     """An uninterrupted 30-step run on 2 ranks (checkpoints at 10, 20, 30)."""
     out = tmp_path_factory.mktemp("reference")
-    proc = _torchrun("pipeline=serial", f"trainer.output_dir={out}", cwd=out)
+    proc = _ranks("pipeline=serial", f"trainer.output_dir={out}", cwd=out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return _run_dir(out)
 
@@ -242,7 +248,7 @@ ACCUMULATE = ("trainer.grad_accumulation.steps=2",)
 def accumulated_reference(tmp_path_factory):
     """The uninterrupted run of `reference` with gradient accumulation, on the hstu_prefetch plan."""
     out = tmp_path_factory.mktemp("accumulated_reference")
-    proc = _torchrun("pipeline=hstu_prefetch", *ACCUMULATE, f"trainer.output_dir={out}", cwd=out)
+    proc = _ranks("pipeline=hstu_prefetch", *ACCUMULATE, f"trainer.output_dir={out}", cwd=out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return _run_dir(out)
 
@@ -263,7 +269,7 @@ def test_sigkill_between_checkpoints_then_resume_is_bitwise(accumulated_referenc
     assert killed.returncode != 0 and "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
     crashed = _run_dir(tmp_path / "a")
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_10"]  # 20 was never reached
-    resumed = _torchrun(
+    resumed = _ranks(
         f"pipeline={plan}",
         *extra,
         f"trainer.output_dir={tmp_path}/b",
@@ -297,7 +303,7 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_at_the_same_step(reference, 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_8"]
     assert max(_losses(run_dir)) == 8
     # what a requeued job runs: the same command plus resume_from=latest (newest under output_dir)
-    resumed = _torchrun(
+    resumed = _ranks(
         "pipeline=hstu_prefetch", f"trainer.output_dir={tmp_path}/a", "trainer.resume_from=latest", cwd=tmp_path
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
