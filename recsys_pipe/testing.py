@@ -31,7 +31,7 @@ __all__ = [
     "run_stale_embedding_reference",
     "run_torchrec_pipeline",
     "torchrec_pipeline",
-    "run_ranks",
+    "fork_ranks",
     "run_torchrun",
 ]
 
@@ -77,11 +77,11 @@ def run_torchrun(
     )
 
 
-#: what a training rank imports: the fork server of `run_ranks` imports them once
+#: what a training rank imports: the fork server of `fork_ranks` imports them once
 PRELOADED = ["torchrec.distributed", "torchmetrics", "recsys_pipe.cli.train", "recsys_pipe.train.build"]
 
 
-def run_ranks(
+def fork_ranks(
     script: str | os.PathLike,
     *args: str,
     nproc: int = 2,
@@ -102,7 +102,19 @@ def run_ranks(
     This process hosts the group's store, as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE`),
     so no rank races another for a port. A rank gets this process's environment with `env` on
     top, in `cwd` (default: this process's working directory). The tests that are about torchrun
-    itself (restarts, signals, failures) keep `run_torchrun`."""
+    itself (restarts, signals, failures) keep `run_torchrun`.
+
+    Args:
+        script: a Python file run as `__main__` by every rank (a worker, or a console script
+            such as `.venv/bin/recsys-train`), with `args` as its command line.
+        nproc: ranks (1 is a one-rank group with torchrun's variables, not a plain process).
+        timeout: seconds before every rank is killed and `subprocess.TimeoutExpired` raised.
+        env: variables set for the ranks on top of this process's environment.
+        cwd: the ranks' working directory.
+
+    Returns:
+        The ranks' output (rank 0's first) and the first failed rank's exit code, 0 if none
+        failed."""
     import multiprocessing
     import tempfile
 
@@ -124,7 +136,7 @@ def run_ranks(
         "OMP_NUM_THREADS": "1",
         **(env or {}),
     }
-    with tempfile.TemporaryDirectory(prefix="run_ranks_") as logs:
+    with tempfile.TemporaryDirectory(prefix="fork_ranks_") as logs:
         context = mp.start_processes(
             _rank_main,
             (str(Path(script).resolve()), args, variables, str(cwd or os.getcwd()), logs),
@@ -161,7 +173,7 @@ def run_ranks(
 
 
 def _rank_main(rank: int, script: str, args: tuple[str, ...], variables: dict[str, str], cwd: str, logs: str) -> None:
-    """One rank of `run_ranks`, as `python script args...` would start it: its output to the log
+    """One rank of `fork_ranks`, as `python script args...` would start it: its output to the log
     directory, the caller's environment with torchrun's variables, the caller's working
     directory, the script's folder first on sys.path, the script run as `__main__`; a script's
     `sys.exit(code)` is the rank's exit code."""
@@ -187,7 +199,7 @@ def read_rank_results(directory: str | os.PathLike, nproc: int = 2) -> list[Any]
 
 
 def check_torchrun(proc: subprocess.CompletedProcess, tail: int = 4000) -> None:
-    """Assert a torchrun launch succeeded, showing the end of its output if not."""
+    """Assert a launch (`run_torchrun`, `fork_ranks`) succeeded, showing the end of its output if not."""
     assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
 
 

@@ -15,7 +15,7 @@ from recsys_pipe.autosched import CostModel
 from recsys_pipe.cli.plan import run as plan_run
 from recsys_pipe.cli.profile import run as profile_run
 from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, Task, ThreadedExecutor
-from recsys_pipe.testing import load_run, run_ranks
+from recsys_pipe.testing import fork_ranks, load_run
 from recsys_pipe.train.torch_profile import StepWindow
 
 BIN = Path(sys.executable).parent
@@ -47,7 +47,7 @@ def test_profile_command_on_the_hstu_plan_with_two_ranks_writes_every_file(tmp_p
         "data.num_batches=16",
         f"trainer.output_dir={tmp_path}/runs",
     ]
-    proc = run_ranks(BIN / "recsys-profile", *args, timeout=280, cwd=tmp_path)  # 2 ranks
+    proc = fork_ranks(BIN / "recsys-profile", *args, timeout=280, cwd=tmp_path)  # 2 ranks
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs" / "recsys-profile").iterdir()
     assert {p.name for p in run_dir.iterdir()} == {

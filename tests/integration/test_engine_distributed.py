@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from recsys_pipe.testing import run_ranks
+from recsys_pipe.testing import fork_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_two_ranks_different_thread_maps_never_deadlock_and_match_sequential(tmp_path):
     worker = Path(__file__).resolve().parents[1] / "dist" / "nccl_order_worker.py"
-    proc = run_ranks(worker, str(tmp_path), timeout=150)
+    proc = fork_ranks(worker, str(tmp_path), timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["ok"] for r in ranks)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError, TaskConfig, compile_plan, structure_only
 from recsys_pipe.data import CriteoDataConfig, MovieLensDataConfig, RankData
-from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, run_ranks
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, fork_ranks
 from recsys_pipe.train.config import load_run_config
 
 
@@ -702,9 +702,9 @@ def test_library_warnings_once_per_job_on_rank_0_and_all_with_debug(recwarn):
 def test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads(tmp_path):
     """Shapes and keys are compared with the checkpoint's metadata in DCP's load planner, before
     any tensor is read: exit 2 and one line naming the parameters that differ."""
-    train = ["pipeline=serial", *SMOKE, "trainer.max_steps=2"]  # one rank, forked (`run_ranks`)
+    train = ["pipeline=serial", *SMOKE, "trainer.max_steps=2"]  # one rank, forked (`fork_ranks`)
     save = ["trainer.checkpoint.interval=2", f"hydra.run.dir={tmp_path}/old"]
-    saved = run_ranks(BIN / "recsys-train", *train, *save, **ONE_RANK, cwd=tmp_path)
+    saved = fork_ranks(BIN / "recsys-train", *train, *save, **ONE_RANK, cwd=tmp_path)
     assert saved.returncode == 0, saved.stderr[-3000:]
     # an explicit hydra.run.dir is the run directory as it is (no recsys-train/<time>/ under it)
     assert _status(tmp_path / "old")["status"] == "completed" and (tmp_path / "old" / "train.log").is_file()
@@ -717,7 +717,7 @@ def test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads(tmp_pa
         (["model=dlrm", "data=criteo_synthetic"], "it has no model.model."),
     ]:
         resume = [f"trainer.resume_from={tmp_path}/old", f"trainer.output_dir={tmp_path}/new"]
-        proc = run_ranks(BIN / "recsys-train", *train, *overrides, *resume, **ONE_RANK, cwd=tmp_path)
+        proc = fork_ranks(BIN / "recsys-train", *train, *overrides, *resume, **ONE_RANK, cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr[-3000:]
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
         assert line.startswith(f"error: trainer.resume_from: checkpoint {tmp_path}/old/checkpoints/step_2 does not fit")
@@ -976,7 +976,7 @@ BIN = Path(sys.executable).parent
 SMOKE = ["trainer=smoke", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.tensorboard=false"]
 
 
-#: `run_ranks` arguments of a one-rank run
+#: `fork_ranks` arguments of a one-rank run
 ONE_RANK = {"nproc": 1, "timeout": 180}
 
 

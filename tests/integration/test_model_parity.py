@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys_pipe.testing import check_torchrun, read_rank_results, run_ranks
+from recsys_pipe.testing import check_torchrun, fork_ranks, read_rank_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -32,7 +32,7 @@ SAME_AS_REFERENCE = [
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("model_parity")
-    check_torchrun(run_ranks(WORKER, str(out), timeout=350))
+    check_torchrun(fork_ranks(WORKER, str(out), timeout=350))
     return read_rank_results(out)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from recsys_pipe.autosched.pipeline_parallel import build, simulate
 from recsys_pipe.pp import measured_result
-from recsys_pipe.testing import check_torchrun, run_ranks
+from recsys_pipe.testing import check_torchrun, fork_ranks
 
 pytestmark = pytest.mark.slow  # torchrun launches
 
@@ -34,7 +34,7 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_parity")
-    check_torchrun(run_ranks("tests/dist/pp_parity_worker.py", str(out), timeout=240))
+    check_torchrun(fork_ranks("tests/dist/pp_parity_worker.py", str(out), timeout=240))
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -112,7 +112,7 @@ def test_the_measured_gantt_is_drawn(launch):
 @pytest.fixture(scope="module")
 def mesh_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_dp")
-    check_torchrun(run_ranks("tests/dist/pp_dp_worker.py", str(out), nproc=4, timeout=240))
+    check_torchrun(fork_ranks("tests/dist/pp_dp_worker.py", str(out), nproc=4, timeout=240))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from recsys_pipe.testing import run_ranks
+from recsys_pipe.testing import fork_ranks
 from recsys_pipe.train.checkpoint import read_metadata
 
-pytestmark = pytest.mark.slow  # multi-rank runs (forked ranks: `run_ranks`)
+pytestmark = pytest.mark.slow  # multi-rank runs (forked ranks: `fork_ranks`)
 
 BIN = Path(sys.executable).parent  # the environment's console scripts, on PATH or not
 
@@ -32,7 +32,7 @@ COMMON = [
 def _train(out: Path, nproc: int, *overrides: str) -> list[dict]:
     """Train; the records of metrics.jsonl: each step's loss, each evaluation's loss, log loss
     and AUC (timings left out)."""
-    proc = run_ranks(BIN / "recsys-train", *COMMON, *overrides, f"trainer.output_dir={out}", nproc=nproc, timeout=240)
+    proc = fork_ranks(BIN / "recsys-train", *COMMON, *overrides, f"trainer.output_dir={out}", nproc=nproc, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (metrics,) = out.glob("recsys-train/*/metrics.jsonl")
     keys = ("step", "loss", "eval_loss", "log_loss", "auc")
@@ -149,7 +149,7 @@ def test_recsys_profile_draws_each_ranks_pipeline_timeline_and_bubble(tmp_path):
     overrides = [c for c in COMMON if not c.startswith(("trainer.max_steps", "trainer.log_every", "trainer.eval"))]
     overrides += ["trainer.eval_every=0", "trainer.eval_epochs=0"]
     profile = ["profile.exposed=false", "profile.iters=3", "profile.warmup=1", "profile.rounds=1"]
-    proc = run_ranks(
+    proc = fork_ranks(
         BIN / "recsys-profile",
         *overrides,
         *profile,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, check_torchrun, read_rank_results, run_ranks
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, check_torchrun, fork_ranks, read_rank_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,7 +57,7 @@ TIMEOUT = 240
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
-    check_torchrun(run_ranks(WORKER, "main", str(out), timeout=TIMEOUT))
+    check_torchrun(fork_ranks(WORKER, "main", str(out), timeout=TIMEOUT))
     return out, read_rank_results(out)
 
 
@@ -184,9 +184,9 @@ def _torchrun(
 
 
 def _ranks(*args: str, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
-    """`recsys-train` on 2 ranks, the ranks forked (`run_ranks`): for the runs that are not about
+    """`recsys-train` on 2 ranks, the ranks forked (`fork_ranks`): for the runs that are not about
     torchrun (references, resumes); the killed and preempted runs go through torchrun."""
-    return run_ranks(BIN / "recsys-train", *CONFIG, *args, timeout=TIMEOUT, env=env, cwd=cwd)
+    return fork_ranks(BIN / "recsys-train", *CONFIG, *args, timeout=TIMEOUT, env=env, cwd=cwd)
 
 
 def _run_dir(output_dir: Path) -> Path:
@@ -381,7 +381,7 @@ def accumulation(tmp_path_factory):
     plans = ["serial", "sparse_dist", "hstu_prefetch"]
     for nproc in (2, 1):
         out = tmp_path_factory.mktemp(f"accumulation{nproc}")
-        check_torchrun(run_ranks(WORKER, "accumulation", str(out), *plans, nproc=nproc, timeout=TIMEOUT))
+        check_torchrun(fork_ranks(WORKER, "accumulation", str(out), *plans, nproc=nproc, timeout=TIMEOUT))
         runs[nproc] = [json.loads((out / f"accumulation_rank{r}.json").read_text()) for r in range(nproc)]
     return runs
 
@@ -423,7 +423,7 @@ def semi_sync(tmp_path_factory):
     per-rank results and the launch's output."""
     out = tmp_path_factory.mktemp("semi_sync")
     plans = ["semi_sync", "semi_sync_stash", "semi_sync/threaded"]
-    proc = run_ranks(WORKER, "semi_sync", str(out), *plans, timeout=TIMEOUT)
+    proc = fork_ranks(WORKER, "semi_sync", str(out), *plans, timeout=TIMEOUT)
     check_torchrun(proc)
     return [json.loads((out / f"semi_sync_rank{r}.json").read_text()) for r in range(2)], proc.stdout + proc.stderr
 

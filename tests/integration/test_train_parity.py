@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys_pipe.testing import run_ranks
+from recsys_pipe.testing import fork_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    proc = run_ranks(ROOT / "tests" / "dist" / "train_parity_worker.py", str(out), timeout=500)
+    proc = fork_ranks(ROOT / "tests" / "dist" / "train_parity_worker.py", str(out), timeout=500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for data in ranks:  # the accumulation check's tables, saved as tensors
