@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch import nn
@@ -18,17 +17,6 @@ from recsys_pipe.models import HSTUConfig
 from recsys_pipe.models.cpu_dense_lookup import unpooled_dense_lookup
 from recsys_pipe.models.sharding import make_optimizer, make_sharded_model, sharding_plan
 from recsys_pipe.train.optim import AdamConfig, TrainOptimizer
-
-
-@pytest.fixture
-def one_rank():
-    """A 1-rank gloo group in this process, removed again (no environment variables)."""
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if own_group:
-        dist.destroy_process_group()
 
 
 def test_unpooled_lookup_returns_each_ids_row_and_its_gradient():
@@ -84,13 +72,13 @@ class _Tables(nn.Module):
 
 
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
-def test_a_dense_kernel_table_trains_like_a_torch_embedding_under_adam(one_rank, sharding):
+def test_a_dense_kernel_table_trains_like_a_torch_embedding_under_adam(gloo_world, sharding):
     torch.manual_seed(0)
     module = _Tables()
     reference = nn.Embedding(12, 4)
     reference.weight.data.copy_(module.ec.embeddings["item_rows"].weight.data)
     cfg = HSTUConfig(sharding=sharding, compute_kernel="dense")
-    model = make_sharded_model(module, cfg, one_rank, torch.device("cpu"))
+    model = make_sharded_model(module, cfg, gloo_world, torch.device("cpu"))
     adam = AdamConfig(lr=0.01, betas=(0.9, 0.98), clip_grad_norm=1.0)
     optimizer = TrainOptimizer(make_optimizer(model, adam.build), adam, total_steps=3, model=model)
     torch_adam = torch.optim.Adam(reference.parameters(), lr=0.01, betas=(0.9, 0.98), fused=True)  # as optimizer=adam

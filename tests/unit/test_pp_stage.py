@@ -219,20 +219,7 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
         hstu_retrieval_stages(model, [[1], [0, 2]])
 
 
-@pytest.fixture
-def one_rank():
-    """A 1-rank gloo group in this process, removed again (no environment variables)."""
-    import torch.distributed as dist
-
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if own_group:
-        dist.destroy_process_group()
-
-
-def test_the_first_stages_tables_are_sharded_by_dmp_and_train_bitwise_as_plain_tables(one_rank):
+def test_the_first_stages_tables_are_sharded_by_dmp_and_train_bitwise_as_plain_tables(gloo_world):
     """`build_pipelined_model` on one rank (`parallel.pp.size=1`, 2 microbatches): the first
     stage's collection is torchrec's `ShardedEmbeddingCollection` on the dense kernel (whatever
     `model.compute_kernel` says), its tables are the stage's `summed_params`, and 2 steps (Adam,
@@ -286,14 +273,14 @@ def test_the_first_stages_tables_are_sharded_by_dmp_and_train_bitwise_as_plain_t
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
 
 
-def test_reduce_grads_averages_all_but_the_summed_params(one_rank):
+def test_reduce_grads_averages_all_but_the_summed_params(gloo_world):
     """As if a second replica had contributed zero gradients (`dp_size` 2 over this rank's
     group): the dense gradients are divided by 2, the sharded tables' (summed by their own
     backward) are left as they are."""
     dense, table = nn.Linear(2, 2), nn.Parameter(torch.ones(3, 2))
     module = nn.Module()
     module.dense, module.table = dense, table
-    runtime = StageRuntime(module, 0, 1, dp_group=one_rank, summed_params=[table])
+    runtime = StageRuntime(module, 0, 1, dp_group=gloo_world, summed_params=[table])
     runtime.dp_size = 2
     for p in module.parameters():
         p.grad = torch.full_like(p, 4.0)
