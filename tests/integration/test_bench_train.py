@@ -155,13 +155,13 @@ def test_quick_turns_the_gate_off_and_the_default_is_095(monkeypatch):
 
 
 def test_a_failed_gate_ends_the_benchmark_process_with_exit_1():
-    """Through the benchmarks' shared teardown (`fork_ranks`), as the benchmark ends: exit status 1."""
+    """Through the benchmarks' shared teardown (`run_ranks`), as the benchmark ends: exit status 1."""
     gate = speed_gate(fabricated_report(plan_seconds=1.0, class_seconds=0.9), 0.95, 0.10)
     code = (
         "import json, sys\n"
-        "from recsys_pipe.bench.common import fork_ranks\n"
+        "from recsys_pipe.bench.common import run_ranks\n"
         "from recsys_pipe.bench.train import enforce_speed_gate\n"
-        "fork_ranks(lambda: enforce_speed_gate(json.loads(sys.argv[1])))\n"
+        "run_ranks(lambda: enforce_speed_gate(json.loads(sys.argv[1])))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, json.dumps(gate)], capture_output=True, text=True, timeout=120, cwd=ROOT
