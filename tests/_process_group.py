@@ -1,4 +1,6 @@
-"""A 1-rank process group for tests that train in-process, made and torn down in one place."""
+"""1-rank process groups for tests that train in-process, made and torn down in one place:
+`one_rank_group` as a plain process makes it (a TCP store, its variables), `gloo_world` on an
+in-memory store (the `gloo_world` fixture of conftest)."""
 
 import contextlib
 from collections.abc import Iterator
@@ -23,3 +25,19 @@ def one_rank_group(start: bool = True) -> Iterator[object]:
             yield init_distributed("cpu", "gloo") if start else None
         finally:
             teardown()
+
+
+@contextlib.contextmanager
+def gloo_world() -> Iterator[object]:
+    """A 1-rank gloo group on an in-memory store (no environment variables, no port), removed
+    again; the group already there if the test made one. Yields the WORLD group."""
+    import torch.distributed as dist
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if own_group:
+            dist.destroy_process_group()

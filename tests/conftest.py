@@ -31,13 +31,8 @@ def no_process_group(monkeypatch):
 
 @pytest.fixture
 def gloo_world():
-    """A 1-rank gloo group in this process on an in-memory store (no environment variables, no
-    port), removed again; the group already there if a test made one."""
-    import torch.distributed as dist
+    """A 1-rank gloo group in this process on an in-memory store (`_process_group.gloo_world`)."""
+    from _process_group import gloo_world
 
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if own_group:
-        dist.destroy_process_group()
+    with gloo_world() as group:
+        yield group

@@ -58,7 +58,7 @@ class PipelineMesh:
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """The ranks holding this rank's stages in the other replicas; None without data parallelism."""
-        return self.mesh.get_group("dp") if self.dp_size > 1 else None
+        return self.table_group if self.dp_size > 1 else None
 
     @property
     def table_group(self) -> dist.ProcessGroup:
