@@ -91,26 +91,39 @@ def _unknown_key(error: Any, top: BaseException, schema: Any, search_dirs: Seque
     root = parent._get_root() if parent is not None else None
     values = OmegaConf.to_container(root, resolve=False) if isinstance(root, DictConfig) else {}
     siblings = list(parent.keys()) if isinstance(parent, DictConfig) else []
-    suggestions = closest_keys(path, values, schema, extra_siblings=siblings, groups=groups)
-    where = ""
+    where = note = ""
     source = re.match(r"In '([^']+)'", str(top))  # a config file, not the command line
     if source:
-        where = f" in {_locate(source.group(1), str(error.key), search_dirs)}"
-    return ConfigProblem(path, f"unknown key{where}{format_suggestions(suggestions)}")
+        location, written = _locate(source.group(1), error.key, search_dirs)
+        where = f" in {location}"
+        if isinstance(error.key, bool) and written:
+            # YAML 1.1 reads `on:`, `no:`, `y:` ... as a boolean key: name the key as written.
+            path = f"{path.rpartition('.')[0]}.{written}" if "." in path else written
+            note = f" (YAML reads the key `{written}` as {str(error.key).lower()}; quote it to mean the word)"
+    suggestions = closest_keys(path, values, schema, extra_siblings=siblings, groups=groups)
+    return ConfigProblem(path, f"unknown key{where}{note}{format_suggestions(suggestions)}")
 
 
-def _locate(config: str, key: str, search_dirs: Sequence[Path]) -> str:
+# The spellings YAML 1.1 (PyYAML, hence OmegaConf) reads as a boolean key.
+_YAML_BOOLS = {True: ("true", "yes", "on", "y"), False: ("false", "no", "off", "n")}
+
+
+def _locate(config: str, key: Any, search_dirs: Sequence[Path]) -> tuple[str, str]:
     """`file:line` of `key:` in the config file Hydra calls `config` (`pipeline/my_plan`), or
-    the config's name when the file is not in `search_dirs` (a packaged or structured config)."""
+    the config's name when the file is not in `search_dirs` (a packaged or structured config);
+    and the key as the file spells it ('' when not found)."""
+    spellings = _YAML_BOOLS[key] if isinstance(key, bool) else (str(key),)
+    alternatives = "|".join(re.escape(s) for s in spellings)
+    pattern = re.compile(rf"^\s*({alternatives})\s*:", re.IGNORECASE if isinstance(key, bool) else 0)
     for directory in search_dirs:
         file = Path(directory) / f"{config}.yaml"
         if file.is_file():
-            pattern = re.compile(rf"^\s*{re.escape(key)}\s*:")
             for number, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
-                if pattern.match(line):
-                    return f"{file}:{number}"
-            return str(file)
-    return f"{config}.yaml"
+                found = pattern.match(line)
+                if found:
+                    return f"{file}:{number}", found.group(1)
+            return str(file), ""
+    return f"{config}.yaml", ""
 
 
 def _missing_option(error: Any) -> ConfigProblem:

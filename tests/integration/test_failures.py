@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.cli import train as train_cli
@@ -536,6 +536,7 @@ TASK_FIELDS = sorted(TaskConfig.model_fields)
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(task=st.sampled_from(["h2d", "forward", "backward"]), field=st.sampled_from(TASK_FIELDS), edit=typo)
+@example(task="h2d", field="fn", edit=("replace", 0, "o"))  # `on:` is YAML's boolean true
 def test_a_misspelled_key_in_a_plan_file_gets_the_right_suggestion(task, field, edit, tmp_path, capsys):
     wrong = _near_miss(field, *edit)
     assume(len(wrong) >= 2 and wrong not in TASK_FIELDS)
