@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from recsys_pipe.testing import fork_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -17,6 +19,12 @@ BIN = Path(sys.executable).parent
 def run(args, tmp_path, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+
+
+def one_rank(args, tmp_path, timeout=300):
+    """`run` on a rank forked from a process that has imported the stack once (`fork_ranks`):
+    for the tests whose subject is what the run does, not how a plain process starts."""
+    return fork_ranks(args[0], *args[1:], nproc=1, timeout=timeout, cwd=tmp_path)
 
 
 def metrics(run_root):
@@ -66,7 +74,7 @@ def test_single_process_run_writes_run_dir_and_tensorboard(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_epochs_reshuffle_evaluate_at_epoch_ends_and_say_why_training_stopped(tmp_path):
-    proc = run(
+    proc = one_rank(
         [
             str(BIN / "recsys-train"),
             "pipeline=hstu_prefetch",
@@ -126,7 +134,7 @@ def test_sigterm_checkpoints_exits_75_and_latest_resumes(tmp_path):
     stopped = max(r["step"] for r in metrics(tmp_path / "r") if "loss" in r)
     assert f"SIGTERM received: stopped after step {stopped} on every rank" in err
     assert f"checkpoint step {stopped} -> " in err
-    again = run([*args, "trainer.max_steps=" + str(stopped + 2), "trainer.resume_from=latest"], tmp_path)
+    again = one_rank([*args, "trainer.max_steps=" + str(stopped + 2), "trainer.resume_from=latest"], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {tmp_path}/r/recsys-train/" in again.stderr and f"step {stopped}, epoch 1" in again.stderr
     newest = max((tmp_path / "r" / "recsys-train").iterdir(), key=lambda p: p.stat().st_mtime)
@@ -177,7 +185,7 @@ def test_resume_says_what_it_changes_and_when_there_is_nothing_to_train(tmp_path
     (not `loss nan -> nan`) and exits 0. sgd -> adam is refused with exit 2: the checkpoint has
     no Adam state."""
     common = [str(BIN / "recsys-train"), "trainer=smoke", "trainer.checkpoint.interval=4", "trainer.tensorboard=false"]
-    first = run([*common, "trainer.grad_accumulation.steps=4", f"trainer.output_dir={tmp_path}/a"], tmp_path)
+    first = one_rank([*common, "trainer.grad_accumulation.steps=4", f"trainer.output_dir={tmp_path}/a"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     changed = [
         *common,
@@ -187,7 +195,7 @@ def test_resume_says_what_it_changes_and_when_there_is_nothing_to_train(tmp_path
         f"trainer.output_dir={tmp_path}/a",
         "trainer.resume_from=latest",
     ]
-    again = run(changed, tmp_path)
+    again = one_rank(changed, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     lines = [line for line in again.stderr.splitlines() if "[WARNING] resuming with" in line]
     assert len(lines) == 3, again.stderr[-3000:]
@@ -196,9 +204,9 @@ def test_resume_says_what_it_changes_and_when_there_is_nothing_to_train(tmp_path
     assert "pipeline=serial, the checkpoint's run used hstu_prefetch" in lines[2]
     assert "nothing to train: step 8 >= trainer.max_steps=8" in again.stderr
     assert "trained nothing: at step 8, max_steps reached" in again.stderr and "nan" not in again.stderr
-    sgd = run([*common, "optimizer=sgd", "optimizer.momentum=0.9", f"trainer.output_dir={tmp_path}/b"], tmp_path)
+    sgd = one_rank([*common, "optimizer=sgd", "optimizer.momentum=0.9", f"trainer.output_dir={tmp_path}/b"], tmp_path)
     assert sgd.returncode == 0, sgd.stderr[-3000:]
-    refused = run(
+    refused = one_rank(
         [*common, "trainer.max_steps=12", f"trainer.output_dir={tmp_path}/b", "trainer.resume_from=latest"], tmp_path
     )
     assert refused.returncode == 2, refused.stderr[-3000:]

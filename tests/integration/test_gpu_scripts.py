@@ -277,7 +277,7 @@ def test_missing_or_corrupt_pieces_say_start_again_exit_4(tmp_path):
 
 @pytest.mark.timeout(600)  # two gpu_check runs, the first 20 s by design
 def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
-    """A staged run whose first step (20 s here) leaves less of --budget (65 s, 15 kept for the
+    """A staged run whose first step (16 s here) leaves less of --budget (60 s, 15 kept for the
     summary) than a step's 30 s minimum leaves the rest for --resume (whatever the start-up
     took, as long as the first step still got its 30 s); --resume runs them (not the
     one that passed) with the staged site and summarises all; torchrec's steps fail there, as this
@@ -285,11 +285,11 @@ def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
     folders, small, _ = fake_pieces(tmp_path, pieces=1)
     stage_dir = tmp_path / "stage"
     assert stage(1, folders[0], stage_dir, small, "--assemble-only").returncode == 0
-    slow, env = gpu_machine(tmp_path / "slow", sleep_in_cuda_tests=20)
+    slow, env = gpu_machine(tmp_path / "slow", sleep_in_cuda_tests=16)
     common = ["--quick", "--stage-dir", str(stage_dir), "--wheels", str(small)]
     first = tmp_path / "first"
     out = run(
-        ["bash", str(GPU_CHECK), "--python", str(slow), "--resume", "--budget", "65", "--out", str(first), *common],
+        ["bash", str(GPU_CHECK), "--python", str(slow), "--resume", "--budget", "60", "--out", str(first), *common],
         env=env,
         timeout=280,
     )

@@ -4,8 +4,6 @@ and the batch (KJT layout, selection)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import CriteoBatch, CriteoDataConfig, CriteoSyntheticDataConfig, make_dataloader, read_criteo
 from recsys_pipe.data.criteo import CATEGORICAL_KEYS, NUM_CATEGORICAL, transform_dense
+from recsys_pipe.testing import fork_ranks
 
 BIN = Path(sys.executable).parent
 
@@ -133,14 +132,9 @@ def _rows_from_world(n: int) -> list[str]:
 @pytest.mark.timeout(300)
 def test_recsys_train_on_a_criteo_file_and_its_errors(tmp_path):
     good = write(tmp_path, _rows_from_world(3000))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["model=dlrm", "data=criteo", "data.num_embeddings=1000", f"trainer.output_dir={tmp_path}/runs"]
-    proc = subprocess.run(
-        [str(BIN / "recsys-train"), *common, f"data.path={good}", "trainer=smoke", "trainer.max_steps=40"],
-        capture_output=True,
-        text=True,
-        timeout=250,
-        env=env,
+    proc = fork_ranks(
+        BIN / "recsys-train", *common, f"data.path={good}", "trainer=smoke", "trainer.max_steps=40", nproc=1
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (metrics,) = (tmp_path / "runs").glob("recsys-train/*/metrics.jsonl")
@@ -148,13 +142,7 @@ def test_recsys_train_on_a_criteo_file_and_its_errors(tmp_path):
     assert [r["step"] for r in records if "loss" in r][-1] == 40
     assert {"auc", "log_loss"} <= set(records[-1])
     bad = write(tmp_path, [row(), row(ints=["1", "2.5", *["0"] * 11])], "bad.txt")
-    proc = subprocess.run(
-        [str(BIN / "recsys-train"), *common, f"data.path={bad}", "trainer=smoke"],
-        capture_output=True,
-        text=True,
-        timeout=250,
-        env=env,
-    )
+    proc = fork_ranks(BIN / "recsys-train", *common, f"data.path={bad}", nproc=1)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"error: data.path: {bad}:2: column int_1 ('2.5') is not an integer" in proc.stderr
     assert "Traceback" not in proc.stderr
