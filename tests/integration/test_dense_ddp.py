@@ -22,6 +22,7 @@ import torch
 from _dense_ddp import assert_megatron_matches_torch, run_worker
 
 from recsys_pipe.cli.plan import run as plan_cli
+from recsys_pipe.cli.train import run as train_run
 from recsys_pipe.config import ConfigError
 from recsys_pipe.runtime import DistInfo
 from recsys_pipe.testing import load_run
@@ -44,19 +45,6 @@ NO_CUDA = pytest.mark.skipif(
 )
 
 
-def train_cli(tmp_path, *overrides, code=""):
-    """recsys-train in a fresh interpreter (after `code`), as a user runs it."""
-    script = code + "from recsys_pipe.cli.train import main\nmain()\n"
-    return subprocess.run(
-        [sys.executable, "-c", script, *overrides, f"trainer.output_dir={tmp_path}/runs"],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
 def error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
@@ -72,20 +60,27 @@ def error_lines(stderr):
         pytest.param("auto", "trainer.device=auto and no CUDA device is visible", marks=NO_CUDA),
     ],
 )
-def test_recsys_train_refuses_megatron_on_the_cpu(tmp_path, device, where):
-    proc = train_cli(tmp_path, "model=dlrm_torch", "trainer.dense_ddp=megatron", f"trainer.device={device}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert error_lines(proc.stderr) == [CPU_REFUSAL.format(where=where)]
-    assert "Traceback" not in proc.stderr and "nothing was started" in proc.stderr
+def test_recsys_train_refuses_megatron_on_the_cpu(tmp_path, device, where, capsys, no_process_group):
+    code = train_run(["model=dlrm_torch", "trainer.dense_ddp=megatron", f"trainer.device={device}", *out(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert error_lines(err) == [CPU_REFUSAL.format(where=where)]
+    assert "Traceback" not in err and "nothing was started" in err
     assert not (tmp_path / "runs").exists()  # refused before the process group and the run directory
 
 
 @pytest.mark.timeout(200)
-def test_recsys_train_refuses_megatron_for_torchrec_sharded_tables(tmp_path):
-    proc = train_cli(tmp_path, "model=dlrm", "trainer.dense_ddp=megatron", "trainer.device=cpu")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert error_lines(proc.stderr) == [SHARDED_REFUSAL, CPU_REFUSAL.format(where="trainer.device=cpu")]
+def test_recsys_train_refuses_megatron_for_torchrec_sharded_tables(tmp_path, capsys, no_process_group):
+    code = train_run(["model=dlrm", "trainer.dense_ddp=megatron", "trainer.device=cpu", *out(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert error_lines(err) == [SHARDED_REFUSAL, CPU_REFUSAL.format(where="trainer.device=cpu")]
     assert not (tmp_path / "runs").exists()
+
+
+def out(tmp_path):
+    """Where the run directory would go."""
+    return [f"trainer.output_dir={tmp_path}/runs"]
 
 
 @pytest.mark.parametrize(
