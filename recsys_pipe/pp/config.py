@@ -187,14 +187,6 @@ def check_pipeline_parallel(run: Any, world_size: int) -> None:
 def check_training(run: Any) -> None:
     """What a pipelined run cannot do yet; ConfigError naming the key."""
     cfg, problems = run.trainer, []
-    if (cfg.eval_every > 0 or cfg.eval_epochs > 0) and not isinstance(run.model, HSTUConfig):
-        problems.append(
-            ConfigProblem(
-                "trainer.eval_every",
-                f"evaluation of model '{run.model.name}' through pipeline stages is not supported yet: set "
-                "trainer.eval_every=0 trainer.eval_epochs=0 with parallel.pp",
-            )
-        )
     if run.optimizer.clip_grad_norm is not None:
         problems.append(
             ConfigProblem("optimizer.clip_grad_norm", "clipping over pipeline stages is not supported yet (use null)")

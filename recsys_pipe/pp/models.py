@@ -28,7 +28,12 @@ on one rank compute the model's loss and gradients bitwise (a test checks it). D
 depend on placement: each cut keys the model's dropout sites (`Dropout` modules, the attention
 weights' included) by (step, microbatch, site) (`MICROBATCH_DROPOUT.attach`, sites numbered in
 the whole model's module order), so a pipelined run draws the masks of the one-rank run.
-Retrieval evaluation through stages is not split yet.
+
+In evaluation mode the retrieval stages carry, instead of the loss's target and negative rows,
+the rows the evaluation ranks against: the held-out item and its sampled negatives, and the whole
+catalogue with `data.full_eval` (the first stage looks them up in its sharded table). The last
+stage ranks them as `RetrievalHead` does and keeps the ranks (`last_outputs`), which the
+pipeline then hands to every one of its ranks (`shared_eval_outputs`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch
 from torch import nn
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
-from recsys_pipe.data.sequences import INPUT_KEY, NEG_KEY, POS_KEY
+from recsys_pipe.data.sequences import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder
 from recsys_pipe.models.retrieval import RetrievalModel, left_pad
@@ -61,6 +66,9 @@ __all__ = [
 
 class HSTUStage(nn.Module):
     """Layers `layers` of an `HSTUModel`; see the module docstring for what each end adds."""
+
+    #: none: the ranking metrics are summed over the ranks, so only the last stage's count
+    shared_eval_outputs: tuple[str, ...] = ()
 
     def __init__(self, model: HSTUModel, layers: Sequence[int], first: bool, last: bool):
         super().__init__()
@@ -125,8 +133,33 @@ def hstu_stages(model: HSTUModel, split: Sequence[Sequence[int]]) -> list[HSTUSt
     return [HSTUStage(model, layers, s == 0, s == len(split) - 1) for s, layers in enumerate(split)]
 
 
+#: what a retrieval pipeline's evaluation hands from its last stage to every one of its ranks
+_RETRIEVAL_EVAL_OUTPUTS = ("rank_sampled", "rank_full")
+
+
+def _target_rows(rows: dict[str, torch.Tensor], training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The item rows a retrieval model's last stage scores, looked up on the first: in training
+    the target and negative items of the loss; in evaluation the held-out items with their
+    sampled negatives and the catalogue (empty without `data.full_eval`), which it ranks."""
+    return (rows[POS_KEY], rows[NEG_KEY]) if training else (rows[CAND_KEY], rows[CATALOG_KEY])
+
+
+def _score_targets(stage: Any, h: torch.Tensor, valid: torch.Tensor, targets: Sequence[torch.Tensor], batch: Any):
+    """A retrieval model's last stage on the encoded sequences `h` `[B, N, D]`: the loss in
+    training; in evaluation `RetrievalHead`'s ranks, kept in `stage.last_outputs`, and a zero loss."""
+    first, second = targets
+    if stage.training:
+        loss, _ = stage._loss(h, valid, {POS_KEY: first, NEG_KEY: second}, batch.sparse_features)
+        return loss
+    loss, stage.last_outputs = stage._rank(h, {CAND_KEY: first, CATALOG_KEY: second}, batch.sparse_features)
+    return loss
+
+
 class SASRecStage(nn.Module):
     """Blocks `blocks` of a SASRec `RetrievalModel`; see the module docstring for each end."""
+
+    #: the evaluation outputs every rank of the pipeline receives (`PipelinedModel`)
+    shared_eval_outputs = _RETRIEVAL_EVAL_OUTPUTS
 
     def __init__(self, model: RetrievalModel, blocks: Sequence[int], first: bool, last: bool):
         super().__init__()
@@ -144,9 +177,9 @@ class SASRecStage(nn.Module):
             )
         if last:
             self.final_norm = encoder.final_norm
-            # the head's loss as a bound method, not a submodule: the head's only parameters are
-            # the encoder's, which belong to the stages holding them
-            self._loss = head._train_loss
+            # the head's loss and ranks as bound methods, not a submodule: the head's only
+            # parameters are the encoder's, which belong to the stages holding them
+            self._loss, self._rank = head._train_loss, head._rank
 
     def _valid(self, batch: Any) -> torch.Tensor:
         """The `[B, N]` mask of real (left-padded) positions, from the batch's lengths."""
@@ -155,25 +188,24 @@ class SASRecStage(nn.Module):
 
     def _embed(self, batch: Any, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """RetrievalHead's lookup and SASRecEncoder's input: the scaled items plus positions, and
-        the rows of the target and negative items the loss scores."""
+        the rows the last stage scores (`_target_rows`)."""
         embeddings = self.ec(batch.sparse_features)
         lengths = embeddings[INPUT_KEY].lengths().long()
         rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
         x, _ = left_pad(rows[INPUT_KEY], lengths, self.max_len)
         positions = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] * valid
         x = self.dropout(x * self.scale + self.position(positions)) * valid[..., None].to(x.dtype)
-        return x, rows[POS_KEY], rows[NEG_KEY]
+        return x, *_target_rows(rows, self.training)
 
     def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
         valid = self._valid(batch)
-        x, pos, neg = self._embed(batch, valid) if self.first else inputs
+        x, *targets = self._embed(batch, valid) if self.first else inputs
         keep = valid[..., None].to(x.dtype)
         for block in self.blocks:
             x = block(x, self.causal) * keep
         if not self.last:
-            return x, pos, neg
-        loss, _ = self._loss(self.final_norm(x), valid, {POS_KEY: pos, NEG_KEY: neg}, batch.sparse_features)
-        return loss
+            return x, *targets
+        return _score_targets(self, self.final_norm(x), valid, targets, batch)
 
 
 def sasrec_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[SASRecStage]:
@@ -189,6 +221,9 @@ def sasrec_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list
 class HSTURetrievalStage(nn.Module):
     """Layers `layers` of an HSTU retrieval `RetrievalModel`; see the module docstring."""
 
+    #: the evaluation outputs every rank of the pipeline receives (`PipelinedModel`)
+    shared_eval_outputs = _RETRIEVAL_EVAL_OUTPUTS
+
     def __init__(self, model: RetrievalModel, layers: Sequence[int], first: bool, last: bool):
         super().__init__()
         head, encoder = model.head, model.head.encoder
@@ -200,7 +235,7 @@ class HSTURetrievalStage(nn.Module):
             self.scale = encoder.scale
         if last:
             self.final_norm = encoder.final_norm
-            self._loss = head._train_loss  # a bound method: the head's parameters are the stages'
+            self._loss, self._rank = head._train_loss, head._rank  # bound: the parameters are the stages'
 
     def _geometry(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """From the batch's lengths: the left-padded `valid` mask `[B, N]`, the jagged offsets
@@ -217,7 +252,7 @@ class HSTURetrievalStage(nn.Module):
 
     def _embed(self, batch: Any, valid: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`RetrievalHead`'s lookup and `HSTURetrievalEncoder`'s input tokens (and time bias),
-        with the rows of the target and negative items the loss scores."""
+        with the rows the last stage scores (`_target_rows`)."""
         embeddings = self.ec(batch.sparse_features)
         lengths = embeddings[INPUT_KEY].lengths().long()
         rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
@@ -228,19 +263,18 @@ class HSTURetrievalStage(nn.Module):
         bias = ()
         if self.bias is not None:
             bias = (self.bias(torch.ops.fbgemm.jagged_1d_to_dense(ts[valid], offsets, self.max_len, 0)),)
-        return tokens, rows[POS_KEY], rows[NEG_KEY], *bias
+        return tokens, *_target_rows(rows, self.training), *bias
 
     def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
         valid, offsets, mask = self._geometry(batch)
-        tokens, pos, neg, *bias = self._embed(batch, valid, offsets) if self.first else inputs
+        tokens, first_rows, second_rows, *bias = self._embed(batch, valid, offsets) if self.first else inputs
         for layer in self.layers:
             tokens = layer(tokens, offsets, mask, bias[0] if bias else None)
         if not self.last:
-            return tokens, pos, neg, *bias
+            return tokens, first_rows, second_rows, *bias
         out = tokens.new_zeros(valid.shape[0], self.max_len, self.dim)
         out[valid] = self.final_norm(tokens)
-        loss, _ = self._loss(out, valid, {POS_KEY: pos, NEG_KEY: neg}, batch.sparse_features)
-        return loss
+        return _score_targets(self, out, valid, (first_rows, second_rows), batch)
 
 
 def hstu_retrieval_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[HSTURetrievalStage]:

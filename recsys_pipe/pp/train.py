@@ -22,9 +22,11 @@ all-to-all adds every rank's gradient of the rows; DDP averages only the dense w
 the stage averages all but the tables' (`StageRuntime.summed_params`). A checkpoint holds the
 tables and their optimizer state (e.g. Adam's moments) as `ShardedTensor`s laid out like the tables.
 
-In evaluation mode a call runs the batch forward through the stages (HSTU ranking: the last
-stage keeps the logits and labels the metrics read). Not yet: the retrieval models' evaluation,
-gradient clipping across stages, global-token loss normalisation, gradient accumulation, bf16;
+In evaluation mode a call runs the batch forward through the stages. HSTU ranking: the last
+stage keeps the logits and labels the metrics read (the other ranks add none). The retrieval
+models: the last stage ranks each user's held-out item and broadcasts the ranks over the
+pipeline, so every rank holds its replica's users (`RetrievalEvaluation` gathers one rank per
+replica). Not yet: gradient clipping across stages, global-token loss normalisation, gradient accumulation, bf16;
 `recsys_pipe.pp.config.check_training` refuses them (exit 2) before any process group starts.
 """
 
@@ -154,13 +156,18 @@ class PipelinedModel(nn.Module):
         if link is not None:
             link.wait_sends()
         last = max(runtimes)
+        shared = runtimes[last].module.shared_eval_outputs
         if runtimes[last].is_last:
             result = dict(runtimes[last].module.last_outputs)
-        else:
-            empty = torch.zeros(0, batch.labels.shape[1])
+        else:  # no scores here; a retrieval model's ranks are filled by the broadcast below
+            empty = torch.zeros(0, 1 if shared else batch.labels.shape[1])
             result = {"logits": empty, "labels": empty}
+            result.update({key: torch.empty(batch.sample_ids.shape[0], dtype=torch.int64) for key in shared})
         if self.mesh.pp_size > 1:
-            dist.broadcast(loss, self.last_rank, group=self.mesh.mesh.get_group("pp"))
+            group = self.mesh.mesh.get_group("pp")
+            dist.broadcast(loss, self.last_rank, group=group)
+            for key in shared:  # a retrieval model's ranks: every rank of the pipeline gets its users'
+                dist.broadcast(result[key], self.last_rank, group=group)
         return loss, result
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

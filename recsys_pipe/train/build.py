@@ -181,7 +181,7 @@ def build_parts(
     data = data or rank_data(run, info.rank, info.world_size)
     eval_loader = data.eval_loader()
     # a retrieval source's own validation/test evaluation (None for other sources)
-    retrieval = RetrievalEvaluation.of(data, info.world_size, cfg.eval_dump, info.is_main)
+    retrieval = RetrievalEvaluation.of(data, info.world_size, cfg.eval_dump, info.is_main, run.parallel.pp.size)
     # this rank's random streams (dropout, evaluation, the global generators), checkpointed
     rng = RngState(run.seed, info.device)
     rng.seed_globals()  # torch's is seeded by build_model

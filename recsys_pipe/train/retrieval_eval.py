@@ -117,9 +117,13 @@ class RetrievalEvaluation:
     `RetrievalEvaluation.of(data, ...)` is None for a dataset without evaluation splits.
     """
 
-    def __init__(self, dataset: SequencesDataset, batch_size: int, world_size: int, dump: str | None) -> None:
+    def __init__(
+        self, dataset: SequencesDataset, batch_size: int, world_size: int, dump: str | None, pipeline_size: int = 1
+    ) -> None:
         self.dataset = dataset
         self.world_size = world_size
+        #: ranks per data-parallel replica (`parallel.pp.size`): they score the same users
+        self.pipeline_size = pipeline_size
         self.dump = dump
         self.best: float | None = None
         self.loaders = {}
@@ -128,7 +132,9 @@ class RetrievalEvaluation:
             self.loaders[name] = DataLoader(split, batch_size=batch_size, shuffle=False, collate_fn=split.collate)
 
     @classmethod
-    def of(cls, data: RankData, world_size: int, dump: str | None, is_main: bool) -> RetrievalEvaluation | None:
+    def of(
+        cls, data: RankData, world_size: int, dump: str | None, is_main: bool, pipeline_size: int = 1
+    ) -> RetrievalEvaluation | None:
         """The evaluation of this rank's share of a retrieval data source.
 
         Args:
@@ -136,6 +142,8 @@ class RetrievalEvaluation:
             world_size: the number of ranks whose results are gathered.
             dump: `trainer.eval_dump`, a file to write every scored user to, or None.
             is_main: whether this is rank 0 (the one that writes the dump).
+            pipeline_size: the ranks of one data-parallel replica (`parallel.pp.size`), which
+                all hold their replica's ranks (the last stage broadcasts them).
 
         Returns:
             The evaluation, or None for a dataset without evaluation splits (ConfigError when a dump
@@ -144,7 +152,7 @@ class RetrievalEvaluation:
             _check_dump_source(dump, data)
             return None
         batch_size = data.cfg.eval_batch_size or data.cfg.batch_size
-        return cls(data.dataset, batch_size, world_size, dump if is_main else None)
+        return cls(data.dataset, batch_size, world_size, dump if is_main else None, pipeline_size)
 
     def evaluate(self, pipeline: Any) -> dict[str, Any]:
         """`{split: {protocol: {metric: value}}, "users": {split: count}}` over all ranks; runs
@@ -179,7 +187,8 @@ class RetrievalEvaluation:
             return table
         parts = [torch.empty_like(table) for _ in range(self.world_size)]
         dist.all_gather(parts, table)  # same size on every rank: splits are padded alike
-        return torch.cat(parts, dim=1)
+        # one rank per replica: ranks 0..replicas-1 are the pipelines' first stages (pp rank 0)
+        return torch.cat(parts[: self.world_size // self.pipeline_size], dim=1)
 
     def _write_dump(self, table: torch.Tensor) -> None:
         ds = self.dataset

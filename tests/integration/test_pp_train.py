@@ -1,9 +1,9 @@
 """`recsys-train` with `parallel.pp`: the main job's model (HSTU ranking), SASRec and HSTU retrieval train split
 into stages on 2 gloo ranks, every step's loss (metrics.jsonl) bitwise equal to the same model
 and microbatching on one rank (`parallel.pp.size=1`), with the batch-level plan (the default,
-hstu_prefetch) still preparing the next batches ahead; HSTU's evaluations (forward through the
-stages) equal too. With data parallelism, the first stage's tables are sharded over its
-replicas and get an unpipelined run's gradients."""
+hstu_prefetch) still preparing the next batches ahead; the evaluations (forward through the
+stages: HSTU's AUC, the retrieval models' HR/NDCG/MRR) equal too. With data parallelism, the
+first stage's tables are sharded over its replicas and get an unpipelined run's gradients."""
 
 import json
 import sys
@@ -35,7 +35,7 @@ def _train(out: Path, nproc: int, *overrides: str) -> list[dict]:
     proc = fork_ranks(BIN / "recsys-train", *COMMON, *overrides, f"trainer.output_dir={out}", nproc=nproc, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (metrics,) = out.glob("recsys-train/*/metrics.jsonl")
-    keys = ("step", "loss", "eval_loss", "log_loss", "auc")
+    keys = ("step", "loss", "eval_loss", "log_loss", "auc", "users", "valid", "test")  # ranking's, retrieval's
     return [{k: r[k] for k in keys if k in r} for r in map(json.loads, metrics.read_text().splitlines())]
 
 
@@ -87,8 +87,10 @@ RETRIEVAL = {
 }
 
 
-@pytest.mark.parametrize("model", list(RETRIEVAL))
-def test_pipelined_retrieval_models_are_bitwise_the_one_rank_run(tmp_path, model):
+@pytest.fixture(scope="module")
+def sequences(tmp_path_factory) -> list[str]:
+    """`data=sequences` overrides for a file of 200 users' item sequences, evaluated under both
+    protocols (with `data.full_eval` the catalogue's rows travel to the last stage too)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -96,14 +98,23 @@ def test_pipelined_retrieval_models_are_bitwise_the_one_rank_run(tmp_path, model
     for u in range(1, 201):
         n, start = int(torch.randint(3, 20, (1,), generator=g)), int(torch.randint(0, 80, (1,), generator=g))
         lines += [f"{u * 7} {(start + k) % 80 + 100}" for k in range(n)]
-    data = tmp_path / "seq.txt"
+    data = tmp_path_factory.mktemp("sequences") / "seq.txt"
     data.write_text("\n".join(lines) + "\n")
+    return ["data=sequences", f"data.path={data}", "data.eval_negatives=20", "data.batch_size=32"] + [
+        "data.full_eval=true"
+    ]
+
+
+@pytest.mark.parametrize("model", list(RETRIEVAL))
+def test_pipelined_retrieval_models_are_bitwise_the_one_rank_run(tmp_path, model, sequences):
     overrides, schedule = RETRIEVAL[model]
-    overrides = [*overrides, "data=sequences", f"data.path={data}", "data.eval_negatives=20", "data.batch_size=32"]
-    overrides += ["trainer.eval_every=0", "trainer.eval_epochs=0"]
+    overrides = [*overrides, *sequences]
     one = _train(tmp_path / "one", 1, *overrides, "parallel.pp.size=1")
     two = _train(tmp_path / "two", 2, *overrides, "parallel.pp.size=2", f"parallel.pp.schedule={schedule}")
-    assert _steps(one) == 5 and two == one
+    evaluations = [r for r in one if "valid" in r]
+    assert _steps(one) == 5 and [r["step"] for r in evaluations] == [0, 2, 4, 5]
+    assert evaluations[0]["users"] == {"valid": 200, "test": 200} and "full" in evaluations[0]["test"]
+    assert two == one  # losses, and every evaluation's ranks: each user once, ranked by the last stage
 
 
 #: 2 replicas of the first stage, its tables split by rows over them (each holds half of every
@@ -167,3 +178,15 @@ def test_recsys_profile_draws_each_ranks_pipeline_timeline_and_bubble(tmp_path):
     assert report["simulated_step_ms"] > 0
     assert (run_dir / "pp_timeline.png").stat().st_size > 1000 and (run_dir / "pp_simulated.png").is_file()
     assert "rank 1: busy" in proc.stdout
+
+
+def test_pp_times_dp_evaluates_a_retrieval_model_counting_each_user_once(tmp_path, sequences):
+    """SASRec on 2 stages x 2 replicas, its table split by rows over the replicas: every
+    evaluation (each replica's users ranked by its last stage, the catalogue looked up through
+    the sharded table) equals 2 replicas of one stage, every user counted once."""
+    sasrec = [*RETRIEVAL["sasrec"][0], *sequences, *DP[2:]]  # training as DP's, evaluation on
+    dp = _train(tmp_path / "dp", 2, *sasrec, "parallel.pp.size=1")
+    pp_dp = _train(tmp_path / "ppdp", 4, *sasrec, "parallel.pp.size=2", "parallel.pp.schedule=1f1b")
+    evaluations = [r for r in dp if "valid" in r]
+    assert [r["step"] for r in evaluations] == [0, 2] and evaluations[-1]["users"] == {"valid": 200, "test": 200}
+    assert pp_dp == dp
