@@ -1149,7 +1149,7 @@ def test_a_hung_rank_cannot_hang_the_job(tmp_path):
         "trainer=smoke",
         "trainer.max_steps=40",
         "trainer.eval_every=0",
-        "trainer.peer_timeout_s=8",
+        "trainer.peer_timeout_s=5",
         f"trainer.output_dir={tmp_path}/r",
         env={FAULT_ENV: "hang:1:4"},
     )

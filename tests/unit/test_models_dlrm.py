@@ -4,8 +4,6 @@ contract torchrec's pipeline needs, config checks, and learning from a fresh `re
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from torchrec.distributed.train_pipeline.tracing import Tracer
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import CriteoSyntheticDataConfig, make_dataloader
 from recsys_pipe.models import DLRMConfig, DLRMDCNConfig, TorchDLRMConfig
-from recsys_pipe.testing import load_run
+from recsys_pipe.testing import fork_ranks, load_run
 
 BIN = Path(sys.executable).parent
 CONFIGS = {"dlrm": DLRMConfig, "dlrm_dcn": DLRMDCNConfig, "dlrm_torch": TorchDLRMConfig}
@@ -86,23 +84,20 @@ def test_plain_torch_dlrm_learns_the_generated_clicks():
 
 @pytest.mark.timeout(300)
 def test_fresh_recsys_train_dlrm_loss_falls_and_auc_rises(tmp_path):
-    """`recsys-train model=dlrm data=criteo_synthetic` as a user first runs it (one process)."""
-    proc = subprocess.run(
-        [
-            str(BIN / "recsys-train"),
-            "model=dlrm",
-            "data=criteo_synthetic",
-            "trainer.progress_bar=false",
-            "trainer.device=cpu",
-            "trainer.max_steps=150",
-            "trainer.eval_every=150",
-            f"trainer.output_dir={tmp_path}/runs",
-        ],
-        capture_output=True,
-        text=True,
+    """`recsys-train model=dlrm data=criteo_synthetic` as a user first runs it (one rank, forked:
+    `fork_ranks`)."""
+    proc = fork_ranks(
+        BIN / "recsys-train",
+        "model=dlrm",
+        "data=criteo_synthetic",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "trainer.max_steps=150",
+        "trainer.eval_every=150",
+        f"trainer.output_dir={tmp_path}/runs",
+        nproc=1,
         timeout=250,
         cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (metrics,) = (tmp_path / "runs").glob("recsys-train/*/metrics.jsonl")
