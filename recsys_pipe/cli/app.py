@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recsys_pipe.cli.compose import compose_config
 from recsys_pipe.cli.hydra_adapter import (
+    HYDRA_MODE_UNKNOWN,
     clear_global_hydra,
     hydra_main,
     hydra_runtime,
@@ -166,6 +167,7 @@ class HydraApp:
         self._failed_jobs = []
         self._jobs_done = 0
         self._sweep = SweepLog()
+        self._hydra_mode = HYDRA_MODE_UNKNOWN  # `hydra.mode` of a config _check_job composed
         argv = list(sys.argv[1:] if argv is None else argv)
         self._keep_going = KEEP_GOING in argv
         self._check_only = CHECK_ONLY in argv
@@ -177,7 +179,7 @@ class HydraApp:
             print(f"{self.prog}: config OK: {self._jobs_checked} job(s) checked, nothing was started")
             return EXIT_OK
         argv = checked
-        entry = hydra_main(self._task, CONF_DIR, self.config_name)
+        entry = hydra_main(self._task, CONF_DIR, self.config_name, mode=self._hydra_mode)
         # Hydra names the job after the task function's file unless the config says otherwise.
         saved = sys.argv
         sys.argv = [self.prog, *argv]
@@ -303,6 +305,7 @@ class HydraApp:
                 overrides = [f"++{o}" if o.split("=", 1)[0] == key else o for o in overrides]
         else:
             return None  # not reached: each retry forces one more override
+        self._hydra_mode = cfg.hydra.mode
         validator = self.check if self._check_only else self.validate
         if validate and validator is not None:
             with open_dict(cfg):

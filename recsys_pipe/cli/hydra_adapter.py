@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = [
+    "HYDRA_MODE_UNKNOWN",
     "VERSION_BASE",
     "HydraRuntime",
     "clear_global_hydra",
@@ -61,11 +62,40 @@ def compose_with_hydra_node(config_dir: Path, config_name: str, overrides: list[
         clear_global_hydra()
 
 
-def hydra_main(task: Callable[[DictConfig], Any], config_dir: Path, config_name: str) -> Callable[[], Any]:
-    """`@hydra.main` around `task`, reading `config_dir`: call it to run with `sys.argv`."""
+#: `hydra_main`'s `mode` when no config was composed before it (Hydra then reads it itself)
+HYDRA_MODE_UNKNOWN: Any = object()
+
+
+def hydra_main(
+    task: Callable[[DictConfig], Any], config_dir: Path, config_name: str, mode: Any = HYDRA_MODE_UNKNOWN
+) -> Callable[[], Any]:
+    """`@hydra.main` around `task`, reading `config_dir`: call it to run with `sys.argv`.
+
+    Args:
+        task: the task function Hydra calls with each job's config.
+        config_dir: the primary config directory.
+        config_name: the primary config's name.
+        mode: the `hydra.mode` of the run's config (None where the config leaves it unset), when
+            the caller has composed it already. Hydra's runner composes the whole config once
+            just to read that key and then composes it again to run (about a quarter of a
+            second per start, on every rank); given the value, the first composition is skipped.
+    """
     import hydra
 
-    return hydra.main(config_path=str(config_dir), config_name=config_name, version_base=VERSION_BASE)(task)
+    main = hydra.main(config_path=str(config_dir), config_name=config_name, version_base=VERSION_BASE)(task)
+    if mode is HYDRA_MODE_UNKNOWN:
+        return main
+    from hydra._internal.hydra import Hydra
+
+    def run_knowing_the_mode() -> Any:
+        composing = Hydra.get_mode
+        Hydra.get_mode = lambda self, config_name, overrides: mode  # what it would compose to read
+        try:
+            return main()
+        finally:
+            Hydra.get_mode = composing
+
+    return run_knowing_the_mode
 
 
 def parse_hydra_args(argv: list[str]) -> argparse.Namespace:

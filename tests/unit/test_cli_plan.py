@@ -137,6 +137,25 @@ def test_multirun_sweeps_thread_maps(tmp_path, capsys):
     assert "thread map: hstu_default" in texts[2]
 
 
+@pytest.mark.parametrize("multirun", [False, True])
+def test_hydra_composes_the_config_once_besides_the_check(tmp_path, capsys, monkeypatch, multirun):
+    """Our check composes each job, and Hydra then composes it to run; Hydra's own reading of
+    `hydra.mode` (a whole composition of its own) is answered from the check's config."""
+    from hydra._internal.hydra import Hydra
+
+    composing, calls = Hydra.compose_config, []
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("run_mode"))
+        return composing(self, *args, **kwargs)
+
+    monkeypatch.setattr(Hydra, "compose_config", counted)
+    where = [f"hydra.sweep.dir={tmp_path}", "-m"] if multirun else [f"hydra.run.dir={tmp_path}"]
+    assert run(["pipeline=serial", *where]) == 0
+    assert "plan: serial" in capsys.readouterr().out
+    assert len(calls) == 2, calls  # the check, then the run (a sweep: its job composes apart)
+
+
 def test_structure_only_mode(tmp_path, capsys):
     assert plan(tmp_path, "check_fns=false", "pipeline.tasks.forward.fn=not_imported_xyz:forward") == 0
 
