@@ -12,6 +12,7 @@ the group down aborted roughly one run in ten.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import time
@@ -149,9 +150,16 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     return _INFO
 
 
+def _let_gloo_wind_down() -> None:
+    """Before the interpreter exits after a process group: a moment for gloo's threads to end
+    (exiting while they still run can abort the process)."""
+    time.sleep(0.2)
+
+
 def teardown() -> None:
-    """Barrier, destroy the group, let gloo's threads wind down; take out of the environment
-    what a plain process's group put there."""
+    """Barrier, destroy the group; take out of the environment what a plain process's group put
+    there. Gloo's threads get their moment to wind down when the interpreter exits, once, not
+    after every group (a process that trains again, such as a test runner, does not wait)."""
     global _INFO
     if not dist.is_initialized():
         return
@@ -164,4 +172,5 @@ def teardown() -> None:
             if os.environ.get(key) == value:
                 del os.environ[key]
         _OWN_ENV.clear()
-        time.sleep(0.2)
+        atexit.unregister(_let_gloo_wind_down)  # registered once however many groups came and went
+        atexit.register(_let_gloo_wind_down)
