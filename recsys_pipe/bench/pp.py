@@ -16,9 +16,14 @@ median (min-max) over repetitions x steps.
 Prints a markdown table, then one JSON line. With `--out`, writes each schedule's measured and
 simulated Gantt (`<schedule>_measured.png`, `<schedule>_simulated.png`).
 
-Simulation: `simulate(orders, t_F, t_B, t_W)` with the medians of the measured F, B (input
-gradient) and W spans of the last timed step (a full backward BW counts as t_B, with t_W = 0), no
-transfer time: the ratio measured / simulated shows what transfers and the runtime's own work add.
+Simulation: `simulate(orders, t_F, t_B, t_W, t_comm)` with the medians of the measured F, B
+(input gradient) and W spans of the last timed step (a full backward BW counts as t_B, with
+t_W = 0) and the measured transfer time `t_comm`: before each repetition of a schedule, the
+median one-way time of one microbatch's activation through the runtime's `PeerLink`, a
+ping-pong between the two ranks (`recsys_pipe.pp.transfer_time`). The simulator charges each
+activation or gradient one `t_comm` between the producer's end and the consumer's start, which
+is what half a round trip measures. The engine's own time between two tasks of a rank
+(`recsys_pipe.pp.task_gaps`, median over both ranks) is reported beside it, not simulated.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from recsys_pipe.pp import (
     mlp_stages,
     split_layers,
     stage_plan,
+    task_gaps,
+    transfer_time,
 )
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b", "zbv", "dualpipev")
@@ -193,8 +200,9 @@ def timed(step, args: argparse.Namespace) -> list[float]:
     return times
 
 
-def simulated(bench: Bench, spans) -> tuple[float, object]:
-    """simulate() of the schedule with the medians of the measured F / B / W spans (ms)."""
+def simulated(bench: Bench, spans, t_comm: float) -> tuple[float, object]:
+    """simulate() of the schedule with the medians of the measured F / B / W spans and the
+    transfer time `t_comm` (ms)."""
     durations: dict[str, list[float]] = {}
     for rank_spans in spans:
         for s in rank_spans:
@@ -206,8 +214,16 @@ def simulated(bench: Bench, spans) -> tuple[float, object]:
         t_b, t_w = med["I"], med.get("W", 0.0)
     else:  # full backwards only
         t_b, t_w = med.get("B", 0.0), 0.0
-    result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w)
+    result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w, t_comm=t_comm)
     return result.makespan, result
+
+
+def transfer_ms(bench: Bench) -> float:
+    """One microbatch's activation between the two ranks, one way (ms; `transfer_time`): rank 0
+    sends the tensor the stages exchange, rank 1 echoes it."""
+    mb = bench.args.batch // bench.args.microbatches
+    message = (torch.zeros(mb, bench.args.width, requires_grad=True),) if bench.rank == 0 else None
+    return transfer_time(bench.link, 1 - bench.rank, message) * 1e3
 
 
 def main() -> None:
@@ -223,9 +239,12 @@ def main() -> None:
         dist.broadcast_object_list(csv_dir, src=0)  # one host: rank 0's directory
         benches = {name: Bench(name, args, rank, link, csv_dir[0]) for name in args.schedules}
         times: dict[str, dict[str, list[float]]] = {name: {"ours": [], "torch": []} for name in benches}
+        comm = {name: [] for name in benches}  # ms, one per repetition
+        gaps = {name: [] for name in benches}  # ms, every rank's, the recorded steps'
         last_spans: dict[str, list] = {}
         for _ in range(args.repeats):
             for name, bench in benches.items():
+                comm[name].append(transfer_ms(bench))
                 step, runner = bench.ours()
                 times[name]["ours"] += timed(step, args)
                 recorder = SpanRecorder()
@@ -233,17 +252,23 @@ def main() -> None:
                 step(args.warmup + args.steps)
                 stage = rank if bench.resolved.actions is None else None
                 last_spans[name] = gather_spans(compute_spans(recorder.spans(), rank, stage))
+                every: list = [None] * RANKS
+                dist.all_gather_object(every, task_gaps(recorder.spans()))
+                gaps[name] += [g * 1e3 for rank_gaps in every for g in rank_gaps]
                 runner.shutdown()
                 times[name]["torch"] += timed(bench.torch(), args)
         dist.barrier()
     if rank == 0:
         for name, bench in benches.items():
-            predicted, sim = simulated(bench, last_spans[name])
+            t_comm = summary(comm[name])
+            predicted, sim = simulated(bench, last_spans[name], t_comm["median"])
             ours, theirs = summary(times[name]["ours"]), summary(times[name]["torch"])
             report[name] = {
                 "ours_ms": ours,
                 "torch_ms": theirs,
                 "speed_vs_torch": round(theirs["median"] / ours["median"], 3),
+                "t_comm_ms": t_comm,
+                "engine_gap_us": round(statistics.median(gaps[name]) * 1e3, 1),
                 "simulated_ms": round(predicted, 3),
                 "measured_over_simulated": round(ours["median"] / predicted, 3) if predicted else None,
             }
@@ -281,12 +306,15 @@ def table(report: dict) -> str:
         return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
 
     rows = [
-        "| schedule | ours ms | torch ms | torch / ours | simulated ms | measured / simulated |",
-        "|---|---|---|---|---|---|",
+        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | engine gap µs | simulated ms "
+        "| measured / simulated |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report.items():
+        t_comm = r["t_comm_ms"]
         rows.append(
             f"| {name} | {fmt(r['ours_ms'])} | {fmt(r['torch_ms'])} | {r['speed_vs_torch']:.2f}x | "
+            f"{t_comm['median']:.3f} ({t_comm['min']:.3f}-{t_comm['max']:.3f}) | {r['engine_gap_us']:.0f} | "
             f"{r['simulated_ms']:.1f} | {r['measured_over_simulated']} |"
         )
     return "\n".join(rows)

@@ -39,6 +39,8 @@ def test_bench_pp_quick_reports_every_schedule_and_draws_gantts(tmp_path):
     for name in schedules:
         row = report["schedules"][name]
         assert row["ours_ms"]["median"] > 0 and row["torch_ms"]["median"] > 0 and row["simulated_ms"] > 0
+        assert row["t_comm_ms"]["min"] > 0  # the measured transfer the simulation is fed
+        assert row["engine_gap_us"] >= 0
         assert (tmp_path / f"{name}_measured.png").is_file() and (tmp_path / f"{name}_simulated.png").is_file()
     assert set(report["zb_gains_vs_1f1b"]) == {"zb_h1"}
-    assert "| schedule | ours ms | torch ms |" in out.stdout
+    assert "| schedule | ours ms | torch ms | torch / ours | t_comm ms |" in out.stdout
