@@ -85,10 +85,14 @@ class PeerLink:
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+        #: (shape, dtype, requires_grad) of each tensor of the last message sent: what a
+        #: measurement of the transfer time (`recsys_pipe.pp.transfer_time`) sends alike
+        self.last_sent: tuple[tuple[torch.Size, torch.dtype, bool], ...] = ()
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> None:
         """Post an asynchronous send of `tensors` to rank `dst`; `wait_sends()` completes it."""
         header = _header(tensors)
+        self.last_sent = tuple((t.shape, t.dtype, t.requires_grad) for t in tensors)
         payload = tuple(t.detach().contiguous() for t in tensors)
         for t in (header, *payload):
             self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), (t,)))
