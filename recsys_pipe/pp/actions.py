@@ -45,7 +45,7 @@ from recsys_pipe.engine import (
     TaskObserver,
     compile_dependencies,
 )
-from recsys_pipe.pp.p2p import PeerLink, activation_tag, gradient_tag
+from recsys_pipe.pp.p2p import PeerLink
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
 
 __all__ = ["ActionOrderRunner", "Site", "action_schedule", "stage_ranks"]
@@ -216,13 +216,14 @@ def action_schedule(
     return plan
 
 
-def _receive(task: Task, runtimes: Mapping[int, StageRuntime]) -> tuple[PeerLink, int, int]:
-    """The link, source rank and tag of a `RECV_F` / `RECV_B` task (what `recv_f` / `recv_b` receive)."""
+def _post_receive(task: Task, runtimes: Mapping[int, StageRuntime]) -> None:
+    """Post the receive a `RECV_F` / `RECV_B` task completes (see the module docstring)."""
     site: Site = task.options
     runtime = runtimes[site.stage]
     if task.fn is recv_f:
-        return runtime.link, runtime.prev_rank, activation_tag(site.stage, site.microbatch)
-    return runtime.link, runtime.next_rank, gradient_tag(site.stage, site.microbatch)
+        runtime.post_recv_activation(site.microbatch)
+    else:
+        runtime.post_recv_gradient(site.microbatch)
 
 
 class ActionOrderRunner:
@@ -252,8 +253,8 @@ class ActionOrderRunner:
         self.link = link
         plan = action_schedule(schedule, rank, ranks_of_stages, microbatches)
         self.pipeline = SchedulablePipeline(plan, state=self.runtimes, observer=observer)
-        #: (link, src, tag) of each receive task, in task order: posted at the start of a step
-        self.receives = [_receive(task, self.runtimes) for task in plan.tasks if task.fn in (recv_f, recv_b)]
+        #: the receive tasks, posted at the start of a step
+        self.receives = [task for task in plan.tasks if task.fn in (recv_f, recv_b)]
 
     def run_step(self, step: int, microbatches: Sequence[Any]) -> list[torch.Tensor | None]:
         """Every action of one step; returns the last stage's microbatch losses (None where the
@@ -262,8 +263,8 @@ class ActionOrderRunner:
             raise ValueError(f"the plan is for {self.microbatches} microbatches, got {len(microbatches)}")
         for runtime in self.runtimes.values():
             runtime.begin_step(step, len(microbatches))
-        for link, src, tag in self.receives:
-            link.post_recv(src, tag)
+        for task in self.receives:
+            _post_receive(task, self.runtimes)
         losses = self.pipeline.progress(iter([list(microbatches)]))
         if self.link is not None:
             self.link.wait_sends()
