@@ -16,13 +16,16 @@ median (min-max) over repetitions x steps.
 Prints a markdown table, then one JSON line. With `--out`, writes each schedule's measured and
 simulated Gantt (`<schedule>_measured.png`, `<schedule>_simulated.png`).
 
-Simulation: `simulate(orders, t_F, t_B, t_W, t_comm)` with the medians of the measured F, B
-(input gradient) and W spans of the last timed step (a full backward BW counts as t_B, with
-t_W = 0) and the measured transfer time `t_comm`: before each repetition of a schedule, the
-median one-way time of one microbatch's activation through the runtime's `PeerLink`, a
-ping-pong between the two ranks (`recsys_pipe.pp.transfer_time`). The simulator charges each
-activation or gradient one `t_comm` between the producer's end and the consumer's start, which
-is what half a round trip measures. The engine's own time between two tasks of a rank
+Simulation: after each repetition's timed steps, one more step is recorded (every task's span
+on each rank) and `simulate(orders, t_F, t_B, t_W, t_comm)` gets the medians of that step's F,
+B (input gradient) and W spans (a full backward BW counts as t_B, with t_W = 0) and the
+transfer time `t_comm` measured just before the repetition: the median one-way time of one
+microbatch's activation through the runtime's `PeerLink`, a ping-pong between the two ranks
+(`recsys_pipe.pp.transfer_time`). The simulator charges each activation or gradient one
+`t_comm` between the producer's end and the consumer's start, which is what half a round trip
+measures. Its makespan is compared with the recorded step's (first F to last compute end, the
+same step the durations come from, so load on the machine hits both alike): median (min-max)
+of the per-repetition ratios. The engine's own time between two tasks of a rank
 (`recsys_pipe.pp.task_gaps`, median over both ranks) is reported beside it, not simulated.
 """
 
@@ -241,17 +244,18 @@ def main() -> None:
         times: dict[str, dict[str, list[float]]] = {name: {"ours": [], "torch": []} for name in benches}
         comm = {name: [] for name in benches}  # ms, one per repetition
         gaps = {name: [] for name in benches}  # ms, every rank's, the recorded steps'
-        last_spans: dict[str, list] = {}
+        recorded: dict[str, list] = {name: [] for name in benches}  # per repetition: (spans, t_comm ms)
         for _ in range(args.repeats):
             for name, bench in benches.items():
-                comm[name].append(transfer_ms(bench))
+                t_comm = transfer_ms(bench)
+                comm[name].append(t_comm)
                 step, runner = bench.ours()
                 times[name]["ours"] += timed(step, args)
                 recorder = SpanRecorder()
                 runner.pipeline.observer = recorder
                 step(args.warmup + args.steps)
                 stage = rank if bench.resolved.actions is None else None
-                last_spans[name] = gather_spans(compute_spans(recorder.spans(), rank, stage))
+                recorded[name].append((gather_spans(compute_spans(recorder.spans(), rank, stage)), t_comm))
                 every: list = [None] * RANKS
                 dist.all_gather_object(every, task_gaps(recorder.spans()))
                 gaps[name] += [g * 1e3 for rank_gaps in every for g in rank_gaps]
@@ -260,21 +264,25 @@ def main() -> None:
         dist.barrier()
     if rank == 0:
         for name, bench in benches.items():
-            t_comm = summary(comm[name])
-            predicted, sim = simulated(bench, last_spans[name], t_comm["median"])
+            sims = [simulated(bench, spans, t_comm) for spans, t_comm in recorded[name]]
+            steps = [measured_result(spans).makespan * 1e3 for spans, _ in recorded[name]]
             ours, theirs = summary(times[name]["ours"]), summary(times[name]["torch"])
             report[name] = {
                 "ours_ms": ours,
                 "torch_ms": theirs,
                 "speed_vs_torch": round(theirs["median"] / ours["median"], 3),
-                "t_comm_ms": t_comm,
+                "t_comm_ms": summary(comm[name]),
                 "engine_gap_us": round(statistics.median(gaps[name]) * 1e3, 1),
-                "simulated_ms": round(predicted, 3),
-                "measured_over_simulated": round(ours["median"] / predicted, 3) if predicted else None,
+                "recorded_ms": summary(steps),
+                "simulated_ms": summary(predicted for predicted, _ in sims),
+                "recorded_over_simulated": summary(
+                    (step / predicted for step, (predicted, _) in zip(steps, sims, strict=True)), digits=3
+                ),
             }
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
-                measured_result(last_spans[name], f"{name} measured").plot(args.out / f"{name}_measured.png")
+                (spans, _), (predicted, sim) = recorded[name][-1], sims[-1]
+                measured_result(spans, f"{name} measured").plot(args.out / f"{name}_measured.png")
                 sim.plot(args.out / f"{name}_simulated.png", title=f"{name} simulated: makespan {predicted:.1f} ms")
         print(table(report))
         gains = zb_gains(report)
@@ -289,7 +297,7 @@ def zb_gains(report: dict) -> dict:
     return {
         name: {
             "measured_ms": round(base["ours_ms"]["median"] - report[name]["ours_ms"]["median"], 3),
-            "simulated_ms": round(base["simulated_ms"] - report[name]["simulated_ms"], 3),
+            "simulated_ms": round(base["simulated_ms"]["median"] - report[name]["simulated_ms"]["median"], 3),
         }
         for name in ("zb_h1", "zb_h2")
         if name in report
@@ -302,20 +310,20 @@ def machine(args: argparse.Namespace) -> dict:
 
 
 def table(report: dict) -> str:
-    def fmt(s: dict) -> str:
-        return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
+    def fmt(s: dict, digits: int = 1) -> str:
+        return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
     rows = [
-        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | engine gap µs | simulated ms "
-        "| measured / simulated |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | engine gap µs | recorded step ms "
+        "| simulated ms | recorded / simulated |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report.items():
-        t_comm = r["t_comm_ms"]
+        ratio = r["recorded_over_simulated"]
         rows.append(
             f"| {name} | {fmt(r['ours_ms'])} | {fmt(r['torch_ms'])} | {r['speed_vs_torch']:.2f}x | "
-            f"{t_comm['median']:.3f} ({t_comm['min']:.3f}-{t_comm['max']:.3f}) | {r['engine_gap_us']:.0f} | "
-            f"{r['simulated_ms']:.1f} | {r['measured_over_simulated']} |"
+            f"{fmt(r['t_comm_ms'], 3)} | {r['engine_gap_us']:.0f} | {fmt(r['recorded_ms'])} | "
+            f"{fmt(r['simulated_ms'])} | {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |"
         )
     return "\n".join(rows)
 
