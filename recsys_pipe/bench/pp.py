@@ -17,8 +17,9 @@ Prints a markdown table, then one JSON line. With `--out`, writes each schedule'
 simulated Gantt (`<schedule>_measured.png`, `<schedule>_simulated.png`).
 
 Simulation: after each repetition's timed steps, one more step is recorded (every task's span
-on each rank) and `simulate(orders, t_F, t_B, t_W, t_comm)` gets the medians of that step's F,
-B (input gradient) and W spans (a full backward BW counts as t_B, with t_W = 0) and the
+on each rank) and `simulate(orders, t_F, t_B, t_W, t_comm)` gets the means of that step's F, B
+(input gradient) and W spans (a full backward BW counts as t_B, with t_W = 0; means, not
+medians: on a loaded machine the durations skew long, and a makespan adds them up) and the
 transfer time `t_comm` measured just before the repetition: the median one-way time of one
 microbatch's activation through the runtime's `PeerLink`, a ping-pong between the two ranks
 (`recsys_pipe.pp.transfer_time`). The simulator charges each activation or gradient one
@@ -26,7 +27,9 @@ microbatch's activation through the runtime's `PeerLink`, a ping-pong between th
 measures. Its makespan is compared with the recorded step's (first F to last compute end, the
 same step the durations come from, so load on the machine hits both alike): median (min-max)
 of the per-repetition ratios. The engine's own time between two tasks of a rank
-(`recsys_pipe.pp.task_gaps`, median over both ranks) is reported beside it, not simulated.
+(`recsys_pipe.pp.task_gaps`, median over both ranks) and the time the slower rank spends in
+its send tasks per step (posting a message; with the receive already posted, writing it out)
+are reported beside it, not simulated: the simulator charges a transfer to the link only.
 """
 
 from __future__ import annotations
@@ -204,21 +207,26 @@ def timed(step, args: argparse.Namespace) -> list[float]:
 
 
 def simulated(bench: Bench, spans, t_comm: float) -> tuple[float, object]:
-    """simulate() of the schedule with the medians of the measured F / B / W spans and the
+    """simulate() of the schedule with the means of the measured F / B / W spans and the
     transfer time `t_comm` (ms)."""
     durations: dict[str, list[float]] = {}
     for rank_spans in spans:
         for s in rank_spans:
             kind = "".join(c for c in s.action if c.isalpha())
             durations.setdefault(kind, []).append((s.end - s.start) * 1e3)
-    med = {k: statistics.median(v) for k, v in durations.items()}
-    t_f = med.get("F", 0.0)
-    if "I" in med:  # torch's letter for our B (input gradient)
-        t_b, t_w = med["I"], med.get("W", 0.0)
+    means = {k: statistics.mean(v) for k, v in durations.items()}
+    t_f = means.get("F", 0.0)
+    if "I" in means:  # torch's letter for our B (input gradient)
+        t_b, t_w = means["I"], means.get("W", 0.0)
     else:  # full backwards only
-        t_b, t_w = med.get("B", 0.0), 0.0
+        t_b, t_w = means.get("B", 0.0), 0.0
     result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w, t_comm=t_comm)
     return result.makespan, result
+
+
+def send_ms(spans) -> float:
+    """The time one rank's send tasks (`send_F`, `0SEND_F1`, ...) took in one step (ms)."""
+    return sum(s.end_s - s.start_s for s in spans if "send" in s.task.lower()) * 1e3
 
 
 def transfer_ms(bench: Bench) -> float:
@@ -244,6 +252,7 @@ def main() -> None:
         times: dict[str, dict[str, list[float]]] = {name: {"ours": [], "torch": []} for name in benches}
         comm = {name: [] for name in benches}  # ms, one per repetition
         gaps = {name: [] for name in benches}  # ms, every rank's, the recorded steps'
+        sends = {name: [] for name in benches}  # ms, the slower rank's, per recorded step
         recorded: dict[str, list] = {name: [] for name in benches}  # per repetition: (spans, t_comm ms)
         for _ in range(args.repeats):
             for name, bench in benches.items():
@@ -257,8 +266,9 @@ def main() -> None:
                 stage = rank if bench.resolved.actions is None else None
                 recorded[name].append((gather_spans(compute_spans(recorder.spans(), rank, stage)), t_comm))
                 every: list = [None] * RANKS
-                dist.all_gather_object(every, task_gaps(recorder.spans()))
-                gaps[name] += [g * 1e3 for rank_gaps in every for g in rank_gaps]
+                dist.all_gather_object(every, (task_gaps(recorder.spans()), send_ms(recorder.spans())))
+                gaps[name] += [g * 1e3 for rank_gaps, _ in every for g in rank_gaps]
+                sends[name].append(max(rank_sends for _, rank_sends in every))
                 runner.shutdown()
                 times[name]["torch"] += timed(bench.torch(), args)
         dist.barrier()
@@ -273,6 +283,7 @@ def main() -> None:
                 "speed_vs_torch": round(theirs["median"] / ours["median"], 3),
                 "t_comm_ms": summary(comm[name]),
                 "engine_gap_us": round(statistics.median(gaps[name]) * 1e3, 1),
+                "send_ms_per_step": summary(sends[name]),
                 "recorded_ms": summary(steps),
                 "simulated_ms": summary(predicted for predicted, _ in sims),
                 "recorded_over_simulated": summary(
@@ -314,15 +325,16 @@ def table(report: dict) -> str:
         return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
     rows = [
-        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | engine gap µs | recorded step ms "
-        "| simulated ms | recorded / simulated |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | engine gap µs | sends ms/step "
+        "| recorded step ms | simulated ms | recorded / simulated |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report.items():
         ratio = r["recorded_over_simulated"]
         rows.append(
             f"| {name} | {fmt(r['ours_ms'])} | {fmt(r['torch_ms'])} | {r['speed_vs_torch']:.2f}x | "
-            f"{fmt(r['t_comm_ms'], 3)} | {r['engine_gap_us']:.0f} | {fmt(r['recorded_ms'])} | "
+            f"{fmt(r['t_comm_ms'], 3)} | {r['engine_gap_us']:.0f} | {fmt(r['send_ms_per_step'])} | "
+            f"{fmt(r['recorded_ms'])} | "
             f"{fmt(r['simulated_ms'])} | {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |"
         )
     return "\n".join(rows)

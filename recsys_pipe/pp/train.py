@@ -83,7 +83,7 @@ class PipelinedModel(nn.Module):
     def write_step_timeline(self, out: Path, schedule: ResolvedSchedule) -> list[Path]:
         """The last recorded step of this rank's pipeline, measured and simulated (a collective
         over the pipeline's ranks): global rank 0 writes `pp_timeline.png` (measured Gantt),
-        `pp_simulated.png` (the schedule simulated with the measured medians of F, B and W and
+        `pp_simulated.png` (the schedule simulated with the measured means of F, B and W and
         the measured transfer time, `transfer_ms`) and `pp_timeline.json` (per rank: busy time
         and bubble), and prints the table."""
         t_comm = self.transfer_ms() / 1e3  # global rank 0 is pipeline rank 0: it measures
@@ -94,9 +94,9 @@ class PipelinedModel(nn.Module):
         durations: dict[str, list[float]] = {}
         for span in (s for rank in gathered for s in rank):
             durations.setdefault(Action.parse(span.action).kind, []).append(span.end - span.start)
-        med = {kind: statistics.median(v) for kind, v in durations.items()}
-        t_b = med.get("B", med.get("BW", 0.0))
-        simulated = simulate(schedule.compute_orders(), med.get("F", 0.0), t_b, med.get("W", 0.0), t_comm=t_comm)
+        means = {kind: statistics.mean(v) for kind, v in durations.items()}
+        t_b = means.get("B", means.get("BW", 0.0))
+        simulated = simulate(schedule.compute_orders(), means.get("F", 0.0), t_b, means.get("W", 0.0), t_comm=t_comm)
         paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
         measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
         simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
@@ -114,7 +114,7 @@ class PipelinedModel(nn.Module):
         paths[2].write_text(json.dumps(report, indent=2) + "\n")
         print(
             f"\npipeline ({schedule.name}), last profiled step: {measured.makespan * 1e3:.2f} ms measured, "
-            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W medians and a "
+            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W means and a "
             f"{t_comm * 1e3:.3f} ms transfer"
         )
         for row in ranks:
