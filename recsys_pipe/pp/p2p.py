@@ -8,13 +8,14 @@ sends back) gradients only for what the sender's graph can use. Sends are asynch
 until `wait_sends()`, so a rank never blocks on a peer that is busy with its own schedule;
 receives block, which is what orders a stage after its producer.
 
-A receive can be posted ahead (`post_recv`: its header's receive, the part of known size).
-gloo pairs a send with its receive by a rendezvous: a send that finds the receive posted goes
-out at once, from the sending thread; one posted first waits until the receiver asks, and then
-goes out from the sender's transport thread, which on a busy machine competes for the core
-with the sender's own compute, so the message arrives late (measured: a median 2.8 ms, up to
-16 ms, against 0.3 ms for an idle ping-pong; `docs/pipeline-parallel.md`). Posting the
-headers at the start of a step takes that wait off their half of each transfer.
+A receive can be posted ahead (`post_recv`). gloo pairs a send with its receive by a
+rendezvous: a send that finds the receive posted goes out at once, from the sending thread;
+one posted first waits until the receiver asks, and then goes out from the sender's transport
+thread, which on a busy machine competes for the core with the sender's own compute, so the
+message arrives late ("Transfers" in docs/pipeline-parallel.md has the measurements). A plain
+link posts a message's header ahead (the part of known size); a speculative one
+(`PeerLink(speculative=True)`) its payload too, in the layout of the last message on that
+peer and tag.
 
 Hand-written rather than torch.distributed.pipelining's stage I/O: that code needs the shapes
 fixed up front (shape inference on the first step), which jagged batches do not allow.
