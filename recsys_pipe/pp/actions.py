@@ -20,9 +20,9 @@ An overlapped pair (DualPipeV's `OVERLAP_F_B`) runs its forward, then its backwa
 whose order contradicts its data flow (a backward before its forward) is refused: the engine
 would have to reorder it.
 
-Each step first posts the receives of all its `RECV_*` actions (`PeerLink.post_recv`, their
-headers), so a peer's send finds them posted and goes out at once instead of waiting for the
-receive task (see `recsys_pipe.pp.p2p`).
+Each step first posts the receives of all its `RECV_*` actions (`PeerLink.post_recv`: their
+headers, and on a speculative link their payloads), so a peer's send finds them posted and goes
+out at once instead of waiting for the receive task (see `recsys_pipe.pp.p2p`).
 """
 
 from __future__ import annotations
