@@ -17,19 +17,20 @@ Prints a markdown table, then one JSON line. With `--out`, writes each schedule'
 simulated Gantt (`<schedule>_measured.png`, `<schedule>_simulated.png`).
 
 Simulation: after each repetition's timed steps, one more step is recorded (every task's span
-on each rank) and `simulate(orders, t_F, t_B, t_W, t_comm)` gets the means of that step's F, B
-(input gradient) and W spans (a full backward BW counts as t_B, with t_W = 0; means, not
-medians: on a loaded machine the durations skew long, and a makespan adds them up) and the
-transfer time `t_comm` measured just before the repetition: the median one-way time of one
-microbatch's activation through the runtime's `PeerLink`, a ping-pong between the two ranks
-(`recsys_pipe.pp.transfer_time`). The simulator charges each activation or gradient one
-`t_comm` between the producer's end and the consumer's start, which is what half a round trip
-measures. Its makespan is compared with the recorded step's (first F to last compute end, the
-same step the durations come from, so load on the machine hits both alike): median (min-max)
-of the per-repetition ratios. The engine's own time between two tasks of a rank
-(`recsys_pipe.pp.task_gaps`, median over both ranks) and the time the slower rank spends in
-its send tasks per step (posting a message; with the receive already posted, writing it out)
-are reported beside it, not simulated: the simulator charges a transfer to the link only.
+on each rank) and `simulate(orders, t_F, t_B, t_W, t_comm, t_send=...)` gets the means of that
+step's F, B (input gradient) and W spans (a full backward BW counts as t_B, with t_W = 0;
+means, not medians: on a loaded machine the durations skew long, and a makespan adds them up),
+the transfer time `t_comm` measured just before the repetition (the median one-way time of
+one microbatch's activation through the runtime's `PeerLink`, a ping-pong between the two
+ranks: `recsys_pipe.pp.transfer_time`) and `t_send`, the mean of the recorded step's send
+tasks. The simulator charges each activation or gradient one `t_comm` between the producer's
+end and the consumer's start, which is what half a round trip measures, and the sending rank
+one `t_send` (posting the message; with its receive posted ahead, writing it out). Its
+makespan is compared with the recorded step's (first F to last compute end, the same step the
+durations come from, so load on the machine hits both alike): median (min-max) of the
+per-repetition ratios. The engine's own time between two tasks of a rank
+(`recsys_pipe.pp.task_gaps`, median over both ranks) is reported beside it, not simulated, and
+so is the time the slower rank spends in send tasks per step.
 """
 
 from __future__ import annotations
@@ -206,9 +207,9 @@ def timed(step, args: argparse.Namespace) -> list[float]:
     return times
 
 
-def simulated(bench: Bench, spans, t_comm: float) -> tuple[float, object]:
-    """simulate() of the schedule with the means of the measured F / B / W spans and the
-    transfer time `t_comm` (ms)."""
+def simulated(bench: Bench, spans, t_comm: float, t_send: float) -> tuple[float, object]:
+    """simulate() of the schedule with the means of the measured F / B / W spans, the
+    transfer time `t_comm` and the sending rank's time per message `t_send` (ms)."""
     durations: dict[str, list[float]] = {}
     for rank_spans in spans:
         for s in rank_spans:
@@ -220,13 +221,13 @@ def simulated(bench: Bench, spans, t_comm: float) -> tuple[float, object]:
         t_b, t_w = means["I"], means.get("W", 0.0)
     else:  # full backwards only
         t_b, t_w = means.get("B", 0.0), 0.0
-    result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w, t_comm=t_comm)
+    result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w, t_comm=t_comm, t_send=t_send)
     return result.makespan, result
 
 
-def send_ms(spans) -> float:
-    """The time one rank's send tasks (`send_F`, `0SEND_F1`, ...) took in one step (ms)."""
-    return sum(s.end_s - s.start_s for s in spans if "send" in s.task.lower()) * 1e3
+def send_durations(spans) -> list[float]:
+    """The durations of one rank's send tasks (`send_F`, `0SEND_F1`, ...) in one step (ms)."""
+    return [(s.end_s - s.start_s) * 1e3 for s in spans if "send" in s.task.lower()]
 
 
 def transfer_ms(bench: Bench) -> float:
@@ -253,7 +254,7 @@ def main() -> None:
         comm = {name: [] for name in benches}  # ms, one per repetition
         gaps = {name: [] for name in benches}  # ms, every rank's, the recorded steps'
         sends = {name: [] for name in benches}  # ms, the slower rank's, per recorded step
-        recorded: dict[str, list] = {name: [] for name in benches}  # per repetition: (spans, t_comm ms)
+        recorded: dict[str, list] = {name: [] for name in benches}  # per repetition: (spans, t_comm, t_send)
         for _ in range(args.repeats):
             for name, bench in benches.items():
                 t_comm = transfer_ms(bench)
@@ -264,18 +265,20 @@ def main() -> None:
                 runner.pipeline.observer = recorder
                 step(args.warmup + args.steps)
                 stage = rank if bench.resolved.actions is None else None
-                recorded[name].append((gather_spans(compute_spans(recorder.spans(), rank, stage)), t_comm))
+                spans = gather_spans(compute_spans(recorder.spans(), rank, stage))
                 every: list = [None] * RANKS
-                dist.all_gather_object(every, (task_gaps(recorder.spans()), send_ms(recorder.spans())))
+                dist.all_gather_object(every, (task_gaps(recorder.spans()), send_durations(recorder.spans())))
                 gaps[name] += [g * 1e3 for rank_gaps, _ in every for g in rank_gaps]
-                sends[name].append(max(rank_sends for _, rank_sends in every))
+                sends[name].append(max(sum(rank_sends) for _, rank_sends in every))
+                t_send = statistics.mean(d for _, rank_sends in every for d in rank_sends)
+                recorded[name].append((spans, t_comm, t_send))
                 runner.shutdown()
                 times[name]["torch"] += timed(bench.torch(), args)
         dist.barrier()
     if rank == 0:
         for name, bench in benches.items():
-            sims = [simulated(bench, spans, t_comm) for spans, t_comm in recorded[name]]
-            steps = [measured_result(spans).makespan * 1e3 for spans, _ in recorded[name]]
+            sims = [simulated(bench, spans, t_comm, t_send) for spans, t_comm, t_send in recorded[name]]
+            steps = [measured_result(spans).makespan * 1e3 for spans, _, _ in recorded[name]]
             ours, theirs = summary(times[name]["ours"]), summary(times[name]["torch"])
             report[name] = {
                 "ours_ms": ours,
@@ -284,6 +287,7 @@ def main() -> None:
                 "t_comm_ms": summary(comm[name]),
                 "engine_gap_us": round(statistics.median(gaps[name]) * 1e3, 1),
                 "send_ms_per_step": summary(sends[name]),
+                "t_send_ms": summary(t_send for _, _, t_send in recorded[name]),
                 "recorded_ms": summary(steps),
                 "simulated_ms": summary(predicted for predicted, _ in sims),
                 "recorded_over_simulated": summary(
@@ -292,7 +296,7 @@ def main() -> None:
             }
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
-                (spans, _), (predicted, sim) = recorded[name][-1], sims[-1]
+                (spans, _, _), (predicted, sim) = recorded[name][-1], sims[-1]
                 measured_result(spans, f"{name} measured").plot(args.out / f"{name}_measured.png")
                 sim.plot(args.out / f"{name}_simulated.png", title=f"{name} simulated: makespan {predicted:.1f} ms")
         print(table(report))
@@ -325,15 +329,16 @@ def table(report: dict) -> str:
         return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
     rows = [
-        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | engine gap µs | sends ms/step "
+        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | t_send ms | sends ms/step | engine gap µs "
         "| recorded step ms | simulated ms | recorded / simulated |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report.items():
         ratio = r["recorded_over_simulated"]
         rows.append(
             f"| {name} | {fmt(r['ours_ms'])} | {fmt(r['torch_ms'])} | {r['speed_vs_torch']:.2f}x | "
-            f"{fmt(r['t_comm_ms'], 3)} | {r['engine_gap_us']:.0f} | {fmt(r['send_ms_per_step'])} | "
+            f"{fmt(r['t_comm_ms'], 3)} | {fmt(r['t_send_ms'], 3)} | {fmt(r['send_ms_per_step'])} | "
+            f"{r['engine_gap_us']:.0f} | "
             f"{fmt(r['recorded_ms'])} | "
             f"{fmt(r['simulated_ms'])} | {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |"
         )
