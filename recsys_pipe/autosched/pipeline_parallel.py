@@ -12,6 +12,9 @@ for its `B`. Each stage lives on one rank; each rank runs its actions in list or
 time. Between ranks, an activation or gradient is one transfer of `t_comm` on the directed link
 between them (first come, first served); with explicit `SEND_*`/`RECV_*` actions the transfer
 starts once both the send and the receive are posted, otherwise when the producer ends.
+Sending can also cost the sending rank time (`t_send`: posting the message, or writing it out
+when its receive is posted): each `SEND_*` action takes it, or, without those, each compute
+whose activation or gradient goes to another rank takes it on top of its own duration.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def simulate(
     t_comm: float = 0.0,
     *,
     t_fb: float | None = None,
+    t_send: float = 0.0,
 ) -> PipelineResult:
     """Play a schedule with the given durations; see `PipelineResult`.
 
@@ -138,12 +142,14 @@ def simulate(
             DualPipe's F&B); by default its parts back to back, `t_f + t_b + t_w` (no overlap
             gain). DeepSeek-V3's DualPipe bubble `(p/2 - 1)(F&B + B - 3W)` (B there is a full
             backward) reads `(p/2 - 1)(t_fb + t_b - 2 t_w)` here.
+        t_send: the sending rank's own time per cross-rank message (see the module docstring).
     """
-    for label, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("t_comm", t_comm), ("t_fb", t_fb)):
+    checked = (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("t_comm", t_comm), ("t_fb", t_fb), ("t_send", t_send))
+    for label, value in checked:
         if value is not None and not value >= 0:
             raise ValueError(f"{label} must be >= 0, got {value!r}")
     schedule = _as_schedule(actions)
-    return _Model(schedule, t_f, t_b, t_w, t_comm, t_fb).play()
+    return _Model(schedule, t_f, t_b, t_w, t_comm, t_fb, t_send).play()
 
 
 def _as_schedule(actions: Schedule) -> PipelineSchedule:
@@ -249,16 +255,27 @@ def _check_comms(schedule, seen, routes, stage_rank) -> list[str]:
 class _Model:
     """Builds the event-engine spans of a schedule and plays them."""
 
-    def __init__(self, schedule: PipelineSchedule, t_f, t_b, t_w, t_comm, t_fb):
+    def __init__(self, schedule: PipelineSchedule, t_f, t_b, t_w, t_comm, t_fb, t_send=0.0):
         self.schedule = schedule
-        self.duration = {"F": t_f, "B": t_b, "W": t_w, "BW": t_b + t_w}
+        self.duration = {"F": t_f, "B": t_b, "W": t_w, "BW": t_b + t_w, "SEND_F": t_send, "SEND_B": t_send}
         self.t_comm = t_comm
         self.t_fb = t_fb
+        self.t_send = t_send
+        self.stage_rank = {c.stage: r for r, row in enumerate(schedule.ranks) for a in row for c in a.computes}
+        self.explicit_sends = any(a.kind in ("SEND_F", "SEND_B") for row in schedule.ranks for a in row)
 
-    def _cost(self, action: Action) -> float:
+    def _sends(self, rank: int, action: Action) -> int:
+        """How many of `action`'s computes send their output to another rank."""
+        if self.explicit_sends or not self.t_send:
+            return 0
+        to = {"F": 1, "B": -1, "BW": -1}
+        return sum(self.stage_rank.get(c.stage + to[c.kind], rank) != rank for c in action.computes if c.kind in to)
+
+    def _cost(self, action: Action, rank: int = 0) -> float:
+        sends = self._sends(rank, action) * self.t_send
         if action.kind == "FB":
-            return self.t_fb if self.t_fb is not None else sum(self.duration[p.kind] for p in action.parts)
-        return self.duration.get(action.kind, 0.0)
+            return sends + (self.t_fb if self.t_fb is not None else sum(self.duration[p.kind] for p in action.parts))
+        return sends + self.duration.get(action.kind, 0.0)
 
     def play(self) -> PipelineResult:
         schedule = self.schedule
@@ -270,7 +287,7 @@ class _Model:
             engine.resource(f"rank {r}")
         for r, row in enumerate(schedule.ranks):
             for action in row:
-                i = engine.add(("rank", r, len(labels)), self._cost(action), [f"rank {r}"])
+                i = engine.add(("rank", r, len(labels)), self._cost(action, r), [f"rank {r}"])
                 labels.append(_label(r, action))
                 rank_spans.append((r, action, i))
                 for c in action.computes or (action,):

@@ -16,9 +16,21 @@ median (min-max) over repetitions x steps.
 Prints a markdown table, then one JSON line. With `--out`, writes each schedule's measured and
 simulated Gantt (`<schedule>_measured.png`, `<schedule>_simulated.png`).
 
-Simulation: `simulate(orders, t_F, t_B, t_W)` with the medians of the measured F, B (input
-gradient) and W spans of the last timed step (a full backward BW counts as t_B, with t_W = 0), no
-transfer time: the ratio measured / simulated shows what transfers and the runtime's own work add.
+Simulation: after each repetition's timed steps, one more step is recorded (every task's span
+on each rank) and `simulate(orders, t_F, t_B, t_W, t_comm, t_send=...)` gets the means of that
+step's F, B (input gradient) and W spans (a full backward BW counts as t_B, with t_W = 0;
+means, not medians: on a loaded machine the durations skew long, and a makespan adds them up),
+the transfer time `t_comm` measured just before the repetition (the median one-way time of
+one microbatch's activation through the runtime's `PeerLink`, a ping-pong between the two
+ranks: `recsys_pipe.pp.transfer_time`) and `t_send`, the mean of the recorded step's send
+tasks. The simulator charges each activation or gradient one `t_comm` between the producer's
+end and the consumer's start, which is what half a round trip measures, and the sending rank
+one `t_send` (posting the message; with its receive posted ahead, writing it out). Its
+makespan is compared with the recorded step's (first F to last compute end, the same step the
+durations come from, so load on the machine hits both alike): median (min-max) of the
+per-repetition ratios. The engine's own time between two tasks of a rank
+(`recsys_pipe.pp.task_gaps`, median over both ranks) is reported beside it, not simulated, and
+so is the time the slower rank spends in send tasks per step.
 """
 
 from __future__ import annotations
@@ -52,6 +64,8 @@ from recsys_pipe.pp import (
     mlp_stages,
     split_layers,
     stage_plan,
+    task_gaps,
+    transfer_time,
 )
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b", "zbv", "dualpipev")
@@ -193,21 +207,35 @@ def timed(step, args: argparse.Namespace) -> list[float]:
     return times
 
 
-def simulated(bench: Bench, spans) -> tuple[float, object]:
-    """simulate() of the schedule with the medians of the measured F / B / W spans (ms)."""
+def simulated(bench: Bench, spans, t_comm: float, t_send: float) -> tuple[float, object]:
+    """simulate() of the schedule with the means of the measured F / B / W spans, the
+    transfer time `t_comm` and the sending rank's time per message `t_send` (ms)."""
     durations: dict[str, list[float]] = {}
     for rank_spans in spans:
         for s in rank_spans:
             kind = "".join(c for c in s.action if c.isalpha())
             durations.setdefault(kind, []).append((s.end - s.start) * 1e3)
-    med = {k: statistics.median(v) for k, v in durations.items()}
-    t_f = med.get("F", 0.0)
-    if "I" in med:  # torch's letter for our B (input gradient)
-        t_b, t_w = med["I"], med.get("W", 0.0)
+    means = {k: statistics.mean(v) for k, v in durations.items()}
+    t_f = means.get("F", 0.0)
+    if "I" in means:  # torch's letter for our B (input gradient)
+        t_b, t_w = means["I"], means.get("W", 0.0)
     else:  # full backwards only
-        t_b, t_w = med.get("B", 0.0), 0.0
-    result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w)
+        t_b, t_w = means.get("B", 0.0), 0.0
+    result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w, t_comm=t_comm, t_send=t_send)
     return result.makespan, result
+
+
+def send_durations(spans) -> list[float]:
+    """The durations of one rank's send tasks (`send_F`, `0SEND_F1`, ...) in one step (ms)."""
+    return [(s.end_s - s.start_s) * 1e3 for s in spans if "send" in s.task.lower()]
+
+
+def transfer_ms(bench: Bench) -> float:
+    """One microbatch's activation between the two ranks, one way (ms; `transfer_time`): rank 0
+    sends the tensor the stages exchange, rank 1 echoes it."""
+    mb = bench.args.batch // bench.args.microbatches
+    message = (torch.zeros(mb, bench.args.width, requires_grad=True),) if bench.rank == 0 else None
+    return transfer_time(bench.link, 1 - bench.rank, message) * 1e3
 
 
 def main() -> None:
@@ -216,40 +244,60 @@ def main() -> None:
     one_thread_per_rank()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    link = PeerLink()
+    link = PeerLink(speculative=True)  # the stages' messages keep their shapes
     report: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as csv_dir:
         csv_dir = [csv_dir]
         dist.broadcast_object_list(csv_dir, src=0)  # one host: rank 0's directory
         benches = {name: Bench(name, args, rank, link, csv_dir[0]) for name in args.schedules}
         times: dict[str, dict[str, list[float]]] = {name: {"ours": [], "torch": []} for name in benches}
-        last_spans: dict[str, list] = {}
+        comm = {name: [] for name in benches}  # ms, one per repetition
+        gaps = {name: [] for name in benches}  # ms, every rank's, the recorded steps'
+        sends = {name: [] for name in benches}  # ms, the slower rank's, per recorded step
+        recorded: dict[str, list] = {name: [] for name in benches}  # per repetition: (spans, t_comm, t_send)
         for _ in range(args.repeats):
             for name, bench in benches.items():
+                t_comm = transfer_ms(bench)
+                comm[name].append(t_comm)
                 step, runner = bench.ours()
                 times[name]["ours"] += timed(step, args)
                 recorder = SpanRecorder()
                 runner.pipeline.observer = recorder
                 step(args.warmup + args.steps)
                 stage = rank if bench.resolved.actions is None else None
-                last_spans[name] = gather_spans(compute_spans(recorder.spans(), rank, stage))
+                spans = gather_spans(compute_spans(recorder.spans(), rank, stage))
+                every: list = [None] * RANKS
+                dist.all_gather_object(every, (task_gaps(recorder.spans()), send_durations(recorder.spans())))
+                gaps[name] += [g * 1e3 for rank_gaps, _ in every for g in rank_gaps]
+                sends[name].append(max(sum(rank_sends) for _, rank_sends in every))
+                t_send = statistics.mean(d for _, rank_sends in every for d in rank_sends)
+                recorded[name].append((spans, t_comm, t_send))
                 runner.shutdown()
                 times[name]["torch"] += timed(bench.torch(), args)
         dist.barrier()
     if rank == 0:
         for name, bench in benches.items():
-            predicted, sim = simulated(bench, last_spans[name])
+            sims = [simulated(bench, spans, t_comm, t_send) for spans, t_comm, t_send in recorded[name]]
+            steps = [measured_result(spans).makespan * 1e3 for spans, _, _ in recorded[name]]
             ours, theirs = summary(times[name]["ours"]), summary(times[name]["torch"])
             report[name] = {
                 "ours_ms": ours,
                 "torch_ms": theirs,
                 "speed_vs_torch": round(theirs["median"] / ours["median"], 3),
-                "simulated_ms": round(predicted, 3),
-                "measured_over_simulated": round(ours["median"] / predicted, 3) if predicted else None,
+                "t_comm_ms": summary(comm[name]),
+                "engine_gap_us": round(statistics.median(gaps[name]) * 1e3, 1),
+                "send_ms_per_step": summary(sends[name]),
+                "t_send_ms": summary(t_send for _, _, t_send in recorded[name]),
+                "recorded_ms": summary(steps),
+                "simulated_ms": summary(predicted for predicted, _ in sims),
+                "recorded_over_simulated": summary(
+                    (step / predicted for step, (predicted, _) in zip(steps, sims, strict=True)), digits=3
+                ),
             }
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
-                measured_result(last_spans[name], f"{name} measured").plot(args.out / f"{name}_measured.png")
+                (spans, _, _), (predicted, sim) = recorded[name][-1], sims[-1]
+                measured_result(spans, f"{name} measured").plot(args.out / f"{name}_measured.png")
                 sim.plot(args.out / f"{name}_simulated.png", title=f"{name} simulated: makespan {predicted:.1f} ms")
         print(table(report))
         gains = zb_gains(report)
@@ -264,7 +312,7 @@ def zb_gains(report: dict) -> dict:
     return {
         name: {
             "measured_ms": round(base["ours_ms"]["median"] - report[name]["ours_ms"]["median"], 3),
-            "simulated_ms": round(base["simulated_ms"] - report[name]["simulated_ms"], 3),
+            "simulated_ms": round(base["simulated_ms"]["median"] - report[name]["simulated_ms"]["median"], 3),
         }
         for name in ("zb_h1", "zb_h2")
         if name in report
@@ -277,17 +325,22 @@ def machine(args: argparse.Namespace) -> dict:
 
 
 def table(report: dict) -> str:
-    def fmt(s: dict) -> str:
-        return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
+    def fmt(s: dict, digits: int = 1) -> str:
+        return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
     rows = [
-        "| schedule | ours ms | torch ms | torch / ours | simulated ms | measured / simulated |",
-        "|---|---|---|---|---|---|",
+        "| schedule | ours ms | torch ms | torch / ours | t_comm ms | t_send ms | sends ms/step | engine gap µs "
+        "| recorded step ms | simulated ms | recorded / simulated |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report.items():
+        ratio = r["recorded_over_simulated"]
         rows.append(
             f"| {name} | {fmt(r['ours_ms'])} | {fmt(r['torch_ms'])} | {r['speed_vs_torch']:.2f}x | "
-            f"{r['simulated_ms']:.1f} | {r['measured_over_simulated']} |"
+            f"{fmt(r['t_comm_ms'], 3)} | {fmt(r['t_send_ms'], 3)} | {fmt(r['send_ms_per_step'])} | "
+            f"{r['engine_gap_us']:.0f} | "
+            f"{fmt(r['recorded_ms'])} | "
+            f"{fmt(r['simulated_ms'])} | {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |"
         )
     return "\n".join(rows)
 

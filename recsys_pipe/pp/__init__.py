@@ -53,6 +53,8 @@ _EXPORTS = {
     "compute_spans": "timeline",
     "gather_spans": "timeline",
     "measured_result": "timeline",
+    "task_gaps": "timeline",
+    "transfer_time": "timeline",
     "BackwardRecord": "stage",
     "ChainedStages": "stage",
     "ForwardRecord": "stage",

@@ -19,6 +19,10 @@ checks any plan (every read has a writer) and the observer sees every action as 
 An overlapped pair (DualPipeV's `OVERLAP_F_B`) runs its forward, then its backward. A list
 whose order contradicts its data flow (a backward before its forward) is refused: the engine
 would have to reorder it.
+
+Each step first posts the receives of all its `RECV_*` actions (`PeerLink.post_recv`: their
+headers, and on a speculative link their payloads), so a peer's send finds them posted and goes
+out at once instead of waiting for the receive task (see `recsys_pipe.pp.p2p`).
 """
 
 from __future__ import annotations
@@ -212,6 +216,16 @@ def action_schedule(
     return plan
 
 
+def _post_receive(task: Task, runtimes: Mapping[int, StageRuntime]) -> None:
+    """Post the receive a `RECV_F` / `RECV_B` task completes (see the module docstring)."""
+    site: Site = task.options
+    runtime = runtimes[site.stage]
+    if task.fn is recv_f:
+        runtime.post_recv_activation(site.microbatch)
+    else:
+        runtime.post_recv_gradient(site.microbatch)
+
+
 class ActionOrderRunner:
     """Runs rank `rank`'s action list of `schedule`, one optimizer step per `run_step` call.
 
@@ -239,6 +253,8 @@ class ActionOrderRunner:
         self.link = link
         plan = action_schedule(schedule, rank, ranks_of_stages, microbatches)
         self.pipeline = SchedulablePipeline(plan, state=self.runtimes, observer=observer)
+        #: the receive tasks, posted at the start of a step
+        self.receives = [task for task in plan.tasks if task.fn in (recv_f, recv_b)]
 
     def run_step(self, step: int, microbatches: Sequence[Any]) -> list[torch.Tensor | None]:
         """Every action of one step; returns the last stage's microbatch losses (None where the
@@ -247,6 +263,8 @@ class ActionOrderRunner:
             raise ValueError(f"the plan is for {self.microbatches} microbatches, got {len(microbatches)}")
         for runtime in self.runtimes.values():
             runtime.begin_step(step, len(microbatches))
+        for task in self.receives:
+            _post_receive(task, self.runtimes)
         losses = self.pipeline.progress(iter([list(microbatches)]))
         if self.link is not None:
             self.link.wait_sends()

@@ -3,7 +3,9 @@
 The rank's plan (`recsys_pipe.pp.plan`) is compiled once into a `SchedulablePipeline` whose
 batches are microbatches. Each step feeds it a fresh iterator over the step's microbatches and
 runs it until every microbatch is drained (fill, steady state, cool-down), then completes the
-posted sends and scales the summed gradients by 1/m. The optimizer step itself stays with the
+posted sends and scales the summed gradients by 1/m. The step's receives (every microbatch's
+activation from the previous stage, gradient from the next) are posted before it starts, so
+a neighbour's send finds them posted (see `recsys_pipe.pp.p2p`). The optimizer step itself stays with the
 caller (the batch-level plan), so a pipelined step slots in where forward + backward were.
 """
 
@@ -49,6 +51,11 @@ class StageStepRunner:
         if len(microbatches) != self.plan.microbatches:
             raise ValueError(f"the plan is for {self.plan.microbatches} microbatches, got {len(microbatches)}")
         self.runtime.begin_step(step, len(microbatches))
+        for j in range(len(microbatches)):
+            if not self.runtime.is_first:
+                self.runtime.post_recv_activation(j)
+            if not self.runtime.is_last:
+                self.runtime.post_recv_gradient(j)
         losses = list(self.pipeline.iterate(iter(microbatches)))
         if self.runtime.link is not None:
             self.runtime.link.wait_sends()

@@ -130,6 +130,11 @@ class StageRuntime:
 
     # -- F --------------------------------------------------------------------------------------
 
+    def post_recv_activation(self, microbatch: int) -> None:
+        """Post the receive of `microbatch`'s activation ahead (`PeerLink.post_recv`): a
+        sender that finds it posted sends at once; `recv_activation` completes it."""
+        self.link.post_recv(self.prev_rank, activation_tag(self.stage, microbatch))
+
     def recv_activation(self, microbatch: int) -> tuple[torch.Tensor, ...]:
         """The next activation from the previous stage, as leaves that collect its gradient."""
         return as_stage_input(self.link.recv(self.prev_rank, activation_tag(self.stage, microbatch)))
@@ -154,6 +159,10 @@ class StageRuntime:
         self.link.send(record.outputs, self.next_rank, activation_tag(self.stage + 1, record.microbatch))
 
     # -- B / W ----------------------------------------------------------------------------------
+
+    def post_recv_gradient(self, microbatch: int) -> None:
+        """Post the receive of `microbatch`'s output gradients ahead; `recv_gradient` completes it."""
+        self.link.post_recv(self.next_rank, gradient_tag(self.stage, microbatch))
 
     def recv_gradient(self, microbatch: int) -> tuple[torch.Tensor, ...]:
         """The gradients of `microbatch`'s outputs that require one, from the next stage."""

@@ -14,15 +14,23 @@ own window (`bubble_without_sync`, busy) is meaningful.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 
 from recsys_pipe.autosched.pipeline_parallel import PipelineResult, PipelineSpan, peak_activations
 from recsys_pipe.autosched.pp_actions import Action
 from recsys_pipe.engine import TaskSpan
+from recsys_pipe.pp.p2p import PeerLink
 
-__all__ = ["compute_spans", "gather_spans", "measured_result"]
+__all__ = ["PROBE_TAG", "compute_spans", "gather_spans", "measured_result", "task_gaps", "transfer_time"]
+
+#: the tag of `transfer_time`'s messages: above every stage's activation and gradient tags
+#: (`recsys_pipe.pp.p2p`) for pipelines of up to 511 stages
+PROBE_TAG = 1 << 30
 
 _STEPS = ("F", "B", "W", "BW")
 
@@ -80,3 +88,39 @@ def measured_result(per_rank: Sequence[Sequence[PipelineSpan]], name: str = "") 
         spans=shifted,
         name=name,
     )
+
+
+def transfer_time(link: PeerLink, peer: int, message: Sequence[torch.Tensor] | None = None, rounds: int = 20) -> float:
+    """The median one-way time (seconds) of one stage message between this rank and `peer`,
+    through `link` as the runtime sends it (`send`, then the peer's blocking `recv`): half a
+    round trip of a ping-pong. The rank given `message` (one microbatch's activation, the
+    tensors a stage sends) starts each round; `peer` calls it with no message and echoes what it
+    receives, so only one side needs to know the shapes. Both ranks return the median round
+    trip as each sees it, halved. Outside a step only: no other transfer may be in flight on `link`.
+    """
+    if rounds < 2:
+        raise ValueError(f"a ping-pong needs at least 2 rounds, got {rounds}")
+    times, last = [], None
+    for _ in range(rounds):
+        if message is not None:
+            start = time.perf_counter()
+            link.send(message, peer, PROBE_TAG)
+            link.recv(peer, PROBE_TAG)
+            times.append(time.perf_counter() - start)
+        else:  # a round trip: from one receive to the next, the echo and the leader's turn between
+            received = link.recv(peer, PROBE_TAG)
+            now = time.perf_counter()
+            if last is not None:
+                times.append(now - last)
+            last = now
+            link.send(received, peer, PROBE_TAG)
+        link.wait_sends()
+    return statistics.median(times) / 2
+
+
+def task_gaps(spans: Sequence[TaskSpan]) -> list[float]:
+    """The engine's own time between consecutive tasks of one rank (seconds; the next start
+    minus the previous end, spans in start order): dispatch and bookkeeping, no waiting (a
+    receive waits inside its task)."""
+    ordered = sorted(spans, key=lambda s: s.start_s)
+    return [b.start_s - a.end_s for a, b in zip(ordered, ordered[1:])]

@@ -53,7 +53,7 @@ from recsys_pipe.pp.plan import stage_plan
 from recsys_pipe.pp.runner import StageStepRunner
 from recsys_pipe.pp.schedules import ResolvedSchedule
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
-from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
+from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result, transfer_time
 
 __all__ = ["PipelinedModel", "build_pipelined_model", "shard_tables"]
 
@@ -83,8 +83,10 @@ class PipelinedModel(nn.Module):
     def write_step_timeline(self, out: Path, schedule: ResolvedSchedule) -> list[Path]:
         """The last recorded step of this rank's pipeline, measured and simulated (a collective
         over the pipeline's ranks): global rank 0 writes `pp_timeline.png` (measured Gantt),
-        `pp_simulated.png` (the schedule simulated with the measured medians of F, B and W) and
-        `pp_timeline.json` (per rank: busy time and bubble), and prints the table."""
+        `pp_simulated.png` (the schedule simulated with the measured means of F, B and W and
+        the measured transfer time, `transfer_ms`) and `pp_timeline.json` (per rank: busy time
+        and bubble), and prints the table."""
+        t_comm = self.transfer_ms() / 1e3  # global rank 0 is pipeline rank 0: it measures
         gathered = gather_spans(self.last_spans or [], group=self.mesh.mesh.get_group("pp"))
         if dist.get_rank() != 0:
             return []
@@ -92,9 +94,9 @@ class PipelinedModel(nn.Module):
         durations: dict[str, list[float]] = {}
         for span in (s for rank in gathered for s in rank):
             durations.setdefault(Action.parse(span.action).kind, []).append(span.end - span.start)
-        med = {kind: statistics.median(v) for kind, v in durations.items()}
-        t_b = med.get("B", med.get("BW", 0.0))
-        simulated = simulate(schedule.compute_orders(), med.get("F", 0.0), t_b, med.get("W", 0.0))
+        means = {kind: statistics.mean(v) for kind, v in durations.items()}
+        t_b = means.get("B", means.get("BW", 0.0))
+        simulated = simulate(schedule.compute_orders(), means.get("F", 0.0), t_b, means.get("W", 0.0), t_comm=t_comm)
         paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
         measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
         simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
@@ -106,16 +108,30 @@ class PipelinedModel(nn.Module):
             "schedule": schedule.name,
             "measured_step_ms": measured.makespan * 1e3,
             "simulated_step_ms": simulated.makespan * 1e3,
+            "t_comm_ms": t_comm * 1e3,
             "ranks": ranks,
         }
         paths[2].write_text(json.dumps(report, indent=2) + "\n")
         print(
             f"\npipeline ({schedule.name}), last profiled step: {measured.makespan * 1e3:.2f} ms measured, "
-            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W medians"
+            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W means and a "
+            f"{t_comm * 1e3:.3f} ms transfer"
         )
         for row in ranks:
             print(f"  rank {row['rank']}: busy {row['busy_ms']:.2f} ms, bubble {row['bubble_ms']:.2f} ms")
         return paths
+
+    def transfer_ms(self) -> float:
+        """One stage message between pipeline ranks 0 and 1 of this replica, one way (ms;
+        `transfer_time`: rank 0 sends one like its last, rank 1 echoes it; the other ranks
+        measure nothing and return 0). Every rank of the pipeline calls it."""
+        if self.mesh.pp_rank > 1:
+            return 0.0
+        link = next(iter(self._runtimes().values())).link
+        if self.mesh.pp_rank == 1:
+            return transfer_time(link, self.mesh.rank_of(0)) * 1e3
+        message = tuple(torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in link.last_sent)
+        return transfer_time(link, self.mesh.rank_of(1), message) * 1e3
 
     def replica_mean(self, value: torch.Tensor) -> float:
         """A value every rank of a pipeline holds alike (the step's loss), averaged over the

@@ -38,7 +38,12 @@ def test_bench_pp_quick_reports_every_schedule_and_draws_gantts(tmp_path):
     assert list(report["schedules"]) == schedules
     for name in schedules:
         row = report["schedules"][name]
-        assert row["ours_ms"]["median"] > 0 and row["torch_ms"]["median"] > 0 and row["simulated_ms"] > 0
+        assert row["ours_ms"]["median"] > 0 and row["torch_ms"]["median"] > 0 and row["simulated_ms"]["min"] > 0
+        assert row["recorded_ms"]["min"] > 0 and row["recorded_over_simulated"]["min"] > 0
+        assert (
+            row["t_comm_ms"]["min"] > 0 and row["t_send_ms"]["min"] > 0
+        )  # the measured transfer costs fed to simulate()
+        assert row["engine_gap_us"] >= 0 and row["send_ms_per_step"]["min"] > 0
         assert (tmp_path / f"{name}_measured.png").is_file() and (tmp_path / f"{name}_simulated.png").is_file()
     assert set(report["zb_gains_vs_1f1b"]) == {"zb_h1"}
-    assert "| schedule | ours ms | torch ms |" in out.stdout
+    assert "| schedule | ours ms | torch ms | torch / ours | t_comm ms |" in out.stdout

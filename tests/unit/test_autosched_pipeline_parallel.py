@@ -139,6 +139,19 @@ def test_communication_takes_t_comm_between_ranks():
     assert simulate(implicit, 1.0, 1.0, 1.0, t_comm=0.5).makespan == 10.0
 
 
+def test_sending_costs_the_sending_rank_t_send():
+    # 0F0 + its send [0,1.25]; activation [1.25,1.75]; 1F0 [1.75,2.75]; 1BW0 + its send
+    # [2.75,5]; gradient [5,5.5]; 0BW0 [5.5,7.5] (the first stage sends nothing back)
+    implicit = [["0F0", "0B0"], ["1F0", "1B0"]]
+    result = simulate(implicit, 1.0, 1.0, 1.0, t_comm=0.5, t_send=0.25)
+    assert result.makespan == 7.5 and result.busy == (3.25, 3.25)
+    # explicit sends take it themselves, not the computes
+    explicit = [["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]]
+    assert simulate(explicit, 1.0, 1.0, 1.0, t_comm=0.5, t_send=0.25).busy == (3.25, 3.25)
+    with pytest.raises(ValueError, match="t_send"):
+        simulate(implicit, 1.0, 1.0, 1.0, t_send=-1.0)
+
+
 def test_plot_writes_a_png(tmp_path):
     out = simulate(build("dualpipe", 4, 8), 1.0, 1.0, 0.5, t_fb=1.8).plot(tmp_path / "dualpipe.png")
     assert out.read_bytes()[:4] == b"\x89PNG"
