@@ -254,7 +254,7 @@ class ActionOrderRunner:
         plan = action_schedule(schedule, rank, ranks_of_stages, microbatches)
         self.pipeline = SchedulablePipeline(plan, state=self.runtimes, observer=observer)
         #: the receive tasks, posted at the start of a step
-        self.receives = [task for task in plan.tasks if task.fn in (recv_f, recv_b)]
+        self.receives = [task for task in plan.tasks if task.fn is recv_f or task.fn is recv_b]
 
     def run_step(self, step: int, microbatches: Sequence[Any]) -> list[torch.Tensor | None]:
         """Every action of one step; returns the last stage's microbatch losses (None where the
