@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from recsys_pipe.autosched.pipeline_parallel import simulate
 from recsys_pipe.autosched.pp_actions import to_csv
 from recsys_pipe.bench.common import one_thread_per_rank, reexec_under_torchrun, run_ranks, summary
 from recsys_pipe.engine import SpanRecorder
@@ -62,6 +61,7 @@ from recsys_pipe.pp import (
     gather_spans,
     measured_result,
     mlp_stages,
+    simulate_measured,
     split_layers,
     stage_plan,
     task_gaps,
@@ -208,21 +208,10 @@ def timed(step, args: argparse.Namespace) -> list[float]:
 
 
 def simulated(bench: Bench, spans, t_comm: float, t_send: float) -> tuple[float, object]:
-    """simulate() of the schedule with the means of the measured F / B / W spans, the
-    transfer time `t_comm` and the sending rank's time per message `t_send` (ms)."""
-    durations: dict[str, list[float]] = {}
-    for rank_spans in spans:
-        for s in rank_spans:
-            kind = "".join(c for c in s.action if c.isalpha())
-            durations.setdefault(kind, []).append((s.end - s.start) * 1e3)
-    means = {k: statistics.mean(v) for k, v in durations.items()}
-    t_f = means.get("F", 0.0)
-    if "I" in means:  # torch's letter for our B (input gradient)
-        t_b, t_w = means["I"], means.get("W", 0.0)
-    else:  # full backwards only
-        t_b, t_w = means.get("B", 0.0), 0.0
-    result = simulate(bench.resolved.compute_orders(), t_f, t_b, t_w, t_comm=t_comm, t_send=t_send)
-    return result.makespan, result
+    """The step `simulate_measured` predicts from the measured spans, the transfer time `t_comm`
+    and the sending rank's time per message `t_send` (ms), in ms; and the simulation."""
+    result = simulate_measured(bench.resolved.compute_orders(), spans, t_comm / 1e3, t_send / 1e3)
+    return result.makespan * 1e3, result
 
 
 def send_durations(spans) -> list[float]:

@@ -53,6 +53,7 @@ _EXPORTS = {
     "compute_spans": "timeline",
     "gather_spans": "timeline",
     "measured_result": "timeline",
+    "simulate_measured": "timeline",
     "task_gaps": "timeline",
     "transfer_time": "timeline",
     "BackwardRecord": "stage",

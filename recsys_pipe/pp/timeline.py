@@ -17,16 +17,25 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from recsys_pipe.autosched.pipeline_parallel import PipelineResult, PipelineSpan, peak_activations
+from recsys_pipe.autosched.pipeline_parallel import PipelineResult, PipelineSpan, peak_activations, simulate
 from recsys_pipe.autosched.pp_actions import Action
 from recsys_pipe.engine import TaskSpan
 from recsys_pipe.pp.p2p import PeerLink
 
-__all__ = ["PROBE_TAG", "compute_spans", "gather_spans", "measured_result", "task_gaps", "transfer_time"]
+__all__ = [
+    "PROBE_TAG",
+    "compute_spans",
+    "gather_spans",
+    "measured_result",
+    "simulate_measured",
+    "task_gaps",
+    "transfer_time",
+]
 
 #: the tag of `transfer_time`'s messages: above every stage's activation and gradient tags
 #: (`recsys_pipe.pp.p2p`) for pipelines of up to 511 stages
@@ -88,6 +97,22 @@ def measured_result(per_rank: Sequence[Sequence[PipelineSpan]], name: str = "") 
         spans=shifted,
         name=name,
     )
+
+
+def simulate_measured(
+    orders: Any, per_rank: Sequence[Sequence[PipelineSpan]], t_comm: float = 0.0, t_send: float = 0.0
+) -> PipelineResult:
+    """`simulate()` of the compute orders `orders` (`ResolvedSchedule.compute_orders()`) with
+    the means of the measured F, B (input gradient) and W spans of every rank (a full backward,
+    BW, counts as B with no W), in the spans' unit (seconds), plus the transfer time `t_comm`
+    and the sending rank's time per message `t_send`. Means rather than medians: a step pays
+    every span, so a long one counts by its whole length."""
+    durations: dict[str, list[float]] = {}
+    for span in (s for rank in per_rank for s in rank):
+        durations.setdefault(Action.parse(span.action).kind, []).append(span.end - span.start)
+    means = {kind: statistics.mean(v) for kind, v in durations.items()}
+    t_b = means.get("B", means.get("BW", 0.0))
+    return simulate(orders, means.get("F", 0.0), t_b, means.get("W", 0.0), t_comm=t_comm, t_send=t_send)
 
 
 def transfer_time(link: PeerLink, peer: int, message: Sequence[torch.Tensor] | None = None, rounds: int = 20) -> float:

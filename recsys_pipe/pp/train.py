@@ -33,7 +33,6 @@ replica). Not yet: gradient clipping across stages, global-token loss normalisat
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recsys_pipe.autosched.pipeline_parallel import simulate
-from recsys_pipe.autosched.pp_actions import Action
 from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp.actions import ActionOrderRunner
 from recsys_pipe.pp.config import pipelined_tables, split_layers
@@ -53,7 +50,7 @@ from recsys_pipe.pp.plan import stage_plan
 from recsys_pipe.pp.runner import StageStepRunner
 from recsys_pipe.pp.schedules import ResolvedSchedule
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
-from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result, transfer_time
+from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result, simulate_measured, transfer_time
 
 __all__ = ["PipelinedModel", "build_pipelined_model", "shard_tables"]
 
@@ -91,12 +88,7 @@ class PipelinedModel(nn.Module):
         if dist.get_rank() != 0:
             return []
         measured = measured_result(gathered, f"{schedule.name} (measured)")
-        durations: dict[str, list[float]] = {}
-        for span in (s for rank in gathered for s in rank):
-            durations.setdefault(Action.parse(span.action).kind, []).append(span.end - span.start)
-        means = {kind: statistics.mean(v) for kind, v in durations.items()}
-        t_b = means.get("B", means.get("BW", 0.0))
-        simulated = simulate(schedule.compute_orders(), means.get("F", 0.0), t_b, means.get("W", 0.0), t_comm=t_comm)
+        simulated = simulate_measured(schedule.compute_orders(), gathered, t_comm=t_comm)
         paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
         measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
         simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
