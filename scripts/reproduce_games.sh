@@ -15,7 +15,7 @@
 # paper's code; HSTU's is updated by fbgemm's fused row-wise Adagrad (lr 0.05), which trains it
 # better here than Adam (measured: docs/reproducing.md).
 # Environment: SASREC_EPOCHS (default 150), HSTU_EPOCHS (default 60; 0 skips HSTU), EVAL_EPOCHS
-# (default 3), NPROC ranks (default 2), OMP_NUM_THREADS (default 1), EXTRA (more Hydra overrides
+# (default 5), NPROC ranks (default 2), OMP_NUM_THREADS (default 1), EXTRA (more Hydra overrides
 # for every run).
 set -euo pipefail
 DATA="${1:?usage: scripts/reproduce_games.sh PATH/Video.txt [OUT_DIR]}"
@@ -25,7 +25,7 @@ export PATH="$ROOT/.venv/bin:$PATH"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 SASREC_EPOCHS="${SASREC_EPOCHS:-150}"
 HSTU_EPOCHS="${HSTU_EPOCHS:-60}"
-EVAL_EPOCHS="${EVAL_EPOCHS:-3}"
+EVAL_EPOCHS="${EVAL_EPOCHS:-5}"
 NPROC="${NPROC:-2}"
 BATCH=$((128 / NPROC))  # the paper's batch of 128 users, split over the ranks
 mkdir -p "$OUT"
