@@ -9,8 +9,18 @@ one stream must keep the topological submission order), and NCCL order — every
 starts after the previous `nccl` task in topological order has finished, so every rank issues
 its collectives in the same order whatever the threads do. All these edges point forward in
 one total order and each chain runs in that order, so the lowest unfinished task can always
-run: no deadlock. The first failure cancels everything not yet started; every chain still
-releases the latches of the steps it will not run, so no waiter is left behind, and the
+run: no deadlock.
+
+A worker chain whose first task waits on another thread is handed to its worker only when the
+latest of those predecessors opens its latch, not at the start of the iteration: the worker
+then wakes once, ready to run, instead of waking at the start only to sleep again on that
+latch. With one thread per task every worker would otherwise wake twice per iteration, and the
+wake-ups at the start all compete with the caller's first tasks for the GIL. Deferring keeps the
+order argument above: the chain's trigger comes before its first task in the total order, so by
+induction on that order every chain is handed over.
+
+The first failure cancels everything not yet started; every chain still releases the latches
+(and hands over the chains) of the steps it will not run, so no waiter is left behind, and the
 failure is raised once all chains have stopped.
 
 Why not `concurrent.futures.ThreadPoolExecutor`: its workers are interchangeable, but a thread
@@ -59,25 +69,30 @@ def resolve_thread_map(thread_map: ThreadMap) -> Callable[[Task], str]:
 
 
 class _Step:
-    """One task of a chain: the latches to pass before it, the latch it releases after."""
+    """One task of a chain: the latches to pass before it, the latch it releases after and the
+    worker chains handed over once that latch is open."""
 
-    __slots__ = ("task", "waits_for", "signal")
+    __slots__ = ("task", "waits_for", "signal", "hands_over")
 
     def __init__(self, task: Task, waits_for: tuple[int, ...], signal: int):
         self.task = task
         self.waits_for = waits_for  # latch indices of cross-thread predecessors
         self.signal = signal  # latch index other threads wait on, or -1
+        self.hands_over: tuple[int, ...] = ()  # indices into _Plan.workers, set by _make_plan
 
 
 class _Plan:
     """How one set of firing tasks is split over threads (cached per set)."""
 
-    __slots__ = ("caller", "workers", "num_latches")
+    __slots__ = ("caller", "workers", "num_latches", "eager")
 
     def __init__(self, caller: tuple[_Step, ...], workers: tuple[tuple[_Worker, tuple[_Step, ...]], ...], latches: int):
         self.caller = caller  # the chain run on the thread that called execute()
         self.workers = workers  # (worker thread, its chain)
         self.num_latches = latches
+        # Chains handed over at the start: those whose first task waits on no other thread.
+        # The others are handed over by the step named in their trigger's `hands_over`.
+        self.eager = tuple(k for k, (_, chain) in enumerate(workers) if not chain[0].waits_for)
 
 
 def _latch() -> Any:
@@ -96,17 +111,43 @@ def _open(latch: Any) -> None:
 
 
 class _IterationState:
-    """Latches, cancellation, errors and the count of running workers of one iteration."""
+    """Latches, cancellation, errors, the hand-over of worker chains and the count of running
+    workers of one iteration."""
 
-    __slots__ = ("latches", "cancelled", "errors", "running", "finished", "_lock")
+    __slots__ = ("latches", "cancelled", "errors", "running", "finished", "plan", "run", "_posted", "_closed", "_lock")
 
-    def __init__(self, num_latches: int, num_workers: int):
-        self.latches = [_latch() for _ in range(num_latches)]
+    def __init__(self, plan: _Plan, run: RunTask):
+        self.latches = [_latch() for _ in range(plan.num_latches)]
         self.cancelled = False
         self.errors: list[BaseException] = []
-        self.running = num_workers
+        self.running = len(plan.workers)
         self.finished = _latch()  # opened by the last worker to finish: one wake-up for the caller
+        self.plan, self.run = plan, run
+        self._posted = [False] * len(plan.workers)
+        self._closed = False  # no more hand-overs: the caller is unwinding
         self._lock = threading.Lock()
+
+    def hand_over(self, k: int) -> None:
+        """Give worker chain `k` to its thread, once."""
+        with self._lock:
+            if self._posted[k] or self._closed:
+                return
+            self._posted[k] = True
+        worker, chain = self.plan.workers[k]
+        worker.jobs.put((chain, self.run, self))
+
+    def signal(self, step: _Step) -> None:
+        """Open `step`'s latch, then hand over the chains it triggers."""
+        if step.signal >= 0:
+            _open(self.latches[step.signal])
+        for k in step.hands_over:
+            self.hand_over(k)
+
+    def close(self) -> int:
+        """Stop handing chains over; returns how many never were (they will never run)."""
+        with self._lock:
+            self._closed = True
+            return self._posted.count(False)
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -144,13 +185,11 @@ def _run_chain(chain: Sequence[_Step], run: RunTask, state: _IterationState) -> 
                         run(step.task)
                     except BaseException as exc:
                         state.fail(exc)
-            if step.signal >= 0:
-                _open(latches[step.signal])
+            state.signal(step)
             opened += 1
     finally:
         for step in chain[opened:]:
-            if step.signal >= 0:
-                _open(latches[step.signal])
+            state.signal(step)
 
 
 class _Worker:
@@ -232,19 +271,17 @@ class ThreadedExecutor:
             if plan is None:
                 plan = self._plans[key] = self._make_plan(tasks, graph)
             self._last = (tasks, plan)
-        state = _IterationState(plan.num_latches, len(plan.workers))
-        dispatched = 0
+        state = _IterationState(plan, run)
         try:
-            for worker, chain in plan.workers:
-                worker.jobs.put((chain, run, state))
-                dispatched += 1
+            for k in plan.eager:
+                state.hand_over(k)
             _run_chain(plan.caller, run, state)
             if plan.workers:
                 state.finished.acquire()
         except BaseException as exc:  # e.g. KeyboardInterrupt in the calling thread
             state.fail(exc)
             state.open_all()
-            for _ in range(len(plan.workers) - dispatched):  # chains that never started
+            for _ in range(state.close()):  # chains never handed over
                 state.worker_finished()
             # Workers stop at their next step. Count, not the latch: the interrupt may have come
             # just after the latch was taken. Bounded: a task stuck in a collective must not hang Ctrl-C.
@@ -281,11 +318,21 @@ class ThreadedExecutor:
         for i, t in enumerate(tasks):
             step = _Step(t, tuple(latch_of[p] for p in waits_on[i]), latch_of.get(i, -1))
             chains.setdefault(thread[i], []).append(step)
-        return _Plan(
-            tuple(chains.pop(caller, ())),
-            tuple((self._worker(tid), tuple(steps)) for tid, steps in chains.items()),
-            len(latch_of),
-        )
+        caller_chain = tuple(chains.pop(caller, ()))
+        workers = tuple((self._worker(tid), tuple(steps)) for tid, steps in chains.items())
+        # A chain whose first step waits on other threads is handed over by the step opening the
+        # latest of those latches (latches are numbered in topological order of their producers).
+        trigger_of = {
+            latch: step
+            for steps in (caller_chain, *(c for _, c in workers))
+            for step in steps
+            if (latch := step.signal) >= 0
+        }
+        for k, (_, steps) in enumerate(workers):
+            if steps[0].waits_for:
+                trigger = trigger_of[max(steps[0].waits_for)]
+                trigger.hands_over = (*trigger.hands_over, k)
+        return _Plan(caller_chain, workers, len(latch_of))
 
     def _caller_thread(self, graph: DependencyGraph) -> str:
         """The thread id run by the calling thread, chosen once per schedule (over all its tasks,

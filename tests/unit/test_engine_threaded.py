@@ -335,6 +335,55 @@ def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, ex
     assert threading.active_count() == before
 
 
+def test_a_chain_waiting_on_another_thread_is_handed_over_when_its_trigger_opens():
+    """Its worker gets the chain once the latest of its first task's predecessors has run, not
+    at the start of the iteration: it wakes once, ready to run. Chains with nothing to wait for
+    start at once; results and the order of every task stay those of the sequential executor."""
+    handed: list[tuple[str, tuple[str, ...]]] = []  # (worker's thread id, tasks done by then)
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def body(ctx):
+        time.sleep(0.002)
+        with lock:
+            done.append(ctx.task.name)
+
+    tasks = [
+        Task.from_fn("load", body, stream="io"),  # no predecessor: handed over at the start
+        Task.from_fn("a", body),
+        Task.from_fn("b", body, stream="s1", depends_on=["a"]),
+        Task.from_fn("c", body, stream="s2", depends_on=["a", "b"]),  # latest predecessor: b
+        Task.from_fn("d", body, depends_on=["c"]),
+    ]
+    executor = ThreadedExecutor("by_stream")
+    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=executor)
+    list(pipe.iterate(range(1)))  # starts the workers
+
+    class Spy:  # the worker's job queue, noting what had run when a chain was handed over
+        def __init__(self, worker):
+            self.worker, self.queue = worker, worker.jobs
+
+        def put(self, job):
+            if job is not None:
+                with lock:
+                    handed.append((self.worker.thread_id, tuple(done)))
+            self.queue.put(job)
+
+        def get(self):
+            return self.queue.get()
+
+    for worker in executor._workers.values():
+        worker.jobs = Spy(worker)  # read by the worker's loop at its next get()
+    done.clear()
+    list(pipe.iterate(range(1)))
+    pipe.shutdown()
+    when = dict(handed)
+    assert len(handed) == 3 and when["io"] == ()
+    assert "a" in when["s1"] and "b" not in when["s1"]
+    assert "b" in when["s2"] and "c" not in when["s2"]
+    assert done.index("c") > done.index("b") > done.index("a") and done[-1] == "d"
+
+
 def test_shutdown_is_prompt_and_idempotent():
     pipe = SchedulablePipeline(build(HAND_WRITTEN, Trace()), executor="threaded")
     list(pipe.iterate(range(3)))
@@ -419,6 +468,8 @@ def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
         Task.from_fn("w", send_sigint, stream="s1"),
         Task.from_fn("c1", record, depends_on=depends),
         Task.from_fn("c2", record),
+        # handed over only once c1 is done: with the caller interrupted before, it never is
+        Task.from_fn("after", record, stream="s2", depends_on=["c1"]),
     ]
     before = threading.active_count()
     pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
@@ -438,6 +489,7 @@ def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
     assert ("w", 1) in ran and ("w", 2) not in ran
     if caller_blocked_on == "dependency":
         assert ("c1", 1) not in ran  # cancelled: its producer's batch was interrupted
+        assert ("after", 1) not in ran
     else:
         assert ("c1", 1) in ran and ("c2", 1) in ran  # the caller's own tasks ran, then it waited
     with pytest.raises(PipelineBrokenError):
