@@ -12,9 +12,11 @@ one total order and each chain runs in that order, so the lowest unfinished task
 run: no deadlock.
 
 A worker chain whose first task waits on another thread is handed to its worker only when the
-latest of those predecessors opens its latch, not at the start of the iteration: the worker
-then wakes once, ready to run, instead of waking at the start only to sleep again on that
-latch. With one thread per task every worker would otherwise wake twice per iteration, and the
+last of those predecessors in topological order opens its latch, not at the start of the
+iteration: the worker then usually wakes once, ready to run, instead of waking at the start only
+to sleep again on a latch. (Waiting for all of them with a count, so that it always wakes once,
+measured no faster with one thread per task: 160-175 against 156-164 µs per step.)
+With one thread per task every worker would otherwise wake twice per iteration, and the
 wake-ups at the start all compete with the caller's first tasks for the GIL. Deferring keeps the
 order argument above: the chain's trigger comes before its first task in the total order, so by
 induction on that order every chain is handed over.
