@@ -67,6 +67,8 @@ from recsys_pipe.pp import (
     task_gaps,
     transfer_time,
 )
+from recsys_pipe.pp import actions as action_tasks
+from recsys_pipe.pp import plan as plan_tasks
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b", "zbv", "dualpipev")
 RANKS = 2
@@ -214,9 +216,15 @@ def simulated(bench: Bench, spans, t_comm: float, t_send: float) -> tuple[float,
     return result.makespan * 1e3, result
 
 
-def send_durations(spans) -> list[float]:
-    """The durations of one rank's send tasks (`send_F`, `0SEND_F1`, ...) in one step (ms)."""
-    return [(s.end_s - s.start_s) * 1e3 for s in spans if "send" in s.task.lower()]
+#: the task functions that send a stage's message (the per-stage plans' and the action lists')
+SEND_FNS = (plan_tasks.send_f, plan_tasks.send_b, action_tasks.send_f, action_tasks.send_b)
+
+
+def send_durations(spans, pipeline) -> list[float]:
+    """The durations of one rank's send tasks in one step (ms): the tasks of `pipeline` whose
+    function is one of `SEND_FNS`."""
+    sends = {task.name for task in pipeline.schedule.tasks if task.fn in SEND_FNS}
+    return [(s.end_s - s.start_s) * 1e3 for s in spans if s.task in sends]
 
 
 def transfer_ms(bench: Bench) -> float:
@@ -256,7 +264,9 @@ def main() -> None:
                 stage = rank if bench.resolved.actions is None else None
                 spans = gather_spans(compute_spans(recorder.spans(), rank, stage))
                 every: list = [None] * RANKS
-                dist.all_gather_object(every, (task_gaps(recorder.spans()), send_durations(recorder.spans())))
+                dist.all_gather_object(
+                    every, (task_gaps(recorder.spans()), send_durations(recorder.spans(), runner.pipeline))
+                )
                 gaps[name] += [g * 1e3 for rank_gaps, _ in every for g in rank_gaps]
                 sends[name].append(max(sum(rank_sends) for _, rank_sends in every))
                 t_send = statistics.mean(d for _, rank_sends in every for d in rank_sends)
