@@ -223,7 +223,7 @@ SEND_FNS = (plan_tasks.send_f, plan_tasks.send_b, action_tasks.send_f, action_ta
 def send_durations(spans, pipeline) -> list[float]:
     """The durations of one rank's send tasks in one step (ms): the tasks of `pipeline` whose
     function is one of `SEND_FNS`."""
-    sends = {task.name for task in pipeline.schedule.tasks if task.fn in SEND_FNS}
+    sends = {task.name for task in pipeline.schedule.tasks if any(task.fn is fn for fn in SEND_FNS)}
     return [(s.end_s - s.start_s) * 1e3 for s in spans if s.task in sends]
 
 
