@@ -14,8 +14,6 @@ from typing import Any
 
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from torchmetrics import MeanMetric
-from torchmetrics.classification import BinaryAUROC
 
 from recsys_pipe.engine import SchedulablePipeline
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
@@ -67,6 +65,12 @@ class Evaluator:
             model.train(True)
 
     def _ranking(self, pipeline: SchedulablePipeline, record_batches: bool) -> dict[str, Any]:
+        # imported here, by the runs that evaluate a ranking model: torchmetrics imports matplotlib's
+        # pyplot, about half a second of every process start (recsys-plan, --check, runs without
+        # evaluation) otherwise
+        from torchmetrics import MeanMetric
+        from torchmetrics.classification import BinaryAUROC
+
         assert self.loader is not None
         device = self.state.device
         aurocs = [BinaryAUROC().to(device) for _ in range(self.num_tasks)]  # any task count, 1 included

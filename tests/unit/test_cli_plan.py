@@ -423,9 +423,12 @@ def _script(tmp_path: Path, *argv: str, env: dict | None = None) -> subprocess.C
 
 
 def test_console_script_ok(tmp_path):
-    proc = _script(tmp_path, "pipeline=serial")
+    """(It does not import torchmetrics, and with it matplotlib's pyplot: only runs that evaluate do.)"""
+    proc = _script(tmp_path, "pipeline=serial", env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "plan: serial" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "recsys_pipe.train.evaluation" in imported and "torchmetrics" not in imported
 
 
 def test_console_script_plan_error_exit_2(tmp_path):
