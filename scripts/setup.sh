@@ -24,7 +24,8 @@ if pip install "uv==$UV_VERSION" 2>/dev/null; then
   for link in ${PIP_FIND_LINKS:-$(pip config get global.find-links 2>/dev/null || true)}; do
     links+=(--find-links "$link")
   done
-  install() { "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode "${links[@]}" "$@"; }
+  # (a step uv fails, pip tries again: the same requirements, pip's own resolution)
+  install() { "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode ${links[@]+"${links[@]}"} "$@" || pip install "$@"; }
   uninstall() { "$VENV/bin/uv" pip uninstall -q --python "$VENV/bin/python" "$@"; }
 else
   pip install --upgrade pip setuptools wheel
