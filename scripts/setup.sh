@@ -15,7 +15,7 @@ fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # The installer: uv where it installs (the same pins as pip, unpacked and compiled to bytecode in
-# parallel: about 20 s against pip's 50 on a 2-core machine), else pip.
+# parallel: the set-up in about 25 s against pip's 48 on a 2-core machine), else pip.
 if pip install "uv==$UV_VERSION" 2>/dev/null; then
   # uv reads its own settings, not pip's: it gets pip's find-links (a folder of wheels that no
   # index has, such as the CPU torch of a machine without a network) and writes the bytecode that

@@ -317,19 +317,16 @@ class ThreadedExecutor:
             waits_on.append(tuple(sorted(latest.values())))
         latch_of = {p: n for n, p in enumerate(sorted({p for waits in waits_on for p in waits}))}
         chains: dict[str, list[_Step]] = {}
+        trigger_of: dict[int, _Step] = {}  # latch -> the step opening it
         for i, t in enumerate(tasks):
             step = _Step(t, tuple(latch_of[p] for p in waits_on[i]), latch_of.get(i, -1))
             chains.setdefault(thread[i], []).append(step)
+            if step.signal >= 0:
+                trigger_of[step.signal] = step
         caller_chain = tuple(chains.pop(caller, ()))
         workers = tuple((self._worker(tid), tuple(steps)) for tid, steps in chains.items())
         # A chain whose first step waits on other threads is handed over by the step opening the
         # latest of those latches (latches are numbered in topological order of their producers).
-        trigger_of = {
-            latch: step
-            for steps in (caller_chain, *(c for _, c in workers))
-            for step in steps
-            if (latch := step.signal) >= 0
-        }
         for k, (_, steps) in enumerate(workers):
             if steps[0].waits_for:
                 trigger = trigger_of[max(steps[0].waits_for)]
