@@ -8,7 +8,10 @@ to `max_seq_len`, padding rows zero), dropout, then `num_blocks` blocks of
     q = LayerNorm(x);  x = q + CausalMultiHeadAttention(q, x, x)
     x = LayerNorm(x);  x = x + Dropout(W2 Dropout(ReLU(W1 Dropout(x))))
 
-and a final LayerNorm. With `model.norm_first` the blocks are pre-LN instead (the reference
+and a final LayerNorm. Padded positions are zero at the first block's input only: as in the
+reference implementation, the causal mask is the only mask (padded positions are neither zeroed
+between blocks nor hidden as keys; the loss and the scores read real positions only).
+With `model.norm_first` the blocks are pre-LN instead (the reference
 implementation's `norm_first` option, which it measures as better on every data set but one):
 
     x = x + CausalMultiHeadAttention(LayerNorm(x));  x = x + FeedForward(LayerNorm(x))
@@ -108,8 +111,7 @@ class SASRecEncoder(nn.Module):
     def forward(self, x: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
         positions = torch.arange(1, n + 1, device=x.device)[None, :] * valid
-        keep = valid[..., None].to(x.dtype)
-        x = self.dropout(x * self.scale + self.position(positions)) * keep
-        for block in self.blocks:
-            x = block(x, self.causal) * keep
+        x = self.dropout(x * self.scale + self.position(positions)) * valid[..., None].to(x.dtype)
+        for block in self.blocks:  # padded positions are zero at the input only, as in the reference code
+            x = block(x, self.causal)
         return self.final_norm(x)

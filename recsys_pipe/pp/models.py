@@ -200,9 +200,8 @@ class SASRecStage(nn.Module):
     def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
         valid = self._valid(batch)
         x, *targets = self._embed(batch, valid) if self.first else inputs
-        keep = valid[..., None].to(x.dtype)
-        for block in self.blocks:
-            x = block(x, self.causal) * keep
+        for block in self.blocks:  # SASRecEncoder's loop
+            x = block(x, self.causal)
         if not self.last:
             return x, *targets
         return _score_targets(self, self.final_norm(x), valid, targets, batch)

@@ -220,6 +220,26 @@ def _vectors(model, batch):
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
+def test_sasrec_encoder_masks_padding_only_at_its_input_as_the_reference_does(norm_first):
+    """The reference implementation zeroes padded positions once (their embedding rows are
+    zero) and masks nothing else but the future: its blocks run on every position."""
+    from recsys_pipe.models.sasrec import SASRecEncoder
+
+    torch.manual_seed(0)
+    cfg = SASRecConfig(embedding_dim=8, max_seq_len=6, num_heads=2, dropout=0.5, norm_first=norm_first)
+    encoder = SASRecEncoder(cfg).eval()
+    valid = torch.tensor([[False, False, True, True, True, True], [False, False, False, False, True, True]])
+    items = torch.randn(2, 6, 8)
+    positions = torch.arange(1, 7)[None, :] * valid
+    x = (items * 8**0.5 + encoder.position(positions)) * valid[..., None]
+    for block in encoder.blocks:
+        x = block(x, encoder.causal)
+    expected = encoder.final_norm(x)
+    out = encoder(items, torch.zeros(2, 6), valid)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
 def test_sasrec_blocks_compute_the_chosen_layout(norm_first):
     from recsys_pipe.models.sasrec import SASRecBlock
 
