@@ -19,6 +19,12 @@ min-max. Measures:
    thread map: engine µs per training step, and that as a share of a `--step-ms` step (default 15 ms,
    an HSTU step on a 2-core CPU). With no-op tasks every thread hand-off is on the critical
    path, so this is an upper bound of what the engine adds to a real step. Target: <= 0.5 %.
+   Each threaded configuration is measured twice, side by side: with the process's threads on
+   one core (`one_core`, the placement of a rank in `recsys-bench train`, whose step the share
+   is of) and where the operating system puts them (`os`). The target is judged on `one_core`;
+   `os` is reported with it. A hand-off between two Python threads on one core is a context
+   switch; across cores it also wakes the other, idle core, which costs about three times as
+   much on a virtual machine.
 
 The table goes to stdout; the last line is one JSON object with every figure. `--no-plans` leaves
 out measure 5, which composes the plans through the launcher's config and training packages
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +56,8 @@ TARGETS = {
     "overlap_ratio_vs_ideal": 1.05,
     "plan_share_percent": 0.5,
 }
+#: whether this OS lets a thread choose its cores (Linux); elsewhere only the OS placement is measured
+PINNING = hasattr(os, "sched_setaffinity")
 
 
 def noop(ctx: Any) -> None:
@@ -152,6 +161,22 @@ def plan_us_per_step(schedule: Schedule, executor: Any, steps: int) -> float:
         return timed(pipe, steps) / steps * 1e6
 
 
+def on_one_core(run: Callable[[], float]) -> Callable[[], float]:
+    """`run` with the calling thread on one core, and so every worker thread it starts (a new
+    thread inherits its creator's affinity; the executor starts its workers on first use). The
+    caller's affinity is restored afterwards."""
+
+    def pinned() -> float:
+        allowed = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(allowed)})
+        try:
+            return run()
+        finally:
+            os.sched_setaffinity(0, allowed)
+
+    return pinned
+
+
 # -- driver ---------------------------------------------------------------------------------------
 
 
@@ -193,7 +218,12 @@ def main() -> None:
             def make(thread_of: dict[str, str] | None = thread_of) -> Any:
                 return "sequential" if thread_of is None else ThreadedExecutor(dict(thread_of))
 
-            runs[f"plan/{plan}/{tm}"] = lambda s=schedule, m=make: plan_us_per_step(s, m(), args.iterations)
+            def run(s: Schedule = schedule, m: Callable[[], Any] = make) -> float:
+                return plan_us_per_step(s, m(), args.iterations)
+
+            runs[f"plan/{plan}/{tm}"] = run
+            if thread_of is not None and PINNING:
+                runs[f"plan/{plan}/{tm}/one_core"] = on_one_core(run)
 
     samples: dict[str, list] = {name: [] for name in runs}
     names = list(runs)
@@ -215,10 +245,13 @@ def main() -> None:
     }
     for name in names:
         if name.startswith("plan/"):
-            _, plan, tm = name.split("/")
-            us = summary(samples[name], 1)
-            share = summary((v / (args.step_ms * 1e3) * 100 for v in samples[name]), 3)
-            report["plans"][f"{plan}/{tm}"] = {"us_per_step": us, "share_percent": share}
+            _, plan, tm, *placement = name.split("/")
+            figures = {
+                "us_per_step": summary(samples[name], 1),
+                "share_percent": summary((v / (args.step_ms * 1e3) * 100 for v in samples[name]), 3),
+            }
+            entry = report["plans"].setdefault(f"{plan}/{tm}", {})
+            entry.update({"one_core": figures} if placement else figures)
     met = {
         "sequential_us_per_task": report["sequential"]["overhead_us_per_task"]["median"]
         <= TARGETS["sequential_us_per_task"],
@@ -226,12 +259,19 @@ def main() -> None:
         "overlap_ratio_vs_ideal": report["overlap"]["ratio_vs_ideal"]["median"] <= TARGETS["overlap_ratio_vs_ideal"],
     }
     if report["plans"]:
-        worst_share = max(p["share_percent"]["median"] for p in report["plans"].values())
+        limit = TARGETS["plan_share_percent"]
+
+        def within(entries: list[dict[str, Any]], one_core: bool) -> bool:
+            """Every entry's median share at most the limit: its one-core figure where it has
+            one (threaded executors) with `one_core`, else the OS placement's."""
+            return all((e.get("one_core", e) if one_core else e)["share_percent"]["median"] <= limit for e in entries)
+
         shipped = [p for key, p in report["plans"].items() if key.split("/")[1] in ("sequential", "hstu_default")]
-        met["plan_share_percent_default_maps"] = all(
-            p["share_percent"]["median"] <= TARGETS["plan_share_percent"] for p in shipped
-        )
-        met["plan_share_percent_all_maps"] = worst_share <= TARGETS["plan_share_percent"]
+        every = list(report["plans"].values())
+        met["plan_share_percent_default_maps"] = within(shipped, one_core=True)
+        met["plan_share_percent_all_maps"] = within(every, one_core=True)
+        met["plan_share_percent_default_maps_os_placement"] = within(shipped, one_core=False)
+        met["plan_share_percent_all_maps_os_placement"] = within(every, one_core=False)
     report["targets"] = {"limits": TARGETS, "met": met}
     print_table(report)
     print(json.dumps(report))
@@ -241,7 +281,7 @@ def print_table(report: dict[str, Any]) -> None:
     """Print the report as a table with each measure's target."""
     m = report["machine"]
     print(f"engine benchmark: medians (min–max) over {m['repeats']} interleaved repetitions")
-    print(f"{'measure':<44} {'result':<32} target")
+    print(f"{'measure':<56} {'result':<32} target")
     rows = [
         ("sequential overhead, µs/task", fmt(report["sequential"]["overhead_us_per_task"]), "<= 1.5"),
         ("threaded overhead (3 threads), µs/task", fmt(report["threaded"]["overhead_us_per_task"]), "<= 5"),
@@ -255,11 +295,12 @@ def print_table(report: dict[str, Any]) -> None:
         ("overlap: iteration ms (threaded)", fmt(o["iteration_ms_threaded"]), ""),
     ]
     for key, p in report["plans"].items():
-        rows.append(
-            (f"plan {key}, µs/step", fmt(p["us_per_step"]), f"{fmt(p['share_percent'], ' %')} of {m['step_ms']} ms")
-        )
+        for label, figures in (("", p), (", one core", p.get("one_core"))):
+            if figures:
+                share = f"{fmt(figures['share_percent'], ' %')} of {m['step_ms']} ms"
+                rows.append((f"plan {key}{label}, µs/step", fmt(figures["us_per_step"]), share))
     for name, result, target in rows:
-        print(f"{name:<44} {result:<32} {target}")
+        print(f"{name:<56} {result:<32} {target}")
     met = report["targets"]["met"]
     print("targets met: " + ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in met.items()))
 

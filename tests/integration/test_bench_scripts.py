@@ -3,14 +3,17 @@ benchmarks, and the engine benchmark runs through it and prints its final JSON l
 not asserted here: timings belong to benchmark runs, not unit tests)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PINNING = hasattr(os, "sched_setaffinity")
 
 
 @pytest.mark.timeout(120)
@@ -33,10 +36,32 @@ def test_bench_engine_quick_reports_every_measure():
         "hstu_prefetch",
     }
     assert report["plans"]["hstu_prefetch/hstu_default"]["us_per_step"]["median"] > 0
+    if PINNING:  # threaded executors measured on one core too, side by side
+        assert report["plans"]["hstu_prefetch/per_task"]["one_core"]["us_per_step"]["median"] > 0
+        assert "one_core" not in report["plans"]["serial/sequential"]
     assert report["overlap"]["ratio_vs_ideal"]["median"] > 0
     assert report["machine"]["repeats"] == 2
     assert set(report["targets"]["met"]) >= {"sequential_us_per_task", "threaded_us_per_task", "overlap_ratio_vs_ideal"}
     assert "targets met:" in out.stdout
+
+
+@pytest.mark.skipif(not PINNING, reason="this OS has no os.sched_setaffinity")
+def test_on_one_core_pins_the_threads_a_run_starts_then_restores_the_caller():
+    from recsys_pipe.bench.engine import on_one_core
+
+    seen = []
+
+    def run() -> float:
+        worker = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        worker.start()
+        worker.join()
+        seen.append(os.sched_getaffinity(0))
+        return 0.0
+
+    before = os.sched_getaffinity(0)
+    assert on_one_core(run)() == 0.0
+    assert seen == [{min(before)}, {min(before)}]
+    assert os.sched_getaffinity(0) == before
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
