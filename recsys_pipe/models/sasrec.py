@@ -108,10 +108,14 @@ class SASRecEncoder(nn.Module):
         with torch.no_grad():
             self.position.weight[0].zero_()
 
+    def embed(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The first block's input: items scaled by sqrt(d) plus positions, dropout, padded
+        positions zero (the only place padding is masked, as in the reference code)."""
+        positions = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] * valid
+        return self.dropout(x * self.scale + self.position(positions)) * valid[..., None].to(x.dtype)
+
     def forward(self, x: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        n = x.shape[1]
-        positions = torch.arange(1, n + 1, device=x.device)[None, :] * valid
-        x = self.dropout(x * self.scale + self.position(positions)) * valid[..., None].to(x.dtype)
-        for block in self.blocks:  # padded positions are zero at the input only, as in the reference code
+        x = self.embed(x, valid)
+        for block in self.blocks:
             x = block(x, self.causal)
         return self.final_norm(x)

@@ -169,12 +169,8 @@ class SASRecStage(nn.Module):
         self.blocks = nn.ModuleList(encoder.blocks[i] for i in blocks)
         self.register_buffer("causal", encoder.causal, persistent=False)
         if first:
-            self.ec, self.position, self.dropout, self.scale = (
-                model.ec,
-                encoder.position,
-                encoder.dropout,
-                encoder.scale,
-            )
+            self.ec, self.position, self.dropout = model.ec, encoder.position, encoder.dropout
+            self._embed_items = encoder.embed  # bound: its modules are the stage's, registered above
         if last:
             self.final_norm = encoder.final_norm
             # the head's loss and ranks as bound methods, not a submodule: the head's only
@@ -193,14 +189,12 @@ class SASRecStage(nn.Module):
         lengths = embeddings[INPUT_KEY].lengths().long()
         rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
         x, _ = left_pad(rows[INPUT_KEY], lengths, self.max_len)
-        positions = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] * valid
-        x = self.dropout(x * self.scale + self.position(positions)) * valid[..., None].to(x.dtype)
-        return x, *_target_rows(rows, self.training)
+        return self._embed_items(x, valid), *_target_rows(rows, self.training)
 
     def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
         valid = self._valid(batch)
         x, *targets = self._embed(batch, valid) if self.first else inputs
-        for block in self.blocks:  # SASRecEncoder's loop
+        for block in self.blocks:
             x = block(x, self.causal)
         if not self.last:
             return x, *targets

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from recsys_pipe.bench.engine import PINNING
+
 ROOT = Path(__file__).resolve().parents[2]
-PINNING = hasattr(os, "sched_setaffinity")
 
 
 @pytest.mark.timeout(120)
