@@ -22,8 +22,8 @@ recipe: a speed figure, not the reference's training); and the reference with ou
 negatives instead of its 128 per position (`negatives`).
 
 `--data FILE` is a "user item" or MovieLens ratings file; without it the benchmark writes an
-ML-1M-shaped ratings file (6,040 users, 3,706 items, ML-1M's sequence lengths) to a temporary
-directory. `--quick`: a short run (small sizes, 2 steps, 1 repetition) that checks the wiring.
+ML-1M-shaped ratings file (6,040 users, 3,706 items, ML-1M's sequence lengths; 200 users with
+`--quick`) to a temporary directory. `--quick`: a short run (small sizes, 2 steps, 1 repetition) that checks the wiring.
 
     recsys-bench hstu --reference generative-recommenders [--data ratings.dat] [--levers] [--quick]
 """
@@ -106,7 +106,11 @@ def load_reference(path: str | os.PathLike[str]) -> SimpleNamespace:
     gin-configured `train.py` is not used)."""
     root = Path(path)
     if not (root / _REFERENCE_FILE).is_file():
-        raise SystemExit(f"error: --reference: {root} is not a clone of generative-recommenders (no {_REFERENCE_FILE})")
+        print(
+            f"error: --reference: {root} is not a clone of generative-recommenders (no {_REFERENCE_FILE})",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     from generative_recommenders.research.modeling.sequential import autoregressive_losses, hstu
@@ -162,8 +166,8 @@ def build_reference(
     initialisation; `attn_len` (default `sizes.attn_len`) is its padded length, split as its
     `max_sequence_len` (`sizes.data_len`) plus `max_output_len`."""
     n = attn_len or sizes.attn_len
-    embedding = ref.LocalEmbeddingModule(num_items=num_items, item_embedding_dim=sizes.dim)
     with contextlib.redirect_stdout(None):  # its constructors print every parameter's initialisation
+        embedding = ref.LocalEmbeddingModule(num_items=num_items, item_embedding_dim=sizes.dim)
         model = ref.HSTU(
             max_sequence_len=sizes.data_len,
             max_output_len=n - sizes.data_len,
@@ -297,13 +301,13 @@ def reference_forward(ref: ReferenceHSTU, inputs: ReferenceInputs) -> tuple[torc
 # -- the benchmark -----------------------------------------------------------------------------
 
 
-def write_ml1m_shaped(path: Path, seed: int = 0) -> Path:
-    """A MovieLens ratings file shaped like ML-1M: 6,040 users, 3,706 items, per-user counts
+def write_ml1m_shaped(path: Path, users: int = 6040, seed: int = 0) -> Path:
+    """A MovieLens ratings file shaped like ML-1M: 6,040 users (default), 3,706 items, per-user counts
     drawn log-normally (at least 20, median about 96, mean about 165, as ML-1M's), items drawn
     with a popularity skew, timestamps increasing by minutes to months. Its content is random:
     it measures speed, not accuracy."""
     rng = np.random.default_rng(seed)
-    users, items = 6040, 3706
+    items = 3706
     counts = np.clip(rng.lognormal(np.log(96), 0.95, users).astype(int), 20, 2314)
     popularity = 1.0 / np.arange(1, items + 1) ** 0.8
     popularity /= popularity.sum()
@@ -449,7 +453,7 @@ def main() -> None:
 
     info = init_distributed("cpu", "gloo")
     with tempfile.TemporaryDirectory(prefix="recsys-bench-hstu-") as tmp:
-        data = args.data or str(write_ml1m_shaped(Path(tmp) / "ratings.dat"))
+        data = args.data or str(write_ml1m_shaped(Path(tmp) / "ratings.dat", users=200 if args.quick else 6040))
         batches, num_items = training_batches(data, sizes, steps)
         variants: dict[str, tuple[str, ...]] = dict(LEVERS_OFF) if args.levers else {"ours": ()}
         names = [*variants, "reference"] + (["reference, shared negatives"] if args.levers else [])

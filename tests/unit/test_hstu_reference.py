@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _process_group import one_rank_group
 
 from recsys_pipe.bench.hstu import (
     _REFERENCE_FILE,
@@ -171,3 +172,43 @@ def test_time_bias_reads_the_time_of_the_predicted_item(tmp_path):
         a, b = encoder(x, ts, valid), encoder(x, later, valid)
     assert not torch.allclose(a[:, -1], b[:, -1])
     torch.testing.assert_close(a[:, :-1], b[:, :-1], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_hstu_large_builds_and_trains_through_the_configs(tmp_path):
+    """`model=hstu_retrieval_large`: the paper's HSTU-large (8 blocks, 2 heads) trains a few steps."""
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train import Trainer, training_plan
+
+    run = load_run(
+        "data=sequences",
+        f"data.path={_ratings(tmp_path)}",
+        f"data.max_seq_len={DATA_LEN}",
+        "data.batch_size=4",
+        "data.eval_negatives=5",
+        "model=hstu_retrieval_large",
+        f"model.max_seq_len={ATTN_LEN}",
+        f"model.embedding_dim={DIM}",
+        f"model.num_negatives={NEGATIVES}",
+        "pipeline=serial",
+        "trainer.device=cpu",
+        "trainer.max_steps=3",
+        "trainer.epochs=10",
+        "trainer.eval_every=0",
+        "trainer.progress_bar=false",
+        f"trainer.output_dir={tmp_path}/runs",
+    )
+    assert (run.model.num_layers, run.model.num_heads) == (8, 2)
+    with one_rank_group() as info:
+        trainer = Trainer(run, training_plan(run), info)
+        try:
+            encoder = {name: p for name, p in trainer.state.model.named_parameters() if ".encoder." in name}
+            before = {name: p.detach().clone() for name, p in encoder.items()}
+            summary = trainer.fit()
+        finally:
+            trainer.close()
+    layers = {name.split(".layers.")[1].split(".")[0] for name in encoder if ".layers." in name}
+    biases = {name.split(".biases.")[1].split(".")[0] for name in encoder if ".biases." in name}
+    assert layers == biases == {str(i) for i in range(8)}
+    assert summary.steps == 3 and math.isfinite(summary.last_loss)
+    assert all(not torch.equal(before[name], p) for name, p in encoder.items())  # every weight trained
