@@ -38,6 +38,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "hstu": Benchmark(
         "recsys_pipe.bench.hstu", "HSTU training throughput against generative-recommenders' research HSTU"
     ),
+    "hstu_train_reference": Benchmark(
+        "recsys_pipe.bench.hstu_train_reference",
+        "train generative-recommenders' HSTU on a sequences file, evaluated under our protocols",
+    ),
     "retrieval_report": Benchmark(
         "recsys_pipe.bench.retrieval_report", "summary of a retrieval reproduction (scripts/reproduce_games.sh)"
     ),

@@ -15,15 +15,16 @@ is trained to score `s_{t+1}` highest:
   negative (label 0), averaged over positions.
 * `sampled_softmax` (HSTU): per position, softmax cross-entropy of the target against
   `num_negatives` negatives shared by the batch (the first of its sampled negatives, drawn
-  uniformly), on L2-normalised vectors divided by `temperature`; a negative equal to the target
-  is masked out.
+  uniformly), on L2-normalised vectors (norms clamped at 1e-6) divided by `temperature`; a
+  negative equal to the target is masked out. (generative-recommenders draws `num_negatives`
+  per position; the loss is the same function of its negatives.)
 
 Evaluation (the model in eval mode, batches of an evaluation split): the last position's vector
 scores the held-out item and its sampled negatives (`cand`) and, when the batch carries it, every
 item of the catalogue. `outputs["rank_sampled"]` / `outputs["rank_full"]` (`[B]`) are the 0-based
 rank of the held-out item: the number of candidates scored strictly above it. Full-corpus ranking
-scores every item, the user's own history included (no exclusion, as generative-recommenders'
-retrieval evaluation does); -1 when the batch has no catalogue.
+scores every item, the user's own history included (generative-recommenders' own evaluation
+removes the history from its top-k; docs/retrieval.md); -1 when the batch has no catalogue.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys_pipe.bench.hstu import _REFERENCE_FILE, LEVERS_OFF, REFERENCE_ENV
+from recsys_pipe.bench.hstu import _REFERENCE_FILE, LEVERS_OFF, REFERENCE_ENV, write_ml1m_shaped
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = os.environ.get(REFERENCE_ENV, "")
@@ -36,6 +36,36 @@ def test_recsys_bench_hstu_quick_trains_both_and_prints_the_ratio():
     assert set(report["wall"]) == set(report["cpu"]) == {*LEVERS_OFF, "reference", "reference, shared negatives"}
     assert report["ratio"] == report["wall"]["all levers"]["over_reference"]["median"] > 0
     assert report["sizes"]["attn_len"] == report["sizes"]["data_len"] + 11
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    not (REFERENCE and (Path(REFERENCE) / _REFERENCE_FILE).is_file()),
+    reason=f"needs a clone of meta-recsys/generative-recommenders: set {REFERENCE_ENV} to its path",
+)
+def test_the_reference_trains_on_sequences_and_reaches_the_retrieval_report(tmp_path):
+    """`hstu_train_reference` (what scripts/reproduce_games_hstu.sh runs for the reference) writes
+    the records `retrieval_report` reads: its row is printed beside ours."""
+    data = write_ml1m_shaped(tmp_path / "ratings.dat", users=120)
+    run = [sys.executable, "-m", "recsys_pipe.bench.hstu_train_reference", "--reference", REFERENCE]
+    out_dir = tmp_path / "runs" / "hstu_reference"
+    options = ["--data", str(data), "--out", str(out_dir), "--epochs", "2", "--eval-epochs", "1", "--batch", "32"]
+    subprocess.run([*run, *options, "--dim", "16", "--negatives", "16"], cwd=ROOT, timeout=200, check=True)
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2] and records[0]["selected"]
+    assert records[0]["users"] == {"valid": 120, "test": 120}
+    report = subprocess.run(
+        [sys.executable, "-m", "recsys_pipe.bench.retrieval_report", str(tmp_path / "runs")],
+        capture_output=True,
+        cwd=ROOT,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "ref. HSTU (gen-rec)" in report.stdout
+    summary = json.loads(report.stdout.strip().splitlines()[-1])
+    chosen = max(records, key=lambda r: r["valid"]["sampled"]["HR@10"])
+    assert summary["hstu_reference"]["sampled"] == chosen["test"]["sampled"]
 
 
 def test_recsys_bench_hstu_refuses_a_directory_that_is_not_the_reference(tmp_path):
