@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -100,9 +101,27 @@ QUICK = Sizes(data_len=20, dim=16, blocks=2, heads=2, negatives=16, batch=16)
 # -- the reference implementation ------------------------------------------------------------
 
 
+def _import_package(root: Path) -> None:
+    """Import the clone's `generative_recommenders` package from its directory (registered in
+    `sys.modules`, so that its own absolute imports resolve inside the clone), leaving the import
+    path as it is; a second clone in one process is refused."""
+    name = "generative_recommenders"
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if Path(loaded.__path__[0]).resolve() != (root / name).resolve():
+            raise SystemExit(f"error: --reference: {name} already imported from {loaded.__path__[0]}")
+        return
+    spec = importlib.util.spec_from_file_location(
+        name, root / name / "__init__.py", submodule_search_locations=[str(root / name)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
 def load_reference(path: str | os.PathLike[str]) -> SimpleNamespace:
-    """The reference's modules, imported from the clone at `path` (put on `sys.path`: the clone
-    is a package tree, not installed). Needs nothing beyond this project's environment (its
+    """The reference's modules, imported from the clone at `path` (`_import_package`: the clone is
+    a package tree, not installed). Needs nothing beyond this project's environment (its
     gin-configured `train.py` is not used)."""
     root = Path(path)
     if not (root / _REFERENCE_FILE).is_file():
@@ -111,8 +130,7 @@ def load_reference(path: str | os.PathLike[str]) -> SimpleNamespace:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    _import_package(root)
     from generative_recommenders.research.modeling.sequential import autoregressive_losses, hstu
     from generative_recommenders.research.modeling.sequential.embedding_modules import LocalEmbeddingModule
     from generative_recommenders.research.modeling.sequential.input_features_preprocessors import (
