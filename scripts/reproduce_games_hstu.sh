@@ -8,13 +8,14 @@
 #
 #   RECSYS_HSTU_REFERENCE=PATH/generative-recommenders scripts/reproduce_games_hstu.sh PATH/Video.txt [OUT_DIR]
 #
-# The two trainings run side by side, one core each (ours: recsys-train on one rank, one thread;
-# the reference: python -m recsys_pipe.bench.hstu_train_reference, one thread), evaluate both
-# splits under both protocols (100 sampled negatives; the full corpus) every EVAL_EPOCHS epochs,
-# and recsys-bench retrieval_report prints both at the epoch with the best validation HR@10.
-# Environment: EPOCHS (default 20: fits 60 minutes on a 2-core machine, docs/reproducing.md),
-# EVAL_EPOCHS (default 2), LARGE_EPOCHS (default 0: HSTU-large, model=hstu_retrieval_large, after
-# the two), EXTRA (more Hydra overrides for our runs).
+# Two cores, one each: the reference (python -m recsys_pipe.bench.hstu_train_reference, one
+# thread) on one; ours (recsys-train on one rank, one thread), then ours HSTU-large
+# (model=hstu_retrieval_large, the same recipe) on the other. Each evaluates both splits under
+# both protocols (100 sampled negatives; the full corpus) every EVAL_EPOCHS epochs, and
+# recsys-bench retrieval_report prints all at the epoch with the best validation HR@10.
+# Environment: EPOCHS (default 50), LARGE_EPOCHS (default 30; 0 skips HSTU-large), EVAL_EPOCHS
+# (default 5): sized to fit 60 minutes on a 2-core machine (docs/reproducing.md); EXTRA (more
+# Hydra overrides for our runs).
 set -euo pipefail
 DATA="${1:?usage: scripts/reproduce_games_hstu.sh PATH/Video.txt [OUT_DIR]}"
 OUT="${2:-runs/reproduce_games_hstu}"
@@ -22,9 +23,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PATH="$ROOT/.venv/bin:$PATH"
 export OMP_NUM_THREADS=1
 : "${RECSYS_HSTU_REFERENCE:?set RECSYS_HSTU_REFERENCE to a clone of github.com/meta-recsys/generative-recommenders}"
-EPOCHS="${EPOCHS:-20}"
-EVAL_EPOCHS="${EVAL_EPOCHS:-2}"
-LARGE_EPOCHS="${LARGE_EPOCHS:-0}"
+EPOCHS="${EPOCHS:-50}"
+EVAL_EPOCHS="${EVAL_EPOCHS:-5}"
+LARGE_EPOCHS="${LARGE_EPOCHS:-30}"
 mkdir -p "$OUT"
 RECIPE=(model.max_seq_len=61 data.max_seq_len=50 model.compute_kernel=dense optimizer.lr=0.001 "optimizer.betas=[0.9,0.98]")
 
@@ -40,11 +41,20 @@ ours() {  # name, epochs, then overrides
   echo "$(($(date +%s) - start))" > "$OUT/$name/train_seconds"
 }
 
-ours hstu "$EPOCHS" model=hstu_retrieval &
-python -m recsys_pipe.bench.hstu_train_reference --data "$DATA" --out "$OUT/hstu_reference" \
-  --epochs "$EPOCHS" --eval-epochs "$EVAL_EPOCHS" > "$OUT/hstu_reference.out" 2>&1 &
+reference() {
+  local start
+  start=$(date +%s)
+  python -m recsys_pipe.bench.hstu_train_reference --data "$DATA" --out "$OUT/hstu_reference" \
+    --epochs "$EPOCHS" --eval-epochs "$EVAL_EPOCHS" > "$OUT/hstu_reference.out" 2>&1
+  echo "$(($(date +%s) - start))" > "$OUT/hstu_reference/train_seconds"
+}
+
+reference &
+(
+  ours hstu "$EPOCHS" model=hstu_retrieval
+  if [ "$LARGE_EPOCHS" -gt 0 ]; then
+    ours hstu_large "$LARGE_EPOCHS" model=hstu_retrieval_large
+  fi
+) &
 wait
-if [ "$LARGE_EPOCHS" -gt 0 ]; then
-  ours hstu_large "$LARGE_EPOCHS" model=hstu_retrieval_large
-fi
 python -m recsys_pipe.bench.retrieval_report "$OUT"

@@ -111,7 +111,7 @@ def main() -> None:
             step, window = step + 1, window + 1
             if step % 100 == 0 or step == args.max_steps:
                 rate = window * sizes.batch / (time.perf_counter() - window_start)
-                log.write(f"step {step} | loss {float(loss):.4f} | {rate:.1f} samples/s |\n")
+                log.write(f"step {step} | loss {loss.item():.4f} | {rate:.1f} samples/s |\n")
                 log.flush()
                 window, window_start = 0, time.perf_counter()
             if step == args.max_steps:
