@@ -78,3 +78,30 @@ def test_recsys_bench_hstu_refuses_a_directory_that_is_not_the_reference(tmp_pat
     )
     assert out.returncode == 2
     assert f"{tmp_path} is not a clone of generative-recommenders" in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not (REFERENCE and (Path(REFERENCE) / _REFERENCE_FILE).is_file()),
+    reason=f"needs a clone of meta-recsys/generative-recommenders: set {REFERENCE_ENV} to its path",
+)
+def test_reproduce_games_hstu_script_reports_ours_the_reference_and_large(tmp_path):
+    """scripts/reproduce_games_hstu.sh end to end on a small file (1 epoch each): one report
+    with the three runs on both protocols, and its JSON line."""
+    data = write_ml1m_shaped(tmp_path / "ratings.dat", users=300)
+    env = {**os.environ, "EPOCHS": "1", "LARGE_EPOCHS": "1", "EVAL_EPOCHS": "1", "EXTRA": "trainer.tensorboard=false"}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "reproduce_games_hstu.sh"), str(data), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    for row in ("ours hstu ", "ref. HSTU (gen-rec) ", "ours hstu_large ", "ref. HSTU (gen-rec) full"):
+        assert any(line.startswith(row) for line in lines), (row, lines)
+    summary = json.loads(lines[-1])
+    for run in ("hstu", "hstu_reference", "hstu_large"):
+        assert summary[run]["users"] == 300 and 0 <= summary[run]["full"]["HR@10"] <= 1
+        assert summary["train_s"][run] >= 1
