@@ -33,8 +33,12 @@ from recsys_pipe.data.sequences import SPLITS, SequencesDataConfig, SequencesDat
 from recsys_pipe.train.retrieval_eval import SELECTION, retrieval_metrics
 
 
-def evaluate(ref, dataset: SequencesDataset, split: str, attn_len: int, batch: int = 512) -> dict:
-    """Both protocols' metrics of `split` (every evaluated user), as `recsys-train` computes them."""
+def reference_ranks(ref, dataset: SequencesDataset, split: str, attn_len: int, batch: int = 512) -> dict:
+    """Per evaluated user of `split`, the held-out item's 0-based rank under each protocol
+    (`{"sampled": [U], "full": [U]}`), as `recsys-train` ranks them: the reference's vector of
+    the last position (its times carrying the held-out item's, as its own evaluation does)
+    against the held-out item and its sampled negatives, and against every item, its item
+    vectors L2-normalised as its evaluation normalises them."""
     model, sampler = ref.model, ref.sampler
     model.eval()
     users = [u for u, seq in enumerate(dataset.sequences) if len(seq) >= 3]
@@ -62,7 +66,13 @@ def evaluate(ref, dataset: SequencesDataset, split: str, attn_len: int, batch: i
             ranks["sampled"].append((cand[:, 1:] > cand[:, :1]).sum(dim=1))
             ranks["full"].append((full > cand[:, :1]).sum(dim=1))
     model.train()
-    return {protocol: retrieval_metrics(torch.cat(r)) for protocol, r in ranks.items()} | {"users": len(users)}
+    return {protocol: torch.cat(r) for protocol, r in ranks.items()}
+
+
+def evaluate(ref, dataset: SequencesDataset, split: str, attn_len: int) -> dict:
+    """Both protocols' metrics of `split` (`reference_ranks`), and the number of users."""
+    ranks = reference_ranks(ref, dataset, split, attn_len)
+    return {protocol: retrieval_metrics(r) for protocol, r in ranks.items()} | {"users": len(ranks["full"])}
 
 
 def main() -> None:

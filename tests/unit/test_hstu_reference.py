@@ -114,6 +114,33 @@ def test_hstu_matches_the_reference_on_the_same_weights_and_batch(tmp_path, head
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
+@needs_reference
+def test_the_reference_trainer_ranks_as_ours_on_the_same_weights(tmp_path):
+    """`hstu_train_reference`'s evaluation (what the Games comparison reports for the reference)
+    gives the ranks our model gives on the same weights, under both protocols."""
+    from recsys_pipe.bench.hstu_train_reference import reference_ranks
+
+    dataset, _, _, ours = _setup(tmp_path)
+    ref = build_reference(
+        load_reference(REFERENCE),
+        Sizes(data_len=DATA_LEN, dim=DIM, blocks=2, heads=2, negatives=NEGATIVES, batch=8, dropout=0.0),
+        dataset.num_items,
+        attn_len=ATTN_LEN,
+    )
+    copy_weights(ours, ref)
+    split = dataset.split("test", 16)
+    batch = split.collate([split[i] for i in range(len(split))])
+    ours.eval()
+    with torch.no_grad():
+        _, out = ours(batch)
+    real = batch.sample_ids >= 0
+    theirs = reference_ranks(ref, dataset, "test", ATTN_LEN)
+    assert int(real.sum()) == len(theirs["full"]) == 7
+    assert out["rank_sampled"][real].tolist() == theirs["sampled"].tolist()
+    assert out["rank_full"][real].tolist() == theirs["full"].tolist()
+    assert len(set(theirs["full"].tolist())) > 1  # ranks that tell the users apart
+
+
 def reference_formulas(encoder, x, timestamps, valid) -> torch.Tensor:
     """generative-recommenders' HSTU (rel_bias normalisation, L2-normalised output) written out
     per sequence from its hstu.py, input_features_preprocessors.py and output_postprocessors.py:
