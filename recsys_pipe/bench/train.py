@@ -24,7 +24,7 @@ ratio to that class. The semi_sync plan and class train other numbers (stale emb
 losses are checked against each other, not against serial's.
 
 The plans run exactly as `recsys-train` runs them: `training_plan(run)` compiles the plan,
-`Trainer(run, plan, info).fit()` trains (bootstrap, per-step bookkeeping and all); only the
+`Trainer(build_parts(run, plan, info)).fit()` trains (bootstrap, per-step bookkeeping and all); only the
 progress bar, evaluation and the metrics all-reduce are off (`trainer.log_every` past the run),
 since torchrec's loop here does none of them.
 
@@ -212,11 +212,11 @@ class Bench:
         return {**window.figures(), **memory, **extra, "losses": losses}
 
     def _train_plan(self, name: str, window: Window) -> tuple[list[float], dict[str, Any]]:
-        from recsys_pipe.train import Trainer, training_plan
+        from recsys_pipe.train import Trainer, build_parts, training_plan
 
         run = self.runs[name]
         plan = training_plan(run)
-        trainer = Trainer(run, plan, self.info)
+        trainer = Trainer(build_parts(run, plan, self.info))
         try:
             first = self.warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
             timer = StepTimer(window, first, first + self.steps)

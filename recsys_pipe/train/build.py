@@ -37,6 +37,9 @@ from recsys_pipe.train.evaluation import Evaluator
 from recsys_pipe.train.grad_accumulation import GradAccumulation
 from recsys_pipe.train.metrics import MetricsWriter
 from recsys_pipe.train.optim import TrainOptimizer, dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.progress import RunPosition
+from recsys_pipe.train.reporting import Reporter
+from recsys_pipe.train.resume import RunCheckpointer
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
@@ -136,6 +139,13 @@ class TrainParts:
     """The finished parts a training loop runs on (`build_parts`): nothing in it is built later
     from the config, except the evaluation pipeline, which `evaluator` makes on first use."""
 
+    #: the validated run config and its compiled plan
+    run: RunConfig
+    plan: CompiledPlan
+    #: this rank's place in the job: rank, world size, device, process groups
+    info: DistInfo
+    #: the run directory (metrics, checkpoints, traces), None for a run that writes nothing
+    run_dir: str | None
     #: this rank's share of the data (training and held-out batches)
     data: RankData
     #: what the plan's tasks share: model, optimizer, streams, input distribution, accumulation
@@ -144,10 +154,12 @@ class TrainParts:
     #: the training pipeline (the plan on the state's streams)
     pipeline: SchedulablePipeline
     evaluator: Evaluator
-    #: writes `<run dir>/metrics.jsonl` and TensorBoard events (rank 0; a no-op elsewhere)
-    metrics: MetricsWriter
-    #: None without a run directory
-    checkpointer: Checkpointer | None
+    #: log lines, progress bar, `metrics.jsonl` and TensorBoard (rank 0 writes)
+    reporter: Reporter
+    #: saves checkpoints when due (with a run directory) and restores from one
+    checkpointer: RunCheckpointer
+    #: where the run stands: step and next batch (the checkpointer saves and restores it)
+    position: RunPosition
     #: steps the run trains in all: `trainer.epochs` epochs, capped by `trainer.max_steps`
     planned_steps: int
     #: this rank's random streams: dropout, evaluation and the global generators (checkpointed)
@@ -160,7 +172,7 @@ class TrainParts:
         self.pipeline.shutdown()
         self.evaluator.close()
         self.state.close()
-        self.metrics.close()
+        self.reporter.close()
         if self.compiled is not None:
             self.compiled.close()
 
@@ -208,22 +220,57 @@ def build_parts(
         eval_loader,
         retrieval,
         lambda eval_state: verified(build_pipeline(plan, state.streams, eval_state)),
+        rng,
+        every=cfg.eval_every,
+        every_epochs=cfg.eval_epochs,
     )
-    checkpointer = None
+    position = RunPosition()
+    writer = None
     if run_dir is not None:
-        checkpointer = Checkpointer(run_dir, cfg.checkpoint, info.checkpoint_group, info.rank)
+        writer = Checkpointer(run_dir, cfg.checkpoint, info.checkpoint_group, info.rank)
+    checkpointer = RunCheckpointer(
+        run, plan, info, data, state, train_optimizer, rng, retrieval, position, planned_steps, writer
+    )
+    reporter = Reporter(
+        cfg,
+        info,
+        MetricsWriter(run_dir if info.is_main else None, tensorboard=cfg.tensorboard),
+        train_optimizer,
+        position,
+        data.batches_per_epoch,
+        lambda loss: _global_mean(model, info, loss),
+        info.world_size // run.parallel.pp.size,
+        retrieval,
+        compiled,
+    )
     return TrainParts(
+        run=run,
+        plan=plan,
+        info=info,
+        run_dir=run_dir,
         data=data,
         state=state,
         optimizer=train_optimizer,
         pipeline=verified(build_pipeline(plan, state.streams, state)),
         evaluator=evaluator,
-        metrics=MetricsWriter(run_dir if info.is_main else None, tensorboard=cfg.tensorboard),
+        reporter=reporter,
         checkpointer=checkpointer,
+        position=position,
         planned_steps=planned_steps,
         rng=rng,
         compiled=compiled,
     )
+
+
+def _global_mean(model: nn.Module, info: DistInfo, value: torch.Tensor) -> float:
+    replica_mean = getattr(model, "replica_mean", None)  # pipelined: over the replicas
+    if replica_mean is not None:
+        return replica_mean(value)
+    value = value.detach().float().reshape(1).clone()
+    if info.world_size > 1:
+        dist.all_reduce(value)
+        value /= info.world_size
+    return float(value)
 
 
 def describe_model(run: RunConfig, plan: CompiledPlan, world_size: int, local_size: int, device_type: str) -> str:

@@ -52,11 +52,15 @@ def test_profile_command_on_the_hstu_plan_with_two_ranks_writes_every_file(tmp_p
     (run_dir,) = (tmp_path / "runs" / "recsys-profile").iterdir()
     assert {p.name for p in run_dir.iterdir()} == {
         "config.yaml",
+        "status.json",  # started as recsys-train starts: its session records how it ended
+        "train.log",
         "costs.json",
         "exposed.json",
         "trace.json",
         "timeline.png",
     }
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "completed" and status["exit_code"] == 0 and status["world_size"] == 2
     costs = CostModel.from_json(run_dir / "costs.json")
     assert list(costs.tasks) == HSTU_TASKS
     assert costs["h2d"].thread == "io" and costs["forward"].thread == "compute" and costs["h2d"].lookahead == 2

@@ -47,6 +47,21 @@ def test_pp_constraint_exits_2_naming_its_key(
     assert "Traceback" not in err
 
 
+def test_a_sweep_checks_each_jobs_stages_as_the_job_would(tmp_path, capsys, monkeypatch, no_process_group):
+    """Job 1's stages do not fit the world of 1 rank: found for every job before the first starts."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    sweep = tmp_path / "sweep"
+    code = train_cli.run(["-m", "parallel.pp.size=1,2", f"hydra.sweep.dir={sweep}", f"trainer.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert lines == [
+        "error: parallel.pp.size: 2 pipeline ranks do not divide the world of 1 rank(s) "
+        "[sweep job 1: parallel.pp.size=2]"
+    ], err
+    assert not sweep.exists()
+
+
 @pytest.mark.parametrize(
     ("world", "overrides"),
     [

@@ -22,7 +22,7 @@ from _process_group import one_rank_group
 
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, training_plan
+from recsys_pipe.train import Trainer, build_parts, training_plan
 from recsys_pipe.train.torch_compile import CompileOptions
 
 STEPS = 5
@@ -51,7 +51,7 @@ def info():
 def _fit(info, *overrides: str) -> tuple[list[float], dict]:
     """Per-step losses, and what the run compiled with its state_dict keys."""
     run = load_run(*overrides)
-    trainer = Trainer(run, training_plan(run), info)
+    trainer = Trainer(build_parts(run, training_plan(run), info))
     try:
         losses = trainer.fit(record_steps=True).losses
         compiled = trainer.parts.compiled
