@@ -140,25 +140,23 @@ def check_run(
     cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None
 ) -> tuple[RunConfig, CompiledPlan, RankData, Path | None]:
     """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device and dense DDP choice, `resume_from`, the model's distribution
-    over this job's ranks, this rank's data and the model, fused optimizer and eval dump
-    against it (`check_inputs`), and the command's own `check`. A sweep runs it for every job
-    before the first one starts."""
+    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
+    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
+    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
+    the first one starts."""
     from recsys_pipe.cli.preflight import check_inputs, run_device
-    from recsys_pipe.pp.config import check_pipeline_parallel
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.checkpoint import resolve_resume
-    from recsys_pipe.train.dense_ddp import check_dense_ddp
+    from recsys_pipe.train.parallel import parallelism_of
 
     run = load_run_config(cfg, schema)
     plan = training_plan(run)
     device = run_device(run.trainer)
-    check_dense_ddp(run, device.type)
     resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    check_pipeline_parallel(run, world_size)
+    parallelism_of(run).check(world_size, device.type)
     data = rank_data(run, rank, world_size)
-    check_inputs(run, data, device.type)
+    check_inputs(run, data)
     if check is not None:
         check(run, plan, data)
     return run, plan, data, resume

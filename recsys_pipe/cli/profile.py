@@ -122,13 +122,10 @@ def _profile(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
     assert isinstance(run, ProfileCommandConfig)
     if info.is_main:
         log.info("profiling plan %s on %d rank(s), %s", plan.config.name, info.world_size, info.device)
-    pipelined = getattr(trainer.state.model, "record_timelines", None)  # parallel.pp
-    if pipelined is not None:
-        pipelined()
+    parallelism, model = trainer.parts.parallelism, trainer.state.model
+    parallelism.start_profiling(model)
     result = _measure(trainer, run.profile)
-    pp_written = []
-    if pipelined is not None:  # each rank's F/B/W timeline of the last step, and its bubble
-        pp_written = trainer.state.model.write_step_timeline(run_dir, run.parallel.pp.resolved())
+    extra = parallelism.profile_files(model, run_dir)  # what the model's spread over the ranks adds
     if info.is_main:
         meta = {
             "plan": plan.config.name,
@@ -142,7 +139,7 @@ def _profile(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
         print(f"\nprofile of plan '{plan.config.name}' on {info.world_size} rank(s), {info.device} (rank 0):")
         result.print_report()
         _print_prediction(plan, result)
-        for path in [*written, *pp_written]:
+        for path in [*written, *extra]:
             print(f"wrote {path}")
         sys.stdout.flush()
     return Outcome(fields={"step": trainer.step})

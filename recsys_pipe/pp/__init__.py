@@ -7,7 +7,9 @@ several stages per rank (interleaved 1F1B, ZBV, DualPipeV, a torch CSV) run as a
 per-rank action order on the engine (`ActionOrderRunner`). Dropout sites keyed by (step,
 microbatch, layer) (`seeded_dropout`) draw the same masks wherever they run, so a pipelined run
 equals the one-rank run.
-`parallel.pp` is the config section (`PipelineParallelConfig`).
+`parallel.pp` is the config section (`PipelineParallelConfig`). The training loop reaches this
+package through one door, `recsys_pipe.train.parallel.PipelineStages`; nothing here imports the
+training package.
 
 Names are imported on first use: loading the config must not import
 torch.distributed.pipelining (seconds of start-up for every CLI).
@@ -20,11 +22,8 @@ _EXPORTS = {
     "Site": "actions",
     "action_schedule": "actions",
     "stage_ranks": "actions",
-    "ParallelConfig": "config",
     "PipelineParallelConfig": "config",
     "check_pipeline_parallel": "config",
-    "data_replica": "config",
-    "is_pipelined": "config",
     "pipelined_tables": "config",
     "split_layers": "config",
     "MICROBATCH_DROPOUT": "dropout",
@@ -37,6 +36,8 @@ _EXPORTS = {
     "mlp_stages": "mlp",
     "HSTUStage": "models",
     "hstu_stages": "models",
+    "PipelinedModel": "train",
+    "build_pipelined_model": "train",
     "PeerLink": "p2p",
     "PipelineMesh": "mesh",
     "SCHEDULES": "plan",

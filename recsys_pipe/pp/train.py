@@ -44,7 +44,6 @@ from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp.actions import ActionOrderRunner
 from recsys_pipe.pp.config import pipelined_tables, split_layers
 from recsys_pipe.pp.mesh import PipelineMesh
-from recsys_pipe.pp.models import model_stages
 from recsys_pipe.pp.p2p import PeerLink
 from recsys_pipe.pp.plan import stage_plan
 from recsys_pipe.pp.runner import StageStepRunner
@@ -58,10 +57,6 @@ __all__ = ["PipelinedModel", "build_pipelined_model", "shard_tables"]
 class PipelinedModel(nn.Module):
     """This rank's stages of the model and the runner of its schedule; `forward(batch)` runs one
     pipelined step (see the module docstring) and returns `(loss, outputs)` like the model."""
-
-    #: ranks hold different parameters: checkpoints key the optimizer's hyperparameters by
-    #: parameter name (`recsys_pipe.train.optim`), so no rank's param groups override another's
-    flat_optimizer_state = True
 
     def __init__(self, stages: dict[int, nn.Module], runner: Any, mesh: PipelineMesh, last_rank: int, m: int):
         super().__init__()
@@ -200,10 +195,9 @@ class PipelinedModel(nn.Module):
         return loss.requires_grad_(), {"logits": empty, "labels": empty}
 
 
-def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedModel, Any]:
-    """The model split over the `parallel.pp` mesh and the dense optimizer of this rank's stages."""
-    from recsys_pipe.train.optim import dense_optimizer_factory
-
+def build_pipelined_model(run: Any, info: Any, spec: Any) -> PipelinedModel:
+    """The model split over the `parallel.pp` mesh: this rank's stages, cut as the model's config
+    declares (`ModelConfig.stage_split`)."""
     pp = run.parallel.pp
     resolved = pp.resolved()
     mesh = PipelineMesh.create(pp.size, info.device.type)
@@ -213,8 +207,8 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
     tables: list[nn.Parameter] = []
     if 0 in local:  # the first stage's ranks: its tables sharded over their data-parallel group
         tables = shard_tables(model, run, mesh, info.device)
-    split = [list(r) for r in split_layers(_num_layers(run), resolved.num_stages, pp.layers)]
-    modules = model_stages(model, split)
+    split = [list(r) for r in split_layers(run.model.stage_layers, resolved.num_stages, pp.layers)]
+    modules = run.model.cut_into_stages(model, split)
     ranks = [mesh.rank_of(r) for r in resolved.ranks_of_stages]
     link = PeerLink()
     n = len(modules)
@@ -237,8 +231,7 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
         runner = StageStepRunner(runtimes[mesh.pp_rank], stage_plan(resolved.name, pp.size, mesh.pp_rank, m))
     else:
         runner = ActionOrderRunner(runtimes, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, m, link=link)
-    pipelined = PipelinedModel({s: modules[s] for s in local}, runner, mesh, ranks[-1], m)
-    return pipelined, dense_optimizer_factory(run.optimizer)(pipelined.parameters())
+    return PipelinedModel({s: modules[s] for s in local}, runner, mesh, ranks[-1], m)
 
 
 def shard_tables(model: nn.Module, run: Any, mesh: PipelineMesh, device: torch.device) -> list[nn.Parameter]:
@@ -261,9 +254,3 @@ def shard_tables(model: nn.Module, run: Any, mesh: PipelineMesh, device: torch.d
         model, cfg, mesh.table_group, device, batch_size=run.data.batch_size, data_parallel=False
     ).module
     return [p for m in sharded.modules() if isinstance(m, ShardedModule) for p in m.parameters()]
-
-
-def _num_layers(run: Any) -> int:
-    from recsys_pipe.pp.config import STAGEABLE_MODELS
-
-    return getattr(run.model, STAGEABLE_MODELS[type(run.model)])
