@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from recsys_pipe.autosched.pp_actions import to_csv
+from recsys_pipe.autosched.pipeline_parallel import measured_result, simulate_measured
 from recsys_pipe.bench.common import one_thread_per_rank, reexec_under_torchrun, run_ranks, summary
 from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp import (
@@ -59,9 +59,7 @@ from recsys_pipe.pp import (
     TorchStageAdapter,
     compute_spans,
     gather_spans,
-    measured_result,
     mlp_stages,
-    simulate_measured,
     split_layers,
     stage_plan,
     task_gaps,
@@ -69,6 +67,7 @@ from recsys_pipe.pp import (
 )
 from recsys_pipe.pp import actions as action_tasks
 from recsys_pipe.pp import plan as plan_tasks
+from recsys_pipe.pp_schedules.actions import to_csv
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b", "zbv", "dualpipev")
 RANKS = 2

@@ -17,7 +17,7 @@ The shipped files (stage r of p; lookaheads in microbatches):
 Relative to B, F runs `p-1-r` (zb_h1) or `2(p-1-r)` (zb_h2) microbatches ahead, as in the
 Zero Bubble paper's handcrafted schedules; lookaheads are shifted so the smallest is 0. Inside
 one engine iteration the tasks run F, then B, then W, so the firing order is exactly
-`recsys_pipe.autosched.pp_schedules.build()`'s per-rank action order (a test checks it).
+`recsys_pipe.pp_schedules.generators.build()`'s per-rank action order (a test checks it).
 
 Around the compute tasks, `recv_F` / `send_F` move the activations (same lookahead as F) and
 `recv_B` / `send_B` the input gradients (same lookahead as B). Data moves through slots of the

@@ -4,10 +4,10 @@ A single-stage-per-rank schedule (gpipe, 1f1b, zb_h1, zb_h2, or a YAML file decl
 lookaheads) runs as an engine plan of lookaheads (`recsys_pipe.pp.plan`); the others run as a
 static per-rank action order (`recsys_pipe.pp.actions`): interleaved 1F1B and ZBV take their orders from
 torch.distributed.pipelining's own schedule classes (so they are the orders torch runs),
-DualPipeV from `recsys_pipe.autosched.pp_schedules.build("dualpipev")` (the same order as
+DualPipeV from `recsys_pipe.pp_schedules.generators.build("dualpipev")` (the same order as
 torch's class, tested), and a
-CSV in torch's format is read with `recsys_pipe.autosched.pp_actions.from_csv` and checked with
-`recsys_pipe.autosched.pipeline_parallel.validate` (routes, B after F, no deadlock). Where each
+CSV in torch's format is read with `recsys_pipe.pp_schedules.actions.from_csv` and checked with
+`recsys_pipe.pp_schedules.validate` (routes, B after F, no deadlock). Where each
 stage lives is read off the action lists. Every misfit is a ConfigError naming its key.
 """
 
@@ -16,12 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from recsys_pipe.autosched.pipeline_parallel import PipelineScheduleError, validate
-from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule, from_csv
-from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.pp.plan import SCHEDULES as PLAN_SCHEDULES
 from recsys_pipe.pp.plan import is_lookahead_file, stage_plan
+from recsys_pipe.pp_schedules import Action, PipelineSchedule, PipelineScheduleError, build, from_csv, validate
 
 __all__ = [
     "ACTION_SCHEDULES",
@@ -32,7 +30,7 @@ __all__ = [
 ]
 
 #: schedule name -> torch.distributed.pipelining's class name (whose action order is used), or
-#: None for our own generator (`recsys_pipe.autosched.pp_schedules.build`)
+#: None for our own generator (`recsys_pipe.pp_schedules.generators.build`)
 ACTION_SCHEDULES = {"interleaved_1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble", "dualpipev": None}
 NAMED_SCHEDULES = (*PLAN_SCHEDULES, *ACTION_SCHEDULES)
 _V_SCHEDULES = ("zbv", "dualpipev")

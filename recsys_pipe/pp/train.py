@@ -32,8 +32,6 @@ replica). Not yet: gradient clipping across stages, global-token loss normalisat
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,9 +45,8 @@ from recsys_pipe.pp.mesh import PipelineMesh
 from recsys_pipe.pp.p2p import PeerLink
 from recsys_pipe.pp.plan import stage_plan
 from recsys_pipe.pp.runner import StageStepRunner
-from recsys_pipe.pp.schedules import ResolvedSchedule
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
-from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result, simulate_measured, transfer_time
+from recsys_pipe.pp.timeline import compute_spans, gather_spans, transfer_time
 
 __all__ = ["PipelinedModel", "build_pipelined_model", "shard_tables"]
 
@@ -72,41 +69,10 @@ class PipelinedModel(nn.Module):
         """From the next step on, keep each step's F / B / W spans (`last_spans`)."""
         self._recording = True
 
-    def write_step_timeline(self, out: Path, schedule: ResolvedSchedule) -> list[Path]:
-        """The last recorded step of this rank's pipeline, measured and simulated (a collective
-        over the pipeline's ranks): global rank 0 writes `pp_timeline.png` (measured Gantt),
-        `pp_simulated.png` (the schedule simulated with the measured means of F, B and W and
-        the measured transfer time, `transfer_ms`) and `pp_timeline.json` (per rank: busy time
-        and bubble), and prints the table."""
-        t_comm = self.transfer_ms() / 1e3  # global rank 0 is pipeline rank 0: it measures
-        gathered = gather_spans(self.last_spans or [], group=self.mesh.mesh.get_group("pp"))
-        if dist.get_rank() != 0:
-            return []
-        measured = measured_result(gathered, f"{schedule.name} (measured)")
-        simulated = simulate_measured(schedule.compute_orders(), gathered, t_comm=t_comm)
-        paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
-        measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
-        simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
-        ranks = [
-            {"rank": r, "busy_ms": busy * 1e3, "bubble_ms": (measured.makespan - busy) * 1e3}
-            for r, busy in enumerate(measured.busy)
-        ]
-        report = {
-            "schedule": schedule.name,
-            "measured_step_ms": measured.makespan * 1e3,
-            "simulated_step_ms": simulated.makespan * 1e3,
-            "t_comm_ms": t_comm * 1e3,
-            "ranks": ranks,
-        }
-        paths[2].write_text(json.dumps(report, indent=2) + "\n")
-        print(
-            f"\npipeline ({schedule.name}), last profiled step: {measured.makespan * 1e3:.2f} ms measured, "
-            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W means and a "
-            f"{t_comm * 1e3:.3f} ms transfer"
-        )
-        for row in ranks:
-            print(f"  rank {row['rank']}: busy {row['busy_ms']:.2f} ms, bubble {row['bubble_ms']:.2f} ms")
-        return paths
+    def gathered_spans(self) -> list:
+        """Every rank's spans of the pipeline's last recorded step, indexed by pipeline rank (a
+        collective over the pipeline's ranks)."""
+        return gather_spans(self.last_spans or [], group=self.mesh.mesh.get_group("pp"))
 
     def transfer_ms(self) -> float:
         """One stage message between pipeline ranks 0 and 1 of this replica, one way (ms;

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from pp_parity_worker import SPLIT2, SPLIT4, M, make_opt, make_stages, result, train
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from recsys_pipe.autosched.pp_actions import PipelineSchedule
 from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, StageStepRunner, microbatch_seed, stage_plan
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mesh import PipelineMesh
+from recsys_pipe.pp_schedules.actions import PipelineSchedule
 
 WIDTH, SHARD, STEPS, DP = 32, 16, 2, 2
 

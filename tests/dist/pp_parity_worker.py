@@ -37,8 +37,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-from recsys_pipe.autosched.pp_actions import PipelineSchedule, from_csv, to_csv
-from recsys_pipe.autosched.pp_schedules import build
+from recsys_pipe.autosched.pipeline_parallel import measured_result
 from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp import (
     ChainedStages,
@@ -52,7 +51,9 @@ from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mlp import TorchStageAdapter, mlp_stages
 from recsys_pipe.pp.models import hstu_stages, sasrec_stages
 from recsys_pipe.pp.schedules import resolve_schedule
-from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
+from recsys_pipe.pp.timeline import compute_spans, gather_spans
+from recsys_pipe.pp_schedules.actions import PipelineSchedule, from_csv, to_csv
+from recsys_pipe.pp_schedules.generators import build
 
 WIDTH, BATCH, M, STEPS, P_DROP, LR = 32, 16, 4, 2, 0.2, 0.05
 SPLIT2 = ((0, 1), (2, 3))

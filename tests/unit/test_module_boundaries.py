@@ -182,6 +182,27 @@ def test_the_package_cycle_check_sees_a_cycle_of_modules_in_different_packages()
     assert _cycles(folded) == [["a", "b"]]
 
 
+def test_the_pipeline_runtime_imports_neither_training_nor_analysis():
+    """`recsys_pipe.pp` runs pipeline stages; it imports nothing from `train` (which reaches it
+    through `train.parallel.stages`) nor from `autosched` (the analysis): the schedules both
+    need are data in the leaf `recsys_pipe.pp_schedules`, which imports no other package."""
+    bad = sorted(
+        f"{importer} imports {module}"
+        for importer, imported in _import_graph().items()
+        if _package(importer) == "pp"
+        for module in imported
+        if _package(module) in ("train", "autosched")
+    )
+    assert not bad, bad
+    leaf = {
+        _package(m)
+        for importer, imported in _import_graph().items()
+        if _package(importer) == "pp_schedules"
+        for m in imported
+    } - {"pp_schedules"}
+    assert not leaf, f"recsys_pipe.pp_schedules imports {sorted(leaf)}"
+
+
 #: how this project's pipeline parallelism is spelled in code: its package, its config section,
 #: its types and helpers. (megatron-core's own "pipeline-parallel size", which `dense_ddp` sets
 #: to 1, is another library's setting, not ours.)

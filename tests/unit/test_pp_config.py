@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from recsys_pipe.autosched.pp_actions import to_csv
-from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError
 from recsys_pipe.pp import PipelineParallelConfig, split_layers
+from recsys_pipe.pp_schedules.actions import to_csv
+from recsys_pipe.pp_schedules.generators import build
 
 # (WORLD_SIZE, overrides, the key the first error names, a fragment of its message)
 CASES = [

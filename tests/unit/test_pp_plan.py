@@ -2,15 +2,15 @@
 
 No processes: each rank's engine plan runs over m microbatches against a stand-in for the
 stage runtime (`firing_order`), and the order its compute tasks fire in is compared with
-`recsys_pipe.autosched.pp_schedules.build()` (1F1B, ZB-H1, ZB-H2) or with GPipe's definition.
+`recsys_pipe.pp_schedules.generators.build()` (1F1B, ZB-H1, ZB-H2) or with GPipe's definition.
 """
 
 import pytest
 
-from recsys_pipe.autosched.pp_actions import PipelineSchedule
-from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.pp.actions import action_schedule, stage_ranks
 from recsys_pipe.pp.plan import firing_order, stage_plan
+from recsys_pipe.pp_schedules.actions import PipelineSchedule
+from recsys_pipe.pp_schedules.generators import build
 
 
 def run_plan(schedule, p, r, m):

@@ -4,10 +4,12 @@ training loop and the commands."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from recsys_pipe.models.base import ShardedModelConfig
@@ -20,6 +22,7 @@ from recsys_pipe.train.parallel.sharded import describe_sharding
 if TYPE_CHECKING:
     from recsys_pipe.config import CompiledPlan
     from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.pp.schedules import ResolvedSchedule
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.train.rng import RngState
 
@@ -64,7 +67,7 @@ class PipelineStages(Parallelism):
         return describe_sharding(run, cfg, ranks, min(local_size, ranks), device_type, " (the first stage's replicas)")
 
     def describe_steps(self) -> str | None:
-        from recsys_pipe.pp.render import render_pipeline_parallel
+        from recsys_pipe.train.parallel.stage_text import render_pipeline_parallel
 
         return render_pipeline_parallel(self.run.parallel.pp)
 
@@ -72,5 +75,43 @@ class PipelineStages(Parallelism):
         model.record_timelines()  # type: ignore[operator]
 
     def profile_files(self, model: nn.Module, out: Path) -> list[Path]:
-        # each rank's F/B/W timeline of the last step, and its bubble
-        return model.write_step_timeline(out, self.run.parallel.pp.resolved())  # type: ignore[operator]
+        return write_step_timeline(model, out, self.run.parallel.pp.resolved())
+
+
+def write_step_timeline(model: Any, out: Path, schedule: ResolvedSchedule) -> list[Path]:
+    """The last recorded step of this rank's pipeline (`PipelinedModel.record_timelines`),
+    measured and simulated (a collective over the pipeline's ranks): global rank 0 writes
+    `pp_timeline.png` (measured Gantt), `pp_simulated.png` (the schedule simulated with the
+    measured means of F, B and W and the measured transfer time, `transfer_ms`) and
+    `pp_timeline.json` (per rank: busy time and bubble), and prints the table."""
+    from recsys_pipe.autosched.pipeline_parallel import measured_result, simulate_measured
+
+    t_comm = model.transfer_ms() / 1e3  # global rank 0 is pipeline rank 0: it measures
+    gathered = model.gathered_spans()
+    if dist.get_rank() != 0:
+        return []
+    measured = measured_result(gathered, f"{schedule.name} (measured)")
+    simulated = simulate_measured(schedule.compute_orders(), gathered, t_comm=t_comm)
+    paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
+    measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
+    simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
+    ranks = [
+        {"rank": r, "busy_ms": busy * 1e3, "bubble_ms": (measured.makespan - busy) * 1e3}
+        for r, busy in enumerate(measured.busy)
+    ]
+    report = {
+        "schedule": schedule.name,
+        "measured_step_ms": measured.makespan * 1e3,
+        "simulated_step_ms": simulated.makespan * 1e3,
+        "t_comm_ms": t_comm * 1e3,
+        "ranks": ranks,
+    }
+    paths[2].write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        f"\npipeline ({schedule.name}), last profiled step: {measured.makespan * 1e3:.2f} ms measured, "
+        f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W means and a "
+        f"{t_comm * 1e3:.3f} ms transfer"
+    )
+    for row in ranks:
+        print(f"  rank {row['rank']}: busy {row['busy_ms']:.2f} ms, bubble {row['bubble_ms']:.2f} ms")
+    return paths

@@ -1,4 +1,5 @@
-"""The per-rank text `recsys-plan` shows for `parallel.pp`: what each rank runs in one step."""
+"""The per-rank text `recsys-plan` shows for `parallel.pp` (`PipelineStages.describe_steps`):
+what each rank runs in one step, and its bubble simulated with unit times."""
 
 from __future__ import annotations
 

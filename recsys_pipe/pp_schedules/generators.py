@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule
+from recsys_pipe.pp_schedules.actions import Action, PipelineSchedule
 
 __all__ = ["SCHEDULES", "build"]
 
