@@ -41,22 +41,20 @@ PROBE_TAG = 1 << 30
 _STEPS = ("F", "B", "W", "BW")
 
 
-def _action(span: TaskSpan, stage: int | None) -> Action | None:
-    if stage is not None:  # a lookahead plan: tasks F, B, W, BW; the batch is the microbatch
-        return Action(span.task, stage, span.batch_index) if span.task in _STEPS else None
-    try:  # the action-order mode: tasks are named as torch prints actions (2F0, 3I1, ...)
+def _action(span: TaskSpan) -> Action | None:
+    """The compute step a task ran: tasks are named as torch prints actions (2F0, 3I1, ...)."""
+    try:
         action = Action.parse(span.task)
     except ValueError:
         return None
     return action if action is not None and action.kind in _STEPS else None
 
 
-def compute_spans(spans: Sequence[TaskSpan], rank: int, stage: int | None = None) -> list[PipelineSpan]:
-    """Rank `rank`'s compute steps among `spans`, in start order. `stage`: the rank's stage
-    under a lookahead plan (`StageStepRunner`); None for the action-order mode."""
+def compute_spans(spans: Sequence[TaskSpan], rank: int) -> list[PipelineSpan]:
+    """Rank `rank`'s compute steps among `spans` (an `ActionOrderRunner`'s tasks), in start order."""
     out = []
     for span in sorted(spans, key=lambda s: s.start_s):
-        action = _action(span, stage)
+        action = _action(span)
         if action is not None:
             out.append(PipelineSpan(rank, str(action), action.microbatch, span.start_s, span.end_s, action.short))
     return out

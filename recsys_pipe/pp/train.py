@@ -43,8 +43,6 @@ from recsys_pipe.pp.actions import ActionOrderRunner
 from recsys_pipe.pp.config import pipelined_tables, split_layers
 from recsys_pipe.pp.mesh import PipelineMesh
 from recsys_pipe.pp.p2p import PeerLink
-from recsys_pipe.pp.plan import stage_plan
-from recsys_pipe.pp.runner import StageStepRunner
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
 from recsys_pipe.pp.timeline import compute_spans, gather_spans, transfer_time
 
@@ -97,8 +95,6 @@ class PipelinedModel(nn.Module):
         return float(value)
 
     def _runtimes(self) -> dict[int, StageRuntime]:
-        if isinstance(self.runner, StageStepRunner):
-            return {self.runner.runtime.stage: self.runner.runtime}
         return self.runner.runtimes
 
     def _evaluate(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -149,10 +145,7 @@ class PipelinedModel(nn.Module):
         losses = self.runner.run_step(int(self.step), microbatches)
         self.step += 1
         if recorder is not None:
-            lookahead_plan = isinstance(self.runner, StageStepRunner)
-            self.last_spans = compute_spans(
-                recorder.spans(), self.mesh.pp_rank, self.mesh.pp_rank if lookahead_plan else None
-            )
+            self.last_spans = compute_spans(recorder.spans(), self.mesh.pp_rank)
         mine = [v for v in losses if v is not None]
         loss = torch.stack(mine).mean() if mine else torch.zeros(())
         if self.mesh.pp_size > 1:  # every rank of the pipeline logs the step's loss
@@ -193,10 +186,7 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> PipelinedModel:
         for s in local
     }
     m = resolved.microbatches
-    if resolved.actions is None:
-        runner = StageStepRunner(runtimes[mesh.pp_rank], stage_plan(resolved.name, pp.size, mesh.pp_rank, m))
-    else:
-        runner = ActionOrderRunner(runtimes, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, m, link=link)
+    runner = ActionOrderRunner(runtimes, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, m, link=link)
     return PipelinedModel({s: modules[s] for s in local}, runner, mesh, ranks[-1], m)
 
 

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from pp_parity_worker import SPLIT2, SPLIT4, M, make_opt, make_stages, result, train
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, StageStepRunner, microbatch_seed, stage_plan
+from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, microbatch_seed
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mesh import PipelineMesh
+from recsys_pipe.pp.schedules import resolve_schedule
 from recsys_pipe.pp_schedules.actions import PipelineSchedule
 
 WIDTH, SHARD, STEPS, DP = 32, 16, 2, 2
@@ -60,8 +61,9 @@ def data_of(mesh):
 
 def run_plan(schedule, mesh, link):
     stages = make_stages(SPLIT2)
-    runtime = runtimes(stages, [mesh.pp_rank], (0, 1), mesh, link)[mesh.pp_rank]
-    runner = StageStepRunner(runtime, stage_plan(schedule, 2, mesh.pp_rank, M))
+    resolved = resolve_schedule(schedule, 2, M, None)  # a lookahead schedule, compiled to action lists
+    runtimes_ = runtimes(stages, [mesh.pp_rank], (0, 1), mesh, link)
+    runner = ActionOrderRunner(runtimes_, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, M, link=link)
     return train(runner, [stages[mesh.pp_rank]], data_of(mesh))
 
 

@@ -8,7 +8,7 @@ import pytest
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError
 from recsys_pipe.pp import PipelineParallelConfig, split_layers
-from recsys_pipe.pp_schedules.actions import to_csv
+from recsys_pipe.pp_schedules.actions import PipelineSchedule, to_csv
 from recsys_pipe.pp_schedules.generators import build
 
 # (WORLD_SIZE, overrides, the key the first error names, a fragment of its message)
@@ -95,7 +95,8 @@ def _problem(**fields):
 
 def test_named_schedules_resolve_to_plans_or_torchs_action_orders():
     plan = PipelineParallelConfig(size=2, schedule="zb_h1").resolved()
-    assert plan.actions is None and plan.ranks_of_stages == (0, 1) and plan.microbatches == 2
+    assert plan.lookaheads and plan.ranks_of_stages == (0, 1) and plan.microbatches == 2
+    assert plan.actions.ranks[0] == PipelineSchedule.of([["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"]]).ranks[0]
     interleaved = PipelineParallelConfig(size=2, microbatches=4, schedule="interleaved_1f1b").resolved()
     assert interleaved.ranks_of_stages == (0, 1, 0, 1) and interleaved.local_stages(1) == (1, 3)
     v = PipelineParallelConfig(size=2, microbatches=4, schedule="dualpipev").resolved()
