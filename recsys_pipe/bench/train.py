@@ -155,7 +155,7 @@ BATCH_SIZES = (32, 256, 1024)
 #: timed and warm-up steps per batch size (about 0.7-1.5 s of timed steps per run on 2 CPU cores)
 STEPS = {32: 64, 256: 24, 1024: 8}
 WARMUP = {32: 6, 256: 4, 1024: 3}
-TARGET_SPEED = 1.0  # every pipelined plan >= 1.0x torchrec_sdd (median, CPU, batch 32 and 256)
+TARGET_SPEED = 1.0  # every plan with lookaheads >= 1.0x torchrec_sdd (median, CPU, batch 32 and 256)
 TARGET_SPEED_BATCHES = (32, 256)
 TARGET_RSS = 1.05  # peak RSS <= 1.05x torchrec_sdd's
 TARGET_ENGINE_SHARE = 0.5  # percent of a step
@@ -673,7 +673,7 @@ def targets(report: dict[str, Any], variants: list[str], cuda: bool) -> dict[str
     for batch_size, entry in report["batches"].items():
         rows = entry["variants"]
         met: dict[str, Any] = {}
-        for name in (v for v in rows if v != "serial" and v not in TORCHREC_CLASSES):  # the pipelined plans
+        for name in (v for v in rows if v != "serial" and v not in TORCHREC_CLASSES):  # the plans with lookaheads
             r = rows[name]
             checks: dict[str, bool] = {}
             if not cuda and int(batch_size) in TARGET_SPEED_BATCHES:
@@ -687,10 +687,10 @@ def targets(report: dict[str, Any], variants: list[str], cuda: bool) -> dict[str
 
 
 def print_targets(t: dict[str, Any]) -> None:
-    """Print which targets every pipelined plan meets, per batch size."""
+    """Print which targets every plan with lookaheads meets, per batch size."""
     limits = t["limits"]
     print(
-        f"targets: pipelined plans >= {limits['speed_vs_torchrec_min']}x torchrec_sdd (median, CPU, batch "
+        f"targets: plans with lookaheads >= {limits['speed_vs_torchrec_min']}x torchrec_sdd (median, CPU, batch "
         f"{'/'.join(map(str, limits['speed_batch_sizes']))}), peak RSS <= {limits['peak_rss_vs_torchrec_max']}x "
         f"torchrec_sdd's, engine <= {limits['engine_share_percent_max']} % of a step"
     )

@@ -4,7 +4,7 @@ Tolerances. Compiled by `aot_eager` (torch.compile's graph capture and autograd,
 generation) a plan trains bitwise the eager plan's losses, and every plan that trains the same
 numbers eagerly (serial, sparse_dist, hstu_prefetch) trains the same bits compiled; semi_sync
 (stale embeddings) equals its own eager run. Compiled by `inductor` (fused kernels: other
-rounding), serial and the pipelined plans still train bitwise the same as each other, and stay
+rounding), serial and the plans with lookaheads still train bitwise the same as each other, and stay
 within rtol=1e-5, atol=1e-6 of eager over the steps here (the 200-step comparison is
 `recsys-bench compile`; docs/training.md states both).
 """
