@@ -31,7 +31,7 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +124,11 @@ def _profile(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
         log.info("profiling plan %s on %d rank(s), %s", plan.config.name, info.world_size, info.device)
     parallelism, model = trainer.parts.parallelism, trainer.state.model
     parallelism.start_profiling(model)
-    result = _measure(trainer, run.profile)
+    try:
+        result = _measure(trainer, run.profile)
+    except _Preempted:  # nothing half-measured is written; there is no state worth a checkpoint
+        log.warning("%s received: profiling stopped on every rank, nothing written", trainer.stop.signal_name)
+        return Outcome(True, {"step": trainer.step, "stop_reason": "preempted"})
     extra = parallelism.profile_files(model, run_dir)  # what the model's spread over the ranks adds
     if info.is_main:
         meta = {
@@ -145,8 +149,13 @@ def _profile(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
     return Outcome(fields={"step": trainer.step})
 
 
+class _Preempted(Exception):
+    """Every rank agreed to stop (SIGTERM) before a profiling pass."""
+
+
 def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
-    """Rewrite the model on the first batch, run a few steps, then the TaskProfiler passes."""
+    """Rewrite the model on the first batch, run a few steps, then the TaskProfiler passes;
+    `_Preempted` when a SIGTERM stops them (at the next pass every rank starts)."""
     from recsys_pipe.autosched import TaskProfiler
 
     pipeline, loader = trainer.pipeline, trainer.data.train_loader()
@@ -156,9 +165,16 @@ def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
     pipeline.seed_first_batch(start, trainer.state.bootstrap(first))
     for _ in pipeline.iterate(start):  # drained: nothing of it stays in flight
         pass
+
+    def fresh_batches() -> Iterator:
+        """A pass's batches: fresh, just enough; none once every rank agreed to stop (SIGTERM)."""
+        if trainer.stop.should_stop():  # every rank asks before each pass: they stop at the same one
+            raise _Preempted
+        return itertools.islice(iter(loader), profiler.batches_needed)
+
     profiler = TaskProfiler(
         pipeline,
-        lambda: itertools.islice(iter(loader), profiler.batches_needed),  # fresh batches, just enough
+        fresh_batches,
         options.warmup,
         options.iters,
         rounds=options.rounds,
