@@ -175,8 +175,9 @@ def fork_ranks(
 def _rank_main(rank: int, script: str, args: tuple[str, ...], variables: dict[str, str], cwd: str, logs: str) -> None:
     """One rank of `fork_ranks`, as `python script args...` would start it: its output to the log
     directory, the caller's environment with torchrun's variables, the caller's working
-    directory, the script's folder first on sys.path, the script run as `__main__`; a script's
-    `sys.exit(code)` is the rank's exit code."""
+    directory, the script run as `__main__`; a script's `sys.exit(code)` is the rank's exit
+    code. The import path is the fork server's: a script loads a module beside it by its file
+    (`importlib.util.spec_from_file_location`), not by putting its folder on `sys.path`."""
     import runpy
 
     for fd, kind in ((1, "stdout"), (2, "stderr")):
@@ -187,7 +188,6 @@ def _rank_main(rank: int, script: str, args: tuple[str, ...], variables: dict[st
     os.environ.update(variables, RANK=str(rank), LOCAL_RANK=str(rank))
     os.chdir(cwd)
     sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).parent))
     runpy.run_path(script, run_name="__main__")
     sys.stdout.flush()
     sys.stderr.flush()

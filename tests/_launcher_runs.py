@@ -4,7 +4,7 @@ it wrote; and the packages those runs need. Imports only the standard library an
 machine has no torchrec).
 
 Tolerance: bitwise. Every plan runs the same kernels in the same order on the default stream for
-the model's math (the pipelined plans only move the host-to-device copies to other streams and
+the model's math (the plans with lookaheads only move the host-to-device copies to other streams and
 threads, which changes no value), and `torch.use_deterministic_algorithms(True)` with
 `CUBLAS_WORKSPACE_CONFIG=:4096:8` makes those kernels deterministic on CUDA; megatron-core's DDP at
 one rank reduces nothing and adds each gradient to zero (see tests/_dense_ddp.py).

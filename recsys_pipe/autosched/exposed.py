@@ -3,7 +3,7 @@
     exposed(T) = median iteration time of the pipeline as configured
                  - median iteration time with T shortcut (skipped and replayed)
 
-On the serial plan that is T's own cost. On a pipelined plan it is what T adds to the critical
+On the serial plan that is T's own cost. On a plan with lookaheads it is what T adds to the critical
 path: a task that overlaps other work (another thread, another stream, a later batch) shows
 about 0, however long it runs; a task on the critical path shows its full cost. It answers
 "would this plan be faster if T were free?", which per-task times alone cannot.

@@ -30,7 +30,7 @@ from recsys_pipe.bench.common import format_summary, summary
 from recsys_pipe.bench.timing import TAIL, StepTimer, Window
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, training_plan
+from recsys_pipe.train import Trainer, build_parts, training_plan
 
 #: compiled vs eager losses over 200 steps of the default run agree this closely (docs/training.md)
 RTOL, ATOL = 1e-5, 1e-6
@@ -40,7 +40,7 @@ def train(info: Any, overrides: list[str], warmup: int, steps: int) -> dict[str,
     """One run: per-step losses, ms/step of the timed window, and (compiled) torch.compile's counts."""
     run = load_run(*overrides)
     plan = training_plan(run)
-    trainer = Trainer(run, plan, info)
+    trainer = Trainer(build_parts(run, plan, info))
     try:
         first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
         window = Window(info.device)

@@ -25,7 +25,7 @@ from recsys_pipe.engine import (
 
 
 def prepare(ctx):  # runs on batch K+1 while train runs on batch K
-    """Standardise the batch's features (the preparation the pipelined plan runs one batch ahead)."""
+    """Standardise the batch's features (the preparation the plan with lookaheads runs one batch ahead)."""
     x, y = ctx.slots[BATCH_CPU]
     ctx.slots.set("batch", ((x - x.mean(0)) / (x.std(0) + 1e-6), y))
 
@@ -77,7 +77,7 @@ if __name__ == "__main__":
     serial = run(lookahead=0, executor="sequential")
     recorder = SpanRecorder()  # times every task invocation, on the thread that ran it
     pipelined = run(lookahead=1, executor="threaded", observer=recorder)
-    assert pipelined == serial, "pipelined plan must match the serial plan"
+    assert pipelined == serial, "plan with lookaheads must match the serial plan"
     print(f"50 batches, identical losses: first {serial[0]:.4f} -> last {serial[-1]:.4f}")
     for task in ("prepare", "train"):
         spans = [s for s in recorder.spans(first=5) if s.task == task]

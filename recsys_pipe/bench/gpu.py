@@ -1,4 +1,4 @@
-"""GPU overlap benchmark: a plan shaped like recommendation training, serial and pipelined, side by
+"""GPU overlap benchmark: a plan shaped like recommendation training, serial and with lookaheads, side by
 side, against the ideal bound of its streams.
 
 The plan (one training iteration):
@@ -17,7 +17,7 @@ Measured side by side, every repetition running each configuration once in a rot
 - pipelined/sequential and pipelined/threaded (one CPU thread per stream);
 - ideal: per iteration, the largest summed busy time of one stream, from CUDA events recorded on
   each task's stream around its work (after the engine's waits); no schedule of these streams
-  can beat it, and a pipelined plan that overlaps perfectly reaches it;
+  can beat it, and a plan with lookaheads that overlaps perfectly reaches it;
 - host overhead per task, launch-bound: a 10-task chain over 3 streams and 3 lookaheads, each
   task one tiny kernel: engine time minus a plain loop launching the same kernels, per task.
 

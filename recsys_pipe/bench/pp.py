@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from recsys_pipe.autosched.pp_actions import to_csv
+from recsys_pipe.autosched.pipeline_parallel import measured_result, simulate_measured
 from recsys_pipe.bench.common import one_thread_per_rank, reexec_under_torchrun, run_ranks, summary
 from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp import (
@@ -55,20 +55,16 @@ from recsys_pipe.pp import (
     PeerLink,
     PipelineParallelConfig,
     StageRuntime,
-    StageStepRunner,
     TorchStageAdapter,
     compute_spans,
     gather_spans,
-    measured_result,
     mlp_stages,
-    simulate_measured,
     split_layers,
-    stage_plan,
     task_gaps,
     transfer_time,
 )
 from recsys_pipe.pp import actions as action_tasks
-from recsys_pipe.pp import plan as plan_tasks
+from recsys_pipe.pp_schedules.actions import to_csv
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b", "zbv", "dualpipev")
 RANKS = 2
@@ -125,10 +121,7 @@ class Bench:
             for s in self.local
         }
         m = self.args.microbatches
-        if self.resolved.actions is None:
-            runner = StageStepRunner(runtimes[self.rank], stage_plan(self.name, RANKS, self.rank, m))
-        else:
-            runner = ActionOrderRunner(runtimes, self.resolved.actions, self.rank, ranks, m, link=self.link)
+        runner = ActionOrderRunner(runtimes, self.resolved.actions, self.rank, ranks, m, link=self.link)
         opt = torch.optim.SGD([p for s in self.local for p in stages[s].parameters()], lr=1e-4)
 
         def step(i: int) -> None:
@@ -216,8 +209,8 @@ def simulated(bench: Bench, spans, t_comm: float, t_send: float) -> tuple[float,
     return result.makespan * 1e3, result
 
 
-#: the task functions that send a stage's message (the per-stage plans' and the action lists')
-SEND_FNS = (plan_tasks.send_f, plan_tasks.send_b, action_tasks.send_f, action_tasks.send_b)
+#: the task functions that send a stage's message
+SEND_FNS = (action_tasks.send_f, action_tasks.send_b)
 
 
 def send_durations(spans, pipeline) -> list[float]:
@@ -261,8 +254,7 @@ def main() -> None:
                 recorder = SpanRecorder()
                 runner.pipeline.observer = recorder
                 step(args.warmup + args.steps)
-                stage = rank if bench.resolved.actions is None else None
-                spans = gather_spans(compute_spans(recorder.spans(), rank, stage))
+                spans = gather_spans(compute_spans(recorder.spans(), rank))
                 every: list = [None] * RANKS
                 dist.all_gather_object(
                     every, (task_gaps(recorder.spans()), send_durations(recorder.spans(), runner.pipeline))

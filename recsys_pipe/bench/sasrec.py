@@ -37,7 +37,7 @@ import torch
 from recsys_pipe.bench.common import summary
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, training_plan
+from recsys_pipe.train import Trainer, build_parts, training_plan
 from recsys_pipe.train.optim import AdamConfig
 
 MAX_LEN, BATCH = 50, 128
@@ -93,7 +93,7 @@ def ours(data: str, steps: int, info) -> tuple[float, float]:
         "trainer.progress_bar=false",
         f"trainer.log_every={steps}",
     )
-    trainer = Trainer(run, training_plan(run), info)
+    trainer = Trainer(build_parts(run, training_plan(run), info))
     try:
         cpu = time.process_time()
         summary_ = trainer.fit()

@@ -100,10 +100,10 @@ def imbalance(run: Any, batches: list, world: int) -> dict[str, dict[str, float]
 
 def train(run: Any, info: Any, batches: list, warmup: int, steps: int) -> tuple[float, list[float], list]:
     """Seconds of the timed window (this rank), per-step losses, per-step trained sample ids."""
-    from recsys_pipe.train import Trainer, training_plan
+    from recsys_pipe.train import Trainer, build_parts, training_plan
 
     plan = training_plan(run)
-    trainer = Trainer(run, plan, info)
+    trainer = Trainer(build_parts(run, plan, info))
     try:
         window = Window(info.device)
         first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k

@@ -24,7 +24,7 @@ ratio to that class. The semi_sync plan and class train other numbers (stale emb
 losses are checked against each other, not against serial's.
 
 The plans run exactly as `recsys-train` runs them: `training_plan(run)` compiles the plan,
-`Trainer(run, plan, info).fit()` trains (bootstrap, per-step bookkeeping and all); only the
+`Trainer(build_parts(run, plan, info)).fit()` trains (bootstrap, per-step bookkeeping and all); only the
 progress bar, evaluation and the metrics all-reduce are off (`trainer.log_every` past the run),
 since torchrec's loop here does none of them.
 
@@ -155,7 +155,7 @@ BATCH_SIZES = (32, 256, 1024)
 #: timed and warm-up steps per batch size (about 0.7-1.5 s of timed steps per run on 2 CPU cores)
 STEPS = {32: 64, 256: 24, 1024: 8}
 WARMUP = {32: 6, 256: 4, 1024: 3}
-TARGET_SPEED = 1.0  # every pipelined plan >= 1.0x torchrec_sdd (median, CPU, batch 32 and 256)
+TARGET_SPEED = 1.0  # every plan with lookaheads >= 1.0x torchrec_sdd (median, CPU, batch 32 and 256)
 TARGET_SPEED_BATCHES = (32, 256)
 TARGET_RSS = 1.05  # peak RSS <= 1.05x torchrec_sdd's
 TARGET_ENGINE_SHARE = 0.5  # percent of a step
@@ -212,11 +212,11 @@ class Bench:
         return {**window.figures(), **memory, **extra, "losses": losses}
 
     def _train_plan(self, name: str, window: Window) -> tuple[list[float], dict[str, Any]]:
-        from recsys_pipe.train import Trainer, training_plan
+        from recsys_pipe.train import Trainer, build_parts, training_plan
 
         run = self.runs[name]
         plan = training_plan(run)
-        trainer = Trainer(run, plan, self.info)
+        trainer = Trainer(build_parts(run, plan, self.info))
         try:
             first = self.warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
             timer = StepTimer(window, first, first + self.steps)
@@ -673,7 +673,7 @@ def targets(report: dict[str, Any], variants: list[str], cuda: bool) -> dict[str
     for batch_size, entry in report["batches"].items():
         rows = entry["variants"]
         met: dict[str, Any] = {}
-        for name in (v for v in rows if v != "serial" and v not in TORCHREC_CLASSES):  # the pipelined plans
+        for name in (v for v in rows if v != "serial" and v not in TORCHREC_CLASSES):  # the plans with lookaheads
             r = rows[name]
             checks: dict[str, bool] = {}
             if not cuda and int(batch_size) in TARGET_SPEED_BATCHES:
@@ -687,10 +687,10 @@ def targets(report: dict[str, Any], variants: list[str], cuda: bool) -> dict[str
 
 
 def print_targets(t: dict[str, Any]) -> None:
-    """Print which targets every pipelined plan meets, per batch size."""
+    """Print which targets every plan with lookaheads meets, per batch size."""
     limits = t["limits"]
     print(
-        f"targets: pipelined plans >= {limits['speed_vs_torchrec_min']}x torchrec_sdd (median, CPU, batch "
+        f"targets: plans with lookaheads >= {limits['speed_vs_torchrec_min']}x torchrec_sdd (median, CPU, batch "
         f"{'/'.join(map(str, limits['speed_batch_sizes']))}), peak RSS <= {limits['peak_rss_vs_torchrec_max']}x "
         f"torchrec_sdd's, engine <= {limits['engine_share_percent_max']} % of a step"
     )

@@ -86,6 +86,8 @@ class HydraApp:
             every job, of a sweep too, before the first starts and before Hydra creates a directory).
         check: with `--check`, what is run instead of `validate` (and of the task): every check
             the task makes before it starts anything (its data, output dir, device...).
+        sweep_check: what is run instead of `validate` for each job of a `-m` sweep, before the
+            first job starts: the checks each job would make, but its run directory.
     """
 
     def __init__(
@@ -96,9 +98,12 @@ class HydraApp:
         schema: str | None = None,
         validate: Callable[[DictConfig], Any] | None = None,
         check: Callable[[DictConfig], Any] | None = None,
+        sweep_check: Callable[[DictConfig], Any] | None = None,
     ):
         self.task = task
         self.check = check
+        self.sweep_check = sweep_check or validate
+        self._multirun = False
         self.config_name = config_name
         self.prog = prog
         self.schema = schema
@@ -246,6 +251,7 @@ class HydraApp:
         config_name = args.config_name or self.config_name
         try:
             jobs = sweep_jobs(given) if args.multirun else [given]
+            self._multirun = bool(args.multirun)
         except Exception as exc:
             return self._report(self._composition_error(exc, search_dirs))
         swept = _swept_keys(jobs)
@@ -306,7 +312,7 @@ class HydraApp:
         else:
             return None  # not reached: each retry forces one more override
         self._hydra_mode = cfg.hydra.mode
-        validator = self.check if self._check_only else self.validate
+        validator = self.check if self._check_only else self.sweep_check if self._multirun else self.validate
         if validate and validator is not None:
             with open_dict(cfg):
                 del cfg["hydra"]
@@ -424,6 +430,7 @@ def hydra_app(
     schema: str | None = None,
     validate: Callable[[DictConfig], Any] | None = None,
     check: Callable[[DictConfig], Any] | None = None,
+    sweep_check: Callable[[DictConfig], Any] | None = None,
 ) -> HydraApp:
     """Wrap `task(cfg)` as a Hydra app reading the packaged conf/ tree."""
-    return HydraApp(task, config_name, prog, schema, validate, check)
+    return HydraApp(task, config_name, prog, schema, validate, check, sweep_check)

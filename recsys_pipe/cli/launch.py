@@ -1,26 +1,44 @@
-"""What `recsys-train` knows before it trains: the validated run, its compiled plan, the run
-directory it was told to use, this rank's data and the checkpoint to resume from — each checked
-once, before any process group starts (`Launch.prepare`) — and the session it then starts.
+"""The one start-up path of every command that trains a model (`recsys-train`,
+`recsys-profile`) and of the checks before a sweep (`Launch.check`).
+
+Before any process group starts, each rank checks everything it can (`Launch.prepare`): the
+config, the plan (task code imported), the device, `resume_from`, the model's distribution over
+the ranks, its share of the data (and the model against it) and the output directory. A
+problem there exits 2 with `error: <path>: <message>`. Then `run_job` starts the rank's
+`RunSession` (process group, run directory with `config.yaml` and `status.json`, logging, peer
+health, the SIGTERM agreement), builds the `Trainer` from finished parts and runs the
+command's work under one supervision: Ctrl-C, failures (the first one recorded in
+`status.json`), bad input found late and preemption end every command the same way.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_pipe.config import CompiledPlan
+from recsys_pipe.config import CompiledPlan, ConfigError
 from recsys_pipe.data import RankData
+from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
 from recsys_pipe.runtime.session import RequestedDir, RunSession
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.plan import pipelining_without_effect, training_plan
 
-__all__ = ["Launch", "requested_run_dir"]
+if TYPE_CHECKING:
+    from recsys_pipe.train import Trainer
+
+__all__ = ["Launch", "Outcome", "requested_run_dir", "run_job"]
 
 log = logging.getLogger("recsys_pipe")
+
+#: a command's own checks of its run, plan and this rank's data (ConfigError), after the shared ones
+CommandCheck = Callable[[Any, CompiledPlan, RankData], None]
 
 
 def requested_run_dir() -> RequestedDir:
@@ -39,8 +57,17 @@ def requested_run_dir() -> RequestedDir:
 
 
 @dataclass(frozen=True)
+class Outcome:
+    """How a command's work ended: preempted (SIGTERM, checkpoint saved) or not, and the fields
+    for `status.json` (step, checkpoint, eval, ...)."""
+
+    preempted: bool = False
+    fields: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class Launch:
-    """One rank's launch of a training run, checked before any process group starts."""
+    """One rank's launch of a run, checked before any process group starts."""
 
     cfg: DictConfig
     run: RunConfig
@@ -51,27 +78,12 @@ class Launch:
     resume: Path | None
 
     @classmethod
-    def prepare(cls, cfg: DictConfig) -> Launch:
-        """Validate the config, compile the plan (task code imported), and check the device, the
-        dense DDP choice, `resume_from`, this rank's data (and the model, fused optimizer and
-        eval dump against it: `check_inputs`) and the output directory; ConfigError (with config
-        paths) for the first bad one."""
-        from recsys_pipe.cli.preflight import check_inputs, run_device
-        from recsys_pipe.pp.config import check_pipeline_parallel
+    def prepare(cls, cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> Launch:
+        """Every check of `check_run`, then the output directory (or the one Hydra was told to
+        use); ConfigError (with config paths) for the first bad one."""
         from recsys_pipe.runtime import check_output_dir, check_unused
-        from recsys_pipe.train.build import rank_data
-        from recsys_pipe.train.checkpoint import resolve_resume
-        from recsys_pipe.train.dense_ddp import check_dense_ddp
 
-        run = load_run_config(cfg)
-        plan = training_plan(run)
-        device = run_device(run.trainer)
-        check_dense_ddp(run, device.type)
-        resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
-        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        check_pipeline_parallel(run, world_size)
-        data = rank_data(run, rank, world_size)
-        check_inputs(run, data, device.type)
+        run, plan, data, resume = check_run(cfg, schema, check)
         requested = requested_run_dir()
         if requested.path is None:
             check_output_dir(run.trainer.output_dir)
@@ -109,3 +121,106 @@ class Launch:
             if warning is not None:
                 log.warning("%s", warning)
         return session, resume[0]
+
+    def build(self, session: RunSession) -> Trainer:
+        """The build phase: every part the loop runs on, from the config, once; the trainer over them."""
+        from recsys_pipe.train import Trainer, build_parts
+        from recsys_pipe.train.retrieval_eval import eval_dump_path
+
+        run = self.run  # a relative trainer.eval_dump is a path inside the run directory
+        eval_dump = eval_dump_path(run.trainer.eval_dump, session.run_dir)
+        run = run.model_copy(update={"trainer": run.trainer.model_copy(update={"eval_dump": eval_dump})})
+        if session.info.is_main and run.trainer.eval_dump is not None:
+            log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
+        parts = build_parts(run, self.plan, session.info, session.run_dir, data=self.data)
+        return Trainer(parts, stop=session.stop, health=session.health)
+
+
+def check_run(
+    cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None
+) -> tuple[RunConfig, CompiledPlan, RankData, Path | None]:
+    """What a run refuses before any process group starts, except its directory: the config,
+    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
+    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
+    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
+    the first one starts."""
+    from recsys_pipe.cli.preflight import check_inputs, run_device
+    from recsys_pipe.train.build import rank_data
+    from recsys_pipe.train.checkpoint import resolve_resume
+    from recsys_pipe.train.parallel import parallelism_of
+
+    run = load_run_config(cfg, schema)
+    plan = training_plan(run)
+    device = run_device(run.trainer)
+    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    parallelism_of(run).check(world_size, device.type)
+    data = rank_data(run, rank, world_size)
+    check_inputs(run, data)
+    if check is not None:
+        check(run, plan, data)
+    return run, plan, data, resume
+
+
+def run_job(
+    cfg: DictConfig,
+    prog: str,
+    work: Callable[[Launch, Trainer, Path | None], Outcome],
+    schema: type[RunConfig] = RunConfig,
+    check: CommandCheck | None = None,
+) -> None:
+    """One job of a command: prepare (bad input exits 2 before any process group), start the
+    session, build the trainer, `work(launch, trainer, resume)`, close; exits with the job's
+    code unless it is 0."""
+    from recsys_pipe.cli.console import show_library_warnings
+    from recsys_pipe.cli.reporting import report_config_error
+
+    show_library_warnings(int(os.environ.get("RANK", 0)), cfg.get("debug", False) is True)
+    launch = Launch.prepare(cfg, schema, check)  # no process group yet: a bad input exits 2 here
+    try:
+        session, resume = launch.start(prog)
+    except ConfigError as exc:  # e.g. the named run directory was taken meanwhile
+        report_config_error(exc, prog, started=True)
+        raise SystemExit(EXIT_CONFIG_ERROR) from None
+    code = _supervised(launch, session, prog, lambda trainer: work(launch, trainer, resume))
+    code = session.close(code, keep_group=launch.requested.sweep)
+    if code:
+        raise SystemExit(code)
+
+
+def _supervised(launch: Launch, session: RunSession, prog: str, work: Callable[[Trainer], Outcome]) -> int:
+    """Build and run `work`; returns the exit code and records the outcome in status.json."""
+    from recsys_pipe.cli.reporting import report_config_error
+    from recsys_pipe.runtime.preemption import CtrlC
+
+    trainer = None
+    ctrl_c = CtrlC()
+    try:
+        with ctrl_c:
+            trainer = launch.build(session)
+            outcome = work(trainer)
+    except KeyboardInterrupt:
+        return _interrupted(session, trainer)
+    except BaseException as exc:  # every failure is recorded, then the rank exits
+        if ctrl_c.during_failure() and is_communication_error(exc):  # a peer that stopped on the same Ctrl-C
+            return _interrupted(session, trainer)
+        bad_input = config_error_in(exc)  # found late: a checkpoint that does not fit, an undeclared collective
+        if bad_input is not None:
+            report_config_error(bad_input, prog, started=True)
+        code = session.failed(exc)
+        if trainer is not None:
+            trainer.reporter.close()
+        return code
+    trainer.close()
+    return session.completed(outcome.preempted, **(outcome.fields or {}))
+
+
+def _interrupted(session: RunSession, trainer: Trainer | None) -> int:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
+    try:
+        code = session.interrupted(trainer.step if trainer is not None else 0)
+        if trainer is not None:
+            trainer.close()
+    finally:  # the process goes on (a caller of `run`, the next job): Ctrl-C works again
+        signal.signal(signal.SIGINT, previous)
+    return code

@@ -78,20 +78,19 @@ def plan_task(cfg: DictConfig) -> None:
             planned_device_type(run_cfg.trainer.device),
         )
     print(text)
-    pp_text = None
-    if run_cfg.parallel.pp.size > 1:
-        from recsys_pipe.pp.render import render_pipeline_parallel
+    from recsys_pipe.train.parallel import parallelism_of
 
-        pp_text = render_pipeline_parallel(run_cfg.parallel.pp)
+    steps_text = parallelism_of(run_cfg).describe_steps()  # what each rank runs of a step, if more than the plan
+    if steps_text:
         print()
-        print(pp_text)
+        print(steps_text)
     if model_text:
         print()
         print(model_text)
     out = _output_dir()
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.txt").write_text(text + "\n" + (f"\n{pp_text}\n" if pp_text else ""))
+        (out / "plan.txt").write_text(text + "\n" + (f"\n{steps_text}\n" if steps_text else ""))
         if model_text:
             (out / "model.txt").write_text(model_text + "\n")
     written = [] if out is None else [out / "plan.txt"] + ([out / "model.txt"] if model_text else [])

@@ -6,10 +6,10 @@ not about the config, but it is still the user's input that is wrong (`trainer.d
 `trainer.backend=nccl` on a machine without a GPU), so it is a ConfigError (exit 2, one line)
 found before any process group starts, never a traceback from inside `init_process_group`.
 
-`check_inputs` runs the checks that need the data as read or the device but no process group;
-each lives with the component it concerns (the model's `check_spec`, the fused optimizer's
-`check_sparse_device`, the retrieval evaluation's `check_eval_dump`), so that the run and
-`--check` find the same problems.
+`check_inputs` runs the checks that need the data as read but no process group; each lives
+with the component it concerns (the model's `check_spec`, the retrieval evaluation's
+`check_eval_dump`), so that the run and `--check` find the same problems. What the model's
+spread over the ranks needs of the device is `Parallelism.check`'s.
 """
 
 from __future__ import annotations
@@ -38,19 +38,12 @@ def run_device(trainer: Any) -> Any:
     return device
 
 
-def check_inputs(run: Any, data: Any, device_type: str) -> None:
+def check_inputs(run: Any, data: Any) -> None:
     """ConfigError for what `run` would refuse after start-up, given this rank's `data` (a
-    `RankData`, read) and the device type: the model against the data as read, the fused
-    embedding optimizer on this device, and `trainer.eval_dump`."""
-    from recsys_pipe.models.base import ShardedModelConfig
-    from recsys_pipe.pp.config import is_pipelined
-    from recsys_pipe.train.optim import check_sparse_device
+    `RankData`, read): the model against the data as read, and `trainer.eval_dump`."""
     from recsys_pipe.train.retrieval_eval import check_eval_dump
 
     problems = run.model.check_spec(data.spec)
     if problems:
         raise ConfigError(problems)
-    fused = isinstance(run.model, ShardedModelConfig) and run.model.compute_kernel == "fused"
-    if fused and not is_pipelined(run):  # pipelined: the tables are on the dense kernel (recsys_pipe.pp.train)
-        check_sparse_device(run.optimizer.sparse, device_type)
     check_eval_dump(run.trainer.eval_dump, run.trainer.eval_every, data)

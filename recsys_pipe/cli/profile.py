@@ -9,7 +9,9 @@ parts (loaders, sharded model, streams, the plan's pipeline), rewrites the model
 batch and runs a few batches, then measures passes of `profile.warmup + profile.iters`
 training steps through the pipeline with a `CostProfiler` installed (`TaskProfiler`): one
 baseline pass, then with `profile.exposed=true` one pass per task that can be replayed, with
-that task shortcut. Rank 0 writes into `<trainer.output_dir>/recsys-profile/<time>/`:
+that task shortcut. It starts as `recsys-train` does (`recsys_pipe.cli.launch`): the same checks
+before any process group, and a run directory with `config.yaml`, `status.json` and `train.log`,
+peer health and SIGTERM handling. Rank 0 writes into `<trainer.output_dir>/recsys-profile/<time>/`:
 
 - `costs.json`: per-task costs (the simulator's input: `recsys-plan costs=<it>`);
 - `exposed.json`: the iteration time, each task's exposed time and share, and why some tasks
@@ -29,18 +31,19 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from recsys_pipe.cli.app import hydra_app
 from recsys_pipe.cli.console import show_library_warnings
+from recsys_pipe.cli.launch import Launch, Outcome, run_job
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, Section, suggest
-from recsys_pipe.train.config import RunConfig, load_run_config
-from recsys_pipe.train.plan import training_plan
+from recsys_pipe.data import RankData
+from recsys_pipe.train.config import RunConfig
 
 if TYPE_CHECKING:
     from recsys_pipe.autosched import ProfileResult
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["ProfileCommandConfig", "ProfileConfig", "main", "profile_task", "run"]
 
 log = logging.getLogger("recsys_pipe")
+PROG = "recsys-profile"
 
 #: batches run after the model rewrite, before measuring (the first pass's first iterations)
 _BOOTSTRAP_BATCHES = 3
@@ -71,9 +75,9 @@ class ProfileCommandConfig(RunConfig):
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="what to measure")
 
 
-def _check(run: ProfileCommandConfig, plan: CompiledPlan, batches: int | None = None) -> None:
-    """Config problems found before any process group starts (`batches`: this rank's training
-    batches per epoch, once its data is read)."""
+def _check(run: ProfileCommandConfig, plan: CompiledPlan, data: RankData) -> None:
+    """`recsys-profile`'s own checks before any process group starts, after those every run
+    makes (`recsys_pipe.cli.launch.check_run`): the tasks to measure, and enough batches."""
     problems = []
     names = [t.name for t in plan.order]
     for i, name in enumerate(run.profile.tasks or ()):
@@ -84,6 +88,7 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan, batches: int | None = 
                 )
             )
     needed = max(run.profile.warmup, plan.schedule.max_lookahead) + run.profile.iters
+    batches = data.batches_per_epoch
     if run.data.num_batches is not None and run.data.num_batches < needed:
         problems.append(
             ConfigProblem(
@@ -92,7 +97,7 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan, batches: int | None = 
                 f"(profile.warmup or the max lookahead, plus profile.iters)",
             )
         )
-    elif batches is not None and batches < needed:
+    elif batches < needed:
         problems.append(
             ConfigProblem(
                 "profile.iters",
@@ -103,79 +108,54 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan, batches: int | None = 
         )
     if problems:
         raise ConfigError(problems)
-    from recsys_pipe.runtime import check_output_dir
-
-    check_output_dir(run.trainer.output_dir)  # as recsys-train: refused before any process group
 
 
 def profile_task(cfg: DictConfig) -> None:
-    run = load_run_config(cfg, ProfileCommandConfig)
-    show_library_warnings(int(os.environ.get("RANK", 0)), run.debug)
-    plan = training_plan(run)
-    _check(run, plan)
-    from recsys_pipe.cli.preflight import check_inputs, run_device
-    from recsys_pipe.pp.config import check_pipeline_parallel
-    from recsys_pipe.train.build import rank_data
+    """One job, started as every training command starts (`run_job`): a session with its run
+    directory, status.json, peer health and SIGTERM handling; then the measurement."""
+    run_job(cfg, PROG, _profile, ProfileCommandConfig, _check)
 
-    device = run_device(run.trainer)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    check_pipeline_parallel(run, world_size)
-    data = rank_data(run, rank, world_size)
-    check_inputs(run, data, device.type)
-    _check(run, plan, data.batches_per_epoch)
 
-    from recsys_pipe.runtime import init_distributed, shared_run_dir, teardown
-    from recsys_pipe.train import Trainer
-
-    info = init_distributed(run.trainer.device, run.trainer.backend)
-    trainer = None
+def _profile(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
+    """Measure, then (rank 0) write the files and print the table."""
+    run, plan, info, run_dir = launch.run, launch.plan, trainer.info, Path(trainer.run_dir or ".")
+    assert isinstance(run, ProfileCommandConfig)
+    if info.is_main:
+        log.info("profiling plan %s on %d rank(s), %s", plan.config.name, info.world_size, info.device)
+    parallelism, model = trainer.parts.parallelism, trainer.state.model
+    parallelism.start_profiling(model)
     try:
-        run_dir = Path(shared_run_dir(run.trainer.output_dir, "recsys-profile"))
-        _setup_logging(info.rank)
-        if info.is_main:
-            container = OmegaConf.to_container(cfg, resolve=True)
-            (run_dir / "config.yaml").write_text(
-                OmegaConf.to_yaml({k: v for k, v in container.items() if k != "hydra"})
-            )
-            log.info(
-                "profiling plan %s on %d rank(s), %s; run dir %s",
-                plan.config.name,
-                info.world_size,
-                info.device,
-                run_dir,
-            )
-        trainer = Trainer(run, plan, info, data=data)
-        pipelined = getattr(trainer.state.model, "record_timelines", None)  # parallel.pp
-        if pipelined is not None:
-            pipelined()
         result = _measure(trainer, run.profile)
-        pp_written = []
-        if pipelined is not None:  # each rank's F/B/W timeline of the last step, and its bubble
-            pp_written = trainer.state.model.write_step_timeline(run_dir, run.parallel.pp.resolved())
-        if info.is_main:
-            meta = {
-                "plan": plan.config.name,
-                "executor": plan.config.executor,
-                "device": str(info.device),
-                "world_size": info.world_size,
-                "rank": info.rank,
-                "iteration_s": result.baseline_s,
-            }
-            written = write_profile(result, run_dir, meta, run.profile.timeline_iterations)
-            print(f"\nprofile of plan '{plan.config.name}' on {info.world_size} rank(s), {info.device} (rank 0):")
-            result.print_report()
-            _print_prediction(plan, result)
-            for path in [*written, *pp_written]:
-                print(f"wrote {path}")
-            sys.stdout.flush()
-    finally:
-        if trainer is not None:
-            trainer.close()
-    teardown()
+    except _Preempted:  # nothing half-measured is written; there is no state worth a checkpoint
+        log.warning("%s received: profiling stopped on every rank, nothing written", trainer.stop.signal_name)
+        return Outcome(True, {"step": trainer.step, "stop_reason": "preempted"})
+    extra = parallelism.profile_files(model, run_dir)  # what the model's spread over the ranks adds
+    if info.is_main:
+        meta = {
+            "plan": plan.config.name,
+            "executor": plan.config.executor,
+            "device": str(info.device),
+            "world_size": info.world_size,
+            "rank": info.rank,
+            "iteration_s": result.baseline_s,
+        }
+        written = write_profile(result, run_dir, meta, run.profile.timeline_iterations)
+        print(f"\nprofile of plan '{plan.config.name}' on {info.world_size} rank(s), {info.device} (rank 0):")
+        result.print_report()
+        _print_prediction(plan, result)
+        for path in [*written, *extra]:
+            print(f"wrote {path}")
+        sys.stdout.flush()
+    return Outcome(fields={"step": trainer.step})
+
+
+class _Preempted(Exception):
+    """Every rank agreed to stop (SIGTERM) before a profiling pass."""
 
 
 def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
-    """Rewrite the model on the first batch, run a few steps, then the TaskProfiler passes."""
+    """Rewrite the model on the first batch, run a few steps, then the TaskProfiler passes;
+    `_Preempted` when a SIGTERM stops them (at the next pass every rank starts)."""
     from recsys_pipe.autosched import TaskProfiler
 
     pipeline, loader = trainer.pipeline, trainer.data.train_loader()
@@ -185,9 +165,16 @@ def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
     pipeline.seed_first_batch(start, trainer.state.bootstrap(first))
     for _ in pipeline.iterate(start):  # drained: nothing of it stays in flight
         pass
+
+    def fresh_batches() -> Iterator:
+        """A pass's batches: fresh, just enough; none once every rank agreed to stop (SIGTERM)."""
+        if trainer.stop.should_stop():  # every rank asks before each pass: they stop at the same one
+            raise _Preempted
+        return itertools.islice(iter(loader), profiler.batches_needed)
+
     profiler = TaskProfiler(
         pipeline,
-        lambda: itertools.islice(iter(loader), profiler.batches_needed),  # fresh batches, just enough
+        fresh_batches,
         options.warmup,
         options.iters,
         rounds=options.rounds,
@@ -229,20 +216,12 @@ def _print_prediction(plan: CompiledPlan, result: ProfileResult) -> None:
         )
 
 
-def _setup_logging(rank: int) -> None:
-    """Rank 0: INFO to the console; other ranks: warnings only."""
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s", "%H:%M:%S"))
-    root.addHandler(console)
-    root.setLevel(logging.WARNING)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-
-
 _app = hydra_app(
-    profile_task, config_name="profile", prog="recsys-profile", schema="recsys_pipe.cli.profile:ProfileCommandConfig"
+    profile_task,
+    config_name="profile",
+    prog=PROG,
+    schema="recsys_pipe.cli.profile:ProfileCommandConfig",
+    check=lambda cfg: Launch.prepare(cfg, ProfileCommandConfig, _check),  # `--check`: as a job checks itself
 )
 
 

@@ -33,8 +33,8 @@ def register_schemas() -> None:
     """
     from recsys_pipe.config import ConfigError
     from recsys_pipe.config.structured import defaults_node, root_skeleton
-    from recsys_pipe.pp.config import ParallelConfig
     from recsys_pipe.train.config import RunConfig, TrainerConfig
+    from recsys_pipe.train.parallel.config import ParallelConfig
 
     fields = RunConfig.model_fields
     store_config(

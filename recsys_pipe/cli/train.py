@@ -5,128 +5,76 @@
     recsys-train trainer.checkpoint.interval=100 trainer.resume_from=latest
     recsys-train -m thread_map=by_stream,per_task      # a sweep: one run directory per job
 
-Before any process group starts, every rank checks everything it can (`Launch.prepare`): the
-config, the plan (task functions imported), the device, `resume_from`, its share of the data and
-the output directory. A problem there exits 2 with `error: <path>: <message>`. After start-up,
-errors are logged to `train.log` by the rank that saw them (with the traceback in the file), the
-first failure of the job is recorded in the run's `status.json` naming the rank that failed, and
-every rank exits: 1 (failure), 2 (bad input found late, e.g. a checkpoint that does not fit the
-model), 75 (SIGTERM: checkpoint saved), 130 (Ctrl-C).
+It starts the way every command that trains does (`recsys_pipe.cli.launch`): before any process
+group starts, every rank checks everything it can (`Launch.prepare`), and a problem there
+exits 2 with `error: <path>: <message>`; a sweep checks every job that way before the first
+one starts. After start-up, errors are logged to `train.log` by the rank that saw them (with
+the traceback in the file), the first failure of the job is recorded in the run's
+`status.json` naming the rank that failed, and every rank exits: 1 (failure), 2 (bad input
+found late, e.g. a checkpoint that does not fit the model), 75 (SIGTERM: checkpoint saved),
+130 (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from recsys_pipe.cli.app import hydra_app
 from recsys_pipe.cli.console import show_library_warnings
-from recsys_pipe.cli.launch import Launch
-from recsys_pipe.cli.reporting import report_config_error
-from recsys_pipe.config import ConfigError
-from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
-from recsys_pipe.runtime.preemption import CtrlC
-from recsys_pipe.runtime.session import RunSession
+from recsys_pipe.cli.launch import Launch, Outcome, check_run, run_job
 
-__all__ = ["main", "run", "train_task"]
+if TYPE_CHECKING:
+    from recsys_pipe.train import Trainer
+
+__all__ = ["check_config", "main", "run", "train_task"]
 
 log = logging.getLogger("recsys_pipe")
 PROG = "recsys-train"
 
 
 def train_task(cfg: DictConfig) -> None:
-    """One job: parse and validate, preflight, init, build and fit, close."""
-    show_library_warnings(int(os.environ.get("RANK", 0)), cfg.get("debug", False) is True)
-    launch = Launch.prepare(cfg)  # no process group yet: a bad input exits 2 here
-    try:
-        session, resume = launch.start(PROG)
-    except ConfigError as exc:  # e.g. the named run directory was taken meanwhile
-        report_config_error(exc, PROG, started=True)
-        raise SystemExit(EXIT_CONFIG_ERROR) from None
-    code = fit(launch, session, resume)
-    code = session.close(code, keep_group=launch.requested.sweep)
-    if code:
-        raise SystemExit(code)
+    """One job: prepare, start, build, restore and fit, close (`run_job`)."""
+    run_job(cfg, PROG, _fit)
 
 
-def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
-    """Build, restore, fit; returns the exit code and records the outcome in status.json."""
-    from recsys_pipe.train import Trainer, build_parts
-    from recsys_pipe.train.trainer import PREEMPTED
+def _fit(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
+    """Restore (if resuming) and fit; the outcome for status.json."""
+    from recsys_pipe.train.progress import PREEMPTED
 
-    run, info = _with_run_paths(launch.run, session.run_dir), session.info
-    if info.is_main and run.trainer.eval_dump is not None:
-        log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
-    trainer = None
-    ctrl_c = CtrlC()
-    try:
-        with ctrl_c:
-            # the build phase: every part the loop runs on, from the config, once
-            parts = build_parts(run, launch.plan, info, session.run_dir, data=launch.data)
-            trainer = Trainer(
-                run, launch.plan, info, session.run_dir, stop=session.stop, health=session.health, parts=parts
-            )
-            if resume is not None:
-                trainer.restore(str(resume))
-            elif run.trainer.resume_from == "latest" and info.is_main:
-                log.info(
-                    "trainer.resume_from=latest: no checkpoint under %s, starting from step 0", run.trainer.output_dir
-                )
-            summary = trainer.fit()
-    except KeyboardInterrupt:
-        return _interrupted(session, trainer)
-    except BaseException as exc:  # every failure is recorded, then the rank exits
-        if ctrl_c.during_failure() and is_communication_error(exc):  # a peer that stopped on the same Ctrl-C
-            return _interrupted(session, trainer)
-        bad_input = config_error_in(exc)  # found late: a checkpoint that does not fit, an undeclared collective
-        if bad_input is not None:
-            report_config_error(bad_input, PROG, started=True)
-        code = session.failed(exc)
-        if trainer is not None:
-            trainer.metrics.close()
-        return code
-    if info.is_main:
+    if resume is not None:
+        trainer.restore(str(resume))
+    elif launch.run.trainer.resume_from == "latest" and trainer.info.is_main:
+        where = launch.run.trainer.output_dir
+        log.info("trainer.resume_from=latest: no checkpoint under %s, starting from step 0", where)
+    summary = trainer.fit()
+    if trainer.info.is_main:
         log.info("%s", summary.describe())
-    trainer.close()
-    last_eval = summary.evals[-1] if summary.evals else None
-    return session.completed(
-        summary.stop_reason == PREEMPTED,
-        stop_reason=summary.stop_reason,
-        step=summary.end_step,
-        checkpoint=summary.checkpoint,
-        eval=last_eval,
-    )
-
-
-def _with_run_paths(run: Any, run_dir: str) -> Any:
-    """`run` with a relative `trainer.eval_dump` made a path inside the run directory."""
-    from recsys_pipe.train.retrieval_eval import eval_dump_path
-
-    trainer = run.trainer.model_copy(update={"eval_dump": eval_dump_path(run.trainer.eval_dump, str(run_dir))})
-    return run.model_copy(update={"trainer": trainer})
-
-
-def _interrupted(session: RunSession, trainer: Any) -> int:
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
-    try:
-        code = session.interrupted(trainer.step if trainer is not None else 0)
-        if trainer is not None:
-            trainer.close()
-    finally:  # the process goes on (a caller of `run`, the next job): Ctrl-C works again
-        signal.signal(signal.SIGINT, previous)
-    return code
+    fields = {
+        "stop_reason": summary.stop_reason,
+        "step": summary.end_step,
+        "checkpoint": summary.checkpoint,
+        "eval": summary.evals[-1] if summary.evals else None,
+    }
+    return Outcome(summary.stop_reason == PREEMPTED, fields)
 
 
 def check_config(cfg: DictConfig) -> None:
-    """What `train_task` refuses before anything starts: the run config and the compiled plan
-    (checked for every job of a sweep before the first one trains)."""
+    """What `train_task` refuses before anything starts, but its run directory (`check_run`):
+    the config, plan, device, distribution and data of every job of a sweep, checked before
+    the first one trains."""
+    check_run(cfg)
+
+
+def _validate(cfg: DictConfig) -> None:
+    """The check of a single job's config before Hydra runs it (the job repeats all of
+    `check_run` first thing, so reading its data twice is left to sweeps)."""
     from recsys_pipe.train.config import load_run_config
     from recsys_pipe.train.plan import training_plan
 
@@ -138,8 +86,9 @@ _app = hydra_app(
     config_name="train",
     prog=PROG,
     schema="recsys_pipe.train.config:RunConfig",
-    validate=check_config,
+    validate=_validate,
     check=Launch.prepare,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE
+    sweep_check=check_config,
 )
 
 

@@ -15,7 +15,7 @@ of batches trained is the whole data state of a run: a checkpoint stores it, and
 builds its loader from that position (`RankData.train_loader(start=p)`).
 
 Why not torchdata's `StatefulDataLoader`: its state is the position of the next batch it
-*yields*. A pipelined plan pulls batches ahead of the one it trains (up to its maximum lookahead,
+*yields*. A plan with lookaheads pulls batches ahead of the one it trains (up to its maximum lookahead,
 plus the loader's own prefetch), so that state would have to be snapshotted per pulled batch and
 carried through the ring to know what was trained. Our datasets are map-style and deterministic
 per index, so the position of the next batch to train is enough and exact.

@@ -23,16 +23,22 @@ The config class decides how the tables are distributed: a `ShardedModelConfig` 
 tables (`EmbeddingCollection` / `EmbeddingBagCollection`) that `DistributedModelParallel` shards
 (`model.sharding`); a plain `ModelConfig` model has plain torch tables and is replicated under
 DDP (small vocabularies), and then needs no torchrec at all.
+
+A model that can be cut into pipeline stages (`parallel.pp`) says how in its config class
+(`ModelConfig.stage_split`, a `StageSplit`): which key counts the layers the stages share, and
+the function that cuts a built model into stage modules.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from recsys_pipe.config import Component, ConfigProblem
+from recsys_pipe.config import Component, ConfigProblem, import_fn
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,6 +51,7 @@ __all__ = [
     "ModelConfig",
     "ShardedModelConfig",
     "ShardingType",
+    "StageSplit",
     "heads_divide_width",
 ]
 
@@ -66,6 +73,17 @@ class DenseSubmodules(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class StageSplit:
+    """How a model is cut into pipeline stages: `layers` is the config key (under `model.`)
+    counting the layers the stages share out, `cut` the function (`module:function`, imported
+    when a run is cut) that turns a built model and each stage's layer indices into the stage
+    modules, `cut(model, [[0, 1], [2]]) -> [stage0, stage1]`."""
+
+    layers: str
+    cut: str
+
+
 def heads_divide_width(num_heads: int, info: ValidationInfo) -> int:
     """A `num_heads` validator for attention models: the heads split `embedding_dim` evenly.
     Use as `_heads = field_validator("num_heads")(heads_divide_width)`."""
@@ -79,6 +97,9 @@ class ModelConfig(Component):
     """What every model config has (`model.*`). A builder whose config parameter is not
     annotated gets this class: plain torch tables, no extra keys."""
 
+    #: how the model is cut into pipeline stages (`parallel.pp`); None: it cannot be
+    stage_split: ClassVar[StageSplit | None] = None
+
     loss_normalization: Literal["local", "global_tokens"] = Field(
         "local",
         description="local: mean over this rank's loss tokens; global_tokens: divide by the token count over "
@@ -88,6 +109,17 @@ class ModelConfig(Component):
     def build(self, spec: DataSpec) -> nn.Module:
         """The model for a data source with this spec (unsharded, on the CPU): the builder's result."""
         return self.builder_fn()(self, spec)
+
+    @property
+    def stage_layers(self) -> int | None:
+        """The layers the pipeline stages share out (`stage_split.layers`), None if it cannot be cut."""
+        return None if self.stage_split is None else getattr(self, self.stage_split.layers)
+
+    def cut_into_stages(self, model: nn.Module, split: Sequence[Sequence[int]]) -> list[nn.Module]:
+        """`model` (built from this config) cut into stages holding the layers `split[s]`."""
+        if self.stage_split is None:
+            raise TypeError(f"model '{self.label}' declares no stage split")
+        return import_fn(self.stage_split.cut)(model, split)
 
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
         """Problems with using this model on `data` (cross-section constraints); none by default."""

@@ -4,7 +4,7 @@ loading torchrec, which the model itself needs."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
@@ -12,7 +12,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.batch import SequenceBatch
 from recsys_pipe.data.loader import DataConfig, SequenceDataConfig
-from recsys_pipe.models.base import ShardedModelConfig, heads_divide_width
+from recsys_pipe.models.base import ShardedModelConfig, StageSplit, heads_divide_width
 
 __all__ = ["HSTUConfig"]
 
@@ -20,6 +20,9 @@ __all__ = ["HSTUConfig"]
 class HSTUConfig(ShardedModelConfig):
     """`model=hstu_small`: sizes of the HSTU ranker (`model.*`). Vocabulary sizes come from the
     data source's `DataSpec`."""
+
+    #: pipeline stages share out the HSTU blocks (`recsys_pipe.pp.models.hstu_stages`)
+    stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.pp.models:hstu_stages")
 
     name: Literal["hstu"] = "hstu"
     builder: StrictStr | None = builder_field("recsys_pipe.models.hstu:build_hstu")

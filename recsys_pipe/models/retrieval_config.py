@@ -5,7 +5,7 @@ code: the registry imports them to validate `model.*` and to generate their defa
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
@@ -13,7 +13,7 @@ from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.sequences import INPUT_KEY, SequencesDataConfig
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.models.base import ShardedModelConfig, heads_divide_width
+from recsys_pipe.models.base import ShardedModelConfig, StageSplit, heads_divide_width
 
 __all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]
 
@@ -62,6 +62,9 @@ class RetrievalConfig(ShardedModelConfig):
 class SASRecConfig(RetrievalConfig):
     """`model=sasrec`: the SASRec encoder's sizes (`model.*`); the item count comes from the data."""
 
+    #: pipeline stages share out the self-attention blocks (`recsys_pipe.pp.models.sasrec_stages`)
+    stage_split: ClassVar[StageSplit] = StageSplit("num_blocks", "recsys_pipe.pp.models:sasrec_stages")
+
     name: Literal["sasrec"] = "sasrec"
     builder: StrictStr | None = builder_field("recsys_pipe.models.sasrec:build_sasrec")
     num_blocks: StrictInt = Field(2, ge=1, description="self-attention blocks")
@@ -77,6 +80,9 @@ class SASRecConfig(RetrievalConfig):
 
 class HSTURetrievalConfig(RetrievalConfig):
     """`model=hstu_retrieval`: sizes of the HSTU encoder (`model.*`)."""
+
+    #: pipeline stages share out the HSTU blocks (`recsys_pipe.pp.models.hstu_retrieval_stages`)
+    stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.pp.models:hstu_retrieval_stages")
 
     name: Literal["hstu_retrieval"] = "hstu_retrieval"
     builder: StrictStr | None = builder_field("recsys_pipe.models.hstu_retrieval:build_hstu_retrieval")

@@ -1,13 +1,15 @@
 """Pipeline-parallel training: a model split into stages over ranks, run by the engine.
 
-Each rank runs one stage (`StageRuntime`: forward F, input gradient B, weight gradient W, and
-the point-to-point transfers) under an engine plan over the step's microbatches
-(`stage_plan` / `stage_schedule`: GPipe, 1F1B, ZB-H1, ZB-H2 as lookaheads); schedules with
-several stages per rank (interleaved 1F1B, ZBV, DualPipeV, a torch CSV) run as a static
-per-rank action order on the engine (`ActionOrderRunner`). Dropout sites keyed by (step,
-microbatch, layer) (`seeded_dropout`) draw the same masks wherever they run, so a pipelined run
-equals the one-rank run.
-`parallel.pp` is the config section (`PipelineParallelConfig`).
+Each rank runs its stages (`StageRuntime`: forward F, input gradient B, weight gradient W, and
+the point-to-point transfers) in the order of its action list, one engine plan per step
+(`ActionOrderRunner`), whatever the schedule: GPipe, 1F1B, ZB-H1 and ZB-H2 are declared as
+lookaheads and compiled to action lists, interleaved 1F1B, ZBV and DualPipeV come as action
+lists, and so does a torch CSV (`recsys_pipe.pp_schedules`, `resolve_schedule`). Dropout sites
+keyed by (step, microbatch, layer) (`seeded_dropout`) draw the same masks wherever they run, so
+a pipelined run equals the one-rank run.
+`parallel.pp` is the config section (`PipelineParallelConfig`). The training loop reaches this
+package through one door, `recsys_pipe.train.parallel.PipelineStages`; nothing here imports the
+training package.
 
 Names are imported on first use: loading the config must not import
 torch.distributed.pipelining (seconds of start-up for every CLI).
@@ -20,11 +22,8 @@ _EXPORTS = {
     "Site": "actions",
     "action_schedule": "actions",
     "stage_ranks": "actions",
-    "ParallelConfig": "config",
     "PipelineParallelConfig": "config",
     "check_pipeline_parallel": "config",
-    "data_replica": "config",
-    "is_pipelined": "config",
     "pipelined_tables": "config",
     "split_layers": "config",
     "MICROBATCH_DROPOUT": "dropout",
@@ -37,23 +36,15 @@ _EXPORTS = {
     "mlp_stages": "mlp",
     "HSTUStage": "models",
     "hstu_stages": "models",
+    "PipelinedModel": "train",
+    "build_pipelined_model": "train",
     "PeerLink": "p2p",
     "PipelineMesh": "mesh",
-    "SCHEDULES": "plan",
     "NAMED_SCHEDULES": "schedules",
     "ResolvedSchedule": "schedules",
     "resolve_schedule": "schedules",
-    "StagePlan": "plan",
-    "firing_order": "plan",
-    "render_pipeline_parallel": "render",
-    "stage_plan": "plan",
-    "stage_schedule": "plan",
-    "stage_tasks": "plan",
-    "StageStepRunner": "runner",
     "compute_spans": "timeline",
     "gather_spans": "timeline",
-    "measured_result": "timeline",
-    "simulate_measured": "timeline",
     "task_gaps": "timeline",
     "transfer_time": "timeline",
     "BackwardRecord": "stage",

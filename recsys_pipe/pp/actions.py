@@ -33,7 +33,6 @@ from typing import Any, Literal
 
 import torch
 
-from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule
 from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
@@ -47,6 +46,7 @@ from recsys_pipe.engine import (
 )
 from recsys_pipe.pp.p2p import PeerLink
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
+from recsys_pipe.pp_schedules.actions import Action, PipelineSchedule
 
 __all__ = ["ActionOrderRunner", "Site", "action_schedule", "stage_ranks"]
 

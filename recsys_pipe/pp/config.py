@@ -16,30 +16,17 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.models.base import ShardedModelConfig
-from recsys_pipe.models.hstu_config import HSTUConfig
-from recsys_pipe.models.retrieval_config import HSTURetrievalConfig, SASRecConfig
 from recsys_pipe.pp.schedules import NAMED_SCHEDULES, ResolvedSchedule, resolve_schedule
 
 __all__ = [
-    "ParallelConfig",
     "PipelineParallelConfig",
     "check_pipeline_parallel",
     "check_training",
-    "data_replica",
-    "is_pipelined",
     "pipelined_tables",
     "split_layers",
 ]
 
 PATH = "parallel.pp"
-
-#: the model configs that can be split into stages (`recsys_pipe.pp.models`), and the field
-#: that counts their layers
-STAGEABLE_MODELS: dict[type, str] = {
-    HSTUConfig: "num_layers",
-    SASRecConfig: "num_blocks",
-    HSTURetrievalConfig: "num_layers",
-}
 
 
 class PipelineParallelConfig(Section):
@@ -65,6 +52,11 @@ class PipelineParallelConfig(Section):
     def resolved(self) -> ResolvedSchedule:
         """What every rank runs (reads a CSV schedule again); ConfigError naming the key."""
         return resolve_schedule(self.schedule, self.size, self.num_microbatches, self.stages_per_rank)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run trains through pipeline stages (several stages, or microbatches)."""
+        return self.size > 1 or self.num_microbatches > 1 or self.resolved().num_stages > 1
 
     @property
     def num_microbatches(self) -> int:
@@ -99,14 +91,6 @@ class PipelineParallelConfig(Section):
         return self
 
 
-class ParallelConfig(Section):
-    """How the model is spread over ranks (`parallel.*`)."""
-
-    pp: PipelineParallelConfig = Field(
-        default_factory=PipelineParallelConfig, description="pipeline parallelism: the model's layers split into stages"
-    )
-
-
 def split_layers(num_layers: int, num_stages: int, explicit: list[int] | None = None) -> list[range]:
     """The layer indices of each stage: `explicit` counts, or as even as possible with the
     first `num_layers % num_stages` stages one layer larger."""
@@ -119,45 +103,33 @@ def split_layers(num_layers: int, num_stages: int, explicit: list[int] | None = 
     return [range(start, start + count) for start, count in zip(starts, explicit, strict=True)]
 
 
-def is_pipelined(run: Any) -> bool:
-    """Whether `run` trains through pipeline stages (several stages, or microbatches)."""
-    pp = run.parallel.pp
-    return pp.size > 1 or pp.num_microbatches > 1 or pp.resolved().num_stages > 1
-
-
 def pipelined_tables(model: ShardedModelConfig) -> ShardedModelConfig:
     """`model`'s config as a pipelined run shards its tables: on torchrec's dense kernel, whatever
     `model.compute_kernel` says (why: `recsys_pipe.pp.train.shard_tables`)."""
     return model.model_copy(update={"compute_kernel": "dense"})
 
 
-def data_replica(run: Any, rank: int, world_size: int) -> tuple[int, int]:
-    """(this rank's share, the number of shares) of the training data: one share per
-    data-parallel replica, so the ranks of one pipeline read the same batches (mesh rank =
-    pp_rank * replicas + replica)."""
-    replicas = world_size // run.parallel.pp.size
-    return rank % replicas, replicas
-
-
 def check_pipeline_parallel(run: Any, world_size: int) -> None:
     """The constraints of `parallel.pp` against the model, the data and the world size;
     ConfigError naming the key. `run` is the validated RunConfig."""
     pp: PipelineParallelConfig = run.parallel.pp
-    if not is_pipelined(run):
+    if not pp.enabled:
         return
     problems = []
     if world_size % pp.size:
         problems.append(
             ConfigProblem(f"{PATH}.size", f"{pp.size} pipeline ranks do not divide the world of {world_size} rank(s)")
         )
-    layers_field = STAGEABLE_MODELS.get(type(run.model))
-    if layers_field is None:
-        names = ", ".join(sorted(cls.model_fields["name"].default for cls in STAGEABLE_MODELS))
+    split = run.model.stage_split
+    if split is None:
         problems.append(
-            ConfigProblem(f"{PATH}.size", f"model '{run.model.name}' cannot be split into stages (models: {names})")
+            ConfigProblem(
+                f"{PATH}.size",
+                f"model '{run.model.name}' cannot be split into stages (its config declares no stage_split)",
+            )
         )
     else:
-        num_layers = getattr(run.model, layers_field)
+        layers_field, num_layers = split.layers, run.model.stage_layers
         if pp.layers is not None and sum(pp.layers) != num_layers:
             problems.append(
                 ConfigProblem(

@@ -1,6 +1,6 @@
 """Models split into pipeline stages: the HSTU ranking model (`model=hstu`, the main job's),
-SASRec (`model=sasrec`) and HSTU retrieval (`model=hstu_retrieval`); `model_stages` picks by
-the model's type.
+SASRec (`model=sasrec`) and HSTU retrieval (`model=hstu_retrieval`). Each model's config names its function here
+(`ModelConfig.stage_split`).
 
 `hstu_stages(model, split)` cuts an `HSTUModel` into stage modules that share its parameters:
 the first stage holds the embedding collection, the token assembly (items + actions, the user's
@@ -48,9 +48,7 @@ from torch import nn
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
 from recsys_pipe.data.sequences import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
-from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder
 from recsys_pipe.models.retrieval import RetrievalModel, left_pad, padded_times
-from recsys_pipe.models.sasrec import SASRecEncoder
 from recsys_pipe.pp.dropout import MICROBATCH_DROPOUT
 
 __all__ = [
@@ -59,7 +57,6 @@ __all__ = [
     "SASRecStage",
     "hstu_retrieval_stages",
     "hstu_stages",
-    "model_stages",
     "sasrec_stages",
 ]
 
@@ -263,16 +260,3 @@ def hstu_retrieval_stages(model: RetrievalModel, split: Sequence[Sequence[int]])
         raise ValueError(f"the stages must hold layers 0..{len(encoder.layers) - 1} in order, got {split}")
     MICROBATCH_DROPOUT.attach(model)
     return [HSTURetrievalStage(model, part, s == 0, s == len(split) - 1) for s, part in enumerate(split)]
-
-
-def model_stages(model: nn.Module, split: Sequence[Sequence[int]]) -> list[nn.Module]:
-    """`model` cut into the stages `split`, by its type: HSTU ranking, or a retrieval model by
-    its encoder (SASRec, HSTU)."""
-    if isinstance(model, HSTUModel):
-        return hstu_stages(model, split)
-    encoder = model.head.encoder if isinstance(model, RetrievalModel) else None
-    if isinstance(encoder, SASRecEncoder):
-        return sasrec_stages(model, split)
-    if isinstance(encoder, HSTURetrievalEncoder):
-        return hstu_retrieval_stages(model, split)
-    raise TypeError(f"{type(model).__name__} cannot be split into pipeline stages")

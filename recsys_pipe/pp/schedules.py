@@ -1,13 +1,14 @@
 """`parallel.pp.schedule` resolved into what each rank runs.
 
-A single-stage-per-rank schedule (gpipe, 1f1b, zb_h1, zb_h2, or a YAML file declaring the
-lookaheads) runs as an engine plan of lookaheads (`recsys_pipe.pp.plan`); the others run as a
-static per-rank action order (`recsys_pipe.pp.actions`): interleaved 1F1B and ZBV take their orders from
+Every schedule becomes per-rank action lists, which one runner runs
+(`recsys_pipe.pp.actions.ActionOrderRunner`): a single-stage-per-rank schedule declared as
+lookaheads (gpipe, 1f1b, zb_h1, zb_h2, or a YAML file of the user's) is compiled from them
+(`recsys_pipe.pp_schedules.lookahead`); interleaved 1F1B and ZBV take their orders from
 torch.distributed.pipelining's own schedule classes (so they are the orders torch runs),
-DualPipeV from `recsys_pipe.autosched.pp_schedules.build("dualpipev")` (the same order as
+DualPipeV from `recsys_pipe.pp_schedules.generators.build("dualpipev")` (the same order as
 torch's class, tested), and a
-CSV in torch's format is read with `recsys_pipe.autosched.pp_actions.from_csv` and checked with
-`recsys_pipe.autosched.pipeline_parallel.validate` (routes, B after F, no deadlock). Where each
+CSV in torch's format is read with `recsys_pipe.pp_schedules.actions.from_csv` and checked with
+`recsys_pipe.pp_schedules.validate` (routes, B after F, no deadlock). Where each
 stage lives is read off the action lists. Every misfit is a ConfigError naming its key.
 """
 
@@ -16,12 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from recsys_pipe.autosched.pipeline_parallel import PipelineScheduleError, validate
-from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule, from_csv
-from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.pp.plan import SCHEDULES as PLAN_SCHEDULES
-from recsys_pipe.pp.plan import is_lookahead_file, stage_plan
+from recsys_pipe.pp_schedules import PipelineSchedule, PipelineScheduleError, build, from_csv, validate
+from recsys_pipe.pp_schedules.lookahead import LOOKAHEAD_SCHEDULES, is_lookahead_file, lookahead_schedule
 
 __all__ = [
     "ACTION_SCHEDULES",
@@ -32,22 +30,24 @@ __all__ = [
 ]
 
 #: schedule name -> torch.distributed.pipelining's class name (whose action order is used), or
-#: None for our own generator (`recsys_pipe.autosched.pp_schedules.build`)
+#: None for our own generator (`recsys_pipe.pp_schedules.generators.build`)
 ACTION_SCHEDULES = {"interleaved_1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble", "dualpipev": None}
-NAMED_SCHEDULES = (*PLAN_SCHEDULES, *ACTION_SCHEDULES)
+NAMED_SCHEDULES = (*LOOKAHEAD_SCHEDULES, *ACTION_SCHEDULES)
 _V_SCHEDULES = ("zbv", "dualpipev")
 KEY = "parallel.pp"
 
 
 @dataclass(frozen=True)
 class ResolvedSchedule:
-    """What every rank runs: `actions` (per-rank action lists) or, when None, the lookahead
-    plan of `name` with one stage per rank; `ranks_of_stages[s]` is the rank of stage s."""
+    """What every rank runs: `actions`, per-rank action lists; `ranks_of_stages[s]` is the rank
+    of stage s. `lookaheads`: the schedule is declared as lookaheads (`name`: a shipped name or
+    the YAML file), one stage per rank, and `actions` are compiled from them."""
 
     name: str
     microbatches: int
     ranks_of_stages: tuple[int, ...]
-    actions: PipelineSchedule | None
+    actions: PipelineSchedule
+    lookaheads: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -59,17 +59,8 @@ class ResolvedSchedule:
         return tuple(s for s, r in enumerate(self.ranks_of_stages) if r == rank)
 
     def compute_orders(self) -> PipelineSchedule:
-        """Every rank's compute steps in the order it runs them: the action lists, or for a
-        lookahead plan the order the engine fires it in (`firing_order`); for `simulate`."""
-        if self.actions is not None:
-            return PipelineSchedule.of([[c for a in row for c in a.computes] for row in self.actions.ranks], self.name)
-        from recsys_pipe.pp.plan import firing_order
-
-        rows = []
-        for rank in range(len(self.ranks_of_stages)):
-            plan = stage_plan(self.name, len(self.ranks_of_stages), rank, self.microbatches)
-            rows.append([Action(k, rank, mb) for k, mb in firing_order(plan) if k in ("F", "B", "W", "BW")])
-        return PipelineSchedule.of(rows, self.name)
+        """Every rank's compute steps in the order it runs them (for `simulate`)."""
+        return PipelineSchedule.of([[c for a in row for c in a.computes] for row in self.actions.ranks], self.name)
 
 
 def is_csv(schedule: str) -> bool:
@@ -81,7 +72,7 @@ def default_stages_per_rank(schedule: str) -> int | None:
     off the file)."""
     if is_csv(schedule):
         return None
-    return 1 if schedule in PLAN_SCHEDULES or is_lookahead_file(schedule) else 2
+    return 1 if schedule in LOOKAHEAD_SCHEDULES or is_lookahead_file(schedule) else 2
 
 
 def _problem(field: str, message: str) -> ConfigError:
@@ -100,10 +91,11 @@ def resolve_schedule(schedule: str, size: int, microbatches: int, stages_per_ran
             f"unknown schedule {schedule!r}: one of {', '.join(NAMED_SCHEDULES)}, or a .yaml or .csv file",
         )
     per_rank = default_stages_per_rank(schedule) if stages_per_rank is None else stages_per_rank
-    if schedule in PLAN_SCHEDULES:
+    if schedule in LOOKAHEAD_SCHEDULES:
         if per_rank != 1:
             raise _problem("stages_per_rank", f"{schedule} runs one stage per rank, got {per_rank}")
-        return ResolvedSchedule(schedule, microbatches, tuple(range(size)), None)
+        actions = lookahead_schedule(schedule, size, microbatches)
+        return ResolvedSchedule(schedule, microbatches, tuple(range(size)), actions, lookaheads=True)
     if schedule in _V_SCHEDULES and per_rank != 2:
         raise _problem("stages_per_rank", f"{schedule} folds the stages into a V: 2 per rank, got {per_rank}")
     if per_rank < 2:
@@ -129,10 +121,8 @@ def _from_lookahead_file(path: str, size: int, microbatches: int, stages_per_ran
     if stages_per_rank not in (None, 1):
         raise _problem("stages_per_rank", f"{path} declares lookaheads: one stage per rank, got {stages_per_rank}")
     try:
-        for rank in range(size):
-            stage_plan(path, size, rank, microbatches)
-        resolved = ResolvedSchedule(path, microbatches, tuple(range(size)), None)
-        validate(resolved.compute_orders())
+        actions = validate(lookahead_schedule(path, size, microbatches))
+        resolved = ResolvedSchedule(path, microbatches, tuple(range(size)), actions, lookaheads=True)
     except (ValueError, PipelineScheduleError) as exc:
         reason = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line
         raise _problem("schedule", reason if reason.startswith(path) else f"{path}: {reason}") from None

@@ -1,11 +1,11 @@
-"""Each rank's measured F / B / W timeline of a pipelined step, in the simulator's terms.
+"""Each rank's measured F / B / W spans of a pipelined step, and the transfer time between ranks.
 
 The engine's `SpanRecorder` times every task a rank runs; `compute_spans` keeps its compute
-steps (forward, input gradient, weight gradient, full backward) as `PipelineSpan`s, and
-`measured_result` puts the ranks together as a `PipelineResult`, the type
-`recsys_pipe.autosched.pipeline_parallel.simulate` returns: the same makespan, busy time and
-bubble, and the same `plot()` Gantt, so a measured step and its simulation compare side by
-side. The transfers are not compute: a rank blocked in a receive is idle, part of its bubble.
+steps (forward, input gradient, weight gradient, full backward) as `PipelineSpan`s
+(`recsys_pipe.pp_schedules.spans`), and `gather_spans` brings every rank's together. What they
+mean (a `PipelineResult` of the measured step, its simulation from the measured means) is the
+analysis's: `recsys_pipe.autosched.pipeline_parallel.measured_result` and `simulate_measured`.
+The transfers are not compute: a rank blocked in a receive is idle, part of its bubble.
 
 Times come from `time.perf_counter` in each rank's process; on one host that clock (Linux
 CLOCK_MONOTONIC) is shared, so spans of different ranks line up. Across hosts only each rank's
@@ -17,22 +17,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from recsys_pipe.autosched.pipeline_parallel import PipelineResult, PipelineSpan, peak_activations, simulate
-from recsys_pipe.autosched.pp_actions import Action
 from recsys_pipe.engine import TaskSpan
 from recsys_pipe.pp.p2p import PeerLink
+from recsys_pipe.pp_schedules import Action
+from recsys_pipe.pp_schedules.spans import PipelineSpan
 
 __all__ = [
     "PROBE_TAG",
     "compute_spans",
     "gather_spans",
-    "measured_result",
-    "simulate_measured",
     "task_gaps",
     "transfer_time",
 ]
@@ -44,22 +41,20 @@ PROBE_TAG = 1 << 30
 _STEPS = ("F", "B", "W", "BW")
 
 
-def _action(span: TaskSpan, stage: int | None) -> Action | None:
-    if stage is not None:  # a lookahead plan: tasks F, B, W, BW; the batch is the microbatch
-        return Action(span.task, stage, span.batch_index) if span.task in _STEPS else None
-    try:  # the action-order mode: tasks are named as torch prints actions (2F0, 3I1, ...)
+def _action(span: TaskSpan) -> Action | None:
+    """The compute step a task ran: tasks are named as torch prints actions (2F0, 3I1, ...)."""
+    try:
         action = Action.parse(span.task)
     except ValueError:
         return None
     return action if action is not None and action.kind in _STEPS else None
 
 
-def compute_spans(spans: Sequence[TaskSpan], rank: int, stage: int | None = None) -> list[PipelineSpan]:
-    """Rank `rank`'s compute steps among `spans`, in start order. `stage`: the rank's stage
-    under a lookahead plan (`StageStepRunner`); None for the action-order mode."""
+def compute_spans(spans: Sequence[TaskSpan], rank: int) -> list[PipelineSpan]:
+    """Rank `rank`'s compute steps among `spans` (an `ActionOrderRunner`'s tasks), in start order."""
     out = []
     for span in sorted(spans, key=lambda s: s.start_s):
-        action = _action(span, stage)
+        action = _action(span)
         if action is not None:
             out.append(PipelineSpan(rank, str(action), action.microbatch, span.start_s, span.end_s, action.short))
     return out
@@ -70,49 +65,6 @@ def gather_spans(local: Sequence[PipelineSpan], group: dist.ProcessGroup | None 
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, list(local), group=group)
     return gathered
-
-
-def measured_result(per_rank: Sequence[Sequence[PipelineSpan]], name: str = "") -> PipelineResult:
-    """The ranks' measured spans of one step as a `PipelineResult` (times from the first start)."""
-    spans = [s for rank in per_rank for s in rank]
-    if not spans:
-        raise ValueError("no compute spans to measure")
-    origin = min(s.start for s in spans)
-    shifted = tuple(
-        PipelineSpan(s.rank, s.action, s.microbatch, s.start - origin, s.end - origin, s.label) for s in spans
-    )
-    makespan = max(s.end for s in shifted)
-    busy, inner, peaks = [], [], []
-    for rank_spans in per_rank:
-        work = sum(s.end - s.start for s in rank_spans)
-        busy.append(work)
-        inner.append(max(s.end for s in rank_spans) - min(s.start for s in rank_spans) - work if rank_spans else 0.0)
-        peaks.append(peak_activations([Action.parse(s.action) for s in rank_spans]))
-    return PipelineResult(
-        makespan=makespan,
-        bubble=makespan - min(busy),
-        bubble_without_sync=max(inner),
-        busy=tuple(busy),
-        peak_activations=tuple(peaks),
-        spans=shifted,
-        name=name,
-    )
-
-
-def simulate_measured(
-    orders: Any, per_rank: Sequence[Sequence[PipelineSpan]], t_comm: float = 0.0, t_send: float = 0.0
-) -> PipelineResult:
-    """`simulate()` of the compute orders `orders` (`ResolvedSchedule.compute_orders()`) with
-    the means of the measured F, B (input gradient) and W spans of every rank (a full backward,
-    BW, counts as B with no W), in the spans' unit (seconds), plus the transfer time `t_comm`
-    and the sending rank's time per message `t_send`. Means rather than medians: a step pays
-    every span, so a long one counts by its whole length."""
-    durations: dict[str, list[float]] = {}
-    for span in (s for rank in per_rank for s in rank):
-        durations.setdefault(Action.parse(span.action).kind, []).append(span.end - span.start)
-    means = {kind: statistics.mean(v) for kind, v in durations.items()}
-    t_b = means.get("B", means.get("BW", 0.0))
-    return simulate(orders, means.get("F", 0.0), t_b, means.get("W", 0.0), t_comm=t_comm, t_send=t_send)
 
 
 def transfer_time(link: PeerLink, peer: int, message: Sequence[torch.Tensor] | None = None, rounds: int = 20) -> float:

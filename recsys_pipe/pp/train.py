@@ -32,8 +32,6 @@ replica). Not yet: gradient clipping across stages, global-token loss normalisat
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,13 +42,9 @@ from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.pp.actions import ActionOrderRunner
 from recsys_pipe.pp.config import pipelined_tables, split_layers
 from recsys_pipe.pp.mesh import PipelineMesh
-from recsys_pipe.pp.models import model_stages
 from recsys_pipe.pp.p2p import PeerLink
-from recsys_pipe.pp.plan import stage_plan
-from recsys_pipe.pp.runner import StageStepRunner
-from recsys_pipe.pp.schedules import ResolvedSchedule
 from recsys_pipe.pp.stage import StageRuntime, as_stage_input
-from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result, simulate_measured, transfer_time
+from recsys_pipe.pp.timeline import compute_spans, gather_spans, transfer_time
 
 __all__ = ["PipelinedModel", "build_pipelined_model", "shard_tables"]
 
@@ -58,10 +52,6 @@ __all__ = ["PipelinedModel", "build_pipelined_model", "shard_tables"]
 class PipelinedModel(nn.Module):
     """This rank's stages of the model and the runner of its schedule; `forward(batch)` runs one
     pipelined step (see the module docstring) and returns `(loss, outputs)` like the model."""
-
-    #: ranks hold different parameters: checkpoints key the optimizer's hyperparameters by
-    #: parameter name (`recsys_pipe.train.optim`), so no rank's param groups override another's
-    flat_optimizer_state = True
 
     def __init__(self, stages: dict[int, nn.Module], runner: Any, mesh: PipelineMesh, last_rank: int, m: int):
         super().__init__()
@@ -77,41 +67,10 @@ class PipelinedModel(nn.Module):
         """From the next step on, keep each step's F / B / W spans (`last_spans`)."""
         self._recording = True
 
-    def write_step_timeline(self, out: Path, schedule: ResolvedSchedule) -> list[Path]:
-        """The last recorded step of this rank's pipeline, measured and simulated (a collective
-        over the pipeline's ranks): global rank 0 writes `pp_timeline.png` (measured Gantt),
-        `pp_simulated.png` (the schedule simulated with the measured means of F, B and W and
-        the measured transfer time, `transfer_ms`) and `pp_timeline.json` (per rank: busy time
-        and bubble), and prints the table."""
-        t_comm = self.transfer_ms() / 1e3  # global rank 0 is pipeline rank 0: it measures
-        gathered = gather_spans(self.last_spans or [], group=self.mesh.mesh.get_group("pp"))
-        if dist.get_rank() != 0:
-            return []
-        measured = measured_result(gathered, f"{schedule.name} (measured)")
-        simulated = simulate_measured(schedule.compute_orders(), gathered, t_comm=t_comm)
-        paths = [out / "pp_timeline.png", out / "pp_simulated.png", out / "pp_timeline.json"]
-        measured.plot(paths[0], f"{schedule.name} measured: step {measured.makespan * 1e3:.2f} ms")
-        simulated.plot(paths[1], f"{schedule.name} simulated: step {simulated.makespan * 1e3:.2f} ms")
-        ranks = [
-            {"rank": r, "busy_ms": busy * 1e3, "bubble_ms": (measured.makespan - busy) * 1e3}
-            for r, busy in enumerate(measured.busy)
-        ]
-        report = {
-            "schedule": schedule.name,
-            "measured_step_ms": measured.makespan * 1e3,
-            "simulated_step_ms": simulated.makespan * 1e3,
-            "t_comm_ms": t_comm * 1e3,
-            "ranks": ranks,
-        }
-        paths[2].write_text(json.dumps(report, indent=2) + "\n")
-        print(
-            f"\npipeline ({schedule.name}), last profiled step: {measured.makespan * 1e3:.2f} ms measured, "
-            f"{simulated.makespan * 1e3:.2f} ms simulated from the measured F/B/W means and a "
-            f"{t_comm * 1e3:.3f} ms transfer"
-        )
-        for row in ranks:
-            print(f"  rank {row['rank']}: busy {row['busy_ms']:.2f} ms, bubble {row['bubble_ms']:.2f} ms")
-        return paths
+    def gathered_spans(self) -> list:
+        """Every rank's spans of the pipeline's last recorded step, indexed by pipeline rank (a
+        collective over the pipeline's ranks)."""
+        return gather_spans(self.last_spans or [], group=self.mesh.mesh.get_group("pp"))
 
     def transfer_ms(self) -> float:
         """One stage message between pipeline ranks 0 and 1 of this replica, one way (ms;
@@ -136,8 +95,6 @@ class PipelinedModel(nn.Module):
         return float(value)
 
     def _runtimes(self) -> dict[int, StageRuntime]:
-        if isinstance(self.runner, StageStepRunner):
-            return {self.runner.runtime.stage: self.runner.runtime}
         return self.runner.runtimes
 
     def _evaluate(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -188,10 +145,7 @@ class PipelinedModel(nn.Module):
         losses = self.runner.run_step(int(self.step), microbatches)
         self.step += 1
         if recorder is not None:
-            lookahead_plan = isinstance(self.runner, StageStepRunner)
-            self.last_spans = compute_spans(
-                recorder.spans(), self.mesh.pp_rank, self.mesh.pp_rank if lookahead_plan else None
-            )
+            self.last_spans = compute_spans(recorder.spans(), self.mesh.pp_rank)
         mine = [v for v in losses if v is not None]
         loss = torch.stack(mine).mean() if mine else torch.zeros(())
         if self.mesh.pp_size > 1:  # every rank of the pipeline logs the step's loss
@@ -200,10 +154,9 @@ class PipelinedModel(nn.Module):
         return loss.requires_grad_(), {"logits": empty, "labels": empty}
 
 
-def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedModel, Any]:
-    """The model split over the `parallel.pp` mesh and the dense optimizer of this rank's stages."""
-    from recsys_pipe.train.optim import dense_optimizer_factory
-
+def build_pipelined_model(run: Any, info: Any, spec: Any) -> PipelinedModel:
+    """The model split over the `parallel.pp` mesh: this rank's stages, cut as the model's config
+    declares (`ModelConfig.stage_split`)."""
     pp = run.parallel.pp
     resolved = pp.resolved()
     mesh = PipelineMesh.create(pp.size, info.device.type)
@@ -213,8 +166,8 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
     tables: list[nn.Parameter] = []
     if 0 in local:  # the first stage's ranks: its tables sharded over their data-parallel group
         tables = shard_tables(model, run, mesh, info.device)
-    split = [list(r) for r in split_layers(_num_layers(run), resolved.num_stages, pp.layers)]
-    modules = model_stages(model, split)
+    split = [list(r) for r in split_layers(run.model.stage_layers, resolved.num_stages, pp.layers)]
+    modules = run.model.cut_into_stages(model, split)
     ranks = [mesh.rank_of(r) for r in resolved.ranks_of_stages]
     link = PeerLink()
     n = len(modules)
@@ -233,12 +186,8 @@ def build_pipelined_model(run: Any, info: Any, spec: Any) -> tuple[PipelinedMode
         for s in local
     }
     m = resolved.microbatches
-    if resolved.actions is None:
-        runner = StageStepRunner(runtimes[mesh.pp_rank], stage_plan(resolved.name, pp.size, mesh.pp_rank, m))
-    else:
-        runner = ActionOrderRunner(runtimes, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, m, link=link)
-    pipelined = PipelinedModel({s: modules[s] for s in local}, runner, mesh, ranks[-1], m)
-    return pipelined, dense_optimizer_factory(run.optimizer)(pipelined.parameters())
+    runner = ActionOrderRunner(runtimes, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, m, link=link)
+    return PipelinedModel({s: modules[s] for s in local}, runner, mesh, ranks[-1], m)
 
 
 def shard_tables(model: nn.Module, run: Any, mesh: PipelineMesh, device: torch.device) -> list[nn.Parameter]:
@@ -261,9 +210,3 @@ def shard_tables(model: nn.Module, run: Any, mesh: PipelineMesh, device: torch.d
         model, cfg, mesh.table_group, device, batch_size=run.data.batch_size, data_parallel=False
     ).module
     return [p for m in sharded.modules() if isinstance(m, ShardedModule) for p in m.parameters()]
-
-
-def _num_layers(run: Any) -> int:
-    from recsys_pipe.pp.config import STAGEABLE_MODELS
-
-    return getattr(run.model, STAGEABLE_MODELS[type(run.model)])

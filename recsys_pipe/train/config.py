@@ -38,10 +38,10 @@ from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.registry import DATA_SOURCES
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
-from recsys_pipe.pp.config import ParallelConfig
 from recsys_pipe.train.checkpoint import CheckpointConfig
 from recsys_pipe.train.grad_accumulation import GradAccumulationConfig, check_grad_accumulation
 from recsys_pipe.train.optim import OPTIMIZERS, AdamConfig, OptimizerConfig
+from recsys_pipe.train.parallel.config import ParallelConfig
 from recsys_pipe.train.torch_compile import CompileOptions
 
 __all__ = ["RunConfig", "TorchProfilerConfig", "TrainerConfig", "load_run_config"]
@@ -165,7 +165,9 @@ class RunConfig(Section):
         default_factory=AdamConfig, description="dense and embedding optimizers; optimizer.name picks the dense one"
     )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the training loop")
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="model parallelism (pipeline stages)")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="how the model is spread over ranks beyond data parallelism"
+    )
     seed: StrictInt = Field(0, description="model initialisation seed")
     debug: StrictBool = Field(False, description="show tracebacks for errors instead of one-line messages")
 

@@ -5,6 +5,10 @@ Because evaluation has a pipeline of its own, the training pipeline keeps its in
 across an evaluation: no training batch is dropped or replayed, and none leaks into evaluation.
 Two kinds: a ranking source's held-out loader (loss, log loss, per-task AUC, aggregated over all
 ranks) and a retrieval source's validation/test splits (`RetrievalEvaluation`).
+
+An `Evaluator` is a finished part of a run (`recsys_pipe.train.build.build_parts`) and decides
+itself when it is due (`due(step, epochs_done)`); a command that only evaluates builds the same
+part and calls `evaluate_at(step)`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from recsys_pipe.engine import SchedulablePipeline
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
+from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 
 __all__ = ["Evaluator"]
@@ -27,7 +32,9 @@ class Evaluator:
 
     `make_pipeline` builds the evaluation pipeline on first use: its executor threads exist only
     in runs that evaluate, and it is built after the training pipeline's bootstrap (which
-    rewrites a torchrec model for pipelining).
+    rewrites a torchrec model for the plan's lookaheads). `every` and `every_epochs` are
+    `trainer.eval_every` and `trainer.eval_epochs`; `rng` gives evaluation its own random
+    stream.
     """
 
     def __init__(
@@ -37,15 +44,40 @@ class Evaluator:
         loader: DataLoader | None,
         retrieval: RetrievalEvaluation | None,
         make_pipeline: Callable[[TrainState], SchedulablePipeline],
+        rng: RngState,
+        every: int = 0,
+        every_epochs: int = 0,
     ):
         self.state, self.num_tasks, self.loader, self.retrieval = state, num_tasks, loader, retrieval
         self._make_pipeline = make_pipeline
+        self.rng, self.every, self.every_epochs = rng, every, every_epochs
         self.pipeline: SchedulablePipeline | None = None
 
     @property
     def has_data(self) -> bool:
         """Whether there is anything to evaluate on."""
         return self.loader is not None or self.retrieval is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates while it trains (`trainer.eval_every` > 0 and held-out data)."""
+        return self.has_data and self.every > 0
+
+    def due(self, step: int, epochs_done: int | None = None) -> bool:
+        """Whether to evaluate after `step`: every `trainer.eval_every` steps, and at the end of
+        every `trainer.eval_epochs`-th epoch (`epochs_done`: the epochs completed when `step`
+        ended one, else None)."""
+        if not self.enabled:
+            return False
+        epoch_eval = epochs_done is not None and self.every_epochs > 0 and epochs_done % self.every_epochs == 0
+        return epoch_eval or step % self.every == 0
+
+    def evaluate_at(self, step: int, record_batches: bool = False) -> dict[str, Any]:
+        """`evaluate` at training step `step`, drawing from its own random stream
+        (`RngState.evaluation`): training's draws, and so its losses, are the same whether and
+        whenever it evaluates."""
+        with self.rng.evaluation(step):
+            return self.evaluate(record_batches)
 
     def evaluate(self, record_batches: bool = False) -> dict[str, Any]:
         """Loss, log loss (binary cross-entropy per scored row and task) and per-task AUC over the

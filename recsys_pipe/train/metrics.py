@@ -27,26 +27,33 @@ _TRAIN_TAGS = {
 class MetricsWriter:
     """Appends records to `<run_dir>/metrics.jsonl` and mirrors them to TensorBoard.
 
+    The files are opened with the first record: a command that builds a run's parts but
+    trains nothing (`recsys-profile`) leaves no empty metrics behind.
+
     Args:
         run_dir: the run directory, or None to write nothing (ranks other than 0, tests).
         tensorboard: also write TensorBoard event files (`torch.utils.tensorboard`).
     """
 
     def __init__(self, run_dir: str | None, tensorboard: bool = True):
-        self._jsonl = None
-        self._tb = None
-        if run_dir is None:
-            return
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed by close()
-        if tensorboard:
+        self._run_dir, self._tensorboard = run_dir, tensorboard
+        self._jsonl: Any = None
+        self._tb: Any = None
+
+    def _open(self) -> None:
+        assert self._run_dir is not None
+        self._jsonl = open(os.path.join(self._run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed by close()
+        if self._tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=run_dir)
+            self._tb = SummaryWriter(log_dir=self._run_dir)
 
     def write(self, record: dict[str, Any]) -> None:
         """One record with its `step`: training (`loss`, ...) or evaluation (`auc`, ...)."""
-        if self._jsonl is None:
+        if self._run_dir is None:
             return
+        if self._jsonl is None:
+            self._open()
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is None:
@@ -69,7 +76,8 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
-        """Flush and close `metrics.jsonl` and the TensorBoard writer; safe to call twice."""
+        """Flush and close `metrics.jsonl` and the TensorBoard writer; safe to call twice (a
+        record written after it opens them again, appending)."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

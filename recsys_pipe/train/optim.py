@@ -224,12 +224,18 @@ class TrainOptimizer:
     between ranks and so would the clipped replicas. `state_dict()` holds what a checkpoint needs:
     the optimizer state and the scheduler's; the state of a sharded table (e.g. its Adam moments)
     is a `ShardedTensor` laid out like the table, so DCP saves every rank's rows (and reshards),
-    with torchrec's optimizer or a plain one (the pipeline stages', `recsys_pipe.pp.train`).
+    with torchrec's optimizer or a plain one. `flat_state`: the ranks hold different parameters
+    (`Parallelism.flat_optimizer_state`), so the state is saved flattened, hyperparameters keyed
+    by parameter name (DCP's default keeps one list of param groups, the same key on every rank,
+    of which a checkpoint keeps one rank's).
     """
 
-    def __init__(self, optimizer: Any, cfg: OptimizerConfig, total_steps: int, model: torch.nn.Module):
+    def __init__(
+        self, optimizer: Any, cfg: OptimizerConfig, total_steps: int, model: torch.nn.Module, flat_state: bool = False
+    ):
         self.optimizer = optimizer
         self.model = model
+        self.flat_state = flat_state
         #: torchrec's combined optimizer (keyed state, made loadable by `init_state`), or None
         self.keyed = hasattr(optimizer, "optimizers")
         if self.keyed:
@@ -283,7 +289,7 @@ class TrainOptimizer:
         else:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=_options(self.model))
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=self._dcp_options())
         for key, table in self.sharded_tables.items():
             _map_param_state(optim_state, key, lambda value, table=table: _like_table(value, table))
         return {"optimizer": optim_state, "lr_scheduler": self.scheduler.state_dict()}
@@ -307,21 +313,17 @@ class TrainOptimizer:
         else:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_options(self.model))
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=self._dcp_options())
         self.scheduler.load_state_dict(state["lr_scheduler"])
         # the scheduler restores its step, not the optimizer's lr: set the lr of the next step
         for group, lr in zip(self.dense.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
 
+    def _dcp_options(self) -> Any:
+        """DCP's options for the optimizer state: flattened with `flat_state`, else DCP's default."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-def _options(model: torch.nn.Module) -> Any:
-    """DCP's options for the optimizer state: flattened (hyperparameters keyed by parameter name)
-    for a model whose ranks hold different parameters (`flat_optimizer_state`, e.g. pipeline
-    stages), else DCP's default; the default's param groups are one list, the same key on every
-    rank, of which a checkpoint keeps one rank's."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=getattr(model, "flat_optimizer_state", False))
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat_state)
 
 
 def _named(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -349,7 +351,7 @@ def _sharded_tables(params: Mapping[str, torch.Tensor], model: torch.nn.Module) 
 def _map_param_state(optim_state: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> None:
     """Replace each state value of parameter `key` (e.g. its Adam moments) by `fn(value)`, in an
     optimizer state dict nested (`state[key][name]`) or flattened by DCP (`state.<key>.<name>`,
-    `flat_optimizer_state`)."""
+    `TrainOptimizer.flat_state`)."""
     if isinstance(optim_state.get("state"), dict):
         moments = optim_state["state"].get(key, {})
         for name, value in moments.items():

@@ -118,12 +118,12 @@ class RetrievalEvaluation:
     """
 
     def __init__(
-        self, dataset: SequencesDataset, batch_size: int, world_size: int, dump: str | None, pipeline_size: int = 1
+        self, dataset: SequencesDataset, batch_size: int, world_size: int, dump: str | None, replica_ranks: int = 1
     ) -> None:
         self.dataset = dataset
         self.world_size = world_size
-        #: ranks per data-parallel replica (`parallel.pp.size`): they score the same users
-        self.pipeline_size = pipeline_size
+        #: ranks per data-parallel replica (`Parallelism.ranks_per_replica`): they score the same users
+        self.replica_ranks = replica_ranks
         self.dump = dump
         self.best: float | None = None
         self.loaders = {}
@@ -133,7 +133,7 @@ class RetrievalEvaluation:
 
     @classmethod
     def of(
-        cls, data: RankData, world_size: int, dump: str | None, is_main: bool, pipeline_size: int = 1
+        cls, data: RankData, world_size: int, dump: str | None, is_main: bool, replica_ranks: int = 1
     ) -> RetrievalEvaluation | None:
         """The evaluation of this rank's share of a retrieval data source.
 
@@ -142,8 +142,8 @@ class RetrievalEvaluation:
             world_size: the number of ranks whose results are gathered.
             dump: `trainer.eval_dump`, a file to write every scored user to, or None.
             is_main: whether this is rank 0 (the one that writes the dump).
-            pipeline_size: the ranks of one data-parallel replica (`parallel.pp.size`), which
-                all hold their replica's ranks (the last stage broadcasts them).
+            replica_ranks: the ranks of one data-parallel replica (`Parallelism.ranks_per_replica`),
+                which all hold their replica's ranks of the users.
 
         Returns:
             The evaluation, or None for a dataset without evaluation splits (ConfigError when a dump
@@ -152,7 +152,7 @@ class RetrievalEvaluation:
             _check_dump_source(dump, data)
             return None
         batch_size = data.cfg.eval_batch_size or data.cfg.batch_size
-        return cls(data.dataset, batch_size, world_size, dump if is_main else None, pipeline_size)
+        return cls(data.dataset, batch_size, world_size, dump if is_main else None, replica_ranks)
 
     def evaluate(self, pipeline: Any) -> dict[str, Any]:
         """`{split: {protocol: {metric: value}}, "users": {split: count}}` over all ranks; runs
@@ -187,8 +187,8 @@ class RetrievalEvaluation:
             return table
         parts = [torch.empty_like(table) for _ in range(self.world_size)]
         dist.all_gather(parts, table)  # same size on every rank: splits are padded alike
-        # one rank per replica: ranks 0..replicas-1 are the pipelines' first stages (pp rank 0)
-        return torch.cat(parts[: self.world_size // self.pipeline_size], dim=1)
+        # one rank per replica: ranks 0..replicas-1 are one rank of each replica
+        return torch.cat(parts[: self.world_size // self.replica_ranks], dim=1)
 
     def _write_dump(self, table: torch.Tensor) -> None:
         ds = self.dataset

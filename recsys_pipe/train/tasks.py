@@ -4,7 +4,7 @@ Each is `fn(ctx)` over its batch's slots (`ctx.slots`, named in `recsys_pipe.tra
 the shared `TrainState` (`ctx.state`), registered by name with `@task` (`recsys_pipe.config.
 task_registry`) together with what it needs from the run: plans in conf/pipeline/ write
 `fn: h2d`, and the plan builder asks the tasks what to build. The same functions serve
-the serial and the pipelined plans, and every model: they use only the batch and model protocols
+the serial plan and the plans with lookaheads, and every model: they use only the batch and model protocols
 (`recsys_pipe.data.batch`, `recsys_pipe.models.base`). A model with torchrec tables has
 `state.sparse_dist` (torchrec's input distribution, `recsys_pipe.train.sparse_dist`); for plain
 torch tables it is None and the input-dist tasks have nothing to do.

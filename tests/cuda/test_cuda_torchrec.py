@@ -4,7 +4,7 @@
 kernels, the optimizer fused into the backward) through the launcher, one run per plan: serial,
 sparse_dist (torchrec's input-dist split off the forward, sequential executor), hstu_sparse_dist
 (threaded), hstu_prefetch (the prefetch context, four streams; also one thread per task). NCCL on
-one GPU: the input all-to-alls are local, so the pipelined plans move the copies, the input
+one GPU: the input all-to-alls are local, so the plans with lookaheads move the copies, the input
 distribution and the prefetch to other streams and threads and change no value.
 
 Tolerance: bitwise, with `torch.use_deterministic_algorithms(True)` (why, in tests/_launcher_runs.py);

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run, run_stale_embedding_reference, run_torchrec_pipeline
-from recsys_pipe.train import Trainer, build_model, local_parameters, training_plan
+from recsys_pipe.train import Trainer, build_model, build_parts, local_parameters, training_plan
 
 STEPS = 16
 COMMON = [
@@ -70,7 +70,7 @@ def main():
     out = {"variants": {}, "loader_ids": [b.sample_ids.tolist() for b in batches]}
     for plan, overrides in PLANS.items():
         plan_run = load_run(*COMMON, *overrides)
-        trainer = Trainer(plan_run, training_plan(plan_run), info)
+        trainer = Trainer(build_parts(plan_run, training_plan(plan_run), info))
         try:
             summary = trainer.fit(iter(batches), record_steps=True)
             out["variants"][plan] = {

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run, run_torchrec_pipeline
-from recsys_pipe.train import Trainer, build_model, local_parameters, training_plan
+from recsys_pipe.train import Trainer, build_model, build_parts, local_parameters, training_plan
 
 STEPS = 10
 COMMON = [
@@ -126,7 +126,7 @@ def fingerprint(params):
 
 def train_variant(info, overrides, batches):
     run = load_run(*COMMON, *overrides)
-    trainer = Trainer(run, training_plan(run), info)
+    trainer = Trainer(build_parts(run, training_plan(run), info))
     try:
         start = time.perf_counter()
         summary = trainer.fit(iter(batches), record_steps=True)

@@ -10,19 +10,35 @@ gradients averaged as the all-reduce does (each / 2, then summed).
 Each rank saves `rank<r>.pt` as pp_parity_worker does, plus its mesh coordinates.
 """
 
+import importlib.util
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pp_parity_worker import SPLIT2, SPLIT4, M, make_opt, make_stages, result, train
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from recsys_pipe.autosched.pp_actions import PipelineSchedule
-from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, StageStepRunner, microbatch_seed, stage_plan
+from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, microbatch_seed
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mesh import PipelineMesh
+from recsys_pipe.pp.schedules import resolve_schedule
+from recsys_pipe.pp_schedules.actions import PipelineSchedule
+
+
+def _sibling(name):
+    """The worker module `name` beside this file, loaded by its path (a torchrun script has its
+    folder on sys.path, a forked rank does not)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_pp = _sibling("pp_parity_worker")
+SPLIT2, SPLIT4, M = _pp.SPLIT2, _pp.SPLIT4, _pp.M
+make_opt, make_stages, result, train = _pp.make_opt, _pp.make_stages, _pp.result, _pp.train
 
 WIDTH, SHARD, STEPS, DP = 32, 16, 2, 2
 
@@ -60,8 +76,9 @@ def data_of(mesh):
 
 def run_plan(schedule, mesh, link):
     stages = make_stages(SPLIT2)
-    runtime = runtimes(stages, [mesh.pp_rank], (0, 1), mesh, link)[mesh.pp_rank]
-    runner = StageStepRunner(runtime, stage_plan(schedule, 2, mesh.pp_rank, M))
+    resolved = resolve_schedule(schedule, 2, M, None)  # a lookahead schedule, compiled to action lists
+    runtimes_ = runtimes(stages, [mesh.pp_rank], (0, 1), mesh, link)
+    runner = ActionOrderRunner(runtimes_, resolved.actions, mesh.pp_rank, resolved.ranks_of_stages, M, link=link)
     return train(runner, [stages[mesh.pp_rank]], data_of(mesh))
 
 

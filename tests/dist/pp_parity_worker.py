@@ -3,8 +3,8 @@
 A stack of 4 Linear + ReLU + dropout layers with a regression head trains 2 SGD steps of 4
 microbatches, split into stages in every way the tests compare:
 
-- 2 stages, one per rank, under each single-stage schedule as an engine plan (GPipe, 1F1B,
-  ZB-H1, ZB-H2), under our ZB-H1 CSV in the static action-order mode, and under torch's
+- 2 stages, one per rank, under each lookahead schedule compiled to its action lists (GPipe,
+  1F1B, ZB-H1, ZB-H2), under our ZB-H1 CSV, and under torch's
   ScheduleGPipe, Schedule1F1B and its runtime playing our ZB-H1 / ZB-H2 CSVs;
 - 4 stages, two per rank, under Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and
   DualPipeV: their action lists on our engine (as `parallel.pp.schedule` resolves them: torch's
@@ -37,22 +37,16 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-from recsys_pipe.autosched.pp_actions import PipelineSchedule, from_csv, to_csv
-from recsys_pipe.autosched.pp_schedules import build
+from recsys_pipe.autosched.pipeline_parallel import measured_result
 from recsys_pipe.engine import SpanRecorder
-from recsys_pipe.pp import (
-    ChainedStages,
-    PeerLink,
-    StageRuntime,
-    StageStepRunner,
-    microbatch_seed,
-    stage_plan,
-)
+from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, microbatch_seed
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mlp import TorchStageAdapter, mlp_stages
 from recsys_pipe.pp.models import hstu_stages, sasrec_stages
 from recsys_pipe.pp.schedules import resolve_schedule
-from recsys_pipe.pp.timeline import compute_spans, gather_spans, measured_result
+from recsys_pipe.pp.timeline import compute_spans, gather_spans
+from recsys_pipe.pp_schedules.actions import PipelineSchedule, from_csv, to_csv
+from recsys_pipe.pp_schedules.generators import build
 
 WIDTH, BATCH, M, STEPS, P_DROP, LR = 32, 16, 4, 2, 0.2, 0.05
 SPLIT2 = ((0, 1), (2, 3))
@@ -91,7 +85,7 @@ def result(stages, losses):
 
 
 def train(runner, stages, data=None, timeline=None, steps=None, opt_state=None):
-    """`timeline`: (rank, stage or None); the last step's compute spans are kept in "spans".
+    """`timeline`: (rank,); the last step's compute spans are kept in "spans".
     `steps`: which steps of the data to run (default all); `opt_state`: the optimizer's state
     to start from (a resumed run); the result's "opt_state" is the state at the end."""
     opt = make_opt([p for s in stages for p in s.parameters()])
@@ -132,10 +126,16 @@ def runtimes(stages, local, ranks, link):
     }
 
 
+def lookahead_runner(runtimes_, schedule, p, rank, link):
+    """The runner of a lookahead schedule: its action lists as `parallel.pp.schedule` resolves it."""
+    resolved = resolve_schedule(schedule, p, M, None)
+    return ActionOrderRunner(runtimes_, resolved.actions, rank, resolved.ranks_of_stages, M, link=link)
+
+
 def run_plan(schedule, rank, link):
     stages = make_stages(SPLIT2)
-    runtime = runtimes(stages, [rank], (0, 1), link)[rank]
-    return train(StageStepRunner(runtime, stage_plan(schedule, 2, rank, M)), [stages[rank]], timeline=(rank, rank))
+    runner = lookahead_runner(runtimes(stages, [rank], (0, 1), link), schedule, 2, rank, link)
+    return train(runner, [stages[rank]], timeline=(rank,))
 
 
 def run_resumed(schedule, rank, link):
@@ -145,7 +145,7 @@ def run_resumed(schedule, rank, link):
     import io
 
     stages = make_stages(SPLIT2)
-    runner = StageStepRunner(runtimes(stages, [rank], (0, 1), link)[rank], stage_plan(schedule, 2, rank, M))
+    runner = lookahead_runner(runtimes(stages, [rank], (0, 1), link), schedule, 2, rank, link)
     first = train(runner, [stages[rank]], steps={0})
     buffer = io.BytesIO()
     torch.save({"model": stages[rank].state_dict(), "opt": first["opt_state"]}, buffer)
@@ -154,7 +154,7 @@ def run_resumed(schedule, rank, link):
     checkpoint = torch.load(buffer, weights_only=False)
     stages = make_stages(SPLIT2)
     stages[rank].load_state_dict(checkpoint["model"])
-    runner = StageStepRunner(runtimes(stages, [rank], (0, 1), link)[rank], stage_plan(schedule, 2, rank, M))
+    runner = lookahead_runner(runtimes(stages, [rank], (0, 1), link), schedule, 2, rank, link)
     second = train(runner, [stages[rank]], steps={1}, opt_state=checkpoint["opt"])
     second["losses"] = first["losses"] + second["losses"]
     return second
@@ -165,7 +165,7 @@ def run_actions(schedule, layout, split, rank, link):
     ranks = stage_ranks(2, len(split) // 2, layout)
     local = [s for s, r in enumerate(ranks) if r == rank]
     runner = ActionOrderRunner(runtimes(stages, local, ranks, link), schedule, rank, ranks, M, link=link)
-    return train(runner, [stages[s] for s in local], timeline=(rank, None))
+    return train(runner, [stages[s] for s in local], timeline=(rank,))
 
 
 def torch_stage(module, index, num_stages):
@@ -207,7 +207,7 @@ def reference(split, runner_kind):
     stages = make_stages(split)
     module = ChainedStages(stages)
     if runner_kind == "engine":
-        return train(StageStepRunner(StageRuntime(module, 0, 1), stage_plan("1f1b", 1, 0, M)), stages)
+        return train(lookahead_runner({0: StageRuntime(module, 0, 1)}, "1f1b", 1, 0, None), stages)
     opt = make_opt(module.parameters())
     losses = []
     for step, (x, y) in enumerate(make_data()):
@@ -299,16 +299,13 @@ def run_model(kind, schedule, rank, link, out_dir):
     model, stages, microbatches = split_model(kind, resolved.num_stages, out_dir, rank)
     local = resolved.local_stages(rank)
     runtimes_ = runtimes(stages, local, resolved.ranks_of_stages, link)
-    if resolved.actions is None:
-        runner = StageStepRunner(runtimes_[rank], stage_plan(schedule, 2, rank, M))
-    else:
-        runner = ActionOrderRunner(runtimes_, resolved.actions, rank, resolved.ranks_of_stages, M, link=link)
+    runner = ActionOrderRunner(runtimes_, resolved.actions, rank, resolved.ranks_of_stages, M, link=link)
     return train_hstu(runner, model, [stages[s] for s in local], microbatches)
 
 
 def model_reference(kind, num_layers, out_dir):
     model, stages, microbatches = split_model(kind, num_layers, out_dir, 0)
-    runner = StageStepRunner(StageRuntime(ChainedStages(stages), 0, 1), stage_plan("1f1b", 1, 0, M))
+    runner = lookahead_runner({0: StageRuntime(ChainedStages(stages), 0, 1)}, "1f1b", 1, 0, None)
     return train_hstu(runner, model, stages, microbatches)
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, load_run
-from recsys_pipe.train import Trainer, local_parameters, resolve_resume, training_plan
+from recsys_pipe.train import Trainer, build_parts, local_parameters, resolve_resume, training_plan
 
 CONFIG = [
     "trainer=smoke",
@@ -68,7 +68,7 @@ def trainer(info, run_dir, *overrides):
     run = load_run(*CONFIG, *overrides)
     if run_dir is not None and info.is_main:
         os.makedirs(run_dir, exist_ok=True)
-    return Trainer(run, training_plan(run), info, run_dir)
+    return Trainer(build_parts(run, training_plan(run), info, run_dir))
 
 
 def fit(t, restore=None):
@@ -168,7 +168,7 @@ def reshard(checkpoint, out, kernel="fused"):
     try:
         t.restore(checkpoint)
         loaded = local_parameters(t.state.model)
-        start = t.step, t.position
+        start = t.step, t.position.batch
         moments = {  # dense kernel: the tables' Adam moments, loaded whole onto this one rank
             name: [list(p.shape), float(t.optimizer.dense.state[p]["exp_avg"].abs().sum())]
             for name, p in t.state.model.named_parameters()

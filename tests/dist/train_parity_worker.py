@@ -20,7 +20,7 @@ import torch.distributed as dist
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run, run_stale_embedding_reference, run_torchrec_pipeline
-from recsys_pipe.train import Trainer, build_model, local_parameters, training_plan
+from recsys_pipe.train import Trainer, build_model, build_parts, local_parameters, training_plan
 
 STEPS = 24
 GA4 = ["trainer.grad_accumulation.steps=4", "trainer.grad_accumulation.warmup_steps=2"]
@@ -114,7 +114,7 @@ def run_config(overrides):
 
 def make_trainer(overrides, info):
     run = run_config(overrides)
-    return Trainer(run, training_plan(run), info)
+    return Trainer(build_parts(run, training_plan(run), info))
 
 
 def train_variant(info, overrides, batches):
@@ -250,7 +250,7 @@ def main():
                 "sample_ids": [s.tolist() for s in summary.sample_ids],
                 "evals": summary.evals,
             }
-            out["eval_ids"] = [b.sample_ids.tolist() for b in interleaved.eval_loader]
+            out["eval_ids"] = [b.sample_ids.tolist() for b in interleaved.evaluator.loader]
         finally:
             interleaved.close()
 

@@ -52,11 +52,15 @@ def test_profile_command_on_the_hstu_plan_with_two_ranks_writes_every_file(tmp_p
     (run_dir,) = (tmp_path / "runs" / "recsys-profile").iterdir()
     assert {p.name for p in run_dir.iterdir()} == {
         "config.yaml",
+        "status.json",  # started as recsys-train starts: its session records how it ended
+        "train.log",
         "costs.json",
         "exposed.json",
         "trace.json",
         "timeline.png",
     }
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "completed" and status["exit_code"] == 0 and status["world_size"] == 2
     costs = CostModel.from_json(run_dir / "costs.json")
     assert list(costs.tasks) == HSTU_TASKS
     assert costs["h2d"].thread == "io" and costs["forward"].thread == "compute" and costs["h2d"].lookahead == 2
@@ -167,3 +171,25 @@ def test_recsys_train_writes_the_torch_trace_of_the_configured_steps(tmp_path):
             tids.setdefault(e["name"], set()).add(e["tid"])
     assert set(tids) == set(HSTU_TASKS)
     assert tids["h2d"] != tids["forward"]  # the io thread's tasks are traced too
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_request_ends_the_profile_before_its_next_pass():
+    """SIGTERM under recsys-profile (it starts as recsys-train does, its handler installed): the
+    ranks agree before each profiling pass, and once asked, none starts another."""
+    from _process_group import one_rank_group
+
+    from recsys_pipe.cli.profile import ProfileConfig, _measure, _Preempted
+    from recsys_pipe.runtime.preemption import StopRequest
+    from recsys_pipe.train import Trainer, build_parts, training_plan
+
+    with one_rank_group() as info:
+        run = load_run("pipeline=serial", "trainer=smoke", "trainer.device=cpu", "data.num_batches=12")
+        stop = StopRequest()
+        trainer = Trainer(build_parts(run, training_plan(run), info), stop=stop)
+        try:
+            stop.requested.set()  # what the SIGTERM handler does
+            with pytest.raises(_Preempted):
+                _measure(trainer, ProfileConfig(warmup=1, iters=3, rounds=1, exposed=False))
+        finally:
+            trainer.close()

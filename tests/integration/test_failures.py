@@ -605,32 +605,24 @@ def test_keep_going_runs_the_valid_jobs_and_records_the_invalid_one(tmp_path):
     assert "\r" not in proc.stderr  # the bar is drawn on a terminal only
 
 
-@pytest.mark.timeout(300)
-def test_a_sweep_job_refused_when_it_starts_is_recorded_and_the_message_is_true(tmp_path):
-    """Job 1's data file is bad, which shows only when it loads: job 0 has trained by then, so the
-    message says so, and job 1's directory records why it did not run."""
+def test_a_sweep_checks_each_jobs_data_as_the_job_would_and_starts_none(tmp_path, capsys, no_process_group):
+    """Job 1's data file is bad, which shows only once it is read: the sweep reads every job's
+    data before the first job starts (as each job checks itself), so no job runs and the line
+    names the job."""
     good, bad = tmp_path / "good.dat", tmp_path / "bad.dat"
     good.write_text(_ml(20))
     bad.write_text("1::2::4::100\n1::3\n")
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [str(BIN / "recsys-train"), "-m", *ML, f"data.path={good},{bad}", *SMOKE, f"hydra.sweep.dir={sweep}"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=tmp_path,
-        env=_env(),
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    code = train_cli.run(["-m", *ML, f"data.path={good},{bad}", *SMOKE, f"hydra.sweep.dir={sweep}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: data.path: {bad}:2: expected 4 fields (user, movie, rating, timestamp), got 2: ['1', '3']"
+        f"error: data.path: {bad}:2: expected 4 fields (user, movie, rating, timestamp), got 2: ['1', '3'] "
+        f"[sweep job 1: data.path={bad}]"
     ]
-    assert "sweep job 1 did not start (1 earlier job(s) ran)" in proc.stderr
-    assert "nothing was started" not in proc.stderr and "Traceback" not in proc.stderr
-    assert _status(sweep / "0")["status"] == "completed"
-    failed = _status(sweep / "1")
-    assert failed["status"] == "failed" and failed["exit_code"] == 2 and f"{bad}:2" in failed["message"], failed
+    assert "1 of 2 sweep jobs are invalid, no job was started" in err and "Traceback" not in err
+    assert not sweep.exists()
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw", "adagrad"])

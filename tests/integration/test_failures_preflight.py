@@ -206,7 +206,7 @@ def test_a_tuned_semi_sync_plan_keeps_the_start_batch_interpolation(tmp_path, ca
 
 
 def test_an_interrupted_run_gives_ctrl_c_back():
-    from recsys_pipe.cli.train import _interrupted
+    from recsys_pipe.cli.launch import _interrupted
 
     class Session:
         def interrupted(self, step: int) -> int:

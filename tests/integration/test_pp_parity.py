@@ -9,8 +9,7 @@ Per-step losses of every microbatch and the final parameters must be bitwise equ
 import pytest
 import torch
 
-from recsys_pipe.autosched.pipeline_parallel import build, simulate
-from recsys_pipe.pp import measured_result
+from recsys_pipe.autosched.pipeline_parallel import build, measured_result, simulate
 from recsys_pipe.testing import check_torchrun, fork_ranks
 
 pytestmark = pytest.mark.slow  # torchrun launches

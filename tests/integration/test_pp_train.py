@@ -67,8 +67,8 @@ def test_a_schedule_csv_runs_in_action_order_bitwise_the_one_rank_run(tmp_path, 
     order, 4 stages folded into a V over 2 ranks, written by our generator). The named
     multi-stage schedules run the same mode (tests/integration/test_pp_parity.py: bitwise
     against torch's own classes)."""
-    from recsys_pipe.autosched.pp_actions import to_csv
-    from recsys_pipe.autosched.pp_schedules import build
+    from recsys_pipe.pp_schedules.actions import to_csv
+    from recsys_pipe.pp_schedules.generators import build
 
     schedule = str(tmp_path / "dualpipev.csv")
     to_csv(build("dualpipev", 2, 4), schedule)

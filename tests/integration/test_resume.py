@@ -253,7 +253,7 @@ def accumulated_reference(tmp_path_factory):
     return _run_dir(out)
 
 
-# The most pipelined plan with gradient accumulation, killed at step 17 (inside a window): what
+# The plan with the most lookahead with gradient accumulation, killed at step 17 (inside a window): what
 # is lost is the window and the steps since step_10. The in-process resume above covers every
 # plan, and the self-healing test below kills hstu_prefetch without accumulation.
 def test_sigkill_between_checkpoints_then_resume_is_bitwise(accumulated_reference, tmp_path):

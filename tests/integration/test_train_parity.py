@@ -47,7 +47,7 @@ def test_all_plans_and_torchrec_pipeline_match_serial_bitwise(ranks):
 
 
 def test_global_token_normalisation_matches_its_serial_plan_and_the_local_mean(ranks):
-    """With the derived all-reduce task the pipelined plan still equals its serial plan bitwise;
+    """With the derived all-reduce task the plan with lookaheads still equals its serial plan bitwise;
     every rank has the same token count here, so the loss equals the local mean up to rounding
     (a different but equivalent formula: loss_sum * world / global_tokens)."""
     for data in ranks:

@@ -1,5 +1,5 @@
 """Cost profiling on synthetic tasks of known duration (GIL-releasing sleeps): measured host
-costs, exposed times on a serial and a pipelined plan, the device-event path with a recording
+costs, exposed times on a serial and a plan with lookaheads, the device-event path with a recording
 timer, and the trace and timeline files."""
 
 import json
@@ -21,7 +21,7 @@ from recsys_pipe.engine import SchedulablePipeline, Schedule, StreamPool, Task, 
 
 pytestmark = pytest.mark.timeout(120)
 
-# On the pipelined plan `a` and `b` run on the calling thread (50 ms per iteration), `load`
+# On the plan with lookaheads `a` and `b` run on the calling thread (50 ms per iteration), `load`
 # one batch ahead on its own thread (15 ms): load overlaps them, a and b are the critical path.
 DURATIONS = {"load": 0.015, "a": 0.030, "b": 0.020}
 TOLERANCE = 0.10

@@ -4,6 +4,7 @@ Hydra's internals inside one adapter, and no two modules of recsys_pipe import e
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import recsys_pipe
@@ -143,3 +144,86 @@ def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- layers: packages, and the one door of pipeline parallelism ------------------------------------
+
+
+def _package(module: str) -> str:
+    """The top-level package of a recsys_pipe module (`recsys_pipe.train.build` -> `train`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """recsys_pipe package -> the packages its modules import (`_import_graph`, folded)."""
+    graph: dict[str, set[str]] = {}
+    for importer, imported in _import_graph().items():
+        graph.setdefault(_package(importer), set())
+        for module in imported:
+            if _package(module) != _package(importer):
+                graph[_package(importer)].add(_package(module))
+                graph.setdefault(_package(module), set())
+    return graph
+
+
+def test_no_two_packages_import_each_other():
+    """Packages form layers: no circle of imports between two packages (`train` -> `pp` -> `train`
+    would be one), even when no two modules of them import each other."""
+    cycles = _cycles(_package_graph())
+    assert not cycles, f"packages importing each other (move the shared piece into a lower package): {cycles}"
+
+
+def test_the_package_cycle_check_sees_a_cycle_of_modules_in_different_packages():
+    graph = {"recsys_pipe.a.x": {"recsys_pipe.b.y"}, "recsys_pipe.b.z": {"recsys_pipe.a.w"}}
+    folded: dict[str, set[str]] = {}
+    for importer, imported in graph.items():
+        folded.setdefault(_package(importer), set()).update(_package(m) for m in imported)
+    assert _cycles(folded) == [["a", "b"]]
+
+
+def test_the_pipeline_runtime_imports_neither_training_nor_analysis():
+    """`recsys_pipe.pp` runs pipeline stages; it imports nothing from `train` (which reaches it
+    through `train.parallel.stages`) nor from `autosched` (the analysis): the schedules both
+    need are data in the leaf `recsys_pipe.pp_schedules`, which imports no other package."""
+    bad = sorted(
+        f"{importer} imports {module}"
+        for importer, imported in _import_graph().items()
+        if _package(importer) == "pp"
+        for module in imported
+        if _package(module) in ("train", "autosched")
+    )
+    assert not bad, bad
+    leaf = {
+        _package(m)
+        for importer, imported in _import_graph().items()
+        if _package(importer) == "pp_schedules"
+        for m in imported
+    } - {"pp_schedules"}
+    assert not leaf, f"recsys_pipe.pp_schedules imports {sorted(leaf)}"
+
+
+#: how this project's pipeline parallelism is spelled in code: its package, its config section,
+#: its types and helpers. (megatron-core's own "pipeline-parallel size", which `dense_ddp` sets
+#: to 1, is another library's setting, not ours.)
+PP_WORDS = re.compile(
+    r"recsys_pipe\.pp\b|parallel\.pp\b|\bpp\b|is_pipelined|Pipelined(Model)?\b|pipelined_tables|PipelineStages"
+    r"|pipeline stages?\b|pipeline parallel"
+)
+
+
+def test_train_and_cli_mention_pipeline_parallelism_only_behind_its_seam():
+    """The loop, the commands and the other implementations never ask whether pipeline
+    parallelism is on: outside `recsys_pipe/train/parallel/` (the seam and its implementations),
+    `train/` and `cli/` do not mention it, in code or comments."""
+    seam = PACKAGE / "train" / "parallel"
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for package in ("train", "cli")
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        if not path.is_relative_to(seam)
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if PP_WORDS.search(line)
+    ]
+    assert not found, "pipeline parallelism outside train/parallel/:\n" + "\n".join(found)
+    assert PP_WORDS.search("from recsys_pipe.pp.train import x") and PP_WORDS.search("run.parallel.pp.size")

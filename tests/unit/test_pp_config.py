@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from recsys_pipe.autosched.pp_actions import to_csv
-from recsys_pipe.autosched.pp_schedules import build
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError
 from recsys_pipe.pp import PipelineParallelConfig, split_layers
+from recsys_pipe.pp_schedules.actions import PipelineSchedule, to_csv
+from recsys_pipe.pp_schedules.generators import build
 
 # (WORLD_SIZE, overrides, the key the first error names, a fragment of its message)
 CASES = [
@@ -47,6 +47,21 @@ def test_pp_constraint_exits_2_naming_its_key(
     assert "Traceback" not in err
 
 
+def test_a_sweep_checks_each_jobs_stages_as_the_job_would(tmp_path, capsys, monkeypatch, no_process_group):
+    """Job 1's stages do not fit the world of 1 rank: found for every job before the first starts."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    sweep = tmp_path / "sweep"
+    code = train_cli.run(["-m", "parallel.pp.size=1,2", f"hydra.sweep.dir={sweep}", f"trainer.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert lines == [
+        "error: parallel.pp.size: 2 pipeline ranks do not divide the world of 1 rank(s) "
+        "[sweep job 1: parallel.pp.size=2]"
+    ], err
+    assert not sweep.exists()
+
+
 @pytest.mark.parametrize(
     ("world", "overrides"),
     [
@@ -80,7 +95,8 @@ def _problem(**fields):
 
 def test_named_schedules_resolve_to_plans_or_torchs_action_orders():
     plan = PipelineParallelConfig(size=2, schedule="zb_h1").resolved()
-    assert plan.actions is None and plan.ranks_of_stages == (0, 1) and plan.microbatches == 2
+    assert plan.lookaheads and plan.ranks_of_stages == (0, 1) and plan.microbatches == 2
+    assert plan.actions.ranks[0] == PipelineSchedule.of([["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"]]).ranks[0]
     interleaved = PipelineParallelConfig(size=2, microbatches=4, schedule="interleaved_1f1b").resolved()
     assert interleaved.ranks_of_stages == (0, 1, 0, 1) and interleaved.local_stages(1) == (1, 3)
     v = PipelineParallelConfig(size=2, microbatches=4, schedule="dualpipev").resolved()

@@ -1,56 +1,91 @@
-"""The pipeline-parallel stage plans fire in exactly the per-rank order of the schedules.
+"""Pipeline-parallel schedules become per-rank action lists, which one runner runs.
 
-No processes: each rank's engine plan runs over m microbatches against a stand-in for the
-stage runtime (`firing_order`), and the order its compute tasks fire in is compared with
-`recsys_pipe.autosched.pp_schedules.build()` (1F1B, ZB-H1, ZB-H2) or with GPipe's definition.
+No processes. Lookahead schedules (GPipe, 1F1B, ZB-H1, ZB-H2, or a YAML file) compile to the
+order the engine fires a plan of those lookaheads in (`lookahead_order`); a rank's action list
+becomes its engine plan, transfers included (`action_schedule`).
 """
 
 import pytest
 
-from recsys_pipe.autosched.pp_actions import PipelineSchedule
-from recsys_pipe.autosched.pp_schedules import build
+from recsys_pipe.engine import SchedulablePipeline, Schedule, Task
 from recsys_pipe.pp.actions import action_schedule, stage_ranks
-from recsys_pipe.pp.plan import firing_order, stage_plan
+from recsys_pipe.pp.schedules import resolve_schedule
+from recsys_pipe.pp_schedules.actions import PipelineSchedule
+from recsys_pipe.pp_schedules.generators import build
+from recsys_pipe.pp_schedules.lookahead import lookahead_order, stage_plan, task_lookaheads
 
 
-def run_plan(schedule, p, r, m):
-    return firing_order(stage_plan(schedule, p, r, m))
+def engine_order(plan):
+    """(kind, microbatch) in the order the engine fires the plan's compute tasks at their
+    lookaheads over one step's microbatches (slots F -> B -> W, as a stage's tasks hand over)."""
+    log = []
+
+    def record(kind):
+        return lambda ctx: log.append((kind, ctx.batch_index))
+
+    computes = [(kind, k) for kind, k in task_lookaheads(plan) if kind in ("F", "B", "BW", "W")]
+    slots = {"F": ([], ["fwd"]), "B": (["fwd"], ["bwd"]), "BW": (["fwd"], ["bwd"]), "W": (["bwd"], [])}
+    tasks = [
+        Task.from_fn(kind, record(kind), lookahead=k, reads=slots[kind][0], writes=slots[kind][1])
+        for kind, k in computes
+    ]
+    with SchedulablePipeline(Schedule.single_stage(tasks)) as pipeline:
+        for _ in pipeline.iterate(iter(range(plan.microbatches))):
+            pass
+    return log
 
 
-CASES = [(name, p, m) for name in ("1f1b", "zb_h1", "zb_h2") for p in (1, 2, 4) for m in (1, 2, 3, 4, 8) if m >= p]
+CASES = [
+    (name, p, m) for name in ("gpipe", "1f1b", "zb_h1", "zb_h2") for p in (1, 2, 4) for m in (1, 3, 4, 8) if m >= p
+]
 
 
 @pytest.mark.parametrize(("name", "p", "m"), CASES)
-def test_firing_order_equals_build(name, p, m):
-    expected = build(name, p, m)
+def test_a_lookahead_schedule_compiles_to_the_order_the_engine_fires_it_in(name, p, m):
+    """The lookaheads mean what they mean to the engine: the compiled order is the firing order."""
     for r in range(p):
-        compute = [(kind, mb) for kind, mb in run_plan(name, p, r, m) if kind in ("F", "B", "W", "BW")]
-        assert compute == [(a.kind, a.microbatch) for a in expected.ranks[r]], f"rank {r}"
+        plan = stage_plan(name, p, r, m)
+        assert [(a.kind, a.microbatch) for a in lookahead_order(plan)] == engine_order(plan), f"rank {r}"
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
 def test_gpipe_runs_every_forward_before_any_backward(p, m):
     for r in range(p):
-        log = run_plan("gpipe", p, r, m)
-        compute = [(kind, mb) for kind, mb in log if kind in ("F", "BW")]
-        assert compute == [("F", j) for j in range(m)] + [("BW", j) for j in range(m)]
+        order = [(a.kind, a.microbatch) for a in build("gpipe", p, m).ranks[r]]
+        assert order == [("F", j) for j in range(m)] + [("BW", j) for j in range(m)]
+
+
+def test_1f1b_warms_up_then_alternates():
+    """Rank r runs p-1-r forwards, then one forward and one full backward in turn, then the rest."""
+    p, m = 4, 8
+    for r in range(p):
+        warmup = p - 1 - r
+        expected = [("F", j) for j in range(warmup)]
+        for k in range(m - warmup):
+            expected += [("F", warmup + k), ("BW", k)]
+        expected += [("BW", k) for k in range(m - warmup, m)]
+        assert [(a.kind, a.microbatch) for a in build("1f1b", p, m).ranks[r]] == expected
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1", "zb_h2", "gpipe"])
 def test_transfers_wrap_their_compute(name):
-    """recv before and send right after each compute step; none at the pipeline's ends."""
+    """A rank's plan receives right before each compute step and sends right after it; none at
+    the pipeline's ends."""
     p, m = 4, 8
+    resolved = resolve_schedule(name, p, m, None)
     for r in range(p):
-        log = run_plan(name, p, r, m)
-        for i, (kind, mb) in enumerate(log):
-            if kind == "F":
-                assert (log[i - 1] == ("recv_F", mb)) == (r > 0)
-                assert (log[i + 1] == ("send_F", mb)) == (r < p - 1)
-            if kind in ("B", "BW"):
-                assert (log[i - 1] == ("recv_B", mb)) == (r < p - 1)
-                assert (i + 1 < len(log) and log[i + 1] == ("send_B", mb)) == (r > 0)
-        assert sum(k == "send_F" for k, _ in log) == (m if r < p - 1 else 0)
-        assert sum(k == "send_B" for k, _ in log) == (m if r > 0 else 0)
+        log = [t.name for t in action_schedule(resolved.actions, r, resolved.ranks_of_stages, m).tasks]
+        for i, task in enumerate(log):
+            if task.startswith(f"{r}F"):
+                mb = task[len(f"{r}F") :]
+                assert (log[i - 1] == f"{r}RECV_F{mb}") == (r > 0)
+                assert (log[i + 1] == f"{r}SEND_F{mb}") == (r < p - 1)
+            if task.startswith((f"{r}I", f"{r}B")):
+                mb = task[len(f"{r}I") :]
+                assert (log[i - 1] == f"{r}RECV_B{mb}") == (r < p - 1)
+                assert (log[i + 1] == f"{r}SEND_B{mb}") == (r > 0)
+        assert sum("SEND_F" in t for t in log) == (m if r < p - 1 else 0)
+        assert sum("SEND_B" in t for t in log) == (m if r > 0 else 0)
 
 
 def test_ring_depth_is_the_activation_memory():
@@ -139,16 +174,15 @@ def test_the_lower_layers_do_not_import_the_pipeline_package():
 def test_a_users_yaml_schedule_runs_like_the_shipped_one_it_copies(tmp_path):
     """The shipped files are read like a user's: the same expressions in a file of one's own
     give the same plan and firing order on every rank."""
-    from recsys_pipe.pp.plan import LOOKAHEAD_DIR, SCHEDULES
-    from recsys_pipe.pp.schedules import resolve_schedule
+    from recsys_pipe.pp_schedules.lookahead import LOOKAHEAD_DIR, LOOKAHEAD_SCHEDULES
 
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "zb_h1", "zb_h2"}
+    assert set(LOOKAHEAD_SCHEDULES) == {"gpipe", "1f1b", "zb_h1", "zb_h2"}
     mine = tmp_path / "mine.yaml"
     mine.write_text((LOOKAHEAD_DIR / "zb_h1.yaml").read_text())
     resolved = resolve_schedule(str(mine), 4, 8, None)
-    assert resolved.actions is None and resolved.ranks_of_stages == (0, 1, 2, 3)
+    assert resolved.lookaheads and resolved.ranks_of_stages == (0, 1, 2, 3)
     for r in range(4):
-        assert run_plan(str(mine), 4, r, 8) == run_plan("zb_h1", 4, r, 8)
+        assert stage_plan(str(mine), 4, r, 8).forward == stage_plan("zb_h1", 4, r, 8).forward
     orders = resolved.compute_orders()
     assert [[(a.kind, a.microbatch) for a in row] for row in orders.ranks] == [
         [(a.kind, a.microbatch) for a in row] for row in build("zb_h1", 4, 8).ranks
@@ -169,7 +203,6 @@ def test_a_users_yaml_schedule_runs_like_the_shipped_one_it_copies(tmp_path):
 )
 def test_a_yaml_schedule_that_does_not_fit_is_a_config_error_naming_the_file(tmp_path, text, fragment):
     from recsys_pipe.config import ConfigError
-    from recsys_pipe.pp.schedules import resolve_schedule
 
     mine = tmp_path / "mine.yaml"
     mine.write_text(text)
@@ -184,7 +217,6 @@ def test_a_yaml_schedule_that_does_not_fit_is_a_config_error_naming_the_file(tmp
 
 def test_a_missing_yaml_schedule_is_named():
     from recsys_pipe.config import ConfigError
-    from recsys_pipe.pp.schedules import resolve_schedule
 
     with pytest.raises(ConfigError, match="nope.yaml: No such file"):
         resolve_schedule("nope.yaml", 2, 4, None)

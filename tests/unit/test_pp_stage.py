@@ -200,7 +200,7 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
     from recsys_pipe.data import make_dataloader
     from recsys_pipe.data.sequences import SequencesDataConfig
     from recsys_pipe.models.retrieval_config import HSTURetrievalConfig
-    from recsys_pipe.pp.models import hstu_retrieval_stages, model_stages
+    from recsys_pipe.pp.models import hstu_retrieval_stages
 
     data = SequencesDataConfig(path=str(_sequences_file(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
     torch.manual_seed(0)
@@ -209,7 +209,7 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
     )
     model = cfg.build(data.dataset(0, 1).spec)
     batch = next(iter(make_dataloader(data)))
-    stages = model_stages(model, [[0, 1], [2]])  # keys the model's dropout sites too
+    stages = cfg.cut_into_stages(model, [[0, 1], [2]])  # as the config declares; keys the dropout sites too
     assert all(type(s).__name__ == "HSTURetrievalStage" for s in stages)
     expected_loss = _assert_stages_compute_the_model(model, stages, batch, key=(3, 1))
     if dropout:
@@ -229,7 +229,6 @@ def test_the_first_stages_tables_are_sharded_by_dmp_and_train_bitwise_as_plain_t
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
 
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.pp.models import model_stages
     from recsys_pipe.pp.train import build_pipelined_model
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.testing import load_run
@@ -239,12 +238,13 @@ def test_the_first_stages_tables_are_sharded_by_dmp_and_train_bitwise_as_plain_t
     run = load_run(*overrides, "model.compute_kernel=fused", "trainer.device=cpu")
     loader = make_dataloader(run.data)
     batches = [batch for _, batch in zip(range(2), loader)]
-    pipelined, optimizer = build_pipelined_model(run, DistInfo(0, 1, 0, torch.device("cpu"), "gloo"), run.data.spec())
+    pipelined = build_pipelined_model(run, DistInfo(0, 1, 0, torch.device("cpu"), "gloo"), run.data.spec())
+    optimizer = dense_optimizer_factory(run.optimizer)(pipelined.parameters())
     ec = pipelined.stages["0"].ec
     assert isinstance(ec, ShardedEmbeddingCollection)
     kernels = [k for lookup in ec._lookups for k in lookup.modules() if isinstance(k, BaseBatchedEmbedding)]
     assert kernels and all(isinstance(k, BatchedDenseEmbedding) for k in kernels)
-    runtime = pipelined.runner.runtime
+    runtime = pipelined.runner.runtimes[0]  # stage 0, the only one
     assert {id(p) for p in runtime.summed_params} == {id(p) for p in ec.parameters()} != set()
     losses = []
     for batch in batches:
@@ -253,7 +253,7 @@ def test_the_first_stages_tables_are_sharded_by_dmp_and_train_bitwise_as_plain_t
         optimizer.step()
 
     torch.manual_seed(run.seed)
-    plain = ChainedStages(model_stages(run.model.build(run.data.spec()), [[0, 1]]))
+    plain = ChainedStages(run.model.cut_into_stages(run.model.build(run.data.spec()), [[0, 1]]))
     plain_optimizer = dense_optimizer_factory(run.optimizer)(plain.parameters())
     expected = []
     for step, batch in enumerate(batches):

@@ -148,7 +148,7 @@ def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(300)
 def test_a_user_model_and_data_source_train_by_import_path(tmp_path):
-    """The README's custom example: the user's builders, their own keys, a pipelined plan."""
+    """The README's custom example: the user's builders, their own keys, a plan with lookaheads."""
     proc = _train(
         tmp_path,
         "model=custom",

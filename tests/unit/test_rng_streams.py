@@ -19,7 +19,7 @@ from _process_group import one_rank_group
 from torch import nn
 
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, resolve_resume, training_plan
+from recsys_pipe.train import Trainer, build_parts, resolve_resume, training_plan
 
 STEPS = 6
 COMMON = [
@@ -68,7 +68,7 @@ def _overrides(name: str, sequences: list[str]) -> list[str]:
 
 def _fit(info, overrides: list[str], run_dir: Path | None = None, restore: str | None = None):
     run = load_run(*overrides)
-    trainer = Trainer(run, training_plan(run), info, str(run_dir) if run_dir else None)
+    trainer = Trainer(build_parts(run, training_plan(run), info, str(run_dir) if run_dir else None))
     try:
         if restore is not None:
             trainer.restore(restore)
@@ -198,7 +198,7 @@ def test_evaluating_at_any_cadence_leaves_every_training_loss_bitwise_unchanged(
 
 def test_evaluation_leaves_the_global_generators_as_it_found_them(info, sequences):
     run = load_run(*_overrides("sasrec", sequences), "trainer.eval_every=0", "trainer.max_steps=2")
-    trainer = Trainer(run, training_plan(run), info)
+    trainer = Trainer(build_parts(run, training_plan(run), info))
     try:
         trainer.fit()
         before = torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=False)

@@ -4,7 +4,7 @@ Tolerances. Compiled by `aot_eager` (torch.compile's graph capture and autograd,
 generation) a plan trains bitwise the eager plan's losses, and every plan that trains the same
 numbers eagerly (serial, sparse_dist, hstu_prefetch) trains the same bits compiled; semi_sync
 (stale embeddings) equals its own eager run. Compiled by `inductor` (fused kernels: other
-rounding), serial and the pipelined plans still train bitwise the same as each other, and stay
+rounding), serial and the plans with lookaheads still train bitwise the same as each other, and stay
 within rtol=1e-5, atol=1e-6 of eager over the steps here (the 200-step comparison is
 `recsys-bench compile`; docs/training.md states both).
 """
@@ -22,7 +22,7 @@ from _process_group import one_rank_group
 
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, training_plan
+from recsys_pipe.train import Trainer, build_parts, training_plan
 from recsys_pipe.train.torch_compile import CompileOptions
 
 STEPS = 5
@@ -51,7 +51,7 @@ def info():
 def _fit(info, *overrides: str) -> tuple[list[float], dict]:
     """Per-step losses, and what the run compiled with its state_dict keys."""
     run = load_run(*overrides)
-    trainer = Trainer(run, training_plan(run), info)
+    trainer = Trainer(build_parts(run, training_plan(run), info))
     try:
         losses = trainer.fit(record_steps=True).losses
         compiled = trainer.parts.compiled

@@ -131,15 +131,18 @@ class PipelineSchedule:
 
     @property
     def num_ranks(self) -> int:
+        """Ranks the schedule runs on (its rows)."""
         return len(self.ranks)
 
     @property
     def num_microbatches(self) -> int:
+        """Microbatches of a step: one more than the highest a compute step names."""
         mbs = [c.microbatch for row in self.ranks for a in row for c in a.computes]
         return max(mbs) + 1 if mbs else 0
 
     @property
     def num_stages(self) -> int:
+        """Stages over all ranks: one more than the highest a compute step names."""
         stages = [c.stage for row in self.ranks for a in row for c in a.computes]
         return max(stages) + 1 if stages else 0
 

@@ -1,10 +1,12 @@
-"""Single-stage-per-rank pipeline schedules as engine plans over microbatches.
+"""Single-stage-per-rank pipeline schedules declared as lookaheads, compiled to per-rank actions.
 
-Per rank, a schedule is a plan whose "batches" are the microbatches of one optimizer step: one
-ring slot per microbatch, and the engine's prefill / steady state / drain are the schedule's
+Per rank, a schedule is a plan whose "batches" are the microbatches of one optimizer step, in
+the engine's terms (`recsys_pipe.engine`): a task with lookahead k processes the microbatch k
+iterations ahead of the one finishing, so the prefill / steady state / drain are the schedule's
 warm-up / steady state / cool-down. A schedule is declared in YAML: the lookaheads of F, B and W
 as integer expressions in p (stages), r (this rank's stage) and m (microbatches), one file per
-schedule in `recsys_pipe/pp/lookahead/` (or a file of the user's, `parallel.pp.schedule=my.yaml`).
+schedule in `recsys_pipe/pp_schedules/lookahead/` (or a file of the user's,
+`parallel.pp.schedule=my.yaml`).
 The shipped files (stage r of p; lookaheads in microbatches):
 
 | schedule | F | B | W | |
@@ -15,13 +17,14 @@ The shipped files (stage r of p; lookaheads in microbatches):
 | zb_h2 | 2(p - 1) | 2r | 0 | twice the warm-up, W held back 2r |
 
 Relative to B, F runs `p-1-r` (zb_h1) or `2(p-1-r)` (zb_h2) microbatches ahead, as in the
-Zero Bubble paper's handcrafted schedules; lookaheads are shifted so the smallest is 0. Inside
-one engine iteration the tasks run F, then B, then W, so the firing order is exactly
-`recsys_pipe.autosched.pp_schedules.build()`'s per-rank action order (a test checks it).
+Zero Bubble paper's handcrafted schedules; lookaheads are shifted so the smallest is 0.
 
-Around the compute tasks, `recv_F` / `send_F` move the activations (same lookahead as F) and
-`recv_B` / `send_B` the input gradients (same lookahead as B). Data moves through slots of the
-microbatch's store: `act_in` -> F -> `fwd` -> B -> `bwd` -> W.
+`lookahead_order(plan)` compiles one rank's plan into the order the engine would fire it in:
+iteration t (0 .. m-1 + the deepest lookahead L) runs F, then B (or BW), then W, each on
+microbatch t - L + its lookahead when that is one of the step's m. Every schedule runs as such a
+per-rank action order (`recsys_pipe.pp.actions.ActionOrderRunner`); `task_lookaheads(plan)` lists
+the plan's tasks as `recsys-plan` prints them, the transfers beside the compute: `recv_F` /
+`send_F` at F's lookahead, `recv_B` / `send_B` at B's.
 """
 
 from __future__ import annotations
@@ -30,31 +33,29 @@ import ast
 import operator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
-from recsys_pipe.engine import BATCH_CPU, STEP_RESULT, SchedulablePipeline, Schedule, Task, TaskContext
+from recsys_pipe.pp_schedules.actions import Action, PipelineSchedule
 
 __all__ = [
     "LOOKAHEAD_DIR",
-    "SCHEDULES",
+    "LOOKAHEAD_SCHEDULES",
     "LookaheadSchedule",
     "StagePlan",
-    "firing_order",
     "is_lookahead_file",
     "load_lookahead_schedule",
+    "lookahead_order",
+    "lookahead_schedule",
     "stage_plan",
-    "stage_schedule",
-    "stage_tasks",
+    "task_lookaheads",
 ]
 
 #: the shipped lookahead schedules, one YAML file each
 LOOKAHEAD_DIR = Path(__file__).resolve().parent / "lookahead"
-#: the schedules a single stage per rank runs as an engine plan: the files of `LOOKAHEAD_DIR`
-SCHEDULES = tuple(sorted(path.stem for path in LOOKAHEAD_DIR.glob("*.yaml")))
+#: the named schedules declared as lookaheads (one stage per rank): the files of `LOOKAHEAD_DIR`
+LOOKAHEAD_SCHEDULES = tuple(sorted(path.stem for path in LOOKAHEAD_DIR.glob("*.yaml")))
 
 Lookahead = StrictInt | StrictStr
 
@@ -122,8 +123,9 @@ def load_lookahead_schedule(schedule: str) -> LookaheadSchedule:
     """The schedule a shipped name or a YAML file declares; ValueError (one line, the file and
     the key) when it cannot be read or does not fit."""
     path = Path(schedule) if is_lookahead_file(schedule) else LOOKAHEAD_DIR / f"{schedule}.yaml"
-    if not is_lookahead_file(schedule) and schedule not in SCHEDULES:
-        raise ValueError(f"unknown single-stage pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if not is_lookahead_file(schedule) and schedule not in LOOKAHEAD_SCHEDULES:
+        known = ", ".join(LOOKAHEAD_SCHEDULES)
+        raise ValueError(f"unknown single-stage pipeline schedule {schedule!r}; known: {known}")
     try:
         data = yaml.safe_load(path.read_text())
         return LookaheadSchedule.model_validate(data)
@@ -171,121 +173,39 @@ def stage_plan(schedule: str, num_stages: int, stage: int, microbatches: int) ->
     return StagePlan(schedule, p, r, m, *lookaheads)
 
 
-# -- task functions: ctx.state is the rank's StageRuntime, ctx.batch_index the microbatch -------
-
-
-def recv_f(ctx: TaskContext) -> None:
-    ctx.slots.set("act_in", ctx.state.recv_activation(ctx.batch_index))
-
-
-def forward(ctx: TaskContext) -> None:
-    slots = ctx.slots
-    slots.set("fwd", ctx.state.forward(ctx.batch_index, slots[BATCH_CPU], slots.pop("act_in", ())))
-
-
-def send_f(ctx: TaskContext) -> None:
-    ctx.state.send_activation(ctx.slots["fwd"])
-
-
-def recv_b(ctx: TaskContext) -> None:
-    ctx.slots.set("grad_in", ctx.state.recv_gradient(ctx.batch_index))
-
-
-def backward_input(ctx: TaskContext) -> None:
-    slots = ctx.slots
-    slots.set("bwd", ctx.state.backward_input(slots.pop("fwd"), slots.pop("grad_in", None)))
-
-
-def backward_weight(ctx: TaskContext) -> None:
-    record = ctx.slots.pop("bwd")
-    ctx.state.backward_weight(record)
-    ctx.slots.set(STEP_RESULT, record.forward.loss)
-
-
-def backward(ctx: TaskContext) -> None:
-    slots = ctx.slots
-    record = ctx.state.backward(slots.pop("fwd"), slots.pop("grad_in", None))
-    slots.set("bwd", record)
-    slots.set(STEP_RESULT, record.forward.loss)
-
-
-def send_b(ctx: TaskContext) -> None:
-    ctx.state.send_gradient(ctx.slots["bwd"])
-
-
-def stage_tasks(plan: StagePlan) -> tuple[Task, ...]:
-    """The rank's tasks, in the order they run inside one engine iteration."""
+def task_lookaheads(plan: StagePlan) -> list[tuple[str, int]]:
+    """The rank's tasks with their lookaheads, in the order they run inside one iteration: the
+    compute (F, B and W, or BW) and the transfers around it (none at the pipeline's ends)."""
     first, last = plan.stage == 0, plan.stage == plan.num_stages - 1
     f, b = plan.forward, plan.backward
-    tasks = []
-    if not first:
-        tasks.append(Task.from_fn("recv_F", recv_f, lookahead=f, writes=["act_in"]))
-    f_reads = [BATCH_CPU] if first else [BATCH_CPU, "act_in"]
-    tasks.append(Task.from_fn("F", forward, lookahead=f, reads=f_reads, writes=["fwd"]))
+    tasks = [] if first else [("recv_F", f)]
+    tasks.append(("F", f))
     if not last:
-        tasks.append(Task.from_fn("send_F", send_f, lookahead=f, reads=["fwd"]))
-        tasks.append(Task.from_fn("recv_B", recv_b, lookahead=b, reads=["fwd"], writes=["grad_in"]))
-    b_reads = ["fwd"] if last else ["fwd", "grad_in"]
-    if plan.split_backward:
-        tasks.append(Task.from_fn("B", backward_input, lookahead=b, reads=b_reads, writes=["bwd"]))
-    else:
-        tasks.append(Task.from_fn("BW", backward, lookahead=b, reads=b_reads, writes=["bwd", STEP_RESULT]))
+        tasks += [("send_F", f), ("recv_B", b)]
+    tasks.append(("B" if plan.split_backward else "BW", b))
     if not first:
-        tasks.append(Task.from_fn("send_B", send_b, lookahead=b, reads=["bwd"]))
+        tasks.append(("send_B", b))
     if plan.split_backward:
-        tasks.append(Task.from_fn("W", backward_weight, lookahead=plan.weight, reads=["bwd"], writes=[STEP_RESULT]))
-    return tuple(tasks)
+        tasks.append(("W", plan.weight))
+    return tasks
 
 
-def stage_schedule(plan: StagePlan) -> Schedule:
-    """The rank's engine schedule (one stage, the default stream)."""
-    return Schedule.single_stage(stage_tasks(plan))
+def lookahead_order(plan: StagePlan) -> tuple[Action, ...]:
+    """The rank's compute actions in the order the engine fires `plan` over one step (see the
+    module docstring): iteration by iteration, F then B (or BW) then W."""
+    computes = [(kind, k) for kind, k in task_lookaheads(plan) if kind in ("F", "B", "BW", "W")]
+    deepest = max(k for _, k in computes)
+    order = []
+    for t in range(plan.microbatches + deepest):
+        for kind, k in computes:
+            microbatch = t - deepest + k
+            if 0 <= microbatch < plan.microbatches:
+                order.append(Action(kind, plan.stage, microbatch))
+    return tuple(order)
 
 
-class _DryStage:
-    """Stands in for a StageRuntime: runs nothing, logs the task of each call, passes records on."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, int]] = []
-
-    def _record(self, kind: str, microbatch: int) -> Any:
-        self.log.append((kind, microbatch))
-        return SimpleNamespace(
-            microbatch=microbatch, loss=None, forward=SimpleNamespace(microbatch=microbatch, loss=None)
-        )
-
-    def recv_activation(self, microbatch: int) -> tuple:
-        self._record("recv_F", microbatch)
-        return ()
-
-    def forward(self, microbatch: int, batch: Any, inputs: tuple) -> Any:
-        return self._record("F", microbatch)
-
-    def send_activation(self, record: Any) -> None:
-        self._record("send_F", record.microbatch)
-
-    def recv_gradient(self, microbatch: int) -> tuple:
-        self._record("recv_B", microbatch)
-        return ()
-
-    def backward_input(self, record: Any, grads: Any) -> Any:
-        return self._record("B", record.microbatch)
-
-    def backward(self, record: Any, grads: Any) -> Any:
-        return self._record("BW", record.microbatch)
-
-    def backward_weight(self, record: Any) -> None:
-        self._record("W", record.forward.microbatch)
-
-    def send_gradient(self, record: Any) -> None:
-        self._record("send_B", record.forward.microbatch)
-
-
-def firing_order(plan: StagePlan) -> list[tuple[str, int]]:
-    """(task, microbatch) in the order the engine runs `plan` over one step, found by running
-    it on the engine with a stand-in stage that computes nothing."""
-    dry = _DryStage()
-    with SchedulablePipeline(stage_schedule(plan), state=dry) as pipeline:
-        for _ in pipeline.iterate(iter(range(plan.microbatches))):
-            pass
-    return dry.log
+def lookahead_schedule(schedule: str, num_stages: int, microbatches: int) -> PipelineSchedule:
+    """Every rank's compute order of a lookahead schedule (a shipped name or a YAML file), stage
+    r on rank r; ValueError (one line) when a rank's plan does not evaluate."""
+    ranks = [lookahead_order(stage_plan(schedule, num_stages, r, microbatches)) for r in range(num_stages)]
+    return PipelineSchedule(tuple(ranks), Path(schedule).stem if is_lookahead_file(schedule) else schedule)

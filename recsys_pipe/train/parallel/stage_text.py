@@ -1,10 +1,11 @@
-"""The per-rank text `recsys-plan` shows for `parallel.pp`: what each rank runs in one step."""
+"""The per-rank text `recsys-plan` shows for `parallel.pp` (`PipelineStages.describe_steps`):
+what each rank runs in one step, and its bubble simulated with unit times."""
 
 from __future__ import annotations
 
 from recsys_pipe.autosched.pipeline_parallel import simulate
 from recsys_pipe.pp.config import PipelineParallelConfig
-from recsys_pipe.pp.plan import stage_plan, stage_tasks
+from recsys_pipe.pp_schedules.lookahead import stage_plan, task_lookaheads
 
 __all__ = ["render_pipeline_parallel"]
 
@@ -18,18 +19,17 @@ def render_pipeline_parallel(pp: PipelineParallelConfig) -> str:
         f"pipeline parallelism: {resolved.name}, {size} rank(s), {resolved.num_stages} stage(s), "
         f"{m} microbatches per step (each data.batch_size / {m} samples)"
     ]
-    if resolved.actions is None:
-        out.append("each rank runs its stage as an engine plan over the step's microbatches (one ring slot each):")
-    else:
-        out.append("each rank runs its action list in order (one engine task per action, one iteration per step):")
+    if resolved.lookaheads:
+        out.append("each rank's stage is declared as lookaheads over the step's microbatches, compiled to its order:")
+    out.append("each rank runs its action list in order (one engine task per action, one iteration per step):")
     orders = resolved.compute_orders()
     for rank in range(size):
         stages = resolved.local_stages(rank)
         out.append("")
         out.append(f"rank {rank} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}):")
-        if resolved.actions is None:
+        if resolved.lookaheads:
             plan = stage_plan(resolved.name, size, rank, m)
-            lookaheads = ", ".join(f"{t.name}@{t.lookahead}" for t in stage_tasks(plan))
+            lookaheads = ", ".join(f"{name}@{k}" for name, k in task_lookaheads(plan))
             out.append(f"  tasks@lookahead: {lookaheads}  (ring: {plan.ring_slots} microbatch(es) in flight)")
         out.append(f"  order: {' '.join(map(str, orders.ranks[rank]))}")
     unit = simulate(orders, 1.0, 1.0, 1.0)

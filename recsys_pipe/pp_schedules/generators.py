@@ -1,5 +1,9 @@
-"""Generators of the classic pipeline-parallel schedules, as per-rank action lists.
+"""The named pipeline-parallel schedules as per-rank action lists (`build`).
 
+The single-stage-per-rank ones are declared once, as lookaheads (`recsys_pipe.pp_schedules.lookahead`,
+one YAML file each), and compiled to actions from there:
+
+- `gpipe`: every forward before any backward.
 - `1f1b` (PipeDream-flush): rank r runs `p-1-r` warm-up forwards, then alternates one forward
   and one full backward (`BW`), then the remaining backwards. At most `p-r` microbatches hold
   activations on rank r.
@@ -10,6 +14,9 @@
 - `zb_h2` (Zero Bubble, zero-bubble memory budget): `2(p-1-r)` warm-up forwards on rank r, then
   F-B-W with the W's held back by `2r`, turning the trapezoid into a parallelogram; up to
   `2p-1` microbatches hold activations on rank 0.
+
+The others are not a lookahead pattern over one stage; they are generated here:
+
 - `dualpipe` (DeepSeek-V3): two pipelines fed from both ends. Microbatches `0..m/2-1` enter at
   rank 0 and run stages `0..p-1` on ranks `0..p-1`; microbatches `m/2..m-1` enter at rank
   p-1 and run stages `p..2p-1` on ranks `p-1..0` (stage `p+k` computes the same model block
@@ -29,61 +36,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from recsys_pipe.autosched.pp_actions import Action, PipelineSchedule
+from recsys_pipe.pp_schedules.actions import Action, PipelineSchedule
+from recsys_pipe.pp_schedules.lookahead import LOOKAHEAD_SCHEDULES, lookahead_schedule
 
 __all__ = ["SCHEDULES", "build"]
 
 
 def build(name: str, p: int, m: int) -> PipelineSchedule:
-    """The `name` schedule ("1f1b", "zb_h1", "zb_h2", "dualpipe", "dualpipev") for `p` ranks,
-    `m` microbatches."""
-    generator = SCHEDULES.get(name)
-    if generator is None:
+    """The `name` schedule (`SCHEDULES`: "gpipe", "1f1b", "zb_h1", "zb_h2", "dualpipe",
+    "dualpipev") for `p` ranks, `m` microbatches."""
+    if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
     if p < 1 or m < 1:
         raise ValueError(f"need p >= 1 ranks and m >= 1 microbatches, got p={p}, m={m}")
-    return PipelineSchedule(generator(p, m), name)
-
-
-def _one_f_one_b(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    ranks = []
-    for r in range(p):
-        warmup = min(p - 1 - r, m)
-        acts = [Action("F", r, j) for j in range(warmup)]
-        for k in range(m - warmup):
-            acts += [Action("F", r, warmup + k), Action("BW", r, k)]
-        acts += [Action("BW", r, k) for k in range(m - warmup, m)]
-        ranks.append(tuple(acts))
-    return tuple(ranks)
-
-
-def _split_backward(p: int, m: int, warmup: Callable[[int], int], held_back: Callable[[int], int]):
-    """1F1B order with B and W split: after its warm-up forwards, rank r alternates F and B,
-    appending a W (oldest first) after each B once `held_back(r)` B's are ahead of the W's;
-    the W's still held back run at the end."""
-    ranks = []
-    for r in range(p):
-        w = min(warmup(r), m)
-        acts = [Action("F", r, j) for j in range(w)]
-        done_w = 0
-        for k in range(m):
-            if w + k < m:
-                acts.append(Action("F", r, w + k))
-            acts.append(Action("B", r, k))
-            if k + 1 > held_back(r):
-                acts.append(Action("W", r, done_w))
-                done_w += 1
-        acts += [Action("W", r, j) for j in range(done_w, m)]
-        ranks.append(tuple(acts))
-    return tuple(ranks)
-
-
-def _zb_h1(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    return _split_backward(p, m, warmup=lambda r: p - 1 - r, held_back=lambda r: r)
-
-
-def _zb_h2(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    return _split_backward(p, m, warmup=lambda r: 2 * (p - 1 - r), held_back=lambda r: 2 * r)
+    if name in LOOKAHEAD_SCHEDULES:
+        return lookahead_schedule(name, p, m)
+    return PipelineSchedule(_GENERATORS[name](p, m), name)
 
 
 def _dualpipe(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
@@ -179,10 +147,10 @@ class _DualPipeRank:
         return tuple(out)
 
 
-SCHEDULES: dict[str, Callable[[int, int], tuple[tuple[Action, ...], ...]]] = {
-    "1f1b": _one_f_one_b,
-    "zb_h1": _zb_h1,
-    "zb_h2": _zb_h2,
+#: the schedules generated here, not declared as lookaheads
+_GENERATORS: dict[str, Callable[[int, int], tuple[tuple[Action, ...], ...]]] = {
     "dualpipe": _dualpipe,
     "dualpipev": _dualpipev,
 }
+#: every named schedule `build` makes
+SCHEDULES: tuple[str, ...] = (*LOOKAHEAD_SCHEDULES, *_GENERATORS)

@@ -1,0 +1,82 @@
+"""`ShardedTables`: a model with torchrec tables, sharded over the ranks by
+`DistributedModelParallel` (`model.sharding`), with the embedding optimizer fused into their
+backward (or on torchrec's dense kernel, `model.compute_kernel=dense`); the dense part is
+replicated under DDP. torchrec is imported only here and by the tasks that need it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.train.dense_ddp import check_dense_ddp
+from recsys_pipe.train.optim import check_sparse_device, dense_optimizer_factory, sparse_optimizer
+from recsys_pipe.train.parallel.base import Parallelism
+from recsys_pipe.train.parallel.replicated import seeded_model
+
+if TYPE_CHECKING:
+    from recsys_pipe.config import CompiledPlan
+    from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.engine import StreamPool
+    from recsys_pipe.runtime.distributed import DistInfo
+    from recsys_pipe.train.rng import RngState
+
+__all__ = ["ShardedTables", "describe_sharding"]
+
+
+class ShardedTables(Parallelism):
+    """torchrec shards the tables over every rank; DDP averages the dense part's gradients."""
+
+    def check(self, world_size: int, device_type: str) -> None:
+        check_dense_ddp(self.run, device_type)
+        if self.run.model.compute_kernel == "fused":
+            check_sparse_device(self.run.optimizer.sparse, device_type)
+
+    def build_model(self, spec: DataSpec, info: DistInfo, rng: RngState) -> tuple[nn.Module, Any]:
+        from recsys_pipe.models.sharding import make_optimizer, make_sharded_model
+
+        run = self.run
+        check_dense_ddp(run, info.device.type)  # again, for programmatic use
+        module = seeded_model(run, spec, rng)
+        embedding_opt, embedding_kwargs = sparse_optimizer(run.optimizer.sparse)
+        model = make_sharded_model(
+            module,
+            run.model,
+            dist.group.WORLD,
+            info.device,
+            batch_size=run.data.batch_size,
+            embedding_optimizer=embedding_opt,
+            embedding_optimizer_kwargs=embedding_kwargs,
+        )
+        return model, make_optimizer(model, dense_optimizer_factory(run.optimizer))
+
+    def input_dist(self, model: nn.Module, info: DistInfo, streams: StreamPool, plan: CompiledPlan) -> Any:
+        from recsys_pipe.train.sparse_dist import TorchrecSparseDist
+
+        return TorchrecSparseDist(model, info.device, streams, context=plan.config.torchrec_context)
+
+    def describe_model(self, plan: CompiledPlan, world_size: int, local_size: int, device_type: str) -> str:
+        return describe_sharding(self.run, self.run.model, world_size, local_size, device_type)
+
+
+def describe_sharding(
+    run: Any, cfg: ShardedModelConfig, ranks: int, local_size: int, device_type: str, where: str = ""
+) -> str:
+    """The model's tables as `cfg` shards them over `ranks` ranks (`local_size` per host): the
+    heading and torchrec's printout of the sharding plan for this topology, built on the meta
+    device (no table memory). `where` names the ranks, when not the whole world."""
+    from recsys_pipe.models.sharding import optimize_tables_in_backward, sharding_plan
+
+    with torch.device("meta"):
+        module = run.model.build(run.data.spec())
+    if cfg.compute_kernel == "fused":  # as in training
+        optimize_tables_in_backward(module, *sparse_optimizer(run.optimizer.sparse))
+    sharding = sharding_plan(module, cfg, ranks, device_type, local_size, batch_size=run.data.batch_size)
+    heading = (
+        f"model: {run.model.label} (torchrec tables, model.sharding={run.model.sharding}; sharding plan for "
+        f"{ranks} rank(s){where}, {local_size} per host, on {device_type})"
+    )
+    return heading + "\n" + str(sharding).strip("\n")
