@@ -205,7 +205,7 @@ def test_time_bias_reads_the_time_of_the_predicted_item(tmp_path):
 def test_hstu_large_builds_and_trains_through_the_configs(tmp_path):
     """`model=hstu_retrieval_large`: the paper's HSTU-large (8 blocks, 2 heads) trains a few steps."""
     from recsys_pipe.testing import load_run
-    from recsys_pipe.train import Trainer, training_plan
+    from recsys_pipe.train import Trainer, build_parts, training_plan
 
     run = load_run(
         "data=sequences",
@@ -227,7 +227,7 @@ def test_hstu_large_builds_and_trains_through_the_configs(tmp_path):
     )
     assert (run.model.num_layers, run.model.num_heads) == (8, 2)
     with one_rank_group() as info:
-        trainer = Trainer(run, training_plan(run), info)
+        trainer = Trainer(build_parts(run, training_plan(run), info))
         try:
             encoder = {name: p for name, p in trainer.state.model.named_parameters() if ".encoder." in name}
             before = {name: p.detach().clone() for name, p in encoder.items()}
