@@ -24,7 +24,7 @@ per index, so the position of the next batch to train is enough and exact.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -178,6 +178,13 @@ class RankData:
         self.rank = rank
         self.world_size = world_size
         self.dataset = cfg.dataset(rank, world_size)
+        #: a streaming source (`recsys_pipe.data.stream.StreamSource`) plans its own batches
+        self.stream = self.dataset if callable(getattr(self.dataset, "resume_layout", None)) else None
+        if self.stream is not None:
+            self.stream.prepare(eval_batches)
+            self.eval_batches = self.stream.eval_batches
+            self.batches_per_epoch = self.stream.batches_per_epoch
+            return
         self.eval_batches = eval_batches = 0 if has_eval_splits(self.dataset) else eval_batches
         size = len(self.dataset)
         batch = cfg.batch_size
@@ -232,12 +239,16 @@ class RankData:
             epoch_stride=len(self.dataset) if getattr(self.dataset, "resamples_per_epoch", False) else 0,
         )
 
-    def train_loader(self, epochs: int = 1, start: int = 0) -> DataLoader:
+    def train_loader(self, epochs: int = 1, start: int = 0) -> Iterable[Any]:
         """Training batches of `epochs` epochs from batch position `start` (across epochs)."""
+        if self.stream is not None:
+            return self.stream.train_loader(epochs, start)
         return self._loader(self.train_sampler(epochs, start))
 
-    def eval_loader(self) -> DataLoader | None:
+    def eval_loader(self) -> Iterable[Any] | None:
         """The held-out batches (the tail of the share), or None without `eval_batches`."""
+        if self.stream is not None:
+            return self.stream.eval_loader()
         if not self.eval_batches:
             return None
         size = len(self.dataset)
