@@ -23,6 +23,7 @@ per index, so the position of the next batch to train is enough and exact.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
@@ -33,6 +34,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from recsys_pipe.config import Component, ConfigError, ConfigProblem
 from recsys_pipe.data.spec import DataSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DataConfig",
@@ -216,6 +219,71 @@ class RankData:
     def spec(self) -> Any:
         """The dataset's `DataSpec` (vocabulary sizes for the model)."""
         return self.dataset.spec
+
+    def layout_state(self, position: int) -> str:
+        """The data-parallel layouts the epoch at `position` was trained under, for a checkpoint:
+        `"W x B @ since"` entries joined by `,` (a streaming source continues an epoch across a
+        change of world size from them, `resume_position`)."""
+        if self.stream is not None:
+            layouts = self.stream.layout_state(position)
+        else:
+            layouts = [(self.world_size, self.cfg.batch_size, 0)]
+        return ",".join(f"{w}x{b}@{since}" for w, b, since in layouts)
+
+    def resume_position(
+        self, position: int, world_size: int, batch_size: int, batches_per_epoch: int, layouts: str | None = None
+    ) -> int:
+        """Where a run resumed from a checkpoint at `position` starts, in this run's batches.
+
+        The checkpoint's run had `world_size` ranks of `batch_size` and `batches_per_epoch`
+        (`layouts`: its `layout_state`). The same layout: `position`. A streaming source with the
+        same global batch size continues the epoch exactly: every row of it trained once over
+        the two runs (a different global batch size is a ConfigError). A map-style source
+        continues the same epoch at the same fraction of it: its ranks' shares differ, so the
+        rest of the epoch is not exactly the samples the old run had left (a warning says so).
+        """
+        if self.stream is not None:
+            from recsys_pipe.data.stream import Layout
+
+            if layouts:
+                parsed = [Layout(*(int(x) for x in part.replace("@", "x").split("x"))) for part in layouts.split(",")]
+            else:
+                parsed = [Layout(world_size, batch_size, 0)]
+            start = self.stream.resume_layout(position, parsed)
+            if self.rank == 0 and (world_size, batch_size) != (self.world_size, self.cfg.batch_size):
+                log.warning(
+                    "resuming a checkpoint of %d rank(s) x data.batch_size=%d on %d rank(s) x %d: the same global "
+                    "batch; epoch %d continues at batch %d with the rows the old ranks had not trained",
+                    world_size,
+                    batch_size,
+                    self.world_size,
+                    self.cfg.batch_size,
+                    start // self.batches_per_epoch + 1,
+                    start % self.batches_per_epoch,
+                )
+            return start
+        new = (self.world_size, self.cfg.batch_size, self.batches_per_epoch)
+        if (world_size, batch_size, batches_per_epoch) == new:
+            return position
+        epoch, done = divmod(position, batches_per_epoch)
+        batch = done * self.batches_per_epoch // batches_per_epoch
+        if self.rank == 0:
+            log.warning(
+                "resuming a checkpoint of %d rank(s) x %d batches/epoch on %d rank(s) x %d batches/epoch: the data "
+                "split differs, so epoch %d continues at the same share of it (batch %d of %d, where the checkpoint "
+                "was at %d of %d), not bitwise as the original run would have (for an exact continuation use "
+                "data=parquet or data=parquet_sequences)",
+                world_size,
+                batches_per_epoch,
+                self.world_size,
+                self.batches_per_epoch,
+                epoch + 1,
+                batch,
+                self.batches_per_epoch,
+                done,
+                batches_per_epoch,
+            )
+        return epoch * self.batches_per_epoch + batch
 
     def train_sampler(self, epochs: int = 1, start: int = 0) -> EpochSampler:
         """The sampler of this rank's training batches (the held-out ones left out).

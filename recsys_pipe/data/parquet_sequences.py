@@ -431,8 +431,13 @@ class _EvalSplit(Dataset[RetrievalSample]):
     def __getitem__(self, index: int) -> RetrievalSample:
         user = self.first + index
         sample = self.source.eval_sample(user, self.name) if user < self.stop else None
+        if sample is not None:
+            return sample
+        # padding: the rank's first user's sample (as data=sequences pads), or a stand-in
+        sample = self.source.eval_sample(self.first, self.name) if self.first < self.stop else None
         if sample is None:
             return RetrievalSample(-1, [0], [0], [], [], list(range(self.source.eval_negatives + 1)))
+        sample.sample_id = -1
         return sample
 
 
