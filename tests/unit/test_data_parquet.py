@@ -178,7 +178,7 @@ def test_resume_on_another_world_size_continues_the_epoch_with_the_rows_not_trai
     """2 ranks x 12 rows to step 5, then 3 ranks x 8 to step 9, then 1 rank x 24 to the end
     (checkpoints carry the layouts): across the three runs every row of the epoch once."""
     glob, _ = criteo
-    common = dict(shuffle=True, shuffle_window=48, seed=2)
+    common = {"shuffle": True, "shuffle_window": 48, "seed": 2}
     runs = [(2, 12, 0, 5), (3, 8, 5, 9), (1, 24, 9, None)]
     seen: list[int] = []
     layout = None
@@ -353,7 +353,8 @@ def test_bad_files_are_refused_in_one_line_naming_file_row_group_and_column(tmp_
     _refused(_bad(tmp_path, "empty.parquet", good.slice(0, 0)), "empty.parquet: the file has no rows")
     _refused(_bad(tmp_path, "zero.parquet", raw=b""), "zero.parquet: not a Parquet file, or truncated")
     _refused(_bad(tmp_path, "text.parquet", raw=b"label\tint_0\n1\t2\n" * 20), "text.parquet: not a Parquet file")
-    data = open(ok, "rb").read()
+    with open(ok, "rb") as f:
+        data = f.read()
     _refused(_bad(tmp_path, "cut.parquet", raw=data[: len(data) // 2]), "cut.parquet: not a Parquet file, or truncated")
     _refused(_bad(tmp_path, "nolabel.parquet", good.drop_columns(["cat_7"])), "nolabel.parquet: no column 'cat_7'")
     strings = good.set_column(3, "int_2", pa.array([str(x) for x in good["int_2"].to_pylist()]))
@@ -399,9 +400,9 @@ def _corrupt_second_row_group(path: str) -> None:
     meta = pq.ParquetFile(path).metadata
     col = meta.row_group(1).column(3)
     start = col.data_page_offset
-    data = bytearray(open(path, "rb").read())
-    data[start : start + col.total_compressed_size] = b"\xff" * col.total_compressed_size
-    open(path, "wb").write(bytes(data))
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(b"\xff" * col.total_compressed_size)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -447,7 +448,7 @@ def sequences(tmp_path_factory):
 
 def test_sequence_parquet_gives_the_batches_and_splits_of_data_sequences(sequences):
     txt, pqt = sequences
-    kw = dict(batch_size=16, shuffle=False, max_seq_len=8, eval_negatives=20)
+    kw = {"batch_size": 16, "shuffle": False, "max_seq_len": 8, "eval_negatives": 20}
     ref = RankData(SequencesDataConfig(path=txt, **kw), 0, 1)
     got = RankData(ParquetSequencesDataConfig(path=pqt, **kw), 0, 1)
     assert got.batches_per_epoch == ref.batches_per_epoch and got.spec == ref.spec
@@ -483,3 +484,22 @@ def test_sequence_files_without_a_vocabulary_need_num_items(tmp_path):
         DataFileError, match=r"s.parquet, row group 0, column 'item_ids': item id 9 outside \[0, data.num_items=9\)"
     ):
         list(data.train_loader())
+
+
+# -- recsys-data inspect ----------------------------------------------------------------------------
+
+
+def test_inspect_shows_files_and_each_ranks_share(criteo, capsys):
+    from recsys_pipe.cli.data import main
+
+    glob, tsv = criteo
+    assert main(["inspect", glob, "--world-size", "4", "--batch-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("3 file(s), 600 rows, 10 row group(s), ")
+    assert "  label: int8\n" in out and "  cat_25: int64\n" in out
+    assert "part-001.parquet: 50 rows in 1 row group(s) of 50..50 rows" in out
+    assert "4 rank(s) x batch 32: 4 batches per epoch on every rank (512 rows; 88 left out per epoch)" in out
+    assert f"  rank 3: rows 384..511 of the epoch, 3 row group(s) in {glob.replace('*', 'part-002')}\n" in out
+    assert main(["inspect", tsv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tsv}: not a Parquet file, or truncated") and err.count("\n") == 1
