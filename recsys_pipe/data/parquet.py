@@ -421,7 +421,7 @@ def _check_schema(
     def field_of(name: str) -> pa.Field:
         i = schema.get_field_index(name)
         if i < 0:
-            raise DataFileError(key, files.paths[0], f"no column {name!r}{hint}; it has {schema.names}")
+            raise DataFileError(key, files.where(0), f"no column {name!r}{hint}; it has {schema.names}")
         return schema.field(i)
 
     for name in labels:
@@ -492,7 +492,7 @@ def parquet_dataset(cfg: ParquetDataConfig, rank: int, world_size: int) -> Strea
         eval_files = _open_checked(cfg.eval_path, "data.eval_path", labels, dense, features, mapped)
         if eval_files.schema.remove_metadata() != files.schema.remove_metadata():
             raise ConfigError(
-                ConfigProblem("data.eval_path", f"{eval_files.paths[0]}: a schema that differs from {files.paths[0]}'s")
+                ConfigProblem("data.eval_path", f"{eval_files.where(0)}: a schema that differs from {files.where(0)}'s")
             )
     decoder = TabularDecoder(labels, dense, transform, features, files.schema)
     return StreamSource(files, decoder, rank, world_size, cfg, cfg.spec(), eval_files=eval_files, max_rows=cfg.max_rows)

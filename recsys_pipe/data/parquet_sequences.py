@@ -445,13 +445,13 @@ def _item_vocab(files: ParquetFiles, num_items: int | None) -> tuple[np.ndarray 
         vocab = np.frombuffer(stored, dtype="<i8").astype(np.int64)
         if len(vocab) < 2 or not bool(np.all(vocab[1:] > vocab[:-1])):
             raise DataFileError(
-                files.key, files.paths[0], f"{ITEM_VOCAB_KEY.decode()} is not a sorted list of distinct item ids"
+                files.key, files.where(0), f"{ITEM_VOCAB_KEY.decode()} is not a sorted list of distinct item ids"
             )
         return vocab, len(vocab)
     if num_items is None:
         raise DataFileError(
             files.key,
-            files.paths[0],
+            files.where(0),
             f"no item vocabulary ({ITEM_VOCAB_KEY.decode()} in the key-value metadata, written by `recsys-data convert "
             "sequences`); set data.num_items to use the item ids as dense ids in [0, num_items)",
         )
@@ -468,7 +468,7 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
         i = schema.get_field_index(name)
         if i < 0:
             raise DataFileError(
-                "data.path", files.paths[0], f"no column {name!r} (data.columns names it); it has {schema.names}"
+                "data.path", files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
             )
         t = schema.field(i).type
         ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
