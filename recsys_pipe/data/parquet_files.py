@@ -83,6 +83,7 @@ class ParquetFiles:
 
     @property
     def num_rows(self) -> int:
+        """Rows over all files."""
         return int(sum(sum(groups) for groups in self.row_groups))
 
     def units(self) -> np.ndarray:

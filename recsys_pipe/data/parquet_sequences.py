@@ -9,7 +9,7 @@ order, so a row's 0-based position over the files is the dense user id that `dat
 gives the same user (its sample id).
 
 Items become dense ids `[0, n)` in sorted raw-id order, as `data=sequences` numbers them, from a
-vocabulary stored at conversion: the key `recsys_pipe.items` of the first file's key-value
+vocabulary stored at conversion: the key `recsys-pipe/items` of the first file's key-value
 metadata holds the sorted distinct raw item ids as little-endian int64 bytes
 (`item_vocab_metadata`). So nothing scans the items before the first step. Files without it need
 `data.num_items`: their item ids are then taken as dense ids, checked to be in `[0, num_items)`.
@@ -63,7 +63,7 @@ __all__ = [
     "parquet_sequences_dataset",
 ]
 
-ITEM_VOCAB_KEY = b"recsys_pipe.items"
+ITEM_VOCAB_KEY = b"recsys-pipe/items"
 
 
 def item_vocab_metadata(raw_items: np.ndarray) -> dict[bytes, bytes]:

@@ -436,9 +436,11 @@ class StreamSource:
 
     @property
     def layout(self) -> Layout:
+        """This run's layout (its world size and batch size)."""
         return Layout(self.world_size, self.batch_size)
 
     def epoch_pieces(self, epoch: int) -> list[Piece]:
+        """This rank's windows of `epoch`, from where this run's layout took over in it."""
         layouts = [self.layout]
         if self.resumed is not None and self.resumed[0] == epoch:
             layouts = self.resumed[1]
