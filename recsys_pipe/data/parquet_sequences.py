@@ -175,17 +175,7 @@ class UserRows:
         first = self.offsets[:-1] + train - keep
         inputs = _ranges(first, m)
         targets = inputs + 1
-        negatives = np.empty(int(m.sum()), dtype=np.int64)
-        out = 0
-        for u in range(len(n)):  # each user's own generator: the draws data=sequences makes
-            count = int(m[u])
-            if not count:
-                continue
-            start = int(self.offsets[u])
-            seen = set(self.items[start : start + int(train[u])].tolist())
-            rng = np.random.default_rng([d.seed, epoch, int(self.sample_ids[u])])
-            negatives[out : out + count] = _sample_unseen(rng, d.num_items, seen, count)
-            out += count
+        negatives = _negatives(self, epoch, train, m)
         return TrainRows(
             torch.from_numpy(self.items[inputs]),
             torch.from_numpy(self.items[targets]),
@@ -265,6 +255,83 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.asarray(starts, dtype=np.int64)[row] + (np.arange(total) - offsets[row])
 
 
+def _negatives(rows: UserRows, epoch: int, train: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """One negative per target, as `data=sequences` draws them: user `u`'s generator seeded
+    `(seed, epoch, u)` draws `2 * count + 4` items and the first `count` the user's training items
+    do not hold are taken (`_sample_unseen`). The draw is one call per user (a generator cannot be
+    seeded for many users at once); the rejection runs over all users at once, and the rare user
+    whose first draw falls short goes through `_sample_unseen` itself (the same stream)."""
+    d = rows.source
+    users = np.flatnonzero(counts)
+    if not len(users):
+        return np.zeros(0, dtype=np.int64)
+    sizes = 2 * counts[users] + 4
+    draws = np.empty(int(sizes.sum()), dtype=np.int64)
+    at = 0
+    for user, size in zip(rows.sample_ids[users].tolist(), sizes.tolist()):
+        rng = np.random.default_rng([d.seed, epoch, user])
+        draws[at : at + size] = rng.integers(0, d.num_items, size=size)
+        at += size
+    owner = np.repeat(np.arange(len(users)), sizes)
+    accepted = _unseen(draws, owner, sizes, rows.items, rows.offsets[:-1][users], train[users], d.num_items)
+    # the first `count` accepted draws of each user: its accepted draws numbered from 0
+    total = np.cumsum(accepted)
+    before = np.concatenate([[0], total[np.cumsum(sizes)[:-1] - 1]])
+    keep = accepted & (total - 1 - before[owner] < counts[users][owner])
+    short = np.flatnonzero(np.bincount(owner[keep], minlength=len(users)) < counts[users])
+    if not len(short):
+        return draws[keep]
+    out = np.empty(int(counts.sum()), dtype=np.int64)
+    starts = _offsets(counts[users])
+    got = draws[keep]
+    got_starts = _offsets(np.bincount(owner[keep], minlength=len(users)))
+    refill = set(short.tolist())
+    for k in range(len(users)):
+        lo, hi = starts[k], starts[k + 1]
+        if k in refill:
+            u = int(users[k])
+            first = int(rows.offsets[u])
+            seen = set(rows.items[first : first + int(train[u])].tolist())
+            rng = np.random.default_rng([d.seed, epoch, int(rows.sample_ids[u])])
+            out[lo:hi] = _sample_unseen(rng, d.num_items, seen, hi - lo)
+        else:
+            out[lo:hi] = got[got_starts[k] : got_starts[k + 1]]
+    return out
+
+
+#: raw item ids up to this many (or 4x the vocabulary) map to dense ids through a table, not a search
+_LOOKUP_ROWS = 1 << 22
+#: the most bytes of the seen-items bitmap `_unseen` sets at once
+_BITMAP_BYTES = 1 << 24
+
+
+def _unseen(
+    draws: np.ndarray,
+    owner: np.ndarray,
+    sizes: np.ndarray,
+    items: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    num_items: int,
+) -> np.ndarray:
+    """Whether each draw (of user `owner`) is not among that user's seen items (`items[start:
+    start + length]`), for users in chunks sharing one `[chunk, num_items]` bitmap: set the
+    chunk's seen items, look the draws up, clear them again (no per-user step, no sort)."""
+    chunk = max(1, _BITMAP_BYTES // num_items)
+    bitmap = np.zeros(min(chunk, len(sizes)) * num_items, dtype=bool)
+    accepted = np.empty(len(draws), dtype=bool)
+    draw_at = _offsets(sizes)
+    for first in range(0, len(sizes), chunk):
+        last = min(first + chunk, len(sizes))
+        local = np.repeat(np.arange(last - first, dtype=np.int64), lengths[first:last]) * num_items
+        seen = local + items[_ranges(starts[first:last], lengths[first:last])]
+        bitmap[seen] = True
+        lo, hi = draw_at[first], draw_at[last]
+        accepted[lo:hi] = ~bitmap[(owner[lo:hi] - first) * num_items + draws[lo:hi]]
+        bitmap[seen] = False
+    return accepted
+
+
 class _SequenceDecoder:
     """Turns a row group of sequence Parquet into `UserRows` (dense item ids)."""
 
@@ -274,6 +341,11 @@ class _SequenceDecoder:
         self.columns = [c.user, c.items] + ([stamps] if stamps else [])
         self.vocab, self.num_items = vocab, num_items
         self.max_seq_len, self.seed = cfg.max_seq_len, cfg.seed
+        #: raw id -> dense id (-1: unknown) when the raw ids are small enough for a table
+        self._lookup: np.ndarray | None = None
+        if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
+            self._lookup = np.full(int(vocab[-1]) + 1, -1, dtype=np.int64)
+            self._lookup[vocab] = np.arange(len(vocab))
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> UserRows:
         users = _one(table, self.user, fail)
@@ -309,8 +381,13 @@ class _SequenceDecoder:
                 bad, row = row_of((raw < 0) | (raw >= self.num_items))
                 raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
             return raw
-        dense = np.searchsorted(self.vocab, raw)
-        unknown = (dense >= len(self.vocab)) | (self.vocab[np.minimum(dense, len(self.vocab) - 1)] != raw)
+        if self._lookup is not None:
+            inside = (raw >= 0) & (raw < len(self._lookup))
+            dense = np.where(inside, self._lookup[np.where(inside, raw, 0)], -1)
+            unknown = dense < 0
+        else:
+            dense = np.searchsorted(self.vocab, raw)
+            unknown = (dense >= len(self.vocab)) | (self.vocab[np.minimum(dense, len(self.vocab) - 1)] != raw)
         if unknown.any():
             bad, row = row_of(unknown)
             raise fail(self.items, f"item id {bad} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})", row)

@@ -544,3 +544,18 @@ def test_an_s3_uri_streams_the_same_batches_as_the_local_files(criteo, s3_endpoi
     client.put_object(Bucket="clicks", Key="bad/x.parquet", Body=b"not parquet")
     with pytest.raises(ConfigError, match=r"^data.path: s3://clicks/bad/x.parquet: not a Parquet file"):
         RankData(parquet(f"s3://clicks/bad/{query}", batch_size=4), 0, 1)
+
+
+def test_negatives_match_data_sequences_when_users_saw_most_items(tmp_path):
+    """12 items, sequences of up to 10: many users' first draw falls short of one negative per
+    target, and the refill draws from the same stream as `data=sequences`."""
+    rng = np.random.default_rng(4)
+    seqs = [list(rng.integers(0, 12, rng.integers(4, 11))) for _ in range(60)]
+    (tmp_path / "s.txt").write_text("".join(f"{u} {i}\n" for u, s in enumerate(seqs, 1) for i in s))
+    table = pa.table({"user_id": pa.array(range(1, 61)), "item_ids": pa.array(seqs, pa.list_(pa.int64()))})
+    pq.write_table(table.replace_schema_metadata(item_vocab_metadata(np.concatenate(seqs))), tmp_path / "s.parquet")
+    kw = {"batch_size": 10, "shuffle": False, "max_seq_len": 6, "eval_negatives": 3}
+    ref = RankData(SequencesDataConfig(path=str(tmp_path / "s.txt"), **kw), 0, 1)
+    got = RankData(ParquetSequencesDataConfig(path=str(tmp_path / "s.parquet"), **kw), 0, 1)
+    for a, b in zip(ref.train_loader(2), got.train_loader(2), strict=True):
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
