@@ -35,6 +35,7 @@ part of the checkpoint (`Layout`).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -292,6 +293,24 @@ def _identity(item: Any) -> Any:
     return item
 
 
+#: glibc's `mallopt` parameter of the size from which `malloc` maps memory of its own
+_M_MMAP_THRESHOLD = -3
+
+
+def _init_worker(worker_id: int) -> None:
+    """Fix glibc's mmap threshold in a decoding worker (at 128 KiB, its default start).
+
+    A window's columns are megabyte-sized numpy arrays, allocated and freed once per window. By
+    default glibc raises the threshold to the largest block freed so far, after which such
+    arrays come from the heap, which fragments: a worker's resident memory then grows with the
+    number of windows decoded (measured: 560 to 1060 MiB over 8M rows, flat at 430 MiB with the
+    threshold fixed). Other C libraries: nothing to do."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
 class BatchStream:
     """The batches of a sequence of pieces: windows decoded by `num_workers` DataLoader workers
     (or in this process), cut into batches of `batch_size` rows in order, pinned with `pin_memory`."""
@@ -314,6 +333,7 @@ class BatchStream:
             sampler=_Pieces(self.pieces),
             num_workers=self.num_workers,
             collate_fn=_identity,
+            worker_init_fn=_init_worker,
             # its own generator: creating an iterator must not draw from the global torch RNG
             generator=torch.Generator().manual_seed(0),
         )
