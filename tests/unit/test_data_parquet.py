@@ -559,3 +559,18 @@ def test_negatives_match_data_sequences_when_users_saw_most_items(tmp_path):
     got = RankData(ParquetSequencesDataConfig(path=str(tmp_path / "s.parquet"), **kw), 0, 1)
     for a, b in zip(ref.train_loader(2), got.train_loader(2), strict=True):
         assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+
+
+def test_recsys_train_refuses_a_bad_file_before_anything_starts(tmp_path, capsys, no_process_group):
+    """`recsys-train` (and `--check`, which runs the same checks before torchrun) exits 2 with
+    the one line, before a process group or a run directory exists."""
+    from recsys_pipe.cli.train import run
+
+    bad = _bad(tmp_path, "cut.parquet", raw=b"PAR1" + b"\0" * 64)
+    for check in ([], ["--check"]):
+        code = run([*check, "model=dlrm", "data=parquet", f"data.path={bad}", f"trainer.output_dir={tmp_path}/runs"])
+        err = capsys.readouterr().err
+        assert code == 2, err[-2000:]
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert lines == [f"error: data.path: {bad}: not a Parquet file, or truncated ({lines[0].split('(', 1)[1]}"]
+        assert "Traceback" not in err and not (tmp_path / "runs").exists()
