@@ -281,12 +281,17 @@ class WindowDataset(Dataset):
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor, in shared memory inside a DataLoader worker: handing it to the
-    main process then moves no bytes (a worker's tensors are otherwise copied there)."""
-    out = torch.empty(shape, dtype=dtype)
-    if get_worker_info() is not None:
-        out.share_memory_()
-    return out
+    """An uninitialised tensor, allocated in shared memory inside a DataLoader worker: handing it
+    to the main process then moves no bytes (a worker's tensors are otherwise copied into shared
+    memory on the way). Allocated there directly, as torch's `default_collate` allocates a
+    worker's batch (`share_memory_()` on a new tensor would copy its garbage in)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = 1
+    for n in shape:
+        numel *= n
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel)
+    return torch.empty(0, dtype=dtype).set_(storage._untyped_storage, 0, shape)
 
 
 def _identity(item: Any) -> Any:
