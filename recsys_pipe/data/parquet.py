@@ -27,7 +27,7 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoBatch, CriteoLayoutConfig, transform_dense
 from recsys_pipe.data.ids import splitmix64, string_ids
-from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, open_parquet
+from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.data.stream import Fail, StreamSource, shared_empty
 from recsys_pipe.data.tabular import TabularBatch
@@ -448,38 +448,40 @@ def _check_schema(
             )
 
 
-def _check_stats(files: ParquetFiles, labels: list[str], features: list[_Feature]) -> None:
+def _stats_check(features: list[_Feature]) -> Any:
     """What the row groups' statistics show: nulls, negative ids, ids over the vocabulary."""
     by_column = {f.column: f for f in features}
-    for (file, group), columns in files.stats.items():
-        for name, st in columns.items():
+
+    def check(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
+        for name, st in stats.items():
             f = by_column.get(name)
-            is_list = _is_list(files.schema.field(name).type)
-            if st.null_count and not is_list:  # a list leaf counts empty lists as nulls
-                raise DataFileError("data.path", files.where(file, group, name), f"{st.null_count} null value(s)")
+            where = files.where(file, group, name)
+            if st.null_count and not _is_list(files.schema.field(name).type):  # a list leaf counts empty lists
+                raise DataFileError(files.key, where, f"{st.null_count} null value(s)")
             if f is None or f.ids == "hash" or not isinstance(st.min, int):
                 continue
             if st.min < 0:
-                raise DataFileError(
-                    "data.path", files.where(file, group, name), f"a negative id ({st.min}) with ids={f.ids}"
-                )
+                raise DataFileError(files.key, where, f"a negative id ({st.min}) with ids={f.ids}")
             if f.ids == "as_is" and st.max >= f.num_embeddings:
                 raise DataFileError(
-                    "data.path",
-                    files.where(file, group, name),
+                    files.key,
+                    where,
                     f"id {st.max} >= num_embeddings={f.num_embeddings} with ids=as_is (set ids: hash or modulo)",
                 )
+
+    return check
 
 
 def _open_checked(
     path: Any, key: str, labels: list[str], dense: list[str], features: list[_Feature], mapped: bool
 ) -> ParquetFiles:
-    files = open_parquet(path, key, stats_columns=[*labels, *(f.column for f in features)])
-    _check_schema(files, labels, dense, features, mapped)
-    if key != "data.path":
-        files.key = key
-    _check_stats(files, labels, features)
-    return files
+    return open_parquet(
+        path,
+        key,
+        check_schema=lambda files: _check_schema(files, labels, dense, features, mapped),
+        check_stats=_stats_check(features),
+        stats_columns=[*labels, *(f.column for f in features)],
+    )
 
 
 def parquet_dataset(cfg: ParquetDataConfig, rank: int, world_size: int) -> StreamSource:

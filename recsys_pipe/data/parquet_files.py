@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +70,6 @@ class ParquetFiles:
     schema: pa.Schema
     #: the first file's key-value metadata (what a converter stored, e.g. a vocabulary)
     metadata: Mapping[bytes, bytes]
-    #: (file, row group) -> column -> statistics, for the columns the caller asked about
-    stats: dict[tuple[int, int], dict[str, RowGroupStats]] = field(default_factory=dict)
     #: what messages put before a path: `s3://` for files on S3 (the filesystem's paths have none)
     scheme: str = ""
     _open: dict[int, pq.ParquetFile] = field(default_factory=dict, repr=False)
@@ -188,13 +186,28 @@ def _schema_difference(first: pa.Schema, other: pa.Schema) -> str | None:
     return None
 
 
-def open_parquet(path: str | Sequence[str], key: str = "data.path", stats_columns: Sequence[str] = ()) -> ParquetFiles:
+SchemaCheck = Callable[["ParquetFiles"], None]
+"""Checks the columns once the first file's schema is read (raises a `DataFileError`)."""
+StatsCheck = Callable[["ParquetFiles", int, int, dict[str, RowGroupStats]], None]
+"""`check(files, file, row_group, stats)`: checks one row group's column statistics."""
+
+
+def open_parquet(
+    path: str | Sequence[str],
+    key: str = "data.path",
+    check_schema: SchemaCheck | None = None,
+    check_stats: StatsCheck | None = None,
+    stats_columns: Sequence[str] = (),
+) -> ParquetFiles:
     """Find the files of `path` and read their footers (see the module docstring).
 
     Args:
         path: a file, directory, glob or URI, or a list of them.
         key: the config key named in errors.
-        stats_columns: columns whose row-group statistics (min, max, null count) to keep.
+        check_schema: run on the first file's schema, before the other files are read.
+        check_stats: run on every row group's statistics of `stats_columns` as its footer is
+            read (the statistics are not kept: a data set may have a million row groups).
+        stats_columns: the columns `check_stats` gets.
 
     Returns:
         The files in sorted path order, their row groups and the first file's schema."""
@@ -228,6 +241,8 @@ def open_parquet(path: str | Sequence[str], key: str = "data.path", stats_column
         if index == 0:
             files.schema = schema
             files.metadata = dict(schema.metadata or {})
+            if check_schema is not None:
+                check_schema(files)
         else:
             difference = _schema_difference(files.schema, schema)
             if difference is not None:
@@ -235,12 +250,14 @@ def open_parquet(path: str | Sequence[str], key: str = "data.path", stats_column
                     key, files.where(index), f"a schema that differs from {files.where(0)}'s: {difference}"
                 )
         files.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-        if stats_columns:
-            _keep_stats(files, index, meta, stats_columns)
+        if check_stats is not None and stats_columns:
+            _check_stats(files, index, meta, stats_columns, check_stats)
     return files
 
 
-def _keep_stats(files: ParquetFiles, file: int, meta: pq.FileMetaData, columns: Sequence[str]) -> None:
+def _check_stats(
+    files: ParquetFiles, file: int, meta: pq.FileMetaData, columns: Sequence[str], check: StatsCheck
+) -> None:
     # leaf columns by dotted path: a list column's values are `name.list.element` (or `.item`)
     leaves: dict[str, int] = {}
     for i in range(meta.num_columns):
@@ -263,4 +280,4 @@ def _keep_stats(files: ParquetFiles, file: int, meta: pq.FileMetaData, columns: 
                 st.max if has_minmax else None,
                 st.null_count if st.has_null_count else None,
             )
-        files.stats[(file, g)] = kept
+        check(files, file, g, kept)

@@ -41,7 +41,7 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
-from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, open_parquet
+from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
     RETRIEVAL_KEYS,
@@ -538,33 +538,38 @@ def _item_vocab(files: ParquetFiles, num_items: int | None) -> tuple[np.ndarray 
 def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_size: int) -> ParquetSequences:
     """Builder of `data=parquet_sequences`: this rank's users, checked from the files' metadata."""
     c = cfg.columns
-    files = open_parquet(cfg.path, "data.path", stats_columns=[c.user])
-    schema = files.schema
-
-    def require(name: str, list_column: bool) -> None:
-        i = schema.get_field_index(name)
-        if i < 0:
-            raise DataFileError(
-                "data.path", files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
-            )
-        t = schema.field(i).type
-        ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
-        if not ok:
-            want = "a list of integers" if list_column else "an integer"
-            raise DataFileError("data.path", files.where(0, column=name), f"must be {want}, it is {t}")
-
-    require(c.user, False)
-    require(c.items, True)
     stamps = c.timestamps
-    if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
-        stamps = None  # the default name, absent: positions stand in for time
-    if stamps is not None:
-        require(stamps, True)
-    for (file, group), st in files.stats.items():
-        if c.user in st and st[c.user].null_count:
+
+    def check_schema(files: ParquetFiles) -> None:
+        nonlocal stamps
+        schema = files.schema
+
+        def require(name: str, list_column: bool) -> None:
+            i = schema.get_field_index(name)
+            if i < 0:
+                raise DataFileError(
+                    files.key, files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
+                )
+            t = schema.field(i).type
+            ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
+            if not ok:
+                want = "a list of integers" if list_column else "an integer"
+                raise DataFileError(files.key, files.where(0, column=name), f"must be {want}, it is {t}")
+
+        require(c.user, False)
+        require(c.items, True)
+        if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
+            stamps = None  # the default name, absent: positions stand in for time
+        if stamps is not None:
+            require(stamps, True)
+
+    def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
+        if c.user in stats and stats[c.user].null_count:
             raise DataFileError(
-                "data.path", files.where(file, group, c.user), f"{st[c.user].null_count} null user id(s)"
+                files.key, files.where(file, group, c.user), f"{stats[c.user].null_count} null user id(s)"
             )
+
+    files = open_parquet(cfg.path, "data.path", check_schema, check_stats, stats_columns=[c.user])
     vocab, num_items = _item_vocab(files, cfg.num_items)
     if cfg.eval_negatives > num_items - 1:
         raise ConfigError(

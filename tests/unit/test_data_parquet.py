@@ -135,14 +135,18 @@ def test_the_shuffle_is_seeded_per_epoch_and_stays_within_a_window(criteo):
 # -- exact resume ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_resumed_loader_continues_with_the_same_batches(criteo, workers):
+@pytest.mark.parametrize(("workers", "worlds", "starts"), [(0, (1, 3), (0, 1, 5, -1, 0, 4)), (2, (2,), (5, 4))])
+def test_a_resumed_loader_continues_with_the_same_batches(criteo, workers, worlds, starts):
+    """The first half of `starts` are batches of epoch 1, the rest of epoch 2 (-1: its last
+    batch): a resume mid-epoch, at the boundary and in the next epoch, with and without workers."""
     glob, _ = criteo
     cfg = parquet(glob, batch_size=16, shuffle=True, shuffle_window=48, seed=1, num_workers=workers)
-    for world in (1, 3):
+    for world in worlds:
         full = trained_ids(cfg, world, epochs=2)
         per_epoch = len(full[0]) // 2
-        for start in (0, 1, 5, per_epoch - 1, per_epoch, per_epoch + 4):
+        half = len(starts) // 2
+        for k, start in enumerate(starts):
+            start = start % per_epoch + (per_epoch if k >= half else 0)
             resumed = trained_ids(cfg, world, epochs=2, start=start)
             for r in range(world):
                 assert len(resumed[r]) == len(full[r]) - start
