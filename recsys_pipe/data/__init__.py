@@ -29,6 +29,7 @@ _EXPORTS = {
     "SequenceDataConfig": "loader",
     "make_dataloader": "loader",
     "EpochSampler": "loader",
+    "PositionalSource": "loader",
     "RankData": "loader",
     "DataSpec": "spec",
     "DATA_SOURCES": "registry",

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DataConfig",
     "EpochSampler",
+    "PositionalSource",
     "RankData",
     "SequenceDataConfig",
     "has_eval_splits",
@@ -103,6 +105,39 @@ class SequenceDataConfig(DataConfig):
                 "a sample needs at least one history token"
             )
         return num_candidates
+
+
+class PositionalSource(ABC):
+    """A source that plans its own batches by position (the Parquet sources'
+    `recsys_pipe.data.stream.StreamSource`): a builder may return one instead of a map-style
+    dataset, and `RankData` delegates to it. Its data state is still the number of batches
+    trained, and it maps a checkpoint's position onto its own layout (`resume_layout`)."""
+
+    spec: DataSpec
+    #: training batches per rank per epoch and held-out batches per rank (after `prepare`)
+    batches_per_epoch: int
+    eval_batches: int
+
+    @abstractmethod
+    def prepare(self, eval_batches: int) -> None:
+        """Split the data into training and `eval_batches` held-out batches per rank."""
+
+    @abstractmethod
+    def train_loader(self, epochs: int = 1, start: int = 0) -> Iterable[Any]:
+        """The batches of `epochs` epochs from batch position `start`."""
+
+    @abstractmethod
+    def eval_loader(self) -> Iterable[Any] | None:
+        """The held-out batches, or None."""
+
+    @abstractmethod
+    def resume_layout(self, position: int, layouts: Sequence[tuple[int, ...]]) -> int:
+        """Continue from `position` of a run whose current epoch was trained under `layouts`
+        (`(world, batch, since)` each, as `layout_state` gives them); the position to start from."""
+
+    @abstractmethod
+    def layout_state(self, position: int) -> list[list[int]]:
+        """The layouts of the epoch at `position`, `[[world, batch, since], ...]`."""
 
 
 class EpochSampler(Sampler[int]):
@@ -181,8 +216,8 @@ class RankData:
         self.rank = rank
         self.world_size = world_size
         self.dataset = cfg.dataset(rank, world_size)
-        #: a streaming source (`recsys_pipe.data.stream.StreamSource`) plans its own batches
-        self.stream = self.dataset if callable(getattr(self.dataset, "resume_layout", None)) else None
+        #: a source that plans its own batches (the Parquet sources)
+        self.stream = self.dataset if isinstance(self.dataset, PositionalSource) else None
         if self.stream is not None:
             self.stream.prepare(eval_batches)
             self.eval_batches = self.stream.eval_batches
@@ -243,12 +278,10 @@ class RankData:
         rest of the epoch is not exactly the samples the old run had left (a warning says so).
         """
         if self.stream is not None:
-            from recsys_pipe.data.stream import Layout
-
-            if layouts:
-                parsed = [Layout(*(int(x) for x in part.replace("@", "x").split("x"))) for part in layouts.split(",")]
+            if layouts:  # "WxB@since,..."
+                parsed = [tuple(int(x) for x in part.replace("@", "x").split("x")) for part in layouts.split(",")]
             else:
-                parsed = [Layout(world_size, batch_size, 0)]
+                parsed = [(world_size, batch_size, 0)]
             start = self.stream.resume_layout(position, parsed)
             if self.rank == 0 and (world_size, batch_size) != (self.world_size, self.cfg.batch_size):
                 log.warning(

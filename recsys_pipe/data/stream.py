@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.data.loader import PositionalSource
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles
 
 __all__ = [
@@ -371,7 +372,7 @@ class _Pieces:
         return self.make()
 
 
-class StreamSource:
+class StreamSource(PositionalSource):
     """One rank's share of a Parquet data set, by position (see the module docstring): what
     `RankData` delegates to for a streaming source (`prepare`, then the loaders).
 
@@ -498,7 +499,7 @@ class StreamSource:
 
         return BatchStream(self.eval_windows, pieces, self.batch_size, self.cfg.num_workers, self.cfg.pin_memory)
 
-    def resume_layout(self, position: int, layouts: Sequence[Layout]) -> int:
+    def resume_layout(self, position: int, layouts: Sequence[tuple[int, ...]]) -> int:
         """Continue from `position` (batches trained) of a run whose current epoch was trained
         under `layouts` (its last one is the run's own); returns the position to start from.
 
@@ -506,6 +507,7 @@ class StreamSource:
         the rest of the epoch is the rows the old ranks had not trained (module docstring). A
         different global batch size is refused in one line (the epoch would not split exactly).
         """
+        layouts = [Layout(*layout) for layout in layouts]
         old = layouts[-1]
         if old.world == self.world_size and old.batch == self.batch_size:
             self.resumed = (position // self.batches_per_epoch, list(layouts))
