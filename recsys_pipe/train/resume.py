@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 #: DCP key of a retrieval run's best validation score so far (`_ProgressState`)
 EVAL_BEST_KEY = "train.progress.eval_best"
+#: DCP key of the layouts the current epoch was trained under (`RankData.layout_state`)
+DATA_LAYOUT_KEY = "train.progress.data_layout"
 #: the key of `TrainState.in_flight` in a rank's own checkpoint file, next to its RNG states
 IN_FLIGHT_KEY = "in_flight"
 
@@ -79,10 +81,10 @@ class RunCheckpointer:
 
     # -- saving ---------------------------------------------------------------------------------
 
-    def state_dict_items(self, eval_best: bool = True) -> dict[str, Any]:
+    def state_dict_items(self, eval_best: bool = True, data_layout: bool = True) -> dict[str, Any]:
         """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
         Each rank's RNG states and what it has in flight (`_RankState`) are saved next to it."""
-        return {"train": _TrainingState(self, eval_best)}
+        return {"train": _TrainingState(self, eval_best, data_layout)}
 
     def save(self, step: int, blocking: bool = False) -> None:
         """Checkpoint `step` (every rank takes part); asynchronous as configured unless
@@ -119,8 +121,10 @@ class RunCheckpointer:
         data position and (if the checkpoint has this rank's file) RNG states and what was in flight."""
         self.optimizer.prepare_load()
         try:
-            # a checkpoint written before retrieval runs saved their best validation score has none
-            state = self.state_dict_items(eval_best=EVAL_BEST_KEY in read_metadata(Path(path)).state_dict_metadata)
+            # a checkpoint written before retrieval runs saved their best validation score has none,
+            # one written before the data layout was saved has none of that
+            saved = read_metadata(Path(path)).state_dict_metadata
+            state = self.state_dict_items(eval_best=EVAL_BEST_KEY in saved, data_layout=DATA_LAYOUT_KEY in saved)
             own = _RankState(self)
             with_rng = load_checkpoint(path, state, own, self.info.rank, self.info.checkpoint_group)
         except (RuntimeError, ValueError, KeyError) as exc:  # DCP's CheckpointException is a RuntimeError
@@ -186,9 +190,11 @@ class _ProgressState:
     holds the evaluation validation picks over the whole run. `eval_best=False` leaves that out
     (loading a checkpoint written before it was saved)."""
 
-    def __init__(self, owner: RunCheckpointer, eval_best: bool = True):
+    def __init__(self, owner: RunCheckpointer, eval_best: bool = True, data_layout: bool = True):
         self.owner = owner
         self.eval_best = eval_best and owner.retrieval is not None
+        #: whether the data layouts of the current epoch are saved (`RankData.layout_state`)
+        self.data_layout = data_layout
 
     def state_dict(self) -> dict[str, Any]:
         c = self.owner
@@ -199,6 +205,8 @@ class _ProgressState:
             "batch_size": c.run.data.batch_size,
             "world_size": c.info.world_size,
         }
+        if self.data_layout:
+            state["data_layout"] = c.data.layout_state(c.position.batch)
         if self.eval_best:
             assert c.retrieval is not None
             state["eval_best"] = float("-inf") if c.retrieval.best is None else c.retrieval.best
@@ -211,34 +219,23 @@ class _ProgressState:
         if self.eval_best and c.retrieval is not None:
             best = float(state["eval_best"])
             c.retrieval.best = None if best == float("-inf") else best
-        old = (int(state["world_size"]), int(state["batch_size"]), int(state["batches_per_epoch"]))
-        new = (c.info.world_size, c.run.data.batch_size, c.data.batches_per_epoch)
-        if old != new:
-            # another data layout: keep the epoch, skip as many samples of it as were trained
-            epoch, batch = divmod(c.position.batch, old[2])
-            batch = min(batch * old[0] * old[1] // (new[0] * new[1]), new[2])
-            c.position.batch = epoch * new[2] + batch
-            if c.info.is_main:
-                log.warning(
-                    "resuming a checkpoint of %d rank(s) x %d batches/epoch on %d rank(s) x %d batches/epoch: the "
-                    "data split differs, so training continues from the same epoch (%d) and share of samples "
-                    "(batch %d), not bitwise as the original run would have",
-                    old[0],
-                    old[2],
-                    new[0],
-                    new[2],
-                    epoch + 1,
-                    batch,
-                )
+        # another world size or batch size: the data module maps the position onto this run's batches
+        c.position.batch = c.data.resume_position(
+            c.position.batch,
+            int(state["world_size"]),
+            int(state["batch_size"]),
+            int(state["batches_per_epoch"]),
+            state.get("data_layout") if self.data_layout else None,
+        )
 
 
 class _TrainingState:
     """`Stateful` view of everything the ranks share in a checkpoint: model (sharded tables and
     dense weights), both optimizers, LR scheduler and the loop's progress."""
 
-    def __init__(self, owner: RunCheckpointer, eval_best: bool = True):
+    def __init__(self, owner: RunCheckpointer, eval_best: bool = True, data_layout: bool = True):
         self.owner = owner
-        self.progress = _ProgressState(owner, eval_best)
+        self.progress = _ProgressState(owner, eval_best, data_layout)
 
     def state_dict(self) -> dict[str, Any]:
         c = self.owner
