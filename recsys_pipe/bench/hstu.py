@@ -389,7 +389,7 @@ def ours(data: str, sizes: Sizes, steps: int, info: Any, extra: list[str]) -> tu
     """Samples/s of recsys_pipe's trainer at `sizes` (serial plan, `steps` steps), by the wall
     clock and by the CPU clock."""
     from recsys_pipe.testing import load_run
-    from recsys_pipe.train import Trainer, training_plan
+    from recsys_pipe.train import Trainer, build_parts, training_plan
 
     run = load_run(
         "data=sequences",
@@ -404,7 +404,7 @@ def ours(data: str, sizes: Sizes, steps: int, info: Any, extra: list[str]) -> tu
         f"trainer.log_every={steps}",
         *extra,
     )
-    trainer = Trainer(run, training_plan(run), info)
+    trainer = Trainer(build_parts(run, training_plan(run), info))
     try:
         cpu = time.process_time()
         result = trainer.fit()

@@ -176,6 +176,9 @@ class UserRows:
         inputs = _ranges(first, m)
         targets = inputs + 1
         negatives = _negatives(self, epoch, train, m)
+        # the time of each sample's last target (of its only item when it has none), as data=sequences has it
+        last = np.where(train > 0, self.offsets[:-1] + train - 1, 0)
+        target_stamps = self.stamps[last]
         return TrainRows(
             torch.from_numpy(self.items[inputs]),
             torch.from_numpy(self.items[targets]),
@@ -183,6 +186,7 @@ class UserRows:
             torch.from_numpy(self.stamps[inputs]),
             torch.from_numpy(_offsets(m)),
             torch.from_numpy(self.sample_ids.copy()),
+            torch.from_numpy(np.ascontiguousarray(target_stamps, dtype=np.int64)),
         )
 
 
@@ -196,6 +200,8 @@ class TrainRows:
     stamps: torch.Tensor
     offsets: torch.Tensor
     sample_ids: torch.Tensor
+    #: `[users]` the time of each sample's last target (`RetrievalBatch.target_timestamps`)
+    target_stamps: torch.Tensor
 
     def __len__(self) -> int:
         return int(self.sample_ids.numel())
@@ -209,6 +215,7 @@ class TrainRows:
             self.stamps[lo:hi],
             self.offsets[start : stop + 1] - lo,
             self.sample_ids[start:stop],
+            self.target_stamps[start:stop],
         )
 
     @classmethod
@@ -221,6 +228,7 @@ class TrainRows:
             torch.cat([p.stamps for p in parts]),
             torch.from_numpy(_offsets(lengths.numpy())),
             torch.cat([p.sample_ids for p in parts]),
+            torch.cat([p.target_stamps for p in parts]),
         )
 
     def batch(self) -> RetrievalBatch:
@@ -235,7 +243,12 @@ class TrainRows:
             values=torch.cat([self.inputs, self.targets, self.negatives]),
             lengths=torch.cat([lengths, lengths, lengths, zeros]),
         )
-        return RetrievalBatch(sparse_features=kjt, timestamps=self.stamps, sample_ids=self.sample_ids)
+        return RetrievalBatch(
+            sparse_features=kjt,
+            timestamps=self.stamps,
+            sample_ids=self.sample_ids,
+            target_timestamps=self.target_stamps,
+        )
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -478,6 +491,7 @@ class ParquetSequences(StreamSource):
             [],
             [],
             [int(seq[end]), *negatives],
+            int(stamps[end]),
         )
 
     def split(self, name: str, batch_size: int) -> _EvalSplit:

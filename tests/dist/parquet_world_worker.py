@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, resolve_resume, training_plan
+from recsys_pipe.train import Trainer, build_parts, resolve_resume, training_plan
 
 
 def main(out, data, nproc, global_batch, steps, checkpoint=None):
@@ -41,7 +41,7 @@ def main(out, data, nproc, global_batch, steps, checkpoint=None):
     if info.is_main:
         os.makedirs(run_dir, exist_ok=True)
     dist.barrier()
-    trainer = Trainer(run, training_plan(run), info, run_dir)
+    trainer = Trainer(build_parts(run, training_plan(run), info, run_dir))
     try:
         if checkpoint is not None:
             trainer.restore(str(resolve_resume(checkpoint, "unused")))

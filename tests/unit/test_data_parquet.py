@@ -460,6 +460,7 @@ def test_sequence_parquet_gives_the_batches_and_splits_of_data_sequences(sequenc
         assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
         assert torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
         assert torch.equal(a.timestamps, b.timestamps) and torch.equal(a.sample_ids, b.sample_ids)
+        assert torch.equal(a.target_timestamps, b.target_timestamps)  # HSTU's time bias reads them
     for name in ("valid", "test"):
         sa, sb = ref.dataset.split(name, 16), got.dataset.split(name, 16)
         assert len(sa) == len(sb)
@@ -467,6 +468,7 @@ def test_sequence_parquet_gives_the_batches_and_splits_of_data_sequences(sequenc
         xb = sb.collate([sb[i] for i in range(len(sb))])
         assert torch.equal(xa.sparse_features.values(), xb.sparse_features.values())
         assert torch.equal(xa.sample_ids, xb.sample_ids)
+        assert torch.equal(xa.target_timestamps, xb.target_timestamps)
     assert got.dataset.raw_users[7] == 40 and got.dataset.held_out(7, "test") == ref.dataset.held_out(7, "test")
 
 

@@ -12,7 +12,7 @@ from _process_group import one_rank_group
 
 from recsys_pipe.config import ConfigError
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, resolve_resume, training_plan
+from recsys_pipe.train import Trainer, build_parts, resolve_resume, training_plan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,7 +53,7 @@ def _fit(info, overrides, run_dir=None, restore=None):
     run = load_run(*overrides)
     if run_dir is not None:
         run_dir.mkdir()
-    trainer = Trainer(run, training_plan(run), info, str(run_dir) if run_dir else None)
+    trainer = Trainer(build_parts(run, training_plan(run), info, str(run_dir) if run_dir else None))
     try:
         if restore is not None:
             trainer.restore(restore)
