@@ -1,11 +1,15 @@
-"""`recsys-data`: the data tools, one subcommand each.
+"""`recsys-data`: data set tools, one subcommand each (argparse, not Hydra: these are file tools
+with positional paths, not training runs; the work lives in `recsys_pipe.data`).
 
-    recsys-data convert criteo SRC... DST      Criteo TSV -> Parquet (what data=parquet reads)
-    recsys-data convert sequences SRC DST      "user item" / MovieLens ratings -> sequence Parquet
+- `recsys-data convert criteo SRC... DST`: Criteo TSV files (Kaggle `train.txt`, Terabyte
+  `day_N`) to Parquet, one file per input, what `data=parquet` reads (`recsys_pipe.data.convert`).
+- `recsys-data convert sequences SRC DST`: a "user item" file (SASRec) or MovieLens ratings to
+  sequence Parquet, one row per user, what `data=parquet_sequences` reads.
+- `recsys-data inspect PATH [--world-size N --batch-size B]`: a Parquet data set's schema,
+  rows, row groups and sizes, and each rank's share and the batches per epoch
+  (`recsys_pipe.data.inspect.describe`).
 
-Argparse, not Hydra: these are file tools with positional paths, not training runs. The logic
-lives in `recsys_pipe.data` (`convert.py`); this module parses the command line and turns bad input
-into one `recsys-data: error: ...` line and exit code 2.
+A bad input exits 2 with one line `error: <what>: <message>`.
 """
 
 from __future__ import annotations
@@ -14,22 +18,55 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
 
-from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.config import ConfigError
 
-__all__ = ["main", "parser", "run"]
+__all__ = ["main"]
 
-EXIT_BAD_INPUT = 2
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command line of `recsys-data` and its subcommands."""
-    top = argparse.ArgumentParser(prog="recsys-data", description="Convert and inspect training data.")
-    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _inspect(args: argparse.Namespace) -> int:
+    from recsys_pipe.data.inspect import describe
+
+    print(describe(args.path if len(args.path) > 1 else args.path[0], args.world_size, args.batch_size))
+    return EXIT_OK
+
+
+def _convert_criteo(args: argparse.Namespace) -> int:
+    from recsys_pipe.data.convert import convert_criteo
+
+    start = time.perf_counter()
+    files = convert_criteo(args.src, args.dst, args.row_group_size, args.workers, args.overwrite)
+    return _report(files, time.perf_counter() - start)
+
+
+def _convert_sequences(args: argparse.Namespace) -> int:
+    from recsys_pipe.data.convert import convert_sequences
+    from recsys_pipe.data.interactions_file import CsvConfig
+
+    columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
+    csv = CsvConfig(delimiter=args.delimiter, header=args.header, columns=columns)
+    start = time.perf_counter()
+    files = [convert_sequences(args.src, args.dst, args.row_group_size, args.overwrite, csv=csv)]
+    return _report(files, time.perf_counter() - start)
+
+
+def _report(files: list, seconds: float) -> int:
+    """One line per output, then a JSON line with the rows and the rate."""
+    rows = sum(f.rows for f in files)
+    for f in files:
+        print(f"{f.source} -> {f.path}: {f.rows} rows, {f.row_groups} row groups")
+    print(json.dumps({"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / max(seconds, 1e-9))}))
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recsys-data", description="Data set tools for recsys-train.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     convert = commands.add_parser("convert", help="convert a text format to Parquet")
     formats = convert.add_subparsers(dest="format", required=True, metavar="FORMAT")
-
     criteo = formats.add_parser(
         "criteo",
         help="Criteo TSV (Kaggle train.txt, Terabyte day_N) -> Parquet, one file per input",
@@ -39,8 +76,9 @@ def parser() -> argparse.ArgumentParser:
     )
     criteo.add_argument("src", nargs="+", metavar="SRC", help="Criteo TSV files")
     criteo.add_argument("dst", metavar="DST", help="output directory (created if missing)")
-    _common(criteo, 131_072)
+    _output_options(criteo, 131_072)
     criteo.add_argument("--workers", type=int, default=None, help="parsing threads (default: every core)")
+    criteo.set_defaults(run=_convert_criteo)
 
     seqs = formats.add_parser(
         "sequences",
@@ -50,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     )
     seqs.add_argument("src", metavar="SRC", help="ratings.dat, ratings.csv, or a 'user item' file")
     seqs.add_argument("dst", metavar="DST", help="output directory (created if missing)")
-    _common(seqs, 16_384)
+    _output_options(seqs, 16_384)
     seqs.add_argument("--delimiter", default=None, help="column separator (default: detected: '::', ',', tab, spaces)")
     header = seqs.add_mutually_exclusive_group()
     header.add_argument("--header", dest="header", action="store_true", default=None, help="line 1 names the columns")
@@ -61,52 +99,49 @@ def parser() -> argparse.ArgumentParser:
         help="the file's columns in order, comma-separated: user, item, rating, timestamp or another name to skip "
         "(default: from the header, else user,item[,rating,timestamp])",
     )
-    return top
+    seqs.set_defaults(run=_convert_sequences)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="schema, rows, row groups and sizes of Parquet files; with --world-size and --batch-size, each "
+        "rank's share",
+        description="Show a Parquet data set from its footers: schema, rows, row groups, sizes; with --world-size "
+        "and --batch-size also the batches per epoch and each rank's rows.",
+    )
+    inspect.add_argument("path", nargs="+", help="file, directory, glob or URI (as data.path)")
+    inspect.add_argument("--world-size", type=int, metavar="N", help="ranks sharing the data")
+    inspect.add_argument("--batch-size", type=int, metavar="B", help="rows per batch per rank (data.batch_size)")
+    inspect.set_defaults(run=_inspect)
+    return parser
 
 
-def _common(command: argparse.ArgumentParser, row_group_size: int) -> None:
+def _output_options(command: argparse.ArgumentParser, row_group_size: int) -> None:
     command.add_argument(
         "--row-group-size", type=int, default=row_group_size, help=f"rows per row group (default {row_group_size})"
     )
     command.add_argument("--overwrite", action="store_true", help="replace outputs that exist")
 
 
-def run(argv: Sequence[str] | None = None) -> int:
-    """Run `recsys-data` with `argv` (default: the process's arguments); returns the exit code."""
-    args = parser().parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    """Run `recsys-data`; returns its exit code (0 ok, 2 bad input or usage)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect":
+        if (args.world_size is None) != (args.batch_size is None):
+            parser.error("--world-size and --batch-size go together")
+        for name in ("world_size", "batch_size"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.command == "convert" and args.row_group_size < 1:
+        parser.error("--row-group-size must be >= 1")
     try:
-        if args.command == "convert":
-            return _convert(args)
+        return args.run(args)
     except ConfigError as exc:
         for problem in exc.problems:
-            print(f"recsys-data: error: {problem.message}", file=sys.stderr)
+            print(f"error: {problem.message}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    raise AssertionError(f"unhandled command {args.command}")
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from recsys_pipe.data.convert import convert_criteo, convert_sequences
-    from recsys_pipe.data.interactions_file import CsvConfig
-
-    if args.row_group_size < 1:
-        raise ConfigError(
-            ConfigProblem("--row-group-size", f"--row-group-size must be >= 1, got {args.row_group_size}")
-        )
-    start = time.perf_counter()
-    if args.format == "criteo":
-        files = convert_criteo(args.src, args.dst, args.row_group_size, args.workers, args.overwrite)
-    else:
-        columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
-        csv = CsvConfig(delimiter=args.delimiter, header=args.header, columns=columns)
-        files = [convert_sequences(args.src, args.dst, args.row_group_size, args.overwrite, csv=csv)]
-    seconds = time.perf_counter() - start
-    rows = sum(f.rows for f in files)
-    for f in files:
-        print(f"{f.source} -> {f.path}: {f.rows} rows, {f.row_groups} row groups")
-    print(json.dumps({"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / max(seconds, 1e-9))}))
-    return 0
-
-
-def main() -> None:
-    """Console-script entry point."""
-    sys.exit(run())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,7 +42,9 @@ _EXPORTS = {
     "CriteoSyntheticConfig": "criteo",
     "CriteoSyntheticDataConfig": "criteo",
     "CriteoSyntheticDataset": "criteo",
-    "TabularDataConfig": "criteo",
+    "CriteoLayoutConfig": "criteo",
+    "TabularBatch": "tabular",
+    "TabularDataConfig": "tabular",
     "read_criteo": "criteo_tsv",
     "CriteoRows": "criteo_tsv",
     "CsvConfig": "interactions_file",
@@ -50,6 +52,7 @@ _EXPORTS = {
     "convert_sequences": "convert",
     "RetrievalBatch": "sequences",
     "SequencesDataConfig": "sequences",
+    "SequenceSourceConfig": "sequences",
     "SequencesDataset": "sequences",
     "read_interactions": "sequences",
 }

@@ -10,7 +10,9 @@ conversion with the same `<file>:<line>: <problem>` line as `data=criteo` and le
 `convert_sequences`: a "user item" file (SASRec) or MovieLens ratings -> one Parquet file, one row
 per user in sorted raw-id order: `user_id` (int64), `item_ids` (list<int64>, chronological),
 `timestamps` (list<int64>, MovieLens only) and `actions` (list<double>: the ratings, MovieLens
-only). Ids stay raw; the reading source maps them.
+only). Ids stay raw; the file's key-value metadata carries the sorted distinct item ids
+(`recsys_pipe.data.parquet_sequences.item_vocab_metadata`), from which the reading source numbers
+the items as `data=sequences` does.
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ def convert_sequences(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from recsys_pipe.data.parquet_sequences import item_vocab_metadata
     from recsys_pipe.data.sequences import read_interactions
 
     (output,) = _plan_outputs([source], destination, overwrite)
@@ -204,7 +207,11 @@ def convert_sequences(
         columns["timestamps"] = lists(_flat(data.timestamps, np.int64), pa.int64())
     if data.ratings is not None:
         columns["actions"] = lists(_flat(data.ratings, np.float64), pa.float64())
-    table = pa.Table.from_pydict(columns, schema=sequence_schema(data.has_timestamps, data.ratings is not None))
+    # the item vocabulary travels in the file's metadata, so data=parquet_sequences numbers items
+    # as data=sequences does without scanning them before the first step
+    schema = sequence_schema(data.has_timestamps, data.ratings is not None)
+    schema = schema.with_metadata(item_vocab_metadata(columns["item_ids"].values.to_numpy()))
+    table = pa.Table.from_pydict(columns, schema=schema)
     partial_path = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.partial")
     try:
         pq.write_table(table, partial_path, row_group_size=row_group_size)

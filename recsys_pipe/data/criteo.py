@@ -37,8 +37,9 @@ from torch.utils.data import Dataset
 from recsys_pipe.config import Section, builder_field
 from recsys_pipe.data.batch import TensorBatch
 from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
-from recsys_pipe.data.loader import DataConfig, readable_file
+from recsys_pipe.data.loader import readable_file
 from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.tabular import TabularDataConfig
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -52,7 +53,7 @@ __all__ = [
     "CriteoSyntheticConfig",
     "CriteoSyntheticDataConfig",
     "CriteoSyntheticDataset",
-    "TabularDataConfig",
+    "CriteoLayoutConfig",
     "collate_criteo",
     "criteo_dataset",
     "criteo_synthetic_dataset",
@@ -142,8 +143,9 @@ def collate_criteo(samples: Sequence[CriteoSample]) -> CriteoBatch:
 # -- configs --------------------------------------------------------------------------------------
 
 
-class TabularDataConfig(DataConfig):
-    """Sources of Criteo-format rows (13 dense and 26 categorical features, one click label)."""
+class CriteoLayoutConfig(TabularDataConfig):
+    """Sources of Criteo-format rows (13 dense and 26 categorical features, one click label):
+    `data=criteo`, `criteo_synthetic` and `parquet` without a column mapping."""
 
     num_embeddings: StrictInt | list[StrictInt] = Field(
         100_000,
@@ -169,7 +171,7 @@ class TabularDataConfig(DataConfig):
         return DataSpec(num_tasks=1, vocab_sizes=dict(zip(CATEGORICAL_KEYS, self.vocab_sizes())), num_dense=NUM_DENSE)
 
 
-class CriteoDataConfig(TabularDataConfig):
+class CriteoDataConfig(CriteoLayoutConfig):
     """`data=criteo`: a Criteo-format TSV file (`data.path`: Kaggle `train.txt`, Terabyte `day_N`)."""
 
     SIZE_KEY: ClassVar[str] = "data.path"
@@ -194,7 +196,7 @@ class CriteoSyntheticConfig(Section):
     signal: float = Field(1.0, ge=0, description="scale of the learnable part of the click logit (0: pure noise)")
 
 
-class CriteoSyntheticDataConfig(TabularDataConfig):
+class CriteoSyntheticDataConfig(CriteoLayoutConfig):
     """`data=criteo_synthetic`: Criteo-like rows whose clicks depend on the features (learnable)."""
 
     SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"

@@ -23,8 +23,9 @@ per index, so the position of the next batch to train is enough and exact.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +34,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from recsys_pipe.config import Component, ConfigError, ConfigProblem
 from recsys_pipe.data.spec import DataSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DataConfig",
@@ -178,6 +181,13 @@ class RankData:
         self.rank = rank
         self.world_size = world_size
         self.dataset = cfg.dataset(rank, world_size)
+        #: a streaming source (`recsys_pipe.data.stream.StreamSource`) plans its own batches
+        self.stream = self.dataset if callable(getattr(self.dataset, "resume_layout", None)) else None
+        if self.stream is not None:
+            self.stream.prepare(eval_batches)
+            self.eval_batches = self.stream.eval_batches
+            self.batches_per_epoch = self.stream.batches_per_epoch
+            return
         self.eval_batches = eval_batches = 0 if has_eval_splits(self.dataset) else eval_batches
         size = len(self.dataset)
         batch = cfg.batch_size
@@ -210,6 +220,71 @@ class RankData:
         """The dataset's `DataSpec` (vocabulary sizes for the model)."""
         return self.dataset.spec
 
+    def layout_state(self, position: int) -> str:
+        """The data-parallel layouts the epoch at `position` was trained under, for a checkpoint:
+        `"W x B @ since"` entries joined by `,` (a streaming source continues an epoch across a
+        change of world size from them, `resume_position`)."""
+        if self.stream is not None:
+            layouts = self.stream.layout_state(position)
+        else:
+            layouts = [(self.world_size, self.cfg.batch_size, 0)]
+        return ",".join(f"{w}x{b}@{since}" for w, b, since in layouts)
+
+    def resume_position(
+        self, position: int, world_size: int, batch_size: int, batches_per_epoch: int, layouts: str | None = None
+    ) -> int:
+        """Where a run resumed from a checkpoint at `position` starts, in this run's batches.
+
+        The checkpoint's run had `world_size` ranks of `batch_size` and `batches_per_epoch`
+        (`layouts`: its `layout_state`). The same layout: `position`. A streaming source with the
+        same global batch size continues the epoch exactly: every row of it trained once over
+        the two runs (a different global batch size is a ConfigError). A map-style source
+        continues the same epoch at the same fraction of it: its ranks' shares differ, so the
+        rest of the epoch is not exactly the samples the old run had left (a warning says so).
+        """
+        if self.stream is not None:
+            from recsys_pipe.data.stream import Layout
+
+            if layouts:
+                parsed = [Layout(*(int(x) for x in part.replace("@", "x").split("x"))) for part in layouts.split(",")]
+            else:
+                parsed = [Layout(world_size, batch_size, 0)]
+            start = self.stream.resume_layout(position, parsed)
+            if self.rank == 0 and (world_size, batch_size) != (self.world_size, self.cfg.batch_size):
+                log.warning(
+                    "resuming a checkpoint of %d rank(s) x data.batch_size=%d on %d rank(s) x %d: the same global "
+                    "batch; epoch %d continues at batch %d with the rows the old ranks had not trained",
+                    world_size,
+                    batch_size,
+                    self.world_size,
+                    self.cfg.batch_size,
+                    start // self.batches_per_epoch + 1,
+                    start % self.batches_per_epoch,
+                )
+            return start
+        new = (self.world_size, self.cfg.batch_size, self.batches_per_epoch)
+        if (world_size, batch_size, batches_per_epoch) == new:
+            return position
+        epoch, done = divmod(position, batches_per_epoch)
+        batch = done * self.batches_per_epoch // batches_per_epoch
+        if self.rank == 0:
+            log.warning(
+                "resuming a checkpoint of %d rank(s) x %d batches/epoch on %d rank(s) x %d batches/epoch: the data "
+                "split differs, so epoch %d continues at the same share of it (batch %d of %d, where the checkpoint "
+                "was at %d of %d), not bitwise as the original run would have (for an exact continuation use "
+                "data=parquet or data=parquet_sequences)",
+                world_size,
+                batches_per_epoch,
+                self.world_size,
+                self.batches_per_epoch,
+                epoch + 1,
+                batch,
+                self.batches_per_epoch,
+                done,
+                batches_per_epoch,
+            )
+        return epoch * self.batches_per_epoch + batch
+
     def train_sampler(self, epochs: int = 1, start: int = 0) -> EpochSampler:
         """The sampler of this rank's training batches (the held-out ones left out).
 
@@ -232,12 +307,16 @@ class RankData:
             epoch_stride=len(self.dataset) if getattr(self.dataset, "resamples_per_epoch", False) else 0,
         )
 
-    def train_loader(self, epochs: int = 1, start: int = 0) -> DataLoader:
+    def train_loader(self, epochs: int = 1, start: int = 0) -> Iterable[Any]:
         """Training batches of `epochs` epochs from batch position `start` (across epochs)."""
+        if self.stream is not None:
+            return self.stream.train_loader(epochs, start)
         return self._loader(self.train_sampler(epochs, start))
 
-    def eval_loader(self) -> DataLoader | None:
+    def eval_loader(self) -> Iterable[Any] | None:
         """The held-out batches (the tail of the share), or None without `eval_batches`."""
+        if self.stream is not None:
+            return self.stream.eval_loader()
         if not self.eval_batches:
             return None
         size = len(self.dataset)

@@ -15,5 +15,7 @@ DATA_SOURCES = Registry(
         "criteo": "recsys_pipe.data.criteo:CriteoDataConfig",
         "criteo_synthetic": "recsys_pipe.data.criteo:CriteoSyntheticDataConfig",
         "sequences": "recsys_pipe.data.sequences:SequencesDataConfig",
+        "parquet": "recsys_pipe.data.parquet:ParquetDataConfig",
+        "parquet_sequences": "recsys_pipe.data.parquet_sequences:ParquetSequencesDataConfig",
     },
 )

@@ -66,6 +66,7 @@ __all__ = [
     "Interactions",
     "RetrievalBatch",
     "RetrievalSample",
+    "SequenceSourceConfig",
     "SequencesDataConfig",
     "SequencesDataset",
     "collate_retrieval",
@@ -137,18 +138,10 @@ def read_interactions(path: str | Path, csv: CsvConfig | None = None) -> Interac
     return Interactions(users.tolist(), items, times, path, stamps is not None, ratings)
 
 
-class SequencesDataConfig(DataConfig):
-    """`data=sequences`: next-item retrieval on a "user item" or MovieLens ratings file."""
+class SequenceSourceConfig(DataConfig):
+    """The keys of every next-item retrieval source (`data=sequences`, `data=parquet_sequences`):
+    batches of users, the sample length, the shuffle and the evaluation protocol."""
 
-    SIZE_KEY: ClassVar[str] = "data.path"
-
-    name: Literal["sequences"] = "sequences"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.sequences:sequences_dataset")
-    path: StrictStr = Field(
-        description='"user item" lines (SASRec format), MovieLens ratings.dat / ratings.csv, or any delimited file of '
-        "user, item [and timestamp] columns (data.csv.*)"
-    )
-    csv: CsvConfig = Field(default_factory=CsvConfig, description="how the file's columns are read")
     batch_size: StrictInt = Field(128, ge=1, description="samples (users) per batch per rank")
     eval_batch_size: StrictInt | None = Field(
         None,
@@ -164,6 +157,20 @@ class SequencesDataConfig(DataConfig):
     full_eval: StrictBool = Field(
         True, description="also rank the held-out item against the whole catalogue (full-corpus protocol)"
     )
+
+
+class SequencesDataConfig(SequenceSourceConfig):
+    """`data=sequences`: next-item retrieval on a "user item" or MovieLens ratings file."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["sequences"] = "sequences"
+    builder: StrictStr | None = builder_field("recsys_pipe.data.sequences:sequences_dataset")
+    path: StrictStr = Field(
+        description='"user item" lines (SASRec format), MovieLens ratings.dat / ratings.csv, or any delimited file of '
+        "user, item [and timestamp] columns (data.csv.*)"
+    )
+    csv: CsvConfig = Field(default_factory=CsvConfig, description="how the file's columns are read")
 
     _readable_file = field_validator("path")(readable_file)
 

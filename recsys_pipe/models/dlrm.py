@@ -23,9 +23,10 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 from torch import nn
 
 from recsys_pipe.config import ConfigProblem, Section, builder_field
-from recsys_pipe.data.criteo import CriteoBatch, TabularDataConfig
+from recsys_pipe.data.criteo import CriteoBatch
 from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.tabular import TabularDataConfig
 from recsys_pipe.models.base import ModelConfig, ShardedModelConfig
 
 __all__ = [
@@ -69,7 +70,8 @@ class DLRMArch(Section):
             return [
                 ConfigProblem(
                     "data.name",
-                    f"model '{self.name}' needs Criteo-format data (criteo, criteo_synthetic), got '{data.label}'",
+                    f"model '{self.name}' needs tabular data (criteo, criteo_synthetic, parquet, or a source whose "
+                    f"config derives from recsys_pipe.data.TabularDataConfig), got '{data.label}'",
                 )
             ]
         return []
@@ -96,6 +98,18 @@ class TorchDLRMConfig(DLRMArch, ModelConfig):
 
     name: Literal["dlrm_torch"] = "dlrm_torch"
     builder: StrictStr | None = builder_field("recsys_pipe.models.dlrm:build_dlrm_torch")
+
+    def check_data(self, data: DataConfig) -> list[ConfigProblem]:
+        problems = super().check_data(data)
+        if not problems and isinstance(data, TabularDataConfig) and data.multi_hot_features():
+            problems.append(
+                ConfigProblem(
+                    "model.name",
+                    f"dlrm_torch's plain tables take one id per row; features {data.multi_hot_features()} are "
+                    "multi-hot (list columns): use model=dlrm or dlrm_dcn, whose pooled tables take them",
+                )
+            )
+        return problems
 
 
 def click_loss(logits: torch.Tensor, labels: torch.Tensor) -> ModelOutput:

@@ -10,7 +10,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.sequences import INPUT_KEY, SequencesDataConfig
+from recsys_pipe.data.sequences import INPUT_KEY, SequenceSourceConfig
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.base import ShardedModelConfig, heads_divide_width
 
@@ -32,7 +32,7 @@ class RetrievalConfig(ShardedModelConfig):
     temperature: float = Field(0.05, gt=0, description="sampled_softmax: logits are cosine / temperature")
 
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
-        if not isinstance(data, SequencesDataConfig):
+        if not isinstance(data, SequenceSourceConfig):
             return [ConfigProblem("data.name", f"model '{self.name}' needs data=sequences, got '{data.name}'")]
         if data.max_seq_len > self.max_seq_len:
             return [

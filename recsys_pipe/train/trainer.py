@@ -107,6 +107,8 @@ class TrainSummary:
 
 #: DCP key of a retrieval run's best validation score so far (`_Progress`)
 EVAL_BEST_KEY = "train.progress.eval_best"
+#: DCP key of the layouts the current epoch was trained under (`RankData.layout_state`)
+DATA_LAYOUT_KEY = "train.progress.data_layout"
 
 
 class _Progress:
@@ -116,9 +118,11 @@ class _Progress:
     holds the evaluation validation picks over the whole run. `eval_best=False` leaves that out
     (loading a checkpoint written before it was saved)."""
 
-    def __init__(self, trainer: Trainer, eval_best: bool = True):
+    def __init__(self, trainer: Trainer, eval_best: bool = True, data_layout: bool = True):
         self.trainer = trainer
         self.eval_best = eval_best and trainer.retrieval is not None
+        #: whether the data layouts of the current epoch are saved (`RankData.layout_state`)
+        self.data_layout = data_layout
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -129,6 +133,8 @@ class _Progress:
             "batch_size": t.run.data.batch_size,
             "world_size": t.info.world_size,
         }
+        if self.data_layout:
+            state["data_layout"] = t.data.layout_state(t.position)
         if self.eval_best:
             assert t.retrieval is not None
             state["eval_best"] = float("-inf") if t.retrieval.best is None else t.retrieval.best
@@ -141,34 +147,23 @@ class _Progress:
         if self.eval_best and t.retrieval is not None:
             best = float(state["eval_best"])
             t.retrieval.best = None if best == float("-inf") else best
-        old = (int(state["world_size"]), int(state["batch_size"]), int(state["batches_per_epoch"]))
-        new = (t.info.world_size, t.run.data.batch_size, t.data.batches_per_epoch)
-        if old != new:
-            # another data layout: keep the epoch, skip as many samples of it as were trained
-            epoch, batch = divmod(t.position, old[2])
-            batch = min(batch * old[0] * old[1] // (new[0] * new[1]), new[2])
-            t.position = epoch * new[2] + batch
-            if t.info.is_main:
-                log.warning(
-                    "resuming a checkpoint of %d rank(s) x %d batches/epoch on %d rank(s) x %d batches/epoch: the "
-                    "data split differs, so training continues from the same epoch (%d) and share of samples "
-                    "(batch %d), not bitwise as the original run would have",
-                    old[0],
-                    old[2],
-                    new[0],
-                    new[2],
-                    epoch + 1,
-                    batch,
-                )
+        # another world size or batch size: the data module maps the position onto this run's batches
+        t.position = t.data.resume_position(
+            t.position,
+            int(state["world_size"]),
+            int(state["batch_size"]),
+            int(state["batches_per_epoch"]),
+            state.get("data_layout") if self.data_layout else None,
+        )
 
 
 class _TrainingState:
     """`Stateful` view of everything the ranks share in a checkpoint: model (sharded tables and
     dense weights), both optimizers, LR scheduler and the loop's progress."""
 
-    def __init__(self, trainer: Trainer, eval_best: bool = True):
+    def __init__(self, trainer: Trainer, eval_best: bool = True, data_layout: bool = True):
         self.trainer = trainer
-        self.progress = _Progress(trainer, eval_best)
+        self.progress = _Progress(trainer, eval_best, data_layout)
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -299,18 +294,20 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def checkpoint_state(self, eval_best: bool = True) -> dict[str, Any]:
+    def checkpoint_state(self, eval_best: bool = True, data_layout: bool = True) -> dict[str, Any]:
         """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
         Each rank's RNG states and what it has in flight (`_RankState`) are saved next to it."""
-        return {"train": _TrainingState(self, eval_best)}
+        return {"train": _TrainingState(self, eval_best, data_layout)}
 
     def restore(self, path: str) -> None:
         """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
         data position and (if the checkpoint has this rank's file) RNG states and what was in flight."""
         self.optimizer.prepare_load()
         try:
-            # a checkpoint written before retrieval runs saved their best validation score has none
-            state = self.checkpoint_state(eval_best=EVAL_BEST_KEY in read_metadata(Path(path)).state_dict_metadata)
+            # a checkpoint written before retrieval runs saved their best validation score has none,
+            # one written before the data layout was saved has none of that
+            saved = read_metadata(Path(path)).state_dict_metadata
+            state = self.checkpoint_state(eval_best=EVAL_BEST_KEY in saved, data_layout=DATA_LAYOUT_KEY in saved)
             own = _RankState(self)
             with_rng = load_checkpoint(path, state, own, self.info.rank, self.info.checkpoint_group)
         except (RuntimeError, ValueError, KeyError) as exc:  # DCP's CheckpointException is a RuntimeError

@@ -137,7 +137,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(plain, tmp_path):
         assert holders, key
         assert all(torch.equal(value, h) for h in holders), key
     report = json.loads((tmp_path / "reshard.json").read_text())
-    assert report["start"] == [15, 20]  # step 15; 480 samples of epoch 1 trained = all 20 batches of 1 rank
+    assert report["start"] == [15, 15]  # step 15: 15 of 20 batches of epoch 1, the same share of 1 rank's epoch
     assert report["end_step"] == 20 and len(report["losses"]) == 5
     assert all(0 < loss < 10 for loss in report["losses"])
 

@@ -135,7 +135,7 @@ def test_sources_are_looked_up_by_name() -> None:
         DATA_SOURCES.config_class({"name": "synthetik"}, "data")
     assert str(info.value) == (
         "data.name: unknown data source 'synthetik' (did you mean 'synthetic'?); "
-        "known: synthetic, movielens, criteo, criteo_synthetic, sequences"
+        "known: synthetic, movielens, criteo, criteo_synthetic, sequences, parquet, parquet_sequences"
     )
 
 

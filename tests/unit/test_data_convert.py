@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from recsys_pipe.cli.data import run
+from recsys_pipe.cli.data import main as run
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import text_files
 from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, read_criteo
@@ -116,7 +116,7 @@ def test_convert_criteo_refuses_bad_input_in_one_line(tmp_path, small_chunks, co
     out = tmp_path / "out"
     assert run(["convert", "criteo", str(path), str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("recsys-data: error: ") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not list(out.glob("*")) and not list(out.glob(".*"))  # nothing written, no partial file
 
 
@@ -175,7 +175,7 @@ def test_convert_sequences_from_user_item_lines_and_its_errors(tmp_path, capsys)
     path.write_text("1 2\n1 3\n1 four\n")
     assert run(["convert", "sequences", str(path), str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
-    assert err == f"recsys-data: error: {path}:3: user and item must be integers, got '1 four'\n"
+    assert err == f"error: {path}:3: user and item must be integers, got '1 four'\n"
 
 
 def test_csv_keys_read_headers_and_headerless_files_for_the_sources(tmp_path):
@@ -208,7 +208,7 @@ def test_the_console_script_exits_2_with_one_line(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2
-    assert proc.stderr == f"recsys-data: error: {path}:2: column int_1 ('x7') is not an integer\n"
+    assert proc.stderr == f"error: {path}:2: column int_1 ('x7') is not an integer\n"
 
 
 @pytest.mark.parametrize(

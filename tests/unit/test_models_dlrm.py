@@ -59,7 +59,10 @@ def test_layer_sizes_and_data_are_checked():
         DLRMConfig(dense_arch_layer_sizes=[64, 8])
     with pytest.raises(ConfigError) as info:
         load_run("model=dlrm", "data=synthetic")
-    assert "model 'dlrm' needs Criteo-format data (criteo, criteo_synthetic), got 'synthetic'" in str(info.value)
+    assert (
+        "model 'dlrm' needs tabular data (criteo, criteo_synthetic, parquet, or a source whose config derives from "
+        "recsys_pipe.data.TabularDataConfig), got 'synthetic'"
+    ) in str(info.value)
     assert isinstance(load_run("model=dlrm").data, CriteoSyntheticDataConfig)  # its default data source
 
 

@@ -1,0 +1,501 @@
+"""`data=parquet_sequences`: per-user item sequences streamed from Parquet (next-item retrieval:
+SASRec and HSTU retrieval), with `data=sequences`'s keys, samples and leave-one-out splits.
+
+The layout (`recsys-data convert sequences` writes it; `data.columns` renames the columns): one
+row per user, `user_id` (int64, the raw id), `item_ids` (list<int64>, raw ids, chronological),
+optionally `timestamps` (list<int64>, the same lengths; without it the position in the sequence
+stands in for time) and `actions` (not read by the retrieval models). Rows are in sorted user-id
+order, so a row's 0-based position over the files is the dense user id that `data=sequences`
+gives the same user (its sample id).
+
+Items become dense ids `[0, n)` in sorted raw-id order, as `data=sequences` numbers them, from a
+vocabulary stored at conversion: the key `recsys_pipe.items` of the first file's key-value
+metadata holds the sorted distinct raw item ids as little-endian int64 bytes
+(`item_vocab_metadata`). So nothing scans the items before the first step. Files without it need
+`data.num_items`: their item ids are then taken as dense ids, checked to be in `[0, num_items)`.
+
+A user's training sample is what `data=sequences` builds (module `recsys_pipe.data.sequences`):
+the last `max_seq_len` transitions of the sequence without its last two items (all of it below
+three items), and one negative per target drawn with the user's own generator seeded
+`(data.seed, epoch, user)`: bitwise the same batches as `data=sequences` on the same users. The
+negatives are the one per-user step (rejection sampling against the user's items); the rest is
+vectorised. Unlike `data=sequences`, every row is a sample, so that the batches per epoch follow
+from the row counts alone: a user with fewer than two training transitions (1 or 3 interactions)
+is a sample without targets, which adds nothing to the loss.
+
+Evaluation (`split("valid" | "test")`): rank `r` scores a contiguous `1/W` of the users; a user
+with fewer than 3 interactions is padding (not scored), as the ranks' splits are padded alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import Field, StrictInt, StrictStr, field_validator
+from torch.utils.data import Dataset
+
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, open_parquet
+from recsys_pipe.data.sequences import (
+    INPUT_KEY,
+    RETRIEVAL_KEYS,
+    SPLITS,
+    RetrievalBatch,
+    RetrievalSample,
+    SequencesDataConfig,
+    _sample_unseen,
+    collate_retrieval,
+)
+from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.stream import Fail, StreamSource
+
+__all__ = [
+    "ITEM_VOCAB_KEY",
+    "ParquetSequencesDataConfig",
+    "SequenceColumns",
+    "item_vocab_metadata",
+    "parquet_sequences_dataset",
+]
+
+ITEM_VOCAB_KEY = b"recsys_pipe.items"
+
+
+def item_vocab_metadata(raw_items: np.ndarray) -> dict[bytes, bytes]:
+    """The key-value metadata that carries a sequence file's item vocabulary (its sorted distinct
+    raw item ids); a converter adds it to the first file's schema metadata."""
+    vocab = np.unique(np.asarray(raw_items, dtype=np.int64))
+    return {ITEM_VOCAB_KEY: vocab.astype("<i8").tobytes()}
+
+
+class SequenceColumns(Section):
+    """Column names of `data=parquet_sequences` (`data.columns.*`)."""
+
+    user: StrictStr = Field("user_id", description="the user id column (an integer)")
+    items: StrictStr = Field("item_ids", description="the item-id list column (chronological)")
+    timestamps: StrictStr | None = Field(
+        "timestamps", description="the timestamp list column (absent or null: the positions stand in for time)"
+    )
+
+
+class ParquetSequencesDataConfig(SequencesDataConfig):
+    """`data=parquet_sequences`: next-item retrieval on sequence Parquet (docs/parquet.md)."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_sequences:parquet_sequences_dataset")
+    path: StrictStr | list[StrictStr] = Field(  # type: ignore[assignment]
+        description="sequence Parquet file, directory, glob or URI (file://, s3://, gs://, hdfs://), or a list"
+    )
+    columns: SequenceColumns = Field(default_factory=SequenceColumns, description="the columns' names")
+    num_items: StrictInt | None = Field(
+        None,
+        ge=2,
+        description="files without a stored item vocabulary: their item ids are dense ids in [0, num_items)",
+    )
+    shuffle_window: StrictInt = Field(
+        65536, ge=1, description="users shuffled together (rounded down to a multiple of data.batch_size)"
+    )
+
+    # replaces the parent's check that data.path is one readable file
+    @field_validator("path")
+    @classmethod
+    def _readable_file(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list names no file")
+        return value
+
+
+def _list_type(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+@dataclass
+class UserRows:
+    """Decoded users: dense item ids and timestamps (jagged, one offsets array) and sample ids."""
+
+    items: np.ndarray
+    stamps: np.ndarray
+    offsets: np.ndarray
+    users: np.ndarray
+    sample_ids: np.ndarray
+    source: _SequenceDecoder
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def slice(self, start: int, stop: int) -> UserRows:
+        lo, hi = self.offsets[start], self.offsets[stop]
+        return UserRows(
+            self.items[lo:hi],
+            self.stamps[lo:hi],
+            self.offsets[start : stop + 1] - lo,
+            self.users[start:stop],
+            self.sample_ids[start:stop],
+            self.source,
+        )
+
+    def take(self, index: torch.Tensor) -> UserRows:
+        idx = index.numpy()
+        lengths = np.diff(self.offsets)[idx]
+        gather = _ranges(self.offsets[:-1][idx], lengths)
+        return UserRows(
+            self.items[gather],
+            self.stamps[gather],
+            _offsets(lengths),
+            self.users[idx],
+            self.sample_ids[idx],
+            self.source,
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[UserRows]) -> UserRows:
+        return UserRows(
+            np.concatenate([p.items for p in parts]),
+            np.concatenate([p.stamps for p in parts]),
+            _offsets(np.concatenate([np.diff(p.offsets) for p in parts])),
+            np.concatenate([p.users for p in parts]),
+            np.concatenate([p.sample_ids for p in parts]),
+            parts[0].source,
+        )
+
+    def finish(self, epoch: int) -> TrainRows:
+        """The training samples of these users in `epoch` (see the module docstring)."""
+        d = self.source
+        n = np.diff(self.offsets)
+        train = np.where(n >= 3, n - 2, n)
+        keep = np.minimum(train, d.max_seq_len + 1)
+        m = np.maximum(keep - 1, 0)  # transitions: inputs and targets of each sample
+        first = self.offsets[:-1] + train - keep
+        inputs = _ranges(first, m)
+        targets = inputs + 1
+        negatives = np.empty(int(m.sum()), dtype=np.int64)
+        out = 0
+        for u in range(len(n)):  # each user's own generator: the draws data=sequences makes
+            count = int(m[u])
+            if not count:
+                continue
+            start = int(self.offsets[u])
+            seen = set(self.items[start : start + int(train[u])].tolist())
+            rng = np.random.default_rng([d.seed, epoch, int(self.sample_ids[u])])
+            negatives[out : out + count] = _sample_unseen(rng, d.num_items, seen, count)
+            out += count
+        return TrainRows(
+            torch.from_numpy(self.items[inputs]),
+            torch.from_numpy(self.items[targets]),
+            torch.from_numpy(negatives),
+            torch.from_numpy(self.stamps[inputs]),
+            torch.from_numpy(_offsets(m)),
+            torch.from_numpy(self.sample_ids.copy()),
+        )
+
+
+@dataclass
+class TrainRows:
+    """Training samples: inputs, targets, negatives and timestamps (the same lengths) per user."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    negatives: torch.Tensor
+    stamps: torch.Tensor
+    offsets: torch.Tensor
+    sample_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.numel())
+
+    def slice(self, start: int, stop: int) -> TrainRows:
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        return TrainRows(
+            self.inputs[lo:hi],
+            self.targets[lo:hi],
+            self.negatives[lo:hi],
+            self.stamps[lo:hi],
+            self.offsets[start : stop + 1] - lo,
+            self.sample_ids[start:stop],
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[TrainRows]) -> TrainRows:
+        lengths = torch.cat([p.offsets[1:] - p.offsets[:-1] for p in parts])
+        return TrainRows(
+            torch.cat([p.inputs for p in parts]),
+            torch.cat([p.targets for p in parts]),
+            torch.cat([p.negatives for p in parts]),
+            torch.cat([p.stamps for p in parts]),
+            torch.from_numpy(_offsets(lengths.numpy())),
+            torch.cat([p.sample_ids for p in parts]),
+        )
+
+    def batch(self) -> RetrievalBatch:
+        """The batch `collate_retrieval` makes of these samples (no candidates, no catalogue)."""
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        b = len(self)
+        lengths = (self.offsets[1:] - self.offsets[:-1]).to(torch.int32)
+        zeros = torch.zeros(2 * b, dtype=torch.int32)
+        kjt = KeyedJaggedTensor(
+            keys=list(RETRIEVAL_KEYS),
+            values=torch.cat([self.inputs, self.targets, self.negatives]),
+            lengths=torch.cat([lengths, lengths, lengths, zeros]),
+        )
+        return RetrievalBatch(sparse_features=kjt, timestamps=self.stamps, sample_ids=self.sample_ids)
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of `arange(s, s + n)` for each start `s` and length `n`, vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    offsets = _offsets(lengths)
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    return np.asarray(starts, dtype=np.int64)[row] + (np.arange(total) - offsets[row])
+
+
+class _SequenceDecoder:
+    """Turns a row group of sequence Parquet into `UserRows` (dense item ids)."""
+
+    def __init__(self, cfg: ParquetSequencesDataConfig, vocab: np.ndarray | None, num_items: int, stamps: str | None):
+        c = cfg.columns
+        self.user, self.items, self.stamps = c.user, c.items, stamps
+        self.columns = [c.user, c.items] + ([stamps] if stamps else [])
+        self.vocab, self.num_items = vocab, num_items
+        self.max_seq_len, self.seed = cfg.max_seq_len, cfg.seed
+
+    def __call__(self, table: pa.Table, first_row: int, fail: Fail) -> UserRows:
+        users = _one(table, self.user, fail)
+        if users.null_count:
+            raise fail(self.user, f"{users.null_count} null user id(s)")
+        items = _one(table, self.items, fail)
+        if items.null_count or items.flatten().null_count:
+            raise fail(self.items, "null item ids or null lists")
+        offsets = np.asarray(items.offsets, dtype=np.int64)
+        offsets = offsets - offsets[0]
+        raw = items.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        dense = self._dense(raw, fail)
+        if self.stamps is not None:
+            col = _one(table, self.stamps, fail)
+            st_offsets = np.asarray(col.offsets, dtype=np.int64)
+            if not np.array_equal(st_offsets - st_offsets[0], offsets):
+                raise fail(self.stamps, f"lists of other lengths than {self.items!r}")
+            stamps = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        else:  # the position in the sequence stands in for time
+            stamps = np.arange(len(raw), dtype=np.int64) - np.repeat(offsets[:-1], np.diff(offsets))
+        n = table.num_rows
+        return UserRows(
+            dense,
+            stamps,
+            offsets,
+            users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+            np.arange(first_row, first_row + n, dtype=np.int64),
+            self,
+        )
+
+    def _dense(self, raw: np.ndarray, fail: Fail) -> np.ndarray:
+        if self.vocab is None:
+            if raw.size and (raw.min() < 0 or raw.max() >= self.num_items):
+                bad = int(raw[(raw < 0) | (raw >= self.num_items)][0])
+                raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})")
+            return raw
+        dense = np.searchsorted(self.vocab, raw)
+        unknown = (dense >= len(self.vocab)) | (self.vocab[np.minimum(dense, len(self.vocab) - 1)] != raw)
+        if unknown.any():
+            raise fail(
+                self.items,
+                f"item id {int(raw[unknown][0])} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})",
+            )
+        return dense.astype(np.int64)
+
+
+def _one(table: pa.Table, name: str, fail: Fail) -> pa.Array:
+    col = table.column(name)
+    return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+
+
+class _Rows:
+    """Random access to users by global position (evaluation, dumps), one row group cached."""
+
+    def __init__(self, files: ParquetFiles, decoder: _SequenceDecoder) -> None:
+        self.files, self.decoder = files, decoder
+        units = files.units()
+        self.first = units[:, 2]
+        self.units = units
+        self._cached: tuple[int, UserRows] | None = None
+
+    def user(self, row: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(raw user id, dense items, timestamps) of the user at global position `row`."""
+        u = int(np.searchsorted(self.first, row, side="right")) - 1
+        if self._cached is None or self._cached[0] != u:
+            file, group, first = (int(x) for x in self.units[u])
+            files = self.files
+
+            def fail(column: str, message: str) -> DataFileError:
+                return DataFileError(files.key, files.where(file, group, column), message)
+
+            table = files.read(file, group, self.decoder.columns)
+            self._cached = (u, self.decoder(table, first, fail))
+        rows = self._cached[1]
+        i = row - int(self.first[u])
+        lo, hi = rows.offsets[i], rows.offsets[i + 1]
+        return int(rows.users[i]), rows.items[lo:hi], rows.stamps[lo:hi]
+
+
+class _RawUsers:
+    """`raw_users[user]`: the raw id of a user (by dense id, the global position)."""
+
+    def __init__(self, rows: _Rows) -> None:
+        self.rows = rows
+
+    def __getitem__(self, user: int) -> int:
+        return self.rows.user(user)[0]
+
+
+class ParquetSequences(StreamSource):
+    """This rank's users of sequence Parquet: training by position (`StreamSource`) and the
+    leave-one-out evaluation splits (`split`), as `SequencesDataset` offers them."""
+
+    def __init__(self, files: ParquetFiles, decoder: _SequenceDecoder, rank: int, world_size: int, cfg: Any) -> None:
+        spec = DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: decoder.num_items})
+        super().__init__(files, decoder, rank, world_size, cfg, spec)
+        self.num_items = decoder.num_items
+        self.seed, self.max_seq_len = cfg.seed, cfg.max_seq_len
+        self.eval_negatives, self.full_eval = cfg.eval_negatives, cfg.full_eval
+        self.raw_items = decoder.vocab if decoder.vocab is not None else np.arange(decoder.num_items)
+        self._rows = _Rows(files, decoder)
+        self.raw_users = _RawUsers(self._rows)
+
+    def prepare(self, eval_batches: int) -> None:
+        super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
+
+    @property
+    def num_users(self) -> int:
+        return self.files.num_rows
+
+    def held_out(self, user: int, split: str) -> int:
+        """The dense id of `user`'s held-out item of `split`."""
+        return int(self._rows.user(user)[1][-2 if split == "valid" else -1])
+
+    def eval_sample(self, user: int, split: str) -> RetrievalSample | None:
+        """`user`'s evaluation sample of `split` (`SequencesDataset.eval_sample`), None below 3 items."""
+        _, seq, stamps = self._rows.user(user)
+        if len(seq) < 3:
+            return None
+        end = len(seq) - (2 if split == "valid" else 1)
+        rng = np.random.default_rng([self.seed, 1 << 32, user])
+        negatives = _sample_unseen(rng, self.num_items, set(seq.tolist()), self.eval_negatives)
+        return RetrievalSample(
+            user,
+            seq[:end][-self.max_seq_len :].tolist(),
+            stamps[:end][-self.max_seq_len :].tolist(),
+            [],
+            [],
+            [int(seq[end]), *negatives],
+        )
+
+    def split(self, name: str, batch_size: int) -> _EvalSplit:
+        """This rank's users of split `name`, padded to the same number of batches on every rank."""
+        if name not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {name!r}")
+        per_rank = -(-self.num_users // self.world_size)
+        batches = max(1, -(-per_rank // batch_size))
+        first = min(self.rank * per_rank, self.num_users)
+        stop = min(first + per_rank, self.num_users)
+        return _EvalSplit(self, name, first, stop, batches * batch_size)
+
+
+class _EvalSplit(Dataset[RetrievalSample]):
+    """Evaluation samples of one split for one rank; users below 3 items and indices past the
+    rank's users are padding (sample id -1, not scored)."""
+
+    def __init__(self, source: ParquetSequences, name: str, first: int, stop: int, size: int) -> None:
+        self.source, self.name, self.first, self.stop, self.size = source, name, first, stop, size
+        catalog = source.num_items if source.full_eval else 0
+        self.collate = partial(collate_retrieval, catalog_size=catalog)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> RetrievalSample:
+        user = self.first + index
+        sample = self.source.eval_sample(user, self.name) if user < self.stop else None
+        if sample is not None:
+            return sample
+        # padding: the rank's first user's sample (as data=sequences pads), or a stand-in
+        sample = self.source.eval_sample(self.first, self.name) if self.first < self.stop else None
+        if sample is None:
+            return RetrievalSample(-1, [0], [0], [], [], list(range(self.source.eval_negatives + 1)))
+        sample.sample_id = -1
+        return sample
+
+
+def _item_vocab(files: ParquetFiles, num_items: int | None) -> tuple[np.ndarray | None, int]:
+    stored = files.metadata.get(ITEM_VOCAB_KEY)
+    if stored is not None:
+        vocab = np.frombuffer(stored, dtype="<i8").astype(np.int64)
+        if len(vocab) < 2 or not bool(np.all(vocab[1:] > vocab[:-1])):
+            raise DataFileError(
+                files.key, files.paths[0], f"{ITEM_VOCAB_KEY.decode()} is not a sorted list of distinct item ids"
+            )
+        return vocab, len(vocab)
+    if num_items is None:
+        raise DataFileError(
+            files.key,
+            files.paths[0],
+            f"no item vocabulary ({ITEM_VOCAB_KEY.decode()} in the key-value metadata, written by `recsys-data convert "
+            "sequences`); set data.num_items to use the item ids as dense ids in [0, num_items)",
+        )
+    return None, num_items
+
+
+def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_size: int) -> ParquetSequences:
+    """Builder of `data=parquet_sequences`: this rank's users, checked from the files' metadata."""
+    c = cfg.columns
+    files = open_parquet(cfg.path, "data.path", stats_columns=[c.user])
+    schema = files.schema
+
+    def require(name: str, list_column: bool) -> None:
+        i = schema.get_field_index(name)
+        if i < 0:
+            raise DataFileError(
+                "data.path", files.paths[0], f"no column {name!r} (data.columns names it); it has {schema.names}"
+            )
+        t = schema.field(i).type
+        ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
+        if not ok:
+            want = "a list of integers" if list_column else "an integer"
+            raise DataFileError("data.path", files.where(0, column=name), f"must be {want}, it is {t}")
+
+    require(c.user, False)
+    require(c.items, True)
+    stamps = c.timestamps
+    if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
+        stamps = None  # the default name, absent: positions stand in for time
+    if stamps is not None:
+        require(stamps, True)
+    for (file, group), st in files.stats.items():
+        if c.user in st and st[c.user].null_count:
+            raise DataFileError(
+                "data.path", files.where(file, group, c.user), f"{st[c.user].null_count} null user id(s)"
+            )
+    vocab, num_items = _item_vocab(files, cfg.num_items)
+    if cfg.eval_negatives > num_items - 1:
+        raise ConfigError(
+            ConfigProblem(
+                "data.eval_negatives", f"{cfg.eval_negatives} exceeds the {num_items - 1} other items of the data"
+            )
+        )
+    decoder = _SequenceDecoder(cfg, vocab, num_items, stamps)
+    return ParquetSequences(files, decoder, rank, world_size, cfg)

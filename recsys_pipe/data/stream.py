@@ -1,0 +1,502 @@
+"""Streaming Parquet data by position: which rows each rank trains, in which order, read in windows.
+
+This is the machinery the Parquet sources (`data=parquet`, `data=parquet_sequences`) share; a
+source supplies only how a decoded table becomes rows of its batches (a `Decoder`).
+
+**The order of an epoch.** The training rows of an epoch are the row groups of the files (with
+any held-out tail cut off), concatenated in an order permuted with `(data.seed, epoch)` (file
+order without `data.shuffle`). Call that the epoch's row sequence. Rank `r` of `W` trains the
+rows `[r * P * B, (r + 1) * P * B)` of it (`P` batches per epoch, `B = data.batch_size`): a row
+range known from the row groups' row counts alone, so every rank has exactly `P` batches, even
+with more ranks than files or row groups, and no rank reads another's rows.
+
+**The shuffle window.** A rank's rows are cut into consecutive windows of `data.shuffle_window`
+rows (rounded down to a multiple of `B`, at least `B`); the rows of a window are permuted with a
+generator seeded by `(data.seed, epoch, window start)`. A row therefore moves at most one window
+from its row group's place: the window bounds memory and start-up time; a full shuffle would
+need every row group of the epoch before the first batch.
+
+**Position.** Batch `p` of a run is batch `p % P` of epoch `p // P`; its window and its offset in
+the window follow from the metadata, so a run resumed at `p` starts decoding at that window and
+drops the rows before the offset: nothing is replayed. The number of batches trained is the
+whole data state (as for the map-style sources, `recsys_pipe.data.loader`).
+
+**Workers.** A window is one item of a map-style dataset (`WindowDataset`): one DataLoader worker
+decodes it whole, into rows that are tensors (`Rows`), and the main process cuts the windows'
+rows into batches. Decoding is vectorised Arrow -> numpy -> torch; nothing loops over rows.
+A worker that meets a bad row group hands back the error as data; the main process raises it.
+
+**A change of world size** (`resume_layout`): with the global batch size `W * B` kept, the
+epoch has the same `P` batches, and the rest of the interrupted epoch is what the old ranks had
+not trained yet, concatenated in old-rank order and cut into `W'` equal parts: every row of the
+epoch is trained exactly once across the two runs. The layouts an epoch was trained under are
+part of the checkpoint (`Layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles
+
+__all__ = [
+    "BatchStream",
+    "Decoder",
+    "Fail",
+    "EpochOrder",
+    "Layout",
+    "Piece",
+    "Rows",
+    "StreamSource",
+    "WindowDataset",
+    "rank_pieces",
+]
+
+_U64 = 2**64
+
+
+class Rows(Protocol):
+    """Decoded rows of a source (tensors), cut and joined by the main process into batches."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, index: torch.Tensor) -> Rows:
+        """The rows at `index`, in that order."""
+
+    def slice(self, start: int, stop: int) -> Rows:
+        """Rows `[start, stop)`."""
+
+    @classmethod
+    def concat(cls, parts: Sequence[Rows]) -> Rows:
+        """The rows of `parts`, in order."""
+
+    def batch(self) -> Any:
+        """These rows as one training batch."""
+
+
+# A source's decoded rows may also have `finish(epoch) -> Rows`: what the window's rows become in
+# that epoch (e.g. negatives drawn afresh), called by the worker after the window is cut.
+
+
+Fail = Callable[[str, str], DataFileError]
+"""`fail(column, message)`: the `DataFileError` naming the file, row group and column being decoded."""
+
+
+class Decoder(Protocol):
+    """A source's part: its columns and how one row group's table becomes `Rows`."""
+
+    columns: Sequence[str]
+
+    def __call__(self, table: pa.Table, first_row: int, fail: Fail) -> Rows:
+        """Decode `table` (rows `first_row ...` in global positions); `fail(column, message)` is
+        the error to raise for a bad value."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of one window: rows `[start, start + length)` of epoch `epoch`'s row sequence,
+    permuted (with `data.shuffle`), of which `[skip, skip + take)` are used."""
+
+    epoch: int
+    start: int
+    length: int
+    skip: int
+    take: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The data-parallel layout a stretch of an epoch was trained under: `world` ranks of
+    `batch` rows each, from batch `since` of the epoch on."""
+
+    world: int
+    batch: int
+    since: int = 0
+
+
+class EpochOrder:
+    """Where the rows of each epoch's row sequence are: row groups (or the used part of them)
+    permuted per `(seed, epoch)`.
+
+    Args:
+        files: the data set.
+        first, stop: the global row range the sequence is drawn from (training: all but the
+            held-out tail; evaluation: the tail, or the evaluation files).
+        shuffle: permute the row groups (and windows) per epoch.
+        seed: `data.seed`.
+    """
+
+    def __init__(self, files: ParquetFiles, first: int, stop: int, shuffle: bool, seed: int) -> None:
+        units = files.units()
+        rows = files.unit_rows()
+        lo = np.clip(first - units[:, 2], 0, rows)
+        hi = np.clip(stop - units[:, 2], 0, rows)
+        keep = hi > lo
+        #: per used row group: file, row group, first used row in it, rows used, global first row
+        self.units = np.stack(
+            [units[keep, 0], units[keep, 1], lo[keep], hi[keep] - lo[keep], units[keep, 2] + lo[keep]], 1
+        )
+        self.num_rows = int(self.units[:, 3].sum()) if len(self.units) else 0
+        self.shuffle, self.seed = shuffle, seed
+        self._cached: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1], self._cached[2]
+        n = len(self.units)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed % _U64, epoch, 0x5EED]).permutation(n)
+        else:
+            order = np.arange(n)
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(self.units[order, 3], out=starts[1:])
+        self._cached = (epoch, order, starts)
+        return order, starts
+
+    def locate(self, epoch: int, start: int, stop: int) -> list[tuple[int, int, int, int, int]]:
+        """Rows `[start, stop)` of the epoch's sequence as `(file, row group, lo, hi, global
+        first row)` slices of row groups (`lo:hi` in the row group's own rows)."""
+        order, starts = self._order(epoch)
+        out = []
+        i = int(np.searchsorted(starts, start, side="right")) - 1
+        while start < stop:
+            unit = self.units[order[i]]
+            offset = start - int(starts[i])
+            n = min(int(unit[3]) - offset, stop - start)
+            lo = int(unit[2]) + offset
+            out.append((int(unit[0]), int(unit[1]), lo, lo + n, int(unit[4]) + offset))
+            start += n
+            i += 1
+        return out
+
+    def permutation(self, piece: Piece) -> np.ndarray | None:
+        """The order of the window's rows (None: as they are)."""
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed % _U64, piece.epoch, piece.start]).permutation(piece.length)
+
+
+def _windows(epoch: int, start: int, rows: int, window: int) -> list[Piece]:
+    return [
+        Piece(epoch, s, min(window, start + rows - s), 0, min(window, start + rows - s))
+        for s in range(start, start + rows, window)
+    ]
+
+
+def _cut(pieces: list[Piece], start: int, stop: int) -> list[Piece]:
+    """Rows `[start, stop)` of the concatenation of `pieces` (their used rows), as pieces."""
+    out, pos = [], 0
+    for p in pieces:
+        lo, hi = max(start - pos, 0), min(stop - pos, p.take)
+        if lo < hi:
+            out.append(Piece(p.epoch, p.start, p.length, p.skip + lo, hi - lo))
+        pos += p.take
+        if pos >= stop:
+            break
+    return out
+
+
+def rank_pieces(epoch: int, layouts: Sequence[Layout], rank: int, batches: int, window: int) -> list[Piece]:
+    """The windows rank `rank` of the last layout trains in epoch `epoch`, in order, from the
+    batch where that layout took over (`layouts[-1].since`).
+
+    Args:
+        layouts: the layouts the epoch was trained under, in order (the first `since` is 0);
+            every one has the same global batch size.
+        batches: batches per epoch (the same under every layout).
+        window: `data.shuffle_window` in rows (a multiple of the first layout's batch size).
+    """
+    first = layouts[0]
+    per_rank = batches * first.batch
+    current = [_windows(epoch, r * per_rank, per_rank, window) for r in range(first.world)]
+    for prev, layout in zip(layouts, layouts[1:]):
+        done = (layout.since - prev.since) * prev.batch  # rows each rank of `prev` trained
+        rest = [piece for pieces in current for piece in _cut(pieces, done, 10**18)]
+        share = (batches - layout.since) * layout.batch
+        current = [_cut(rest, r * share, (r + 1) * share) for r in range(layout.world)]
+    return current[rank]
+
+
+def _skip_rows(pieces: list[Piece], rows: int) -> list[Piece]:
+    return _cut(pieces, rows, 10**18)
+
+
+class _Failed:
+    """A worker's error, handed back as data (a DataLoader would wrap and re-type it)."""
+
+    def __init__(self, error: DataFileError) -> None:
+        self.error = error
+
+
+class WindowDataset(Dataset):
+    """Map-style: `dataset[piece]` decodes one window (a `Piece`) into `Rows`, its used rows
+    in their epoch order. One decoded row group is kept for the next window of the same worker
+    (windows smaller than row groups)."""
+
+    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: Decoder) -> None:
+        self.files, self.order, self.decoder = files, order, decoder
+        self._last: tuple[tuple[int, int], Rows] | None = None
+
+    def __len__(self) -> int:  # indexed by pieces, not by integers
+        raise TypeError("a WindowDataset is indexed by Piece")
+
+    def _group(self, file: int, group: int, first_row: int, lo: int) -> Rows:
+        key = (file, group)
+        if self._last is None or self._last[0] != key:
+            table = self.files.read(file, group, self.decoder.columns)
+            files = self.files
+
+            def fail(column: str, message: str) -> DataFileError:
+                return DataFileError(files.key, files.where(file, group, column), message)
+
+            rows = self.decoder(table, first_row - lo, fail)
+            self._last = (key, rows)
+        return self._last[1]
+
+    def __getitem__(self, piece: Piece) -> Rows | _Failed:
+        try:
+            parts = [
+                self._group(f, g, first, lo).slice(lo, hi)
+                for f, g, lo, hi, first in self.order.locate(piece.epoch, piece.start, piece.start + piece.length)
+            ]
+        except DataFileError as exc:
+            return _Failed(exc)
+        rows = parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)
+        perm = self.order.permutation(piece)
+        if perm is not None:
+            rows = rows.take(torch.from_numpy(perm[piece.skip : piece.skip + piece.take]))
+        elif piece.skip or piece.take != len(rows):
+            rows = rows.slice(piece.skip, piece.skip + piece.take)
+        finish = getattr(rows, "finish", None)  # rows that depend on the epoch (negatives drawn per epoch)
+        return finish(piece.epoch) if finish is not None else rows
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class BatchStream:
+    """The batches of a sequence of pieces: windows decoded by `num_workers` DataLoader workers
+    (or in this process), cut into batches of `batch_size` rows in order, pinned with `pin_memory`."""
+
+    def __init__(
+        self,
+        dataset: WindowDataset,
+        pieces: Callable[[], Iterator[Piece]],
+        batch_size: int,
+        num_workers: int,
+        pin_memory: bool,
+    ) -> None:
+        self.dataset, self.pieces = dataset, pieces
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+
+    def __iter__(self) -> Iterator[Any]:
+        loader = DataLoader(
+            self.dataset,
+            batch_size=None,
+            sampler=_Pieces(self.pieces),
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            # its own generator: creating an iterator must not draw from the global torch RNG
+            generator=torch.Generator().manual_seed(0),
+        )
+        pending: list[Rows] = []
+        held = 0
+        pin = self.pin_memory and torch.cuda.is_available()
+        for rows in loader:
+            if isinstance(rows, _Failed):
+                raise rows.error
+            pending.append(rows)
+            held += len(rows)
+            if held < self.batch_size:
+                continue
+            joined = pending[0] if len(pending) == 1 else type(pending[0]).concat(pending)
+            full = held // self.batch_size * self.batch_size
+            for start in range(0, full, self.batch_size):
+                batch = joined.slice(start, start + self.batch_size).batch()
+                yield batch.pin_memory() if pin else batch
+            pending = [joined.slice(full, held)] if full < held else []
+            held -= full
+
+
+class _Pieces:
+    """A sampler that is a re-iterable over pieces (DataLoader samplers may yield any index)."""
+
+    def __init__(self, make: Callable[[], Iterator[Piece]]) -> None:
+        self.make = make
+
+    def __iter__(self) -> Iterator[Piece]:
+        return self.make()
+
+
+class StreamSource:
+    """One rank's share of a Parquet data set, by position (see the module docstring): what
+    `RankData` delegates to for a streaming source (`prepare`, then the loaders).
+
+    Args:
+        files: the training files.
+        decoder: turns a row group's table into rows.
+        rank, world_size: this rank of the data-parallel ranks.
+        cfg: the data section (`batch_size`, `num_batches`, `shuffle`, `seed`, `shuffle_window`,
+            `num_workers`, `pin_memory`).
+        spec: the model-sizing spec.
+        eval_files: `data.eval_path`'s files, if named.
+        max_rows: use only the first rows of the files (`data.max_rows`).
+    """
+
+    def __init__(
+        self,
+        files: ParquetFiles,
+        decoder: Decoder,
+        rank: int,
+        world_size: int,
+        cfg: Any,
+        spec: Any,
+        eval_files: ParquetFiles | None = None,
+        max_rows: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.files, self.decoder, self.rank, self.world_size = files, decoder, rank, world_size
+        self.cfg, self.spec, self.eval_files = cfg, spec, eval_files
+        self.total = min(files.num_rows, max_rows) if max_rows is not None else files.num_rows
+        self.batch_size = cfg.batch_size
+        self.window = max(cfg.batch_size, cfg.shuffle_window // cfg.batch_size * cfg.batch_size)
+        #: the layouts the current epoch was trained under before this run (`resume_layout`)
+        self.resumed: tuple[int, list[Layout]] | None = None
+        self.prepare(0)
+
+    def prepare(self, eval_batches: int) -> None:
+        """Split the rows into training and `eval_batches` held-out batches per rank (the tail of
+        the files, or the start of `data.eval_path`); ConfigError naming the keys if they do not fit."""
+        cfg, files, world_size = self.cfg, self.files, self.world_size
+        batch_size = cfg.batch_size
+        global_batch = world_size * batch_size
+        total = self.total
+        held_out = 0
+        eval_files = self.eval_files
+        if eval_files is not None:
+            self.eval_batches = eval_batches or eval_files.num_rows // global_batch
+            if self.eval_batches * global_batch > eval_files.num_rows:
+                raise ConfigError(
+                    ConfigProblem(
+                        "trainer.eval_batches",
+                        f"{eval_batches} batches x data.batch_size={batch_size} x {world_size} rank(s) need "
+                        f"{eval_batches * global_batch} rows, but data.eval_path has {eval_files.num_rows}",
+                    )
+                )
+            self.eval_order = EpochOrder(eval_files, 0, eval_files.num_rows, False, cfg.seed)
+            eval_source = eval_files
+        else:
+            self.eval_batches = eval_batches
+            held_out = eval_batches * global_batch
+            self.eval_order = EpochOrder(files, max(total - held_out, 0), total, False, cfg.seed)
+            eval_source = files
+        available = (total - held_out) // global_batch if total > held_out else 0
+        if cfg.num_batches is not None and cfg.num_batches > available:
+            raise ConfigError(
+                ConfigProblem(
+                    "data.num_batches",
+                    f"{cfg.num_batches} batches x data.batch_size={batch_size} x {world_size} rank(s) need "
+                    f"{cfg.num_batches * global_batch} rows, but {files.key} has {max(total - held_out, 0)} "
+                    "training rows",
+                )
+            )
+        self.batches_per_epoch = cfg.num_batches or available
+        if self.batches_per_epoch < 1:
+            raise ConfigError(
+                ConfigProblem(
+                    files.key,
+                    f"too little data: {total} rows, fewer than one global batch ({world_size} rank(s) x "
+                    f"data.batch_size={batch_size}) plus trainer.eval_batches={eval_batches} held-out batches "
+                    f"({global_batch + held_out} rows); lower data.batch_size or trainer.eval_batches, or use fewer "
+                    "ranks",
+                )
+            )
+        self.order = EpochOrder(files, 0, total - held_out, cfg.shuffle, cfg.seed)
+        self.train_windows = WindowDataset(files, self.order, self.decoder)
+        self.eval_windows = WindowDataset(eval_source, self.eval_order, self.decoder)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.batch_size)
+
+    def epoch_pieces(self, epoch: int) -> list[Piece]:
+        layouts = [self.layout]
+        if self.resumed is not None and self.resumed[0] == epoch:
+            layouts = self.resumed[1]
+        pieces = rank_pieces(epoch, layouts, self.rank, self.batches_per_epoch, self.window)
+        return pieces
+
+    def train_loader(self, epochs: int = 1, start: int = 0) -> BatchStream:
+        """Batches of `epochs` epochs from batch position `start` (over all epochs)."""
+        per_epoch = self.batches_per_epoch
+
+        def pieces() -> Iterator[Piece]:
+            first, batch = divmod(start, per_epoch)
+            for epoch in range(first, epochs):
+                these = self.epoch_pieces(epoch)
+                if epoch == first:
+                    since = self.resumed[1][-1].since if self.resumed and self.resumed[0] == epoch else 0
+                    these = _skip_rows(these, (batch - since) * self.batch_size)
+                yield from these
+
+        return BatchStream(self.train_windows, pieces, self.batch_size, self.cfg.num_workers, self.cfg.pin_memory)
+
+    def eval_loader(self) -> BatchStream | None:
+        """The held-out batches of this rank (the same every evaluation), or None without any."""
+        if not self.eval_batches:
+            return None
+        rows = self.eval_batches * self.batch_size
+
+        def pieces() -> Iterator[Piece]:
+            yield from _windows(0, self.rank * rows, rows, self.window)
+
+        return BatchStream(self.eval_windows, pieces, self.batch_size, self.cfg.num_workers, self.cfg.pin_memory)
+
+    def resume_layout(self, position: int, layouts: Sequence[Layout]) -> int:
+        """Continue from `position` (batches trained) of a run whose current epoch was trained
+        under `layouts` (its last one is the run's own); returns the position to start from.
+
+        The same layout: nothing changes. Another world size with the same global batch size:
+        the rest of the epoch is the rows the old ranks had not trained (module docstring). A
+        different global batch size is refused in one line (the epoch would not split exactly).
+        """
+        old = layouts[-1]
+        if old.world == self.world_size and old.batch == self.batch_size:
+            self.resumed = (position // self.batches_per_epoch, list(layouts))
+            return position
+        if old.world * old.batch != self.world_size * self.batch_size:
+            global_batch = old.world * old.batch
+            hint = (
+                f"set data.batch_size={global_batch // self.world_size}"
+                if global_batch % self.world_size == 0
+                else f"use a number of ranks that divides {global_batch}"
+            )
+            raise ConfigError(
+                ConfigProblem(
+                    "data.batch_size",
+                    f"the checkpoint trained {old.world} rank(s) x data.batch_size={old.batch} = {global_batch} rows "
+                    f"per step, this run {self.world_size} x {self.batch_size}: keep the global batch size to resume "
+                    f"exactly ({hint})",
+                )
+            )
+        epoch, batch = divmod(position, self.batches_per_epoch)
+        history = list(layouts) if batch else []
+        self.resumed = (epoch, [*history, Layout(self.world_size, self.batch_size, batch)])
+        return position
+
+    def layout_state(self, position: int) -> list[list[int]]:
+        """The layouts of the epoch at `position` (for a checkpoint): `[[world, batch, since], ...]`."""
+        epoch = position // self.batches_per_epoch
+        if self.resumed is not None and self.resumed[0] == epoch:
+            return [[lay.world, lay.batch, lay.since] for lay in self.resumed[1]]
+        return [[self.world_size, self.batch_size, 0]]
