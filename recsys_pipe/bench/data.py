@@ -317,6 +317,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     parser.add_argument("--only", default=",".join(PARTS), help=f"parts to run, of {','.join(PARTS)}")
     parser.add_argument("--dir", default=None, help="where the data is generated (kept; default: a temp dir)")
+    parser.add_argument("--generate-only", action="store_true", help="generate the data under --dir, measure nothing")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
@@ -370,6 +371,8 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
     if {"seq_pyarrow", "seq_loader", "train_sasrec"} & set(parts) and not seqs.exists():
         write_sequences(seqs, args.seq_users, args.seq_len, args.seq_text_users)
     print(f"data generated in {time.perf_counter() - t:.1f} s under {root}", flush=True)
+    if args.generate_only:
+        return
 
     jobs: list[tuple[str, str, Path, int, dict[str, Any]]] = []  # (row name, kind, path, batch, extra)
     if "convert" in parts:

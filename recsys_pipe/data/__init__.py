@@ -1,6 +1,8 @@
 """Data sources and batches: synthetic sequences and MovieLens (for HSTU), Criteo files and a
 generated Criteo-like source (for DLRM), and per-user item sequences for next-item retrieval
-(`data=sequences`, for SASRec and HSTU retrieval).
+(`data=sequences`, for SASRec and HSTU retrieval), and Parquet files of any size streamed by
+position (`data=parquet`: tabular rows; `data=parquet_sequences`: per-user sequences; see
+`recsys_pipe.data.stream`).
 
 Each source is a builder and its `DataConfig` subclass, registered by name in `DATA_SOURCES`;
 `make_dataloader(cfg, rank, world_size)` turns any of them into batches. The batch protocol is
@@ -50,6 +52,19 @@ _EXPORTS = {
     "CsvConfig": "interactions_file",
     "convert_criteo": "convert",
     "convert_sequences": "convert",
+    "DataFileError": "parquet_files",
+    "ParquetFiles": "parquet_files",
+    "open_parquet": "parquet_files",
+    "ParquetDataConfig": "parquet",
+    "SparseColumn": "parquet",
+    "TabularColumns": "parquet",
+    "ITEM_VOCAB_KEY": "parquet_sequences",
+    "ParquetSequencesDataConfig": "parquet_sequences",
+    "SequenceColumns": "parquet_sequences",
+    "item_vocab_metadata": "parquet_sequences",
+    "Layout": "stream",
+    "StreamSource": "stream",
+    "describe": "inspect",
     "RetrievalBatch": "sequences",
     "SequencesDataConfig": "sequences",
     "SequenceSourceConfig": "sequences",

@@ -26,7 +26,7 @@ from pydantic import Field, StrictBool, StrictStr
 from recsys_pipe.config import Section
 from recsys_pipe.data.text_files import fail
 
-__all__ = ["ROLES", "CsvConfig", "InteractionColumns", "Layout", "detect_layout", "read_interaction_columns"]
+__all__ = ["ROLES", "CsvConfig", "InteractionColumns", "ColumnLayout", "detect_layout", "read_interaction_columns"]
 
 ROLES = ("user", "item", "rating", "timestamp")
 #: header names (lower case) that name each role when `data.csv.columns` is not given
@@ -61,7 +61,7 @@ class CsvConfig(Section):
 
 
 @dataclass(frozen=True)
-class Layout:
+class ColumnLayout:
     """How a file is read: its delimiter (None: runs of white space), whether line 1 is a header,
     and the role of each column (None: skipped)."""
 
@@ -103,7 +103,7 @@ def _split(line: str, delimiter: str | None) -> list[str]:
     return line.split(delimiter)
 
 
-def detect_layout(path: str, cfg: CsvConfig, layout_help: str) -> Layout:
+def detect_layout(path: str, cfg: CsvConfig, layout_help: str) -> ColumnLayout:
     """The file's layout: `cfg`'s keys, the rest detected from the first line. Refuses in one line
     a first line whose columns cannot be told (naming `data.csv.columns`)."""
     try:
@@ -132,7 +132,7 @@ def detect_layout(path: str, cfg: CsvConfig, layout_help: str) -> Layout:
         fail(
             path, 1, f"unrecognised first line {_excerpt(first)}; {layout_help}; or name the columns: data.csv.columns"
         )
-    return Layout(delimiter, header, roles, bom)
+    return ColumnLayout(delimiter, header, roles, bom)
 
 
 def _is_int(text: str) -> bool:
@@ -143,14 +143,14 @@ def _is_int(text: str) -> bool:
     return True
 
 
-def read_interaction_columns(path: str, layout: Layout, layout_help: str) -> InteractionColumns:
+def read_interaction_columns(path: str, layout: ColumnLayout, layout_help: str) -> InteractionColumns:
     """Every event of the file, checked: integer user, item and timestamp in [0, 2^62), a rating in
     (0, 5]. A bad row is a ConfigError at `data.path` naming the file and line."""
     columns = _arrow_columns(path, layout)
     return columns if columns is not None else _python_columns(path, layout, layout_help)
 
 
-def _arrow_columns(path: str, layout: Layout) -> InteractionColumns | None:
+def _arrow_columns(path: str, layout: ColumnLayout) -> InteractionColumns | None:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.csv as pacsv
@@ -194,7 +194,7 @@ def _arrow_columns(path: str, layout: Layout) -> InteractionColumns | None:
     return InteractionColumns(got["user"], got["item"], rating, stamp)
 
 
-def _python_columns(path: str, layout: Layout, layout_help: str) -> InteractionColumns:
+def _python_columns(path: str, layout: ColumnLayout, layout_help: str) -> InteractionColumns:
     """The line-by-line reader: the reference for what is accepted and for every error message."""
     roles = layout.roles
     wanted = {r: i for i, r in enumerate(roles) if r is not None}
@@ -224,12 +224,12 @@ def _python_columns(path: str, layout: Layout, layout_help: str) -> InteractionC
     return InteractionColumns(arrays["user"], arrays["item"], arrays.get("rating"), arrays.get("timestamp"))
 
 
-def _labels(layout: Layout) -> list[str]:
+def _labels(layout: ColumnLayout) -> list[str]:
     item = "movie" if "rating" in layout.roles else "item"
     return [{"item": item}.get(r, r) if r is not None else "skipped" for r in layout.roles]
 
 
-def _wrong_width(path: str, number: int, line: str, row: list[str], layout: Layout, help_: str) -> NoReturn:
+def _wrong_width(path: str, number: int, line: str, row: list[str], layout: ColumnLayout, help_: str) -> NoReturn:
     if layout.is_pairs:
         text = line.rstrip("\r\n")
         fail(path, number, f"expected two fields `user item`, got {_excerpt(text)}; {help_}")
@@ -240,7 +240,7 @@ def _wrong_width(path: str, number: int, line: str, row: list[str], layout: Layo
     )
 
 
-def _not_numbers(path: str, number: int, line: str, row: list[str], layout: Layout) -> NoReturn:
+def _not_numbers(path: str, number: int, line: str, row: list[str], layout: ColumnLayout) -> NoReturn:
     if layout.is_pairs:
         fail(path, number, f"user and item must be integers, got {line.strip()!r}")
     ints = [lab for lab, r in zip(_labels(layout), layout.roles) if r in ("user", "item", "timestamp")]

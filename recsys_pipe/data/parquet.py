@@ -25,12 +25,11 @@ import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
-from recsys_pipe.data.batch import jagged_select
 from recsys_pipe.data.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoBatch, CriteoLayoutConfig, transform_dense
 from recsys_pipe.data.ids import splitmix64, string_ids
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, open_parquet
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Fail, StreamSource
+from recsys_pipe.data.stream import Fail, StreamSource, shared_empty
 from recsys_pipe.data.tabular import TabularBatch
 
 __all__ = [
@@ -168,15 +167,6 @@ class TabularRows:
             self.layout,
         )
 
-    def take(self, index: torch.Tensor) -> TabularRows:
-        lists = []
-        for values, offsets in self.lists:
-            picked, lengths = jagged_select(values, offsets[1:] - offsets[:-1], index)
-            lists.append((picked, _offsets(lengths)))
-        return TabularRows(
-            self.dense[index], self.ids[index], lists, self.labels[index], self.sample_ids[index], self.layout
-        )
-
     @classmethod
     def concat(cls, parts: Sequence[TabularRows]) -> TabularRows:
         lists = []
@@ -255,97 +245,154 @@ class TabularDecoder:
             else None
         )
 
-    def __call__(self, table: pa.Table, first_row: int, where: Fail) -> TabularRows:
+    def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> TabularRows:
         n = table.num_rows
-        labels = np.empty((n, len(self.labels)), dtype=np.float32)
+        labels = _Matrix(n, len(self.labels), np.float32, order)
         for j, name in enumerate(self.labels):
-            col = _column(table, name, where)
-            labels[:, j] = col.to_numpy(zero_copy_only=False)
-        if n and (labels.min() < 0 or labels.max() > 1):
-            bad = self.labels[int(np.nonzero((labels < 0) | (labels > 1))[1][0])]
-            raise _bad(where, bad, "a label outside [0, 1]")
-        dense = self._dense(table, n, where)
-        if self.single:
-            raw = np.empty((n, len(self.single)), dtype=np.int64)
-            for j, f in enumerate(self.single):
-                raw[:, j] = _ids(_column(table, f.column, where), f, where)
-            if self._modulo is not None:
-                _check_ids(raw, self.single, where)
-                ids = raw % self._modulo
-            else:
-                ids = np.empty_like(raw)
-                for j, f in enumerate(self.single):
-                    ids[:, j] = _map_ids(raw[:, j], f, where)
-        else:
-            ids = np.empty((n, 0), dtype=np.int64)
+            values = _numpy(table, name, fail)
+            if values.size and (values.min() < 0 or values.max() > 1):
+                raise fail(name, "a label outside [0, 1]", int(np.flatnonzero((values < 0) | (values > 1))[0]))
+            labels.set(j, values)
+        ids = _Matrix(n, len(self.single), np.int64, order)
+        for j, f in enumerate(self.single):
+            values = _ids(table, f, fail)
+            if f.ids != "hash":
+                _check_ids(values, f, fail)
+            ids.set(j, values if self._modulo is not None else _map_ids(values, f))
+        if self._modulo is not None:  # Criteo: one broadcast remainder over all features
+            np.remainder(ids.array, self._modulo, out=ids.array)
         lists = []
         for f in self.multi:
-            col = _column(table, f.column, where)
+            col = table.column(f.column).combine_chunks()
+            if col.null_count:
+                raise fail(f.column, f"{col.null_count} null list(s)", _first_null(col))
             offsets = np.asarray(col.offsets, dtype=np.int64)
             offsets = offsets - offsets[0]
-            values = _ids(col.flatten(), f, where)
-            lists.append((torch.from_numpy(_map_ids(values, f, where)), torch.from_numpy(offsets)))
+            flat = col.flatten()
+            if flat.null_count:
+                row = int(np.searchsorted(offsets, _first_null(flat), side="right")) - 1
+                raise fail(f.column, f"{flat.null_count} null id(s)", row)
+            values = _id_values(flat)
+            if f.ids != "hash":
+                _check_ids(values, f, fail, offsets)
+            values = _map_ids(values, f)
+            if order is not None:
+                lengths = np.diff(offsets)[order]
+                values = values[_ranges(offsets[:-1][order], lengths)]
+                offsets = _np_offsets(lengths)
+            lists.append((torch.from_numpy(values), torch.from_numpy(offsets)))
+        positions = _Matrix(n, 1, np.int64, order)
+        positions.set(0, sample_ids)
         return TabularRows(
-            torch.from_numpy(dense),
-            torch.from_numpy(ids),
+            self._dense(table, n, order, fail),
+            ids.tensor(),
             lists,
-            torch.from_numpy(labels),
-            torch.arange(first_row, first_row + n, dtype=torch.int64),
+            labels.tensor(),
+            positions.tensor().reshape(-1),
             self.layout,
         )
 
-    def _dense(self, table: pa.Table, n: int, where: Fail) -> np.ndarray:
+    def _dense(self, table: pa.Table, n: int, order: np.ndarray | None, fail: Fail) -> torch.Tensor:
+        out = _Matrix(n, len(self.dense), np.float32, order)
         if not self.dense:
-            return np.empty((n, 0), dtype=np.float32)
-        cols = [_column(table, name, where) for name in self.dense]
-        integers = all(pa.types.is_integer(c.type) for c in cols)
-        raw = np.empty((n, len(cols)), dtype=np.int64 if integers else np.float64)
+            return out.tensor()
+        cols = [_numpy(table, name, fail) for name in self.dense]
+        integers = all(c.dtype.kind in "iu" for c in cols)
+        raw = np.empty(out.array.shape, dtype=np.int64 if integers else np.float64)
         for j, c in enumerate(cols):
-            raw[:, j] = c.to_numpy(zero_copy_only=False)
+            raw[:, j] = c if order is None else c[order]
         if self.dense_transform == "signed_log1p":
-            return transform_dense(raw)  # data=criteo's own function: bitwise the same features
-        return raw.astype(np.float32)
+            out.array[:] = transform_dense(raw)  # data=criteo's own function: bitwise the same features
+        else:
+            out.array[:] = raw
+        return out.tensor()
 
 
-def _bad(where: Fail, column: str, message: str) -> DataFileError:
-    return where(column, message)
+class _Matrix:
+    """A `[rows, width]` block of the window's rows in `order`, filled column by column (each
+    column gathered on its own: contiguous reads, much faster than a row gather of the block),
+    in shared memory inside a worker (`shared_empty`)."""
+
+    def __init__(self, rows: int, width: int, dtype: type, order: np.ndarray | None) -> None:
+        self.order = order
+        torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        self._tensor = shared_empty((rows if order is None else len(order), width), torch_dtype)
+        self.array = self._tensor.numpy()
+
+    def set(self, column: int, values: np.ndarray) -> None:
+        self.array[:, column] = values if self.order is None else values[self.order]
+
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
 
 
-def _column(table: pa.Table, name: str, where: Fail) -> pa.Array:
+def _first_null(col: pa.Array) -> int:
+    return int(np.flatnonzero(~np.asarray(col.is_valid()))[0])
+
+
+def _numpy(table: pa.Table, name: str, fail: Fail) -> np.ndarray:
+    """A numeric column as one numpy array (no copy for one chunk without nulls)."""
     col = table.column(name)
-    col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if col.null_count:
-        raise _bad(where, name, f"{col.null_count} null value(s)")
-    return col
+        col = col.combine_chunks()
+        raise fail(name, f"{col.null_count} null value(s)", _first_null(col))
+    if col.num_chunks == 1:
+        return col.chunk(0).to_numpy(zero_copy_only=False)
+    return np.concatenate([c.to_numpy(zero_copy_only=False) for c in col.chunks])
 
 
-def _ids(col: pa.Array, f: _Feature, where: Fail) -> np.ndarray:
-    if col.null_count:
-        raise _bad(where, f.column, f"{col.null_count} null id(s)")
+def _id_values(col: pa.Array) -> np.ndarray:
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_binary(col.type):
         return string_ids(col)
     return col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def _check_ids(raw: np.ndarray, features: Sequence[_Feature], where: Fail) -> None:
-    if raw.size and raw.min() < 0:
-        j = int(np.nonzero(raw < 0)[1][0])
-        raise _bad(where, features[j].column, f"a negative id ({int(raw[:, j].min())}) with ids={features[j].ids}")
+def _ids(table: pa.Table, f: _Feature, fail: Fail) -> np.ndarray:
+    col = table.column(f.column)
+    if col.null_count:
+        col = col.combine_chunks()
+        raise fail(f.column, f"{col.null_count} null id(s)", _first_null(col))
+    if col.num_chunks == 1:
+        return _id_values(col.chunk(0))
+    return np.concatenate([_id_values(c) for c in col.chunks])
 
 
-def _map_ids(raw: np.ndarray, f: _Feature, where: Fail) -> np.ndarray:
-    n = f.num_embeddings
-    if f.ids == "hash":
-        return (splitmix64(raw) % np.uint64(n)).astype(np.int64)
-    if raw.size and raw.min() < 0:
-        raise _bad(where, f.column, f"a negative id ({int(raw.min())}) with ids={f.ids}")
-    if f.ids == "modulo":
-        return raw % n
-    if raw.size and raw.max() >= n:
-        raise _bad(
-            where, f.column, f"id {int(raw.max())} >= num_embeddings={n} with ids=as_is (set ids: hash or modulo)"
+def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray | None = None) -> None:
+    """Negative ids (modulo, as_is) and ids over the vocabulary (as_is), named by their row."""
+    bad = values < 0 if f.ids == "modulo" else (values < 0) | (values >= f.num_embeddings)
+    if values.size and (values.min() < 0 or (f.ids == "as_is" and values.max() >= f.num_embeddings)):
+        at = int(np.flatnonzero(bad)[0])
+        row = at if offsets is None else int(np.searchsorted(offsets, at, side="right")) - 1
+        value = int(values[at])
+        if value < 0:
+            raise fail(f.column, f"a negative id ({value}) with ids={f.ids}", row)
+        raise fail(
+            f.column, f"id {value} >= num_embeddings={f.num_embeddings} with ids=as_is (set ids: hash or modulo)", row
         )
+
+
+def _map_ids(raw: np.ndarray, f: _Feature) -> np.ndarray:
+    """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed)."""
+    if f.ids == "hash":
+        return (splitmix64(raw) % np.uint64(f.num_embeddings)).astype(np.int64)
+    if f.ids == "modulo":
+        return raw % f.num_embeddings
     return raw
+
+
+def _np_offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of `arange(s, s + n)` per start and length, vectorised."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    return starts[row] + (np.arange(total) - _np_offsets(lengths)[row])
 
 
 def _features(cfg: ParquetDataConfig) -> tuple[list[str], list[str], str, list[_Feature]]:
@@ -374,7 +421,7 @@ def _check_schema(
     def field_of(name: str) -> pa.Field:
         i = schema.get_field_index(name)
         if i < 0:
-            raise DataFileError(key, files.paths[0], f"no column {name!r}{hint}; it has {schema.names}")
+            raise DataFileError(key, files.where(0), f"no column {name!r}{hint}; it has {schema.names}")
         return schema.field(i)
 
     for name in labels:
@@ -445,7 +492,7 @@ def parquet_dataset(cfg: ParquetDataConfig, rank: int, world_size: int) -> Strea
         eval_files = _open_checked(cfg.eval_path, "data.eval_path", labels, dense, features, mapped)
         if eval_files.schema.remove_metadata() != files.schema.remove_metadata():
             raise ConfigError(
-                ConfigProblem("data.eval_path", f"{eval_files.paths[0]}: a schema that differs from {files.paths[0]}'s")
+                ConfigProblem("data.eval_path", f"{eval_files.where(0)}: a schema that differs from {files.where(0)}'s")
             )
     decoder = TabularDecoder(labels, dense, transform, features, files.schema)
     return StreamSource(files, decoder, rank, world_size, cfg, cfg.spec(), eval_files=eval_files, max_rows=cfg.max_rows)

@@ -72,6 +72,8 @@ class ParquetFiles:
     metadata: Mapping[bytes, bytes]
     #: (file, row group) -> column -> statistics, for the columns the caller asked about
     stats: dict[tuple[int, int], dict[str, RowGroupStats]] = field(default_factory=dict)
+    #: what messages put before a path: `s3://` for files on S3 (the filesystem's paths have none)
+    scheme: str = ""
     _open: dict[int, pq.ParquetFile] = field(default_factory=dict, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -81,6 +83,7 @@ class ParquetFiles:
 
     @property
     def num_rows(self) -> int:
+        """Rows over all files."""
         return int(sum(sum(groups) for groups in self.row_groups))
 
     def units(self) -> np.ndarray:
@@ -100,7 +103,7 @@ class ParquetFiles:
 
     def where(self, file: int, row_group: int | None = None, column: str | None = None) -> str:
         """`path[, row group g][, column c]`: what an error names."""
-        text = self.paths[file]
+        text = self.scheme + self.paths[file]
         if row_group is not None:
             text += f", row group {row_group}"
         if column is not None:
@@ -139,6 +142,12 @@ def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 def _is_data_file(path: str) -> bool:
     name = path.rsplit("/", 1)[-1]
     return not name.startswith((".", "_"))  # Spark/Hive markers (_SUCCESS, _metadata), hidden files
+
+
+def _scheme(entry: str) -> str:
+    """`s3://` of a URI on an object store (its filesystem's paths lack it), else ''."""
+    head = entry.split("://", 1)[0] if "://" in entry else ""
+    return f"{head}://" if head and head != "file" else ""
 
 
 def _expand(entry: str) -> tuple[pafs.FileSystem, list[str]]:
@@ -207,22 +216,24 @@ def open_parquet(path: str | Sequence[str], key: str = "data.path", stats_column
         paths += found
     paths = sorted(set(paths))
     assert filesystem is not None
-    files = ParquetFiles(key, filesystem, paths, [], pa.schema([]), {})
+    files = ParquetFiles(key, filesystem, paths, [], pa.schema([]), {}, scheme=_scheme(entries[0]))
     for index, file_path in enumerate(paths):
         try:
             meta = pq.ParquetFile(filesystem.open_input_file(file_path)).metadata
             schema = meta.schema.to_arrow_schema()
         except (pa.ArrowException, OSError, ValueError) as exc:
-            raise DataFileError(key, file_path, f"not a Parquet file, or truncated ({_reason(exc)})") from None
+            raise DataFileError(key, files.where(index), f"not a Parquet file, or truncated ({_reason(exc)})") from None
         if meta.num_rows == 0:
-            raise DataFileError(key, file_path, "the file has no rows")
+            raise DataFileError(key, files.where(index), "the file has no rows")
         if index == 0:
             files.schema = schema
             files.metadata = dict(schema.metadata or {})
         else:
             difference = _schema_difference(files.schema, schema)
             if difference is not None:
-                raise DataFileError(key, file_path, f"a schema that differs from {paths[0]}'s: {difference}")
+                raise DataFileError(
+                    key, files.where(index), f"a schema that differs from {files.where(0)}'s: {difference}"
+                )
         files.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
         if stats_columns:
             _keep_stats(files, index, meta, stats_columns)

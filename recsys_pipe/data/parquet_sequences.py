@@ -9,7 +9,7 @@ order, so a row's 0-based position over the files is the dense user id that `dat
 gives the same user (its sample id).
 
 Items become dense ids `[0, n)` in sorted raw-id order, as `data=sequences` numbers them, from a
-vocabulary stored at conversion: the key `recsys_pipe.items` of the first file's key-value
+vocabulary stored at conversion: the key `recsys-pipe/items` of the first file's key-value
 metadata holds the sorted distinct raw item ids as little-endian int64 bytes
 (`item_vocab_metadata`). So nothing scans the items before the first step. Files without it need
 `data.num_items`: their item ids are then taken as dense ids, checked to be in `[0, num_items)`.
@@ -63,7 +63,7 @@ __all__ = [
     "parquet_sequences_dataset",
 ]
 
-ITEM_VOCAB_KEY = b"recsys_pipe.items"
+ITEM_VOCAB_KEY = b"recsys-pipe/items"
 
 
 def item_vocab_metadata(raw_items: np.ndarray) -> dict[bytes, bytes]:
@@ -275,7 +275,7 @@ class _SequenceDecoder:
         self.vocab, self.num_items = vocab, num_items
         self.max_seq_len, self.seed = cfg.max_seq_len, cfg.seed
 
-    def __call__(self, table: pa.Table, first_row: int, fail: Fail) -> UserRows:
+    def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> UserRows:
         users = _one(table, self.user, fail)
         if users.null_count:
             raise fail(self.user, f"{users.null_count} null user id(s)")
@@ -285,7 +285,7 @@ class _SequenceDecoder:
         offsets = np.asarray(items.offsets, dtype=np.int64)
         offsets = offsets - offsets[0]
         raw = items.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        dense = self._dense(raw, fail)
+        dense = self._dense(raw, offsets, fail)
         if self.stamps is not None:
             col = _one(table, self.stamps, fail)
             st_offsets = np.asarray(col.offsets, dtype=np.int64)
@@ -294,29 +294,26 @@ class _SequenceDecoder:
             stamps = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         else:  # the position in the sequence stands in for time
             stamps = np.arange(len(raw), dtype=np.int64) - np.repeat(offsets[:-1], np.diff(offsets))
-        n = table.num_rows
-        return UserRows(
-            dense,
-            stamps,
-            offsets,
-            users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
-            np.arange(first_row, first_row + n, dtype=np.int64),
-            self,
+        rows = UserRows(
+            dense, stamps, offsets, users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), sample_ids, self
         )
+        return rows if order is None else rows.take(torch.from_numpy(order))
 
-    def _dense(self, raw: np.ndarray, fail: Fail) -> np.ndarray:
+    def _dense(self, raw: np.ndarray, offsets: np.ndarray, fail: Fail) -> np.ndarray:
+        def row_of(bad: np.ndarray) -> tuple[int, int]:  # the first bad id and its user's row
+            at = int(np.flatnonzero(bad)[0])
+            return int(raw[at]), int(np.searchsorted(offsets, at, side="right")) - 1
+
         if self.vocab is None:
             if raw.size and (raw.min() < 0 or raw.max() >= self.num_items):
-                bad = int(raw[(raw < 0) | (raw >= self.num_items)][0])
-                raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})")
+                bad, row = row_of((raw < 0) | (raw >= self.num_items))
+                raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
             return raw
         dense = np.searchsorted(self.vocab, raw)
         unknown = (dense >= len(self.vocab)) | (self.vocab[np.minimum(dense, len(self.vocab) - 1)] != raw)
         if unknown.any():
-            raise fail(
-                self.items,
-                f"item id {int(raw[unknown][0])} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})",
-            )
+            bad, row = row_of(unknown)
+            raise fail(self.items, f"item id {bad} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})", row)
         return dense.astype(np.int64)
 
 
@@ -342,11 +339,12 @@ class _Rows:
             file, group, first = (int(x) for x in self.units[u])
             files = self.files
 
-            def fail(column: str, message: str) -> DataFileError:
+            def fail(column: str, message: str, row: int = 0) -> DataFileError:
                 return DataFileError(files.key, files.where(file, group, column), message)
 
             table = files.read(file, group, self.decoder.columns)
-            self._cached = (u, self.decoder(table, first, fail))
+            ids = np.arange(first, first + table.num_rows, dtype=np.int64)
+            self._cached = (u, self.decoder(table, ids, None, fail))
         rows = self._cached[1]
         i = row - int(self.first[u])
         lo, hi = rows.offsets[i], rows.offsets[i + 1]
@@ -447,13 +445,13 @@ def _item_vocab(files: ParquetFiles, num_items: int | None) -> tuple[np.ndarray 
         vocab = np.frombuffer(stored, dtype="<i8").astype(np.int64)
         if len(vocab) < 2 or not bool(np.all(vocab[1:] > vocab[:-1])):
             raise DataFileError(
-                files.key, files.paths[0], f"{ITEM_VOCAB_KEY.decode()} is not a sorted list of distinct item ids"
+                files.key, files.where(0), f"{ITEM_VOCAB_KEY.decode()} is not a sorted list of distinct item ids"
             )
         return vocab, len(vocab)
     if num_items is None:
         raise DataFileError(
             files.key,
-            files.paths[0],
+            files.where(0),
             f"no item vocabulary ({ITEM_VOCAB_KEY.decode()} in the key-value metadata, written by `recsys-data convert "
             "sequences`); set data.num_items to use the item ids as dense ids in [0, num_items)",
         )
@@ -470,7 +468,7 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
         i = schema.get_field_index(name)
         if i < 0:
             raise DataFileError(
-                "data.path", files.paths[0], f"no column {name!r} (data.columns names it); it has {schema.names}"
+                "data.path", files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
             )
         t = schema.field(i).type
         ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)

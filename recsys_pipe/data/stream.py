@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles
@@ -58,6 +58,7 @@ __all__ = [
     "StreamSource",
     "WindowDataset",
     "rank_pieces",
+    "shared_empty",
 ]
 
 _U64 = 2**64
@@ -67,9 +68,6 @@ class Rows(Protocol):
     """Decoded rows of a source (tensors), cut and joined by the main process into batches."""
 
     def __len__(self) -> int: ...
-
-    def take(self, index: torch.Tensor) -> Rows:
-        """The rows at `index`, in that order."""
 
     def slice(self, start: int, stop: int) -> Rows:
         """Rows `[start, stop)`."""
@@ -86,8 +84,9 @@ class Rows(Protocol):
 # that epoch (e.g. negatives drawn afresh), called by the worker after the window is cut.
 
 
-Fail = Callable[[str, str], DataFileError]
-"""`fail(column, message)`: the `DataFileError` naming the file, row group and column being decoded."""
+Fail = Callable[..., DataFileError]
+"""`fail(column, message, row=0)`: the `DataFileError` naming the file, row group (the one of the
+window's row `row`, before any permutation) and column being decoded."""
 
 
 class Decoder(Protocol):
@@ -95,9 +94,10 @@ class Decoder(Protocol):
 
     columns: Sequence[str]
 
-    def __call__(self, table: pa.Table, first_row: int, fail: Fail) -> Rows:
-        """Decode `table` (rows `first_row ...` in global positions); `fail(column, message)` is
-        the error to raise for a bad value."""
+    def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> Rows:
+        """Decode `table` (its rows' global positions `sample_ids`) into rows in the order `order`
+        (indices into the table; None: as they are); `fail(column, message, row)` is the error to
+        raise for a bad value."""
 
 
 @dataclass(frozen=True)
@@ -238,45 +238,54 @@ class _Failed:
 
 class WindowDataset(Dataset):
     """Map-style: `dataset[piece]` decodes one window (a `Piece`) into `Rows`, its used rows
-    in their epoch order. One decoded row group is kept for the next window of the same worker
-    (windows smaller than row groups)."""
+    in their epoch order. The window's row-group slices are joined as Arrow chunks (no copy) and
+    decoded once, the permutation applied while the columns are copied out. One row group's
+    table is kept for the next window of the same worker (windows smaller than row groups)."""
 
     def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: Decoder) -> None:
         self.files, self.order, self.decoder = files, order, decoder
-        self._last: tuple[tuple[int, int], Rows] | None = None
+        self._last: tuple[tuple[int, int], pa.Table] | None = None
 
     def __len__(self) -> int:  # indexed by pieces, not by integers
         raise TypeError("a WindowDataset is indexed by Piece")
 
-    def _group(self, file: int, group: int, first_row: int, lo: int) -> Rows:
-        key = (file, group)
-        if self._last is None or self._last[0] != key:
-            table = self.files.read(file, group, self.decoder.columns)
-            files = self.files
-
-            def fail(column: str, message: str) -> DataFileError:
-                return DataFileError(files.key, files.where(file, group, column), message)
-
-            rows = self.decoder(table, first_row - lo, fail)
-            self._last = (key, rows)
+    def _group(self, file: int, group: int) -> pa.Table:
+        if self._last is None or self._last[0] != (file, group):
+            self._last = ((file, group), self.files.read(file, group, self.decoder.columns))
         return self._last[1]
 
     def __getitem__(self, piece: Piece) -> Rows | _Failed:
+        perm = self.order.permutation(piece)
+        if perm is None:  # only the used rows
+            start, stop, order = piece.start + piece.skip, piece.start + piece.skip + piece.take, None
+        else:
+            start, stop, order = piece.start, piece.start + piece.length, perm[piece.skip : piece.skip + piece.take]
+        slices = self.order.locate(piece.epoch, start, stop)
+        files = self.files
+        bounds = np.cumsum([0] + [hi - lo for _, _, lo, hi, _ in slices])
+
+        def fail(column: str, message: str, row: int = 0) -> DataFileError:
+            f, g, *_ = slices[int(np.searchsorted(bounds, row, side="right")) - 1]
+            return DataFileError(files.key, files.where(f, g, column), message)
+
         try:
-            parts = [
-                self._group(f, g, first, lo).slice(lo, hi)
-                for f, g, lo, hi, first in self.order.locate(piece.epoch, piece.start, piece.start + piece.length)
-            ]
+            tables = [self._group(f, g).slice(lo, hi - lo) for f, g, lo, hi, _ in slices]
+            table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+            ids = np.concatenate([np.arange(first, first + hi - lo, dtype=np.int64) for _, _, lo, hi, first in slices])
+            rows = self.decoder(table, ids, order, fail)
+            finish = getattr(rows, "finish", None)  # rows that depend on the epoch (negatives drawn per epoch)
+            return finish(piece.epoch) if finish is not None else rows
         except DataFileError as exc:
             return _Failed(exc)
-        rows = parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)
-        perm = self.order.permutation(piece)
-        if perm is not None:
-            rows = rows.take(torch.from_numpy(perm[piece.skip : piece.skip + piece.take]))
-        elif piece.skip or piece.take != len(rows):
-            rows = rows.slice(piece.skip, piece.skip + piece.take)
-        finish = getattr(rows, "finish", None)  # rows that depend on the epoch (negatives drawn per epoch)
-        return finish(piece.epoch) if finish is not None else rows
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor, in shared memory inside a DataLoader worker: handing it to the
+    main process then moves no bytes (a worker's tensors are otherwise copied there)."""
+    out = torch.empty(shape, dtype=dtype)
+    if get_worker_info() is not None:
+        out.share_memory_()
+    return out
 
 
 def _identity(item: Any) -> Any:
@@ -427,9 +436,11 @@ class StreamSource:
 
     @property
     def layout(self) -> Layout:
+        """This run's layout (its world size and batch size)."""
         return Layout(self.world_size, self.batch_size)
 
     def epoch_pieces(self, epoch: int) -> list[Piece]:
+        """This rank's windows of `epoch`, from where this run's layout took over in it."""
         layouts = [self.layout]
         if self.resumed is not None and self.resumed[0] == epoch:
             layouts = self.resumed[1]

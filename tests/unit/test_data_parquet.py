@@ -503,3 +503,44 @@ def test_inspect_shows_files_and_each_ranks_share(criteo, capsys):
     assert main(["inspect", tsv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tsv}: not a Parquet file, or truncated") and err.count("\n") == 1
+
+
+# -- object storage ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A local S3-compatible endpoint (moto's server, in this process); its host:port."""
+    server_module = pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"{host}:{port}"
+    finally:
+        server.stop()
+
+
+def test_an_s3_uri_streams_the_same_batches_as_the_local_files(criteo, s3_endpoint, monkeypatch):
+    import glob as globbing
+    import os
+
+    import boto3
+
+    for key, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3", endpoint_url=f"http://{s3_endpoint}", region_name="us-east-1")
+    client.create_bucket(Bucket="clicks")
+    local, _ = criteo
+    for path in sorted(globbing.glob(local)):
+        client.upload_file(path, "clicks", f"day0/{os.path.basename(path)}")
+    query = f"?endpoint_override={s3_endpoint}&scheme=http"
+    kw = {"batch_size": 16, "shuffle": True, "shuffle_window": 64, "num_workers": 1}
+    remote = RankData(parquet(f"s3://clicks/day0/*.parquet{query}", **kw), 1, 2)
+    here = RankData(parquet(local, **kw), 1, 2)
+    assert remote.batches_per_epoch == here.batches_per_epoch == 18
+    for a, b in zip(remote.train_loader(), here.train_loader(), strict=True):
+        assert torch.equal(a.sparse_ids, b.sparse_ids) and torch.equal(a.sample_ids, b.sample_ids)
+    client.put_object(Bucket="clicks", Key="bad/x.parquet", Body=b"not parquet")
+    with pytest.raises(ConfigError, match=r"^data.path: s3://clicks/bad/x.parquet: not a Parquet file"):
+        RankData(parquet(f"s3://clicks/bad/{query}", batch_size=4), 0, 1)
