@@ -22,7 +22,8 @@ Each measurement runs in a fresh process (`--measure`), so its peak memory is it
 
 Reported per measurement: samples/s (per rank: everything runs on one rank), time to the first
 batch (from building the source, the imports excluded, to the first batch), peak RSS (the process
-plus its largest DataLoader worker) and bytes per sample (on disk for files; held in memory for
+plus its largest DataLoader worker, an upper bound: a forked worker's pages shared with the
+process count twice; each is in the JSON line too) and bytes per sample (on disk for files; held in memory for
 `criteo_memory`). The ratios the targets name come last (docs/benchmarks.md), then one JSON line.
 `--quick` shrinks everything and measures in one process (peak RSS is then cumulative): a smoke
 test of the report's structure that the test suite runs.
@@ -143,12 +144,18 @@ def write_sequences(directory: Path, users: int, length: int, text_users: int, s
 # -- measurements (each in its own process) ---------------------------------------------------------
 
 
-def _peak_rss_mib() -> float:
-    """This process's peak resident memory plus its largest finished child's (a DataLoader worker)."""
+def _peak_rss_mib() -> dict[str, float]:
+    """Peak resident memory: this process's, its largest finished child's (a DataLoader worker,
+    forked: the pages it shares with this process count in both) and their sum (an upper bound of
+    the rank's)."""
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return round((hwm + children) / 1024, 1)
+    return {
+        "peak_rss_mib": round((hwm + children) / 1024, 1),
+        "peak_rss_main_mib": round(hwm / 1024, 1),
+        "peak_rss_worker_mib": round(children / 1024, 1),
+    }
 
 
 def _rss_mib() -> float:
@@ -238,7 +245,7 @@ def measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> di
         out = _train(extra["overrides"], extra["warmup"], extra["steps"], batch_size, start)
     else:
         raise ValueError(f"unknown measurement {kind!r}")
-    out["peak_rss_mib"] = _peak_rss_mib()
+    out.update(_peak_rss_mib())
     return out
 
 
@@ -421,7 +428,14 @@ def _report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
     rows: dict[str, Any] = {}
     for name, runs in results.items():
         row: dict[str, Any] = {}
-        for key in ("samples_per_s", "first_batch_s", "peak_rss_mib", "bytes_per_sample"):
+        for key in (
+            "samples_per_s",
+            "first_batch_s",
+            "peak_rss_mib",
+            "peak_rss_main_mib",
+            "peak_rss_worker_mib",
+            "bytes_per_sample",
+        ):
             values = [r[key] for r in runs if r.get(key) is not None]
             if values:
                 row[key] = summary(values, 4 if key == "first_batch_s" else 1)
