@@ -16,7 +16,8 @@ Each measurement runs in a fresh process (`--measure`), so its peak memory is it
 - `convert`: `recsys-data convert criteo` of the TSV.
 - `seq_pyarrow` / `seq_loader`: the same pair for `data=parquet_sequences` (length-200 users).
 - `train_dlrm`: DLRM trained on the TSV's rows through `data=criteo` and through `data=parquet`
-  (its conversion), `--train-steps` timed steps after a warm-up, alternated `--reps` times.
+  (its conversion), `--train-steps` timed steps after a warm-up, alternated `--reps` times, one
+  DataLoader worker each.
 - `train_sasrec`: SASRec (the retrieval main job) through `data=sequences` and
   `data=parquet_sequences` on the same users.
 
@@ -318,7 +319,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8192, help="rows per batch (tabular)")
     parser.add_argument("--seq-batch-size", type=int, default=256, help="users per batch (sequences)")
     parser.add_argument("--train-batch-size", type=int, default=2048, help="rows per DLRM training batch")
-    parser.add_argument("--train-steps", type=int, default=30, help="timed training steps")
+    parser.add_argument("--train-steps", type=int, default=80, help="timed training steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed training steps first")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement (interleaved)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
@@ -399,14 +400,15 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
         jobs.append((name, "seq_loader", seq_file, args.seq_batch_size, {"seq_len": args.seq_len}))
     train = {"warmup": args.warmup, "steps": args.train_steps}
     if "train_dlrm" in parts:
-        dlrm = ["model=dlrm", f"data.num_embeddings={1000 if args.quick else 100_000}"]
+        # one DataLoader worker each: the data is prepared beside the training thread, as a run would
+        dlrm = ["model=dlrm", f"data.num_embeddings={1000 if args.quick else 100_000}", "data.num_workers=1"]
         jobs.append(("train DLRM, data=criteo", "train_dlrm", tsv, args.train_batch_size,
                      {**train, "overrides": [*dlrm, "data=criteo", f"data.path={tsv}"]}))  # fmt: skip
         jobs.append(("train DLRM, data=parquet", "train_dlrm", converted, args.train_batch_size,
                      {**train, "overrides": [*dlrm, "data=parquet", f"data.path={converted}"]}))  # fmt: skip
     if "train_sasrec" in parts:
         sasrec = ["model=sasrec", f"model.max_seq_len={args.seq_len}", f"data.max_seq_len={args.seq_len}"]
-        sasrec += ["data.eval_negatives=10", "data.full_eval=false"]
+        sasrec += ["data.eval_negatives=10", "data.full_eval=false", "data.num_workers=1"]
         text = seqs / "sequences.txt"
         jobs.append(("train SASRec, data=sequences", "train_sasrec", text, args.seq_batch_size,
                      {**train, "overrides": [*sasrec, "data=sequences", f"data.path={text}"]}))  # fmt: skip

@@ -219,7 +219,6 @@ def test_the_console_script_exits_2_with_one_line(tmp_path):
             "movielens",
             ["data.path=???", "data.csv.delimiter=null", "data.csv.columns=null", "data.thresholds=[4.0, 5.0]"],
         ),
-        ("sequences", ["data.path=???", "data.csv.header=null", "data.eval_negatives=100"]),
     ],
 )
 def test_help_lists_a_sources_keys_before_its_path_is_set(source, keys, capsys):
