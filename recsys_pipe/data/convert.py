@@ -29,7 +29,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, CriteoRows, parse_criteo_chunk
 from recsys_pipe.data.criteo_tsv import LAYOUT as CRITEO_LAYOUT
 from recsys_pipe.data.interactions_file import CsvConfig
-from recsys_pipe.data.text_files import check_text_head, count_lines, line_chunks, parallel_map
+from recsys_pipe.data.text_files import check_text_head, line_chunks, parallel_map
 
 __all__ = ["ConvertedFile", "convert_criteo", "convert_sequences", "criteo_schema"]
 
@@ -136,8 +136,8 @@ def _row_groups(tables: Iterator, size: int) -> Iterator:
 def _convert_one_criteo(source: str, output: str, row_group_size: int, workers: int | None) -> ConvertedFile:
     import pyarrow.parquet as pq
 
-    lines = count_lines(source)
-    chunks = line_chunks(source, 0, lines.offset(lines.num_lines), 1)
+    # one pass over the file: chunks end at line ends, so no count of the lines is needed first
+    chunks = line_chunks(source, 0, os.path.getsize(source), 1)
     parsed = parallel_map(partial(_parse_to_table, source), chunks, workers)
     partial_path = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.partial")
     rows = groups = 0
