@@ -48,6 +48,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "engine_example": Benchmark(
         "recsys_pipe.bench.engine_example", "a small pipelined program written with the engine alone"
     ),
+    "data": Benchmark(
+        "recsys_pipe.bench.data",
+        "the Parquet loaders against raw pyarrow, the in-memory Criteo source, the converter, training on each",
+    ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
     ),

@@ -364,14 +364,16 @@ class HydraApp:
     def _print_keys(self, overrides: list[str]) -> None:
         """`--help`'s last part: every key with its value (with `overrides`) and description."""
         from recsys_pipe.cli.keys import describe_keys, format_keys
-        from recsys_pipe.config import import_fn, to_container
+        from recsys_pipe.config import import_fn
 
         try:
             cfg = compose_config(*(o for o in overrides if not o.startswith("-")), config_name=self.config_name)
             footer = OmegaConf.select(cfg, "hydra.help.footer", default="")
             with open_dict(cfg):
                 del cfg["hydra"]
-            values = to_container(cfg)
+            # a required key not given yet (`data=criteo` without `data.path`) is listed as `???`:
+            # the help is how a user finds out what to set
+            values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
         except Exception as exc:  # the groups listing above is still useful
             print(f"(keys not listed: the config could not be composed: {exc})")
             return

@@ -1,6 +1,10 @@
-"""`recsys-data`: data set tools, one subcommand each (argparse; the work lives in
-`recsys_pipe.data`).
+"""`recsys-data`: data set tools, one subcommand each (argparse, not Hydra: these are file tools
+with positional paths, not training runs; the work lives in `recsys_pipe.data`).
 
+- `recsys-data convert criteo SRC... DST`: Criteo TSV files (Kaggle `train.txt`, Terabyte
+  `day_N`) to Parquet, one file per input, what `data=parquet` reads (`recsys_pipe.data.convert`).
+- `recsys-data convert sequences SRC DST`: a "user item" file (SASRec) or MovieLens ratings to
+  sequence Parquet, one row per user, what `data=parquet_sequences` reads.
 - `recsys-data inspect PATH [--world-size N --batch-size B]`: a Parquet data set's schema,
   rows, row groups and sizes, and each rank's share and the batches per epoch
   (`recsys_pipe.data.inspect.describe`).
@@ -11,7 +15,9 @@ A bad input exits 2 with one line `error: <what>: <message>`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 from recsys_pipe.config import ConfigError
 
@@ -27,9 +33,74 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _convert_criteo(args: argparse.Namespace) -> int:
+    from recsys_pipe.data.convert import convert_criteo
+
+    start = time.perf_counter()
+    files = convert_criteo(args.src, args.dst, args.row_group_size, args.workers, args.overwrite)
+    return _report(files, time.perf_counter() - start)
+
+
+def _convert_sequences(args: argparse.Namespace) -> int:
+    from recsys_pipe.data.convert import convert_sequences
+    from recsys_pipe.data.interactions_file import CsvConfig
+
+    columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
+    csv = CsvConfig(delimiter=args.delimiter, header=args.header, columns=columns)
+    start = time.perf_counter()
+    files = [convert_sequences(args.src, args.dst, args.row_group_size, args.overwrite, csv=csv)]
+    return _report(files, time.perf_counter() - start)
+
+
+def _report(files: list, seconds: float) -> int:
+    """One line per output, then a JSON line with the rows and the rate."""
+    rows = sum(f.rows for f in files)
+    for f in files:
+        print(f"{f.source} -> {f.path}: {f.rows} rows, {f.row_groups} row groups")
+    print(json.dumps({"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / max(seconds, 1e-9))}))
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recsys-data", description="Data set tools for recsys-train.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    convert = commands.add_parser("convert", help="convert a text format to Parquet")
+    formats = convert.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    criteo = formats.add_parser(
+        "criteo",
+        help="Criteo TSV (Kaggle train.txt, Terabyte day_N) -> Parquet, one file per input",
+        description="Convert Criteo TSV files to Parquet (read by data=parquet): label int8, int_0..int_12 int64 "
+        "(empty: 0), cat_0..cat_25 int64 (the hexadecimal id as an integer, empty: 0). One output per input, "
+        "named after it; a bad row stops the conversion naming its file and line, leaving no output.",
+    )
+    criteo.add_argument("src", nargs="+", metavar="SRC", help="Criteo TSV files")
+    criteo.add_argument("dst", metavar="DST", help="output directory (created if missing)")
+    _output_options(criteo, 131_072)
+    criteo.add_argument("--workers", type=int, default=None, help="parsing threads (default: every core)")
+    criteo.set_defaults(run=_convert_criteo)
+
+    seqs = formats.add_parser(
+        "sequences",
+        help='"user item" lines (SASRec) or MovieLens ratings -> sequence Parquet (one row per user)',
+        description="Convert an interactions file to sequence Parquet (read by data=parquet_sequences): user_id, "
+        "item_ids (chronological), timestamps and actions (the ratings) where the file has them.",
+    )
+    seqs.add_argument("src", metavar="SRC", help="ratings.dat, ratings.csv, or a 'user item' file")
+    seqs.add_argument("dst", metavar="DST", help="output directory (created if missing)")
+    _output_options(seqs, 16_384)
+    seqs.add_argument("--delimiter", default=None, help="column separator (default: detected: '::', ',', tab, spaces)")
+    header = seqs.add_mutually_exclusive_group()
+    header.add_argument("--header", dest="header", action="store_true", default=None, help="line 1 names the columns")
+    header.add_argument("--no-header", dest="header", action="store_false", help="line 1 is data")
+    seqs.add_argument(
+        "--columns",
+        default=None,
+        help="the file's columns in order, comma-separated: user, item, rating, timestamp or another name to skip "
+        "(default: from the header, else user,item[,rating,timestamp])",
+    )
+    seqs.set_defaults(run=_convert_sequences)
+
     inspect = commands.add_parser(
         "inspect",
         help="schema, rows, row groups and sizes of Parquet files; with --world-size and --batch-size, each "
@@ -44,6 +115,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _output_options(command: argparse.ArgumentParser, row_group_size: int) -> None:
+    command.add_argument(
+        "--row-group-size", type=int, default=row_group_size, help=f"rows per row group (default {row_group_size})"
+    )
+    command.add_argument("--overwrite", action="store_true", help="replace outputs that exist")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `recsys-data`; returns its exit code (0 ok, 2 bad input or usage)."""
     parser = _parser()
@@ -55,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, name)
             if value is not None and value < 1:
                 parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.command == "convert" and args.row_group_size < 1:
+        parser.error("--row-group-size must be >= 1")
     try:
         return args.run(args)
     except ConfigError as exc:

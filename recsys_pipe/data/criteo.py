@@ -14,9 +14,11 @@ failing; they report no line numbers; and its log transform shifts by the minimu
 file, which needs a pass over all of it first. We use its column names (`int_<i>`, `cat_<i>`), and
 this module imports no torchrec (a plain-torch DLRM trains on it where torchrec is not installed).
 
-Rank `r` of `w` owns rows `r, r + w, ...` (1-based line `r + 1`, ...). Every rank parses the
-whole file (at most `data.max_rows` rows), so a malformed row stops every rank with the same
-`<file>:<line>: <problem>` error; only the rank's own rows are kept, in memory.
+Rank `r` of `w` owns the contiguous rows `[N r / w, N (r + 1) / w)` of the file's N rows (at most
+`data.max_rows`): it counts the file's line ends (a byte scan) and parses only its own lines,
+through pyarrow (`recsys_pipe.data.criteo_tsv`), keeping them in memory. A malformed row stops the
+rank that owns it with `<file>:<line>: <problem>`. For files larger than memory, convert them
+(`recsys-data convert criteo`) and train with `data=parquet`, which streams.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.config import Section, builder_field
 from recsys_pipe.data.batch import TensorBatch
+from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
 from recsys_pipe.data.loader import readable_file
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.data.tabular import TabularDataConfig
@@ -57,12 +60,6 @@ __all__ = [
     "read_criteo",
 ]
 
-NUM_DENSE = 13
-NUM_CATEGORICAL = 26
-#: Column names as torchrec's Criteo tools call them; the categorical ones are the batches' KJT keys.
-DENSE_NAMES: tuple[str, ...] = tuple(f"int_{i}" for i in range(NUM_DENSE))
-CATEGORICAL_KEYS: tuple[str, ...] = tuple(f"cat_{i}" for i in range(NUM_CATEGORICAL))
-NUM_COLUMNS = 1 + NUM_DENSE + NUM_CATEGORICAL
 
 CriteoSample = tuple[np.ndarray, np.ndarray, float, int]
 """(dense features [13] float32, hashed categorical ids [26] int64, label, sample id)."""
@@ -210,122 +207,6 @@ class CriteoSyntheticDataConfig(CriteoLayoutConfig):
 
 
 # -- the file source ------------------------------------------------------------------------------
-
-
-def _problem(path: str, line: int, message: str) -> ConfigError:
-    return ConfigError(ConfigProblem("data.path", f"{path}:{line}: {message}"))
-
-
-def _problem_in_file(path: str, message: str) -> ConfigError:
-    return ConfigError(ConfigProblem("data.path", f"{path}: {message}"))
-
-
-_LAYOUT = (
-    f"expected Criteo TSV rows: a 0/1 label, {NUM_DENSE} integer and {NUM_CATEGORICAL} hexadecimal columns, "
-    "tab-separated"
-)
-
-
-def read_criteo(
-    path: str, rank: int = 0, world_size: int = 1, max_rows: int | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Parse a Criteo TSV file: this rank's rows (every `world_size`-th row from `rank`).
-
-    Args:
-        path: the file (label, 13 integer and 26 hexadecimal categorical columns, tab-separated).
-        rank: this rank.
-        world_size: the number of ranks reading the file.
-        max_rows: read only the file's first rows.
-
-    Returns:
-        `(integers [N, 13] int64, categorical ids [N, 26] int64, labels [N] float32, line numbers
-        [N] int64)`, raw (not yet transformed or hashed). Raises ConfigError naming the file and
-        line of the first malformed row."""
-    dense: list[list[int]] = []
-    cats: list[list[int]] = []
-    labels: list[float] = []
-    lines: list[int] = []
-    with open(path, "rb") as raw:
-        head = raw.read(8192)
-    if not head.strip():
-        raise _problem_in_file(path, f"the file is empty; {_LAYOUT}")
-    if b"\0" in head:  # a gzip/parquet/npz file: every row would be "found 1 column"
-        raise _problem_in_file(path, f"a binary file, not text (a compressed file must be unpacked); {_LAYOUT}")
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        for lineno, line in enumerate(f, 1):
-            if max_rows is not None and lineno > max_rows:
-                break
-            fields = line.rstrip("\r\n").split("\t")
-            if len(fields) != NUM_COLUMNS:
-                hint = (
-                    " (an unlabelled file such as Kaggle's test.txt cannot be trained on)" if len(fields) == 39 else ""
-                )
-                raise _problem(
-                    path,
-                    lineno,
-                    f"expected {NUM_COLUMNS} tab-separated columns (label, {NUM_DENSE} integer, {NUM_CATEGORICAL} "
-                    f"categorical), found {len(fields)}{hint}",
-                )
-            if fields[0] not in ("0", "1"):
-                raise _problem(path, lineno, f"label {fields[0]!r} is not 0 or 1")
-            try:
-                row_dense = [int(v) if v else 0 for v in fields[1 : 1 + NUM_DENSE]]
-            except ValueError:
-                col = next(i for i, v in enumerate(fields[1 : 1 + NUM_DENSE]) if v and not _is_int(v))
-                raise _problem(
-                    path, lineno, f"column {DENSE_NAMES[col]} ({fields[1 + col]!r}) is not an integer"
-                ) from None
-            try:
-                row_cats = [int(v, 16) if v else 0 for v in fields[1 + NUM_DENSE :]]
-            except ValueError:
-                col = next(i for i, v in enumerate(fields[1 + NUM_DENSE :]) if v and not _is_hex(v))
-                raise _problem(
-                    path,
-                    lineno,
-                    f"column {CATEGORICAL_KEYS[col]} ({fields[1 + NUM_DENSE + col]!r}) is not a hexadecimal id",
-                ) from None
-            for col, value in enumerate(row_dense):  # kept as int64: a larger one is a bad row, not a crash
-                if not -_INT64 <= value < _INT64:
-                    raise _problem(path, lineno, f"column {DENSE_NAMES[col]} ({value}) is outside the 64-bit range")
-            for col, value in enumerate(row_cats):
-                if not 0 <= value < _INT64:
-                    raise _problem(
-                        path,
-                        lineno,
-                        f"column {CATEGORICAL_KEYS[col]} ({fields[1 + NUM_DENSE + col]!r}) is not a hexadecimal id "
-                        "in [0, 2^63)",
-                    )
-            if (lineno - 1) % world_size == rank:
-                dense.append(row_dense)
-                cats.append(row_cats)
-                labels.append(float(fields[0]))
-                lines.append(lineno)
-    return (
-        np.array(dense, dtype=np.int64).reshape(-1, NUM_DENSE),
-        np.array(cats, dtype=np.int64).reshape(-1, NUM_CATEGORICAL),
-        np.array(labels, dtype=np.float32),
-        np.array(lines, dtype=np.int64),
-    )
-
-
-#: ids and counts are held as int64
-_INT64 = 2**63
-
-
-def _is_int(value: str) -> bool:
-    try:
-        int(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_hex(value: str) -> bool:
-    try:
-        int(value, 16)
-    except ValueError:
-        return False
-    return True
 
 
 class CriteoDataset(Dataset[CriteoSample]):

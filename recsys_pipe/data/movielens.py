@@ -1,20 +1,22 @@
 """MovieLens ratings -> per-user interaction sequences -> `Sample`.
 
 Reads both public layouts: ml-1m `ratings.dat` (`UserID::MovieID::Rating::Timestamp`, no
-header) and ml-20m/25m `ratings.csv` (header `userId,movieId,rating,timestamp`). Each user's
+header) and ml-20m/25m `ratings.csv` (header `userId,movieId,rating,timestamp`), and any other
+delimited file of user, item, rating and timestamp columns (`data.csv.*`, with or without a
+header; see `recsys_pipe.data.interactions_file`). Each user's
 ratings are sorted by time and cut, from the most recent end, into windows of at most
 `max_seq_len` ratings (kept in time order); the last `num_candidates` ratings of a window are the ranking
 candidates. The action of a rating is `round(2 * rating)` (half stars in ml-20m), so actions
-are `1..10` and `0` stays the masked candidate action; task `k` is `rating >= thresholds[k]`.
+are `1..10` and `0` stays the masked candidate action; task `k` is `rating >= data.thresholds[k]`
+(default `[4, 5]`: "liked" and "loved").
 
-Movie and user ids are remapped to dense `[0, n)` in sorted raw-id order. Pure Python: ml-1m
-loads in a few seconds, ml-20m in a minute or so.
+Movie and user ids are remapped to dense `[0, n)` in sorted raw-id order. The file is parsed by
+pyarrow; every rank reads all of it (the windows and the id maps need every rating) and keeps
+every `world_size`-th window.
 """
 
 from __future__ import annotations
 
-import codecs
-import csv
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
@@ -24,10 +26,12 @@ from typing import ClassVar, Literal, NoReturn
 from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
+from recsys_pipe.config import builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Sample, collate
+from recsys_pipe.data.interactions_file import CsvConfig, detect_layout, read_interaction_columns
 from recsys_pipe.data.loader import SequenceDataConfig, readable_file
 from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.text_files import fail
 
 __all__ = ["MovieLensDataConfig", "MovieLensDataset", "movielens_dataset", "read_ratings"]
 
@@ -37,74 +41,35 @@ Rating = tuple[int, int, float, int]
 NUM_ACTIONS = 11
 
 
-#: timestamps must fit in int64 with room for differences between two of them
-MAX_TIMESTAMP = 2**62
 _LAYOUT = (
     "expected MovieLens ratings: ml-1m `UserID::MovieID::Rating::Timestamp` lines, or ml-20m/25m CSV "
     "with the header `userId,movieId,rating,timestamp`"
 )
 
 
-def read_ratings(path: str | Path) -> list[Rating]:
-    """Parse a MovieLens ratings file; the layout is detected from its first line.
+def read_ratings(path: str | Path, csv: CsvConfig | None = None) -> list[Rating]:
+    """Parse a MovieLens ratings file (or any delimited file with user, item, rating and timestamp
+    columns, named by `csv`; by default the layout is detected from the first line).
 
     A file that is not one (binary, another CSV, empty) or a bad row is a ConfigError at
     `data.path` naming the file and line, so `recsys-train` reports it in one line (exit 2).
     """
-    path = Path(path)
-    try:
-        with path.open("rb") as raw:
-            head = raw.read(8192)
-        if b"\0" in head:
-            _fail(path, None, f"a binary file, not text; {_LAYOUT}")
-        # A byte order mark (spreadsheet exports write one) is not part of the first line. Bytes are
-        # read as latin-1 so that a stray non-UTF-8 byte cannot fail the parse of numeric fields.
-        start = len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0
-        with path.open(newline="", encoding="latin-1") as f:
-            f.seek(start)
-            first = f.readline()
-            f.seek(start)
-            if "::" in first:
-                rows = ((n, line.rstrip("\r\n").split("::")) for n, line in enumerate(f, 1) if line.strip())
-            elif first.lower().startswith("userid,"):
-                reader = csv.reader(f)
-                next(reader)
-                rows = ((reader.line_num, r) for r in reader if r)
-            elif not first.strip():
-                _fail(path, None, f"the file is empty; {_LAYOUT}")
-            else:
-                _fail(path, 1, f"unrecognised first line {_excerpt(first)}; {_LAYOUT}")
-            ratings = [_rating(path, n, row) for n, row in rows]
-    except OSError as exc:
-        _fail(path, None, f"cannot read the file ({exc.strerror or exc})")
-    if not ratings:
+    path = str(path)
+    layout = detect_layout(path, csv or CsvConfig(), _LAYOUT)
+    if not layout.roles:
+        _fail(path, None, f"the file is empty; {_LAYOUT}")
+    missing = [r for r in ("rating", "timestamp") if r not in layout.roles]
+    if missing:
+        _fail(path, 1, f"no {' and no '.join(missing)} column (columns: {list(layout.roles)}); {_LAYOUT}")
+    columns = read_interaction_columns(path, layout, _LAYOUT)
+    if not len(columns):
         _fail(path, None, "the file has no ratings (header only)")
-    return ratings
+    assert columns.rating is not None and columns.timestamp is not None
+    return list(zip(columns.user.tolist(), columns.item.tolist(), columns.rating.tolist(), columns.timestamp.tolist()))
 
 
-def _rating(path: Path, line: int, row: list[str]) -> Rating:
-    if len(row) != 4:
-        _fail(path, line, f"expected 4 fields (user, movie, rating, timestamp), got {len(row)}: {_excerpt(row)}")
-    user, movie, rating, stamp = row
-    try:
-        parsed = (int(user), int(movie), float(rating), int(stamp))
-    except ValueError:
-        _fail(path, line, f"fields must be integer user, movie, timestamp and a numeric rating: {_excerpt(row)}")
-    if not 0 < parsed[2] <= 5:  # MovieLens stars; also refuses nan and inf
-        _fail(path, line, f"rating {rating!r} is outside (0, 5]")
-    if not 0 <= parsed[3] < MAX_TIMESTAMP:
-        _fail(path, line, f"timestamp {stamp!r} is not a unix time in seconds")
-    return parsed
-
-
-def _excerpt(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _fail(path: Path, line: int | None, message: str) -> NoReturn:
-    where = f"{path}:{line}" if line is not None else str(path)
-    raise ConfigError(ConfigProblem("data.path", f"{where}: {message}"))
+def _fail(path: str | Path, line: int | None, message: str) -> NoReturn:
+    fail(str(path), line, message)
 
 
 def _user_sequences(ratings: Sequence[Rating]) -> tuple[dict[int, list[Rating]], dict[int, int], dict[int, int]]:
@@ -126,7 +91,17 @@ class MovieLensDataConfig(SequenceDataConfig):
 
     name: Literal["movielens"] = "movielens"
     builder: StrictStr | None = builder_field("recsys_pipe.data.movielens:movielens_dataset")
-    path: StrictStr = Field(description="MovieLens ratings.dat (ml-1m) or ratings.csv (ml-20m/25m)")
+    path: StrictStr = Field(
+        description="MovieLens ratings.dat (ml-1m) or ratings.csv (ml-20m/25m), or any delimited file of user, item, "
+        "rating and timestamp columns (data.csv.*)"
+    )
+    csv: CsvConfig = Field(default_factory=CsvConfig, description="how the file's columns are read")
+    thresholds: list[float] = Field(
+        [4.0, 5.0],
+        min_length=1,
+        description="one binary task per threshold: a candidate is positive for task k when its rating >= "
+        "thresholds[k]",
+    )
 
     _readable_file = field_validator("path")(readable_file)
 
@@ -134,7 +109,14 @@ class MovieLensDataConfig(SequenceDataConfig):
 def movielens_dataset(cfg: MovieLensDataConfig, rank: int, world_size: int) -> MovieLensDataset:
     """Builder of `data=movielens`: this rank's share of the rating windows."""
     return MovieLensDataset(
-        cfg.path, cfg.max_seq_len, cfg.num_candidates, rank, world_size, use_user_feature=cfg.use_user_feature
+        cfg.path,
+        cfg.max_seq_len,
+        cfg.num_candidates,
+        rank,
+        world_size,
+        thresholds=cfg.thresholds,
+        use_user_feature=cfg.use_user_feature,
+        csv=cfg.csv,
     )
 
 
@@ -148,6 +130,7 @@ class MovieLensDataset(Dataset[Sample]):
         thresholds: one binary task per threshold, positive when `rating >= threshold`.
         min_history: windows with fewer history ratings are dropped.
         use_user_feature: whether batches carry the user id (the spec then sizes a user table).
+        csv: how the file's columns are read (default: detected).
     """
 
     def __init__(
@@ -160,12 +143,13 @@ class MovieLensDataset(Dataset[Sample]):
         thresholds: Sequence[float] = (4.0, 5.0),
         min_history: int = 1,
         use_user_feature: bool = False,
+        csv: CsvConfig | None = None,
     ) -> None:
         if not 0 < num_candidates < max_seq_len:
             raise ValueError(f"need 0 < num_candidates ({num_candidates}) < max_seq_len ({max_seq_len})")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
-        by_user, movie_index, user_index = _user_sequences(read_ratings(path))
+        by_user, movie_index, user_index = _user_sequences(read_ratings(path, csv))
         self.thresholds = tuple(thresholds)
         self.rank = rank
         self.world_size = world_size

@@ -1,11 +1,13 @@
 """Next-item retrieval data (`data=sequences`): per-user item sequences, leave-one-out split.
 
-Reads two layouts, detected from the first line:
+Reads these layouts, detected from the first line (or named by `data.csv.*`; the file is parsed
+by pyarrow, see `recsys_pipe.data.interactions_file`):
 
 * SASRec's "user item" lines (two integers separated by white space), each user's lines in
   chronological order (the file order is the time order, as in SASRec's preprocessed data sets);
 * MovieLens ratings files (ml-1m `ratings.dat`, ml-20m/25m `ratings.csv`), each user's ratings
-  sorted by (timestamp, movie); the rating itself is ignored (an interaction is an interaction).
+  sorted by (timestamp, movie); the rating itself is ignored (an interaction is an interaction);
+* any delimited file with user and item columns and an optional timestamp column (`data.csv.*`).
 
 Split, as in SASRec (Kang & McAuley 2018): of a user's sequence `s_1 .. s_n`, `s_n` is the test
 item, `s_{n-1}` the validation item, and `s_1 .. s_{n-2}` the training sequence. Users with fewer
@@ -34,8 +36,6 @@ module's input distribution is fixed by the first batch's keys); unused ones are
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -49,8 +49,8 @@ from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import TensorBatch, jagged_select, kjt_concat, kjt_select
+from recsys_pipe.data.interactions_file import CsvConfig, detect_layout, read_interaction_columns
 from recsys_pipe.data.loader import DataConfig, readable_file
-from recsys_pipe.data.movielens import read_ratings
 from recsys_pipe.data.spec import DataSpec
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ __all__ = [
     "Interactions",
     "RetrievalBatch",
     "RetrievalSample",
+    "SequenceSourceConfig",
     "SequencesDataConfig",
     "SequencesDataset",
     "collate_retrieval",
@@ -78,14 +79,13 @@ RETRIEVAL_KEYS = (INPUT_KEY, POS_KEY, NEG_KEY, CAND_KEY, CATALOG_KEY)
 """The features of a retrieval batch's KJT, in order; all look up the one item table."""
 
 SPLITS = ("valid", "test")
-_PAIR = re.compile(r"^\s*(\S+)\s+(\S+)\s*$")
 _LAYOUT = (
     'expected "user item" lines (two integers, chronological per user) or a MovieLens ratings file '
     "(ratings.dat `UserID::MovieID::Rating::Timestamp`, ratings.csv with header `userId,movieId,rating,timestamp`)"
 )
 
 
-def _fail(path: Path, line: int | None, message: str) -> NoReturn:
+def _fail(path: str | Path, line: int | None, message: str) -> NoReturn:
     where = f"{path}:{line}" if line is not None else str(path)
     raise ConfigError(ConfigProblem("data.path", f"{where}: {message}"))
 
@@ -99,67 +99,49 @@ class Interactions:
     timestamps: list[list[int]]
     #: the file read (named in errors about its content)
     source: str = "the data"
+    #: whether `timestamps` came from the file (else they are positions in the user's sequence)
+    has_timestamps: bool = True
+    #: each event's rating, where the file has a rating column
+    ratings: list[list[float]] | None = None
 
 
-def read_interactions(path: str | Path) -> Interactions:
-    """Parse a "user item" file or a MovieLens ratings file into per-user sequences.
+def read_interactions(path: str | Path, csv: CsvConfig | None = None) -> Interactions:
+    """Parse a "user item" file, a MovieLens ratings file or another delimited file (`csv`) into
+    per-user sequences: with a timestamp column, each user's events sorted by (timestamp, item);
+    without, in file order.
 
     A bad file is a `ConfigError` at `data.path` naming the file and line (`recsys-train` exits 2).
     """
-    path = Path(path)
-    try:
-        with path.open("rb") as raw:
-            head = raw.read(8192)
-        first = head.split(b"\n", 1)[0].decode("latin-1")
-    except OSError as exc:
-        _fail(path, None, f"cannot read the file ({exc.strerror or exc})")
-    if b"\0" in head:
-        _fail(path, None, f"a binary file, not text; {_LAYOUT}")
-    if "::" in first or first.lower().startswith("userid,"):
-        by_user: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for user, movie, _, stamp in read_ratings(path):
-            by_user[user].append((stamp, movie))
-        users = sorted(by_user)
-        events = [sorted(by_user[u]) for u in users]
-        return Interactions(users, [[m for _, m in e] for e in events], [[t for t, _ in e] for e in events], str(path))
-    return _read_pairs(path)
-
-
-def _read_pairs(path: Path) -> Interactions:
-    by_user: dict[int, list[int]] = defaultdict(list)
-    try:
-        with path.open(encoding="latin-1") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                match = _PAIR.match(line)
-                if match is None:
-                    text = line.rstrip("\r\n")
-                    excerpt = repr(text if len(text) <= 60 else text[:57] + "...")
-                    _fail(path, number, f"expected two fields `user item`, got {excerpt}; {_LAYOUT}")
-                try:
-                    user, item = int(match.group(1)), int(match.group(2))
-                except ValueError:
-                    _fail(path, number, f"user and item must be integers, got {line.strip()!r}")
-                by_user[user].append(item)
-    except OSError as exc:
-        _fail(path, None, f"cannot read the file ({exc.strerror or exc})")
-    if not by_user:
+    path = str(path)
+    layout = detect_layout(path, csv or CsvConfig(), _LAYOUT)
+    columns = read_interaction_columns(path, layout, _LAYOUT) if layout.roles else None
+    if columns is None or not len(columns):
         _fail(path, None, f"the file has no interactions; {_LAYOUT}")
-    users = sorted(by_user)
-    items = [by_user[u] for u in users]
-    # no timestamps in this layout: the position in the user's sequence stands in for time
-    return Interactions(users, items, [list(range(len(seq))) for seq in items], str(path))
+    stamps = columns.timestamp
+    if stamps is not None:
+        order = np.lexsort((columns.item, stamps, columns.user))
+    else:
+        order = np.argsort(columns.user, kind="stable")
+    users, starts = np.unique(columns.user[order], return_index=True)
+    bounds = [*starts.tolist()[1:], len(order)]
+
+    def per_user(values: np.ndarray) -> list[list]:
+        ordered = values[order].tolist()
+        return [ordered[a:b] for a, b in zip(starts.tolist(), bounds)]
+
+    items = per_user(columns.item)
+    if stamps is not None:
+        times = per_user(stamps)
+    else:  # no timestamps in this layout: the position in the user's sequence stands in for time
+        times = [list(range(len(seq))) for seq in items]
+    ratings = per_user(columns.rating) if columns.rating is not None else None
+    return Interactions(users.tolist(), items, times, path, stamps is not None, ratings)
 
 
-class SequencesDataConfig(DataConfig):
-    """`data=sequences`: next-item retrieval on a "user item" or MovieLens ratings file."""
+class SequenceSourceConfig(DataConfig):
+    """The keys of every next-item retrieval source (`data=sequences`, `data=parquet_sequences`):
+    batches of users, the sample length, the shuffle and the evaluation protocol."""
 
-    SIZE_KEY: ClassVar[str] = "data.path"
-
-    name: Literal["sequences"] = "sequences"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.sequences:sequences_dataset")
-    path: StrictStr = Field(description='"user item" lines (SASRec format) or MovieLens ratings.dat / ratings.csv')
     batch_size: StrictInt = Field(128, ge=1, description="samples (users) per batch per rank")
     eval_batch_size: StrictInt | None = Field(
         None,
@@ -176,13 +158,27 @@ class SequencesDataConfig(DataConfig):
         True, description="also rank the held-out item against the whole catalogue (full-corpus protocol)"
     )
 
+
+class SequencesDataConfig(SequenceSourceConfig):
+    """`data=sequences`: next-item retrieval on a "user item" or MovieLens ratings file."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["sequences"] = "sequences"
+    builder: StrictStr | None = builder_field("recsys_pipe.data.sequences:sequences_dataset")
+    path: StrictStr = Field(
+        description='"user item" lines (SASRec format), MovieLens ratings.dat / ratings.csv, or any delimited file of '
+        "user, item [and timestamp] columns (data.csv.*)"
+    )
+    csv: CsvConfig = Field(default_factory=CsvConfig, description="how the file's columns are read")
+
     _readable_file = field_validator("path")(readable_file)
 
 
 def sequences_dataset(cfg: SequencesDataConfig, rank: int, world_size: int) -> SequencesDataset:
     """Builder of `data=sequences`: this rank's training users (`.split(name)`: its evaluation users)."""
     return SequencesDataset(
-        read_interactions(cfg.path),
+        read_interactions(cfg.path, cfg.csv),
         cfg.max_seq_len,
         rank,
         world_size,

@@ -11,7 +11,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.sequences import INPUT_KEY, SequencesDataConfig
+from recsys_pipe.data.sequences import INPUT_KEY, SequenceSourceConfig
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.base import ShardedModelConfig, StageSplit, heads_divide_width
 
@@ -38,7 +38,7 @@ class RetrievalConfig(ShardedModelConfig):
         return math.sqrt(2.0 / (num_items + self.embedding_dim)), False
 
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
-        if not isinstance(data, SequencesDataConfig):
+        if not isinstance(data, SequenceSourceConfig):
             return [ConfigProblem("data.name", f"model '{self.name}' needs data=sequences, got '{data.name}'")]
         if data.max_seq_len > self.max_seq_len:
             return [

@@ -40,8 +40,8 @@ def test_rows_are_parsed_hashed_and_split_over_ranks(tmp_path):
     assert labels.tolist() == [1, 0, 1, 0, 1] and lines.tolist() == [1, 2, 3, 4, 5]
     cfg = CriteoDataConfig(path=path, num_embeddings=1000)
     parts = [make_dataloader(cfg.model_copy(update={"batch_size": 1}), r, 2).dataset for r in range(2)]
-    assert [len(p) for p in parts] == [3, 2]
-    assert [int(p[i][3]) for p in parts for i in range(len(p))] == [0, 2, 4, 1, 3]  # row = line - 1
+    assert [len(p) for p in parts] == [2, 3]  # contiguous shares, one row apart at most
+    assert [int(p[i][3]) for p in parts for i in range(len(p))] == [0, 1, 2, 3, 4]  # row = line - 1
     first_dense, first_ids, label, _ = parts[0][0]
     assert np.allclose(first_dense, transform_dense(np.array([0, -2, *range(11)])))
     assert first_ids[1] == 0xFFFFFFFF % 1000 and label == 1.0
@@ -64,12 +64,15 @@ def test_rows_are_parsed_hashed_and_split_over_ranks(tmp_path):
 )
 def test_a_malformed_row_names_file_and_line(tmp_path, bad, message):
     path = write(tmp_path, [row(), row(), bad, row()])
-    for rank in (0, 1):  # every rank parses every row, so every rank stops with the same error
-        with pytest.raises(ConfigError) as info:
-            CriteoDataConfig(path=path).dataset(rank, 2)
-        (problem,) = info.value.problems
-        assert problem.path == "data.path" and problem.message.startswith(f"{path}:3: ")
-        assert message in problem.message
+    with pytest.raises(ConfigError) as info:
+        CriteoDataConfig(path=path).dataset(0, 1)
+    (problem,) = info.value.problems
+    assert problem.path == "data.path" and problem.message.startswith(f"{path}:3: ")
+    assert message in problem.message
+    # each rank parses only its own rows: line 3 is rank 1's of 2, and keeps its number there
+    assert len(CriteoDataConfig(path=path).dataset(0, 2)) == 2
+    with pytest.raises(ConfigError, match=f"{path}:3: "):
+        CriteoDataConfig(path=path).dataset(1, 2)
 
 
 def test_bucket_counts_one_or_per_feature():

@@ -1,0 +1,93 @@
+"""A text file and its `recsys-data convert` Parquet train bitwise the same losses (in process, 1
+rank, gloo, `data.shuffle=false`): Criteo TSV rows under DLRM (`data=criteo` against
+`data=parquet`) and a "user item" file in the Games file's format under SASRec (`data=sequences`
+against `data=parquet_sequences`), on the same batches (their sample ids)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _process_group import one_rank_group
+
+from recsys_pipe.cli.data import main as recsys_data
+from recsys_pipe.testing import load_run
+from recsys_pipe.train import Trainer, training_plan
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def info():
+    with one_rank_group() as info:
+        yield info
+
+
+def _fit(info, overrides):
+    run = load_run(*overrides)
+    trainer = Trainer(run, training_plan(run), info)
+    try:
+        return trainer.fit(record_steps=True)
+    finally:
+        trainer.close()
+
+
+def _criteo_rows(n: int) -> str:
+    """Criteo rows with empty fields, small negatives and ids of several widths."""
+    rng = np.random.default_rng(3)
+    lines = []
+    for i in range(n):
+        ints = ["" if rng.random() < 0.2 else str(int(v)) for v in rng.integers(-2, 5000, 13)]
+        cats = ["" if rng.random() < 0.1 else f"{int(v):x}".zfill(8) for v in rng.integers(0, 2**40, 26)]
+        lines.append("\t".join([str(int(rng.random() < 0.3 + 0.4 * (i % 3 == 0))), *ints, *cats]))
+    return "\n".join(lines) + "\n"
+
+
+def test_a_criteo_file_and_its_parquet_train_the_same_losses(info, tmp_path):
+    tsv = tmp_path / "day_0"
+    tsv.write_text(_criteo_rows(640))
+    assert recsys_data(["convert", "criteo", str(tsv), str(tmp_path / "pq"), "--row-group-size", "100"]) == 0
+    common = [
+        "trainer=smoke",
+        "trainer.max_steps=12",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=0",
+        "trainer.tensorboard=false",
+        "model=dlrm",
+        "data.num_embeddings=97",
+        "data.batch_size=48",
+        "data.shuffle=false",
+    ]
+    text = _fit(info, [*common, "data=criteo", f"data.path={tsv}"])
+    parquet = _fit(info, [*common, "data=parquet", f"data.path={tmp_path / 'pq'}"])
+    assert len(text.losses) == 12
+    assert [s.tolist() for s in parquet.sample_ids] == [s.tolist() for s in text.sample_ids]
+    assert parquet.losses == text.losses  # bitwise: floats compared with ==
+
+
+def test_a_user_item_file_and_its_parquet_train_the_same_losses(info, tmp_path):
+    """The Games file's format: "user item" lines, each user's lines in time order; every user has
+    at least 4 (2 training transitions), since data=sequences skips the users with fewer while
+    data=parquet_sequences keeps them as samples without targets (batches follow from row counts)."""
+    rng = np.random.default_rng(5)
+    lines = [f"{user} {int(item)}" for user in range(1, 61) for item in rng.integers(1, 90, rng.integers(4, 14))]
+    games = tmp_path / "Games.txt"
+    games.write_text("\n".join(lines) + "\n")
+    assert recsys_data(["convert", "sequences", str(games), str(tmp_path / "pq")]) == 0
+    common = [
+        "trainer=smoke",
+        "trainer.max_steps=8",
+        "trainer.epochs=2",
+        "trainer.eval_every=4",
+        "trainer.tensorboard=false",
+        "model=sasrec",
+        "model.max_seq_len=10",
+        "data.max_seq_len=10",
+        "data.batch_size=12",
+        "data.eval_negatives=20",
+        "data.shuffle=false",
+    ]
+    text = _fit(info, [*common, "data=sequences", f"data.path={games}"])
+    parquet = _fit(info, [*common, "data=parquet_sequences", f"data.path={tmp_path / 'pq' / 'Games.parquet'}"])
+    assert len(text.losses) == 8
+    assert [s.tolist() for s in parquet.sample_ids] == [s.tolist() for s in text.sample_ids]
+    assert parquet.losses == text.losses
