@@ -51,6 +51,7 @@ from recsys_pipe.data.sequences import (
 )
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.retrieval_config import RetrievalConfig
+from recsys_pipe.models.serving import ServingForm
 
 __all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad"]
 
@@ -122,7 +123,7 @@ class RetrievalHead(nn.Module):
             return self._train_loss(h, valid, rows, ids)
         return self._rank(h, rows, ids)
 
-    def _normalise(self, v: torch.Tensor) -> torch.Tensor:
+    def normalise(self, v: torch.Tensor) -> torch.Tensor:
         return F.normalize(v, dim=-1) if self.loss == "sampled_softmax" else v
 
     def _train_loss(
@@ -139,8 +140,8 @@ class RetrievalHead(nn.Module):
                 pos_logits, torch.ones_like(pos_logits), reduction="none"
             ) + F.binary_cross_entropy_with_logits(neg_logits, torch.zeros_like(neg_logits), reduction="none")
         else:
-            pool = self._normalise(rows[NEG_KEY][: self.num_negatives])
-            q, p = self._normalise(query), self._normalise(pos)
+            pool = self.normalise(rows[NEG_KEY][: self.num_negatives])
+            q, p = self.normalise(query), self.normalise(pos)
             pos_logits = (q * p).sum(-1) / self.temperature
             neg_scores = q @ pool.T / self.temperature
             same = feature_ids(ids, POS_KEY)[:, None] == feature_ids(ids, NEG_KEY)[None, : pool.shape[0]]
@@ -159,15 +160,15 @@ class RetrievalHead(nn.Module):
         }
 
     def _rank(self, h: torch.Tensor, rows: dict[str, torch.Tensor], ids: KeyedJaggedTensor) -> ModelOutput:
-        query = self._normalise(h[:, -1])  # [B, D]: the last position (left padding)
+        query = self.normalise(h[:, -1])  # [B, D]: the last position (left padding)
         b = query.shape[0]
-        cand = self._normalise(rows[CAND_KEY]).view(b, -1, query.shape[-1])
+        cand = self.normalise(rows[CAND_KEY]).view(b, -1, query.shape[-1])
         scores = torch.einsum("bd,bcd->bc", query, cand)  # [B, 1 + negatives], held-out item first
         # int32 sums: counting a bool matrix into int64 is twice as slow on the CPU
         rank_sampled = (scores[:, 1:] > scores[:, :1]).sum(dim=1, dtype=torch.int32).long()
         catalog = rows[CATALOG_KEY]
         if catalog.numel():
-            full = query @ self._normalise(catalog).T  # [B, num_items]
+            full = query @ self.normalise(catalog).T  # [B, num_items]
             held_out = full.gather(1, feature_ids(ids, CAND_KEY).view(b, -1)[:, :1])
             rank_full = (full > held_out).sum(dim=1, dtype=torch.int32).long()
         else:
@@ -220,3 +221,45 @@ class RetrievalModel(nn.Module):
     def forward(self, batch: RetrievalBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
         return self.head(embeddings, batch.sparse_features, batch.timestamps)
+
+    def serving(self) -> ServingForm:
+        """The serving program (`Servable`): `(items, timestamps, valid)`, each `[B, max_seq_len]`
+        and left-padded, -> the user vectors `[B, D]`; the item table holds the vectors they score
+        (normalised where the loss normalises), so `user @ item_table[i]` is the score evaluation
+        ranks item `i` by."""
+        head = self.head
+        weight = self.ec.embeddings[ITEM_TABLE].weight
+        n = head.max_len
+
+        def inputs(batch: RetrievalBatch) -> tuple[torch.Tensor, ...]:
+            lengths = batch.lengths(INPUT_KEY)
+            items, valid = left_pad(feature_ids(batch.sparse_features, INPUT_KEY)[:, None], lengths, n)
+            timestamps, _ = left_pad(batch.timestamps, lengths, n)
+            return items[..., 0], timestamps, valid
+
+        def users(batch: RetrievalBatch) -> int:
+            return batch.sample_ids.numel()
+
+        return ServingForm(
+            module=_UserEncoder(weight, head),
+            input_names=("items", "timestamps", "valid"),
+            inputs=inputs,
+            reference=lambda batch, outputs: outputs["logits"].view(users(batch), -1),
+            item_table=head.normalise(weight.detach()[:, : head.dim]).clone(),
+            candidates=lambda batch: feature_ids(batch.sparse_features, CAND_KEY).view(users(batch), -1),
+        )
+
+
+class _UserEncoder(nn.Module):
+    """The user side of a `RetrievalModel` on padded tensors: item lookup (a plain tensor index,
+    so the program needs no torchrec), the trained encoder, the last position's vector."""
+
+    def __init__(self, weight: torch.Tensor, head: RetrievalHead) -> None:
+        super().__init__()
+        self.weight = weight
+        self.head = head
+
+    def forward(self, items: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = torch.where(valid[..., None], self.weight[items][..., : self.head.dim], 0.0)  # left_pad's zeros
+        h = self.head.encoder(x, timestamps, valid)
+        return self.head.normalise(h[:, -1])
