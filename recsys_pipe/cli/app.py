@@ -38,7 +38,7 @@ from recsys_pipe.cli.hydra_adapter import (
 from recsys_pipe.cli.reporting import debug_requested, first_to_report, report_config_error
 from recsys_pipe.cli.schemas import register_schemas
 from recsys_pipe.cli.sweeps import SweepLog
-from recsys_pipe.config import CONF_DIR, ConfigError, ConfigProblem
+from recsys_pipe.config import CONF_DIR, ConfigError, ConfigProblem, UserCodeError
 from recsys_pipe.runtime.failures import (  # the exit codes, re-exported for the CLIs
     EXIT_CONFIG_ERROR,
     EXIT_FAILURE,
@@ -125,6 +125,10 @@ class HydraApp:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             raise SystemExit(0) from None
+        except UserCodeError as exc:  # the user's builder raised: its key and their frames, not Hydra's report
+            self._sweep.record(_sweep_job(), EXIT_FAILURE)
+            _report_user_code(exc, cfg)
+            raise SystemExit(EXIT_FAILURE) from None
         except ConfigError as exc:
             if debug_requested(cfg):
                 traceback.print_exc()
@@ -172,7 +176,11 @@ class HydraApp:
         self._keep_going = KEEP_GOING in argv
         self._check_only = CHECK_ONLY in argv
         argv = [a for a in argv if a not in (KEEP_GOING, CHECK_ONLY)]
-        checked = self._check_jobs(argv)
+        try:
+            checked = self._check_jobs(argv)
+        except UserCodeError as exc:  # `--check` ran the user's builder, which raised
+            _report_user_code(exc, None, debug="debug=true" in argv)
+            return EXIT_FAILURE
         if isinstance(checked, int):
             return checked
         if self._check_only:
@@ -379,6 +387,19 @@ class HydraApp:
     def main(self) -> None:
         """Console-script entry point."""
         sys.exit(self.run())
+
+
+def _report_user_code(exc: UserCodeError, cfg: Any, debug: bool = False) -> None:
+    """`error: <key> (<builder>) raised <exception>` and the user's frames (once per torchrun
+    job); debug=true adds the whole traceback."""
+    from recsys_pipe.runtime.failures import user_code_report
+
+    if not first_to_report():
+        return
+    if debug or debug_requested(cfg):
+        traceback.print_exception(exc)
+    print(user_code_report(exc), file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _swept_keys(jobs: list[list[str]]) -> set[str]:

@@ -16,6 +16,7 @@ model), 75 (SIGTERM: checkpoint saved), 130 (Ctrl-C).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -88,7 +89,7 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
         bad_input = config_error_in(exc)  # found late: a checkpoint that does not fit, an undeclared collective
         if bad_input is not None:
             report_config_error(bad_input, PROG, started=True)
-        code = session.failed(exc)
+        code = session.failed(exc, _user_code_owners(run))
         if trainer is not None:
             trainer.metrics.close()
         return code
@@ -103,6 +104,21 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
         checkpoint=summary.checkpoint,
         eval=last_eval,
     )
+
+
+def _user_code_owners(run: Any) -> dict[str, str]:
+    """Source file -> `<section>.builder (<import path>)` of the run's components, so that a failure
+    in the user's model or data code names the key that chose it (`user_code_report`)."""
+    owners = {}
+    for section in ("model", "data", "optimizer"):
+        component = getattr(run, section)
+        try:
+            source = inspect.getsourcefile(component.builder_fn())
+        except (TypeError, ImportError, ValueError):  # a builder without a Python source file
+            continue
+        if source is not None:
+            owners[str(Path(source).resolve())] = f"{section}.builder ({component.builder})"
+    return owners
 
 
 def _with_run_paths(run: Any, run_dir: str) -> Any:

@@ -87,7 +87,7 @@ class ModelConfig(Component):
 
     def build(self, spec: DataSpec) -> nn.Module:
         """The model for a data source with this spec (unsharded, on the CPU): the builder's result."""
-        return self.builder_fn()(self, spec)
+        return self.call_builder("model", spec)
 
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
         """Problems with using this model on `data` (cross-section constraints); none by default."""

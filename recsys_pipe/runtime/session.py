@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from recsys_pipe.runtime.failures import (
     config_error_in,
     is_communication_error,
     one_line,
+    user_code_report,
 )
 from recsys_pipe.runtime.health import PeerFailure, PeerHealth
 from recsys_pipe.runtime.logs import setup_logging
@@ -119,16 +121,22 @@ class RunSession:
             self.status.write("interrupted", exit_code=EXIT_INTERRUPTED, step=step)
         return EXIT_INTERRUPTED
 
-    def failed(self, exc: BaseException) -> int:
+    def failed(self, exc: BaseException, owners: Mapping[str, str] | None = None) -> int:
         """Classify `exc`, record the job's first failure, log it; returns the exit code: 2 for bad
-        input found late (a checkpoint that does not fit, an undeclared collective), else 1."""
+        input found late (a checkpoint that does not fit, an undeclared collective), else 1. A
+        failure in the user's own code is logged with their frames (`user_code_report`; `owners`:
+        source file -> config key of the user's components)."""
         bad_input = config_error_in(exc)
         code = EXIT_CONFIG_ERROR if bad_input is not None else EXIT_FAILURE
-        failure = PeerFailure(self.info.rank, one_line(bad_input or exc))
+        report = user_code_report(exc, owners) if bad_input is None else None
+        message = report.splitlines()[0].removeprefix("error: ") if report else one_line(bad_input or exc)
+        failure = PeerFailure(self.info.rank, message)
         if self.health is not None and is_communication_error(exc):  # maybe a symptom of a peer's failure
             failure = self.health.diagnose() or failure
         first = self._record(failure, code)
-        if first.rank == self.info.rank:
+        if first.rank == self.info.rank and report is not None:  # the user's bug: their frames, on the console too
+            log.error("training failed on rank %d:\n%s", self.info.rank, report, exc_info=exc)
+        elif first.rank == self.info.rank:
             log.error("training failed on rank %d: %s", self.info.rank, first.message, exc_info=exc)
         else:
             log.error(
