@@ -124,6 +124,8 @@ class RetrievalHead(nn.Module):
         return self._rank(h, rows, ids)
 
     def normalise(self, v: torch.Tensor) -> torch.Tensor:
+        """`v` L2-normalised along its last dimension under the sampled-softmax loss (the vectors
+        it compares), unchanged under BCE."""
         return F.normalize(v, dim=-1) if self.loss == "sampled_softmax" else v
 
     def _train_loss(

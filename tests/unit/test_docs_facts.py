@@ -335,3 +335,45 @@ def test_docstring_count_sees_an_undocumented_name() -> None:
         x: int
 
     assert own_docstring(Generated) is None
+
+
+# -- each model's default data and plan are what extending.md's table says ----------------------
+
+
+def model_table() -> list[tuple[str, str, str]]:
+    """(model option, default data, default plan) of each row of extending.md's `model=` table."""
+    text = (DOCS / "extending.md").read_text(encoding="utf-8")
+    start = text.index("| `model=` | what | tables | default data | default plan |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        first = lambda cell: (re.findall(r"`(\w+)`", cell) or [""])[0]
+        rows.append((first(cells[0]), first(cells[3]), first(cells[4])))
+    assert len(rows) == 7, rows
+    return rows
+
+
+@pytest.mark.parametrize("model, data, plan", model_table())
+def test_model_table_states_each_models_default_data_and_plan(model, data, plan) -> None:
+    from recsys_pipe.cli import compose_config
+
+    cfg = compose_config(f"model={model}")
+    assert cfg.pipeline.name == plan
+    if data:
+        assert cfg.data.name == data
+
+
+def test_hstu_prefetch_still_validates_for_every_model(tmp_path) -> None:
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train.plan import training_plan
+
+    (tmp_path / "seq.txt").write_text("".join(f"{u} {i}\n" for u in range(1, 9) for i in range(u, u + 4)))
+    for model in ("dlrm", "dlrm_dcn", "dlrm_torch", "sasrec", "hstu_retrieval", "hstu_small"):
+        run = load_run(
+            f"model={model}",
+            "pipeline=hstu_prefetch",
+            f"data.path={tmp_path / 'seq.txt'}" if model in ("sasrec", "hstu_retrieval") else "trainer.max_steps=1",
+        )
+        assert training_plan(run).config.name == "hstu_prefetch"

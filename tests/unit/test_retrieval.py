@@ -439,9 +439,14 @@ def test_an_eval_dump_without_a_retrieval_source_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize(
     "overrides, path, fragment",
     [
-        (["model=sasrec"], "data.name", "model 'sasrec' needs data=sequences, got 'synthetic'"),
+        (["model=sasrec", "data=synthetic"], "data.name", "model 'sasrec' needs data=sequences, got 'synthetic'"),
+        (["model=sasrec"], "data.path", "missing required value"),  # data=sequences is its default
         (["model=hstu_retrieval", "data=sequences", "model.max_seq_len=20"], "data.max_seq_len", "exceeds"),
-        (["model=sasrec", "model.embedding_dim=50", "model.num_heads=3"], "model.num_heads", "not divisible"),
+        (
+            ["model=sasrec", "data=synthetic", "model.embedding_dim=50", "model.num_heads=3"],
+            "model.num_heads",
+            "not divisible",
+        ),
     ],
 )
 def test_model_and_data_mismatches_are_config_errors(tmp_path, overrides, path, fragment):
