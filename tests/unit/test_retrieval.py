@@ -550,3 +550,21 @@ def test_a_resumed_run_keeps_the_best_validation_choice(tmp_path):
     assert {s: r.get("selected", False) for s, r in resumed.items()} == {
         s: ref[s].get("selected", False) for s in resumed
     }
+
+
+@pytest.mark.timeout(120)
+def test_reproduce_games_script_checks_its_inputs_first(tmp_path):
+    """A missing data file: exit 2, one `error:` line, no run directory made, torchrun never started."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "reproduce_games.sh"), str(tmp_path / "Video.txt"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"error: data.path: no such file: {tmp_path / 'Video.txt'}"]
+    assert not out.exists() and "torchrun" not in proc.stdout + proc.stderr
