@@ -181,6 +181,8 @@ class HydraApp:
         except UserCodeError as exc:  # `--check` ran the user's builder, which raised
             _report_user_code(exc, None, debug="debug=true" in argv)
             return EXIT_FAILURE
+        except KeyboardInterrupt:
+            return self._interrupted_at_start()
         if isinstance(checked, int):
             return checked
         if self._check_only:
@@ -195,7 +197,7 @@ class HydraApp:
             entry()
             code = 0
         except KeyboardInterrupt:  # Ctrl-C before or after training (training handles its own)
-            return EXIT_INTERRUPTED
+            return self._interrupted_at_start()
         except BrokenPipeError:  # `recsys-train --help | head`: the reader left; not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
@@ -234,6 +236,12 @@ class HydraApp:
             except BrokenPipeError:  # `recsys-train --help | head`
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return code
+
+    def _interrupted_at_start(self) -> int:
+        """Ctrl-C outside training (which handles its own): one line (rank 0's), exit 130."""
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{self.prog}: interrupted (Ctrl-C); nothing was trained", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
     def _check_jobs(self, argv: list[str]) -> int | list[str]:
         """Compose and validate the config of every job before Hydra runs any: EXIT_CONFIG_ERROR

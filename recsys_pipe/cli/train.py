@@ -51,8 +51,12 @@ def train_task(cfg: DictConfig) -> None:
     except ConfigError as exc:  # e.g. the named run directory was taken meanwhile
         report_config_error(exc, PROG, started=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
-    code = fit(launch, session, resume)
-    code = session.close(code, keep_group=launch.requested.sweep)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        code = fit(launch, session, resume)  # returns with Ctrl-C ignored: the outcome is recorded,
+        code = session.close(code, keep_group=launch.requested.sweep)  # the group is left in order
+    finally:  # the process goes on (a sweep's next job): Ctrl-C works again
+        signal.signal(signal.SIGINT, previous)
     if code:
         raise SystemExit(code)
 
@@ -67,8 +71,14 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
         log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
     trainer = None
     ctrl_c = CtrlC()
+    # what SIGINT does once the handlers below are gone again: nothing (the run's outcome is then
+    # being recorded and the process group left; the caller restores Ctrl-C)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with ctrl_c:
+        # a Ctrl-C asks every rank to stop after a step and checkpoint (130), as SIGTERM does (75),
+        # also while the parts are built: the loop stops after its first step; a second Ctrl-C
+        # stops at once, saving nothing (KeyboardInterrupt, `ctrl_c`)
+        with ctrl_c, session.stop.interrupts():
             # the build phase: every part the loop runs on, from the config, once
             parts = build_parts(run, launch.plan, info, session.run_dir, data=launch.data)
             trainer = Trainer(
@@ -169,6 +179,7 @@ def main() -> None:
     can abort an orderly interpreter shutdown (seen ~1 run in 10)."""
     show_library_warnings(int(os.environ.get("RANK", 0)), debug="debug=true" in sys.argv)  # before any import warns
     code = _app.run()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run is over (its code decided): only the exit is left
     if code == 0:
         from recsys_pipe.runtime.distributed import teardown
 

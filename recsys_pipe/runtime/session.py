@@ -75,6 +75,8 @@ class RunSession:
     status: RunStatus
     stop: StopRequest
     health: PeerHealth | None = None
+    #: the run ended at a step boundary on every rank (`completed`): the group can be left in order
+    _clean_stop: bool = False
 
     @classmethod
     def start(
@@ -103,12 +105,16 @@ class RunSession:
         return session
 
     def completed(self, preempted: bool, **fields: Any) -> int:
-        """Record a finished run (`fields`: step, checkpoint, eval...) and return its exit code."""
-        code = EXIT_PREEMPTED if preempted else 0
+        """Record a finished run (`fields`: step, checkpoint, eval...) and return its exit code:
+        0, or for a run stopped by a signal after its checkpoint 75 (SIGTERM) or 130 (Ctrl-C)."""
+        interrupted = preempted and self.stop.interrupted
+        code = EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED if preempted else 0
+        self._clean_stop = True
         if self.info.is_main:
-            self.status.write("preempted" if preempted else "completed", exit_code=code, **fields)
+            state = "interrupted" if interrupted else "preempted" if preempted else "completed"
+            self.status.write(state, exit_code=code, **fields)
             if preempted:
-                log.warning("exiting with code %d (preempted, resumable from %s)", code, fields.get("checkpoint"))
+                log.warning("exiting with code %d (%s, resumable from %s)", code, state, fields.get("checkpoint"))
         return code
 
     def interrupted(self, step: int) -> int:
@@ -156,7 +162,7 @@ class RunSession:
         the process group (a sweep keeps it for its next job: `keep_group`). Returns the exit
         code, 1 if a peer failed while this rank was finishing."""
         self.stop.__exit__(None, None, None)
-        if code not in (0, EXIT_PREEMPTED):
+        if not self._clean_stop and code not in (0, EXIT_PREEMPTED):
             return code
         if self.health is not None:
             self.health.mark_done()

@@ -171,7 +171,7 @@ def test_help_lists_groups(capsys):
     assert train_cli.run(["--help"]) == 0
     out = capsys.readouterr().out
     for group in (
-        "pipeline: base, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist",
+        "pipeline: base, dlrm_prefetch, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist",
         "thread_map:",
         "trainer:",
     ):
