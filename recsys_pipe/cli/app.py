@@ -29,7 +29,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from recsys_pipe.cli.compose import compose_config
 from recsys_pipe.cli.hydra_adapter import (
     HYDRA_MODE_UNKNOWN,
+    checked_job,
     clear_global_hydra,
+    composed_job,
     hydra_main,
     hydra_runtime,
     parse_hydra_args,
@@ -324,10 +326,12 @@ class HydraApp:
         self._hydra_mode = cfg.hydra.mode
         validator = self.check if self._check_only else self.validate
         if validate and validator is not None:
+            job = composed_job(cfg)  # the run directory it names, checked as the run checks it
             with open_dict(cfg):
                 del cfg["hydra"]
             try:
-                validator(cfg)
+                with checked_job(job):
+                    validator(cfg)
             except ConfigError as exc:
                 if debug_requested(cfg):
                     traceback.print_exc()

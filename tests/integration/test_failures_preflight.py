@@ -324,3 +324,20 @@ def test_help_gives_every_description_whole(capsys):
     for path, value, description in describe_keys(RunConfig, to_container(compose(config_name="train"))):
         (line,) = [x for x in listing.splitlines() if x.startswith(f"  {path}=" if value else f"  {path}:")]
         assert line.endswith(description), line
+
+
+def test_check_refuses_a_used_run_directory_on_any_rank(tmp_path, capsys, monkeypatch):
+    """`--check` (what scripts/train.sh runs before torchrun) checks `hydra.run.dir` as the run
+    does: a directory that already holds a run is refused before torchrun starts."""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "status.json").write_text("{}")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert train_cli.run(["--check", f"hydra.run.dir={used}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"error: hydra.run.dir: {used} already holds a run ({used}/status.json exists); " + (
+        "choose a new directory or remove it"
+    )
+    assert train_cli.run(["--check", f"hydra.run.dir={tmp_path / 'new'}"]) == 0
+    assert not (tmp_path / "new").exists()

@@ -377,3 +377,31 @@ def test_hstu_prefetch_still_validates_for_every_model(tmp_path) -> None:
             f"data.path={tmp_path / 'seq.txt'}" if model in ("sasrec", "hstu_retrieval") else "trainer.max_steps=1",
         )
         assert training_plan(run).config.name == "hstu_prefetch"
+
+
+# -- the key reference lists every key of the schema ---------------------------------------------
+
+
+def test_key_reference_page_lists_every_key_of_every_section() -> None:
+    from recsys_pipe.cli.key_reference import key_reference
+
+    page = (DOCS / "reference" / "keys.md").read_text(encoding="utf-8")
+    assert page == key_reference(), (
+        "docs/reference/keys.md is not the schema's key listing: regenerate it with "
+        "python -m recsys_pipe.cli.key_reference > docs/reference/keys.md"
+    )
+    for key in ("data.num_workers", "optimizer.weight_decay", "model.relative_bias", "pipeline.thread_map.map"):
+        assert f"| `{key}` |" in page
+
+
+def test_failures_page_counts_the_catalogue() -> None:
+    import ast
+
+    source = (ROOT / "tests" / "integration" / "test_failures.py").read_text(encoding="utf-8")
+    (catalogue,) = [
+        node.value
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CATALOGUE"
+    ]
+    page = (DOCS / "operations" / "failures.md").read_text(encoding="utf-8")
+    assert f"\n{len(catalogue.elts)} bad inputs through `recsys-train`" in page
