@@ -86,6 +86,8 @@ def fit(launch: Launch, session: RunSession, resume: Path | None) -> int:
             )
             if resume is not None:
                 trainer.restore(str(resume))
+                # one TensorBoard run across resumes: the events go on in the resumed run's directory
+                trainer.metrics.continue_tensorboard(resume.parent.parent, trainer.step)
             elif run.trainer.resume_from == "latest" and info.is_main:
                 log.info(
                     "trainer.resume_from=latest: no checkpoint under %s, starting from step 0", run.trainer.output_dir

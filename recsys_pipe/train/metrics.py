@@ -1,6 +1,9 @@
 """Where a run's numbers go: `metrics.jsonl` (one JSON object per log step and per evaluation)
 and TensorBoard event files, both in the run directory, written by rank 0 only.
 
+A resumed run writes its TensorBoard events into the directory of the run it continues (the
+first run's, through a chain of resumes: `<run_dir>/tensorboard_dir` names it), from the
+checkpoint's step on (`MetricsWriter.continue_tensorboard`): one run, one curve, each step once.
 `tensorboard --logdir <trainer.output_dir>` then shows every run side by side: `train/loss`,
 `train/samples_per_s`, `train/lr`, `train/grad_norm` (with clipping), `eval/loss`, `eval/auc`
 and `eval/auc_task<k>` (ranking), `eval/<split>/<protocol>/<metric>` (retrieval:
@@ -11,9 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter"]
+__all__ = ["TENSORBOARD_DIR_FILE", "MetricsWriter", "tensorboard_dir"]
+
+#: in a resumed run's directory: the directory its TensorBoard events go to
+TENSORBOARD_DIR_FILE = "tensorboard_dir"
+
+
+def tensorboard_dir(run_dir: str | os.PathLike) -> str:
+    """Where the TensorBoard events of the run in `run_dir` are: its own directory, or for a
+    resumed run the one its `tensorboard_dir` file names."""
+    pointer = os.path.join(run_dir, TENSORBOARD_DIR_FILE)
+    if os.path.isfile(pointer):
+        return Path(pointer).read_text().strip()
+    return str(run_dir)
+
 
 #: metrics.jsonl key -> TensorBoard tag of training records (evaluation records: see `write`)
 _TRAIN_TAGS = {
@@ -35,6 +52,7 @@ class MetricsWriter:
     def __init__(self, run_dir: str | None, tensorboard: bool = True):
         self._jsonl = None
         self._tb = None
+        self.run_dir = run_dir
         if run_dir is None:
             return
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed by close()
@@ -67,6 +85,26 @@ class MetricsWriter:
                 if record.get(key) is not None:
                     self._tb.add_scalar(tag, record[key], step)
         self._tb.flush()
+
+    def continue_tensorboard(self, resumed_run_dir: str | os.PathLike, step: int) -> None:
+        """Resuming at `step` a run of `resumed_run_dir`: write the TensorBoard events into that
+        run's event directory from step `step + 1` on, and note it in this run's directory.
+
+        `purge_step` (TensorBoard's own mechanism for a restart) marks the restart in the event
+        file, and TensorBoard then drops the events of steps >= `step + 1` written before it:
+        the steps the earlier run trained after its checkpoint, which this run trains again."""
+        if self._tb is None or self.run_dir is None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = tensorboard_dir(resumed_run_dir)
+        self._tb.close()
+        for name in os.listdir(self.run_dir):  # the event file the writer opened here has no event
+            if name.startswith("events.out.tfevents."):
+                os.remove(os.path.join(self.run_dir, name))
+        self._tb = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
+        with open(os.path.join(self.run_dir, TENSORBOARD_DIR_FILE), "w") as f:
+            f.write(log_dir + "\n")
 
     def close(self) -> None:
         """Flush and close `metrics.jsonl` and the TensorBoard writer; safe to call twice."""
