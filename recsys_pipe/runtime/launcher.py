@@ -86,9 +86,6 @@ def _forward(signum: int, frame: FrameType | None) -> None:
         sys.stderr.flush()
         os._exit(128 + signum)
     _STOPPING = True
-    # the agent's lines about the workers' exit (codes 75/130, the stragglers it terminates)
-    # describe the stop asked for; a real failure is reported by the worker that failed
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     for pid in pids:
         try:
             os.killpg(pid, signum)  # each worker leads its own session (the agent's choice)
@@ -100,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's agent with `argv` (torchrun's own arguments); returns the workers' code."""
     for sig in FORWARDED:
         signal.signal(sig, _forward)
+    # the agent's lines about its workers' exits (codes 1, 75, 130; the others it terminates)
+    # repeat what the workers said themselves; a worker killed by a signal says nothing, so the
+    # launcher names it (below)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -110,7 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(args)  # torchrun's own `run`: rendezvous, agent, workers
     except ChildFailedError as exc:
-        return exit_code_of([failure.exitcode for failure in exc.failures.values()], _STOPPING)
+        code = exit_code_of([failure.exitcode for failure in exc.failures.values()], _STOPPING)
+        if code > 128 and not _STOPPING:  # killed (out of memory, by hand): no worker could say so
+            for rank, failure in sorted(exc.failures.items()):
+                if failure.exitcode < 0:
+                    name = signal.Signals(-failure.exitcode).name
+                    print(f"rank {rank} was killed by {name} (exit {128 - failure.exitcode})", file=sys.stderr)
+        return code
     return 0
 
 

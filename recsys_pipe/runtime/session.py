@@ -144,6 +144,8 @@ class RunSession:
             log.error("training failed on rank %d:\n%s", self.info.rank, report, exc_info=exc)
         elif first.rank == self.info.rank:
             log.error("training failed on rank %d: %s", self.info.rank, first.message, exc_info=exc)
+        elif first.message == message:  # the same error on every rank (a checkpoint's write, a collective's)
+            log.error("rank %d failed first: %s (here too)", first.rank, first.message, exc_info=exc)
         else:
             log.error(
                 "rank %d failed first: %s (seen here as %s)", first.rank, first.message, one_line(exc), exc_info=exc

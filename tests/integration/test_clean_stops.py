@@ -20,7 +20,7 @@ import pytest
 from recsys_pipe.runtime.launcher import exit_code_of
 
 BIN = Path(sys.executable).parent
-CONFIG = [
+CONFIG = [  # long enough to be stopped or to fill a disk
     "trainer=smoke",
     "trainer.max_steps=100000",
     "trainer.epochs=1000",
@@ -113,3 +113,38 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
     out, err = proc.communicate(timeout=100)
     assert proc.returncode == 130
     assert err.splitlines() == ["recsys-train: interrupted (Ctrl-C) while starting; nothing was started"], err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_ends_the_run_in_one_line_keeping_earlier_checkpoints(tmp_path):
+    """The run directory on a 1.2 MB tmpfs: the third checkpoint does not fit. (In one process
+    with an injected ENOSPC, without mounting anything: tests/unit/test_checkpoint_errors.py.)"""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"needs to mount a small tmpfs (root): {mounted.stderr.decode().strip()}")
+    try:
+        command = [sys.executable, "-m", "recsys_pipe.runtime.launcher", "--standalone", "--nproc_per_node", "2"]
+        overrides = ["trainer.checkpoint.interval=20", "trainer.checkpoint.keep_latest=0", "trainer.max_steps=300"]
+        proc = subprocess.run(
+            [*command, "--no-python", str(BIN / "recsys-train"), *CONFIG, *overrides, f"trainer.output_dir={disk}"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[-3000:]
+        (run_dir,) = (disk / "recsys-train").iterdir()
+        status = json.loads((run_dir / "status.json").read_text())
+        message = status["message"]
+        assert status["status"] == "failed" and "No space left on device (ENOSPC)" in message, status
+        (line,) = [line for line in proc.stderr.splitlines() if "training failed on rank 0" in line]
+        assert line.endswith(message)
+        failed = int(re.search(r"checkpoints/step_(\d+):", message).group(1))
+        kept = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").iterdir())
+        assert kept == list(range(20, failed, 20)) and kept  # every earlier one, no .partial left
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
