@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 
-__all__ = ["export", "plan", "profile", "train"]
+__all__ = ["evaluate", "export", "plan", "profile", "train"]
 
 #: Ctrl-C (SIGINT): 128 + 2, as `recsys_pipe.runtime.failures.EXIT_INTERRUPTED` (not imported: it loads torch)
 _EXIT_INTERRUPTED = 130
@@ -38,6 +38,11 @@ def plan() -> None:
 def profile() -> None:
     """`recsys-profile`."""
     _run("recsys_pipe.cli.profile", "recsys-profile")
+
+
+def evaluate() -> None:
+    """`recsys-eval`."""
+    _run("recsys_pipe.cli.eval", "recsys-eval")
 
 
 def export() -> None:

@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.reporting import report_config_error
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, EXIT_FAILURE, one_line
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> int:
     """Run `recsys-export` with `argv`; returns the exit code."""
     args = _parser().parse_args(argv)
+    show_library_warnings(0, debug=False)
     try:
         from recsys_pipe.train.export import export_run
 

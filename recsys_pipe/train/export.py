@@ -38,7 +38,15 @@ from recsys_pipe.models.serving import Servable, ServingForm
 from recsys_pipe.train.checkpoint import find_checkpoints, read_metadata, saved_config
 from recsys_pipe.train.config import RunConfig, load_run_config
 
-__all__ = ["EXPORT_TOLERANCE", "ExportResult", "TrainedModel", "export_run", "load_trained_model"]
+__all__ = [
+    "EXPORT_TOLERANCE",
+    "ExportResult",
+    "TrainedModel",
+    "export_run",
+    "load_run",
+    "load_trained_model",
+    "resolve_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +66,7 @@ class TrainedModel:
     step: int
 
 
-def _checkpoint_of(run_dir: Path, name: str | None) -> Path:
+def resolve_checkpoint(run_dir: Path, name: str | None) -> Path:
     """The run's newest complete checkpoint, or the one `name`d (`step_N`); ConfigError at
     `checkpoint` otherwise."""
     found = find_checkpoints(run_dir)
@@ -93,7 +101,7 @@ def load_trained_model(
     import torch.distributed.checkpoint as dcp
 
     run_dir = Path(run_dir)
-    path = _checkpoint_of(run_dir, checkpoint)
+    path = resolve_checkpoint(run_dir, checkpoint)
     run = load_run(run_dir, path, overrides or {})
     if run.parallel.pp.size > 1:
         raise ConfigError(

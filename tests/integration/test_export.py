@@ -1,4 +1,6 @@
-"""`recsys-export RUN_DIR OUT`: a trained run's model as a `torch.export` program that loads and
+"""`recsys-export RUN_DIR OUT` and `recsys-eval RUN_DIR` on the same trained runs.
+
+`recsys-export`: a trained run's model as a `torch.export` program that loads and
 scores in a fresh interpreter where neither recsys_pipe nor torchrec can be imported.
 
 Tolerance: 1e-5 (the issue's bar) between the program's scores and the trained model's. The
@@ -6,6 +8,9 @@ Tolerance: 1e-5 (the issue's bar) between the program's scores and the trained m
 of them), so the export must gather them from both ranks' files; the program, fed both ranks'
 held-out batches, reproduces the evaluation the training run logged at that checkpoint (log loss
 and AUC over the same rows). The fresh interpreter runs the serving snippet of the docs' page.
+
+`recsys-eval`: under the launcher on the 2 ranks that trained, the metrics of a checkpoint equal
+the evaluation the training run logged after that step, exactly (same data, same pipeline).
 """
 
 from __future__ import annotations
@@ -124,13 +129,20 @@ def test_exported_program_reproduces_the_logged_evaluation(dlrm_run, tmp_path):
     assert abs(float(BinaryAUROC()(logits[:, 0], labels[:, 0].int())) - at4["auc"]) <= 1e-5
 
 
-def test_exported_retrieval_encoder_and_item_table(tmp_path):
+@pytest.fixture(scope="module")
+def sasrec_run(tmp_path_factory) -> Path:
+    """SASRec on a small "user item" file, one rank, 8 steps, checkpoints at 4 and 8."""
+    tmp = tmp_path_factory.mktemp("sasrec")
+    lines = [f"{u} {(u * 7 + k) % 30 + 100}" for u in range(1, 41) for k in range(3 + u % 10)]
+    (tmp / "seq.txt").write_text("\n".join(lines) + "\n")
+    data = ["data=sequences", f"data.path={tmp / 'seq.txt'}", "data.eval_negatives=10", "data.batch_size=4"]
+    return _train(tmp, "model=sasrec", *data, "data.max_seq_len=8", "model.max_seq_len=8")
+
+
+def test_exported_retrieval_encoder_and_item_table(sasrec_run, tmp_path):
     """SASRec: the user encoder program and the item table score the held-out user's candidates
     as the trained model does."""
-    lines = [f"{u} {(u * 7 + k) % 30 + 100}" for u in range(1, 41) for k in range(3 + u % 10)]
-    (tmp_path / "seq.txt").write_text("\n".join(lines) + "\n")
-    data = ["data=sequences", f"data.path={tmp_path / 'seq.txt'}", "data.eval_negatives=10", "data.batch_size=4"]
-    run_dir = _train(tmp_path, "model=sasrec", *data, "data.max_seq_len=8", "model.max_seq_len=8")
+    run_dir = sasrec_run
     out = tmp_path / "served"
     assert export_cli.run([str(run_dir), str(out)]) == 0
     table = torch.load(out / "item_table.pt")
@@ -147,3 +159,57 @@ def test_export_refusals_are_one_line(dlrm_run, tmp_path, capsys):
     assert "holds no complete checkpoint" in capsys.readouterr().err
     assert export_cli.run([str(dlrm_run), str(tmp_path / "o"), "model.embedding_dim=-1"]) == 2
     assert capsys.readouterr().err.startswith("error: model.embedding_dim:")
+
+
+# -- recsys-eval: the training run's evaluation again, on a checkpoint ---------------------------
+
+
+def _eval(run_dir: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "recsys_pipe.runtime.launcher", "--standalone", "--nproc_per_node", str(nproc)]
+    command = [*launcher, "--no-python"] if nproc > 1 else []
+    return subprocess.run(
+        [*command, str(BIN / "recsys-eval"), str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _logged(run_dir: Path, step: int) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in records if r["step"] == step and ("auc" in r or "valid" in r)]
+    return record
+
+
+def test_recsys_eval_on_two_ranks_equals_the_logged_evaluation(dlrm_run):
+    """torchrun's 2 ranks, as trained: AUC and losses of step 4's checkpoint, as logged then."""
+    proc = _eval(dlrm_run, "checkpoint=step_4", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluated = json.loads((dlrm_run / "eval.json").read_text())
+    logged = _logged(dlrm_run, 4)
+    assert evaluated["world_size"] == 2 and evaluated["checkpoint"].endswith("checkpoints/step_4")
+    for key in ("eval_loss", "log_loss", "auc", "auc_per_task"):
+        assert evaluated[key] == logged[key], key
+    line = f"eval at step 4: loss {logged['eval_loss']:.4f}, auc {logged['auc']:.4f}"
+    assert line in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_recsys_eval_of_a_retrieval_run_gives_both_protocols(sasrec_run):
+    proc = _eval(sasrec_run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluated = json.loads((sasrec_run / "eval.json").read_text())
+    logged = _logged(sasrec_run, 8)
+    for split in ("valid", "test"):
+        assert evaluated[split] == logged[split]  # sampled and full, HR/NDCG/MRR
+    assert set(evaluated["valid"]) == {"sampled", "full"}
+    assert "eval at step 8: valid/sampled HR@10 " in proc.stderr
+
+
+def test_recsys_eval_refuses_a_missing_checkpoint_in_one_line(dlrm_run):
+    proc = _eval(dlrm_run, "checkpoint=step_3")
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.splitlines()[0]
+        == f"error: checkpoint: {dlrm_run} has no checkpoint 'step_3' (it has step_4, step_8)"
+    )
