@@ -46,10 +46,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     show_library_warnings(rank, debug=False)
+    logger = logging.getLogger("recsys_pipe")
+    saved = logger.level, logger.propagate
+    console = logging.StreamHandler(sys.stderr)
     if rank == 0:  # the training run's evaluation line, as its log shows it
-        console = logging.StreamHandler(sys.stderr)
         console.setFormatter(logging.Formatter("[%(asctime)s][rank 0][%(levelname)s] %(message)s", "%H:%M:%S"))
-        logger = logging.getLogger("recsys_pipe")
         logger.addHandler(console)
         logger.setLevel(logging.INFO)
         logger.propagate = False  # a library's basicConfig would print every line twice
@@ -65,6 +66,10 @@ def run(argv: Sequence[str] | None = None) -> int:
             return EXIT_CONFIG_ERROR
         print(f"{PROG}: rank {os.environ.get('RANK', '0')} failed: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
+    finally:  # a caller of `run` (a test) keeps its logging as it was
+        logger.removeHandler(console)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
     return 0
 
 

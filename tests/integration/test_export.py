@@ -206,10 +206,9 @@ def test_recsys_eval_of_a_retrieval_run_gives_both_protocols(sasrec_run):
     assert "eval at step 8: valid/sampled HR@10 " in proc.stderr
 
 
-def test_recsys_eval_refuses_a_missing_checkpoint_in_one_line(dlrm_run):
-    proc = _eval(dlrm_run, "checkpoint=step_3")
-    assert proc.returncode == 2
-    assert (
-        proc.stderr.splitlines()[0]
-        == f"error: checkpoint: {dlrm_run} has no checkpoint 'step_3' (it has step_4, step_8)"
-    )
+def test_recsys_eval_refuses_a_missing_checkpoint_in_one_line(dlrm_run, capsys):
+    from recsys_pipe.cli import eval as eval_cli
+
+    assert eval_cli.run([str(dlrm_run), "checkpoint=step_3"]) == 2  # before any process group
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"error: checkpoint: {dlrm_run} has no checkpoint 'step_3' (it has step_4, step_8)"
