@@ -178,8 +178,10 @@ def hydra_runtime() -> HydraRuntime | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if _CHECKED:  # `--check`: the job checked now, whatever job Hydra ran before in this process
+        return _CHECKED[-1]
     if not HydraConfig.initialized():
-        return _CHECKED[-1] if _CHECKED else None
+        return None
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     output_dir = OmegaConf.select(hc, "runtime.output_dir", default=None, throw_on_missing=False)
