@@ -35,6 +35,13 @@ BENCHMARKS: dict[str, Benchmark] = {
     "sasrec": Benchmark(
         "recsys_pipe.bench.sasrec", "SASRec training throughput against the reference PyTorch implementation"
     ),
+    "hstu": Benchmark(
+        "recsys_pipe.bench.hstu", "HSTU training throughput against generative-recommenders' research HSTU"
+    ),
+    "hstu_train_reference": Benchmark(
+        "recsys_pipe.bench.hstu_train_reference",
+        "train generative-recommenders' HSTU on a sequences file, evaluated under our protocols",
+    ),
     "retrieval_report": Benchmark(
         "recsys_pipe.bench.retrieval_report", "summary of a retrieval reproduction (scripts/reproduce_games.sh)"
     ),

@@ -134,17 +134,24 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def label(run: str) -> str:
+    """How the table names a run: ours, or the reference implementation's (`hstu_reference`,
+    `python -m recsys_pipe.bench.hstu_train_reference`)."""
+    return "ref. HSTU (gen-rec)" if run == "hstu_reference" else f"ours {run}"
+
+
 def main(out_dir: str) -> None:
     """Print the published rows next to ours, the targets, the plot's path and one JSON line."""
     root = Path(out_dir)
-    runs = {name: summarise(root / name) for name in ("sasrec", "hstu") if (root / name / "metrics.jsonl").exists()}
+    names = ("sasrec", "hstu", "hstu_reference", "hstu_large")
+    runs = {name: summarise(root / name) for name in names if (root / name / "metrics.jsonl").exists()}
     print(f"{'':22} {'HR@10':>7} {'NDCG@10':>8}   protocol: leave-one-out, test split, 100 sampled negatives")
     for name, ref in PUBLISHED.items():
         print(f"{name:22} {ref['HR@10']:7.4f} {ref['NDCG@10']:8.4f}")
     for name, s in runs.items():
         m = s["sampled"]
         print(
-            f"{'ours ' + name:22} {m['HR@10']:7.4f} {m['NDCG@10']:8.4f}   epoch {s['selected_epoch']} "
+            f"{label(name):22} {m['HR@10']:7.4f} {m['NDCG@10']:8.4f}   epoch {s['selected_epoch']} "
             f"(best validation HR@10 of {s['epochs_evaluated']} evaluations), {s['train_s']} s, "
             f"{s['samples_per_s']} samples/s training"
         )
@@ -152,7 +159,7 @@ def main(out_dir: str) -> None:
         if s["full"]:
             f = s["full"]
             print(
-                f"{'ours ' + name + ' full':22} {f['HR@10']:7.4f} {f['NDCG@10']:8.4f}   full corpus; HR@50 "
+                f"{label(name) + ' full':22} {f['HR@10']:7.4f} {f['NDCG@10']:8.4f}   full corpus; HR@50 "
                 f"{f['HR@50']:.4f} HR@200 {f['HR@200']:.4f} NDCG@200 {f['NDCG@200']:.4f}"
             )
     for name, s in runs.items():

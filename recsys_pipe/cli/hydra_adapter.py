@@ -151,12 +151,14 @@ def composed_job(cfg: DictConfig) -> HydraRuntime:
     """The job a config composed with its `hydra` node would run as (`--check`'s view of it)."""
     hc = cfg.hydra
     multirun = str(hc.mode) == "RunMode.MULTIRUN"
-    run_dir = OmegaConf.select(hc, "run.dir", default=None, throw_on_missing=False)
+    # unresolved: an override's value may be an interpolation that only the validation reports
+    overrides = OmegaConf.to_container(hc.overrides, resolve=False)
+    run_dir = OmegaConf.select(hc, "run.dir", default=None, throw_on_missing=False, throw_on_resolution_failure=False)
     return HydraRuntime(
         multirun=multirun,
         job_num=0,
-        task_overrides=tuple(hc.overrides.task),
-        hydra_overrides=tuple(hc.overrides.hydra),
+        task_overrides=tuple(overrides.get("task", ())),
+        hydra_overrides=tuple(overrides.get("hydra", ())),
         output_dir=None if multirun or run_dir is None else Path(str(run_dir)),
     )
 

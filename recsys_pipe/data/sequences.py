@@ -205,6 +205,8 @@ class RetrievalSample:
     targets: list[int]
     negatives: list[int]
     candidates: list[int]
+    #: time of the item after the last input (training: the last target; evaluation: the held-out item)
+    target_timestamp: int = 0
 
 
 class SequencesDataset(Dataset[RetrievalSample]):
@@ -276,7 +278,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         targets = train[1:]
         rng = np.random.default_rng([self.seed, epoch, user])
         negatives = _sample_unseen(rng, self.num_items, set(self._train_part(user)), len(targets))
-        return RetrievalSample(user, train[:-1], stamps[:-1], targets, negatives, [])
+        return RetrievalSample(user, train[:-1], stamps[:-1], targets, negatives, [], stamps[-1])
 
     def split(self, name: str, batch_size: int) -> _EvalSplit:
         """This rank's evaluation users of split `name` ("valid" or "test"), padded to the same
@@ -310,7 +312,8 @@ class SequencesDataset(Dataset[RetrievalSample]):
         stamps = self.timestamps[user][:end][-self.max_seq_len :]
         rng = np.random.default_rng([self.seed, 1 << 32, user])  # one stream per user, apart from training's
         negatives = _sample_unseen(rng, self.num_items, set(seq), self.eval_negatives)
-        return RetrievalSample(user, history, stamps, [], [], [seq[end], *negatives])
+        target_time = self.timestamps[user][end]
+        return RetrievalSample(user, history, stamps, [], [], [seq[end], *negatives], target_time)
 
 
 class _EvalSplit(Dataset[RetrievalSample]):
@@ -372,12 +375,14 @@ class RetrievalBatch(TensorBatch):
     Attributes:
         sparse_features: KJT with the keys of `RETRIEVAL_KEYS` (see the module docstring).
         timestamps: `[num input tokens]` int64, aligned with the `item` values.
+        target_timestamps: `[B]` int64, each sample's `RetrievalSample.target_timestamp`.
         sample_ids: `[B]` int64, the dense user ids (-1: evaluation padding).
     """
 
     sparse_features: KeyedJaggedTensor
     timestamps: torch.Tensor
     sample_ids: torch.Tensor
+    target_timestamps: torch.Tensor
 
     def lengths(self, key: str) -> torch.Tensor:
         """`[B]` ids of feature `key` per sample."""
@@ -393,6 +398,7 @@ class RetrievalBatch(TensorBatch):
             sparse_features=kjt_select(self.sparse_features, index),
             timestamps=jagged_select(self.timestamps, self.lengths(INPUT_KEY), index)[0],
             sample_ids=self.sample_ids[index],
+            target_timestamps=self.target_timestamps[index],
         )
 
     @classmethod
@@ -401,6 +407,7 @@ class RetrievalBatch(TensorBatch):
             sparse_features=kjt_concat([b.sparse_features for b in batches]),
             timestamps=torch.cat([b.timestamps for b in batches]),
             sample_ids=torch.cat([b.sample_ids for b in batches]),
+            target_timestamps=torch.cat([b.target_timestamps for b in batches]),
         )
 
 
@@ -428,4 +435,5 @@ def collate_retrieval(samples: Sequence[RetrievalSample], catalog_size: int = 0)
         sparse_features=kjt,
         timestamps=torch.tensor([t for s in samples for t in s.timestamps], dtype=torch.int64),
         sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
+        target_timestamps=torch.tensor([s.target_timestamp for s in samples], dtype=torch.int64),
     )

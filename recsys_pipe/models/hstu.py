@@ -37,6 +37,8 @@ from recsys_pipe.models.hstu_config import HSTUConfig
 __all__ = ["HSTUConfig", "HSTULayer", "HSTUModel", "HSTURanker", "RelativeBias", "build_hstu", "embedding_tables"]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
+LAYER_NORM_EPS = 1e-6
+"""LayerNorm epsilon of the HSTU blocks (generative-recommenders')."""
 TIME_BUCKET_WIDTH = 0.301
 """Time gaps are bucketed by `ln(gap_seconds) / TIME_BUCKET_WIDTH` (generative-recommenders'
 choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
@@ -72,38 +74,63 @@ def embedding_tables(cfg: HSTUConfig, spec: DataSpec) -> list[EmbeddingConfig]:
 
 
 class RelativeBias(nn.Module):
-    """Learned attention bias from relative position and bucketed log time gap (shared by heads)."""
+    """Learned attention bias from relative position and bucketed log time gap (shared by heads),
+    as generative-recommenders' `RelativeBucketedTimeAndPositionBasedBias`: query i and key j
+    get `position[j - i + N - 1] + time[bucket(|query_time_i - key_time_j|)]`, both tables
+    initialised N(0, 0.02)."""
 
     def __init__(self, max_len: int, num_time_buckets: int) -> None:
         super().__init__()
         self.max_len = max_len
         self.num_time_buckets = num_time_buckets
-        self.position = nn.Parameter(torch.zeros(2 * max_len - 1))
-        self.time = nn.Parameter(torch.zeros(num_time_buckets + 1))
+        self.position = nn.Parameter(torch.empty(2 * max_len - 1).normal_(0.0, 0.02))
+        self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0.0, 0.02))
 
-    def forward(self, timestamps: torch.Tensor) -> torch.Tensor:
-        """`timestamps`: padded `[B, N]` -> bias `[B, N, N]` (query, key)."""
+    def bucketize(self, key_times: torch.Tensor, query_times: torch.Tensor | None = None) -> torch.Tensor:
+        """Padded `[B, N]` timestamps of the keys and of the queries (default: the keys') -> the
+        `[B, N, N]` time bucket of each (query, key): `ln(max(|gap|, 1)) / 0.301`, at most
+        `num_time_buckets`. The ranking model's query time is its token's own; the retrieval
+        encoder's is the time of the item each position predicts (the reference's
+        "ts(next item) - ts(current item)"). Data only: computed once for every layer's bias."""
+        query_times = key_times if query_times is None else query_times
+        gap = (query_times[:, :, None] - key_times[:, None, :]).abs().clamp(min=1).float()
+        return (torch.log(gap) / TIME_BUCKET_WIDTH).long().clamp(max=self.num_time_buckets)
+
+    def from_buckets(self, bucket: torch.Tensor) -> torch.Tensor:
+        """`[B, N, N]` buckets (`bucketize`) -> the bias `[B, N, N]` (query, key)."""
         n = self.max_len
-        pos = torch.arange(n, device=timestamps.device)
+        pos = torch.arange(n, device=bucket.device)
         position_bias = self.position[pos[None, :] - pos[:, None] + n - 1]
-        gap = (timestamps[:, :, None] - timestamps[:, None, :]).abs().clamp(min=1).float()
-        bucket = (torch.log(gap) / TIME_BUCKET_WIDTH).long().clamp(max=self.num_time_buckets)
         return position_bias[None] + self.time[bucket]
+
+    def forward(self, key_times: torch.Tensor, query_times: torch.Tensor | None = None) -> torch.Tensor:
+        """Padded `[B, N]` timestamps -> bias `[B, N, N]` (`bucketize`, then `from_buckets`)."""
+        return self.from_buckets(self.bucketize(key_times, query_times))
 
 
 class HSTULayer(nn.Module):
-    """One HSTU block on jagged tokens; see the module docstring for the equations."""
+    """One HSTU block on jagged tokens (the paper's equations 1-3, as generative-recommenders'
+    `SequentialTransductionUnitJagged` with `rel_bias` normalisation):
+
+        u, v, q, k = split(SiLU(LayerNorm(x) @ W_uvqk))
+        A = SiLU(q k^T + bias) / N * mask          (per head; N the padded length)
+        x = x + W_o Dropout(u * LayerNorm(A v)) + b_o
+
+    LayerNorms without learned scale or shift, epsilon 1e-6."""
 
     def __init__(self, cfg: HSTUConfig, max_len: int) -> None:
         super().__init__()
         d = cfg.embedding_dim
         self.num_heads = cfg.num_heads
         self.max_len = max_len
-        self.input_norm = nn.LayerNorm(d)
-        self.uvqk = nn.Linear(d, 4 * d)
-        self.attn_norm = nn.LayerNorm(d)
+        # the paper's Norm: LayerNorm without learned scale and shift (the reference's F.layer_norm)
+        self.input_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS, elementwise_affine=False)
+        self.uvqk = nn.Linear(d, 4 * d, bias=False)  # the paper's f1: one projection, no bias
+        self.attn_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS, elementwise_affine=False)
         self.output = nn.Linear(d, d)
         self.dropout = Dropout(cfg.dropout)
+        nn.init.normal_(self.uvqk.weight, 0.0, 0.02)  # the reference's initialisation
+        nn.init.xavier_uniform_(self.output.weight)
 
     def forward(
         self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None

@@ -15,20 +15,20 @@ is trained to score `s_{t+1}` highest:
   negative (label 0), averaged over positions.
 * `sampled_softmax` (HSTU): per position, softmax cross-entropy of the target against
   `num_negatives` negatives shared by the batch (the first of its sampled negatives, drawn
-  uniformly), on L2-normalised vectors divided by `temperature`; a negative equal to the target
-  is masked out.
+  uniformly), on L2-normalised vectors (norms clamped at 1e-6) divided by `temperature`; a
+  negative equal to the target is masked out. (generative-recommenders draws `num_negatives`
+  per position; the loss is the same function of its negatives.)
 
 Evaluation (the model in eval mode, batches of an evaluation split): the last position's vector
 scores the held-out item and its sampled negatives (`cand`) and, when the batch carries it, every
 item of the catalogue. `outputs["rank_sampled"]` / `outputs["rank_full"]` (`[B]`) are the 0-based
 rank of the held-out item: the number of candidates scored strictly above it. Full-corpus ranking
-scores every item, the user's own history included (no exclusion, as generative-recommenders'
-retrieval evaluation does); -1 when the batch has no catalogue.
+scores every item, the user's own history included (generative-recommenders' own evaluation
+removes the history from its top-k; docs/retrieval.md); -1 when the batch has no catalogue.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
@@ -53,10 +53,12 @@ from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.retrieval_config import RetrievalConfig
 from recsys_pipe.models.serving import ServingForm
 
-__all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad"]
+__all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad", "padded_times"]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 ITEM_TABLE = "item_table"
+NORM_EPS = 1e-6
+"""Clamp of the L2 norms of the sampled softmax's vectors."""
 
 
 def table_dim(embedding_dim: int) -> int:
@@ -67,17 +69,33 @@ def table_dim(embedding_dim: int) -> int:
 
 
 def item_table(cfg: RetrievalConfig, spec: DataSpec) -> EmbeddingConfig:
-    """The one item table, looked up by every feature of a retrieval batch. Initialised
-    N(0, std) with Xavier-normal's std for its shape (SASRec's initialisation)."""
+    """The one item table, looked up by every feature of a retrieval batch, initialised as the
+    model's reference code does (`RetrievalConfig.item_init`)."""
     num_items = spec.vocab_sizes[INPUT_KEY]
-    std = math.sqrt(2.0 / (num_items + cfg.embedding_dim))
+    std, truncated = cfg.item_init(num_items)
+
+    def init(weight: torch.Tensor) -> torch.Tensor:
+        if truncated:
+            return nn.init.trunc_normal_(weight, 0.0, std, -2 * std, 2 * std)
+        return nn.init.normal_(weight, 0.0, std)
+
     return EmbeddingConfig(
         name=ITEM_TABLE,
         embedding_dim=table_dim(cfg.embedding_dim),
         num_embeddings=num_items,
         feature_names=list(RETRIEVAL_KEYS),
-        init_fn=lambda weight: nn.init.normal_(weight, 0.0, std),
+        init_fn=init,
     )
+
+
+def padded_times(
+    timestamps: torch.Tensor, target_timestamps: torch.Tensor, lengths: torch.Tensor, n: int
+) -> torch.Tensor:
+    """The encoders' `[B, n + 1]` times: the input items' (jagged `timestamps`) left-padded to n
+    as the items are, then each sample's `target_timestamps` (the time of the item after its
+    last input), so column p + 1 is the time of the item position p predicts."""
+    ts, _ = left_pad(timestamps, lengths, n)
+    return torch.cat([ts, target_timestamps.to(ts.dtype)[:, None]], dim=1)
 
 
 def left_pad(values: torch.Tensor, lengths: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +126,11 @@ class RetrievalHead(nn.Module):
         self.encoder = encoder(cfg)
 
     def forward(
-        self, embeddings: dict[str, JaggedTensor], ids: KeyedJaggedTensor, timestamps: torch.Tensor
+        self,
+        embeddings: dict[str, JaggedTensor],
+        ids: KeyedJaggedTensor,
+        timestamps: torch.Tensor,
+        target_timestamps: torch.Tensor,
     ) -> ModelOutput:
         """`embeddings`: the EC's output for `ids`, the batch's KJT (whose ids mask collisions
         of negatives with targets and pick the held-out item's full-corpus score)."""
@@ -117,16 +139,15 @@ class RetrievalHead(nn.Module):
         lengths = embeddings[INPUT_KEY].lengths().long()
         rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}  # see table_dim
         x, valid = left_pad(rows[INPUT_KEY], lengths, self.max_len)
-        ts, _ = left_pad(timestamps, lengths, self.max_len)
+        ts = padded_times(timestamps, target_timestamps, lengths, self.max_len)
         h = self.encoder(x, ts, valid)  # [B, N, D]
         if self.training or rows[CAND_KEY].numel() == 0:
             return self._train_loss(h, valid, rows, ids)
         return self._rank(h, rows, ids)
 
-    def normalise(self, v: torch.Tensor) -> torch.Tensor:
-        """`v` L2-normalised along its last dimension under the sampled-softmax loss (the vectors
-        it compares), unchanged under BCE."""
-        return F.normalize(v, dim=-1) if self.loss == "sampled_softmax" else v
+    def _normalise(self, v: torch.Tensor) -> torch.Tensor:
+        """Unit vectors for the sampled softmax (norm clamped at 1e-6, as generative-recommenders')."""
+        return F.normalize(v, dim=-1, eps=NORM_EPS) if self.loss == "sampled_softmax" else v
 
     def _train_loss(
         self, h: torch.Tensor, valid: torch.Tensor, rows: dict[str, torch.Tensor], ids: KeyedJaggedTensor
@@ -142,8 +163,8 @@ class RetrievalHead(nn.Module):
                 pos_logits, torch.ones_like(pos_logits), reduction="none"
             ) + F.binary_cross_entropy_with_logits(neg_logits, torch.zeros_like(neg_logits), reduction="none")
         else:
-            pool = self.normalise(rows[NEG_KEY][: self.num_negatives])
-            q, p = self.normalise(query), self.normalise(pos)
+            pool = self._normalise(rows[NEG_KEY][: self.num_negatives])
+            q, p = self._normalise(query), self._normalise(pos)
             pos_logits = (q * p).sum(-1) / self.temperature
             neg_scores = q @ pool.T / self.temperature
             same = feature_ids(ids, POS_KEY)[:, None] == feature_ids(ids, NEG_KEY)[None, : pool.shape[0]]
@@ -162,15 +183,15 @@ class RetrievalHead(nn.Module):
         }
 
     def _rank(self, h: torch.Tensor, rows: dict[str, torch.Tensor], ids: KeyedJaggedTensor) -> ModelOutput:
-        query = self.normalise(h[:, -1])  # [B, D]: the last position (left padding)
+        query = self._normalise(h[:, -1])  # [B, D]: the last position (left padding)
         b = query.shape[0]
-        cand = self.normalise(rows[CAND_KEY]).view(b, -1, query.shape[-1])
+        cand = self._normalise(rows[CAND_KEY]).view(b, -1, query.shape[-1])
         scores = torch.einsum("bd,bcd->bc", query, cand)  # [B, 1 + negatives], held-out item first
         # int32 sums: counting a bool matrix into int64 is twice as slow on the CPU
         rank_sampled = (scores[:, 1:] > scores[:, :1]).sum(dim=1, dtype=torch.int32).long()
         catalog = rows[CATALOG_KEY]
         if catalog.numel():
-            full = query @ self.normalise(catalog).T  # [B, num_items]
+            full = query @ self._normalise(catalog).T  # [B, num_items]
             held_out = full.gather(1, feature_ids(ids, CAND_KEY).view(b, -1)[:, :1])
             rank_full = (full > held_out).sum(dim=1, dtype=torch.int32).long()
         else:
@@ -209,7 +230,7 @@ class RetrievalModel(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         """`encoder(cfg)` makes the causal sequence encoder: `(embeddings [B, N, D], timestamps
-        [B, N], valid [B, N]) -> [B, N, D]` on left-padded sequences (each model's builder passes
+        [B, N + 1] (`padded_times`), valid [B, N]) -> [B, N, D]` on left-padded sequences (each model's builder passes
         its own; made after the item table, so the initial weights do not depend on the caller)."""
         super().__init__()
         self.ec = EmbeddingCollection(tables=[item_table(cfg, spec)], device=device)
@@ -222,13 +243,14 @@ class RetrievalModel(nn.Module):
 
     def forward(self, batch: RetrievalBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
-        return self.head(embeddings, batch.sparse_features, batch.timestamps)
+        return self.head(embeddings, batch.sparse_features, batch.timestamps, batch.target_timestamps)
 
     def serving(self) -> ServingForm:
-        """The serving program (`Servable`): `(items, timestamps, valid)`, each `[B, max_seq_len]`
-        and left-padded, -> the user vectors `[B, D]`; the item table holds the vectors they score
-        (normalised where the loss normalises), so `user @ item_table[i]` is the score evaluation
-        ranks item `i` by."""
+        """The serving program (`Servable`): `(items, timestamps, valid)` -> the user vectors
+        `[B, D]`; `items` and `valid` are `[B, max_seq_len]` and left-padded, `timestamps` is
+        `[B, max_seq_len + 1]` (`padded_times`: the last column is the time of the item to come).
+        The item table holds the vectors they score (normalised where the loss normalises), so
+        `user @ item_table[i]` is the score evaluation ranks item `i` by."""
         head = self.head
         weight = self.ec.embeddings[ITEM_TABLE].weight
         n = head.max_len
@@ -236,8 +258,7 @@ class RetrievalModel(nn.Module):
         def inputs(batch: RetrievalBatch) -> tuple[torch.Tensor, ...]:
             lengths = batch.lengths(INPUT_KEY)
             items, valid = left_pad(feature_ids(batch.sparse_features, INPUT_KEY)[:, None], lengths, n)
-            timestamps, _ = left_pad(batch.timestamps, lengths, n)
-            return items[..., 0], timestamps, valid
+            return items[..., 0], padded_times(batch.timestamps, batch.target_timestamps, lengths, n), valid
 
         def users(batch: RetrievalBatch) -> int:
             return batch.sample_ids.numel()
@@ -247,7 +268,7 @@ class RetrievalModel(nn.Module):
             input_names=("items", "timestamps", "valid"),
             inputs=inputs,
             reference=lambda batch, outputs: outputs["logits"].view(users(batch), -1),
-            item_table=head.normalise(weight.detach()[:, : head.dim]).clone(),
+            item_table=head._normalise(weight.detach()[:, : head.dim]).clone(),
             candidates=lambda batch: feature_ids(batch.sparse_features, CAND_KEY).view(users(batch), -1),
         )
 
@@ -264,4 +285,4 @@ class _UserEncoder(nn.Module):
     def forward(self, items: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         x = torch.where(valid[..., None], self.weight[items][..., : self.head.dim], 0.0)  # left_pad's zeros
         h = self.head.encoder(x, timestamps, valid)
-        return self.head.normalise(h[:, -1])
+        return self.head._normalise(h[:, -1])

@@ -4,6 +4,7 @@ code: the registry imports them to validate `model.*` and to generate their defa
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
@@ -30,6 +31,11 @@ class RetrievalConfig(ShardedModelConfig):
         128, ge=1, description="sampled_softmax: negatives per batch, shared by its positions"
     )
     temperature: float = Field(0.05, gt=0, description="sampled_softmax: logits are cosine / temperature")
+
+    def item_init(self, num_items: int) -> tuple[float, bool]:
+        """(std, truncated) of the item table's normal initialisation: Xavier-normal's std for
+        its shape (SASRec's code), not truncated."""
+        return math.sqrt(2.0 / (num_items + self.embedding_dim)), False
 
     def check_data(self, data: DataConfig) -> list[ConfigProblem]:
         if not isinstance(data, SequencesDataConfig):
@@ -82,6 +88,10 @@ class HSTURetrievalConfig(RetrievalConfig):
     num_layers: StrictInt = Field(2, ge=1, description="HSTU blocks")
     num_heads: StrictInt = Field(1, ge=1, description="attention heads (must divide embedding_dim)")
     relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
-    num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
+    num_time_buckets: StrictInt = Field(128, ge=1, description="log time-gap buckets of the relative bias")
 
     _heads_divide_width = field_validator("num_heads")(heads_divide_width)
+
+    def item_init(self, num_items: int) -> tuple[float, bool]:
+        """N(0, 0.02) truncated at two standard deviations (generative-recommenders' item table)."""
+        return 0.02, True

@@ -19,9 +19,9 @@ stage looked up, so those rows travel with the activations and their gradients c
 table. The padding mask comes from the batch's lengths on every stage.
 
 `hstu_retrieval_stages(model, split)` cuts an HSTU retrieval `RetrievalModel` the same way as
-SASRec at its ends (lookup, scaled items plus positions and the relative time bias first; final
-norm and loss last), with HSTU's jagged tokens `[T, D]` and the bias `[B, N, N]` travelling
-between stages as in `hstu_stages`.
+SASRec at its ends (lookup, scaled items plus positions first; the output normalisation and loss
+last), with HSTU's jagged tokens `[T, D]` travelling between stages. Each block has its own
+relative bias, which its stage computes from its copy of the microbatch's timestamps.
 
 The stages run the model's own modules and helpers in the model's order, so the stages chained
 on one rank compute the model's loss and gradients bitwise (a test checks it). Dropout must not
@@ -49,7 +49,7 @@ from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
 from recsys_pipe.data.sequences import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalEncoder
-from recsys_pipe.models.retrieval import RetrievalModel, left_pad
+from recsys_pipe.models.retrieval import RetrievalModel, left_pad, padded_times
 from recsys_pipe.models.sasrec import SASRecEncoder
 from recsys_pipe.pp.dropout import MICROBATCH_DROPOUT
 
@@ -212,7 +212,9 @@ def sasrec_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list
 
 
 class HSTURetrievalStage(nn.Module):
-    """Layers `layers` of an HSTU retrieval `RetrievalModel`; see the module docstring."""
+    """Layers `layers` of an HSTU retrieval `RetrievalModel` (with their relative biases); see
+    the module docstring. The encoder's own steps (`HSTURetrievalEncoder.geometry`, `embed`,
+    `time_buckets`, `run_layers`, `finish`) do the work."""
 
     #: the evaluation outputs every rank of the pipeline receives (`PipelinedModel`)
     shared_eval_outputs = _RETRIEVAL_EVAL_OUTPUTS
@@ -222,52 +224,35 @@ class HSTURetrievalStage(nn.Module):
         head, encoder = model.head, model.head.encoder
         self.first, self.last = first, last
         self.max_len, self.dim = head.max_len, head.dim
+        self.layer_range = range(layers[0], layers[-1] + 1)
         self.layers = nn.ModuleList(encoder.layers[i] for i in layers)
+        if encoder.biases is not None:
+            self.biases = nn.ModuleList(encoder.biases[i] for i in layers)
+        # the encoder's steps, bound; the parameters they use are this stage's (registered above)
+        self._encoder = encoder.geometry, encoder.time_buckets, encoder.run_layers, encoder.finish
         if first:
-            self.ec, self.position, self.dropout, self.bias = model.ec, encoder.position, encoder.dropout, encoder.bias
-            self.scale = encoder.scale
+            self.ec, self.position, self.dropout = model.ec, encoder.position, encoder.dropout
+            self._encoder_embed = encoder.embed
         if last:
-            self.final_norm = encoder.final_norm
             self._loss, self._rank = head._train_loss, head._rank  # bound: the parameters are the stages'
 
-    def _geometry(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """From the batch's lengths: the left-padded `valid` mask `[B, N]`, the jagged offsets
-        and the causal attention mask of right-padded blocks (as `HSTURetrievalEncoder`)."""
-        n = self.max_len
-        lengths = batch.lengths(INPUT_KEY).long()
-        valid = left_pad(torch.empty(int(lengths.sum()), 0), lengths, n)[1]
-        lengths = valid.sum(dim=1)
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        pos = torch.arange(n, device=valid.device)
-        right_valid = pos[None] < lengths[:, None]
-        mask = (right_valid[:, :, None] & right_valid[:, None, :] & (pos[:, None] >= pos[None, :])).float()
-        return valid, offsets, mask
-
-    def _embed(self, batch: Any, valid: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`RetrievalHead`'s lookup and `HSTURetrievalEncoder`'s input tokens (and time bias),
-        with the rows the last stage scores (`_target_rows`)."""
-        embeddings = self.ec(batch.sparse_features)
-        lengths = embeddings[INPUT_KEY].lengths().long()
-        rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
-        x, _ = left_pad(rows[INPUT_KEY], lengths, self.max_len)
-        ts, _ = left_pad(batch.timestamps, lengths, self.max_len)
-        positions = self.position.weight[None].expand(x.shape[0], -1, -1)[valid]
-        tokens = self.dropout(x[valid] * self.scale + positions)
-        bias = ()
-        if self.bias is not None:
-            bias = (self.bias(torch.ops.fbgemm.jagged_1d_to_dense(ts[valid], offsets, self.max_len, 0)),)
-        return tokens, *_target_rows(rows, self.training), *bias
-
     def forward(self, batch: Any, inputs: tuple[torch.Tensor, ...]) -> Any:
-        valid, offsets, mask = self._geometry(batch)
-        tokens, first_rows, second_rows, *bias = self._embed(batch, valid, offsets) if self.first else inputs
-        for layer in self.layers:
-            tokens = layer(tokens, offsets, mask, bias[0] if bias else None)
+        geometry, time_buckets, run_layers, finish = self._encoder
+        lengths = batch.lengths(INPUT_KEY).long()
+        valid = left_pad(torch.empty(int(lengths.sum()), 0), lengths, self.max_len)[1]
+        offsets, mask = geometry(valid)
+        if self.first:  # `RetrievalHead`'s lookup, and the rows the last stage scores
+            embeddings = self.ec(batch.sparse_features)
+            rows = {key: jt.values()[:, : self.dim] for key, jt in embeddings.items()}
+            x, _ = left_pad(rows[INPUT_KEY], embeddings[INPUT_KEY].lengths().long(), self.max_len)
+            tokens, (first_rows, second_rows) = self._encoder_embed(x, valid), _target_rows(rows, self.training)
+        else:
+            tokens, first_rows, second_rows = inputs
+        times = padded_times(batch.timestamps, batch.target_timestamps, lengths, self.max_len)
+        tokens = run_layers(tokens, offsets, mask, time_buckets(times, valid, offsets), self.layer_range)
         if not self.last:
-            return tokens, first_rows, second_rows, *bias
-        out = tokens.new_zeros(valid.shape[0], self.max_len, self.dim)
-        out[valid] = self.final_norm(tokens)
-        return _score_targets(self, out, valid, (first_rows, second_rows), batch)
+            return tokens, first_rows, second_rows
+        return _score_targets(self, finish(tokens, valid), valid, (first_rows, second_rows), batch)
 
 
 def hstu_retrieval_stages(model: RetrievalModel, split: Sequence[Sequence[int]]) -> list[HSTURetrievalStage]:

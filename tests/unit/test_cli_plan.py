@@ -115,7 +115,7 @@ def test_help_lists_groups_and_options(capsys):
         "hstu_sparse_dist_balanced, prefetch, retrieval_prefetch, semi_sync, semi_sync_stash, serial, serial_balanced, "
         "sparse_dist, sparse_dist_enqueue_after_forward, sparse_dist_lite" in out
     )
-    assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_retrieval, hstu_small, sasrec" in out
+    assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_retrieval, hstu_retrieval_large, hstu_small, sasrec" in out
     assert "data: criteo, criteo_synthetic, custom, movielens, sequences, synthetic" in out
     assert "thread_map: by_stream, hstu_default, per_task, plan, single" in out
     for group in ("model:", "data:", "optimizer:", "trainer:"):

@@ -31,7 +31,7 @@ from recsys_pipe.data.sequences import (
     read_interactions,
 )
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalConfig
-from recsys_pipe.models.retrieval import left_pad
+from recsys_pipe.models.retrieval import left_pad, padded_times
 from recsys_pipe.models.sasrec import SASRecConfig
 from recsys_pipe.train.retrieval_eval import KS, retrieval_metrics
 
@@ -215,7 +215,7 @@ def _vectors(model, batch):
     table = model.ec.embeddings["item_table"].weight[:, : model.head.dim]
     kjt = batch.sparse_features
     x, valid = left_pad(table[kjt[INPUT_KEY].values()], kjt[INPUT_KEY].lengths(), model.head.max_len)
-    ts, _ = left_pad(batch.timestamps, kjt[INPUT_KEY].lengths(), model.head.max_len)
+    ts = padded_times(batch.timestamps, batch.target_timestamps, kjt[INPUT_KEY].lengths().long(), model.head.max_len)
     return model.head.encoder(x, ts, valid), valid, table
 
 
