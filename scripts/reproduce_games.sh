@@ -14,6 +14,8 @@
 # SASRec's item table is on torchrec's dense kernel, so Adam updates it with the encoder, as in the
 # paper's code; HSTU's is updated by fbgemm's fused row-wise Adagrad (lr 0.05), which trains it
 # better here than Adam (measured: docs/reproducing.md).
+# Both runs' configs and inputs (the data file, the run directories) are checked first, as
+# scripts/train.sh does: a bad one exits 2 with one `error: <key>: ...` line, before anything trains.
 # Environment: SASREC_EPOCHS (default 150), HSTU_EPOCHS (default 60; 0 skips HSTU), EVAL_EPOCHS
 # (default 5), NPROC ranks (default 2), OMP_NUM_THREADS (default 1), EXTRA (more Hydra overrides
 # for every run).
@@ -28,7 +30,6 @@ HSTU_EPOCHS="${HSTU_EPOCHS:-60}"
 EVAL_EPOCHS="${EVAL_EPOCHS:-5}"
 NPROC="${NPROC:-2}"
 BATCH=$((128 / NPROC))  # the paper's batch of 128 users, split over the ranks
-mkdir -p "$OUT"
 
 launch() {
   if [ "$NPROC" -gt 1 ]; then
@@ -38,22 +39,44 @@ launch() {
   fi
 }
 
-train() {  # name, epochs, then overrides
+run_args() {  # name, epochs, then overrides: the run's recsys-train arguments, in ARGS
   local name="$1" epochs="$2"; shift 2
-  local start end
+  # shellcheck disable=SC2206  # EXTRA is a list of overrides
+  ARGS=(data=sequences "data.path=$DATA" "data.batch_size=$BATCH" data.eval_batch_size=512 pipeline=prefetch model.sharding=row_wise
+    "optimizer.betas=[0.9,0.98]"
+    trainer.max_steps=null "trainer.epochs=$epochs" trainer.eval_every=1000000000 "trainer.eval_epochs=$EVAL_EPOCHS" trainer.log_every=100
+    trainer.progress_bar=false "hydra.run.dir=$OUT/$name" trainer.eval_dump=eval_dump.csv
+    "$@" ${EXTRA:-})
+}
+
+check() {  # as train's arguments: every check a rank makes (the last rank's share), one line per problem
+  local status=0 err
+  run_args "$@"
+  err=$(WORLD_SIZE="$NPROC" RANK="$((NPROC - 1))" recsys-train --check "${ARGS[@]}" 2>&1 >/dev/null) || status=$?
+  if [ "$status" -ne 0 ]; then
+    grep '^error: ' <<<"$err" >&2 || printf '%s\n' "$err" >&2
+    exit "$status"
+  fi
+}
+
+train() {  # name, epochs, then overrides
+  local name="$1" start end
+  run_args "$@"
   start=$(date +%s)
-  # shellcheck disable=SC2086  # EXTRA is a list of overrides
-  launch data=sequences "data.path=$DATA" "data.batch_size=$BATCH" data.eval_batch_size=512 pipeline=prefetch model.sharding=row_wise \
-    "optimizer.betas=[0.9,0.98]" \
-    trainer.max_steps=null "trainer.epochs=$epochs" trainer.eval_every=1000000000 "trainer.eval_epochs=$EVAL_EPOCHS" trainer.log_every=100 \
-    trainer.progress_bar=false "hydra.run.dir=$OUT/$name" trainer.eval_dump=eval_dump.csv \
-    "$@" ${EXTRA:-}
+  launch "${ARGS[@]}"
   end=$(date +%s)
   echo "$((end - start))" > "$OUT/$name/train_seconds"
 }
 
-train sasrec "$SASREC_EPOCHS" model=sasrec model.norm_first=true model.compute_kernel=dense
+SASREC=(sasrec "$SASREC_EPOCHS" model=sasrec model.norm_first=true model.compute_kernel=dense)
+HSTU=(hstu "$HSTU_EPOCHS" model=hstu_retrieval optimizer.sparse.name=rowwise_adagrad optimizer.sparse.lr=0.05)
+check "${SASREC[@]}"
 if [ "$HSTU_EPOCHS" -gt 0 ]; then
-  train hstu "$HSTU_EPOCHS" model=hstu_retrieval optimizer.sparse.name=rowwise_adagrad optimizer.sparse.lr=0.05
+  check "${HSTU[@]}"
+fi
+mkdir -p "$OUT"
+train "${SASREC[@]}"
+if [ "$HSTU_EPOCHS" -gt 0 ]; then
+  train "${HSTU[@]}"
 fi
 python -m recsys_pipe.bench.retrieval_report "$OUT"

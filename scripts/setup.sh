@@ -53,4 +53,4 @@ else
   install --no-deps -e "$ROOT"
 fi
 echo "$want" > "$STAMP"
-echo "[setup] done: $VENV (source .venv/bin/activate to put recsys-train, recsys-plan, recsys-profile on PATH)" >&2
+echo "[setup] done: $VENV (source .venv/bin/activate to put recsys-train, recsys-plan, recsys-profile, recsys-eval, recsys-export on PATH)" >&2

@@ -6,9 +6,11 @@
 # The whole config is checked in one process first (`recsys-train --check`: config, plan, data,
 # device, output dir, checkpoint), so a bad config prints one line per problem once and exits 2
 # without starting torchrun; --help, --cfg and --info never go through torchrun either.
-# Exit codes: 2 bad config or input (found by the check), else torchrun's: 0 when every rank
-# succeeded, 1 when any rank failed (the run's status.json and train.log say why; 75 in
-# status.json: stopped by SIGTERM after saving a checkpoint).
+# The ranks run under torchrun's own agent (recsys_pipe.runtime.launcher: torchrun's arguments),
+# which passes Ctrl-C and SIGTERM on to them and exits with their code. Exit codes: 2 bad config
+# or input (found by the check); 0 every rank succeeded; 1 a rank failed (the run's status.json
+# and train.log say why); 75 SIGTERM, 130 Ctrl-C: every rank finished its step and the
+# checkpoint was saved (resume with trainer.resume_from=latest).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
@@ -26,4 +28,4 @@ WORLD_SIZE="$NPROC" RANK="$((NPROC - 1))" recsys-train --check "$@" || status=$?
 [[ $status -eq 0 ]] || exit "$status"
 # One intra-op thread per rank: ranks already use every core of a small machine.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec torchrun --standalone --nproc_per_node "$NPROC" --no-python recsys-train "$@"
+exec python -m recsys_pipe.runtime.launcher --standalone --nproc_per_node "$NPROC" --no-python recsys-train "$@"

@@ -254,7 +254,7 @@ def _train(overrides: list[str], warmup: int, steps: int, batch_size: int, start
     from recsys_pipe.bench.timing import TAIL, StepTimer, Window
     from recsys_pipe.runtime import init_distributed
     from recsys_pipe.testing import load_run
-    from recsys_pipe.train import Trainer, training_plan
+    from recsys_pipe.train import Trainer, build_parts, training_plan
 
     info = init_distributed("cpu", "gloo")
     total = warmup + steps + TAIL
@@ -272,7 +272,7 @@ def _train(overrides: list[str], warmup: int, steps: int, batch_size: int, start
     ]
     run = load_run(*common, *overrides)
     plan = training_plan(run)
-    trainer = Trainer(run, plan, info)
+    trainer = Trainer(build_parts(run, plan, info))
     try:
         first = warmup + plan.schedule.max_lookahead
         window = Window(info.device)

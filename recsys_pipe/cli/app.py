@@ -29,7 +29,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from recsys_pipe.cli.compose import compose_config
 from recsys_pipe.cli.hydra_adapter import (
     HYDRA_MODE_UNKNOWN,
+    checked_job,
     clear_global_hydra,
+    composed_job,
     hydra_main,
     hydra_runtime,
     parse_hydra_args,
@@ -38,7 +40,7 @@ from recsys_pipe.cli.hydra_adapter import (
 from recsys_pipe.cli.reporting import debug_requested, first_to_report, report_config_error
 from recsys_pipe.cli.schemas import register_schemas
 from recsys_pipe.cli.sweeps import SweepLog
-from recsys_pipe.config import CONF_DIR, ConfigError, ConfigProblem
+from recsys_pipe.config import CONF_DIR, ConfigError, ConfigProblem, UserCodeError
 from recsys_pipe.runtime.failures import (  # the exit codes, re-exported for the CLIs
     EXIT_CONFIG_ERROR,
     EXIT_FAILURE,
@@ -130,6 +132,10 @@ class HydraApp:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             raise SystemExit(0) from None
+        except UserCodeError as exc:  # the user's builder raised: its key and their frames, not Hydra's report
+            self._sweep.record(_sweep_job(), EXIT_FAILURE)
+            _report_user_code(exc, cfg)
+            raise SystemExit(EXIT_FAILURE) from None
         except ConfigError as exc:
             if debug_requested(cfg):
                 traceback.print_exc()
@@ -177,7 +183,13 @@ class HydraApp:
         self._keep_going = KEEP_GOING in argv
         self._check_only = CHECK_ONLY in argv
         argv = [a for a in argv if a not in (KEEP_GOING, CHECK_ONLY)]
-        checked = self._check_jobs(argv)
+        try:
+            checked = self._check_jobs(argv)
+        except UserCodeError as exc:  # `--check` ran the user's builder, which raised
+            _report_user_code(exc, None, debug="debug=true" in argv)
+            return EXIT_FAILURE
+        except KeyboardInterrupt:
+            return self._interrupted_at_start()
         if isinstance(checked, int):
             return checked
         if self._check_only:
@@ -192,7 +204,7 @@ class HydraApp:
             entry()
             code = 0
         except KeyboardInterrupt:  # Ctrl-C before or after training (training handles its own)
-            return EXIT_INTERRUPTED
+            return self._interrupted_at_start()
         except BrokenPipeError:  # `recsys-train --help | head`: the reader left; not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
@@ -231,6 +243,12 @@ class HydraApp:
             except BrokenPipeError:  # `recsys-train --help | head`
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return code
+
+    def _interrupted_at_start(self) -> int:
+        """Ctrl-C outside training (which handles its own): one line (rank 0's), exit 130."""
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{self.prog}: interrupted (Ctrl-C); nothing was trained", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
     def _check_jobs(self, argv: list[str]) -> int | list[str]:
         """Compose and validate the config of every job before Hydra runs any: EXIT_CONFIG_ERROR
@@ -314,10 +332,12 @@ class HydraApp:
         self._hydra_mode = cfg.hydra.mode
         validator = self.check if self._check_only else self.sweep_check if self._multirun else self.validate
         if validate and validator is not None:
+            job = composed_job(cfg)  # the run directory it names, checked as the run checks it
             with open_dict(cfg):
                 del cfg["hydra"]
             try:
-                validator(cfg)
+                with checked_job(job):
+                    validator(cfg)
             except ConfigError as exc:
                 if debug_requested(cfg):
                     traceback.print_exc()
@@ -387,6 +407,19 @@ class HydraApp:
     def main(self) -> None:
         """Console-script entry point."""
         sys.exit(self.run())
+
+
+def _report_user_code(exc: UserCodeError, cfg: Any, debug: bool = False) -> None:
+    """`error: <key> (<builder>) raised <exception>` and the user's frames (once per torchrun
+    job); debug=true adds the whole traceback."""
+    from recsys_pipe.runtime.failures import user_code_report
+
+    if not first_to_report():
+        return
+    if debug or debug_requested(cfg):
+        traceback.print_exception(exc)
+    print(user_code_report(exc), file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _swept_keys(jobs: list[list[str]]) -> set[str]:

@@ -10,7 +10,8 @@ upgrade (a test checks that no other module imports `hydra._internal` or `hydra.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ __all__ = [
     "HYDRA_MODE_UNKNOWN",
     "VERSION_BASE",
     "HydraRuntime",
+    "checked_job",
+    "composed_job",
     "clear_global_hydra",
     "compose_with_hydra_node",
     "hydra_main",
@@ -140,11 +143,45 @@ class HydraRuntime:
     output_dir: Path | None
 
 
+#: the job `--check` checks, as it would run (`checked_job`); None otherwise
+_CHECKED: list[HydraRuntime] = []
+
+
+def composed_job(cfg: DictConfig) -> HydraRuntime:
+    """The job a config composed with its `hydra` node would run as (`--check`'s view of it)."""
+    hc = cfg.hydra
+    multirun = str(hc.mode) == "RunMode.MULTIRUN"
+    # unresolved: an override's value may be an interpolation that only the validation reports
+    overrides = OmegaConf.to_container(hc.overrides, resolve=False)
+    run_dir = OmegaConf.select(hc, "run.dir", default=None, throw_on_missing=False, throw_on_resolution_failure=False)
+    return HydraRuntime(
+        multirun=multirun,
+        job_num=0,
+        task_overrides=tuple(overrides.get("task", ())),
+        hydra_overrides=tuple(overrides.get("hydra", ())),
+        output_dir=None if multirun or run_dir is None else Path(str(run_dir)),
+    )
+
+
+@contextlib.contextmanager
+def checked_job(job: HydraRuntime) -> Iterator[None]:
+    """Inside, `hydra_runtime()` is `job` (`composed_job`) although Hydra runs none: `--check`
+    then checks the run directory the job would use (`hydra.run.dir=...`) as the run does."""
+    _CHECKED.append(job)
+    try:
+        yield
+    finally:
+        _CHECKED.pop()
+
+
 def hydra_runtime() -> HydraRuntime | None:
-    """The running job as Hydra sees it, or None outside a Hydra app."""
+    """The running job as Hydra sees it (or the job `--check` checks: `checked_job`), or None
+    outside a Hydra app."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if _CHECKED:  # `--check`: the job checked now, whatever job Hydra ran before in this process
+        return _CHECKED[-1]
     if not HydraConfig.initialized():
         return None
     hc = HydraConfig.get()

@@ -13,6 +13,7 @@ command's work under one supervision: Ctrl-C, failures (the first one recorded i
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -182,8 +183,13 @@ def run_job(
     except ConfigError as exc:  # e.g. the named run directory was taken meanwhile
         report_config_error(exc, prog, started=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
-    code = _supervised(launch, session, prog, lambda trainer: work(launch, trainer, resume))
-    code = session.close(code, keep_group=launch.requested.sweep)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        # returns with Ctrl-C ignored: the outcome is recorded, the group is left in order
+        code = _supervised(launch, session, prog, lambda trainer: work(launch, trainer, resume))
+        code = session.close(code, keep_group=launch.requested.sweep)
+    finally:  # the process goes on (a sweep's next job): Ctrl-C works again
+        signal.signal(signal.SIGINT, previous)
     if code:
         raise SystemExit(code)
 
@@ -195,8 +201,14 @@ def _supervised(launch: Launch, session: RunSession, prog: str, work: Callable[[
 
     trainer = None
     ctrl_c = CtrlC()
+    # what SIGINT does once the handlers below are gone again: nothing (the run's outcome is then
+    # being recorded and the process group left; `run_job` restores Ctrl-C)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with ctrl_c:
+        # a Ctrl-C asks every rank to stop after a step and checkpoint (130), as SIGTERM does (75),
+        # also while the parts are built: the loop stops after its first step; a second Ctrl-C
+        # stops at once, saving nothing (KeyboardInterrupt, `ctrl_c`)
+        with ctrl_c, session.stop.interrupts():
             trainer = launch.build(session)
             outcome = work(trainer)
     except KeyboardInterrupt:
@@ -207,12 +219,27 @@ def _supervised(launch: Launch, session: RunSession, prog: str, work: Callable[[
         bad_input = config_error_in(exc)  # found late: a checkpoint that does not fit, an undeclared collective
         if bad_input is not None:
             report_config_error(bad_input, prog, started=True)
-        code = session.failed(exc)
+        code = session.failed(exc, _user_code_owners(launch.run))
         if trainer is not None:
             trainer.reporter.close()
         return code
     trainer.close()
     return session.completed(outcome.preempted, **(outcome.fields or {}))
+
+
+def _user_code_owners(run: RunConfig) -> dict[str, str]:
+    """Source file -> `<section>.builder (<import path>)` of the run's components, so that a failure
+    in the user's model or data code names the key that chose it (`user_code_report`)."""
+    owners = {}
+    for section in ("model", "data", "optimizer"):
+        component = getattr(run, section)
+        try:
+            source = inspect.getsourcefile(component.builder_fn())
+        except (TypeError, ImportError, ValueError):  # a builder without a Python source file
+            continue
+        if source is not None:
+            owners[str(Path(source).resolve())] = f"{section}.builder ({component.builder})"
+    return owners
 
 
 def _interrupted(session: RunSession, trainer: Trainer | None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,8 @@ def _fit(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
 
     if resume is not None:
         trainer.restore(str(resume))
+        # one TensorBoard run across resumes: the events go on in the resumed run's directory
+        trainer.reporter.metrics.continue_tensorboard(resume.parent.parent, trainer.step)
     elif launch.run.trainer.resume_from == "latest" and trainer.info.is_main:
         where = launch.run.trainer.output_dir
         log.info("trainer.resume_from=latest: no checkpoint under %s, starting from step 0", where)
@@ -102,6 +105,7 @@ def main() -> None:
     can abort an orderly interpreter shutdown (seen ~1 run in 10)."""
     show_library_warnings(int(os.environ.get("RANK", 0)), debug="debug=true" in sys.argv)  # before any import warns
     code = _app.run()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run is over (its code decided): only the exit is left
     if code == 0:
         from recsys_pipe.runtime.distributed import teardown
 

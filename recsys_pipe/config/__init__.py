@@ -11,7 +11,7 @@ the base of every component's config; `Registry` maps component names to their c
 """
 
 from recsys_pipe.config.compile import CompiledPlan, CpuEdge, compile_plan, plan_from_any, thread_assignment
-from recsys_pipe.config.errors import ConfigError, ConfigProblem, format_path, suggest
+from recsys_pipe.config.errors import ConfigError, ConfigProblem, UserCodeError, format_path, suggest
 from recsys_pipe.config.load import to_container, validate_section
 from recsys_pipe.config.paths import CONF_DIR
 from recsys_pipe.config.registry import Component, Registry, builder_config_class, builder_field
@@ -48,6 +48,7 @@ __all__ = [
     "TaskSpec",
     "ThreadMapConfig",
     "UnknownTaskError",
+    "UserCodeError",
     "compile_plan",
     "builder_config_class",
     "builder_field",

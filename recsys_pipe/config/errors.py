@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 __all__ = [
     "ConfigProblem",
     "ConfigError",
+    "UserCodeError",
     "format_path",
     "suggest",
     "problems_from_validation_error",
@@ -58,6 +59,23 @@ class ConfigError(Exception):
     def paths(self) -> list[str]:
         """The config path of each problem, in the same order as `problems`."""
         return [p.path for p in self.problems]
+
+
+class UserCodeError(Exception):
+    """Code the config names (a component's builder) raised: `key` is the config key that named
+    it, `target` its import path, `error` what it raised (also the `__cause__`).
+
+    Why its own type: a user's bug is neither bad config (exit 2, one line) nor a failure of
+    ours (a traceback of our frames); the report names the key and shows the user's frames
+    (`recsys_pipe.runtime.failures.user_frames`)."""
+
+    def __init__(self, key: str, target: str, error: BaseException):
+        self.key, self.target, self.error = key, target, error
+        first = str(error).splitlines()[0] if str(error) else ""
+        super().__init__(f"{key} ({target}) raised {type(error).__name__}" + (f": {first}" if first else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key, self.target, self.error))
 
 
 def format_path(loc: Sequence[Any]) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictStr, model_validator
 
-from recsys_pipe.config.errors import ConfigError, ConfigProblem, suggest
+from recsys_pipe.config.errors import ConfigError, ConfigProblem, UserCodeError, suggest
 from recsys_pipe.config.resolve import FnResolveError, import_fn
 from recsys_pipe.config.schema import Section
 
@@ -66,6 +66,17 @@ class Component(Section):
         if not self.builder:
             raise RuntimeError(f"{type(self).__name__} names no builder")
         return import_fn(self.builder)
+
+    def call_builder(self, section: str, *args: Any) -> Any:
+        """`builder(self, *args)`; what it raises (other than a ConfigError, which reports bad
+        input already) becomes a `UserCodeError` naming `<section>.builder` and the builder."""
+        fn = self.builder_fn()
+        try:
+            return fn(self, *args)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise UserCodeError(f"{section}.builder", str(self.builder), exc) from exc
 
     @property
     def label(self) -> str:

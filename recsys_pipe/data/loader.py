@@ -80,7 +80,7 @@ class DataConfig(Component):
     def dataset(self, rank: int, world_size: int) -> Dataset:
         """This rank's disjoint share of the source (the builder's result): `.spec` sizes the
         model, `.collate` turns a list of samples into a batch."""
-        return self.builder_fn()(self, rank, world_size)
+        return self.call_builder("data", rank, world_size)
 
     def spec(self) -> DataSpec:
         """The model-sizing spec of this source. Sources that know it from their config alone

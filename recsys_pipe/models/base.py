@@ -108,7 +108,7 @@ class ModelConfig(Component):
 
     def build(self, spec: DataSpec) -> nn.Module:
         """The model for a data source with this spec (unsharded, on the CPU): the builder's result."""
-        return self.builder_fn()(self, spec)
+        return self.call_builder("model", spec)
 
     @property
     def stage_layers(self) -> int | None:

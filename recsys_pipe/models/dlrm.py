@@ -28,6 +28,7 @@ from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.data.tabular import TabularDataConfig
 from recsys_pipe.models.base import ModelConfig, ShardedModelConfig
+from recsys_pipe.models.serving import ServingForm
 
 __all__ = [
     "DLRMArch",
@@ -37,6 +38,7 @@ __all__ = [
     "TorchDLRMConfig",
     "build_dlrm_torch",
     "click_loss",
+    "click_serving",
 ]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -153,12 +155,39 @@ class TorchDLRM(nn.Module):
         return [self]
 
     def forward(self, batch: CriteoBatch) -> ModelOutput:
-        dense = self.dense_arch(batch.dense_features)
-        ids = batch.sparse_ids
-        vectors = torch.stack([dense, *(table(ids[:, i]) for i, table in enumerate(self.tables))], dim=1)
+        return click_loss(self.scores(batch.dense_features, batch.sparse_ids), batch.labels)
+
+    def scores(self, dense_features: torch.Tensor, sparse_ids: torch.Tensor) -> torch.Tensor:
+        """`[B, T]` logits of `[B, num_dense]` dense features and `[B, F]` ids (one per feature)."""
+        dense = self.dense_arch(dense_features)
+        vectors = torch.stack([dense, *(table(sparse_ids[:, i]) for i, table in enumerate(self.tables))], dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self._pairs[0], self._pairs[1]]
-        logits = self.over_arch(torch.cat([dense, dots], dim=1))
-        return click_loss(logits, batch.labels)
+        return self.over_arch(torch.cat([dense, dots], dim=1))
+
+    def serving(self) -> ServingForm:
+        """`scores(dense_features, sparse_ids)` as the serving program (`Servable`)."""
+        return click_serving(_Scores(self))
+
+
+class _Scores(nn.Module):
+    """`TorchDLRM.scores` as a module's forward (what `torch.export` traces)."""
+
+    def __init__(self, model: TorchDLRM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, dense_features: torch.Tensor, sparse_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.scores(dense_features, sparse_ids)
+
+
+def click_serving(module: nn.Module) -> ServingForm:
+    """The serving form of a click model whose `module(dense_features, sparse_ids)` gives the logits."""
+    return ServingForm(
+        module=module,
+        input_names=("dense_features", "sparse_ids"),
+        inputs=lambda batch: (batch.dense_features, batch.sparse_ids),
+        reference=lambda batch, outputs: outputs["logits"],
+    )
 
 
 def build_dlrm_torch(cfg: TorchDLRMConfig, spec: DataSpec) -> TorchDLRM:

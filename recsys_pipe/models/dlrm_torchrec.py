@@ -9,14 +9,16 @@ batch, so its input distribution can run ahead of the forward.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recsys_pipe.data.criteo import CriteoBatch
+from recsys_pipe.data.criteo import CATEGORICAL_KEYS, CriteoBatch
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.models.dlrm import DLRMArch, DLRMConfig, DLRMDCNConfig, ModelOutput, click_loss
+from recsys_pipe.models.dlrm import DLRMArch, DLRMConfig, DLRMDCNConfig, ModelOutput, click_loss, click_serving
+from recsys_pipe.models.serving import ServingForm
 
 __all__ = ["DLRMRanker", "build_dlrm", "build_dlrm_dcn", "embedding_bag_tables"]
 
@@ -46,6 +48,34 @@ class DLRMRanker(nn.Module):
     def forward(self, batch: CriteoBatch) -> ModelOutput:
         logits = self.model(batch.dense_features, batch.sparse_features)
         return click_loss(logits, batch.labels)
+
+    def serving(self) -> ServingForm:
+        """The serving program (`Servable`): `(dense_features [B, 13], sparse_ids [B, 26]) -> [B, T]`,
+        the tables read as plain tensors (column i of `sparse_ids` is feature `cat_<i>`)."""
+        return click_serving(_DenseLookupDLRM(self.model, CATEGORICAL_KEYS))
+
+
+class _DenseLookupDLRM(nn.Module):
+    """torchrec's DLRM with its `EmbeddingBagCollection` replaced by one row lookup per feature.
+
+    Why: a Criteo feature holds one id per sample, so the collection's sum-pooled bag of one id is
+    that id's row; looking it up in a plain tensor gives the same numbers, and a program of plain
+    tensor operations loads where neither torchrec nor fbgemm is installed. The dense, interaction
+    and over arches are the trained modules themselves."""
+
+    def __init__(self, model: DLRM, keys: tuple[str, ...]) -> None:
+        super().__init__()
+        self.dense_arch, self.inter_arch, self.over_arch = model.dense_arch, model.inter_arch, model.over_arch
+        bags = model.sparse_arch.embedding_bag_collection
+        table_of = {f: c.name for c in bags.embedding_bag_configs() for f in c.feature_names}
+        names = model.sparse_arch.sparse_feature_names
+        self.columns = [keys.index(name) for name in names]
+        self.tables = nn.ParameterList(bags.embedding_bags[table_of[name]].weight for name in names)
+
+    def forward(self, dense_features: torch.Tensor, sparse_ids: torch.Tensor) -> torch.Tensor:
+        dense = self.dense_arch(dense_features)
+        sparse = torch.stack([table[sparse_ids[:, c]] for c, table in zip(self.columns, self.tables)], dim=1)
+        return self.over_arch(self.inter_arch(dense, sparse))
 
 
 def build_dlrm(cfg: DLRMConfig, spec: DataSpec) -> DLRMRanker:

@@ -51,6 +51,7 @@ from recsys_pipe.data.sequences import (
 )
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.retrieval_config import RetrievalConfig
+from recsys_pipe.models.serving import ServingForm
 
 __all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad", "padded_times"]
 
@@ -243,3 +244,45 @@ class RetrievalModel(nn.Module):
     def forward(self, batch: RetrievalBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
         return self.head(embeddings, batch.sparse_features, batch.timestamps, batch.target_timestamps)
+
+    def serving(self) -> ServingForm:
+        """The serving program (`Servable`): `(items, timestamps, valid)` -> the user vectors
+        `[B, D]`; `items` and `valid` are `[B, max_seq_len]` and left-padded, `timestamps` is
+        `[B, max_seq_len + 1]` (`padded_times`: the last column is the time of the item to come).
+        The item table holds the vectors they score (normalised where the loss normalises), so
+        `user @ item_table[i]` is the score evaluation ranks item `i` by."""
+        head = self.head
+        weight = self.ec.embeddings[ITEM_TABLE].weight
+        n = head.max_len
+
+        def inputs(batch: RetrievalBatch) -> tuple[torch.Tensor, ...]:
+            lengths = batch.lengths(INPUT_KEY)
+            items, valid = left_pad(feature_ids(batch.sparse_features, INPUT_KEY)[:, None], lengths, n)
+            return items[..., 0], padded_times(batch.timestamps, batch.target_timestamps, lengths, n), valid
+
+        def users(batch: RetrievalBatch) -> int:
+            return batch.sample_ids.numel()
+
+        return ServingForm(
+            module=_UserEncoder(weight, head),
+            input_names=("items", "timestamps", "valid"),
+            inputs=inputs,
+            reference=lambda batch, outputs: outputs["logits"].view(users(batch), -1),
+            item_table=head._normalise(weight.detach()[:, : head.dim]).clone(),
+            candidates=lambda batch: feature_ids(batch.sparse_features, CAND_KEY).view(users(batch), -1),
+        )
+
+
+class _UserEncoder(nn.Module):
+    """The user side of a `RetrievalModel` on padded tensors: item lookup (a plain tensor index,
+    so the program needs no torchrec), the trained encoder, the last position's vector."""
+
+    def __init__(self, weight: torch.Tensor, head: RetrievalHead) -> None:
+        super().__init__()
+        self.weight = weight
+        self.head = head
+
+    def forward(self, items: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = torch.where(valid[..., None], self.weight[items][..., : self.head.dim], 0.0)  # left_pad's zeros
+        h = self.head.encoder(x, timestamps, valid)
+        return self.head._normalise(h[:, -1])

@@ -21,6 +21,20 @@ class _OneLine(logging.Formatter):
             record.exc_info, record.exc_text = saved
 
 
+class _RunLog(logging.FileHandler):
+    """train.log. A record it cannot write (a full disk) is reported once, in one line, instead
+    of logging's "--- Logging error ---" and a traceback for every record; the console still
+    gets every record."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            print(f"warning: cannot write {self.baseFilename}: {error}; the console gets the log", file=sys.stderr)
+
+
 #: the train.log handlers setup_logging opened (closed by the next call)
 _OWN_FILES: list[logging.FileHandler] = []
 
@@ -37,7 +51,7 @@ def setup_logging(rank: int, run_dir: str, debug: bool) -> None:
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(pattern, "%H:%M:%S") if debug else _OneLine(pattern, "%H:%M:%S"))
     root.addHandler(console)
-    file = logging.FileHandler(os.path.join(run_dir, "train.log"))  # appends: one line per write
+    file = _RunLog(os.path.join(run_dir, "train.log"))  # appends: one line per write
     file.setFormatter(logging.Formatter(pattern, "%H:%M:%S"))
     _OWN_FILES.append(file)
     root.addHandler(file)

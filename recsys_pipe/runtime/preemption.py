@@ -1,11 +1,14 @@
 """Preemption: SIGTERM (what torchrun, SLURM and Kubernetes send before killing a job) asks
-every rank to finish its current step, save a checkpoint and exit.
+every rank to finish its current step, save a checkpoint and exit (75); while training, Ctrl-C
+(SIGINT) does the same and exits 130 (`StopRequest.interrupts`).
 
 The signal reaches the ranks at slightly different times, but they must stop after the *same*
 step, or the checkpoint's collectives would pair different steps. So the ranks combine their
 flags in an all-reduce (max) on a gloo group of their own, issued at a check step and waited
 for at the next one: the decision is late by one check interval but identical everywhere, and
-the all-reduce runs in the background, so it costs no wait in the training loop.
+the all-reduce runs in the background, so it costs no wait in the training loop. It carries the
+signal (the larger number where ranks got different ones), so every rank ends with the same
+exit code even if only one of them was signalled.
 
 The check interval adapts to the step time (about `check_every_s` between checks, at least
 every step; `trainer.preemption_check_s`): an all-reduce every step cost short steps several
@@ -15,10 +18,12 @@ the next check at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import torch
@@ -72,6 +77,39 @@ class StopRequest:
             self.signal_name = signal.Signals(signum).name
             self.requested.set()
 
+    @contextlib.contextmanager
+    def interrupts(self) -> Iterator[None]:
+        """Inside: Ctrl-C (SIGINT) is a stop request too, as SIGTERM is (the step in flight is
+        finished and checkpointed), and a second Ctrl-C is the KeyboardInterrupt of an immediate
+        stop; outside, SIGINT keeps its handler (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, self._on_interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested.is_set() and self.interrupted:
+            raise KeyboardInterrupt
+        self._on_signal(signum, frame)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the stop was a Ctrl-C (SIGINT) rather than SIGTERM or a request."""
+        return self.signal_name == signal.SIGINT.name
+
+    def _signal_number(self) -> int:
+        """What this rank puts into the agreement: 0, or the signal (a request counts as SIGTERM)."""
+        if not self.requested.is_set():
+            return 0
+        try:
+            return int(signal.Signals[self.signal_name or ""])
+        except KeyError:
+            return int(signal.SIGTERM)
+
     def request(self, reason: str) -> None:
         """Ask for a stop as SIGTERM would (for code that detects preemption otherwise)."""
         self.signal_name = reason
@@ -91,13 +129,14 @@ class StopRequest:
             stop, interval = (int(v) for v in self._flag.tolist())
             if stop:
                 self._work = None
+                self.signal_name = self.signal_name or signal.Signals(stop).name  # a peer's signal
                 return True
         now = time.monotonic()
         steps, then = self._last_check
         per_step = (now - then) / max(1, self._steps - steps)
         proposal = max(1, min(1000, int(self.check_every_s / max(per_step, 1e-6))))
         self._last_check = (self._steps, now)
-        self._flag = torch.tensor([1 if self.requested.is_set() else 0, proposal], dtype=torch.int64)
+        self._flag = torch.tensor([self._signal_number(), proposal], dtype=torch.int64)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._next_check = self._steps + max(1, interval)
         return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from recsys_pipe.runtime.failures import (
     config_error_in,
     is_communication_error,
     one_line,
+    user_code_report,
 )
 from recsys_pipe.runtime.health import PeerFailure, PeerHealth
 from recsys_pipe.runtime.logs import setup_logging
@@ -73,6 +75,8 @@ class RunSession:
     status: RunStatus
     stop: StopRequest
     health: PeerHealth | None = None
+    #: the run ended at a step boundary on every rank (`completed`): the group can be left in order
+    _clean_stop: bool = False
 
     @classmethod
     def start(
@@ -101,12 +105,16 @@ class RunSession:
         return session
 
     def completed(self, preempted: bool, **fields: Any) -> int:
-        """Record a finished run (`fields`: step, checkpoint, eval...) and return its exit code."""
-        code = EXIT_PREEMPTED if preempted else 0
+        """Record a finished run (`fields`: step, checkpoint, eval...) and return its exit code:
+        0, or for a run stopped by a signal after its checkpoint 75 (SIGTERM) or 130 (Ctrl-C)."""
+        interrupted = preempted and self.stop.interrupted
+        code = EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED if preempted else 0
+        self._clean_stop = True
         if self.info.is_main:
-            self.status.write("preempted" if preempted else "completed", exit_code=code, **fields)
+            state = "interrupted" if interrupted else "preempted" if preempted else "completed"
+            self.status.write(state, exit_code=code, **fields)
             if preempted:
-                log.warning("exiting with code %d (preempted, resumable from %s)", code, fields.get("checkpoint"))
+                log.warning("exiting with code %d (%s, resumable from %s)", code, state, fields.get("checkpoint"))
         return code
 
     def interrupted(self, step: int) -> int:
@@ -119,17 +127,25 @@ class RunSession:
             self.status.write("interrupted", exit_code=EXIT_INTERRUPTED, step=step)
         return EXIT_INTERRUPTED
 
-    def failed(self, exc: BaseException) -> int:
+    def failed(self, exc: BaseException, owners: Mapping[str, str] | None = None) -> int:
         """Classify `exc`, record the job's first failure, log it; returns the exit code: 2 for bad
-        input found late (a checkpoint that does not fit, an undeclared collective), else 1."""
+        input found late (a checkpoint that does not fit, an undeclared collective), else 1. A
+        failure in the user's own code is logged with their frames (`user_code_report`; `owners`:
+        source file -> config key of the user's components)."""
         bad_input = config_error_in(exc)
         code = EXIT_CONFIG_ERROR if bad_input is not None else EXIT_FAILURE
-        failure = PeerFailure(self.info.rank, one_line(bad_input or exc))
+        report = user_code_report(exc, owners) if bad_input is None else None
+        message = report.splitlines()[0].removeprefix("error: ") if report else one_line(bad_input or exc)
+        failure = PeerFailure(self.info.rank, message)
         if self.health is not None and is_communication_error(exc):  # maybe a symptom of a peer's failure
             failure = self.health.diagnose() or failure
         first = self._record(failure, code)
-        if first.rank == self.info.rank:
+        if first.rank == self.info.rank and report is not None:  # the user's bug: their frames, on the console too
+            log.error("training failed on rank %d:\n%s", self.info.rank, report, exc_info=exc)
+        elif first.rank == self.info.rank:
             log.error("training failed on rank %d: %s", self.info.rank, first.message, exc_info=exc)
+        elif first.message == message:  # the same error on every rank (a checkpoint's write, a collective's)
+            log.error("rank %d failed first: %s (here too)", first.rank, first.message, exc_info=exc)
         else:
             log.error(
                 "rank %d failed first: %s (seen here as %s)", first.rank, first.message, one_line(exc), exc_info=exc
@@ -148,7 +164,7 @@ class RunSession:
         the process group (a sweep keeps it for its next job: `keep_group`). Returns the exit
         code, 1 if a peer failed while this rank was finishing."""
         self.stop.__exit__(None, None, None)
-        if code not in (0, EXIT_PREEMPTED):
+        if not self._clean_stop and code not in (0, EXIT_PREEMPTED):
             return code
         if self.health is not None:
             self.health.mark_done()

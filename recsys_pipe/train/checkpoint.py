@@ -35,6 +35,7 @@ import torch.distributed as dist
 from pydantic import Field, StrictBool, StrictInt
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
+from recsys_pipe.train.checkpoint_errors import writing_checkpoint
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -333,25 +334,27 @@ class Checkpointer:
         self.wait()  # one save at a time
         final = self.root / f"step_{step}"
         partial = self.root / f".step_{step}.partial"
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash of an earlier attempt
-            partial.mkdir(parents=True)
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
-        if rank_state is not None:  # before DCP's collectives: written once rank 0 publishes
-            own = _rank_file(partial, self.rank)
-            own.parent.mkdir(exist_ok=True)
-            torch.save(rank_state.state_dict(), own)
-        writer = FileSystemWriter(str(partial))
-        info = CheckpointInfo(step, final)
-        if self.cfg.async_ and not blocking:
-            # FileSystemWriter stages a copy of the state on the CPU before returning, so
-            # training may change the live tensors while the copy is written
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-            self._pending = (future, info, partial)
-            return
-        dcp.save(state, storage_writer=writer, process_group=self.group)
-        self._publish(info, partial)
+        # a full disk or an unwritable directory: one error naming it, the partial save removed
+        with writing_checkpoint(final, partial, remove=self.rank == 0):
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)  # left by a crash of an earlier attempt
+                partial.mkdir(parents=True)
+            if dist.is_initialized():
+                dist.barrier(group=self.group)
+            if rank_state is not None:  # before DCP's collectives: written once rank 0 publishes
+                own = _rank_file(partial, self.rank)
+                own.parent.mkdir(exist_ok=True)
+                torch.save(rank_state.state_dict(), own)
+            writer = FileSystemWriter(str(partial))
+            info = CheckpointInfo(step, final)
+            if self.cfg.async_ and not blocking:
+                # FileSystemWriter stages a copy of the state on the CPU before returning, so
+                # training may change the live tensors while the copy is written
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                self._pending = (future, info, partial)
+                return
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+            self._publish(info, partial)
 
     def poll(self) -> None:
         """Publish a finished asynchronous save (cheap; call at step boundaries)."""
@@ -364,8 +367,9 @@ class Checkpointer:
             return
         future, info, partial = self._pending
         self._pending = None
-        future.result()  # re-raises a failed save
-        self._publish(info, partial)
+        with writing_checkpoint(info.path, partial, remove=self.rank == 0):
+            future.result()  # re-raises a failed save
+            self._publish(info, partial)
 
     def _publish(self, info: CheckpointInfo, partial: Path) -> None:
         self.last = info

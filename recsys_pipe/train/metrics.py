@@ -1,6 +1,9 @@
 """Where a run's numbers go: `metrics.jsonl` (one JSON object per log step and per evaluation)
 and TensorBoard event files, both in the run directory, written by rank 0 only.
 
+A resumed run writes its TensorBoard events into the directory of the run it continues (the
+first run's, through a chain of resumes: `<run_dir>/tensorboard_dir` names it), from the
+checkpoint's step on (`MetricsWriter.continue_tensorboard`): one run, one curve, each step once.
 `tensorboard --logdir <trainer.output_dir>` then shows every run side by side: `train/loss`,
 `train/samples_per_s`, `train/lr`, `train/grad_norm` (with clipping), `eval/loss`, `eval/auc`
 and `eval/auc_task<k>` (ranking), `eval/<split>/<protocol>/<metric>` (retrieval:
@@ -11,9 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter"]
+__all__ = ["TENSORBOARD_DIR_FILE", "MetricsWriter", "tensorboard_dir"]
+
+#: in a resumed run's directory: the directory its TensorBoard events go to
+TENSORBOARD_DIR_FILE = "tensorboard_dir"
+
+
+def tensorboard_dir(run_dir: str | os.PathLike) -> str:
+    """Where the TensorBoard events of the run in `run_dir` are: its own directory, or for a
+    resumed run the one its `tensorboard_dir` file names."""
+    pointer = os.path.join(run_dir, TENSORBOARD_DIR_FILE)
+    if os.path.isfile(pointer):
+        return Path(pointer).read_text().strip()
+    return str(run_dir)
+
 
 #: metrics.jsonl key -> TensorBoard tag of training records (evaluation records: see `write`)
 _TRAIN_TAGS = {
@@ -39,6 +56,9 @@ class MetricsWriter:
         self._run_dir, self._tensorboard = run_dir, tensorboard
         self._jsonl: Any = None
         self._tb: Any = None
+        #: where the TensorBoard events go and the first step they hold (a resumed run:
+        #: `continue_tensorboard`); by default this run's directory, from its first record
+        self._tb_dir, self._purge_step = run_dir, None
 
     def _open(self) -> None:
         assert self._run_dir is not None
@@ -46,7 +66,7 @@ class MetricsWriter:
         if self._tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=self._run_dir)
+            self._tb = SummaryWriter(log_dir=self._tb_dir, purge_step=self._purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
         """One record with its `step`: training (`loss`, ...) or evaluation (`auc`, ...)."""
@@ -74,6 +94,20 @@ class MetricsWriter:
                 if record.get(key) is not None:
                     self._tb.add_scalar(tag, record[key], step)
         self._tb.flush()
+
+    def continue_tensorboard(self, resumed_run_dir: str | os.PathLike, step: int) -> None:
+        """Resuming at `step` a run of `resumed_run_dir`: write the TensorBoard events into that
+        run's event directory from step `step + 1` on, and note it in this run's directory.
+
+        `purge_step` (TensorBoard's own mechanism for a restart) marks the restart in the event
+        file, and TensorBoard then drops the events of steps >= `step + 1` written before it:
+        the steps the earlier run trained after its checkpoint, which this run trains again."""
+        if self._run_dir is None or not self._tensorboard:
+            return
+        self.close()  # the next record opens the writer in the continued directory
+        self._tb_dir, self._purge_step = tensorboard_dir(resumed_run_dir), step + 1
+        with open(os.path.join(self._run_dir, TENSORBOARD_DIR_FILE), "w") as f:
+            f.write(self._tb_dir + "\n")
 
     def close(self) -> None:
         """Flush and close `metrics.jsonl` and the TensorBoard writer; safe to call twice (a

@@ -75,7 +75,7 @@ class OptimizerConfig(Component):
 
     def build(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
         """The dense optimizer over `params` (the builder's result)."""
-        return self.builder_fn()(self, params)
+        return self.call_builder("optimizer", params)
 
 
 class SGDConfig(OptimizerConfig):

@@ -56,8 +56,10 @@ class TrainSummary:
 
     @property
     def samples_per_s(self) -> float:
-        """Training throughput of this `fit`: samples over its wall-clock seconds (0 if none)."""
-        return self.samples / self.seconds if self.seconds else 0.0
+        """Training throughput of this `fit`: samples over its wall-clock seconds, torch.compile's
+        own seconds left out as the step lines leave them out (0 if none)."""
+        seconds = self.seconds - (self.compiled.seconds if self.compiled is not None else 0.0)
+        return self.samples / seconds if seconds > 0 else 0.0
 
     def describe(self) -> str:
         """One line for the log: steps, samples, speed, loss and eval AUC from first to last."""
@@ -77,6 +79,7 @@ class TrainSummary:
             return ""
         c = self.compiled
         return (
-            f"; torch.compile: {c.seconds:.1f} s of it compiling, {c.graphs} graphs, {c.graph_breaks} graph breaks, "
+            f"; torch.compile: {c.seconds:.1f} s compiling (left out of samples/s), {c.graphs} graphs, "
+            f"{c.graph_breaks} graph breaks, "
             f"{c.recompiles} recompiles"
         )

@@ -51,13 +51,15 @@ def test_readme_main_job_trains_with_prefetch_plan_on_two_ranks(tmp_path):
     assert any(name.startswith("events.out.tfevents") for name in names)  # TensorBoard, rank 0 only
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_single_process_run_writes_run_dir_and_tensorboard(tmp_path):
+    """Then two resumes (from step 3 of the first run, then from the latest, step 10 of the
+    second) go on in the first run's TensorBoard run: TensorBoard reads steps 1..12, each once
+    (the first run's steps 4..8, trained again by the second, are dropped at its restart)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = run(
-        [str(BIN / "recsys-train"), "pipeline=serial", "trainer=smoke", f"trainer.output_dir={tmp_path}/r"], tmp_path
-    )
+    train = [str(BIN / "recsys-train"), "pipeline=serial", "trainer=smoke", f"trainer.output_dir={tmp_path}/r"]
+    proc = run([*train, "trainer.checkpoint.interval=3"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = metrics(tmp_path / "r")
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
@@ -70,6 +72,22 @@ def test_single_process_run_writes_run_dir_and_tensorboard(tmp_path):
     assert {"train/loss", "train/samples_per_s", "train/lr", "eval/auc", "eval/loss"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 9))
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records if "loss" in r])
+
+    for resume in (f"trainer.resume_from={run_dir}/checkpoints/step_3", "trainer.resume_from=latest"):
+        steps = "trainer.max_steps=10" if "step_3" in resume else "trainer.max_steps=12"
+        again = run([*train, "trainer.checkpoint.interval=3", resume, steps], tmp_path)
+        assert again.returncode == 0, again.stderr[-4000:]
+    resumed = sorted(d for d in (tmp_path / "r" / "recsys-train").iterdir() if d != run_dir)
+    assert len(resumed) == 2
+    for directory in resumed:  # their events went to the first run's directory
+        assert (directory / "tensorboard_dir").read_text().strip() == str(run_dir)
+        assert not any(name.name.startswith("events.out.tfevents") for name in directory.iterdir())
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
+    resumed_losses = [json.loads(line) for d in resumed for line in (d / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["loss"] for r in resumed_losses if "loss" in r}
+    assert [e.value for e in events.Scalars("train/loss")][3:] == pytest.approx([by_step[s] for s in range(4, 13)])
 
 
 @pytest.mark.timeout(200)
@@ -171,7 +189,7 @@ def test_help_lists_groups(capsys):
     assert train_cli.run(["--help"]) == 0
     out = capsys.readouterr().out
     for group in (
-        "pipeline: base, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist",
+        "pipeline: base, dlrm_prefetch, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist",
         "thread_map:",
         "trainer:",
     ):

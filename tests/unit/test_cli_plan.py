@@ -111,9 +111,9 @@ def test_help_lists_groups_and_options(capsys):
     out = capsys.readouterr().out
     assert "recsys-plan: compile a training plan" in out
     assert (
-        "pipeline: base, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, "
-        "hstu_sparse_dist_balanced, prefetch, semi_sync, semi_sync_stash, serial, serial_balanced, sparse_dist, "
-        "sparse_dist_enqueue_after_forward, sparse_dist_lite" in out
+        "pipeline: base, dlrm_prefetch, fused_sparse_dist, hstu_prefetch, hstu_prefetch_balanced, hstu_sparse_dist, "
+        "hstu_sparse_dist_balanced, prefetch, retrieval_prefetch, semi_sync, semi_sync_stash, serial, serial_balanced, "
+        "sparse_dist, sparse_dist_enqueue_after_forward, sparse_dist_lite" in out
     )
     assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_retrieval, hstu_retrieval_large, hstu_small, sasrec" in out
     assert "data: criteo, criteo_synthetic, custom, movielens, sequences, synthetic" in out

@@ -11,7 +11,7 @@ from _process_group import one_rank_group
 
 from recsys_pipe.cli.data import main as recsys_data
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, training_plan
+from recsys_pipe.train import Trainer, build_parts, training_plan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,7 +24,7 @@ def info():
 
 def _fit(info, overrides):
     run = load_run(*overrides)
-    trainer = Trainer(run, training_plan(run), info)
+    trainer = Trainer(build_parts(run, training_plan(run), info))
     try:
         return trainer.fit(record_steps=True)
     finally:

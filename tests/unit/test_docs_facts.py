@@ -335,3 +335,73 @@ def test_docstring_count_sees_an_undocumented_name() -> None:
         x: int
 
     assert own_docstring(Generated) is None
+
+
+# -- each model's default data and plan are what extending.md's table says ----------------------
+
+
+def model_table() -> list[tuple[str, str, str]]:
+    """(model option, default data, default plan) of each row of extending.md's `model=` table."""
+    text = (DOCS / "extending.md").read_text(encoding="utf-8")
+    start = text.index("| `model=` | what | tables | default data | default plan |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        first = lambda cell: (re.findall(r"`(\w+)`", cell) or [""])[0]
+        rows.append((first(cells[0]), first(cells[3]), first(cells[4])))
+    assert len(rows) == len(list((CONF / "model").glob("*.yaml"))), rows  # a row per model option
+    return rows
+
+
+@pytest.mark.parametrize("model, data, plan", model_table())
+def test_model_table_states_each_models_default_data_and_plan(model, data, plan) -> None:
+    from recsys_pipe.cli import compose_config
+
+    cfg = compose_config(f"model={model}")
+    assert cfg.pipeline.name == plan
+    if data:
+        assert cfg.data.name == data
+
+
+def test_hstu_prefetch_still_validates_for_every_model(tmp_path) -> None:
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train.plan import training_plan
+
+    (tmp_path / "seq.txt").write_text("".join(f"{u} {i}\n" for u in range(1, 9) for i in range(u, u + 4)))
+    for model in ("dlrm", "dlrm_dcn", "dlrm_torch", "sasrec", "hstu_retrieval", "hstu_small"):
+        run = load_run(
+            f"model={model}",
+            "pipeline=hstu_prefetch",
+            f"data.path={tmp_path / 'seq.txt'}" if model in ("sasrec", "hstu_retrieval") else "trainer.max_steps=1",
+        )
+        assert training_plan(run).config.name == "hstu_prefetch"
+
+
+# -- the key reference lists every key of the schema ---------------------------------------------
+
+
+def test_key_reference_page_lists_every_key_of_every_section() -> None:
+    from recsys_pipe.cli.key_reference import key_reference
+
+    page = (DOCS / "reference" / "keys.md").read_text(encoding="utf-8")
+    assert page == key_reference(), (
+        "docs/reference/keys.md is not the schema's key listing: regenerate it with "
+        "python -m recsys_pipe.cli.key_reference > docs/reference/keys.md"
+    )
+    for key in ("data.num_workers", "optimizer.weight_decay", "model.relative_bias", "pipeline.thread_map.map"):
+        assert f"| `{key}` |" in page
+
+
+def test_failures_page_counts_the_catalogue() -> None:
+    import ast
+
+    source = (ROOT / "tests" / "integration" / "test_failures.py").read_text(encoding="utf-8")
+    (catalogue,) = [
+        node.value
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CATALOGUE"
+    ]
+    page = (DOCS / "operations" / "failures.md").read_text(encoding="utf-8")
+    assert f"\n{len(catalogue.elts)} bad inputs through `recsys-train`" in page

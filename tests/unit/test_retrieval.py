@@ -439,9 +439,14 @@ def test_an_eval_dump_without_a_retrieval_source_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize(
     "overrides, path, fragment",
     [
-        (["model=sasrec"], "data.name", "model 'sasrec' needs data=sequences, got 'synthetic'"),
+        (["model=sasrec", "data=synthetic"], "data.name", "model 'sasrec' needs data=sequences, got 'synthetic'"),
+        (["model=sasrec"], "data.path", "missing required value"),  # data=sequences is its default
         (["model=hstu_retrieval", "data=sequences", "model.max_seq_len=20"], "data.max_seq_len", "exceeds"),
-        (["model=sasrec", "model.embedding_dim=50", "model.num_heads=3"], "model.num_heads", "not divisible"),
+        (
+            ["model=sasrec", "data=synthetic", "model.embedding_dim=50", "model.num_heads=3"],
+            "model.num_heads",
+            "not divisible",
+        ),
     ],
 )
 def test_model_and_data_mismatches_are_config_errors(tmp_path, overrides, path, fragment):
@@ -545,3 +550,21 @@ def test_a_resumed_run_keeps_the_best_validation_choice(tmp_path):
     assert {s: r.get("selected", False) for s, r in resumed.items()} == {
         s: ref[s].get("selected", False) for s in resumed
     }
+
+
+@pytest.mark.timeout(120)
+def test_reproduce_games_script_checks_its_inputs_first(tmp_path):
+    """A missing data file: exit 2, one `error:` line, no run directory made, torchrun never started."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "reproduce_games.sh"), str(tmp_path / "Video.txt"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"error: data.path: no such file: {tmp_path / 'Video.txt'}"]
+    assert not out.exists() and "torchrun" not in proc.stdout + proc.stderr

@@ -186,7 +186,20 @@ def test_compile_time_graph_breaks_and_recompiles_go_to_the_log_and_metrics(tmp_
     log = (metrics.parent / "train.log").read_text()
     assert "step 2 | torch.compile: " in log and " graph breaks, " in log and " recompiles" in log
     summary = next(line for line in log.splitlines() if f"trained {STEPS} steps" in line)
-    assert re.search(r"; torch\.compile: \d+\.\d s of it compiling, [1-9]\d* graphs, ", summary), summary
+    assert re.search(r"; torch\.compile: \d+\.\d s compiling \(left out of samples/s\), [1-9]\d* graphs, ", summary)
+
+
+def test_the_summary_leaves_compile_time_out_of_samples_per_s():
+    """As the step lines do: 1000 samples in 10 s of which 8 s compiling is 500 samples/s."""
+    from recsys_pipe.train.torch_compile import CompileStats
+    from recsys_pipe.train.trainer import TrainSummary
+
+    summary = TrainSummary(steps=10, samples=1000, seconds=10.0, first_loss=1.0, last_loss=0.5)
+    assert summary.samples_per_s == 100.0
+    summary.compiled = CompileStats(seconds=8.0, graphs=3)
+    assert summary.samples_per_s == 500.0
+    assert "1000 samples, 500.0 samples/s" in summary.describe()
+    assert "torch.compile: 8.0 s compiling (left out of samples/s), 3 graphs" in summary.describe()
 
 
 def _error_lines(capsys) -> list[str]:

@@ -1,0 +1,67 @@
+"""What a trained model exports for serving (`recsys-export`): a module of plain tensors in and
+scores out, which `torch.export` can trace into a program that loads without this package.
+
+The training forward reads a batch object (torchrec `KeyedJaggedTensor`s, the model protocol of
+`recsys_pipe.models.base`) and returns a loss; a serving system sends tensors and wants scores.
+So each exportable model says how to score from tensors (`Servable.serving`):
+
+* a ranking model: `scores = program(*inputs)`, `[B, num_tasks]` logits;
+* a retrieval model: `user = program(*inputs)`, `[B, D]`, and the item vectors as a table;
+  an item's score is `user @ item_table[item]` (the dot product training ranks by).
+
+`ServingForm.inputs(batch)` turns a batch of the model's data source into the program's inputs
+(the example inputs written next to the program), and `ServingForm.reference(batch, outputs)`
+picks the training forward's own scores from its outputs, in the program's layout, so an export
+can be checked against the model it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = ["Servable", "ServingForm"]
+
+
+@dataclass
+class ServingForm:
+    """A model's serving program before export.
+
+    Attributes:
+        module: `forward(*inputs)` of tensors only: the logits `[B, T]` of a ranking model, the
+            user vectors `[B, D]` of a retrieval model.
+        input_names: a name for each input, in order (the docs and the example file use them).
+        inputs: the program's inputs for a batch of the model's data source.
+        reference: the training forward's scores for that batch, from its `outputs`, in the
+            layout the program's scores take: `[B, T]` for ranking; for retrieval `[B, C]`, the
+            scores of the candidates `candidates(batch)` names.
+        item_table: retrieval only: `[num_items, D]`, the vectors the user vectors score.
+        candidates: retrieval only: the `[B, C]` item ids `reference` scores, per user.
+        dynamic_batch: whether the program accepts any batch size (dimension 0 of every input).
+    """
+
+    module: nn.Module
+    input_names: tuple[str, ...]
+    inputs: Callable[[Any], tuple[torch.Tensor, ...]]
+    reference: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+    item_table: torch.Tensor | None = None
+    candidates: Callable[[Any], torch.Tensor] | None = None
+    dynamic_batch: bool = True
+
+    @property
+    def retrieval(self) -> bool:
+        """Whether the program encodes users (scores come from the item table)."""
+        return self.item_table is not None
+
+
+@runtime_checkable
+class Servable(Protocol):
+    """A model module that can be exported for serving (every shipped model but HSTU ranking)."""
+
+    def serving(self) -> ServingForm:
+        """The model's serving program, sharing this module's (trained) weights."""
+        ...

@@ -1,0 +1,62 @@
+"""A checkpoint that cannot be written: one error naming the checkpoint and the OS error, the
+partial save removed, every earlier checkpoint kept (an injected ENOSPC, in one process; the
+whole run on a real full tmpfs: tests/integration/test_clean_stops.py)."""
+
+from __future__ import annotations
+
+import errno
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+from recsys_pipe.train.checkpoint import CheckpointConfig, Checkpointer, find_checkpoints
+from recsys_pipe.train.checkpoint_errors import CheckpointWriteError, os_error_in
+
+
+def _full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_is_one_error_and_keeps_every_earlier_checkpoint(tmp_path, monkeypatch, asynchronous):
+    cfg = CheckpointConfig.model_validate({"interval": 1, "keep_latest": 0, "async": asynchronous})
+    saver = Checkpointer(tmp_path, cfg, group=None, rank=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "torch.distributed is disabled"
+        saver.save(1, {"weights": torch.arange(6.0)})
+        saver.wait()
+        monkeypatch.setattr(dcp_filesystem, "_write_item", _full_disk)
+        with pytest.raises(CheckpointWriteError) as info:
+            saver.save(2, {"weights": torch.arange(6.0) * 2})
+            saver.wait()
+    final = tmp_path / "checkpoints" / "step_2"
+    assert str(info.value) == (
+        f"cannot write checkpoint {final}: No space left on device (ENOSPC); the partial save was removed"
+    )
+    assert info.value.error.errno == errno.ENOSPC
+    assert [c.step for c in find_checkpoints(tmp_path)] == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # no .step_2.partial
+
+
+def test_other_errors_pass_unchanged(tmp_path, monkeypatch):
+    saver = Checkpointer(tmp_path, CheckpointConfig(interval=1), group=None, rank=0)
+
+    def broken(*args, **kwargs):
+        raise ValueError("not an OS error")
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", broken)
+    with warnings.catch_warnings(), pytest.raises(BaseException) as info:
+        warnings.simplefilter("ignore", UserWarning)
+        saver.save(1, {"weights": torch.zeros(2)})
+    assert not isinstance(info.value, CheckpointWriteError)
+
+
+def test_the_os_error_is_found_in_a_ranks_failure():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    error = OSError(errno.EROFS, "Read-only file system")
+    wrapped = CheckpointException("save failed", {1: (error, None)})
+    assert os_error_in(wrapped) is error
+    assert os_error_in(CheckpointException("x", {0: (ValueError("no"), None)})) is None
