@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 
-__all__ = ["evaluate", "export", "plan", "profile", "train"]
+__all__ = ["data", "evaluate", "export", "plan", "profile", "train"]
 
 #: Ctrl-C (SIGINT): 128 + 2, as `recsys_pipe.runtime.failures.EXIT_INTERRUPTED` (not imported: it loads torch)
 _EXIT_INTERRUPTED = 130
@@ -22,7 +22,9 @@ def _run(module: str, prog: str) -> None:
             print(f"{prog}: interrupted (Ctrl-C) while starting; nothing was started", file=sys.stderr)
             sys.stderr.flush()
         os._exit(_EXIT_INTERRUPTED)
-    main()
+    code = main()
+    if code:  # a command whose main returns its exit code (`recsys-data`)
+        sys.exit(code)
 
 
 def train() -> None:
@@ -48,3 +50,8 @@ def evaluate() -> None:
 def export() -> None:
     """`recsys-export`."""
     _run("recsys_pipe.cli.export", "recsys-export")
+
+
+def data() -> None:
+    """`recsys-data`."""
+    _run("recsys_pipe.cli.data", "recsys-data")
