@@ -37,6 +37,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.models.serving import Servable, ServingForm
 from recsys_pipe.train.checkpoint import find_checkpoints, read_metadata, saved_config
 from recsys_pipe.train.config import RunConfig, load_run_config
+from recsys_pipe.train.parallel import parallelism_of
 
 __all__ = [
     "EXPORT_TOLERANCE",
@@ -103,10 +104,7 @@ def load_trained_model(
     run_dir = Path(run_dir)
     path = resolve_checkpoint(run_dir, checkpoint)
     run = load_run(run_dir, path, overrides or {})
-    if run.parallel.pp.size > 1:
-        raise ConfigError(
-            ConfigProblem("parallel.pp.size", "a pipeline-parallel run's stages cannot be exported as one model yet")
-        )
+    parallelism_of(run).check_export()
     torch.manual_seed(run.seed)
     module = run.model.build(run.data.spec())
     saved = read_metadata(path).state_dict_metadata

@@ -40,6 +40,11 @@ class Parallelism(ABC):
         """ConfigError (with config paths) for what this layout cannot train on `world_size`
         ranks of `device_type`; checked before any process group starts."""
 
+    def check_export(self) -> None:
+        """ConfigError (with config paths) if a checkpoint of this layout cannot be loaded as one
+        unsharded model for `recsys-export`; every layout whose ranks hold whole replicas can."""
+        return None
+
     # -- the data ---------------------------------------------------------------------------------
 
     def ranks_per_replica(self) -> int:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.pp.config import check_pipeline_parallel, pipelined_tables
 from recsys_pipe.train.dense_ddp import check_dense_ddp
@@ -40,6 +41,11 @@ class PipelineStages(Parallelism):
         # the first stage's tables train on torchrec's dense kernel: no fused optimizer to check
         check_dense_ddp(self.run, device_type)
         check_pipeline_parallel(self.run, world_size)
+
+    def check_export(self) -> None:
+        raise ConfigError(
+            ConfigProblem("parallel.pp.size", "a pipeline-parallel run's stages cannot be exported as one model yet")
+        )
 
     def ranks_per_replica(self) -> int:
         return self.run.parallel.pp.size
