@@ -116,7 +116,7 @@ def test_help_lists_groups_and_options(capsys):
         "sparse_dist, sparse_dist_enqueue_after_forward, sparse_dist_lite" in out
     )
     assert "model: custom, dlrm, dlrm_dcn, dlrm_torch, hstu_retrieval, hstu_retrieval_large, hstu_small, sasrec" in out
-    assert "data: criteo, criteo_synthetic, custom, movielens, sequences, synthetic" in out
+    assert "data: criteo, criteo_synthetic, custom, movielens, parquet, parquet_sequences, sequences, synthetic" in out
     assert "thread_map: by_stream, hstu_default, per_task, plan, single" in out
     for group in ("model:", "data:", "optimizer:", "trainer:"):
         assert group in out
