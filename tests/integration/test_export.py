@@ -17,17 +17,18 @@ the evaluation the training run logged after that step, exactly (same data, same
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from recsys_pipe.cli import export as export_cli
-from recsys_pipe.testing import fork_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -155,20 +156,25 @@ def test_exported_retrieval_encoder_and_item_table(sasrec_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def hstu_run(tmp_path_factory) -> Path:
-    """HSTU ranking (the main job's model) with the user token, one step on one rank forked
-    from a preloaded server (`fork_ranks`: no torchrun start-up), a checkpoint at step 1."""
+    """HSTU ranking (the main job's model) with the user token: one step, trained in this
+    process (about a second: torch and torchrec are imported already; a launch would import
+    them again), a checkpoint at step 1. The run's log handlers and warning filters are taken
+    off again, so the tests after it see this process as it was."""
+    from recsys_pipe.cli import train as train_cli
+
     tmp = tmp_path_factory.mktemp("hstu")
     args = [*SMOKE, "trainer.max_steps=1", "trainer.checkpoint.interval=1", "trainer.eval_every=0"]
     args += ["trainer.eval_batches=1", "data.num_batches=8", "data.use_user_feature=true"]
-    proc = fork_ranks(
-        BIN / "recsys-train",
-        *args,
-        f"trainer.output_dir={tmp / 'runs'}",
-        nproc=1,
-        timeout=300,
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    root, package = logging.getLogger(), logging.getLogger("recsys_pipe")
+    handlers, level = list(root.handlers), package.level
+    try:
+        with warnings.catch_warnings():
+            assert train_cli.run([*args, f"trainer.output_dir={tmp / 'runs'}"]) == 0
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        package.setLevel(level)
     (run_dir,) = (tmp / "runs" / "recsys-train").iterdir()
     return run_dir
 
