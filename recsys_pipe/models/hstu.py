@@ -29,10 +29,11 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, SequenceBatch
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu_config import HSTUConfig
+from recsys_pipe.models.serving import ServingForm
 
 __all__ = ["HSTUConfig", "HSTULayer", "HSTUModel", "HSTURanker", "RelativeBias", "build_hstu", "embedding_tables"]
 
@@ -136,19 +137,30 @@ class HSTULayer(nn.Module):
         self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """`x` jagged `[T, D]`; `mask`/`bias` `[B, N, N]` -> jagged `[T, D]`."""
-        n, h = self.max_len, self.num_heads
         u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
         qkv = torch.cat([q, k, v], dim=-1)
-        padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [n], 0.0)
-        b = padded.shape[0]
-        q, k, v = padded.view(b, n, 3, h, -1).unbind(dim=2)
+        padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [self.max_len], 0.0)
+        out = torch.ops.fbgemm.dense_to_jagged(self._attend(padded, mask, bias), [offsets])[0]
+        return x + self.output(self.dropout(u * self.attn_norm(out)))
+
+    def forward_padded(self, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same block on padded tokens `[B, N, D]` (the serving program's layout, which needs
+        no fbgemm): every token-wise step is the same, and the mask keeps padding keys out of
+        the attention, so the valid positions equal `forward`'s; padding positions are junk."""
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
+        out = self._attend(torch.cat([q, k, v], dim=-1), mask, bias)
+        return x + self.output(self.dropout(u * self.attn_norm(out)))
+
+    def _attend(self, qkv: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Padded `[B, N, 3D]` queries, keys, values -> the attention output `[B, N, D]`."""
+        n, h = self.max_len, self.num_heads
+        b = qkv.shape[0]
+        q, k, v = qkv.view(b, n, 3, h, -1).unbind(dim=2)
         scores = torch.einsum("bnhd,bmhd->bhnm", q, k)
         if bias is not None:
             scores = scores + bias[:, None]
         attn = F.silu(scores) / n * mask[:, None]
-        out = torch.einsum("bhnm,bmhd->bnhd", attn, v).reshape(b, n, -1)
-        out = torch.ops.fbgemm.dense_to_jagged(out, [offsets])[0]
-        return x + self.output(self.dropout(u * self.attn_norm(out)))
+        return torch.einsum("bhnm,bmhd->bnhd", attn, v).reshape(b, n, -1)
 
 
 class HSTURanker(nn.Module):
@@ -227,6 +239,92 @@ class HSTUModel(nn.Module):
     def forward(self, batch: SequenceBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
         return self.ranker(embeddings, batch.timestamps, batch.num_candidates, batch.labels)
+
+    def serving(self) -> ServingForm:
+        """The serving program (`Servable`): `(items, actions, timestamps, lengths,
+        num_candidates[, users]) -> logits [B, L, num_tasks]`.
+
+        Each sample is one row of `[B, L]` tensors (`L` = `model.max_seq_len`, the attention
+        length the model was trained with), right-padded: its history, then its candidates, as a
+        training batch holds them; `lengths [B]` counts both, `num_candidates [B]` the trailing
+        candidates (their actions are ignored: the model sees the masked action there), `users
+        [B]` is there when the data has a user feature. `logits[b, j]` scores candidate `j` of
+        sample `b`; rows from `num_candidates[b]` on are zero. Padded tensors rather than jagged
+        ones: every shape but the batch is static, so the program needs neither fbgemm nor
+        data-dependent sizes."""
+        ranker = self.ranker
+        length = ranker.padded_len - (1 if ranker.with_user else 0)
+
+        def inputs(batch: SequenceBatch) -> tuple[torch.Tensor, ...]:
+            kjt = batch.sparse_features
+            items, actions = kjt[ITEM_KEY], kjt[ACTION_KEY]
+            lengths = items.lengths().long()
+            ts = JaggedTensor(values=batch.timestamps, lengths=items.lengths())
+            padded = [jt.to_padded_dense(length, 0).long() for jt in (items, actions, ts)]
+            users = (kjt[USER_KEY].values().long(),) if ranker.with_user else ()
+            return (*padded, lengths, batch.num_candidates.long(), *users)
+
+        def reference(batch: SequenceBatch, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            logits, counts = outputs["logits"], batch.num_candidates.long()
+            sample = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+            within = torch.arange(logits.shape[0]) - torch.ops.fbgemm.asynchronous_complete_cumsum(counts)[sample]
+            scores = logits.new_zeros(counts.numel(), length, logits.shape[1])
+            scores[sample, within] = logits
+            return scores
+
+        names = ("items", "actions", "timestamps", "lengths", "num_candidates")
+        return ServingForm(
+            module=_CandidateScores(self, length),
+            input_names=names + (("users",) if ranker.with_user else ()),
+            inputs=inputs,
+            reference=reference,
+            output=f"logits [B, {length}, num_tasks]: [b, j] scores candidate j of sample b, zero from "
+            "num_candidates[b] on",
+        )
+
+
+class _CandidateScores(nn.Module):
+    """`HSTUModel`'s forward on padded `[B, L]` tensors (`HSTUModel.serving`): plain tensor
+    lookups in the trained tables (no torchrec), the ranker's blocks on padded tokens
+    (`HSTULayer.forward_padded`), the head on the candidate positions."""
+
+    def __init__(self, model: HSTUModel, length: int) -> None:
+        super().__init__()
+        tables = model.ec.embeddings
+        self.items = tables[f"{ITEM_KEY}_table"].weight
+        self.actions = tables[f"{ACTION_KEY}_table"].weight
+        self.users = tables[f"{USER_KEY}_table"].weight if model.ranker.with_user else None
+        self.ranker = model.ranker
+        self.length = length
+
+    def forward(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        timestamps: torch.Tensor,
+        lengths: torch.Tensor,
+        num_candidates: torch.Tensor,
+        users: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ranker = self.ranker
+        pos = torch.arange(self.length, device=items.device)
+        candidate = pos[None] >= (lengths - num_candidates)[:, None]
+        actions = torch.where(candidate, MASKED_ACTION, actions)
+        tokens = self.items[items] + self.actions[actions]
+        if self.users is not None and users is not None:  # `_prepend_context`: at the first item's time
+            tokens = torch.cat([self.users[users][:, None], tokens], dim=1)
+            timestamps = torch.cat([timestamps[:, :1], timestamps], dim=1)
+            lengths = lengths + 1
+        mask = _attention_mask(lengths, num_candidates, ranker.padded_len)
+        bias = ranker.bias(timestamps) if ranker.bias is not None else None
+        x = ranker.input_dropout(tokens)
+        for layer in ranker.layers:
+            x = layer.forward_padded(x, mask, bias)
+        rows = (lengths - num_candidates)[:, None] + pos[None]  # candidate j of each sample
+        rows = rows.clamp(max=ranker.padded_len - 1)
+        picked = torch.gather(x, 1, rows[..., None].expand(-1, -1, x.shape[-1]))
+        logits = ranker.head(ranker.final_norm(picked))
+        return torch.where((pos[None] < num_candidates[:, None])[..., None], logits, 0.0)
 
 
 def _prepend_context(

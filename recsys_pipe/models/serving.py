@@ -5,7 +5,8 @@ The training forward reads a batch object (torchrec `KeyedJaggedTensor`s, the mo
 `recsys_pipe.models.base`) and returns a loss; a serving system sends tensors and wants scores.
 So each exportable model says how to score from tensors (`Servable.serving`):
 
-* a ranking model: `scores = program(*inputs)`, `[B, num_tasks]` logits;
+* a ranking model: `scores = program(*inputs)`, logits: `[B, num_tasks]` (DLRM), or
+  `[B, max_seq_len, num_tasks]` per candidate (HSTU ranking);
 * a retrieval model: `user = program(*inputs)`, `[B, D]`, and the item vectors as a table;
   an item's score is `user @ item_table[item]` (the dot product training ranks by).
 
@@ -42,6 +43,7 @@ class ServingForm:
         item_table: retrieval only: `[num_items, D]`, the vectors the user vectors score.
         candidates: retrieval only: the `[B, C]` item ids `reference` scores, per user.
         dynamic_batch: whether the program accepts any batch size (dimension 0 of every input).
+        output: what the program returns, for `serving.json` (default: by the kind of model).
     """
 
     module: nn.Module
@@ -51,6 +53,7 @@ class ServingForm:
     item_table: torch.Tensor | None = None
     candidates: Callable[[Any], torch.Tensor] | None = None
     dynamic_batch: bool = True
+    output: str | None = None
 
     @property
     def retrieval(self) -> bool:
@@ -60,7 +63,7 @@ class ServingForm:
 
 @runtime_checkable
 class Servable(Protocol):
-    """A model module that can be exported for serving (every shipped model but HSTU ranking)."""
+    """A model module that can be exported for serving (every shipped model)."""
 
     def serving(self) -> ServingForm:
         """The model's serving program, sharing this module's (trained) weights."""

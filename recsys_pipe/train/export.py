@@ -224,9 +224,8 @@ def _description(
             n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
             for n, t in zip(form.input_names, inputs)
         },
-        "output": "logits [B, num_tasks]"
-        if kind == "ranking"
-        else "user vectors [B, D]; score = user @ item_table[item]",
+        "output": form.output
+        or ("logits [B, num_tasks]" if kind == "ranking" else "user vectors [B, D]; score = user @ item_table[item]"),
         "dynamic_batch": form.dynamic_batch,
         "max_abs_diff": diff,
     }

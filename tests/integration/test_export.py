@@ -8,6 +8,7 @@ Tolerance: 1e-5 (the issue's bar) between the program's scores and the trained m
 of them), so the export must gather them from both ranks' files; the program, fed both ranks'
 held-out batches, reproduces the evaluation the training run logged at that checkpoint (log loss
 and AUC over the same rows). The fresh interpreter runs the serving snippet of the docs' page.
+HSTU ranking's program takes padded sequences and needs no fbgemm, so that check blocks fbgemm too.
 
 `recsys-eval`: under the launcher on the 2 ranks that trained, the metrics of a checkpoint equal
 the evaluation the training run logged after that step, exactly (same data, same pipeline).
@@ -16,10 +17,12 @@ the evaluation the training run logged after that step, exactly (same data, same
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -149,6 +152,47 @@ def test_exported_retrieval_encoder_and_item_table(sasrec_run, tmp_path):
     assert table.shape == (30, 50)
     got = _load_fresh(out)
     assert got["diff"] <= 1e-5 and got["loaded"] == [] and got["n"] == 4
+
+
+@pytest.fixture(scope="module")
+def hstu_run(tmp_path_factory) -> Path:
+    """HSTU ranking (the main job's model) with the user token: one step, trained in this
+    process (about a second: torch and torchrec are imported already; a launch would import
+    them again), a checkpoint at step 1. The run's log handlers and warning filters are taken
+    off again, so the tests after it see this process as it was."""
+    from recsys_pipe.cli import train as train_cli
+
+    tmp = tmp_path_factory.mktemp("hstu")
+    args = [*SMOKE, "trainer.max_steps=1", "trainer.checkpoint.interval=1", "trainer.eval_every=0"]
+    args += ["trainer.eval_batches=1", "data.num_batches=8", "data.use_user_feature=true"]
+    root, package = logging.getLogger(), logging.getLogger("recsys_pipe")
+    handlers, level = list(root.handlers), package.level
+    try:
+        with warnings.catch_warnings():
+            assert train_cli.run([*args, f"trainer.output_dir={tmp / 'runs'}"]) == 0
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        package.setLevel(level)
+    (run_dir,) = (tmp / "runs" / "recsys-train").iterdir()
+    return run_dir
+
+
+def test_exported_hstu_ranking_scores_candidates_without_recsys_pipe(hstu_run, tmp_path):
+    """Padded sequences and the candidate counts in, per-candidate logits out: the trained
+    model's scores, with neither recsys_pipe, torchrec nor fbgemm importable."""
+    out = tmp_path / "served"
+    assert export_cli.run([str(hstu_run), str(out)]) == 0
+    described = json.loads((out / "serving.json").read_text())
+    assert list(described["inputs"]) == ["items", "actions", "timestamps", "lengths", "num_candidates", "users"]
+    assert described["inputs"]["items"]["shape"] == [32, 32] and described["max_abs_diff"] <= 1e-5
+    inputs, expected = torch.load(out / "example_inputs.pt"), torch.load(out / "expected_scores.pt")["scores"]
+    counts = inputs["num_candidates"]
+    scored = expected.ne(0).any(-1)  # a candidate's logits are never exactly zero on both tasks
+    assert scored.sum() == counts.sum() and scored.sum(1).eq(counts).all()
+    got = _load_fresh(out)
+    assert got["diff"] <= 1e-5 and got["loaded"] == [] and got["n"] == 32
 
 
 def test_export_refusals_are_one_line(dlrm_run, tmp_path, capsys):
