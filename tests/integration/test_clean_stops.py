@@ -94,7 +94,8 @@ def test_a_signal_stops_every_rank_after_a_step_with_its_checkpoint(tmp_path, si
     assert status["status"] == state and status["exit_code"] == code
     trained = max(int(m) for m in re.findall(r"\] step (\d+) \|", text))
     assert status["step"] == trained >= 6  # no step lost: the checkpoint is of the last step trained
-    assert status["checkpoint"].endswith(f"checkpoints/step_{trained}") and Path(status["checkpoint"]).is_dir()
+    assert status["checkpoint"].endswith(f"checkpoints/step_{trained}")
+    assert (Path(status["checkpoint"]) / ".metadata").is_file()  # a complete DCP save
     for rank in (0, 1):
         assert f"[rank {rank}][WARNING] {sig.name} received: stopped after step {trained} on every rank" in text
 

@@ -1202,58 +1202,6 @@ def test_ctrl_c_raises_until_a_failure_is_being_handled_then_is_recorded():
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_sigterm_to_torchrun_preempts_every_rank_after_the_same_step(tmp_path):
-    """What a scheduler does: SIGTERM to torchrun, which forwards it to its workers. The ranks
-    agree (every ~0.5 s, the default) on one step to stop after, save it and exit 75 (torchrun's
-    own agent then exits 1: scripts/train.sh's launcher passes the 75 on, tests/integration/
-    test_clean_stops.py; Ctrl-C is tested there too)."""
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "--no-python",
-            str(BIN / "recsys-train"),
-            "pipeline=hstu_sparse_dist",
-            "trainer=smoke",
-            "trainer.max_steps=null",
-            "data.num_batches=5000",
-            "trainer.eval_every=0",
-            f"trainer.output_dir={tmp_path}/r",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        env=_env(),
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            logs = list((tmp_path / "r").glob("recsys-train/*/metrics.jsonl"))
-            if logs and len(logs[0].read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.05)
-        agent.send_signal(signal.SIGTERM)
-        _, err = agent.communicate(timeout=60)
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-    (run_dir,) = (tmp_path / "r" / "recsys-train").iterdir()
-    status = _status(run_dir)
-    assert status["status"] == "preempted" and status["exit_code"] == 75, status
-    step = status["step"]
-    assert status["checkpoint"].endswith(f"checkpoints/step_{step}")
-    assert (Path(status["checkpoint"]) / ".metadata").is_file()
-    assert f"SIGTERM received: stopped after step {step} on every rank" in (run_dir / "train.log").read_text()
-    assert _leftovers(str(tmp_path)) == []
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
 def test_sweep_under_torchrun_runs_every_job_without_hanging(tmp_path):
     proc, _ = _torchrun(tmp_path, "-m", "thread_map=by_stream,per_task", *SMOKE, f"trainer.output_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
