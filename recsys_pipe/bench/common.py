@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["format_summary", "one_thread_per_rank", "reexec_under_torchrun", "run_ranks", "summary"]
+__all__ = ["format_summary", "one_thread_per_rank", "reexec_under_torchrun", "run_ranks", "summary", "train_speed"]
 
 
 def summary(values: Iterable[float], digits: int = 3) -> dict[str, float]:
@@ -92,3 +94,18 @@ def run_ranks(main: Callable[[], object]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def train_speed(run: Any, info: Any) -> tuple[float, float]:
+    """Samples/s of recsys_pipe's trainer fitting `run` (a validated RunConfig) on `info`'s
+    process group, by the wall clock and by this process's CPU clock (the reference
+    benchmarks compare both)."""
+    from recsys_pipe.train import Trainer, build_parts, training_plan
+
+    trainer = Trainer(build_parts(run, training_plan(run), info))
+    try:
+        cpu = time.process_time()
+        summary_ = trainer.fit()
+        return summary_.samples_per_s, summary_.samples / (time.process_time() - cpu)
+    finally:
+        trainer.close()

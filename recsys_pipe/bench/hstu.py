@@ -48,7 +48,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from recsys_pipe.bench.common import summary
+from recsys_pipe.bench.common import summary, train_speed
 
 #: the environment variable naming a clone of generative-recommenders (tests and benchmark)
 REFERENCE_ENV = "RECSYS_HSTU_REFERENCE"
@@ -389,7 +389,6 @@ def ours(data: str, sizes: Sizes, steps: int, info: Any, extra: list[str]) -> tu
     """Samples/s of recsys_pipe's trainer at `sizes` (serial plan, `steps` steps), by the wall
     clock and by the CPU clock."""
     from recsys_pipe.testing import load_run
-    from recsys_pipe.train import Trainer, build_parts, training_plan
 
     run = load_run(
         "data=sequences",
@@ -404,13 +403,7 @@ def ours(data: str, sizes: Sizes, steps: int, info: Any, extra: list[str]) -> tu
         f"trainer.log_every={steps}",
         *extra,
     )
-    trainer = Trainer(build_parts(run, training_plan(run), info))
-    try:
-        cpu = time.process_time()
-        result = trainer.fit()
-        return result.samples_per_s, result.samples / (time.process_time() - cpu)
-    finally:
-        trainer.close()
+    return train_speed(run, info)
 
 
 def training_batches(data: str, sizes: Sizes, steps: int) -> tuple[list[ReferenceInputs], int]:

@@ -34,10 +34,9 @@ from unittest import mock
 import numpy as np
 import torch
 
-from recsys_pipe.bench.common import summary
+from recsys_pipe.bench.common import summary, train_speed
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, build_parts, training_plan
 from recsys_pipe.train.optim import AdamConfig
 
 MAX_LEN, BATCH = 50, 128
@@ -93,13 +92,7 @@ def ours(data: str, steps: int, info) -> tuple[float, float]:
         "trainer.progress_bar=false",
         f"trainer.log_every={steps}",
     )
-    trainer = Trainer(build_parts(run, training_plan(run), info))
-    try:
-        cpu = time.process_time()
-        summary_ = trainer.fit()
-        return summary_.samples_per_s, summary_.samples / (time.process_time() - cpu)
-    finally:
-        trainer.close()
+    return train_speed(run, info)
 
 
 def reference_batches(data: str, steps: int) -> list[tuple[np.ndarray, ...]]:
