@@ -329,7 +329,8 @@ class Checkpointer:
         """Save `state` (DCP) and this rank's `rank_state` (a `Stateful`) as `step_<step>`;
         asynchronous when configured and not `blocking`."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
+
+        from recsys_pipe.train.checkpoint_writer import OSErrorKeepingWriter
 
         self.wait()  # one save at a time
         final = self.root / f"step_{step}"
@@ -345,7 +346,7 @@ class Checkpointer:
                 own = _rank_file(partial, self.rank)
                 own.parent.mkdir(exist_ok=True)
                 torch.save(rank_state.state_dict(), own)
-            writer = FileSystemWriter(str(partial))
+            writer = OSErrorKeepingWriter(str(partial))  # a rank's OS error reaches every rank
             info = CheckpointInfo(step, final)
             if self.cfg.async_ and not blocking:
                 # FileSystemWriter stages a copy of the state on the CPU before returning, so

@@ -8,6 +8,12 @@ traceback ("CheckpointException ranks:dict_keys([0, 1])" and 270 lines) and whic
 earlier checkpoints are untouched: they were published before this save began) and raises
 `CheckpointWriteError`, whose one line says what happened; the run then ends as any failure does
 (`status.json` failed with that line).
+
+DCP sends each rank's failure to the coordinator and back by pickling it, which drops its
+`__cause__` and `__context__`. A full disk met inside `torch.save` (DCP's `.distcp` writes) is a
+`RuntimeError` ("unexpected pos 704 vs 598" from torch's zip writer) whose OSError is only its
+context, so after that trip no rank could tell it from any other failure. The storage writer the
+checkpointer uses (`recsys_pipe.train.checkpoint_writer`) therefore fails with the OSError itself.
 """
 
 from __future__ import annotations

@@ -60,3 +60,29 @@ def test_the_os_error_is_found_in_a_ranks_failure():
     wrapped = CheckpointException("save failed", {1: (error, None)})
     assert os_error_in(wrapped) is error
     assert os_error_in(CheckpointException("x", {0: (ValueError("no"), None)})) is None
+
+
+def _full_disk_in_torch_save(*args, **kwargs):
+    """What a full disk looks like inside DCP's `torch.save` of a `.distcp` file: torch's zip
+    writer's RuntimeError, with the OSError of the failed write only as its context."""
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+
+
+def test_a_full_disk_inside_torch_save_reaches_the_other_ranks(tmp_path, monkeypatch):
+    """DCP pickles a rank's failure to send it to the coordinator and back, which drops the
+    exception's context: the rank's failure must be the OSError itself."""
+    import pickle
+
+    saver = Checkpointer(tmp_path, CheckpointConfig(interval=1), group=None, rank=0)
+    monkeypatch.setattr(dcp_filesystem, "_write_item", _full_disk_in_torch_save)
+    with warnings.catch_warnings(), pytest.raises(CheckpointWriteError) as info:
+        warnings.simplefilter("ignore", UserWarning)
+        saver.save(1, {"weights": torch.zeros(2)})
+    assert info.value.error.errno == errno.ENOSPC
+    as_sent = pickle.loads(pickle.dumps(info.value.__cause__))  # the CheckpointException, as a peer gets it
+    error = os_error_in(as_sent)
+    assert error is not None and error.errno == errno.ENOSPC and error.strerror == "No space left on device"
+    assert not (tmp_path / "checkpoints" / ".step_1.partial").exists()
