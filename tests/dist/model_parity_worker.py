@@ -110,14 +110,24 @@ GROUPS = {
 }
 
 
-def write_sequences(path, users=400, items=120):
-    """A "user item" file: each user walks a chain of items with random starts and lengths."""
+def write_sequences(path, users=400, items=120, jump=0.25):
+    """A "user item" file: each user walks a chain of items (the next is the last + 3) with random
+    starts and lengths, and with probability `jump` a step goes to a random item instead.
+
+    The jumps keep the ranking metrics informative: on a chain without them every held-out item
+    follows from the one before, and HSTU (generative-recommenders' maths) learns the rule within
+    the test's 10 steps, so its sampled HR@10 reaches 1 and could not tell a ranking bug apart."""
     g = torch.Generator().manual_seed(0)
     with open(path, "w") as f:
         for u in range(1, users + 1):
             n = int(torch.randint(3, 20, (1,), generator=g))
-            start = int(torch.randint(0, items, (1,), generator=g))
-            f.writelines(f"{u} {(start + 3 * k) % items + 1}\n" for k in range(n))
+            item = int(torch.randint(0, items, (1,), generator=g))
+            walk = [item]
+            for _ in range(n - 1):
+                jumps = float(torch.rand((), generator=g)) < jump
+                item = int(torch.randint(0, items, (1,), generator=g)) if jumps else (item + 3) % items
+                walk.append(item)
+            f.writelines(f"{u} {i + 1}\n" for i in walk)
 
 
 def fingerprint(params):
