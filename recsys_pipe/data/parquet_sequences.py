@@ -16,12 +16,13 @@ metadata holds the sorted distinct raw item ids as little-endian int64 bytes
 
 A user's training sample is what `data=sequences` builds (module `recsys_pipe.data.sequences`):
 the last `max_seq_len` transitions of the sequence without its last two items (all of it below
-three items), and one negative per target drawn with the user's own generator seeded
-`(data.seed, epoch, user)`: bitwise the same batches as `data=sequences` on the same users. The
-negatives are the one per-user step (rejection sampling against the user's items); the rest is
-vectorised. Unlike `data=sequences`, every row is a sample, so that the batches per epoch follow
-from the row counts alone: a user with fewer than two training transitions (1 or 3 interactions)
-is a sample without targets, which adds nothing to the loss.
+three items), and one negative per target from `recsys_pipe.data.negatives.unseen_items` (a
+counter-based hash of `(data.seed, epoch, user, position)`, rejected against the user's training
+items), drawn for the whole batch at once: bitwise the same batches as `data=sequences` on the
+same users, whichever batch, rank or worker a user falls in. Nothing is per user. Unlike
+`data=sequences`, every row is a sample, so that the batches per epoch follow from the row counts
+alone: a user with fewer than two training transitions (1 or 3 interactions) is a sample without
+targets, which adds nothing to the loss.
 
 Evaluation (`split("valid" | "test")`): rank `r` scores a contiguous `1/W` of the users; a user
 with fewer than 3 interactions is padding (not scored), as the ranks' splits are padded alike.
@@ -41,6 +42,7 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -49,7 +51,6 @@ from recsys_pipe.data.sequences import (
     RetrievalBatch,
     RetrievalSample,
     SequencesDataConfig,
-    _sample_unseen,
     collate_retrieval,
 )
 from recsys_pipe.data.spec import DataSpec
@@ -269,80 +270,14 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _negatives(rows: UserRows, epoch: int, train: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """One negative per target, as `data=sequences` draws them: user `u`'s generator seeded
-    `(seed, epoch, u)` draws `2 * count + 4` items and the first `count` the user's training items
-    do not hold are taken (`_sample_unseen`). The draw is one call per user (a generator cannot be
-    seeded for many users at once); the rejection runs over all users at once, and the rare user
-    whose first draw falls short goes through `_sample_unseen` itself (the same stream)."""
+    """One negative per target of every user at once (`unseen_items`, seen: its training items)."""
     d = rows.source
-    users = np.flatnonzero(counts)
-    if not len(users):
-        return np.zeros(0, dtype=np.int64)
-    sizes = 2 * counts[users] + 4
-    draws = np.empty(int(sizes.sum()), dtype=np.int64)
-    at = 0
-    for user, size in zip(rows.sample_ids[users].tolist(), sizes.tolist()):
-        rng = np.random.default_rng([d.seed, epoch, user])
-        draws[at : at + size] = rng.integers(0, d.num_items, size=size)
-        at += size
-    owner = np.repeat(np.arange(len(users)), sizes)
-    accepted = _unseen(draws, owner, sizes, rows.items, rows.offsets[:-1][users], train[users], d.num_items)
-    # the first `count` accepted draws of each user: its accepted draws numbered from 0
-    total = np.cumsum(accepted)
-    before = np.concatenate([[0], total[np.cumsum(sizes)[:-1] - 1]])
-    keep = accepted & (total - 1 - before[owner] < counts[users][owner])
-    short = np.flatnonzero(np.bincount(owner[keep], minlength=len(users)) < counts[users])
-    if not len(short):
-        return draws[keep]
-    out = np.empty(int(counts.sum()), dtype=np.int64)
-    starts = _offsets(counts[users])
-    got = draws[keep]
-    got_starts = _offsets(np.bincount(owner[keep], minlength=len(users)))
-    refill = set(short.tolist())
-    for k in range(len(users)):
-        lo, hi = starts[k], starts[k + 1]
-        if k in refill:
-            u = int(users[k])
-            first = int(rows.offsets[u])
-            seen = set(rows.items[first : first + int(train[u])].tolist())
-            rng = np.random.default_rng([d.seed, epoch, int(rows.sample_ids[u])])
-            out[lo:hi] = _sample_unseen(rng, d.num_items, seen, hi - lo)
-        else:
-            out[lo:hi] = got[got_starts[k] : got_starts[k + 1]]
-    return out
+    seen = _ranges(rows.offsets[:-1], train)
+    return unseen_items(d.seed, TRAIN, epoch, rows.sample_ids, counts, rows.items[seen], _offsets(train), d.num_items)
 
 
 #: raw item ids up to this many (or 4x the vocabulary) map to dense ids through a table, not a search
 _LOOKUP_ROWS = 1 << 22
-#: the most bytes of the seen-items bitmap `_unseen` sets at once
-_BITMAP_BYTES = 1 << 24
-
-
-def _unseen(
-    draws: np.ndarray,
-    owner: np.ndarray,
-    sizes: np.ndarray,
-    items: np.ndarray,
-    starts: np.ndarray,
-    lengths: np.ndarray,
-    num_items: int,
-) -> np.ndarray:
-    """Whether each draw (of user `owner`) is not among that user's seen items (`items[start:
-    start + length]`), for users in chunks sharing one `[chunk, num_items]` bitmap: set the
-    chunk's seen items, look the draws up, clear them again (no per-user step, no sort)."""
-    chunk = max(1, _BITMAP_BYTES // num_items)
-    bitmap = np.zeros(min(chunk, len(sizes)) * num_items, dtype=bool)
-    accepted = np.empty(len(draws), dtype=bool)
-    draw_at = _offsets(sizes)
-    for first in range(0, len(sizes), chunk):
-        last = min(first + chunk, len(sizes))
-        local = np.repeat(np.arange(last - first, dtype=np.int64), lengths[first:last]) * num_items
-        seen = local + items[_ranges(starts[first:last], lengths[first:last])]
-        bitmap[seen] = True
-        lo, hi = draw_at[first], draw_at[last]
-        accepted[lo:hi] = ~bitmap[(owner[lo:hi] - first) * num_items + draws[lo:hi]]
-        bitmap[seen] = False
-    return accepted
 
 
 class _SequenceDecoder:
@@ -482,8 +417,10 @@ class ParquetSequences(StreamSource):
         if len(seq) < 3:
             return None
         end = len(seq) - (2 if split == "valid" else 1)
-        rng = np.random.default_rng([self.seed, 1 << 32, user])
-        negatives = _sample_unseen(rng, self.num_items, set(seq.tolist()), self.eval_negatives)
+        offsets = np.array([0, len(seq)], dtype=np.int64)
+        negatives = unseen_items(
+            self.seed, EVAL, 0, np.array([user]), np.array([self.eval_negatives]), seq, offsets, self.num_items
+        ).tolist()
         return RetrievalSample(
             user,
             seq[:end][-self.max_seq_len :].tolist(),

@@ -1,0 +1,141 @@
+"""Negative items of next-item retrieval: items a user never interacted with, drawn uniformly by
+a counter-based hash, for whole batches of users at once.
+
+One function, `unseen_items`, draws the training negatives (one per target, drawn again every
+epoch) and the evaluation negatives (the sampled protocol's candidates) of `data=sequences` and
+`data=parquet_sequences`, so both sources give bitwise equal batches.
+
+How a negative is drawn. Every user gets a 64-bit key from its counters, chained through
+SplitMix64's output function (`recsys_pipe.data.ids.splitmix64`, a bijection on 64-bit words):
+`key = f(f(f(f(seed) ^ domain) ^ epoch) ^ user)`. The domain keeps the streams apart (`TRAIN`:
+the training negatives of `epoch`; `EVAL`: the evaluation negatives, with epoch 0, the same at
+every evaluation). Position `j`'s attempt `r` draws the candidate `f(key ^ (r << 32 | j)) mod
+num_items`; a candidate among the user's seen items is rejected, and position `j` takes attempt
+`r + 1`, until one is accepted. So position `j`'s negative is uniform over the user's unseen items
+and depends only on (seed, domain, epoch, user, j, the seen items): never on the batch the user is
+in, the other users, the rank or worker count or the order of access. Resume stays exact, and a
+user drawn alone gets what it gets inside any batch. Draws are with replacement across positions.
+
+Bias. `h mod n` of a uniform 64-bit `h` gives every item a probability within `2^-64` of `1/n`
+(each residue is hit `floor(2^64 / n)` or `ceil(2^64 / n)` times out of `2^64`): a relative bias
+of at most `n / 2^64`, below `2^-32` for any catalogue under four billion items. SplitMix64's
+output function passes BigCrush on counters (Steele, Lea & Flood 2014), which is what it is
+given here. numpy's `Generator` cannot be keyed per (user, position, attempt) and vectorised at
+once: seeding one per user cost ~10 us, more than the draw.
+
+Membership is one `np.searchsorted` over the sorted keys `local user * num_items + item` of the
+batch's seen items; each round redraws only the rejected positions. A user whose seen items cover
+the whole catalogue has no negative: a `ConfigError` at `data.path`. Termination is certain with
+probability one: a position with `k` unseen items of `n` is still open after `r` rounds with
+probability `(1 - k/n)^r`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.data.ids import splitmix64
+
+__all__ = ["EVAL", "TRAIN", "unseen_items"]
+
+TRAIN = 0
+"""The domain of the training negatives (drawn again every epoch)."""
+EVAL = 1
+"""The domain of the evaluation negatives (epoch 0: the same at every evaluation)."""
+
+_U64 = 1 << 64
+_POSITION_BITS = 32
+
+
+def _word(value: int) -> np.ndarray:
+    """A Python integer as one uint64 word (two's complement modulo 2^64)."""
+    return np.array([value % _U64], dtype=np.uint64)
+
+
+def _user_keys(seed: int, domain: int, epoch: int, users: np.ndarray) -> np.ndarray:
+    """Each user's 64-bit key of `(seed, domain, epoch)` (see the module docstring)."""
+    k = splitmix64(_word(seed))
+    k = splitmix64(k ^ _word(domain))
+    k = splitmix64(k ^ _word(epoch))
+    return splitmix64(np.asarray(users, dtype=np.int64).view(np.uint64) ^ k)
+
+
+def unseen_items(
+    seed: int,
+    domain: int,
+    epoch: int,
+    users: np.ndarray,
+    counts: np.ndarray,
+    seen: np.ndarray,
+    seen_offsets: np.ndarray,
+    num_items: int,
+) -> np.ndarray:
+    """`counts[i]` items of `[0, num_items)` for user `users[i]`, none among its seen items
+    `seen[seen_offsets[i]:seen_offsets[i + 1]]`, uniform and with replacement.
+
+    Args:
+        seed: `data.seed`.
+        domain: `TRAIN` or `EVAL`.
+        epoch: the training epoch (0 for `EVAL`).
+        users: `[U]` the users' ids (dense user ids: the same user has the same id in every source).
+        counts: `[U]` negatives per user.
+        seen: the users' seen dense item ids, concatenated (any order, repeats allowed).
+        seen_offsets: `[U + 1]` where each user's seen items start in `seen`.
+        num_items: the catalogue size.
+
+    Returns:
+        `[sum(counts)]` int64: user 0's negatives, then user 1's, ... (positions in order).
+    """
+    users = np.asarray(users, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    seen_offsets = np.asarray(seen_offsets, dtype=np.int64)
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    if int(counts.max()) >= 1 << _POSITION_BITS:
+        raise ValueError(f"at most {(1 << _POSITION_BITS) - 1} negatives per user")
+    n = np.uint64(num_items)
+    lengths = np.diff(seen_offsets)
+    local = np.repeat(np.arange(len(users), dtype=np.int64), lengths)
+    first = seen_offsets[0]
+    keys = np.sort(local * num_items + np.asarray(seen[first : seen_offsets[-1]], dtype=np.int64))
+    _check_unseen_exist(keys, lengths, counts, num_items)
+
+    owner = np.repeat(np.arange(len(users), dtype=np.int64), counts)
+    starts = np.zeros(len(users), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    position = np.arange(total, dtype=np.int64) - starts[owner]
+    counters = position.view(np.uint64)
+    key = _user_keys(seed, domain, epoch, users)[owner]
+    out = np.empty(total, dtype=np.int64)
+    open_ = np.arange(total, dtype=np.int64)  # output slots not yet accepted
+    attempt = 0
+    while len(open_):
+        word = counters[open_] | np.uint64(attempt << _POSITION_BITS)
+        candidate = (splitmix64(key[open_] ^ word) % n).astype(np.int64)
+        hit = _member(keys, owner[open_] * num_items + candidate)
+        out[open_[~hit]] = candidate[~hit]
+        open_ = open_[hit]
+        attempt += 1
+    return out
+
+
+def _member(sorted_keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Whether each query is in `sorted_keys`."""
+    if not len(sorted_keys):
+        return np.zeros(len(queries), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_keys, queries), len(sorted_keys) - 1)
+    return sorted_keys[at] == queries
+
+
+def _check_unseen_exist(sorted_keys: np.ndarray, lengths: np.ndarray, counts: np.ndarray, num_items: int) -> None:
+    """A user that needs negatives but has seen every item cannot have any."""
+    candidates = (lengths >= num_items) & (counts > 0)
+    if not candidates.any():
+        return
+    distinct = np.ones(len(sorted_keys), dtype=bool)
+    distinct[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    per_user = np.bincount(sorted_keys[distinct] // num_items, minlength=len(lengths))
+    if ((per_user >= num_items) & (counts > 0)).any():
+        raise ConfigError(ConfigProblem("data.path", f"a user interacted with all {num_items} items: no negatives"))
