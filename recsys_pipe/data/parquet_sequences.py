@@ -42,7 +42,7 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
-from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
+from recsys_pipe.data.negatives import EVAL, TRAIN, concat_ranges, unseen_items
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -145,7 +145,7 @@ class UserRows:
     def take(self, index: torch.Tensor) -> UserRows:
         idx = index.numpy()
         lengths = np.diff(self.offsets)[idx]
-        gather = _ranges(self.offsets[:-1][idx], lengths)
+        gather = concat_ranges(self.offsets[:-1][idx], lengths)
         return UserRows(
             self.items[gather],
             self.stamps[gather],
@@ -174,7 +174,7 @@ class UserRows:
         keep = np.minimum(train, d.max_seq_len + 1)
         m = np.maximum(keep - 1, 0)  # transitions: inputs and targets of each sample
         first = self.offsets[:-1] + train - keep
-        inputs = _ranges(first, m)
+        inputs = concat_ranges(first, m)
         targets = inputs + 1
         negatives = _negatives(self, epoch, train, m)
         # the time of each sample's last target (of its only item when it has none), as data=sequences has it
@@ -258,21 +258,10 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of `arange(s, s + n)` for each start `s` and length `n`, vectorised."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    offsets = _offsets(lengths)
-    row = np.repeat(np.arange(len(lengths)), lengths)
-    return np.asarray(starts, dtype=np.int64)[row] + (np.arange(total) - offsets[row])
-
-
 def _negatives(rows: UserRows, epoch: int, train: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """One negative per target of every user at once (`unseen_items`, seen: its training items)."""
     d = rows.source
-    seen = _ranges(rows.offsets[:-1], train)
+    seen = concat_ranges(rows.offsets[:-1], train)
     return unseen_items(d.seed, TRAIN, epoch, rows.sample_ids, counts, rows.items[seen], _offsets(train), d.num_items)
 
 
