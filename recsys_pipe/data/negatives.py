@@ -63,15 +63,14 @@ def _user_keys(seed: int, domain: int, epoch: int, users: np.ndarray) -> np.ndar
 
 
 def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of `arange(s, s + n)` for each start `s` and length `n`, vectorised."""
+    """The concatenation of `arange(s, s + n)` for each start `s` and length `n`, vectorised:
+    each range's shift from its place in the output, repeated, plus one `arange`."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=offsets[1:])
-    row = np.repeat(np.arange(len(lengths)), lengths)
-    return np.asarray(starts, dtype=np.int64)[row] + (np.arange(total) - offsets[row])
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if len(ends) else 0
+    out = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
+    out += np.arange(total, dtype=np.int64)
+    return out
 
 
 def unseen_items(
@@ -81,11 +80,12 @@ def unseen_items(
     users: np.ndarray,
     counts: np.ndarray,
     seen: np.ndarray,
-    seen_offsets: np.ndarray,
+    seen_starts: np.ndarray,
+    seen_lengths: np.ndarray,
     num_items: int,
 ) -> np.ndarray:
     """`counts[i]` items of `[0, num_items)` for user `users[i]`, none among its seen items
-    `seen[seen_offsets[i]:seen_offsets[i + 1]]`, uniform and with replacement.
+    `seen[seen_starts[i]:seen_starts[i] + seen_lengths[i]]`, uniform and with replacement.
 
     Args:
         seed: `data.seed`.
@@ -93,8 +93,8 @@ def unseen_items(
         epoch: the training epoch (0 for `EVAL`).
         users: `[U]` the users' ids (dense user ids: the same user has the same id in every source).
         counts: `[U]` negatives per user.
-        seen: the users' seen dense item ids, concatenated (any order, repeats allowed).
-        seen_offsets: `[U + 1]` where each user's seen items start in `seen`.
+        seen: dense item ids holding every user's seen items (any order, repeats allowed).
+        seen_starts, seen_lengths: `[U]` where each user's seen items are in `seen`.
         num_items: the catalogue size.
 
     Returns:
@@ -103,69 +103,81 @@ def unseen_items(
     users = np.asarray(users, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     seen = np.asarray(seen, dtype=np.int64)
-    seen_offsets = np.asarray(seen_offsets, dtype=np.int64)
+    starts = np.asarray(seen_starts, dtype=np.int64)
+    lengths = np.asarray(seen_lengths, dtype=np.int64)
     total = int(counts.sum())
     if not total:
         return np.zeros(0, dtype=np.int64)
     if int(counts.max()) >= 1 << _POSITION_BITS:
         raise ValueError(f"at most {(1 << _POSITION_BITS) - 1} negatives per user")
-    n = np.uint64(num_items)
-    _check_unseen_exist(seen, seen_offsets, counts, num_items)
+    _check_unseen_exist(seen, starts, lengths, counts, num_items)
 
+    first = np.zeros(len(users), dtype=np.int64)
+    np.cumsum(counts[:-1], out=first[1:])
     owner = np.repeat(np.arange(len(users), dtype=np.int64), counts)
-    starts = np.zeros(len(users), dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    position = np.arange(total, dtype=np.int64) - starts[owner]
-    counters = position.view(np.uint64)
-    key = _user_keys(seed, domain, epoch, users)[owner]
-    out = np.empty(total, dtype=np.int64)
-    open_ = np.arange(total, dtype=np.int64)  # output slots not yet accepted
-    attempt = 0
-    while len(open_):
-        word = counters[open_] | np.uint64(attempt << _POSITION_BITS)
-        candidate = (splitmix64(key[open_] ^ word) % n).astype(np.int64)
-        hit = _seen(owner[open_], candidate, seen, seen_offsets, num_items)
+    position = np.arange(total, dtype=np.int64)
+    position -= first[owner]
+    key = np.repeat(_user_keys(seed, domain, epoch, users), counts)
+    out = _candidates(key, position.view(np.uint64), num_items)  # attempt 0 of every position
+    open_ = np.flatnonzero(_seen(owner, out, seen, starts, lengths, num_items))
+    attempt = 1
+    while len(open_):  # the rejected positions' next attempts
+        word = position[open_].view(np.uint64) | np.uint64(attempt << _POSITION_BITS)
+        candidate = _candidates(key[open_], word, num_items)
+        hit = _seen(owner[open_], candidate, seen, starts, lengths, num_items)
         out[open_[~hit]] = candidate[~hit]
         open_ = open_[hit]
         attempt += 1
     return out
 
 
+def _candidates(key: np.ndarray, word: np.ndarray, num_items: int) -> np.ndarray:
+    """`splitmix64(key ^ word) mod num_items`, as int64."""
+    h = splitmix64(key ^ word)
+    h %= np.uint64(num_items)
+    return h.view(np.int64)
+
+
 #: the most bytes of the seen-items bitmap `_seen` sets at once (a few users' rows: stays in cache)
 _BITMAP_BYTES = 1 << 21
 
 
-def _seen(owner: np.ndarray, item: np.ndarray, seen: np.ndarray, seen_offsets: np.ndarray, n: int) -> np.ndarray:
+def _seen(
+    owner: np.ndarray, item: np.ndarray, seen: np.ndarray, starts: np.ndarray, lengths: np.ndarray, n: int
+) -> np.ndarray:
     """Whether `item[k]` is among the seen items of user `owner[k]` (`owner` nondecreasing).
 
     A bitmap of `[users, n]` booleans, for a few users at a time: set their seen items, look the
-    queries up, clear them again: two scatters and one gather per item, no sort (a sort of the
-    batch's `user * n + item` keys and `np.searchsorted` give the same answer some 30x slower)."""
+    queries up, clear them again: two scatters and one gather per item, no sort (sorting the
+    batch's `user * n + item` keys for `np.searchsorted` gives the same answer some 30x slower)."""
     hit = np.empty(len(owner), dtype=bool)
     if not len(owner):
         return hit
-    first = np.flatnonzero(np.diff(owner)) + 1
-    query_at = np.concatenate([[0], first, [len(owner)]])
+    query_at = np.concatenate([[0], np.flatnonzero(np.diff(owner)) + 1, [len(owner)]])
     users = owner[query_at[:-1]]
     per = max(1, _BITMAP_BYTES // n)
+    local = np.arange(len(users), dtype=np.int64) % per * n  # each user's row in its chunk's bitmap
+    user_lengths = lengths[users]
+    keys = np.repeat(local, user_lengths)
+    keys += seen[concat_ranges(starts[users], user_lengths)]
+    queries = np.repeat(local, np.diff(query_at))
+    queries += item
+    key_at = np.zeros(len(users) + 1, dtype=np.int64)
+    np.cumsum(user_lengths, out=key_at[1:])
     bitmap = np.zeros(min(per, len(users)) * n, dtype=bool)
     for c in range(0, len(users), per):
-        us = users[c : c + per]
-        lengths = seen_offsets[us + 1] - seen_offsets[us]
-        keys = (
-            np.repeat(np.arange(len(us), dtype=np.int64) * n, lengths) + seen[concat_ranges(seen_offsets[us], lengths)]
-        )
-        bitmap[keys] = True
-        lo, hi = query_at[c], query_at[min(c + per, len(users))]
-        rows = np.repeat(np.arange(len(us), dtype=np.int64) * n, np.diff(query_at[c : c + per + 1]))
-        hit[lo:hi] = bitmap[rows + item[lo:hi]]
-        bitmap[keys] = False
+        d = min(c + per, len(users))
+        these = keys[key_at[c] : key_at[d]]
+        bitmap[these] = True
+        hit[query_at[c] : query_at[d]] = bitmap[queries[query_at[c] : query_at[d]]]
+        bitmap[these] = False
     return hit
 
 
-def _check_unseen_exist(seen: np.ndarray, seen_offsets: np.ndarray, counts: np.ndarray, num_items: int) -> None:
+def _check_unseen_exist(
+    seen: np.ndarray, starts: np.ndarray, lengths: np.ndarray, counts: np.ndarray, num_items: int
+) -> None:
     """A user that needs negatives but has seen every item cannot have any."""
-    lengths = np.diff(seen_offsets)
     for user in np.flatnonzero((lengths >= num_items) & (counts > 0)).tolist():  # rare: only such long users
-        if len(np.unique(seen[seen_offsets[user] : seen_offsets[user + 1]])) >= num_items:
+        if len(np.unique(seen[starts[user] : starts[user] + lengths[user]])) >= num_items:
             raise ConfigError(ConfigProblem("data.path", f"a user interacted with all {num_items} items: no negatives"))

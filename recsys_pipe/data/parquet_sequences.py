@@ -54,7 +54,7 @@ from recsys_pipe.data.sequences import (
     collate_retrieval,
 )
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Fail, StreamSource
+from recsys_pipe.data.stream import EpochOrder, Fail, Piece, StreamSource, WindowDataset
 
 __all__ = [
     "ITEM_VOCAB_KEY",
@@ -130,41 +130,6 @@ class UserRows:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
-
-    def slice(self, start: int, stop: int) -> UserRows:
-        lo, hi = self.offsets[start], self.offsets[stop]
-        return UserRows(
-            self.items[lo:hi],
-            self.stamps[lo:hi],
-            self.offsets[start : stop + 1] - lo,
-            self.users[start:stop],
-            self.sample_ids[start:stop],
-            self.source,
-        )
-
-    def take(self, index: torch.Tensor) -> UserRows:
-        idx = index.numpy()
-        lengths = np.diff(self.offsets)[idx]
-        gather = concat_ranges(self.offsets[:-1][idx], lengths)
-        return UserRows(
-            self.items[gather],
-            self.stamps[gather],
-            _offsets(lengths),
-            self.users[idx],
-            self.sample_ids[idx],
-            self.source,
-        )
-
-    @classmethod
-    def concat(cls, parts: Sequence[UserRows]) -> UserRows:
-        return UserRows(
-            np.concatenate([p.items for p in parts]),
-            np.concatenate([p.stamps for p in parts]),
-            _offsets(np.concatenate([np.diff(p.offsets) for p in parts])),
-            np.concatenate([p.users for p in parts]),
-            np.concatenate([p.sample_ids for p in parts]),
-            parts[0].source,
-        )
 
     def finish(self, epoch: int) -> TrainRows:
         """The training samples of these users in `epoch` (see the module docstring)."""
@@ -261,12 +226,25 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 def _negatives(rows: UserRows, epoch: int, train: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """One negative per target of every user at once (`unseen_items`, seen: its training items)."""
     d = rows.source
-    seen = concat_ranges(rows.offsets[:-1], train)
-    return unseen_items(d.seed, TRAIN, epoch, rows.sample_ids, counts, rows.items[seen], _offsets(train), d.num_items)
+    return unseen_items(
+        d.seed, TRAIN, epoch, rows.sample_ids, counts, rows.items, rows.offsets[:-1], train, d.num_items
+    )
 
 
 #: raw item ids up to this many (or 4x the vocabulary) map to dense ids through a table, not a search
 _LOOKUP_ROWS = 1 << 22
+
+
+@dataclass
+class _Columns:
+    """A table's rows as numpy: raw item ids (flat) and their offsets, user ids, timestamps
+    (flat; None: positions stand in) and the rows' sample ids."""
+
+    raw: np.ndarray
+    offsets: np.ndarray
+    users: np.ndarray
+    stamps: np.ndarray | None
+    sample_ids: np.ndarray
 
 
 class _SequenceDecoder:
@@ -283,30 +261,55 @@ class _SequenceDecoder:
         if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
             self._lookup = np.full(int(vocab[-1]) + 1, -1, dtype=np.int64)
             self._lookup[vocab] = np.arange(len(vocab))
+        self._cached: _Columns | None = None
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> UserRows:
+        cols = self._columns(table, sample_ids, fail)
+        if order is None:
+            raw, offsets, stamps, users, ids = cols.raw, cols.offsets, cols.stamps, cols.users, cols.sample_ids
+        else:  # only these rows, in this order: their items gathered, decoded while in cache
+            lengths = cols.offsets[1:][order] - cols.offsets[:-1][order]
+            gather = concat_ranges(cols.offsets[:-1][order], lengths)
+            raw, offsets, users, ids = cols.raw[gather], _offsets(lengths), cols.users[order], cols.sample_ids[order]
+            stamps = cols.stamps[gather] if cols.stamps is not None else None
+            window_fail = fail
+
+            def fail(column: str, message: str, row: int = 0) -> DataFileError:
+                return window_fail(column, message, int(order[row]))
+
+        dense = self._dense(raw, offsets, fail)
+        if stamps is None:  # the position in the sequence stands in for time
+            stamps = np.arange(len(raw), dtype=np.int64)
+            stamps -= np.repeat(offsets[:-1], np.diff(offsets))
+        return UserRows(dense, stamps, offsets, users, ids, self)
+
+    def _columns(self, table: pa.Table, sample_ids: np.ndarray, fail: Fail) -> _Columns:
+        """The table's columns as numpy, checked; kept for the next call on the same rows (the
+        parts of one window are decoded from the window's table in turn)."""
+        cached = self._cached
+        if cached is not None and np.array_equal(cached.sample_ids, sample_ids):
+            return cached
+        self._cached = None  # release the previous window before decoding this one
         users = _one(table, self.user, fail)
         if users.null_count:
             raise fail(self.user, f"{users.null_count} null user id(s)")
         items = _one(table, self.items, fail)
-        if items.null_count or items.flatten().null_count:
+        values = items.flatten()
+        if items.null_count or values.null_count:
             raise fail(self.items, "null item ids or null lists")
         offsets = np.asarray(items.offsets, dtype=np.int64)
         offsets = offsets - offsets[0]
-        raw = items.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        dense = self._dense(raw, offsets, fail)
+        raw = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        stamps = None
         if self.stamps is not None:
             col = _one(table, self.stamps, fail)
             st_offsets = np.asarray(col.offsets, dtype=np.int64)
             if not np.array_equal(st_offsets - st_offsets[0], offsets):
                 raise fail(self.stamps, f"lists of other lengths than {self.items!r}")
             stamps = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        else:  # the position in the sequence stands in for time
-            stamps = np.arange(len(raw), dtype=np.int64) - np.repeat(offsets[:-1], np.diff(offsets))
-        rows = UserRows(
-            dense, stamps, offsets, users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), sample_ids, self
-        )
-        return rows if order is None else rows.take(torch.from_numpy(order))
+        user_ids = users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        self._cached = _Columns(raw, offsets, user_ids, stamps, sample_ids)
+        return self._cached
 
     def _dense(self, raw: np.ndarray, offsets: np.ndarray, fail: Fail) -> np.ndarray:
         def row_of(bad: np.ndarray) -> tuple[int, int]:  # the first bad id and its user's row
@@ -319,16 +322,20 @@ class _SequenceDecoder:
                 raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
             return raw
         if self._lookup is not None:
-            inside = (raw >= 0) & (raw < len(self._lookup))
-            dense = np.where(inside, self._lookup[np.where(inside, raw, 0)], -1)
-            unknown = dense < 0
+            if raw.size and raw.min() >= 0 and raw.max() < len(self._lookup):  # the usual case: one gather
+                dense = self._lookup[raw]
+                unknown = dense < 0 if dense.min() < 0 else None
+            else:
+                inside = (raw >= 0) & (raw < len(self._lookup))
+                dense = np.where(inside, self._lookup[np.where(inside, raw, 0)], -1)
+                unknown = dense < 0
         else:
             dense = np.searchsorted(self.vocab, raw)
             unknown = (dense >= len(self.vocab)) | (self.vocab[np.minimum(dense, len(self.vocab) - 1)] != raw)
-        if unknown.any():
+        if unknown is not None and unknown.any():
             bad, row = row_of(unknown)
             raise fail(self.items, f"item id {bad} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})", row)
-        return dense.astype(np.int64)
+        return dense.astype(np.int64, copy=False)
 
 
 def _one(table: pa.Table, name: str, fail: Fail) -> pa.Array:
@@ -375,6 +382,36 @@ class _RawUsers:
         return self.rows.user(user)[0]
 
 
+#: users of a window that a worker turns into training rows at a time: a length-200 user's
+#: rows are ~6 KB, so a part's arrays stay a few MB (in cache, not page-faulted in afresh as a
+#: whole window's hundreds of MB are) and a first batch waits for one part, not the window
+_PART_ROWS = 4096
+
+
+class _Windows(WindowDataset):
+    """`WindowDataset` for windows handed out in parts (`ParquetSequences.epoch_pieces`): the
+    row groups of the window being decoded stay cached, so each part reads none again (the parts
+    of a window go to the same worker in turn with one worker; with several, each reads them)."""
+
+    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: _SequenceDecoder) -> None:
+        super().__init__(files, order, decoder)
+        self._groups: dict[tuple[int, int], pa.Table] = {}
+
+    def _group(self, file: int, group: int) -> pa.Table:
+        table = self._groups.get((file, group))
+        if table is None:
+            table = self._groups[file, group] = self.files.read(file, group, self.decoder.columns)
+        return table
+
+    def __getitem__(self, piece: Piece) -> Any:
+        whole = self.order.permutation(piece) is not None
+        start = piece.start if whole else piece.start + piece.skip
+        stop = piece.start + piece.length if whole else start + piece.take
+        used = {(f, g) for f, g, *_ in self.order.locate(piece.epoch, start, stop)}
+        self._groups = {key: table for key, table in self._groups.items() if key in used}
+        return super().__getitem__(piece)
+
+
 class ParquetSequences(StreamSource):
     """This rank's users of sequence Parquet: training by position (`StreamSource`) and the
     leave-one-out evaluation splits (`split`), as `SequencesDataset` offers them."""
@@ -391,6 +428,17 @@ class ParquetSequences(StreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
+        self.train_windows = _Windows(self.files, self.order, self.decoder)
+
+    def epoch_pieces(self, epoch: int) -> list[Piece]:
+        """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
+        `_PART_ROWS` users (a multiple of the batch size): the same rows in the same order."""
+        part = max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
+        return [
+            Piece(p.epoch, p.start, p.length, p.skip + at, min(part, p.take - at))
+            for p in super().epoch_pieces(epoch)
+            for at in range(0, p.take, part)
+        ]
 
     @property
     def num_users(self) -> int:
@@ -406,9 +454,8 @@ class ParquetSequences(StreamSource):
         if len(seq) < 3:
             return None
         end = len(seq) - (2 if split == "valid" else 1)
-        offsets = np.array([0, len(seq)], dtype=np.int64)
         negatives = unseen_items(
-            self.seed, EVAL, 0, np.array([user]), np.array([self.eval_negatives]), seq, offsets, self.num_items
+            self.seed, EVAL, 0, [user], [self.eval_negatives], seq, [0], [len(seq)], self.num_items
         ).tolist()
         return RetrievalSample(
             user,

@@ -356,8 +356,7 @@ def _unseen(
     """One user's `count` negatives (`recsys_pipe.data.negatives.unseen_items`, what it draws for
     the same user inside any batch)."""
     items = np.asarray(seen, dtype=np.int64)
-    offsets = np.array([0, len(items)], dtype=np.int64)
-    return unseen_items(seed, domain, epoch, np.array([user]), np.array([count]), items, offsets, num_items).tolist()
+    return unseen_items(seed, domain, epoch, [user], [count], items, [0], [len(items)], num_items).tolist()
 
 
 @dataclass

@@ -503,7 +503,7 @@ def test_sequence_negatives_depend_on_the_user_not_its_batch_rank_or_worker(sequ
     data = RankData(ParquetSequencesDataConfig(path=pqt, batch_size=16, shuffle=False), 0, 1).dataset
     _, seq, _ = data._rows.user(7)
     train = seq[:-2]
-    alone = unseen_items(0, TRAIN, 1, np.array([7]), np.array([len(one[1, 7])]), train, [0, len(train)], data.num_items)
+    alone = unseen_items(0, TRAIN, 1, [7], [len(one[1, 7])], train, [0], [len(train)], data.num_items)
     assert one[1, 7] == alone.tolist() and not set(alone.tolist()) & set(train.tolist())
 
 
@@ -517,6 +517,20 @@ def test_sequence_files_without_a_vocabulary_need_num_items(tmp_path):
         DataFileError, match=r"s.parquet, row group 0, column 'item_ids': item id 9 outside \[0, data.num_items=9\)"
     ):
         list(data.train_loader())
+
+
+def test_a_bad_sequence_id_names_its_row_group_when_decoded_in_shuffled_parts(tmp_path):
+    """Windows are decoded in parts of their permuted rows: an error still names the row group
+    of the bad row, not the part's."""
+    seqs = [[u % 7, (u + 1) % 7, (u + 2) % 7, (u + 3) % 7] for u in range(24)]
+    seqs[21][2] = 12  # row group 2 (rows 16..23)
+    t = pa.table({"user_id": pa.array(range(24)), "item_ids": pa.array(seqs, pa.list_(pa.int64()))})
+    pq.write_table(t, tmp_path / "s.parquet", row_group_size=8)
+    cfg = ParquetSequencesDataConfig(
+        path=str(tmp_path / "s.parquet"), batch_size=2, eval_negatives=2, num_items=9, shuffle_window=24
+    )
+    with pytest.raises(DataFileError, match=r"row group 2, column 'item_ids': item id 12 outside"):
+        list(RankData(cfg, 0, 1).train_loader())
 
 
 # -- recsys-data inspect ----------------------------------------------------------------------------

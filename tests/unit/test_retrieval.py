@@ -188,8 +188,9 @@ def _reference_negatives(seed, domain, epoch, user, count, seen, num_items):
 
 def _draw(users, counts, seen, num_items, seed=0, domain=TRAIN, epoch=0):
     flat = np.array([i for s in seen for i in s], dtype=np.int64)
-    offsets = np.cumsum([0, *map(len, seen)])
-    return unseen_items(seed, domain, epoch, np.array(users), np.array(counts), flat, offsets, num_items)
+    lengths = [len(s) for s in seen]
+    starts = np.cumsum([0, *lengths])[:-1]
+    return unseen_items(seed, domain, epoch, np.array(users), np.array(counts), flat, starts, lengths, num_items)
 
 
 def test_unseen_items_are_the_documented_hash_draws():
