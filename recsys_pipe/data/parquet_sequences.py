@@ -42,7 +42,8 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
-from recsys_pipe.data.negatives import EVAL, TRAIN, concat_ranges, unseen_items
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
+from recsys_pipe.data.negatives import concat_ranges as _ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -139,7 +140,7 @@ class UserRows:
         keep = np.minimum(train, d.max_seq_len + 1)
         m = np.maximum(keep - 1, 0)  # transitions: inputs and targets of each sample
         first = self.offsets[:-1] + train - keep
-        inputs = concat_ranges(first, m)
+        inputs = _ranges(first, m)
         targets = inputs + 1
         negatives = _negatives(self, epoch, train, m)
         # the time of each sample's last target (of its only item when it has none), as data=sequences has it
@@ -269,7 +270,7 @@ class _SequenceDecoder:
             raw, offsets, stamps, users, ids = cols.raw, cols.offsets, cols.stamps, cols.users, cols.sample_ids
         else:  # only these rows, in this order: their items gathered, decoded while in cache
             lengths = cols.offsets[1:][order] - cols.offsets[:-1][order]
-            gather = concat_ranges(cols.offsets[:-1][order], lengths)
+            gather = _ranges(cols.offsets[:-1][order], lengths)
             raw, offsets, users, ids = cols.raw[gather], _offsets(lengths), cols.users[order], cols.sample_ids[order]
             stamps = cols.stamps[gather] if cols.stamps is not None else None
             window_fail = fail
@@ -277,11 +278,10 @@ class _SequenceDecoder:
             def fail(column: str, message: str, row: int = 0) -> DataFileError:
                 return window_fail(column, message, int(order[row]))
 
-        dense = self._dense(raw, offsets, fail)
         if stamps is None:  # the position in the sequence stands in for time
             stamps = np.arange(len(raw), dtype=np.int64)
             stamps -= np.repeat(offsets[:-1], np.diff(offsets))
-        return UserRows(dense, stamps, offsets, users, ids, self)
+        return UserRows(self._dense(raw, offsets, fail), stamps, offsets, users, ids, self)
 
     def _columns(self, table: pa.Table, sample_ids: np.ndarray, fail: Fail) -> _Columns:
         """The table's columns as numpy, checked; kept for the next call on the same rows (the
@@ -293,20 +293,12 @@ class _SequenceDecoder:
         users = _one(table, self.user, fail)
         if users.null_count:
             raise fail(self.user, f"{users.null_count} null user id(s)")
-        items = _one(table, self.items, fail)
-        values = items.flatten()
-        if items.null_count or values.null_count:
-            raise fail(self.items, "null item ids or null lists")
-        offsets = np.asarray(items.offsets, dtype=np.int64)
-        offsets = offsets - offsets[0]
-        raw = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        raw, offsets = _list_values(table.column(self.items), fail, self.items, "item ids")
         stamps = None
         if self.stamps is not None:
-            col = _one(table, self.stamps, fail)
-            st_offsets = np.asarray(col.offsets, dtype=np.int64)
-            if not np.array_equal(st_offsets - st_offsets[0], offsets):
+            stamps, st_offsets = _list_values(table.column(self.stamps), fail, self.stamps, "timestamps")
+            if not np.array_equal(st_offsets, offsets):
                 raise fail(self.stamps, f"lists of other lengths than {self.items!r}")
-            stamps = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         user_ids = users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         self._cached = _Columns(raw, offsets, user_ids, stamps, sample_ids)
         return self._cached
@@ -341,6 +333,23 @@ class _SequenceDecoder:
 def _one(table: pa.Table, name: str, fail: Fail) -> pa.Array:
     col = table.column(name)
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+
+
+def _list_values(column: pa.ChunkedArray, fail: Fail, name: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's values as one int64 array and its offsets (`[rows + 1]`, from 0): the
+    values of each chunk (row-group slice) are read in place, and copied once if there are
+    several (`combine_chunks` would copy the offsets and lists as well)."""
+    values, offsets, at = [], [np.zeros(1, dtype=np.int64)], 0
+    for chunk in column.chunks:
+        flat = chunk.flatten()
+        if chunk.null_count or flat.null_count:
+            raise fail(name, f"null {what} or null lists")
+        bounds = np.asarray(chunk.offsets, dtype=np.int64)
+        offsets.append(bounds[1:] - bounds[0] + at)
+        values.append(flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+        at += len(flat)
+    flat_values = values[0] if len(values) == 1 else np.concatenate(values) if values else np.zeros(0, np.int64)
+    return flat_values, np.concatenate(offsets)
 
 
 class _Rows:
@@ -390,26 +399,23 @@ _PART_ROWS = 4096
 
 class _Windows(WindowDataset):
     """`WindowDataset` for windows handed out in parts (`ParquetSequences.epoch_pieces`): the
-    row groups of the window being decoded stay cached, so each part reads none again (the parts
-    of a window go to the same worker in turn with one worker; with several, each reads them)."""
+    row groups read last stay cached, up to a window's rows plus two row groups (what a window
+    can span), so each part of a window reads none of them again (with one worker the parts of a
+    window reach it in turn; with several, each worker reads the window's groups once)."""
 
-    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: _SequenceDecoder) -> None:
+    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: _SequenceDecoder, window: int) -> None:
         super().__init__(files, order, decoder)
         self._groups: dict[tuple[int, int], pa.Table] = {}
+        self._keep_rows = window + 2 * int(files.unit_rows().max(initial=0))
 
     def _group(self, file: int, group: int) -> pa.Table:
-        table = self._groups.get((file, group))
+        table = self._groups.pop((file, group), None)
         if table is None:
-            table = self._groups[file, group] = self.files.read(file, group, self.decoder.columns)
+            table = self.files.read(file, group, self.decoder.columns)
+        self._groups[file, group] = table  # the most recently used last
+        while sum(t.num_rows for t in self._groups.values()) > self._keep_rows and len(self._groups) > 1:
+            del self._groups[next(iter(self._groups))]
         return table
-
-    def __getitem__(self, piece: Piece) -> Any:
-        whole = self.order.permutation(piece) is not None
-        start = piece.start if whole else piece.start + piece.skip
-        stop = piece.start + piece.length if whole else start + piece.take
-        used = {(f, g) for f, g, *_ in self.order.locate(piece.epoch, start, stop)}
-        self._groups = {key: table for key, table in self._groups.items() if key in used}
-        return super().__getitem__(piece)
 
 
 class ParquetSequences(StreamSource):
@@ -428,7 +434,7 @@ class ParquetSequences(StreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
-        self.train_windows = _Windows(self.files, self.order, self.decoder)
+        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)
 
     def epoch_pieces(self, epoch: int) -> list[Piece]:
         """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
