@@ -44,7 +44,7 @@ def train(info: Any, overrides: list[str], warmup: int, steps: int) -> dict[str,
     try:
         first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
         window = Window(info.device)
-        trainer.pipeline.observer = StepTimer(window, first, first + steps)
+        trainer.plan_runner.observer = StepTimer(window, first, first + steps)
         losses = trainer.fit(record_steps=True).losses
         compiled = trainer.parts.compiled
         return {

@@ -276,7 +276,7 @@ def _train(overrides: list[str], warmup: int, steps: int, batch_size: int, start
     try:
         first = warmup + plan.schedule.max_lookahead
         window = Window(info.device)
-        trainer.pipeline.observer = StepTimer(window, first, first + steps)
+        trainer.plan_runner.observer = StepTimer(window, first, first + steps)
         trainer.fit()
         seconds = window.figures()["seconds"]
     finally:

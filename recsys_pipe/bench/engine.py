@@ -45,7 +45,7 @@ from typing import Any
 
 from recsys_pipe.bench.common import format_summary as fmt
 from recsys_pipe.bench.common import summary
-from recsys_pipe.engine import SchedulablePipeline, Schedule, SpanRecorder, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, Schedule, SpanRecorder, Task, ThreadedExecutor
 
 PLANS = ("serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch")
 THREAD_MAPS = ("hstu_default", "by_stream", "per_task", "single")
@@ -93,10 +93,10 @@ def shipped_plan(name: str, thread_map: str | None = None) -> tuple[Schedule, di
 # -- measures (one repetition each) ---------------------------------------------------------------
 
 
-def timed(pipe: SchedulablePipeline, batches: int) -> float:
+def timed(runner: PlanRunner, batches: int) -> float:
     """Seconds to train `batches` batches (prefill and drain included)."""
     start = time.perf_counter()
-    for _ in pipe.iterate(range(batches)):
+    for _ in runner.iterate(range(batches)):
         pass
     return time.perf_counter() - start
 
@@ -113,9 +113,9 @@ def plain_loop(schedule: Schedule, iterations: int) -> float:
 
 def overhead_us_per_task(schedule: Schedule, executor: Any, iterations: int) -> float:
     """Engine time minus a plain loop over the same functions, per task invocation."""
-    with SchedulablePipeline(schedule, executor=executor) as pipe:
-        timed(pipe, 20)  # warm: plans cached, workers started
-        engine = timed(pipe, iterations)
+    with PlanRunner(schedule, executor=executor) as runner:
+        timed(runner, 20)  # warm: plans cached, workers started
+        engine = timed(runner, iterations)
     plain = plain_loop(schedule, iterations)
     return (engine - plain) / (iterations * len(schedule.tasks)) * 1e6
 
@@ -136,15 +136,15 @@ def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
     )
     threads = {"h2d": "io", "input_dist": "io", "forward": "compute", "backward": "compute"}
     recorder = SpanRecorder()
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor(threads), observer=recorder) as pipe:
-        threaded = timed(pipe, iterations)
+    with PlanRunner(schedule, executor=ThreadedExecutor(threads), observer=recorder) as runner:
+        threaded = timed(runner, iterations)
     per_iteration: dict[int, dict[str, float]] = {}
     for span in recorder.spans():
         per_thread = per_iteration.setdefault(span.iteration, {})
         per_thread[span.thread] = per_thread.get(span.thread, 0.0) + span.duration_s
     ideal = sum(max(per_thread.values()) for per_thread in per_iteration.values())
-    with SchedulablePipeline(schedule, executor="sequential") as pipe:
-        serial = timed(pipe, iterations)
+    with PlanRunner(schedule, executor="sequential") as runner:
+        serial = timed(runner, iterations)
     return {
         "iteration_ms_threaded": threaded / iterations * 1e3,
         "iteration_ms_ideal": ideal / iterations * 1e3,
@@ -156,9 +156,9 @@ def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
 
 def plan_us_per_step(schedule: Schedule, executor: Any, steps: int) -> float:
     """Engine µs per step of `schedule` with no-op tasks on `executor` (after 20 untimed steps)."""
-    with SchedulablePipeline(schedule, executor=executor) as pipe:
-        timed(pipe, 20)
-        return timed(pipe, steps) / steps * 1e6
+    with PlanRunner(schedule, executor=executor) as runner:
+        timed(runner, 20)
+        return timed(runner, steps) / steps * 1e6
 
 
 def on_one_core(run: Callable[[], float]) -> Callable[[], float]:

@@ -107,7 +107,7 @@ def train(run: Any, info: Any, batches: list, warmup: int, steps: int) -> tuple[
     try:
         window = Window(info.device)
         first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
-        trainer.pipeline.observer = StepTimer(window, first, first + steps)
+        trainer.plan_runner.observer = StepTimer(window, first, first + steps)
         summary = trainer.fit(batches=iter(batches), record_steps=True)
         assert summary.steps == len(batches), (summary.steps, len(batches))
         return window.figures()["seconds"], summary.losses, [ids.tolist() for ids in summary.sample_ids]

@@ -40,7 +40,7 @@ from typing import Any
 from recsys_pipe.autosched import CostModel, TaskProfiler, simulate
 from recsys_pipe.engine import (
     DataSlot,
-    SchedulablePipeline,
+    PlanRunner,
     Schedule,
     ScheduleValidationError,
     Task,
@@ -111,8 +111,8 @@ def random_plan(rng: random.Random) -> tuple[Schedule, dict[str, str]]:
 
 def measure_random(schedule: Schedule, thread_map: dict[str, str], warmup: int, iters: int) -> dict[str, Any]:
     """Profile one random plan on the threaded executor and compare the simulator's prediction."""
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor(thread_map)) as pipe:
-        profiler = TaskProfiler(pipe, lambda: range(profiler.batches_needed), warmup, iters)
+    with PlanRunner(schedule, executor=ThreadedExecutor(thread_map)) as runner:
+        profiler = TaskProfiler(runner, lambda: range(profiler.batches_needed), warmup, iters)
         result = profiler.profile_many([])
     predicted = simulate(schedule, result.costs, thread_map).iteration_s
     return {

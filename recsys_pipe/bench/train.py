@@ -220,7 +220,7 @@ class Bench:
         try:
             first = self.warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
             timer = StepTimer(window, first, first + self.steps)
-            trainer.pipeline.observer = timer
+            trainer.plan_runner.observer = timer
             summary = trainer.fit(iter(self.batches), record_steps=not self.cuda)
             assert summary.steps == len(self.batches), (summary.steps, len(self.batches))
             losses = summary.losses if not self.cuda else [summary.first_loss, summary.last_loss]

@@ -1,4 +1,4 @@
-"""The schedulable pipeline engine: tasks with lookaheads, streams and dependencies, executed
+"""The engine: a plan of tasks with lookaheads, streams and dependencies, run by a `PlanRunner`
 batch-ahead over a ring of in-flight batches.
 
 Imports only the standard library, torch and nvtx (a test enforces it), so it can be reused
@@ -15,7 +15,7 @@ from recsys_pipe.engine.deps import (
     cpu_edges,
 )
 from recsys_pipe.engine.errors import (
-    PipelineBrokenError,
+    PlanRunnerBrokenError,
     Problem,
     ScheduleValidationError,
     SchedulingError,
@@ -23,7 +23,7 @@ from recsys_pipe.engine.errors import (
 )
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, SpanRecorder, TaskObserver, TaskSpan
-from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
+from recsys_pipe.engine.plan_runner import PlanRunner, fires
 from recsys_pipe.engine.schedule import Schedule, Stage
 from recsys_pipe.engine.shortcut import shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
@@ -48,10 +48,10 @@ __all__ = [
     "IterationSpan",
     "NoOpEvent",
     "NoOpStream",
-    "PipelineBrokenError",
+    "PlanRunnerBrokenError",
     "RecordFunctionRanges",
     "Problem",
-    "SchedulablePipeline",
+    "PlanRunner",
     "Schedule",
     "ScheduleValidationError",
     "SchedulingError",

@@ -105,7 +105,7 @@ def compile_dependencies(schedule: Schedule, stream_pool: StreamPool | None = No
 
     Args:
         schedule: the tasks and streams of one iteration.
-        stream_pool: the streams the pipeline will run on; when given, every stream a task names
+        stream_pool: the streams the plan runner will run on; when given, every stream a task names
             must be in it.
 
     Returns:

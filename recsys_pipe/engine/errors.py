@@ -57,5 +57,5 @@ class TaskFailedError(RuntimeError):
         super().__init__(f"task '{task}' failed on batch {batch_index} (internal iteration {iteration})")
 
 
-class PipelineBrokenError(RuntimeError):
+class PlanRunnerBrokenError(RuntimeError):
     """Raised by `progress()` after an earlier failure: a half-done iteration cannot resume."""

@@ -152,7 +152,7 @@ class StreamPool:
     @property
     def is_noop(self) -> bool:
         """Every stream is a `NoOpStream`: waits, events and stream scopes order nothing, and
-        the pipeline skips them."""
+        the plan runner skips them."""
         return all(type(s) is NoOpStream for s in self._streams.values())
 
     def __contains__(self, name: object) -> bool:

@@ -195,7 +195,7 @@ class Task:
     # -- behaviour ----------------------------------------------------------------------------
 
     def init(self, ctx: TaskContext) -> None:
-        """Called once when a pipeline is built, before the first iteration."""
+        """Called once when a plan runner is built, before the first iteration."""
 
     def run(self, ctx: TaskContext) -> None:
         """The task's work on its batch: read and write `ctx.slots`, use `ctx.stream` and `ctx.state`."""

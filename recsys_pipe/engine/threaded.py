@@ -240,7 +240,7 @@ class ThreadedExecutor:
         self.max_workers = max_workers
         self._workers: dict[str, _Worker] = {}
         self._plans: dict[tuple[int, ...], _Plan] = {}
-        self._last: tuple[Sequence[Task], _Plan] | None = None  # the pipeline passes the same tuples
+        self._last: tuple[Sequence[Task], _Plan] | None = None  # the plan runner passes the same tuples
         self._worker_of: dict[str, str] = {}
         self._caller_of: dict[int, str] = {}  # id(graph) -> thread id run by the caller
         self._closed = False

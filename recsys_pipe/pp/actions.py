@@ -36,7 +36,7 @@ import torch
 from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
-    SchedulablePipeline,
+    PlanRunner,
     Schedule,
     ScheduleValidationError,
     Task,
@@ -252,7 +252,7 @@ class ActionOrderRunner:
         self.microbatches = microbatches
         self.link = link
         plan = action_schedule(schedule, rank, ranks_of_stages, microbatches)
-        self.pipeline = SchedulablePipeline(plan, state=self.runtimes, observer=observer)
+        self.plan_runner = PlanRunner(plan, state=self.runtimes, observer=observer)
         #: the receive tasks, posted at the start of a step
         self.receives = [task for task in plan.tasks if task.fn is recv_f or task.fn is recv_b]
 
@@ -265,7 +265,7 @@ class ActionOrderRunner:
             runtime.begin_step(step, len(microbatches))
         for task in self.receives:
             _post_receive(task, self.runtimes)
-        losses = self.pipeline.progress(iter([list(microbatches)]))
+        losses = self.plan_runner.progress(iter([list(microbatches)]))
         if self.link is not None:
             self.link.wait_sends()
         for _, runtime in sorted(self.runtimes.items()):  # the same collective order on every replica
@@ -273,5 +273,5 @@ class ActionOrderRunner:
         return losses
 
     def shutdown(self) -> None:
-        """Stop the engine pipeline's worker threads."""
-        self.pipeline.shutdown()
+        """Stop the plan runner's worker threads."""
+        self.plan_runner.shutdown()

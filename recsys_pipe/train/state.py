@@ -108,7 +108,7 @@ class TrainState:
         return dataclasses.replace(self, training=False)
 
     def bootstrap(self, cpu_batch: Any) -> dict[str, Any]:
-        """The slots to seed the first batch with (`SchedulablePipeline.seed_first_batch`).
+        """The slots to seed the first batch with (`PlanRunner.seed_first_batch`).
 
         With torchrec tables, the model is rewritten for pipelining on this batch: it is moved,
         traced and its input dist started, and those slots are returned so it is trained like

@@ -16,7 +16,7 @@ from _streams import DeviceTrace, EventLogPool, wait_violations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recsys_pipe.engine import SchedulablePipeline, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,9 +31,9 @@ EXECUTORS = {
 
 def run(schedule, executor, pool, batches=BATCHES):
     """Train `batches` batches (the bodies ignore the payload); return the compiled graph."""
-    with SchedulablePipeline(schedule, pool, executor) as pipe:
-        assert len(list(pipe.iterate(range(batches)))) == batches
-        return pipe.graph
+    with PlanRunner(schedule, pool, executor) as runner:
+        assert len(list(runner.iterate(range(batches)))) == batches
+        return runner.graph
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))

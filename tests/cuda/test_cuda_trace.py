@@ -19,8 +19,8 @@ from _profiling import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-import recsys_pipe.engine.pipeline as pipeline_module
-from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, StreamPool, Task, ThreadedExecutor
+import recsys_pipe.engine.plan_runner as plan_runner_module
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, Schedule, StreamPool, Task, ThreadedExecutor
 from recsys_pipe.engine.testing import cuda_spin
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,11 +65,11 @@ class NvtxProbe:
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
 def test_nvtx_range_per_task_inside_its_stream_scope(monkeypatch, executor):
     probe = NvtxProbe()
-    monkeypatch.setattr(pipeline_module, "nvtx", probe)
+    monkeypatch.setattr(plan_runner_module, "nvtx", probe)
     schedule = plan()
     pool = StreamPool.create(schedule.stream_slots, "cuda")
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor]()) as pipe:  # NVTX on: the pool is CUDA
-        list(pipe.iterate(range(BATCHES)))
+    with PlanRunner(schedule, pool, EXECUTORS[executor]()) as runner:  # NVTX on: the pool is CUDA
+        list(runner.iterate(range(BATCHES)))
     torch.cuda.synchronize()
     stream_of = {t.label: pool.get(t.stream) for t in schedule.tasks}
     pushes = [op for op in probe.ops if op[0] == "push"]
@@ -92,13 +92,13 @@ def test_profiler_trace_shows_each_task_and_its_kernels_on_its_stream(tmp_path, 
     schedule = plan()
     pool = StreamPool.create(schedule.stream_slots, "cuda")
     labels = {t.label for t in schedule.tasks}
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor](), observer=RecordFunctionRanges()) as pipe:
-        list(pipe.iterate(range(2)))  # warm: worker threads started, kernels loaded
+    with PlanRunner(schedule, pool, EXECUTORS[executor](), observer=RecordFunctionRanges()) as runner:
+        list(runner.iterate(range(2)))  # warm: worker threads started, kernels loaded
         torch.cuda.synchronize()
         with profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=profile_all_threads()
         ) as prof:
-            list(pipe.iterate(range(BATCHES)))
+            list(runner.iterate(range(BATCHES)))
             torch.cuda.synchronize()
     events = chrome_trace_events(prof, tmp_path)
     ranges = annotations(events, labels)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, Task, TaskFailedError, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, Schedule, Task, TaskFailedError, ThreadedExecutor
 
 SIZES = {"shuffle": 3, "start_dist": 5, "wait_dist": 7, "tokens": 1, "backward": 11, "finalize": 13}
 
@@ -56,10 +56,10 @@ def build(results, rng):
 
 def drive(executor, seed, shortcuts=()):
     results = {}
-    with SchedulablePipeline(build(results, random.Random(seed)), executor=executor) as pipe:
+    with PlanRunner(build(results, random.Random(seed)), executor=executor) as runner:
         if shortcuts:
-            pipe.enable_shortcut(shortcuts)
-        for _ in pipe.iterate(range(10)):
+            runner.enable_shortcut(shortcuts)
+        for _ in runner.iterate(range(10)):
             pass
     return {f"{k[0]}:{k[1]}": v for k, v in sorted(results.items())}
 
@@ -118,11 +118,11 @@ def ddp_through_skipped_task(detached):
         ]
     )
     data = [torch.randn(5, 3, generator=torch.Generator().manual_seed(b)) for b in range(5)]
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor("per_task")) as pipe:
+    with PlanRunner(schedule, executor=ThreadedExecutor("per_task")) as runner:
         if not detached:
-            pipe.enable_shortcut("mid")
+            runner.enable_shortcut("mid")
         try:
-            return {"grads": list(pipe.iterate(data))}
+            return {"grads": list(runner.iterate(data))}
         except TaskFailedError as exc:
             return {"error": f"{exc} <- {exc.__cause__}"}
 

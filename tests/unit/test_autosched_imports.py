@@ -57,7 +57,7 @@ def test_autosched_uses_only_engine_names_that_stay():
         "ScheduleValidationError",
         "SchedulingError",
         # the profiler: an observer on a running pipeline, and the shortcut eligibility rule
-        "SchedulablePipeline",
+        "PlanRunner",
         "SpanRecorder",
         "shortcut_refusal",
     }

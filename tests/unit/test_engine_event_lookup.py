@@ -11,7 +11,7 @@ from _streams import DEPENDENCY_KINDS, DeviceTrace, EventLogPool, wait_violation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recsys_pipe.engine import SchedulablePipeline, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, ThreadedExecutor
 from recsys_pipe.engine.testing import check_happens_before
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,9 +27,9 @@ def traced(specs, executor, batches):
     trace = Trace()
     schedule = build(specs, trace, STREAMS)
     pool, log = EventLogPool.recording(STREAMS)
-    with SchedulablePipeline(schedule, pool, executor) as pipe:
-        assert len(list(pipe.iterate(range(batches)))) == batches
-        graph = pipe.graph
+    with PlanRunner(schedule, pool, executor) as runner:
+        assert len(list(runner.iterate(range(batches)))) == batches
+        graph = runner.graph
     return graph, pool, list(trace.reads), check_happens_before(log, schedule)
 
 
@@ -81,9 +81,9 @@ def test_device_trace_bookkeeping_on_cpu(specs, batches, executor):
     trace = DeviceTrace(device="cpu", size=4)
     schedule = trace.build(specs, STREAMS)
     pool, _ = EventLogPool.recording(STREAMS)
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor]()) as pipe:
-        list(pipe.iterate(range(batches)))
-        graph = pipe.graph
+    with PlanRunner(schedule, pool, EXECUTORS[executor]()) as runner:
+        list(runner.iterate(range(batches)))
+        graph = runner.graph
     assert sorted(trace.ran) == sorted((s["name"], b) for s in specs for b in range(batches))
     assert trace.violations() == []
     assert wait_violations(graph, pool, trace.ran) == []
@@ -92,7 +92,7 @@ def test_device_trace_bookkeeping_on_cpu(specs, batches, executor):
 def test_device_trace_reports_a_read_that_saw_an_unwritten_output():
     specs, _, _ = DEPENDENCY_KINDS["slot_read_next_batch"]
     trace = DeviceTrace(device="cpu", size=4)
-    list(SchedulablePipeline(trace.build(specs, STREAMS)).iterate(range(3)))
+    list(PlanRunner(trace.build(specs, STREAMS)).iterate(range(3)))
     assert trace.violations() == [] and len(trace.reads) == 3
     trace.reads[1][-1].fill_(-1)  # what a copy racing ahead of X's write would have seen
     assert trace.violations() == [

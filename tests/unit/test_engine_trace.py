@@ -11,7 +11,7 @@ from _profiling import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, Schedule, Task, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,10 +36,10 @@ def plan():
 def profiled_ranges(tmp_path, **profile_kwargs):
     schedule = plan()
     labels = {t.label for t in schedule.tasks}
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor("by_stream"), observer=RecordFunctionRanges()) as pipe:
-        list(pipe.iterate(range(2)))  # the worker threads exist before the profiler starts
+    with PlanRunner(schedule, executor=ThreadedExecutor("by_stream"), observer=RecordFunctionRanges()) as runner:
+        list(runner.iterate(range(2)))  # the worker threads exist before the profiler starts
         with profile(activities=[ProfilerActivity.CPU], **profile_kwargs) as prof:
-            list(pipe.iterate(range(BATCHES)))
+            list(runner.iterate(range(BATCHES)))
     return labels, annotations(chrome_trace_events(prof, tmp_path), labels)
 
 

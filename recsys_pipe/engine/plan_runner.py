@@ -1,4 +1,4 @@
-"""SchedulablePipeline: drives a compiled schedule over a stream of batches.
+"""PlanRunner: runs one plan (a compiled task graph) over a stream of batches.
 
 Internal iteration i pulls batch i into `ring.at(L)` (L = max lookahead) and fires every task of
 lookahead k with `L - k <= i < M + L - k` (M = batches pulled so far, final once the iterator is
@@ -17,7 +17,7 @@ import nvtx
 
 from recsys_pipe.engine.context import TaskContext
 from recsys_pipe.engine.deps import DependencyGraph, compile_dependencies
-from recsys_pipe.engine.errors import PipelineBrokenError, Problem, ScheduleValidationError, TaskFailedError
+from recsys_pipe.engine.errors import PlanRunnerBrokenError, Problem, ScheduleValidationError, TaskFailedError
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import TaskObserver
 from recsys_pipe.engine.schedule import Schedule
@@ -45,7 +45,7 @@ def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) 
 
 
 class _TaskRecord:
-    """What running one task needs, resolved once per pipeline so the per-task path does no
+    """What running one task needs, resolved once per plan runner so the per-task path does no
     lookups: its event waits, whether it records an event, its NVTX label, and what runs it
     (`task.run`, or a `ShortcutRun` while a shortcut is enabled)."""
 
@@ -62,7 +62,7 @@ class _TaskRecord:
         self.records_event = task.name in needs_event
 
 
-class SchedulablePipeline:
+class PlanRunner:
     """Runs `schedule` batch-ahead over an iterator; see the module docstring for semantics.
 
     Args:
@@ -172,7 +172,7 @@ class SchedulablePipeline:
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise KeyError(
-                f"no task named {', '.join(map(repr, unknown))} in this pipeline (tasks: {', '.join(by_name)})"
+                f"no task named {', '.join(map(repr, unknown))} in this plan runner (tasks: {', '.join(by_name)})"
             )
         return [by_name[n] for n in names]
 
@@ -229,7 +229,7 @@ class SchedulablePipeline:
 
     def step(self, batch: Any) -> Any:
         """Push one batch and run one internal iteration; return the `step_result` of the batch
-        that completed in it (None while the pipeline fills). Call `drain()` after the last batch."""
+        that completed in it (None while the plan runner fills). Call `drain()` after the last batch."""
         self._check_usable()
         if self._iterator is not _PUSH:
             self._reset(_PUSH)
@@ -254,7 +254,7 @@ class SchedulablePipeline:
             self._closed = True
             self.executor.shutdown()
 
-    def __enter__(self) -> SchedulablePipeline:
+    def __enter__(self) -> PlanRunner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -270,11 +270,11 @@ class SchedulablePipeline:
 
     def _check_usable(self) -> None:
         if self._closed:
-            raise PipelineBrokenError("this pipeline was shut down; build a new one")
+            raise PlanRunnerBrokenError("this plan runner was shut down; build a new one")
         if self._broken is not None:
-            raise PipelineBrokenError(
-                f"this pipeline stopped after a failure ({self._broken}); the failed iteration was left "
-                "half done, so it will not continue. Build a new pipeline (and restore from a checkpoint)."
+            raise PlanRunnerBrokenError(
+                f"this plan runner stopped after a failure ({self._broken}); the failed iteration was left "
+                "half done, so it will not continue. Build a new plan runner (and restore from a checkpoint)."
             )
 
     def _reset(self, batch_iter: Any) -> None:

@@ -1,4 +1,4 @@
-"""SchedulablePipeline semantics: firing mask, ring flow, progress/drain, reset, observers."""
+"""PlanRunner semantics: firing mask, ring flow, progress/drain, reset, observers."""
 
 import logging
 
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from recsys_pipe.engine import (
     BatchRing,
-    PipelineBrokenError,
-    SchedulablePipeline,
+    PlanRunner,
+    PlanRunnerBrokenError,
     Schedule,
     Stage,
     StreamPool,
@@ -49,8 +49,8 @@ def three_level(log):
 
 def test_batch_flows_through_a_three_level_ring():
     log = []
-    with SchedulablePipeline(three_level(log)) as pipe:
-        results = list(pipe.iterate(range(4)))
+    with PlanRunner(three_level(log)) as runner:
+        results = list(runner.iterate(range(4)))
     assert results == [("trained", ("dist", ("gpu", b))) for b in range(4)]
 
 
@@ -58,9 +58,9 @@ def test_prefill_steady_drain_pattern():
     """Prefill, steady state, drain: iteration i runs h2d on batch i, dist on i-1, train on i-2."""
     log = []
     m = 4
-    pipe = SchedulablePipeline(three_level(log))
+    runner = PlanRunner(three_level(log))
     it = iter(range(m))
-    first = pipe.progress(it)
+    first = runner.progress(it)
     assert first[0] == "trained"
     assert [(i, name, b) for i, name, b in log] == [
         (0, "h2d", 0),  # prefill
@@ -70,7 +70,7 @@ def test_prefill_steady_drain_pattern():
         (2, "dist", 1),
         (2, "h2d", 2),  # steady: progress #1 returns batch 0
     ]
-    list(pipe.iterate(it))
+    list(runner.iterate(it))
     by_iter = {}
     for i, name, b in log:
         by_iter.setdefault(i, []).append((name, b))
@@ -89,8 +89,8 @@ def test_mask_matches_formula_and_every_batch_runs_once(lookaheads, m):
         seen.append((ctx.task.name, ctx.batch_index, ctx.iter_count, ctx.slots["batch_cpu"]))
 
     tasks = [Task.from_fn(f"t{i}", body, lookahead=la, reads=["batch_cpu"]) for i, la in enumerate(lookaheads)]
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks))
-    results = list(pipe.iterate([f"batch{b}" for b in range(m)]))
+    runner = PlanRunner(Schedule.single_stage(tasks))
+    results = list(runner.iterate([f"batch{b}" for b in range(m)]))
     assert len(results) == m
     L = max(lookaheads)
     for name, batch, i, payload in seen:
@@ -108,8 +108,8 @@ def test_random_schedules_no_batch_lost_and_data_from_right_producer(specs, m):
     trace = Trace()
     schedule = build(specs, trace)
     pool, log = recording_pool(schedule.stream_slots)
-    with SchedulablePipeline(schedule, pool) as pipe:
-        results = list(pipe.iterate(range(m)))
+    with PlanRunner(schedule, pool) as runner:
+        results = list(runner.iterate(range(m)))
     assert len(results) == m
     assert sorted(trace.reads) == sorted((s["name"], b) for s in specs for b in range(m))
     assert check_happens_before(log, schedule) == []
@@ -138,42 +138,42 @@ def test_happens_before_checker_catches_missing_waits():
         trace,
     )
     pool, log = recording_pool(schedule.stream_slots, drop_waits=True)
-    list(SchedulablePipeline(schedule, pool).iterate(range(3)))
+    list(PlanRunner(schedule, pool).iterate(range(3)))
     violations = check_happens_before(log, schedule)
     assert len(violations) == 3 and "b[batch 0] (reads x@0) is not ordered after a[batch 0]" in violations[0]
 
 
 def test_new_iterator_resets_and_drops_stale_batches(caplog):
     log = []
-    pipe = SchedulablePipeline(three_level(log))
+    runner = PlanRunner(three_level(log))
     train = iter(range(100, 110))
-    assert pipe.progress(train)[1][1][1] == 100
-    assert pipe.progress(train)[1][1][1] == 101
+    assert runner.progress(train)[1][1][1] == 100
+    assert runner.progress(train)[1][1][1] == 101
     with caplog.at_level(logging.WARNING):
         evaluation = iter(range(200, 203))
-        assert [r[1][1][1] for r in pipe.iterate(evaluation)] == [200, 201, 202]
+        assert [r[1][1][1] for r in runner.iterate(evaluation)] == [200, 201, 202]
     assert "dropping 2 in-flight batch(es)" in caplog.text
     trained = [b for _, name, b in log if name == "train"]
     assert trained == [0, 1, 0, 1, 2]  # batch indices restart with the new iterator
     with pytest.raises(StopIteration):
-        pipe.progress(evaluation)  # still exhausted: no restart for the same object
+        runner.progress(evaluation)  # still exhausted: no restart for the same object
 
 
 def test_step_and_drain_push_mode():
     log = []
-    pipe = SchedulablePipeline(three_level(log))
-    assert [pipe.step(b) for b in range(4)] == [
+    runner = PlanRunner(three_level(log))
+    assert [runner.step(b) for b in range(4)] == [
         None,
         None,
         ("trained", ("dist", ("gpu", 0))),
         ("trained", ("dist", ("gpu", 1))),
     ]
-    assert pipe.drain() == [("trained", ("dist", ("gpu", 2))), ("trained", ("dist", ("gpu", 3)))]
-    assert pipe.drain() == []
+    assert runner.drain() == [("trained", ("dist", ("gpu", 2))), ("trained", ("dist", ("gpu", 3)))]
+    assert runner.drain() == []
 
 
 def test_lookahead_zero_step_returns_its_own_result():
-    pipe = SchedulablePipeline(
+    runner = PlanRunner(
         Schedule.single_stage(
             [
                 Task.from_fn(
@@ -185,7 +185,7 @@ def test_lookahead_zero_step_returns_its_own_result():
             ]
         )
     )
-    assert [pipe.step(x) for x in (1, 2, 3)] == [2, 4, 6]
+    assert [runner.step(x) for x in (1, 2, 3)] == [2, 4, 6]
 
 
 def test_failure_names_task_and_batch_and_breaks_pipeline():
@@ -193,14 +193,14 @@ def test_failure_names_task_and_batch_and_breaks_pipeline():
         if ctx.batch_index == 2:
             raise ValueError("bad batch")
 
-    pipe = SchedulablePipeline(Schedule.single_stage([Task.from_fn("fwd", boom, lookahead=1)]))
+    runner = PlanRunner(Schedule.single_stage([Task.from_fn("fwd", boom, lookahead=1)]))
     it = iter(range(5))
-    pipe.progress(it)
+    runner.progress(it)
     with pytest.raises(TaskFailedError, match="task 'fwd' failed on batch 2") as info:
-        list(pipe.iterate(it))
+        list(runner.iterate(it))
     assert isinstance(info.value.__cause__, ValueError)
-    with pytest.raises(PipelineBrokenError, match="stopped after a failure"):
-        pipe.progress(it)
+    with pytest.raises(PlanRunnerBrokenError, match="stopped after a failure"):
+        runner.progress(it)
 
 
 def test_init_runs_once_per_task_before_first_iteration():
@@ -215,8 +215,8 @@ def test_init_runs_once_per_task_before_first_iteration():
         def run(self, ctx):
             calls.append(("run", ctx.batch_index))
 
-    pipe = SchedulablePipeline(Schedule(stages=(Stage((Counted(),)),)), state="shared")
-    list(pipe.iterate(range(2)))
+    runner = PlanRunner(Schedule(stages=(Stage((Counted(),)),)), state="shared")
+    list(runner.iterate(range(2)))
     assert calls == [("init", "shared"), ("run", 0), ("run", 1)]
 
 
@@ -234,12 +234,12 @@ def test_ring_rotation():
 
 def test_seed_first_batch_trains_the_peeked_batch_once():
     log = []
-    pipe = SchedulablePipeline(three_level(log))
+    runner = PlanRunner(three_level(log))
     it = iter(range(5))
     peek = next(it)
-    pipe.seed_first_batch(it, {"batch_cpu": peek, "prepared_by": "bootstrap"})
-    assert pipe.ring.at(2)["prepared_by"] == "bootstrap"
-    results = list(pipe.iterate(it))
+    runner.seed_first_batch(it, {"batch_cpu": peek, "prepared_by": "bootstrap"})
+    assert runner.ring.at(2)["prepared_by"] == "bootstrap"
+    results = list(runner.iterate(it))
     assert [r[1][1][1] for r in results] == [0, 1, 2, 3, 4]
     assert [b for _, name, b in log if name == "train"] == [0, 1, 2, 3, 4]
     assert sorted(b for _, name, b in log if name == "h2d") == [0, 1, 2, 3, 4]
@@ -247,18 +247,18 @@ def test_seed_first_batch_trains_the_peeked_batch_once():
 
 def test_iterate_yields_every_result_and_can_stop_early():
     log = []
-    pipe = SchedulablePipeline(three_level(log))
-    assert [r[1][1][1] for r in pipe.iterate([10, 11, 12])] == [10, 11, 12]  # any iterable
+    runner = PlanRunner(three_level(log))
+    assert [r[1][1][1] for r in runner.iterate([10, 11, 12])] == [10, 11, 12]  # any iterable
     it = iter(range(6))
     seen = []
-    for result in pipe.iterate(it):
+    for result in runner.iterate(it):
         seen.append(result[1][1][1])
         if len(seen) == 2:
             break  # abandoned: batches 2 and 3 are in flight
-    assert seen == [0, 1] and pipe.in_flight == 2
-    assert pipe.progress(it)[1][1][1] == 2  # the same iterator carries on where it stopped
-    assert [r[1][1][1] for r in pipe.iterate(it)] == [3, 4, 5]
-    assert list(pipe.iterate(it)) == []  # exhausted and drained
+    assert seen == [0, 1] and runner.in_flight == 2
+    assert runner.progress(it)[1][1][1] == 2  # the same iterator carries on where it stopped
+    assert [r[1][1][1] for r in runner.iterate(it)] == [3, 4, 5]
+    assert list(runner.iterate(it)) == []  # exhausted and drained
     assert [b for _, name, b in log if name == "train"] == [0, 1, 2, 0, 1, 2, 3, 4, 5]
 
 
@@ -269,10 +269,10 @@ def test_no_op_pools_skip_stream_work_and_recording_pools_do_not():
     recording, _ = recording_pool(schedule.stream_slots)
     assert not recording.is_noop
     for pool, recorded in ((StreamPool.create(schedule.stream_slots), False), (recording, True)):
-        pipe = SchedulablePipeline(schedule, pool)
+        runner = PlanRunner(schedule, pool)
         it = iter(range(5))
-        pipe.progress(it)
-        events = [pipe.ring.at(k).event(name) for k, name in ((0, "h2d"), (1, "h2d"), (0, "dist"))]
+        runner.progress(it)
+        events = [runner.ring.at(k).event(name) for k, name in ((0, "h2d"), (1, "h2d"), (0, "dist"))]
         assert all(e is not None for e in events) if recorded else events == [None, None, None]
 
 
@@ -298,8 +298,8 @@ def test_a_precompiled_graph_is_used_as_is_and_its_streams_checked():
         ]
     )
     graph = compile_dependencies(schedule)
-    with SchedulablePipeline(graph, StreamPool.create(["default", "side"])) as pipe:
-        assert pipe.graph is graph
-        assert list(pipe.iterate(range(4))) == [0, 2, 4, 6]
+    with PlanRunner(graph, StreamPool.create(["default", "side"])) as runner:
+        assert runner.graph is graph
+        assert list(runner.iterate(range(4))) == [0, 2, 4, 6]
     with pytest.raises(ScheduleValidationError, match="stream 'side' is not in the stream pool"):
-        SchedulablePipeline(graph, StreamPool.create(["default"]))
+        PlanRunner(graph, StreamPool.create(["default"]))
