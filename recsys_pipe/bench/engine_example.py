@@ -16,10 +16,10 @@ from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
     PlanRunner,
-    Schedule,
     SpanRecorder,
     StreamPool,
     Task,
+    TaskGraph,
     TaskObserver,
 )
 
@@ -41,9 +41,9 @@ def train(ctx):
     ctx.slots.set(STEP_RESULT, loss.item())
 
 
-def plan(lookahead: int) -> Schedule:
+def plan(lookahead: int) -> TaskGraph:
     """The two tasks, `prepare` `lookahead` batches ahead on the `memcpy` stream (0: the serial plan)."""
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("prepare", prepare, stream="memcpy", lookahead=lookahead, reads=[BATCH_CPU], writes=["batch"]),
             Task.from_fn("train", train, reads=["batch"], writes=[STEP_RESULT]),

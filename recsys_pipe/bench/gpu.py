@@ -16,7 +16,7 @@ Measured side by side, every repetition running each configuration once in a rot
 - serial: the same five tasks at lookahead 0 on the default stream, sequential executor;
 - with lookaheads, on the sequential and on the threaded executor (one CPU thread per stream);
 - ideal: per iteration, the largest summed busy time of one stream, from CUDA events recorded on
-  each task's stream around its work (after the engine's waits); no schedule of these streams
+  each task's stream around its work (after the engine's waits); no ordering of the work on these streams
   can beat it, and a plan with lookaheads that overlaps perfectly reaches it;
 - host overhead per task, launch-bound: a 10-task chain over 3 streams and 3 lookaheads, each
   task one tiny kernel: engine time minus a plain loop launching the same kernels, per task.
@@ -56,9 +56,9 @@ from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
     PlanRunner,
-    Schedule,
     StreamPool,
     Task,
+    TaskGraph,
     TaskObserver,
     ThreadedExecutor,
 )
@@ -158,13 +158,13 @@ def optimizer_step(ctx: Any) -> None:
     ctx.slots.set(STEP_RESULT, ctx.slots["loss"].detach())
 
 
-def training_plan(lookaheads: bool) -> Schedule:
+def training_plan(lookaheads: bool) -> TaskGraph:
     """The five tasks; `lookaheads=False` is the serial plan (lookahead 0, default stream)."""
 
     def placed(stream: str, lookahead: int) -> dict[str, Any]:
         return {"stream": stream, "lookahead": lookahead} if lookaheads else {}
 
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("h2d", h2d, reads=[BATCH_CPU], writes=["batch"], **placed("memcpy", 2)),
             Task.from_fn("comm", comm, reads=["batch"], writes=["exchanged"], **placed("comm", 1)),
@@ -302,7 +302,7 @@ def losses(config: str, shape: Shape, device: torch.device, batches: list, steps
     return result.cpu()
 
 
-def launch_bound_chain(num_tasks: int, device: torch.device) -> Schedule:
+def launch_bound_chain(num_tasks: int, device: torch.device) -> TaskGraph:
     """`num_tasks` tasks in a chain over three lookaheads and three streams (one per lookahead),
     each launching one tiny kernel on its own one-element tensor."""
     streams = ("memcpy", "comm", "default")
@@ -316,14 +316,14 @@ def launch_bound_chain(num_tasks: int, device: torch.device) -> Schedule:
         la = 2 - min(2, i * 3 // num_tasks)
         deps = [f"t{i - 1}"] if i and tasks[-1].lookahead >= la else []
         tasks.append(Task.from_fn(f"t{i}", tiny, lookahead=la, stream=streams[2 - la], depends_on=deps))
-    return Schedule.single_stage(tasks, STREAMS)
+    return TaskGraph.single_group(tasks, STREAMS)
 
 
 def overhead_us_per_task(executor: Any, device: torch.device, iterations: int, num_tasks: int = 10) -> float:
     """Engine time minus a plain loop launching the same kernels (same order, one stream), per task."""
-    schedule = launch_bound_chain(num_tasks, device)
+    task_graph = launch_bound_chain(num_tasks, device)
     pool = StreamPool.create(STREAMS, device)
-    with PlanRunner(schedule, pool, executor) as runner:
+    with PlanRunner(task_graph, pool, executor) as runner:
         it = itertools.repeat(None)
         for _ in range(50):
             runner.progress(it)

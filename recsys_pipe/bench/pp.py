@@ -216,7 +216,7 @@ SEND_FNS = (action_tasks.send_f, action_tasks.send_b)
 def send_durations(spans, runner) -> list[float]:
     """The durations of one rank's send tasks in one step (ms): the tasks of `runner` whose
     function is one of `SEND_FNS`."""
-    sends = {task.name for task in runner.schedule.tasks if any(task.fn is fn for fn in SEND_FNS)}
+    sends = {task.name for task in runner.task_graph.tasks if any(task.fn is fn for fn in SEND_FNS)}
     return [(s.end_s - s.start_s) * 1e3 for s in spans if s.task in sends]
 
 

@@ -106,7 +106,7 @@ def train(run: Any, info: Any, batches: list, warmup: int, steps: int) -> tuple[
     trainer = Trainer(build_parts(run, plan, info))
     try:
         window = Window(info.device)
-        first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
+        first = warmup + plan.task_graph.max_lookahead  # iteration k + L completes step k
         trainer.plan_runner.observer = StepTimer(window, first, first + steps)
         summary = trainer.fit(batches=iter(batches), record_steps=True)
         assert summary.steps == len(batches), (summary.steps, len(batches))

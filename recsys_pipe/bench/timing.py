@@ -165,7 +165,7 @@ class Window:
 
 
 class StepTimer(TaskObserver):
-    """Times a window of internal iterations `[first, stop)` of an engine pipeline from its
+    """Times a window of internal iterations `[first, stop)` of a plan runner from its
     hooks: opens `window` when iteration `first - 1` finishes and closes it when `stop - 1`
     finishes; records every task span and the iteration boundaries in between. Cheap on
     purpose (a clock read and a dict or list write per hook): its cost lands in the engine

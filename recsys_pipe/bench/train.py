@@ -137,7 +137,7 @@ TORCHREC_CLASSES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "torchrec_fused": ("TrainPipelineFusedSparseDist", {}, False),
     "torchrec_semi_sync": ("TrainPipelineSemiSync", {"start_batch": 0, "stash_gradients": False}, False),
 }
-#: plan file -> the torchrec class variant whose schedule it declares
+#: plan file -> the torchrec class variant whose order of work it declares
 COUNTERPART = {
     "sparse_dist": TORCHREC,
     "base": "torchrec_base",
@@ -218,7 +218,7 @@ class Bench:
         plan = training_plan(run)
         trainer = Trainer(build_parts(run, plan, self.info))
         try:
-            first = self.warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
+            first = self.warmup + plan.task_graph.max_lookahead  # iteration k + L completes step k
             timer = StepTimer(window, first, first + self.steps)
             trainer.plan_runner.observer = timer
             summary = trainer.fit(iter(self.batches), record_steps=not self.cuda)

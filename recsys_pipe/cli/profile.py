@@ -87,7 +87,7 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan, data: RankData) -> Non
                     f"profile.tasks[{i}]", f"unknown task '{name}'{suggest(name, names)} (known: {', '.join(names)})"
                 )
             )
-    needed = max(run.profile.warmup, plan.schedule.max_lookahead) + run.profile.iters
+    needed = max(run.profile.warmup, plan.task_graph.max_lookahead) + run.profile.iters
     batches = data.batches_per_epoch
     if run.data.num_batches is not None and run.data.num_batches < needed:
         problems.append(
@@ -208,7 +208,7 @@ def _print_prediction(plan: CompiledPlan, result: ProfileResult) -> None:
 
     thread_map = dict(plan.thread_of) if plan.threaded else "sequential"
     for statistic, measured in (("median", result.baseline_s), ("mean", result.costs.meta.get("iteration_mean_s"))):
-        predicted = simulate(plan.schedule, result.costs, thread_map, statistic=statistic).iteration_s
+        predicted = simulate(plan.task_graph, result.costs, thread_map, statistic=statistic).iteration_s
         error = predicted / measured - 1 if measured else float("nan")
         print(
             f"simulated from the {statistic} costs: {predicted * 1e3:.3f} ms per step "

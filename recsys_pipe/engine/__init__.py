@@ -15,20 +15,20 @@ from recsys_pipe.engine.deps import (
     cpu_edges,
 )
 from recsys_pipe.engine.errors import (
+    DependencyCycleError,
     PlanRunnerBrokenError,
     Problem,
-    ScheduleValidationError,
-    SchedulingError,
     TaskFailedError,
+    TaskGraphValidationError,
 )
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, SpanRecorder, TaskObserver, TaskSpan
 from recsys_pipe.engine.plan_runner import PlanRunner, fires
-from recsys_pipe.engine.schedule import Schedule, Stage
 from recsys_pipe.engine.shortcut import shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
 from recsys_pipe.engine.streams import DEFAULT_STREAM, CudaTimer, NoOpEvent, NoOpStream, StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, DeclaredIO, FnTask, Task, declare_effects
+from recsys_pipe.engine.task_graph import TaskGraph, TaskGroup
 from recsys_pipe.engine.threaded import ThreadedExecutor, resolve_thread_map
 
 __all__ = [
@@ -52,13 +52,13 @@ __all__ = [
     "RecordFunctionRanges",
     "Problem",
     "PlanRunner",
-    "Schedule",
-    "ScheduleValidationError",
-    "SchedulingError",
+    "TaskGraph",
+    "TaskGraphValidationError",
+    "DependencyCycleError",
     "SequentialExecutor",
     "SlotStore",
     "SpanRecorder",
-    "Stage",
+    "TaskGroup",
     "StreamPool",
     "Task",
     "TaskContext",

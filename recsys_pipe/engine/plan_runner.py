@@ -17,14 +17,14 @@ import nvtx
 
 from recsys_pipe.engine.context import TaskContext
 from recsys_pipe.engine.deps import DependencyGraph, compile_dependencies
-from recsys_pipe.engine.errors import PlanRunnerBrokenError, Problem, ScheduleValidationError, TaskFailedError
+from recsys_pipe.engine.errors import PlanRunnerBrokenError, Problem, TaskFailedError, TaskGraphValidationError
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import TaskObserver
-from recsys_pipe.engine.schedule import Schedule
 from recsys_pipe.engine.shortcut import ShortcutRun, shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing
 from recsys_pipe.engine.streams import StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, Task
+from recsys_pipe.engine.task_graph import TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) 
 
     Args:
         lookahead: the task's lookahead k.
-        max_lookahead: the schedule's largest lookahead L.
+        max_lookahead: the task graph's largest lookahead L.
         iteration: the internal iteration i (0 = the first, prefill included).
         num_batches: M, the batches pulled from the iterator so far.
 
@@ -63,12 +63,12 @@ class _TaskRecord:
 
 
 class PlanRunner:
-    """Runs `schedule` batch-ahead over an iterator; see the module docstring for semantics.
+    """Runs `task_graph` batch-ahead over an iterator; see the module docstring for semantics.
 
     Args:
-        schedule: the tasks and streams of one iteration: a `Schedule`, or its already compiled
+        task_graph: the tasks and streams of one iteration: a `TaskGraph`, or its already compiled
             `DependencyGraph` (e.g. from the plan compiler), which is then not compiled again.
-        stream_pool: named streams; default: no-op streams named by `schedule.stream_slots`.
+        stream_pool: named streams; default: no-op streams named by `task_graph.stream_slots`.
         executor: `"sequential"`, `"threaded"` or an `Executor` object.
         state: shared object every task sees as `ctx.state` (model, optimizer, ...).
         observer: a `TaskObserver` called around iterations and tasks (see `observer`).
@@ -78,7 +78,7 @@ class PlanRunner:
 
     def __init__(
         self,
-        schedule: Schedule | DependencyGraph,
+        task_graph: TaskGraph | DependencyGraph,
         stream_pool: StreamPool | None = None,
         executor: str | Executor = "sequential",
         *,
@@ -86,18 +86,18 @@ class PlanRunner:
         observer: TaskObserver | None = None,
         nvtx_ranges: bool | None = None,
     ):
-        if isinstance(schedule, DependencyGraph):
-            self.graph = schedule
-            _check_pool(schedule, stream_pool)
+        if isinstance(task_graph, DependencyGraph):
+            self.graph = task_graph
+            _check_pool(task_graph, stream_pool)
         else:
-            self.graph = compile_dependencies(schedule, stream_pool)
-        schedule = self.graph.schedule
-        self.schedule = schedule
-        self.stream_pool = stream_pool if stream_pool is not None else StreamPool.create(schedule.stream_slots)
+            self.graph = compile_dependencies(task_graph, stream_pool)
+        task_graph = self.graph.task_graph
+        self.task_graph = task_graph
+        self.stream_pool = stream_pool if stream_pool is not None else StreamPool.create(task_graph.stream_slots)
         self.executor = _make_executor(executor)
         self.state = state
         self.observer = observer
-        self.max_lookahead = schedule.max_lookahead
+        self.max_lookahead = task_graph.max_lookahead
         self.ring = BatchRing(self.max_lookahead + 1)
         self._nvtx = self.stream_pool.is_cuda if nvtx_ranges is None else bool(nvtx_ranges)
         # No-op streams order nothing: skip event waits, records and stream scopes entirely.
@@ -108,7 +108,7 @@ class PlanRunner:
         self._plain = self._plain_possible
         needs_event = {w.producer for waits in self.graph.event_waits.values() for w in waits}
         self._records = {t: _TaskRecord(t, self.graph, needs_event) for t in self.graph.order}
-        self._stage_orders = self.graph.stage_orders
+        self._group_orders = self.graph.group_orders
         self._active_cache: dict[tuple[bool, ...], tuple[tuple[Task, ...], ...]] = {}
         self._iterator: Iterator | None = None
         self._iteration = 0
@@ -310,9 +310,9 @@ class PlanRunner:
         self._running_iteration = i
         self._running_observer = observer
         try:
-            for stage_tasks in self._active(i):
-                if stage_tasks:
-                    self.executor.execute(stage_tasks, self._run_task, self.graph)
+            for group_tasks in self._active(i):
+                if group_tasks:
+                    self.executor.execute(group_tasks, self._run_task, self.graph)
         except BaseException as exc:
             self._broken = str(exc) if isinstance(exc, TaskFailedError) else f"{type(exc).__name__} in iteration {i}"
             if observer is not None:
@@ -329,14 +329,14 @@ class PlanRunner:
         return completed, result
 
     def _active(self, i: int) -> tuple[tuple[Task, ...], ...]:
-        """The tasks that fire at iteration `i`, per stage, in topological order."""
+        """The tasks that fire at iteration `i`, per group, in topological order."""
         L, m = self.max_lookahead, self._pulled
         if L <= i < m:  # steady state: everything fires
-            return self._stage_orders
+            return self._group_orders
         key = tuple(fires(k, L, i, m) for k in range(L + 1))
         active = self._active_cache.get(key)
         if active is None:
-            active = tuple(tuple(t for t in order if key[t.lookahead]) for order in self._stage_orders)
+            active = tuple(tuple(t for t in order if key[t.lookahead]) for order in self._group_orders)
             self._active_cache[key] = active
         return active
 
@@ -411,7 +411,7 @@ def _check_pool(graph: DependencyGraph, pool: StreamPool | None) -> None:
         if t.stream not in pool
     ]
     if problems:
-        raise ScheduleValidationError(problems)
+        raise TaskGraphValidationError(problems)
 
 
 def _make_executor(executor: str | Executor) -> Executor:

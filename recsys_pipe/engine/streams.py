@@ -2,7 +2,7 @@
 
 On CUDA the pool holds real `torch.cuda.Stream`s and records `torch.cuda.Event`s. On a machine
 without a GPU every stream and event is a no-op object with the same interface, so the same
-schedule runs unchanged on a laptop (and CPU tensors never see `record_stream`).
+task graph runs unchanged on a laptop (and CPU tensors never see `record_stream`).
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
     PlanRunner,
-    Schedule,
-    ScheduleValidationError,
     Task,
     TaskContext,
+    TaskGraph,
+    TaskGraphValidationError,
     TaskObserver,
     compile_dependencies,
 )
@@ -162,7 +162,7 @@ def _compute_actions(actions: Sequence[Action]) -> list[Action]:
 
 def action_schedule(
     schedule: PipelineSchedule, rank: int, ranks_of_stages: Sequence[int], microbatches: int
-) -> Schedule:
+) -> TaskGraph:
     """Rank `rank`'s actions of `schedule` as a one-iteration engine plan (see the module
     docstring). ValueError when the list does not fit: a stage of another rank, a microbatch
     out of range, an action before what it needs."""
@@ -205,10 +205,10 @@ def action_schedule(
     tasks.append(
         Task.from_fn("losses", step_losses, reads=list(losses), writes=[STEP_RESULT], options=losses or microbatches)
     )
-    plan = Schedule.single_stage(tasks)
+    plan = TaskGraph.single_group(tasks)
     try:
         order = compile_dependencies(plan).order
-    except ScheduleValidationError as exc:
+    except TaskGraphValidationError as exc:
         raise ValueError(f"rank {rank}: the action list does not fit: {exc}") from None
     for declared, compiled in zip(tasks, order, strict=True):
         if declared is not compiled:

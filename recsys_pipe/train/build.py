@@ -71,7 +71,7 @@ def build_state(
     """The state the plan's tasks share: streams, the input distribution of sharded tables
     (`Parallelism.input_dist`), the balancer (when a task of the plan needs it: `Need.BALANCER`),
     megatron-core's gradient buffers (`trainer.dense_ddp=megatron`)."""
-    streams = StreamPool.create(plan.schedule.stream_slots, info.device)
+    streams = StreamPool.create(plan.task_graph.stream_slots, info.device)
     sparse_dist = (parallelism or parallelism_of(run)).input_dist(model, info, streams, plan)
     balancer = None
     if plan.needing(Need.BALANCER):

@@ -68,7 +68,7 @@ class StepWindow:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(
             activities=activities,
-            # a schedule, even one that always records, is what makes torch mark the steps
+            # a profiler schedule, even one that always records, is what makes torch mark the steps
             schedule=lambda step: torch.profiler.ProfilerAction.RECORD,
             # the executor's worker threads too, not only the thread that starts the profiler
             experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True),

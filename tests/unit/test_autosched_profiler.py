@@ -17,7 +17,7 @@ from recsys_pipe.autosched import (
     simulate,
     write_chrome_trace,
 )
-from recsys_pipe.engine import PlanRunner, Schedule, StreamPool, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, StreamPool, Task, TaskGraph, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,9 +36,9 @@ def sleeper(seconds):
     return run
 
 
-def plan(lookaheads: bool) -> Schedule:
+def plan(lookaheads: bool) -> TaskGraph:
     la = 1 if lookaheads else 0
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("load", sleeper(DURATIONS["load"]), lookahead=la, stream="io", writes=["x"]),
             Task.from_fn("a", sleeper(DURATIONS["a"]), reads=["x"], writes=["y"]),
@@ -131,7 +131,7 @@ def test_tasks_that_cannot_be_replayed_are_reported_not_measured():
         Task.from_fn("pure", sleeper(0.001), writes=["x"]),
         Task.from_fn("stateful", sleeper(0.001), reads=["x"], writes=["step_result"], effects="updates a counter"),
     ]
-    with PlanRunner(Schedule.single_stage(tasks)) as runner:
+    with PlanRunner(TaskGraph.single_group(tasks)) as runner:
         profiler = TaskProfiler(runner, lambda: range(6), warmup=1, iters=4)
         result = profiler.profile_many()
         with pytest.raises(ValueError, match="'stateful' cannot be shortcut"):

@@ -1,4 +1,4 @@
-"""The plan compiler: shipped plans compile, overrides change the compiled schedule as expected,
+"""The plan compiler: shipped plans compile, overrides change the compiled task graph as expected,
 compiled plans run on the engine, and the loader's helpers map errors to config paths."""
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_per_task_thread_overrides_the_map():
     assert plan.thread_of["backward"] == "compute"
 
 
-def test_lookahead_override_changes_schedule():
+def test_lookahead_override_changes_the_task_graph():
     base = compiled("pipeline=hstu_prefetch")
     deeper = compiled("pipeline=hstu_prefetch", "pipeline.tasks.h2d.lookahead=3")
     assert base.graph.max_lookahead == 2 and deeper.graph.max_lookahead == 3
@@ -260,7 +260,7 @@ def _stub(path: str):
 @pytest.mark.parametrize("overrides", [(), ("thread_map=per_task", "pipeline.tasks.h2d.lookahead=3")])
 def test_compiled_plans_run_every_batch_once_in_order(pipeline, overrides):
     plan = compiled(f"pipeline={pipeline}", *overrides, resolve_fn=_stub)
-    pool = StreamPool.create(plan.schedule.stream_slots)
+    pool = StreamPool.create(plan.task_graph.stream_slots)
     with build_plan_runner(plan, pool, state=None) as runner:
         results = list(runner.iterate(range(7)))
     assert results == list(range(7))

@@ -3,16 +3,16 @@
 import threading
 
 import pytest
-from _schedules import Trace, build
+from _task_graphs import Trace, build
 
 import recsys_pipe.engine.plan_runner as plan_runner_module
 from recsys_pipe.engine import (
     PlanRunner,
     PlanRunnerBrokenError,
-    Schedule,
     SpanRecorder,
     Task,
     TaskFailedError,
+    TaskGraph,
     TaskObserver,
     ThreadedExecutor,
 )
@@ -100,8 +100,8 @@ def test_task_hooks_run_inside_the_task_stream_context(executor):
     """A profiler records CUDA events in `task_started`/`task_finished`: they must land on the
     task's stream, between its event waits and its completion event."""
     trace = Trace()
-    schedule = build(SPECS, trace)
-    pool, log = recording_pool(schedule.stream_slots)
+    task_graph = build(SPECS, trace)
+    pool, log = recording_pool(task_graph.stream_slots)
 
     class OnStream(TaskObserver):
         def task_started(self, task, batch_index, iteration):
@@ -110,7 +110,7 @@ def test_task_hooks_run_inside_the_task_stream_context(executor):
         def task_finished(self, task, batch_index, iteration, failed):
             log.append(StreamOp(task.stream, "observer_end", (task.name, batch_index)))
 
-    with PlanRunner(schedule, pool, EXECUTORS[executor](), observer=OnStream()) as runner:
+    with PlanRunner(task_graph, pool, EXECUTORS[executor](), observer=OnStream()) as runner:
         list(runner.iterate(range(4)))
     by_label: dict = {}
     for op in log.ops:
@@ -122,7 +122,7 @@ def test_task_hooks_run_inside_the_task_stream_context(executor):
         assert ops == [(k, stream) for k in ("begin", "observer_start", "observer_end", "end")]
     plain = [op for op in log.ops if not op.kind.startswith("observer")]
     log.ops[:] = plain
-    assert check_happens_before(log, schedule) == []
+    assert check_happens_before(log, task_graph) == []
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
@@ -133,7 +133,7 @@ def test_failure_is_reported_to_the_observer(executor):
 
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in SPECS]
     calls = Calls()
-    runner = PlanRunner(Schedule.single_stage(tasks), executor=EXECUTORS[executor](), observer=calls)
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=EXECUTORS[executor](), observer=calls)
     it = iter(range(5))
     with pytest.raises(TaskFailedError, match="task 'fwd' failed on batch 1"):
         list(runner.iterate(it))
@@ -219,7 +219,7 @@ def test_nvtx_ranges_only_when_asked_or_on_cuda(monkeypatch, nvtx_ranges, expect
             raise ValueError("boom")
 
     tasks = [Task.from_fn("a", body, nvtx_tag="tag_a"), Task.from_fn("b", body)]
-    runner = PlanRunner(Schedule.single_stage(tasks), nvtx_ranges=nvtx_ranges)
+    runner = PlanRunner(TaskGraph.single_group(tasks), nvtx_ranges=nvtx_ranges)
     with pytest.raises(TaskFailedError):
         list(runner.iterate(range(4)))
     if expected:  # balanced even around the failing task

@@ -3,7 +3,7 @@
 import logging
 
 import pytest
-from _schedules import Trace, build, schedule_specs
+from _task_graphs import Trace, build, task_graph_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,11 +11,11 @@ from recsys_pipe.engine import (
     BatchRing,
     PlanRunner,
     PlanRunnerBrokenError,
-    Schedule,
-    Stage,
     StreamPool,
     Task,
     TaskFailedError,
+    TaskGraph,
+    TaskGroup,
     fires,
 )
 from recsys_pipe.engine.testing import check_happens_before, recording_pool
@@ -36,7 +36,7 @@ def three_level(log):
         log.append((ctx.iter_count, "train", ctx.batch_index))
         ctx.slots.set("step_result", ("trained", ctx.slots["dist"]))
 
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("train", train, reads=["dist"], writes=["step_result"]),
             Task.from_fn(
@@ -89,7 +89,7 @@ def test_mask_matches_formula_and_every_batch_runs_once(lookaheads, m):
         seen.append((ctx.task.name, ctx.batch_index, ctx.iter_count, ctx.slots["batch_cpu"]))
 
     tasks = [Task.from_fn(f"t{i}", body, lookahead=la, reads=["batch_cpu"]) for i, la in enumerate(lookaheads)]
-    runner = PlanRunner(Schedule.single_stage(tasks))
+    runner = PlanRunner(TaskGraph.single_group(tasks))
     results = list(runner.iterate([f"batch{b}" for b in range(m)]))
     assert len(results) == m
     L = max(lookaheads)
@@ -102,44 +102,46 @@ def test_mask_matches_formula_and_every_batch_runs_once(lookaheads, m):
     )
 
 
-@given(specs=schedule_specs(), m=st.integers(0, 7))
+@given(specs=task_graph_specs(), m=st.integers(0, 7))
 @settings(max_examples=80, deadline=None)
 def test_random_schedules_no_batch_lost_and_data_from_right_producer(specs, m):
     trace = Trace()
-    schedule = build(specs, trace)
-    pool, log = recording_pool(schedule.stream_slots)
-    with PlanRunner(schedule, pool) as runner:
+    task_graph = build(specs, trace)
+    pool, log = recording_pool(task_graph.stream_slots)
+    with PlanRunner(task_graph, pool) as runner:
         results = list(runner.iterate(range(m)))
     assert len(results) == m
     assert sorted(trace.reads) == sorted((s["name"], b) for s in specs for b in range(m))
-    assert check_happens_before(log, schedule) == []
+    assert check_happens_before(log, task_graph) == []
     from recsys_pipe.engine.testing import required_producers
 
-    tasks = {t.name: t for t in schedule.tasks}
+    tasks = {t.name: t for t in task_graph.tasks}
     for (name, batch), seen in trace.reads.items():
         task = tasks[name]
         for slot, value in zip(task.reads, seen):
             if slot.name == "batch_cpu":
                 assert value == batch - task.lookahead + slot.batch_offset
                 continue
-            producers = [(p, pb) for p, pb, why in required_producers(schedule, task, batch) if why == f"reads {slot}"]
+            producers = [
+                (p, pb) for p, pb, why in required_producers(task_graph, task, batch) if why == f"reads {slot}"
+            ]
             (producer,) = producers
             assert value == trace.writes.get(producer), f"{name}[{batch}] read {slot} from the wrong batch"
 
 
 def test_happens_before_checker_catches_missing_waits():
-    """Not vacuous: a backend that drops waits must be caught on a cross-stream schedule."""
+    """Not vacuous: a backend that drops waits must be caught on a cross-stream task_graph."""
     trace = Trace()
-    schedule = build(
+    task_graph = build(
         [
             {"name": "a", "lookahead": 1, "stream": "s1", "writes": ["x"]},
             {"name": "b", "lookahead": 0, "stream": "default", "reads": ["x"], "writes": ["step_result"]},
         ],
         trace,
     )
-    pool, log = recording_pool(schedule.stream_slots, drop_waits=True)
-    list(PlanRunner(schedule, pool).iterate(range(3)))
-    violations = check_happens_before(log, schedule)
+    pool, log = recording_pool(task_graph.stream_slots, drop_waits=True)
+    list(PlanRunner(task_graph, pool).iterate(range(3)))
+    violations = check_happens_before(log, task_graph)
     assert len(violations) == 3 and "b[batch 0] (reads x@0) is not ordered after a[batch 0]" in violations[0]
 
 
@@ -174,7 +176,7 @@ def test_step_and_drain_push_mode():
 
 def test_lookahead_zero_step_returns_its_own_result():
     runner = PlanRunner(
-        Schedule.single_stage(
+        TaskGraph.single_group(
             [
                 Task.from_fn(
                     "double",
@@ -193,7 +195,7 @@ def test_failure_names_task_and_batch_and_breaks_pipeline():
         if ctx.batch_index == 2:
             raise ValueError("bad batch")
 
-    runner = PlanRunner(Schedule.single_stage([Task.from_fn("fwd", boom, lookahead=1)]))
+    runner = PlanRunner(TaskGraph.single_group([Task.from_fn("fwd", boom, lookahead=1)]))
     it = iter(range(5))
     runner.progress(it)
     with pytest.raises(TaskFailedError, match="task 'fwd' failed on batch 2") as info:
@@ -215,7 +217,7 @@ def test_init_runs_once_per_task_before_first_iteration():
         def run(self, ctx):
             calls.append(("run", ctx.batch_index))
 
-    runner = PlanRunner(Schedule(stages=(Stage((Counted(),)),)), state="shared")
+    runner = PlanRunner(TaskGraph(groups=(TaskGroup((Counted(),)),)), state="shared")
     list(runner.iterate(range(2)))
     assert calls == [("init", "shared"), ("run", 0), ("run", 1)]
 
@@ -265,11 +267,11 @@ def test_iterate_yields_every_result_and_can_stop_early():
 def test_no_op_pools_skip_stream_work_and_recording_pools_do_not():
     """No-op streams order nothing, so the engine records no completion events for them."""
     assert StreamPool.create(["default", "memcpy"]).is_noop
-    schedule = three_level([])
-    recording, _ = recording_pool(schedule.stream_slots)
+    task_graph = three_level([])
+    recording, _ = recording_pool(task_graph.stream_slots)
     assert not recording.is_noop
-    for pool, recorded in ((StreamPool.create(schedule.stream_slots), False), (recording, True)):
-        runner = PlanRunner(schedule, pool)
+    for pool, recorded in ((StreamPool.create(task_graph.stream_slots), False), (recording, True)):
+        runner = PlanRunner(task_graph, pool)
         it = iter(range(5))
         runner.progress(it)
         events = [runner.ring.at(k).event(name) for k, name in ((0, "h2d"), (1, "h2d"), (0, "dist"))]
@@ -277,9 +279,9 @@ def test_no_op_pools_skip_stream_work_and_recording_pools_do_not():
 
 
 def test_a_precompiled_graph_is_used_as_is_and_its_streams_checked():
-    from recsys_pipe.engine import ScheduleValidationError, StreamPool, compile_dependencies
+    from recsys_pipe.engine import StreamPool, TaskGraphValidationError, compile_dependencies
 
-    schedule = Schedule.single_stage(
+    task_graph = TaskGraph.single_group(
         [
             Task.from_fn(
                 "prep",
@@ -297,9 +299,9 @@ def test_a_precompiled_graph_is_used_as_is_and_its_streams_checked():
             ),
         ]
     )
-    graph = compile_dependencies(schedule)
+    graph = compile_dependencies(task_graph)
     with PlanRunner(graph, StreamPool.create(["default", "side"])) as runner:
         assert runner.graph is graph
         assert list(runner.iterate(range(4))) == [0, 2, 4, 6]
-    with pytest.raises(ScheduleValidationError, match="stream 'side' is not in the stream pool"):
+    with pytest.raises(TaskGraphValidationError, match="stream 'side' is not in the stream pool"):
         PlanRunner(graph, StreamPool.create(["default"]))

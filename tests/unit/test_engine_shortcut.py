@@ -11,12 +11,12 @@ from recsys_pipe.engine import (
     DeclaredIO,
     FnTask,
     PlanRunner,
-    Schedule,
     Task,
+    TaskGraph,
     ThreadedExecutor,
     declare_effects,
 )
-from recsys_pipe.engine.errors import ScheduleValidationError
+from recsys_pipe.engine.errors import TaskGraphValidationError
 from recsys_pipe.engine.shortcut import ShortcutRun, graft
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,7 +52,7 @@ def value_pipeline(executor, calls):
         ctx.slots.set("step_result", (ctx.batch_index, y["sum"].clone(), y["parts"][1][1], ctx.slots["x"].clone()))
 
     return PlanRunner(
-        Schedule.single_stage(
+        TaskGraph.single_group(
             [
                 Task.from_fn("src", src, lookahead=1, reads=["batch_cpu"], writes=["x", "scratch"]),
                 Task.from_fn("mid", mid, lookahead=1, reads=["x", "scratch"], writes=[DataSlot("y", 1)]),
@@ -96,7 +96,7 @@ def test_cached_tensors_are_clones_not_the_tasks_own():
         ctx.slots.set("step_result", ctx.slots["y"].clone())
 
     runner = PlanRunner(
-        Schedule.single_stage(
+        TaskGraph.single_group(
             [Task.from_fn("mid", mid, writes=["y"]), Task.from_fn("out", out, reads=["y"], writes=["step_result"])]
         )
     )
@@ -116,7 +116,7 @@ def test_unknown_names_and_effects_without_io_are_refused():
     noop = Task.from_fn("noop", lambda ctx: None)
     effectful = Task.from_fn("effectful", writes_registry)
     assert effectful.effects == "writes the registry" and effectful.io == ()
-    runner = PlanRunner(Schedule.single_stage([noop, effectful]))
+    runner = PlanRunner(TaskGraph.single_group([noop, effectful]))
     with pytest.raises(KeyError, match="'nope'"):
         runner.enable_shortcut(["noop", "nope"])
     with pytest.raises(ValueError, match=r"task 'effectful' cannot be shortcut: .*: writes the registry"):
@@ -127,9 +127,9 @@ def test_unknown_names_and_effects_without_io_are_refused():
 
 
 def test_task_fields_validate_effects_and_io():
-    with pytest.raises(ScheduleValidationError, match="io"):
+    with pytest.raises(TaskGraphValidationError, match="io"):
         Task.from_fn("t", lambda ctx: None, io=[lambda: None])
-    with pytest.raises(ScheduleValidationError, match="effects"):
+    with pytest.raises(TaskGraphValidationError, match="effects"):
         Task.from_fn("t", lambda ctx: None, effects="")
     io = DeclaredIO(lambda ctx: None, lambda ctx, v: None)
     assert Task.from_fn("t", lambda ctx: None, effects="x", io=io).io == (io,)
@@ -165,7 +165,7 @@ def test_declared_io_restores_external_state_on_every_replay(executor):
 
     data = batches(5)
     runner = PlanRunner(
-        Schedule.single_stage(
+        TaskGraph.single_group(
             [
                 Task.from_fn("register", register, reads=["batch_cpu"], writes=["marker"]),
                 Task.from_fn("consume", consume, reads=["marker"], writes=["step_result"]),
@@ -195,7 +195,7 @@ def test_declared_io_values_are_fresh_copies():
         state["t"] = torch.arange(3.0)
 
     task = Task.from_fn("p", producer, effects="sets state['t']", io=[DeclaredIO(capture, restore)])
-    runner = PlanRunner(Schedule.single_stage([task]))
+    runner = PlanRunner(TaskGraph.single_group([task]))
     runner.enable_shortcut("p")
     list(runner.iterate(range(4)))
     assert len(seen) == 3
@@ -268,7 +268,7 @@ def expected_grads(model, x, z_cached):
 def test_replayed_gradients_are_exact_and_upstream_gets_exact_zeros(executor, skip):
     model = Model(skip)
     data = batches(5, seed=3)
-    with PlanRunner(Schedule.single_stage(model.tasks()), executor=EXECUTORS[executor]()) as runner:
+    with PlanRunner(TaskGraph.single_group(model.tasks()), executor=EXECUTORS[executor]()) as runner:
         runner.enable_shortcut("mid")
         results = list(runner.iterate(data))
     assert model.mid_runs == 1
@@ -304,7 +304,7 @@ def test_replay_under_no_grad_does_not_track():
         ctx.slots.set("step_result", ctx.slots["y"].requires_grad)
 
     runner = PlanRunner(
-        Schedule.single_stage(
+        TaskGraph.single_group(
             [Task.from_fn("make", make, writes=["y"]), Task.from_fn("read", read, reads=["y"], writes=["step_result"])]
         )
     )
@@ -325,7 +325,7 @@ def test_without_shortcuts_tasks_run_their_own_run_method():
             ran.append((self.name, threading.current_thread().name))
 
     tasks = [Counting("a"), Counting("b", depends_on=["a"])]
-    runner = PlanRunner(Schedule.single_stage(tasks))
+    runner = PlanRunner(TaskGraph.single_group(tasks))
     records = list(runner._records.values())
     assert [r.run for r in records] == [t.run for t in tasks]
     assert runner._plain  # the per-task path is just `task.run(ctx)`

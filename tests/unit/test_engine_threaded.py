@@ -8,17 +8,17 @@ import threading
 import time
 
 import pytest
-from _schedules import Trace, build, schedule_specs
+from _task_graphs import Trace, build, task_graph_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.engine import (
     PlanRunner,
     PlanRunnerBrokenError,
-    Schedule,
-    Stage,
     Task,
     TaskFailedError,
+    TaskGraph,
+    TaskGroup,
     ThreadedExecutor,
     resolve_thread_map,
 )
@@ -38,11 +38,11 @@ THREAD_MAPS = {
 
 def traced_run(specs, executor, m, jitter=0.0, seed=0):
     trace = Trace(jitter=jitter, seed=seed)
-    schedule = build(specs, trace)
-    pool, log = recording_pool(schedule.stream_slots)
-    with PlanRunner(schedule, pool, executor) as runner:
+    task_graph = build(specs, trace)
+    pool, log = recording_pool(task_graph.stream_slots)
+    with PlanRunner(task_graph, pool, executor) as runner:
         results = list(runner.iterate(range(m)))
-    return trace, results, check_happens_before(log, schedule)
+    return trace, results, check_happens_before(log, task_graph)
 
 
 HAND_WRITTEN = [
@@ -63,7 +63,7 @@ HAND_WRITTEN = [
 
 
 @pytest.mark.parametrize("thread_map", sorted(THREAD_MAPS))
-def test_threaded_equals_sequential_on_hand_written_schedule(thread_map):
+def test_threaded_equals_sequential_on_hand_written_task_graph(thread_map):
     ref, ref_results, ref_violations = traced_run(HAND_WRITTEN, "sequential", 9)
     got, results, violations = traced_run(HAND_WRITTEN, ThreadedExecutor(THREAD_MAPS[thread_map]()), 9, jitter=0.002)
     assert ref_violations == violations == []
@@ -72,13 +72,13 @@ def test_threaded_equals_sequential_on_hand_written_schedule(thread_map):
 
 
 @given(
-    specs=schedule_specs(),
+    specs=task_graph_specs(),
     m=st.integers(0, 6),
     thread_map=st.sampled_from(sorted(THREAD_MAPS)),
     seed=st.integers(0, 1000),
 )
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_threaded_equals_sequential_on_random_schedules(specs, m, thread_map, seed):
+def test_threaded_equals_sequential_on_random_task_graphs(specs, m, thread_map, seed):
     ref, ref_results, _ = traced_run(specs, "sequential", m)
     got, results, violations = traced_run(
         specs, ThreadedExecutor(THREAD_MAPS[thread_map]()), m, jitter=0.001, seed=seed
@@ -111,7 +111,7 @@ def test_nccl_ticket_order_is_topological_order_under_random_delays():
         task("finalize", lookahead=0, depends_on=["backward"]),
     ]
     executor = ThreadedExecutor("per_task")
-    runner = PlanRunner(Schedule.single_stage(tasks), executor=executor)
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=executor)
     topo_nccl = [t.name for t in runner.graph.order if t.nccl]
     assert topo_nccl == ["shuffle", "start_dist", "wait_dist", "tokens", "backward", "finalize"]
     list(runner.iterate(range(12)))
@@ -158,7 +158,7 @@ def assert_nccl_order(events, order, ran):
         assert seq == [(kind, name) for name in expected for kind in ("start", "end")], f"iteration {i}: {seq}"
 
 
-@given(specs=schedule_specs(), m=st.integers(0, 6), data=st.data(), seed=st.integers(0, 1000))
+@given(specs=task_graph_specs(), m=st.integers(0, 6), data=st.data(), seed=st.integers(0, 1000))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_random_thread_assignment_and_nccl_flags_match_sequential(specs, m, data, seed):
     """Stress for the latches: any split of the tasks over threads (and folding by max_workers)
@@ -172,12 +172,12 @@ def test_random_thread_assignment_and_nccl_flags_match_sequential(specs, m, data
     trace, events, lock = Trace(), [], threading.Lock()
     body = nccl_checked_body(trace, events, lock, random.Random(seed))
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in specs]
-    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
-    pool, log = recording_pool(schedule.stream_slots)
-    with PlanRunner(schedule, pool, ThreadedExecutor(thread_map, max_workers)) as runner:
+    task_graph = TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    pool, log = recording_pool(task_graph.stream_slots)
+    with PlanRunner(task_graph, pool, ThreadedExecutor(thread_map, max_workers)) as runner:
         results = list(runner.iterate(range(m)))
         order = runner.graph.order
-    assert check_happens_before(log, schedule) == []
+    assert check_happens_before(log, task_graph) == []
     assert trace.reads == ref.reads and trace.writes == ref.writes and results == ref_results
     ran = {
         (name, b + runner.max_lookahead - next(t.lookahead for t in tasks if t.name == name)) for name, b in trace.reads
@@ -212,8 +212,8 @@ def test_long_run_per_task_threads_keeps_results_and_collective_order():
     trace, events, lock = Trace(), [], threading.Lock()
     body = nccl_checked_body(trace, events, lock)
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in specs]
-    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
-    with PlanRunner(schedule, executor=ThreadedExecutor("per_task")) as runner:
+    task_graph = TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    with PlanRunner(task_graph, executor=ThreadedExecutor("per_task")) as runner:
         results = list(runner.iterate(range(m)))
         order = runner.graph.order
     assert results == ref_results and trace.reads == ref.reads
@@ -222,7 +222,7 @@ def test_long_run_per_task_threads_keeps_results_and_collective_order():
     assert len(events) == 2 * 5 * m
 
 
-@given(specs=schedule_specs(max_tasks=5), m=st.integers(1, 5), data=st.data())
+@given(specs=task_graph_specs(max_tasks=5), m=st.integers(1, 5), data=st.data())
 @settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_failure_injection_always_surfaces_and_never_hangs(specs, m, data):
     names = [s["name"] for s in specs]
@@ -242,9 +242,9 @@ def test_failure_injection_always_surfaces_and_never_hangs(specs, m, data):
         Task.from_fn(s["name"], body, nccl=nccl[s["name"]], **{k: v for k, v in s.items() if k != "name"})
         for s in specs
     ]
-    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    task_graph = TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
     before = threading.active_count()
-    runner = PlanRunner(schedule, executor=ThreadedExecutor(thread_map))
+    runner = PlanRunner(task_graph, executor=ThreadedExecutor(thread_map))
     it = iter(range(m))
     start = time.monotonic()
     with pytest.raises(TaskFailedError) as info:
@@ -273,7 +273,7 @@ def test_failure_cancels_tasks_not_yet_started():
         Task.from_fn("a", slow_ok, depends_on=["boom"]),
         Task.from_fn("b", slow_ok, depends_on=["a"]),
     ]
-    runner = PlanRunner(Schedule.single_stage(tasks), executor=ThreadedExecutor("per_task"))
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor("per_task"))
     with pytest.raises(TaskFailedError, match="task 'boom' failed on batch 0"):
         runner.progress(iter(range(3)))
     assert ran == []
@@ -315,7 +315,9 @@ def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, ex
         trace.body(ctx)
 
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in HAND_WRITTEN]
-    runner = PlanRunner(Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2")), None, executor)
+    runner = PlanRunner(
+        TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2")), None, executor
+    )
     for _ in range(3):  # workers are long-lived: iterations create no threads
         list(runner.iterate(range(6)))
         assert executor.num_threads == expected
@@ -354,7 +356,7 @@ def test_a_chain_waiting_on_another_thread_is_handed_over_when_its_trigger_opens
         Task.from_fn("d", body, depends_on=["c"]),
     ]
     executor = ThreadedExecutor("by_stream")
-    runner = PlanRunner(Schedule.single_stage(tasks), executor=executor)
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=executor)
     list(runner.iterate(range(1)))  # starts the workers
 
     class Spy:  # the worker's job queue, noting what had run when a chain was handed over
@@ -409,7 +411,7 @@ def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_pipeline(raised_
         Task.from_fn("c", slow, depends_on=["b"]),
     ]
     before = threading.active_count()
-    runner = PlanRunner(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor("by_stream"))
     it = iter(range(4))
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
@@ -470,7 +472,7 @@ def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
         Task.from_fn("after", record, stream="s2", depends_on=["c1"]),
     ]
     before = threading.active_count()
-    runner = PlanRunner(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor("by_stream"))
     it = iter(range(4))
     # the handler is installed here, not inherited: a process started in the background by a
     # non-interactive shell (a CI job's `pytest &`) inherits SIGINT ignored, and Python then

@@ -222,7 +222,7 @@ def test_a_registered_function_need_not_be_importable_by_path():
 
     plan = compile_plan({"tasks": {"t": {"fn": "nested_task_xyz", "reads": ["batch_cpu"], "writes": [STEP_RESULT]}}})
     assert plan.graph.task("t").fn is nested
-    with build_plan_runner(plan, StreamPool.create(plan.schedule.stream_slots), state=None) as runner:
+    with build_plan_runner(plan, StreamPool.create(plan.task_graph.stream_slots), state=None) as runner:
         assert list(runner.iterate(range(3))) == [0, -1, -2]
 
 
@@ -254,7 +254,7 @@ def test_a_users_plain_function_runs_by_import_path(tmp_path, monkeypatch):
     path = "user_tasks_mod:plain"
     plan = compile_plan({"tasks": {"step": {"fn": path, "reads": ["batch_cpu"], "writes": [STEP_RESULT]}}})
     assert plan.specs == {} and plan.fn_paths() == {"step": path}
-    with build_plan_runner(plan, StreamPool.create(plan.schedule.stream_slots), state=None) as runner:
+    with build_plan_runner(plan, StreamPool.create(plan.task_graph.stream_slots), state=None) as runner:
         assert list(runner.iterate(range(4))) == [0, 10, 20, 30]
 
 
