@@ -25,7 +25,7 @@ class EventLogPool(StreamPool):
     after it; with `drop_waits_of=<stream>` that stream's waits (of the kinds in `drop_kinds`:
     "event", "stream") are logged but not emitted, standing for a broken engine.
 
-    The pipeline calls `wait_event` / `wait_stream` just before `use(stream, (task, batch))` and
+    The plan runner calls `wait_event` / `wait_stream` just before `use(stream, (task, batch))` and
     `record_event` just after it, all on the task's thread; a thread-local links them to the label.
     """
 
@@ -166,7 +166,7 @@ class DeviceTrace:
         return self.salt + self._index[task] * 100_000 + batch
 
     def preset(self, task: str, batch: int, delay_ms: float) -> None:
-        """Produce `task`'s output for `batch` outside the pipeline, on the current stream: work the
+        """Produce `task`'s output for `batch` outside the plan runner, on the current stream: work the
         caller did before the first iteration (e.g. for the batch before the first one)."""
         out = torch.full((self.size,), -1, dtype=torch.int64, device=self.device)
         self._spin(delay_ms)
@@ -207,7 +207,7 @@ class DeviceTrace:
 
     @property
     def ran(self) -> list[tuple[str, int]]:
-        """(task, batch) of every instance that ran in the pipeline, presets excluded."""
+        """(task, batch) of every instance that ran in the plan runner, presets excluded."""
         return [key for key in self.outputs if key[1] >= 0 and key[0] in self._index]
 
     def violations(self) -> list[str]:

@@ -1,6 +1,6 @@
 """The timed window the training benchmarks share (`recsys_pipe.bench.train`,
 `recsys_pipe.bench.shuffle`): a window opened after a barrier and closed after the last timed
-step, the engine observer that opens and closes it from the pipeline's own hooks and splits the
+step, the engine observer that opens and closes it from the plan runner's own hooks and splits the
 window into task bodies, engine, release and loop time, Python's garbage-collection pauses, and
 the peak memory of one run. `recsys_pipe.bench.train`'s module docstring says what each figure
 means.

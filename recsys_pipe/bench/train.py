@@ -56,7 +56,7 @@ What a column means (per rank; the larger of the ranks):
 - CPU ms/step: CPU time of the whole process (every thread: the executor's, gloo's) over the
   window / steps. Two ranks on two cores with CPU ms/step close to ms/step leave no core to
   overlap with.
-- engine µs/step (and its share of ms/step): measured with a `TaskObserver` on the pipeline.
+- engine µs/step (and its share of ms/step): measured with a `TaskObserver` on the plan runner.
   Per timed iteration, from `iteration_started` to `tasks_done`, the time during which no task
   body (`task.run`, between `task_started` and `task_finished`) ran on any thread: dispatch,
   dependency latches, thread hand-offs and wake-ups, the batch pull, the executor's join. Time

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StateT", "TaskContext"]
 
-#: The type of the pipeline's shared state (`PlanRunner(..., state=...)`).
+#: The type of the plan runner's shared state (`PlanRunner(..., state=...)`).
 StateT = TypeVar("StateT")
 
 

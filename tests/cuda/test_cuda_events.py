@@ -80,7 +80,7 @@ def test_prefill_fallback_orders_after_earlier_work_on_the_producers_stream(exec
     pool = EventLogPool.cuda(STREAMS, drop_waits_of="s2" if dropped else None, drop_kinds=("stream",))
     task_graph = trace.build(specs, STREAMS)
     with torch.cuda.stream(pool.get("s1")):
-        trace.preset("X", -1, LONG_MS)  # the batch before batch 0, produced before the pipeline starts
+        trace.preset("X", -1, LONG_MS)  # the batch before batch 0, produced before the plan runner starts
     graph = run(task_graph, EXECUTORS[executor](), pool)
     assert pool.waits[("C", 0)] == [("stream", "s1")]
     assert all([kind for kind, _ in pool.waits[("C", b)]] == ["event"] for b in range(1, BATCHES))

@@ -56,7 +56,7 @@ def test_autosched_uses_only_engine_names_that_stay():
         "Edge",
         "TaskGraphValidationError",
         "DependencyCycleError",
-        # the profiler: an observer on a running pipeline, and the shortcut eligibility rule
+        # the profiler: an observer on a running plan runner, and the shortcut eligibility rule
         "PlanRunner",
         "SpanRecorder",
         "shortcut_refusal",

@@ -197,7 +197,7 @@ def test_span_recorder_spans_threads_windows_and_clear(executor):
 
 
 class NvtxLog:
-    """Stands in for the `nvtx` module in the pipeline, to see which ranges are opened."""
+    """Stands in for the `nvtx` module in the plan runner, to see which ranges are opened."""
 
     def __init__(self):
         self.ops = []

@@ -190,7 +190,7 @@ def test_lookahead_zero_step_returns_its_own_result():
     assert [runner.step(x) for x in (1, 2, 3)] == [2, 4, 6]
 
 
-def test_failure_names_task_and_batch_and_breaks_pipeline():
+def test_failure_names_task_and_batch_and_breaks_the_runner():
     def boom(ctx):
         if ctx.batch_index == 2:
             raise ValueError("bad batch")

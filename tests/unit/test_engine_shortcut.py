@@ -1,5 +1,5 @@
 """Shortcut replay: what a skipped task leaves for the tasks after it, values and gradients;
-DeclaredIO; refusals; and that a pipeline without shortcuts runs tasks exactly as before."""
+DeclaredIO; refusals; and that a plan runner without shortcuts runs tasks exactly as before."""
 
 import threading
 
@@ -32,7 +32,7 @@ def batches(n, seed=0):
 # -- values --------------------------------------------------------------------------------------
 
 
-def value_pipeline(executor, calls):
+def value_runner(executor, calls):
     """src -> mid (adds, replaces and deletes slots, one of them at lookahead 1) -> out."""
 
     def src(ctx):
@@ -67,7 +67,7 @@ def value_pipeline(executor, calls):
 def test_replay_gives_later_tasks_what_the_caching_run_produced(executor):
     data = batches(6)
     calls = []
-    with value_pipeline(executor, calls) as runner:
+    with value_runner(executor, calls) as runner:
         reference = list(runner.iterate(data))
         calls.clear()
         runner.enable_shortcut(["mid"])

@@ -396,7 +396,7 @@ def test_shutdown_is_prompt_and_idempotent():
 
 
 @pytest.mark.parametrize("raised_on", ["caller", "worker"])
-def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_pipeline(raised_on):
+def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_runner(raised_on):
     def interrupt(ctx):
         if ctx.batch_index == 1:
             raise KeyboardInterrupt
