@@ -10,7 +10,7 @@ distribution and the prefetch to other streams and threads and change no value.
 Tolerance: bitwise, with `torch.use_deterministic_algorithms(True)` (why, in tests/_launcher_runs.py);
 a difference here is a scheduling bug or a kernel that is not deterministic on this GPU, which the
 failure message shows step by step. Needs torchrec and the CUDA fbgemm-gpu (brought by
-`scripts/gpu_check.sh --group`); the CPU counterpart is tests/integration/test_launcher_torchrec.py.
+`scripts/gpu_check.sh --stage`); the CPU counterpart is tests/integration/test_launcher_torchrec.py.
 """
 
 import pytest
