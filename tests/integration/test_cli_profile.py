@@ -125,7 +125,7 @@ def test_step_window_traces_only_its_steps_with_a_range_per_task_on_each_thread(
 
     tasks = [Task.from_fn("load", work, lookahead=1, writes=["x"]), Task.from_fn("train", work, reads=["x"])]
     with PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor({"load": "io"})) as runner:
-        window = StepWindow([2, 3], str(tmp_path), rank=1, pipeline=runner)
+        window = StepWindow([2, 3], str(tmp_path), rank=1, runner=runner)
         window.step(0)
         for step, _ in enumerate(runner.iterate(range(6)), start=1):
             assert window.active == (step in (2, 3))  # recording while steps 2 and 3 ran
