@@ -18,6 +18,7 @@ from _process_group import one_rank_group
 from _retrieval_batches import with_collisions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
 from recsys_pipe.cli import train as train_cli
@@ -434,6 +435,39 @@ def test_losses_match_their_definitions(tmp_path, cfg):
     assert out["logits"].shape == out["labels"].shape == (2 * len(q), 1)
     assert float(out["num_tokens"]) == len(q) == int(batch.num_loss_tokens())
     loss.backward()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "per_target"),
+    [
+        (["model=hstu_retrieval", "model.num_negatives=9"], 9),  # the reference's recipe: its own per position
+        (["model=hstu_retrieval", "model.num_negatives=9", "model.negatives=shared"], 1),
+        (["model=sasrec", "model.num_negatives=9"], 1),  # bce: one per position
+        (["model=hstu_retrieval", "model.num_negatives=9", "data=parquet_sequences"], 9),
+    ],
+)
+def test_the_run_config_derives_the_negatives_the_data_draws_per_target(tmp_path, overrides, per_target):
+    """`model.*` alone sets how many negatives per target the data draws: no data key repeats it."""
+    from recsys_pipe.testing import load_run
+
+    run = load_run(
+        *(overrides if "data=parquet_sequences" in overrides else ["data=sequences", *overrides]),
+        f"data.path={_pairs(tmp_path)}",
+    )
+    assert run.data.negatives_per_target == per_target
+    with pytest.raises(ValidationError, match="negatives_per_target"):  # no key of the data's
+        SequencesDataConfig(path=str(_pairs(tmp_path)), negatives_per_target=9)
+
+
+def test_per_position_negatives_refuse_a_batch_with_too_few(tmp_path):
+    """A batch whose source drew one negative per target (built without the model's derivation)
+    stops the per-position loss with a message that says what is missing."""
+    cfg = HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, num_negatives=6)
+    data = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
+    torch.manual_seed(0)
+    model = cfg.build(data.dataset(0, 1).spec)
+    with pytest.raises(ValueError, match="needs 6 negatives per target"):
+        model(next(iter(make_dataloader(data))))
 
 
 @pytest.mark.parametrize("cfg", MODELS[:3], ids=_model_id)
