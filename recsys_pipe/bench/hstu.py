@@ -10,7 +10,9 @@ negatives, temperature 0.05, L2-normalised vectors, Adam(W) with lr 1e-3, betas 
 no weight decay on every weight, the item table included (ours on torchrec's dense kernel).
 The reference runs its own modules (`HSTU`, `SampledSoftmaxLoss`, `LocalNegativesSampler`) in the
 step of its `trainer/train.py`, on the same training samples (its data loading is not counted;
-ours includes the data loader). One process, `--threads` intra-op threads; repetitions alternate
+ours includes the data loader and its negatives). Both score 128 negatives per position (ours:
+`model.negatives=per_position`, drawn by the data; the reference's: drawn by its sampler). One
+process, `--threads` intra-op threads; repetitions alternate
 between the variants. Prints samples/s of each, median (min-max), and the ratio ours / reference,
 by the wall clock and by the process's CPU clock, then one JSON line.
 
@@ -18,8 +20,9 @@ by the wall clock and by the process's CPU clock, then one JSON line.
 ours with dropout masks by `bernoulli_` (`mask`), with Adam's per-parameter loop (`fused_adam`),
 with the blocks on every padded position instead of jagged tokens (`jagged`), with the item
 table updated by fbgemm's fused row-wise Adagrad instead of Adam (`table_update`, a change of
-recipe: a speed figure, not the reference's training); and the reference with our batch-shared
-negatives instead of its 128 per position (`negatives`).
+recipe: a speed figure, not the reference's training); ours with one pool of 128 negatives shared
+by the batch's positions (`shared_negatives`, `model.negatives=shared`: also a change of recipe);
+and the reference with such a pool instead of its 128 per position (`reference, shared negatives`).
 
 `--data FILE` is a "user item" or MovieLens ratings file; without it the benchmark writes an
 ML-1M-shaped ratings file (6,040 users, 3,706 items, ML-1M's sequence lengths; 200 users with
@@ -86,6 +89,7 @@ class Sizes:
             f"model.num_heads={self.heads}",
             f"model.dropout={self.dropout}",
             f"model.num_negatives={self.negatives}",
+            "model.negatives=per_position",
             f"model.temperature={self.temperature}",
             f"data.max_seq_len={self.data_len}",
             f"data.batch_size={self.batch}",
@@ -362,6 +366,7 @@ LEVERS_OFF: dict[str, tuple[str, ...]] = {
     "no fused_adam": ("fused_adam",),
     "padded blocks": ("jagged",),
     "fused table update": ("table_update",),
+    "shared negatives": ("shared_negatives",),
 }
 
 
@@ -381,7 +386,9 @@ def levers_off(names: tuple[str, ...]) -> Iterator[list[str]]:
                 mock.patch("recsys_pipe.models.hstu_retrieval.HSTURetrievalEncoder.forward", _padded_forward)
             )
         if "table_update" in names:
-            extra = ["model.compute_kernel=fused", "optimizer.sparse.name=rowwise_adagrad", "optimizer.sparse.lr=0.05"]
+            extra += ["model.compute_kernel=fused", "optimizer.sparse.name=rowwise_adagrad", "optimizer.sparse.lr=0.05"]
+        if "shared_negatives" in names:
+            extra += ["model.negatives=shared"]
         yield extra
 
 

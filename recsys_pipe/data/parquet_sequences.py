@@ -16,7 +16,8 @@ metadata holds the sorted distinct raw item ids as little-endian int64 bytes
 
 A user's training sample is what `data=sequences` builds (module `recsys_pipe.data.sequences`):
 the last `max_seq_len` transitions of the sequence without its last two items (all of it below
-three items), and one negative per target from `recsys_pipe.data.negatives.unseen_items` (a
+three items), and `negatives_per_target` negatives per target (one, or what the model derives:
+`SequenceSourceConfig.negatives_per_target`) from `recsys_pipe.data.negatives.unseen_items` (a
 counter-based hash of `(data.seed, epoch, user, position)`, rejected against the user's training
 items), drawn for the whole batch at once: bitwise the same batches as `data=sequences` on the
 same users, whichever batch, rank or worker a user falls in. Nothing is per user. Unlike
@@ -142,7 +143,7 @@ class UserRows:
         first = self.offsets[:-1] + train - keep
         inputs = _ranges(first, m)
         targets = inputs + 1
-        negatives = _negatives(self, epoch, train, m)
+        negatives = _negatives(self, epoch, train, m * d.negatives_per_target)
         # the time of each sample's last target (of its only item when it has none), as data=sequences has it
         last = np.where(train > 0, self.offsets[:-1] + train - 1, 0)
         target_stamps = self.stamps[last]
@@ -154,12 +155,14 @@ class UserRows:
             torch.from_numpy(_offsets(m)),
             torch.from_numpy(self.sample_ids.copy()),
             torch.from_numpy(np.ascontiguousarray(target_stamps, dtype=np.int64)),
+            d.negatives_per_target,
         )
 
 
 @dataclass
 class TrainRows:
-    """Training samples: inputs, targets, negatives and timestamps (the same lengths) per user."""
+    """Training samples: inputs, targets and timestamps (the same lengths) per user, and
+    `negatives_per_target` negatives per target (target by target)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -169,20 +172,23 @@ class TrainRows:
     sample_ids: torch.Tensor
     #: `[users]` the time of each sample's last target (`RetrievalBatch.target_timestamps`)
     target_stamps: torch.Tensor
+    negatives_per_target: int = 1
 
     def __len__(self) -> int:
         return int(self.sample_ids.numel())
 
     def slice(self, start: int, stop: int) -> TrainRows:
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        k = self.negatives_per_target
         return TrainRows(
             self.inputs[lo:hi],
             self.targets[lo:hi],
-            self.negatives[lo:hi],
+            self.negatives[lo * k : hi * k],
             self.stamps[lo:hi],
             self.offsets[start : stop + 1] - lo,
             self.sample_ids[start:stop],
             self.target_stamps[start:stop],
+            k,
         )
 
     @classmethod
@@ -196,6 +202,7 @@ class TrainRows:
             torch.from_numpy(_offsets(lengths.numpy())),
             torch.cat([p.sample_ids for p in parts]),
             torch.cat([p.target_stamps for p in parts]),
+            parts[0].negatives_per_target,  # one source: the same in every part
         )
 
     def batch(self) -> RetrievalBatch:
@@ -208,7 +215,7 @@ class TrainRows:
         kjt = KeyedJaggedTensor(
             keys=list(RETRIEVAL_KEYS),
             values=torch.cat([self.inputs, self.targets, self.negatives]),
-            lengths=torch.cat([lengths, lengths, lengths, zeros]),
+            lengths=torch.cat([lengths, lengths, lengths * self.negatives_per_target, zeros]),
         )
         return RetrievalBatch(
             sparse_features=kjt,
@@ -225,7 +232,7 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 def _negatives(rows: UserRows, epoch: int, train: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """One negative per target of every user at once (`unseen_items`, seen: its training items)."""
+    """`counts[i]` negatives of every user `i` at once (`unseen_items`, seen: its training items)."""
     d = rows.source
     return unseen_items(
         d.seed, TRAIN, epoch, rows.sample_ids, counts, rows.items, rows.offsets[:-1], train, d.num_items
@@ -257,6 +264,7 @@ class _SequenceDecoder:
         self.columns = [c.user, c.items] + ([stamps] if stamps else [])
         self.vocab, self.num_items = vocab, num_items
         self.max_seq_len, self.seed = cfg.max_seq_len, cfg.seed
+        self.negatives_per_target = cfg.negatives_per_target
         #: raw id -> dense id (-1: unknown) when the raw ids are small enough for a table
         self._lookup: np.ndarray | None = None
         if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):

@@ -16,8 +16,10 @@ remapped to dense `[0, n)` ids in sorted raw-id order; the raw ids are kept for 
 dump. Rank `r` of `w` reads every `w`-th training user (disjoint users per rank).
 
 A training sample is one user's last `max_seq_len` training transitions: inputs
-`s_1 .. s_{m-1}`, targets `s_2 .. s_m` (the next item at each position) and one negative per
-position, drawn uniformly from the items not in the user's training sequence (SASRec's sampler).
+`s_1 .. s_{m-1}`, targets `s_2 .. s_m` (the next item at each position) and negatives drawn
+uniformly from the items not in the user's training sequence (SASRec's sampler): one per position,
+or as many per position as the model asks (`negatives_per_target`, derived from the model's loss:
+`model.negatives=per_position` draws `model.num_negatives`), position by position.
 The negatives are drawn again every epoch: the training sampler numbers samples across epochs
 (`resamples_per_epoch`), and each is a counter-based hash of `(data.seed, epoch, user, position)`
 (`recsys_pipe.data.negatives`, shared with `data=parquet_sequences`), so a run is reproducible,
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, NoReturn
 
 import numpy as np
 import torch
-from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
@@ -160,6 +162,22 @@ class SequenceSourceConfig(DataConfig):
     full_eval: StrictBool = Field(
         True, description="also rank the held-out item against the whole catalogue (full-corpus protocol)"
     )
+    #: training negatives drawn per target: derived from the model (`ModelConfig.data_for_model`),
+    #: never a key of its own, so the count is set once (`model.num_negatives`)
+    _negatives_per_target: int = PrivateAttr(1)
+
+    @property
+    def negatives_per_target(self) -> int:
+        """Training negatives drawn per target (1 unless the model asked for more)."""
+        return self._negatives_per_target
+
+    def with_negatives_per_target(self, count: int) -> SequenceSourceConfig:
+        """A copy of this config whose source draws `count` training negatives per target."""
+        if count < 1:
+            raise ValueError(f"negatives per target must be >= 1, got {count}")
+        copy = self.model_copy()
+        copy._negatives_per_target = count
+        return copy
 
 
 class SequencesDataConfig(SequenceSourceConfig):
@@ -188,15 +206,16 @@ def sequences_dataset(cfg: SequencesDataConfig, rank: int, world_size: int) -> S
         seed=cfg.seed,
         eval_negatives=cfg.eval_negatives,
         full_eval=cfg.full_eval,
+        negatives_per_target=cfg.negatives_per_target,
     )
 
 
 @dataclass
 class RetrievalSample:
     """One user's sample before collation (dense ids). Training: `inputs`, `targets`, `negatives`
-    (one per target); evaluation: `inputs`, `candidates` (held-out item first). `sample_id` is
-    the dense user id, or -1 for padding (evaluation batches are padded to the same count on every
-    rank and padding is not scored)."""
+    (`negatives_per_target` per target, target by target); evaluation: `inputs`, `candidates`
+    (held-out item first). `sample_id` is the dense user id, or -1 for padding (evaluation batches
+    are padded to the same count on every rank and padding is not scored)."""
 
     sample_id: int
     inputs: list[int]
@@ -217,6 +236,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         seed: seeds the training negatives (with the epoch and sample) and the evaluation negatives.
         eval_negatives: sampled items per evaluated user (never items the user interacted with).
         full_eval: evaluation batches carry the whole catalogue.
+        negatives_per_target: training negatives per target (target by target in `negatives`).
     """
 
     #: the training sampler numbers samples across epochs (`epoch * len(self) + i`), so the
@@ -232,6 +252,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         seed: int = 0,
         eval_negatives: int = 100,
         full_eval: bool = True,
+        negatives_per_target: int = 1,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -250,6 +271,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         _check_negatives_exist(data, self.sequences, self.num_items)
         self.max_seq_len, self.rank, self.world_size, self.seed = max_seq_len, rank, world_size, seed
         self.eval_negatives, self.full_eval = eval_negatives, full_eval
+        self.negatives_per_target = negatives_per_target
         self.spec = DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: self.num_items})
         trainable = [u for u, seq in enumerate(self.sequences) if len(self._train_part(u)) >= 2]
         self._users = trainable[: len(trainable) // world_size * world_size][rank::world_size]
@@ -275,7 +297,8 @@ class SequencesDataset(Dataset[RetrievalSample]):
         train = self._train_part(user)[-(self.max_seq_len + 1) :]
         stamps = self.timestamps[user][: len(self._train_part(user))][-(self.max_seq_len + 1) :]
         targets = train[1:]
-        negatives = _unseen(self.seed, TRAIN, epoch, user, len(targets), self._train_part(user), self.num_items)
+        count = len(targets) * self.negatives_per_target
+        negatives = _unseen(self.seed, TRAIN, epoch, user, count, self._train_part(user), self.num_items)
         return RetrievalSample(user, train[:-1], stamps[:-1], targets, negatives, [], stamps[-1])
 
     def split(self, name: str, batch_size: int) -> _EvalSplit:

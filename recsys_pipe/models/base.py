@@ -125,6 +125,12 @@ class ModelConfig(Component):
         """Problems with using this model on `data` (cross-section constraints); none by default."""
         return []
 
+    def data_for_model(self, data: DataConfig) -> DataConfig:
+        """The data config this model trains on: `data` with what the model derives for it (a
+        retrieval model: the negatives drawn per target), so no number is set in two keys. Called
+        by the run config once `check_data` found no problem; by default `data` as it is."""
+        return data
+
     def check_spec(self, spec: Any) -> list[ConfigProblem]:
         """Problems with using this model on the data as read (its `DataSpec`: vocabulary sizes),
         found by the pre-flight before anything starts; none by default."""

@@ -14,10 +14,13 @@ is trained to score `s_{t+1}` highest:
 * `bce` (SASRec): per position, binary cross-entropy of the target (label 1) and of one sampled
   negative (label 0), averaged over positions.
 * `sampled_softmax` (HSTU): per position, softmax cross-entropy of the target against
-  `num_negatives` negatives shared by the batch (the first of its sampled negatives, drawn
-  uniformly), on L2-normalised vectors (norms clamped at 1e-6) divided by `temperature`; a
-  negative equal to the target is masked out. (generative-recommenders draws `num_negatives`
-  per position; the loss is the same function of its negatives.)
+  `num_negatives` negatives, on L2-normalised vectors (norms clamped at 1e-6) divided by
+  `temperature`; a negative equal to the target is masked out. Whose negatives
+  (`model.negatives`): `per_position` (the default, generative-recommenders' recipe), each
+  position its own `num_negatives`, which the data draws (`negatives_per_target`, derived from
+  the model config: `neg` holds them target by target, a `[T, K]` block scored by one einsum);
+  `shared`, one pool for every position of the batch, the first `num_negatives` of its
+  negatives (the data draws one per target): K lookups per batch instead of K per position.
 
 Evaluation (the model in eval mode, batches of an evaluation split): the last position's vector
 scores the held-out item and its sampled negatives (`cand`) and, when the batch carries it, every
@@ -122,6 +125,7 @@ class RetrievalHead(nn.Module):
         self.dim = cfg.embedding_dim
         self.loss = cfg.loss
         self.num_negatives = cfg.num_negatives
+        self.per_position = cfg.per_position_negatives
         self.temperature = cfg.temperature
         self.encoder = encoder(cfg)
 
@@ -163,11 +167,24 @@ class RetrievalHead(nn.Module):
                 pos_logits, torch.ones_like(pos_logits), reduction="none"
             ) + F.binary_cross_entropy_with_logits(neg_logits, torch.zeros_like(neg_logits), reduction="none")
         else:
-            pool = self._normalise(rows[NEG_KEY][: self.num_negatives])
             q, p = self._normalise(query), self._normalise(pos)
             pos_logits = (q * p).sum(-1) / self.temperature
-            neg_scores = q @ pool.T / self.temperature
-            same = feature_ids(ids, POS_KEY)[:, None] == feature_ids(ids, NEG_KEY)[None, : pool.shape[0]]
+            neg_ids, target_ids = feature_ids(ids, NEG_KEY), feature_ids(ids, POS_KEY)
+            if self.per_position:  # [T, K]: position t's own negatives, target by target
+                t, k = q.shape[0], self.num_negatives
+                if neg_ids.numel() != t * k:
+                    raise ValueError(
+                        f"model.negatives=per_position needs {k} negatives per target, but the batch has "
+                        f"{neg_ids.numel()} for {t} targets: its data source must draw "
+                        "`negatives_per_target` of its config (ModelConfig.data_for_model)"
+                    )
+                neg = self._normalise(rows[NEG_KEY]).view(t, k, -1)
+                neg_scores = torch.einsum("td,tkd->tk", q, neg) / self.temperature
+                same = target_ids[:, None] == neg_ids.view(t, k)
+            else:  # [T, K]: one pool, the batch's first K negatives, for every position
+                pool = self._normalise(rows[NEG_KEY][: self.num_negatives])
+                neg_scores = q @ pool.T / self.temperature
+                same = target_ids[:, None] == neg_ids[None, : pool.shape[0]]
             neg_scores = neg_scores.masked_fill(same, float("-inf"))
             neg_logits = neg_scores[:, 0]
             per_token = torch.logsumexp(torch.cat([pos_logits[:, None], neg_scores], dim=1), dim=1) - pos_logits

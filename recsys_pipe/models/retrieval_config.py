@@ -25,12 +25,40 @@ class RetrievalConfig(ShardedModelConfig):
     max_seq_len: StrictInt = Field(50, ge=1, description="positions of the encoder; must be >= data.max_seq_len")
     dropout: float = Field(0.5, ge=0, lt=1, description="dropout on embeddings and blocks")
     loss: Literal["bce", "sampled_softmax"] = Field(
-        "bce", description="bce: one sampled negative per position (SASRec); sampled_softmax: N shared negatives"
+        "bce",
+        description="bce: one sampled negative per position (SASRec); sampled_softmax: softmax over the target and "
+        "num_negatives negatives (model.negatives)",
     )
     num_negatives: StrictInt = Field(
-        128, ge=1, description="sampled_softmax: negatives per batch, shared by its positions"
+        128, ge=1, description="sampled_softmax: negatives each position scores (model.negatives says whose)"
+    )
+    negatives: Literal["per_position", "shared"] = Field(
+        "per_position",
+        description="sampled_softmax: per_position: every position scores num_negatives negatives of its own, drawn "
+        "by the data (generative-recommenders' recipe); shared: every position of a batch scores one pool, the "
+        "batch's first num_negatives negatives (the data draws one per target: cheaper)",
     )
     temperature: float = Field(0.05, gt=0, description="sampled_softmax: logits are cosine / temperature")
+
+    @property
+    def per_position_negatives(self) -> bool:
+        """Whether each position of the loss scores negatives of its own (the sampled softmax with
+        `negatives=per_position`); bce also has its own, one per position."""
+        return self.loss == "sampled_softmax" and self.negatives == "per_position"
+
+    @property
+    def negatives_per_target(self) -> int:
+        """How many negatives the data draws per target, derived from the loss: `num_negatives`
+        for per-position sampled softmax, else one (bce's negative; the shared pool is cut from
+        the batch's one-per-target negatives)."""
+        return self.num_negatives if self.per_position_negatives else 1
+
+    def data_for_model(self, data: DataConfig) -> DataConfig:
+        """`data` drawing `negatives_per_target` training negatives per target (derived here,
+        never a key of its own)."""
+        if isinstance(data, SequenceSourceConfig):
+            return data.with_negatives_per_target(self.negatives_per_target)
+        return data  # another source: check_data reports it
 
     def item_init(self, num_items: int) -> tuple[float, bool]:
         """(std, truncated) of the item table's normal initialisation: Xavier-normal's std for
@@ -48,12 +76,12 @@ class RetrievalConfig(ShardedModelConfig):
 
     def check_spec(self, spec: DataSpec) -> list[ConfigProblem]:
         others = spec.vocab_sizes[INPUT_KEY] - 1
-        if self.loss == "sampled_softmax" and self.num_negatives > others:
+        if self.loss == "sampled_softmax" and self.negatives == "shared" and self.num_negatives > others:
             return [
                 ConfigProblem(
                     "model.num_negatives",
-                    f"{self.num_negatives} negatives per batch, but the data has {others + 1} items: at most {others} "
-                    "can be negatives of a position",
+                    f"{self.num_negatives} shared negatives per batch, but the data has {others + 1} items: at most "
+                    f"{others} can be negatives of a position",
                 )
             ]
         return []
@@ -88,7 +116,8 @@ class HSTURetrievalConfig(RetrievalConfig):
     builder: StrictStr | None = builder_field("recsys_pipe.models.hstu_retrieval:build_hstu_retrieval")
     loss: Literal["bce", "sampled_softmax"] = Field(
         "sampled_softmax",
-        description="bce: one sampled negative per position (SASRec); sampled_softmax: N shared negatives",
+        description="bce: one sampled negative per position (SASRec); sampled_softmax: softmax over the target and "
+        "num_negatives negatives (model.negatives)",
     )
     dropout: float = Field(0.2, ge=0, lt=1, description="dropout on embeddings and blocks")
     num_layers: StrictInt = Field(2, ge=1, description="HSTU blocks")

@@ -199,6 +199,8 @@ class RunConfig(Section):
             problems += [p for p in problems_from_validation_error(exc, cls) if _section(p.path) not in failed]
         if run is not None:
             problems += run.model.check_data(run.data)
+        if run is not None and not problems:
+            run.data = run.model.data_for_model(run.data)  # what the model derives for its data
         if problems:
             raise ConfigError(problems)
         assert run is not None

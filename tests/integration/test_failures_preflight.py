@@ -91,10 +91,10 @@ CASES = [
         "all.txt: user 5 interacted with all 8 items, so no negatives can be sampled",
     ),
     (
-        "num_negatives beyond the catalogue",
-        lambda tmp: [*_seq(tmp), "model.loss=sampled_softmax", "model.num_negatives=500"],
+        "shared num_negatives beyond the catalogue",
+        lambda tmp: [*_seq(tmp), "model.loss=sampled_softmax", "model.negatives=shared", "model.num_negatives=500"],
         "model.num_negatives",
-        "500 negatives per batch, but the data has 30 items",
+        "500 shared negatives per batch, but the data has 30 items",
     ),
 ]
 

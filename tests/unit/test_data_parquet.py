@@ -451,15 +451,20 @@ def sequences(tmp_path_factory):
     return str(d / "seq.txt"), str(d / "seq.parquet")
 
 
-def test_sequence_parquet_gives_the_batches_and_splits_of_data_sequences(sequences):
+@pytest.mark.parametrize("per_target", [1, 3])
+def test_sequence_parquet_gives_the_batches_and_splits_of_data_sequences(sequences, per_target):
+    """Bitwise the batches of data=sequences, with one negative per target or several (a model's
+    per-position negatives: `negatives_per_target`, target by target)."""
     txt, pqt = sequences
     kw = {"batch_size": 16, "shuffle": False, "max_seq_len": 8, "eval_negatives": 20}
-    ref = RankData(SequencesDataConfig(path=txt, **kw), 0, 1)
-    got = RankData(ParquetSequencesDataConfig(path=pqt, **kw), 0, 1)
+    ref = RankData(SequencesDataConfig(path=txt, **kw).with_negatives_per_target(per_target), 0, 1)
+    got = RankData(ParquetSequencesDataConfig(path=pqt, **kw).with_negatives_per_target(per_target), 0, 1)
     assert got.batches_per_epoch == ref.batches_per_epoch and got.spec == ref.spec
     for a, b in zip(ref.train_loader(2), got.train_loader(2), strict=True):  # negatives drawn again in epoch 2
         assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
         assert torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
+        kjt = a.sparse_features
+        assert torch.equal(kjt["neg"].lengths(), kjt["pos"].lengths() * per_target)
         assert torch.equal(a.timestamps, b.timestamps) and torch.equal(a.sample_ids, b.sample_ids)
         assert torch.equal(a.target_timestamps, b.target_timestamps)  # HSTU's time bias reads them
     for name in ("valid", "test"):
@@ -473,9 +478,11 @@ def test_sequence_parquet_gives_the_batches_and_splits_of_data_sequences(sequenc
     assert got.dataset.raw_users[7] == 40 and got.dataset.held_out(7, "test") == ref.dataset.held_out(7, "test")
 
 
-def test_sequence_parquet_resumes_by_position_with_workers(sequences):
+@pytest.mark.parametrize("per_target", [1, 4])
+def test_sequence_parquet_resumes_by_position_with_workers(sequences, per_target):
     _, pqt = sequences
     cfg = ParquetSequencesDataConfig(path=pqt, batch_size=8, shuffle=True, shuffle_window=24, num_workers=2)
+    cfg = cfg.with_negatives_per_target(per_target)
     full = [b.sparse_features.values() for b in RankData(cfg, 1, 2).train_loader(2)]
     resumed = [b.sparse_features.values() for b in RankData(cfg, 1, 2).train_loader(2, 9)]
     assert len(full) == 14 and all(torch.equal(a, b) for a, b in zip(full[9:], resumed, strict=True))

@@ -2,8 +2,9 @@
 
 With a clone of meta-recsys/generative-recommenders (`$RECSYS_HSTU_REFERENCE`), our encoder and
 the reference's, holding the same weights, run the same jagged batch (dropout off): outputs,
-sampled-softmax loss (the same negatives) and every weight's gradient agree within 1e-5
-relative. Without the clone (CI), a hand-written re-computation of the reference's formulas
+sampled-softmax loss (the same negatives: per position, the reference's `LocalNegativesSampler`
+made to return our data's negatives; or one shared pool) and every weight's gradient agree within
+1e-5 relative. Without the clone (CI), a hand-written re-computation of the reference's formulas
 (`reference_formulas`, written from its `hstu.py`) is checked against our encoder instead.
 Also: HSTU-large (`model=hstu_retrieval_large`) builds and trains.
 """
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _process_group import one_rank_group
+from _retrieval_batches import with_collisions
 
 from recsys_pipe.bench.hstu import (
     _REFERENCE_FILE,
@@ -58,10 +60,7 @@ def _ratings(tmp_path: Path) -> Path:
     return path
 
 
-def _setup(tmp_path: Path, heads: int = 2, layers: int = 2):
-    data = SequencesDataConfig(path=str(_ratings(tmp_path)), max_seq_len=DATA_LEN, eval_negatives=5)
-    dataset = data.dataset(0, 1)
-    batch = collate_retrieval([dataset[i] for i in range(len(dataset))])
+def _setup(tmp_path: Path, heads: int = 2, layers: int = 2, negatives: str = "per_position"):
     cfg = HSTURetrievalConfig(
         embedding_dim=DIM,
         max_seq_len=ATTN_LEN,
@@ -69,7 +68,11 @@ def _setup(tmp_path: Path, heads: int = 2, layers: int = 2):
         num_heads=heads,
         dropout=0.0,
         num_negatives=NEGATIVES,
+        negatives=negatives,
     )
+    data = SequencesDataConfig(path=str(_ratings(tmp_path)), max_seq_len=DATA_LEN, eval_negatives=5)
+    dataset = cfg.data_for_model(data).dataset(0, 1)  # the negatives per target the loss needs
+    batch = collate_retrieval([dataset[i] for i in range(len(dataset))])
     torch.manual_seed(0)
     return dataset, batch, cfg, build_hstu_retrieval(cfg, dataset.spec)
 
@@ -81,19 +84,46 @@ def _encoder_inputs(model, batch):
     return x, padded_times(batch.timestamps, batch.target_timestamps, lengths, ATTN_LEN), valid
 
 
+def _given_negatives_sampler(ref_modules, ids: torch.Tensor) -> type:
+    """The reference's `LocalNegativesSampler` returning the negatives `ids` (`[positions, K]`,
+    reference ids, position by position in its jagged order) instead of drawing them."""
+
+    class GivenNegativesSampler(ref_modules.LocalNegativesSampler):
+        def forward(self, positive_ids: torch.Tensor, num_to_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+            assert ids.shape == (*positive_ids.shape, num_to_sample)
+            return ids, self.normalize_embeddings(self._item_emb(ids))
+
+    return GivenNegativesSampler
+
+
 @needs_reference
-@pytest.mark.parametrize("heads", [1, 2])
-def test_hstu_matches_the_reference_on_the_same_weights_and_batch(tmp_path, heads):
-    dataset, batch, cfg, ours = _setup(tmp_path, heads=heads)
-    ref = build_reference(
-        load_reference(REFERENCE),
-        Sizes(data_len=DATA_LEN, dim=DIM, blocks=2, heads=heads, negatives=NEGATIVES, batch=len(dataset), dropout=0.0),
-        dataset.num_items,
-        attn_len=ATTN_LEN,
-        shared_negatives=True,
+@pytest.mark.parametrize(("heads", "negatives"), [(1, "per_position"), (2, "per_position"), (2, "shared")])
+def test_hstu_matches_the_reference_on_the_same_weights_and_batch(tmp_path, heads, negatives):
+    """Per position: the reference's own sampler class returns our data's negatives (some equal
+    to their target: both mask them); shared: its sampler returns our pool for every position."""
+    dataset, batch, cfg, ours = _setup(tmp_path, heads=heads, negatives=negatives)
+    batch = with_collisions(batch, dataset.negatives_per_target)
+    ref_modules = load_reference(REFERENCE)
+    sizes = Sizes(
+        data_len=DATA_LEN, dim=DIM, blocks=2, heads=heads, negatives=NEGATIVES, batch=len(dataset), dropout=0.0
     )
+    ref = build_reference(
+        ref_modules, sizes, dataset.num_items, attn_len=ATTN_LEN, shared_negatives=negatives == "shared"
+    )
+    neg_ids = feature_ids(batch.sparse_features, NEG_KEY) + 1  # in the reference's ids
+    if negatives == "shared":
+        ref.sampler.pool = neg_ids[:NEGATIVES]  # our pool
+    else:
+        assert dataset.negatives_per_target == NEGATIVES
+        given = _given_negatives_sampler(ref_modules, neg_ids.view(-1, NEGATIVES))
+        ref.sampler = given(  # as build_reference makes its LocalNegativesSampler
+            num_items=dataset.num_items,
+            item_emb=ref.model._embedding_module._item_emb,
+            all_item_ids=list(range(1, dataset.num_items + 1)),
+            l2_norm=True,
+            l2_norm_eps=1e-6,
+        )
     copy_weights(ours, ref)
-    ref.sampler.pool = feature_ids(batch.sparse_features, NEG_KEY)[:NEGATIVES] + 1  # our pool, in its ids
     outputs = []
     ours.head.encoder.register_forward_hook(lambda module, args, out: outputs.append(out))
     loss, _ = ours(batch)

@@ -183,6 +183,7 @@ def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise
     data = SequencesDataConfig(path=str(_sequences_file(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
     torch.manual_seed(0)
     cfg = SASRecConfig(dropout=dropout, loss=loss, num_blocks=3, embedding_dim=16, max_seq_len=20)
+    data = cfg.data_for_model(data)  # sampled_softmax: the negatives per target it scores
     model = cfg.build(data.dataset(0, 1).spec)
     batch = next(iter(make_dataloader(data)))
     stages = sasrec_stages(model, [[0], [1, 2]])  # keys the model's dropout sites too
@@ -207,6 +208,7 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
     cfg = HSTURetrievalConfig(
         dropout=dropout, relative_bias=relative_bias, num_layers=3, embedding_dim=16, max_seq_len=20
     )
+    data = cfg.data_for_model(data)  # the negatives per target its loss scores
     model = cfg.build(data.dataset(0, 1).spec)
     batch = next(iter(make_dataloader(data)))
     stages = cfg.cut_into_stages(model, [[0, 1], [2]])  # as the config declares; keys the dropout sites too

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 from _process_group import one_rank_group
+from _retrieval_batches import with_collisions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
 from recsys_pipe.cli import train as train_cli
@@ -318,7 +320,8 @@ def test_left_pad_puts_each_sequence_at_the_end():
 MODELS = [
     SASRecConfig(embedding_dim=16, max_seq_len=20, dropout=0.0),
     SASRecConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, loss="sampled_softmax", num_negatives=7),
-    HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0),
+    HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, num_negatives=6),
+    HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, num_negatives=6, negatives="shared"),
     HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, loss="bce"),
 ]
 
@@ -379,13 +382,20 @@ def test_sasrec_blocks_compute_the_chosen_layout(norm_first):
     assert not torch.allclose(other(x, causal), expected)  # the two layouts differ
 
 
-@pytest.mark.parametrize("cfg", MODELS, ids=lambda c: f"{c.name}-{c.loss}")
+def _model_id(cfg) -> str:
+    return f"{cfg.name}-{cfg.loss}" + (f"-{cfg.negatives}" if cfg.loss == "sampled_softmax" else "")
+
+
+@pytest.mark.parametrize("cfg", MODELS, ids=_model_id)
 def test_losses_match_their_definitions(tmp_path, cfg):
     data = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
+    data = cfg.data_for_model(data)  # the negatives per target the loss needs
     ds = data.dataset(0, 1)
     torch.manual_seed(0)
     model = cfg.build(ds.spec)
     batch = next(iter(make_dataloader(data)))
+    if cfg.loss == "sampled_softmax":
+        batch = with_collisions(batch, data.negatives_per_target)
     loss, out = model(batch)
     h, valid, table = _vectors(model, batch)
     q = h[valid]
@@ -395,6 +405,17 @@ def test_losses_match_their_definitions(tmp_path, cfg):
         sp = (q * table[pos]).sum(-1)
         sn = (q * table[neg]).sum(-1)
         expected = (-torch.log(torch.sigmoid(sp)) - torch.log(1 - torch.sigmoid(sn))).mean()
+    elif cfg.negatives == "per_position":  # position t: its own K negatives, neg[t * K : (t + 1) * K]
+        k = cfg.num_negatives
+        assert neg.numel() == k * len(q)
+        terms = []
+        for t in range(len(q)):
+            own = neg[t * k : (t + 1) * k]
+            vectors = torch.nn.functional.normalize(table[torch.cat([pos[t : t + 1], own])], dim=-1)
+            logits = vectors @ torch.nn.functional.normalize(q[t], dim=-1) / cfg.temperature
+            logits[1:][own == pos[t]] = -math.inf
+            terms.append(-torch.log_softmax(logits, dim=0)[0])
+        expected = torch.stack(terms).mean()
     else:
         qn = torch.nn.functional.normalize(q, dim=-1)
         pool = neg[: cfg.num_negatives]
@@ -416,7 +437,40 @@ def test_losses_match_their_definitions(tmp_path, cfg):
     loss.backward()
 
 
-@pytest.mark.parametrize("cfg", MODELS[:3], ids=lambda c: f"{c.name}-{c.loss}")
+@pytest.mark.parametrize(
+    ("overrides", "per_target"),
+    [
+        (["model=hstu_retrieval", "model.num_negatives=9"], 9),  # the reference's recipe: its own per position
+        (["model=hstu_retrieval", "model.num_negatives=9", "model.negatives=shared"], 1),
+        (["model=sasrec", "model.num_negatives=9"], 1),  # bce: one per position
+        (["model=hstu_retrieval", "model.num_negatives=9", "data=parquet_sequences"], 9),
+    ],
+)
+def test_the_run_config_derives_the_negatives_the_data_draws_per_target(tmp_path, overrides, per_target):
+    """`model.*` alone sets how many negatives per target the data draws: no data key repeats it."""
+    from recsys_pipe.testing import load_run
+
+    run = load_run(
+        *(overrides if "data=parquet_sequences" in overrides else ["data=sequences", *overrides]),
+        f"data.path={_pairs(tmp_path)}",
+    )
+    assert run.data.negatives_per_target == per_target
+    with pytest.raises(ValidationError, match="negatives_per_target"):  # no key of the data's
+        SequencesDataConfig(path=str(_pairs(tmp_path)), negatives_per_target=9)
+
+
+def test_per_position_negatives_refuse_a_batch_with_too_few(tmp_path):
+    """A batch whose source drew one negative per target (built without the model's derivation)
+    stops the per-position loss with a message that says what is missing."""
+    cfg = HSTURetrievalConfig(embedding_dim=16, max_seq_len=20, dropout=0.0, num_negatives=6)
+    data = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
+    torch.manual_seed(0)
+    model = cfg.build(data.dataset(0, 1).spec)
+    with pytest.raises(ValueError, match="needs 6 negatives per target"):
+        model(next(iter(make_dataloader(data))))
+
+
+@pytest.mark.parametrize("cfg", MODELS[:3], ids=_model_id)
 def test_evaluation_ranks_count_the_candidates_scored_above(tmp_path, cfg):
     data = SequencesDataConfig(path=str(_pairs(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=9)
     ds = data.dataset(0, 1)
