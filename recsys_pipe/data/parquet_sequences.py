@@ -37,10 +37,11 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field, StrictInt, StrictStr, field_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
+from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -57,8 +58,11 @@ from recsys_pipe.data.stream import Fail, StreamSource
 
 __all__ = [
     "ITEM_VOCAB_KEY",
+    "RETRIEVAL_MAX_SEQ_LEN",
+    "ParquetSequenceKeys",
     "ParquetSequencesDataConfig",
     "SequenceColumns",
+    "check_sequence_columns",
     "item_vocab_metadata",
     "parquet_sequences_dataset",
 ]
@@ -81,16 +85,24 @@ class SequenceColumns(Section):
     timestamps: StrictStr | None = Field(
         "timestamps", description="the timestamp list column (absent or null: the positions stand in for time)"
     )
+    actions: StrictStr | None = Field(
+        "actions",
+        description="HSTU ranking: the per-event rating list column (numbers, the same lengths), which gives the "
+        "action ids and the labels; not read by the retrieval models",
+    )
 
 
-class ParquetSequencesDataConfig(SequencesDataConfig):
-    """`data=parquet_sequences`: next-item retrieval on sequence Parquet (docs/parquet.md)."""
+#: `data.max_seq_len` of next-item retrieval when it is null (as `data=sequences`)
+RETRIEVAL_MAX_SEQ_LEN = 50
 
-    SIZE_KEY: ClassVar[str] = "data.path"
 
-    name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
-    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_sequences:parquet_sequences_dataset")
-    path: StrictStr | list[StrictStr] = Field(  # type: ignore[assignment]
+class ParquetSequenceKeys(Section):
+    """The keys `data=parquet_sequences` has for both kinds of model: the files, their columns,
+    the shuffle window, and the sample shape of HSTU ranking (`recsys_pipe.data.parquet_ranking`).
+    `ParquetSequencesDataConfig` (what `data=parquet_sequences` validates) and the HSTU ranking
+    config it becomes for a ranking model share them."""
+
+    path: StrictStr | list[StrictStr] = Field(
         description="sequence Parquet file, directory, glob or URI (file://, s3://, gs://, hdfs://), or a list"
     )
     columns: SequenceColumns = Field(default_factory=SequenceColumns, description="the columns' names")
@@ -100,16 +112,76 @@ class ParquetSequencesDataConfig(SequencesDataConfig):
         description="files without a stored item vocabulary: their item ids are dense ids in [0, num_items)",
     )
     shuffle_window: StrictInt = Field(
-        65536, ge=1, description="users shuffled together (rounded down to a multiple of data.batch_size)"
+        65536, ge=1, description="samples shuffled together (rounded down to a multiple of data.batch_size)"
+    )
+    max_seq_len: StrictInt | None = Field(
+        None,
+        ge=2,
+        description=f"most recent interactions a sample feeds the model (null: {RETRIEVAL_MAX_SEQ_LEN} for next-item "
+        "retrieval; HSTU ranking: the window length the files were converted with)",
+    )
+    num_candidates: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="HSTU ranking: trailing events of each sample that are ranked (null: as the files were converted)",
+    )
+    use_user_feature: StrictBool = Field(False, description="HSTU ranking: add the user id as a contextual token")
+    thresholds: list[float] = Field(
+        [4.0, 5.0],
+        min_length=1,
+        description="HSTU ranking: one binary task per threshold: a candidate is positive for task k when its rating "
+        ">= thresholds[k]",
     )
 
-    # replaces the parent's check that data.path is one readable file
+    # replaces a parent's check that data.path is one readable file
     @field_validator("path")
     @classmethod
     def _readable_file(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("an empty list names no file")
         return value
+
+    # replaces a parent's check of num_candidates against max_seq_len: either may be null here
+    @field_validator("num_candidates")
+    @classmethod
+    def _candidates_fit(cls, num_candidates: int | None, info: ValidationInfo) -> int | None:
+        max_seq_len = info.data.get("max_seq_len")
+        if isinstance(max_seq_len, int) and isinstance(num_candidates, int) and num_candidates >= max_seq_len:
+            raise ValueError(
+                f"num_candidates ({num_candidates}) must be < max_seq_len ({max_seq_len}): "
+                "a sample needs at least one history token"
+            )
+        return num_candidates
+
+
+class ParquetSequencesDataConfig(ParquetSequenceKeys, SequencesDataConfig):
+    """`data=parquet_sequences`: sequence Parquet for next-item retrieval (SASRec, HSTU retrieval)
+    or HSTU ranking, whichever the model trains on (`as_kind`; docs/parquet.md)."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_sequences:parquet_sequences_dataset")
+
+    #: the configs this source becomes for other kinds of model (`as_kind`), by import path as the
+    #: registries name config classes: the HSTU ranking source builds on this module
+    VARIANTS: ClassVar[tuple[str, ...]] = ("recsys_pipe.data.parquet_ranking:ParquetRankingDataConfig",)
+
+    def as_kind(self, kind: type[DataConfig]) -> DataConfig:
+        """Next-item retrieval (`kind` a `SequenceSourceConfig`): this config, `max_seq_len`
+        filled in. HSTU ranking (`kind` a `SequenceDataConfig`, the `Sample` sources): the
+        variant of that kind (`ParquetRankingDataConfig`) with the keys the two share. Any other
+        kind: this config (the model's `check_data` then refuses it)."""
+        if isinstance(self, kind):
+            if self.max_seq_len is not None:
+                return self
+            return self.model_copy(update={"max_seq_len": RETRIEVAL_MAX_SEQ_LEN})
+        for path in self.VARIANTS:
+            variant = import_fn(path)
+            if issubclass(variant, kind):
+                keys = variant.model_fields.keys() - {"builder"}
+                return validate_section(variant, self.model_dump(include=set(keys)), "data")
+        return self
 
 
 def _list_type(t: pa.DataType) -> bool:
@@ -549,33 +621,44 @@ def _item_vocab(files: ParquetFiles, num_items: int | None) -> tuple[np.ndarray 
     return None, num_items
 
 
+def check_sequence_columns(files: ParquetFiles, columns: SequenceColumns) -> str | None:
+    """Check the user, item and timestamp columns of the first file's schema (a `DataFileError`
+    naming the file and column); returns the timestamp column to read (None: the default name
+    is absent, so positions stand in for time)."""
+    schema = files.schema
+
+    def require(name: str, list_column: bool) -> None:
+        i = schema.get_field_index(name)
+        if i < 0:
+            raise DataFileError(
+                files.key, files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
+            )
+        t = schema.field(i).type
+        ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
+        if not ok:
+            want = "a list of integers" if list_column else "an integer"
+            raise DataFileError(files.key, files.where(0, column=name), f"must be {want}, it is {t}")
+
+    require(columns.user, False)
+    require(columns.items, True)
+    stamps = columns.timestamps
+    if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
+        return None  # the default name, absent: positions stand in for time
+    if stamps is not None:
+        require(stamps, True)
+    return stamps
+
+
 def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_size: int) -> ParquetSequences:
-    """Builder of `data=parquet_sequences`: this rank's users, checked from the files' metadata."""
+    """Builder of `data=parquet_sequences` for next-item retrieval: this rank's users, checked
+    from the files' metadata (HSTU ranking: `recsys_pipe.data.parquet_ranking`)."""
+    cfg = cfg.as_kind(SequencesDataConfig)  # type: ignore[assignment]
     c = cfg.columns
     stamps = c.timestamps
 
     def check_schema(files: ParquetFiles) -> None:
         nonlocal stamps
-        schema = files.schema
-
-        def require(name: str, list_column: bool) -> None:
-            i = schema.get_field_index(name)
-            if i < 0:
-                raise DataFileError(
-                    files.key, files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
-                )
-            t = schema.field(i).type
-            ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
-            if not ok:
-                want = "a list of integers" if list_column else "an integer"
-                raise DataFileError(files.key, files.where(0, column=name), f"must be {want}, it is {t}")
-
-        require(c.user, False)
-        require(c.items, True)
-        if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
-            stamps = None  # the default name, absent: positions stand in for time
-        if stamps is not None:
-            require(stamps, True)
+        stamps = check_sequence_columns(files, c)
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:
