@@ -272,14 +272,19 @@ class _WindowDecoder:
 
     def _ratings(self, table: pa.Table, offsets: np.ndarray, fail: Fail) -> np.ndarray:
         col = _one(table, self.actions, fail)
-        if col.null_count or col.flatten().null_count:
-            raise fail(self.actions, "null ratings or null lists")
+        if col.null_count:
+            row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            raise fail(self.actions, "a null list", row)
+        values = col.flatten()
+        if values.null_count:
+            at = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+            raise fail(self.actions, "a null rating", _row_of(offsets, at))
         own = np.asarray(col.offsets, dtype=np.int64)
         own = own - own[0]
         if not np.array_equal(own, offsets):
             row = int(np.flatnonzero(np.diff(own) != np.diff(offsets))[0])
             raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)
-        return col.flatten().to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        return values.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
 
     def _users(self, raw: np.ndarray, fail: Fail) -> np.ndarray | None:
         vocab = self.user_vocab
