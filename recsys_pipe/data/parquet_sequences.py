@@ -1,10 +1,14 @@
 """`data=parquet_sequences`: per-user item sequences streamed from Parquet (next-item retrieval:
-SASRec and HSTU retrieval), with `data=sequences`'s keys, samples and leave-one-out splits.
+SASRec and HSTU retrieval), with `data=sequences`'s keys, samples and leave-one-out splits. For
+HSTU ranking the same source reads windows of ratings instead: a model names the kind of source
+it trains on (`ModelConfig.data_kind`) and `ParquetSequencesDataConfig.as_kind` turns this config
+into that kind's (`recsys_pipe.data.parquet_ranking`, which shares this module's decoder).
 
 The layout (`recsys-data convert sequences` writes it; `data.columns` renames the columns): one
 row per user, `user_id` (int64, the raw id), `item_ids` (list<int64>, raw ids, chronological),
 optionally `timestamps` (list<int64>, the same lengths; without it the position in the sequence
-stands in for time) and `actions` (not read by the retrieval models). Rows are in sorted user-id
+stands in for time) and `actions` (the ratings: read by HSTU ranking, not by the retrieval
+models). Rows are in sorted user-id
 order, so a row's 0-based position over the files is the dense user id that `data=sequences`
 gives the same user (its sample id).
 
