@@ -1,5 +1,5 @@
 """Helpers shared by the test suite and the benchmark scripts: compose a config as the CLIs do,
-launch torchrun workers, read what they wrote, inject faults into a training run, train
+train a run in this process, launch torchrun workers, read what they wrote, inject faults into a training run, train
 torchrec's own pipeline as the reference of the parity tests.
 
 (The engine's own test backend -- recording streams and the happens-before checker -- is
@@ -14,16 +14,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recsys_pipe.runtime import DistInfo
+    from recsys_pipe.train import Trainer, TrainSummary
 
 __all__ = [
     "FAULT_ENV",
     "FAULT_OVERRIDE",
     "PRELOADED",
     "StaleEmbeddingLoop",
+    "built_trainer",
     "check_torchrun",
     "compose",
+    "fit_run",
     "inject_fault",
     "zero_grad_with_fault",
     "load_run",
@@ -60,6 +68,39 @@ def load_run(*overrides: str, config_name: str = "config") -> Any:
     from recsys_pipe.train.config import load_run_config
 
     return load_run_config(compose(*overrides, config_name=config_name))
+
+
+@contextmanager
+def built_trainer(
+    info: DistInfo, overrides: Sequence[str], run_dir: str | os.PathLike | None = None
+) -> Iterator[Trainer]:
+    """The `Trainer` of the run these overrides configure, built in this process on `info`'s
+    process group the way `recsys-train` builds it, and closed on exit. With a `run_dir`
+    (created if missing) the run writes metrics and checkpoints there."""
+    from recsys_pipe.train import Trainer, build_parts, training_plan
+
+    run = load_run(*overrides)
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(build_parts(run, training_plan(run), info, None if run_dir is None else str(run_dir)))
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+
+
+def fit_run(
+    info: DistInfo,
+    overrides: Sequence[str],
+    run_dir: str | os.PathLike | None = None,
+    restore: str | None = None,
+) -> TrainSummary:
+    """Train the run these overrides configure (`built_trainer`), after restoring the checkpoint
+    at `restore` if given, and return its summary with every step's loss and sample ids."""
+    with built_trainer(info, overrides, run_dir) as trainer:
+        if restore is not None:
+            trainer.restore(restore)
+        return trainer.fit(record_steps=True)
 
 
 def run_torchrun(

@@ -390,7 +390,7 @@ def bench_gpu_result():
     if r is None:
         return "no report"
     c = r["configs"]
-    seq, thr = c["pipelined_sequential"], c["pipelined_threaded"]
+    seq, thr = c["lookahead_sequential"], c["lookahead_threaded"]
     o = r["overhead_us_per_task"]
     if not r["targets"]["evaluated"]:
         verdict = "targets not evaluated: " + r["targets"]["reason"]

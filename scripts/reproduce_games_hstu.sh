@@ -13,6 +13,8 @@
 # (model=hstu_retrieval_large, the same recipe) on the other. Each evaluates both splits under
 # both protocols (100 sampled negatives; the full corpus) every EVAL_EPOCHS epochs, and
 # recsys-bench retrieval_report prints all at the epoch with the best validation HR@10.
+# Every input is checked first (the data file, both of our runs' configs, the reference clone): a
+# bad one exits 2 with one `error: ...` line before anything trains.
 # Environment: EPOCHS (default 50), LARGE_EPOCHS (default 30; 0 skips HSTU-large), EVAL_EPOCHS
 # (default 5): sized to fit 60 minutes on a 2-core machine (docs/reproducing.md); EXTRA (more
 # Hydra overrides for our runs).
@@ -26,18 +28,32 @@ export OMP_NUM_THREADS=1
 EPOCHS="${EPOCHS:-50}"
 EVAL_EPOCHS="${EVAL_EPOCHS:-5}"
 LARGE_EPOCHS="${LARGE_EPOCHS:-30}"
-mkdir -p "$OUT"
 RECIPE=(model.max_seq_len=61 data.max_seq_len=50 model.compute_kernel=dense optimizer.lr=0.001 "optimizer.betas=[0.9,0.98]")
 
-ours() {  # name, epochs, then overrides
+run_args() {  # name, epochs, then overrides: the run's recsys-train arguments, in ARGS
   local name="$1" epochs="$2"; shift 2
-  local start
+  # shellcheck disable=SC2206  # EXTRA is a list of overrides
+  ARGS=(data=sequences "data.path=$DATA" data.batch_size=128 data.eval_batch_size=512 pipeline=prefetch
+    model.sharding=row_wise "${RECIPE[@]}" trainer.max_steps=null "trainer.epochs=$epochs"
+    trainer.eval_every=1000000000 "trainer.eval_epochs=$EVAL_EPOCHS" trainer.log_every=100 trainer.progress_bar=false
+    "hydra.run.dir=$OUT/$name" trainer.eval_dump=eval_dump.csv "$@" ${EXTRA:-})
+}
+
+check() {  # as ours' arguments: every check the run makes, one `error:` line per problem
+  local status=0 err
+  run_args "$@"
+  err=$(recsys-train --check "${ARGS[@]}" 2>&1 >/dev/null) || status=$?
+  if [ "$status" -ne 0 ]; then
+    grep '^error: ' <<<"$err" >&2 || printf '%s\n' "$err" >&2
+    exit "$status"
+  fi
+}
+
+ours() {  # name, epochs, then overrides
+  local name="$1" start
+  run_args "$@"
   start=$(date +%s)
-  # shellcheck disable=SC2086  # EXTRA is a list of overrides
-  recsys-train data=sequences "data.path=$DATA" data.batch_size=128 data.eval_batch_size=512 pipeline=prefetch \
-    model.sharding=row_wise "${RECIPE[@]}" trainer.max_steps=null "trainer.epochs=$epochs" \
-    trainer.eval_every=1000000000 "trainer.eval_epochs=$EVAL_EPOCHS" trainer.log_every=100 trainer.progress_bar=false \
-    "hydra.run.dir=$OUT/$name" trainer.eval_dump=eval_dump.csv "$@" ${EXTRA:-} > "$OUT/$name.out" 2>&1
+  recsys-train "${ARGS[@]}" > "$OUT/$name.out" 2>&1
   echo "$(($(date +%s) - start))" > "$OUT/$name/train_seconds"
 }
 
@@ -48,6 +64,16 @@ reference() {
     --epochs "$EPOCHS" --eval-epochs "$EVAL_EPOCHS" > "$OUT/hstu_reference.out" 2>&1
   echo "$(($(date +%s) - start))" > "$OUT/hstu_reference/train_seconds"
 }
+
+if [ ! -f "$RECSYS_HSTU_REFERENCE/generative_recommenders/research/modeling/sequential/hstu.py" ]; then
+  echo "error: RECSYS_HSTU_REFERENCE: $RECSYS_HSTU_REFERENCE is not a clone of generative-recommenders" >&2
+  exit 2
+fi
+check hstu "$EPOCHS" model=hstu_retrieval
+if [ "$LARGE_EPOCHS" -gt 0 ]; then
+  check hstu_large "$LARGE_EPOCHS" model=hstu_retrieval_large
+fi
+mkdir -p "$OUT"
 
 reference &
 (

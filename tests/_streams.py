@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from recsys_pipe.engine import DataSlot, DependencyGraph, Schedule, Stage, StreamPool, Task
+from recsys_pipe.engine import DataSlot, DependencyGraph, StreamPool, Task, TaskGraph, TaskGroup
 from recsys_pipe.engine.testing import RecordingStream, StreamLog, cuda_spin, required_producers
 
 _SALT = itertools.count(1)
@@ -25,7 +25,7 @@ class EventLogPool(StreamPool):
     after it; with `drop_waits_of=<stream>` that stream's waits (of the kinds in `drop_kinds`:
     "event", "stream") are logged but not emitted, standing for a broken engine.
 
-    The pipeline calls `wait_event` / `wait_stream` just before `use(stream, (task, batch))` and
+    The plan runner calls `wait_event` / `wait_stream` just before `use(stream, (task, batch))` and
     `record_event` just after it, all on the task's thread; a thread-local links them to the label.
     """
 
@@ -144,7 +144,7 @@ class DeviceTrace:
         self.delay_ms = dict(delay_ms or {})
         self.size = size
         self.salt = next(_SALT) * 1_000_000_000  # no stale value of an earlier trace can match
-        self.schedule: Schedule | None = None
+        self.task_graph: TaskGraph | None = None
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.reads: list[tuple[str, int, str, int, str, torch.Tensor]] = []
         self.absent: list[tuple[str, int, str, int, str]] = []
@@ -158,15 +158,15 @@ class DeviceTrace:
         self._index = {t.name: i for i, t in enumerate(tasks)}
         return tasks
 
-    def build(self, specs: list[dict], streams: tuple[str, ...]) -> Schedule:
-        self.schedule = Schedule(stages=(Stage(tuple(self.tasks(specs))),), stream_slots=streams)
-        return self.schedule
+    def build(self, specs: list[dict], streams: tuple[str, ...]) -> TaskGraph:
+        self.task_graph = TaskGraph(groups=(TaskGroup(tuple(self.tasks(specs))),), stream_slots=streams)
+        return self.task_graph
 
     def value(self, task: str, batch: int) -> int:
         return self.salt + self._index[task] * 100_000 + batch
 
     def preset(self, task: str, batch: int, delay_ms: float) -> None:
-        """Produce `task`'s output for `batch` outside the pipeline, on the current stream: work the
+        """Produce `task`'s output for `batch` outside the plan runner, on the current stream: work the
         caller did before the first iteration (e.g. for the batch before the first one)."""
         out = torch.full((self.size,), -1, dtype=torch.int64, device=self.device)
         self._spin(delay_ms)
@@ -175,7 +175,7 @@ class DeviceTrace:
 
     def body(self, ctx: Any) -> None:
         task, batch = ctx.task, ctx.batch_index
-        for producer, producer_batch, why in required_producers(self.schedule, task, batch):
+        for producer, producer_batch, why in required_producers(self.task_graph, task, batch):
             with self._lock:
                 source = self.outputs.get((producer, producer_batch))
             if source is None:
@@ -207,7 +207,7 @@ class DeviceTrace:
 
     @property
     def ran(self) -> list[tuple[str, int]]:
-        """(task, batch) of every instance that ran in the pipeline, presets excluded."""
+        """(task, batch) of every instance that ran in the plan runner, presets excluded."""
         return [key for key in self.outputs if key[1] >= 0 and key[0] in self._index]
 
     def violations(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""Schedule tooling on top of the engine: cost profiling of running pipelines (per-task costs,
+"""Plan tooling on top of the engine: cost profiling of running plan runners (per-task costs,
 exposed time by shortcut replay, traces and timelines), cost models, the plan simulator,
 lookahead assignment and plan tuning, plan YAML output, and pipeline-parallel schedules
 (`recsys_pipe.autosched.pipeline_parallel`). Imports only the engine, the standard library,

@@ -1,6 +1,6 @@
 """TaskProfiler: how much of the iteration time each task is responsible for (its exposed time).
 
-    exposed(T) = median iteration time of the pipeline as configured
+    exposed(T) = median iteration time of the plan runner as configured
                  - median iteration time with T shortcut (skipped and replayed)
 
 On the serial plan that is T's own cost. On a plan with lookaheads it is what T adds to the critical
@@ -8,7 +8,7 @@ path: a task that overlaps other work (another thread, another stream, a later b
 about 0, however long it runs; a task on the critical path shows its full cost. It answers
 "would this plan be faster if T were free?", which per-task times alone cannot.
 
-Each measurement is a full pass of `make_batches()` through the pipeline with a `CostProfiler`
+Each measurement is a full pass of `make_batches()` through the plan runner with a `CostProfiler`
 installed: the baseline pass also gives the per-task costs (`ProfileResult.costs`), and every
 pass measures the same steady-state iterations. A task that cannot be replayed (effects
 outside its slots without a `DeclaredIO`) is not measured; `not_measured` says why.
@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from recsys_pipe.autosched.costs import CostModel
 from recsys_pipe.autosched.profiler import CostProfiler, TaskInstance
-from recsys_pipe.engine import SchedulablePipeline, shortcut_refusal
+from recsys_pipe.engine import PlanRunner, shortcut_refusal
 
 __all__ = ["ProfileResult", "TaskProfiler"]
 
@@ -37,7 +37,7 @@ class ProfileResult:
     """What `TaskProfiler.profile_many` measured.
 
     Attributes:
-        baseline_s: median iteration time of the pipeline as configured.
+        baseline_s: median iteration time of the plan runner as configured.
         exposed_s: task -> `max(0, baseline_s - shortcut_s[task])`.
         shortcut_s: task -> median iteration time with that task shortcut.
         not_measured: task -> why its exposed time could not be measured.
@@ -145,15 +145,15 @@ class ProfileResult:
 
 
 class TaskProfiler:
-    """Measures the exposed time of a pipeline's tasks by shortcut replay.
+    """Measures the exposed time of a plan runner's tasks by shortcut replay.
 
     Args:
-        pipeline: the pipeline to measure, idle (between iterator passes); it is driven over
+        runner: the plan runner to measure, idle (between iterator passes); it is driven over
             fresh iterators and left with no shortcut enabled and its own observer restored.
         make_batches: returns a fresh iterable of batches for one pass, at least
             `batches_needed` long (more is measured too, just not used); every rank of a
             distributed run must get the same number.
-        warmup: iterations of each pass before measuring (raised to the pipeline's max
+        warmup: iterations of each pass before measuring (raised to the runner's max
             lookahead, so that only steady-state iterations count).
         iters: iterations measured per pass.
         rounds: baseline-then-every-task passes; the medians over rounds are reported (more
@@ -162,7 +162,7 @@ class TaskProfiler:
 
     def __init__(
         self,
-        pipeline: SchedulablePipeline,
+        runner: PlanRunner,
         make_batches: Callable[[], Iterable[Any]],
         warmup: int = 3,
         iters: int = 20,
@@ -171,9 +171,9 @@ class TaskProfiler:
     ):
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
-        self.pipeline = pipeline
+        self.runner = runner
         self.make_batches = make_batches
-        self.warmup = max(warmup, pipeline.max_lookahead)
+        self.warmup = max(warmup, runner.max_lookahead)
         self.iters = iters
         self.rounds = rounds
 
@@ -190,16 +190,16 @@ class TaskProfiler:
         return result.exposed_s[name]
 
     def profile_many(self, names: Iterable[str] | None = None) -> ProfileResult:
-        """Baseline pass plus one pass per task (default: every task of the pipeline); tasks that
+        """Baseline pass plus one pass per task (default: every task of the runner); tasks that
         cannot be shortcut are listed in `not_measured` with the reason. `names=[]` measures
         the baseline and the costs only."""
-        order = [t.name for t in self.pipeline.graph.order]
-        tasks = {t.name: t for t in self.pipeline.graph.order}
+        order = [t.name for t in self.runner.graph.order]
+        tasks = {t.name: t for t in self.runner.graph.order}
         names = order if names is None else list(names)
         unknown = [n for n in names if n not in tasks]
         if unknown:
             raise KeyError(
-                f"no task named {', '.join(map(repr, unknown))} in this pipeline (tasks: {', '.join(order)})"
+                f"no task named {', '.join(map(repr, unknown))} in this plan runner (tasks: {', '.join(order)})"
             )
         not_measured = {n: r for n in names if (r := shortcut_refusal(tasks[n])) is not None}
         measurable = [n for n in names if n not in not_measured]
@@ -211,11 +211,11 @@ class TaskProfiler:
             first = first or profiler
             baselines.append(statistics.median(profiler.iteration_times()))
             for name in measurable:
-                self.pipeline.enable_shortcut(name)
+                self.runner.enable_shortcut(name)
                 try:
                     shortcut[name].append(statistics.median(self._pass().iteration_times()))
                 finally:
-                    self.pipeline.disable_shortcut(name)
+                    self.runner.disable_shortcut(name)
         assert first is not None
         diffs = {n: [b - s for b, s in zip(baselines, shortcut[n])] for n in measurable}
         return ProfileResult(
@@ -233,8 +233,8 @@ class TaskProfiler:
 
     def _pass(self) -> CostProfiler:
         """One pass over fresh batches with a CostProfiler installed (drained to the end)."""
-        pipeline = self.pipeline
-        profiler = CostProfiler.for_pipeline(pipeline, self.warmup, self.iters)
+        runner = self.runner
+        profiler = CostProfiler.for_runner(runner, self.warmup, self.iters)
         pulled = 0
 
         def batches() -> Iterable[Any]:
@@ -243,13 +243,13 @@ class TaskProfiler:
                 pulled += 1
                 yield batch
 
-        previous = pipeline.observer
-        pipeline.observer = profiler
+        previous = runner.observer
+        runner.observer = profiler
         try:
-            for _ in pipeline.iterate(batches()):
+            for _ in runner.iterate(batches()):
                 pass
         finally:
-            pipeline.observer = previous
+            runner.observer = previous
         if pulled < self.batches_needed:  # else the drain, with fewer tasks, would be measured
             raise ValueError(
                 f"make_batches() gave {pulled} batches; a pass needs at least {self.batches_needed} "

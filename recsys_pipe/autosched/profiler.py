@@ -1,11 +1,11 @@
-"""CostProfiler: measure what each task of a running pipeline costs, as the simulator's input.
+"""CostProfiler: measure what each task of a running plan runner costs, as the simulator's input.
 
-An observer on the pipeline (the engine's `SpanRecorder`, extended): after `warmup` internal
+An observer on the plan runner (the engine's `SpanRecorder`, extended): after `warmup` internal
 iterations it records every task instance of the next `iters` iterations, then records nothing
 more. Per instance:
 
 - host time: `time.perf_counter()` around `task.run` on the thread that runs it;
-- device time (pipelines on CUDA streams): two timing events recorded on the task's stream, one
+- device time (plans on CUDA streams): two timing events recorded on the task's stream, one
   before and one after its work (the hooks run inside the task's stream context). They are read
   after the run, once (`instances()` waits for the device a single time): a task is never
   followed by a synchronize, so measuring does not serialise the streams. The device span is
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from recsys_pipe.autosched.costs import CostModel, TaskCost
-from recsys_pipe.engine import SchedulablePipeline, SpanRecorder, Task
+from recsys_pipe.engine import PlanRunner, SpanRecorder, Task
 
 __all__ = ["CostProfiler", "EventTimer", "TaskInstance", "threads_of"]
 
@@ -84,20 +84,20 @@ class TaskInstance:
         return self.device_end_s - self.device_start_s
 
 
-def threads_of(pipeline: SchedulablePipeline) -> dict[str, str]:
-    """task name -> the thread id the pipeline's executor runs it on ("main" when sequential)."""
-    thread_id = getattr(pipeline.executor, "thread_id", None)
+def threads_of(runner: PlanRunner) -> dict[str, str]:
+    """task name -> the thread id the runner's executor runs it on ("main" when sequential)."""
+    thread_id = getattr(runner.executor, "thread_id", None)
     if thread_id is None:
-        return {t.name: MAIN_THREAD for t in pipeline.graph.order}
-    return {t.name: str(thread_id(t)) for t in pipeline.graph.order}
+        return {t.name: MAIN_THREAD for t in runner.graph.order}
+    return {t.name: str(thread_id(t)) for t in runner.graph.order}
 
 
 class CostProfiler(SpanRecorder):
     """Records task instances of `iters` iterations after `warmup` ones (see the module doc).
 
-    Install it as the pipeline's observer (`CostProfiler.for_pipeline` fills in the thread ids
-    and the device timer from the pipeline). Iterations are counted from the first one it
-    observes, the prefill included: use `warmup` >= the pipeline's max lookahead so that only
+    Install it as the plan runner's observer (`CostProfiler.for_runner` fills in the thread ids
+    and the device timer from the runner). Iterations are counted from the first one it
+    observes, the prefill included: use `warmup` >= the plan's max lookahead so that only
     steady-state iterations are measured (`TaskProfiler` does).
 
     Args:
@@ -131,9 +131,9 @@ class CostProfiler(SpanRecorder):
         self._instances: tuple[int, list[TaskInstance]] | None = None  # (spans seen, instances)
 
     @classmethod
-    def for_pipeline(cls, pipeline: SchedulablePipeline, warmup: int = 3, iters: int = 20) -> CostProfiler:
-        """A profiler with the pipeline's thread ids and, on CUDA streams, device timing."""
-        return cls(warmup, iters, thread_of=threads_of(pipeline), timer=pipeline.stream_pool.timer())
+    def for_runner(cls, runner: PlanRunner, warmup: int = 3, iters: int = 20) -> CostProfiler:
+        """A profiler with the runner's thread ids and, on CUDA streams, device timing."""
+        return cls(warmup, iters, thread_of=threads_of(runner), timer=runner.stream_pool.timer())
 
     @property
     def done(self) -> bool:

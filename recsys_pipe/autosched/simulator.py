@@ -3,10 +3,10 @@
 The playback follows the engine's own semantics, computed by the engine's own functions:
 
 - which tasks run in internal iteration `i` (`fires`), on which batch (`i - L + lookahead`);
-- each stage's tasks in topological order (`compile_dependencies(...).stage_orders`);
+- each group's tasks in topological order (`compile_dependencies(...).group_orders`);
 - CPU threads: each thread submits its tasks one after another in that order; a task waits for
   the cross-thread CPU edges the threaded executor enforces (`cpu_edges`); every executor call
-  (one per stage and iteration) ends with a barrier over all its threads, and the next starts
+  (one per group and iteration) ends with a barrier over all its threads, and the next starts
   after it;
 - NCCL tickets: `nccl=True` tasks take tickets in topological order; a ticket holder starts only
   after the previous holder finished on the CPU, whatever thread either is on;
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from recsys_pipe.autosched.costs import CostModel, Statistic, TaskCost
 from recsys_pipe.autosched.events import EventEngine, Timeline
-from recsys_pipe.engine import Schedule, Task, compile_dependencies, cpu_edges, fires, resolve_thread_map
+from recsys_pipe.engine import Task, TaskGraph, compile_dependencies, cpu_edges, fires, resolve_thread_map
 
 __all__ = ["CriticalStep", "SimResult", "SimSpan", "load_costs", "resolve_threads", "simulate"]
 
@@ -181,7 +181,7 @@ def load_costs(costs: CostModel | str | os.PathLike) -> CostModel:
     return costs if isinstance(costs, CostModel) else CostModel.from_json(costs)
 
 
-def resolve_threads(schedule: Schedule, costs: CostModel, thread_map: ThreadMapSpec = None) -> dict[str, str]:
+def resolve_threads(task_graph: TaskGraph, costs: CostModel, thread_map: ThreadMapSpec = None) -> dict[str, str]:
     """task name -> thread id, for any thread-map form the simulator accepts.
 
     None: each task's `thread` recorded in the cost model when every task has one, else one
@@ -189,7 +189,7 @@ def resolve_threads(schedule: Schedule, costs: CostModel, thread_map: ThreadMapS
     what the threaded executor accepts: "by_stream", "per_task", a dict `{task: thread}` with an
     optional "default" entry, or a callable `Task -> thread id`.
     """
-    tasks = schedule.tasks
+    tasks = task_graph.tasks
     if thread_map is None:
         recorded = {t.name: costs[t.name].thread for t in tasks}
         if all(recorded.values()):
@@ -202,19 +202,19 @@ def resolve_threads(schedule: Schedule, costs: CostModel, thread_map: ThreadMapS
 
 
 def simulate(
-    schedule: Schedule,
+    task_graph: TaskGraph,
     costs: CostModel | str | os.PathLike,
     thread_map: ThreadMapSpec = None,
     iterations: int = 12,
     statistic: Statistic = "median",
 ) -> SimResult:
-    """Play `schedule` over `iterations` batches (M) against `costs`; see `SimResult`.
+    """Play `task_graph` over `iterations` batches (M) against `costs`; see `SimResult`.
 
     The playback runs M + L internal iterations (L = max lookahead): L prefill, M - L steady,
     L drain; M must be at least L + 3 so that the steady state has a second half to measure.
 
     Args:
-        schedule: the plan, as an engine `Schedule` (validated here by `compile_dependencies`).
+        task_graph: the plan, as an engine `TaskGraph` (validated here by `compile_dependencies`).
         costs: a `CostModel`, or a path to / the text of its JSON; must cover every task.
         thread_map: see `resolve_threads`.
         iterations: the number of batches M (more are played if the steady state takes longer
@@ -225,12 +225,12 @@ def simulate(
     if statistic not in ("median", "mean"):
         raise ValueError(f"statistic must be 'median' or 'mean', got {statistic!r}")
     costs = load_costs(costs)
-    graph = compile_dependencies(schedule)
+    graph = compile_dependencies(task_graph)
     missing = [t.name for t in graph.order if t.name not in costs]
     if missing:
         raise KeyError(f"cost model has no entry for task(s) {', '.join(missing)}")
-    thread_of = resolve_threads(schedule, costs, thread_map)
-    L = schedule.max_lookahead
+    thread_of = resolve_threads(task_graph, costs, thread_map)
+    L = task_graph.max_lookahead
     M = iterations
     if M < L + 3:
         raise ValueError(
@@ -315,8 +315,8 @@ class _Playback:
                 if barrier is not None:
                     engine.after(outside, barrier, reason="barrier")
                 barrier = outside
-            for stage_order in self.graph.stage_orders:
-                active = tuple(t for t in stage_order if fires(t.lookahead, L, i, M))
+            for group_order in self.graph.group_orders:
+                active = tuple(t for t in group_order if fires(t.lookahead, L, i, M))
                 if active:
                     barrier = self._stage(i, active, barrier)
         return engine.run(self._on_start)

@@ -25,10 +25,10 @@ from recsys_pipe.autosched.simulator import ThreadMapSpec, load_costs, resolve_t
 from recsys_pipe.engine import (
     DEFAULT_STREAM,
     DependencyGraph,
-    Schedule,
-    ScheduleValidationError,
-    Stage,
     Task,
+    TaskGraph,
+    TaskGraphValidationError,
+    TaskGroup,
     compile_dependencies,
 )
 
@@ -62,14 +62,14 @@ class TuneResult:
     """The best plan found.
 
     Attributes:
-        schedule: the tuned plan (a new engine Schedule; tasks rebuilt with `Task.replace`).
+        task_graph: the tuned plan (a new engine TaskGraph; tasks rebuilt with `Task.replace`).
         thread_map: task -> thread id for the tuned plan.
         original_s / best_s: predicted step time of the input plan and of the tuned one.
         changes: one `TaskChange` per task, in the tuned topological order.
         evaluations: simulations run; stopped_early: the evaluation or time budget ran out.
     """
 
-    schedule: Schedule
+    task_graph: TaskGraph
     thread_map: dict[str, str]
     original_s: float
     best_s: float
@@ -109,7 +109,7 @@ class TuneResult:
 
 @dataclass(frozen=True)
 class _Candidate:
-    order: tuple[tuple[str, ...], ...]  # declaration order per stage
+    order: tuple[tuple[str, ...], ...]  # declaration order per group
     streams: tuple[tuple[str, str], ...]  # sorted (task, stream)
     threads: tuple[tuple[str, str], ...]  # sorted (task, thread)
     lookaheads: tuple[tuple[str, int], ...]  # sorted (task, lookahead)
@@ -151,7 +151,7 @@ class _Evaluator:
 
     def __init__(
         self,
-        schedule: Schedule,
+        task_graph: TaskGraph,
         costs: CostModel,
         *,
         frozen: Iterable[str],
@@ -162,9 +162,9 @@ class _Evaluator:
         deadline: float | None,
         streams: Iterable[str] = (),
     ):
-        self.base = {t.name: t for t in schedule.tasks}
-        self.declared_streams = schedule.stream_slots
-        self.stream_slots = tuple(dict.fromkeys([*schedule.stream_slots, *streams]))
+        self.base = {t.name: t for t in task_graph.tasks}
+        self.declared_streams = task_graph.stream_slots
+        self.stream_slots = tuple(dict.fromkeys([*task_graph.stream_slots, *streams]))
         self.costs = costs
         self.frozen = frozenset(frozen) & set(self.base)
         self.max_threads = max_threads
@@ -177,7 +177,7 @@ class _Evaluator:
         self.origin: _Candidate | None = None  # the input plan
         self._scores: dict[tuple, float | None] = {}
         self._tasks: dict[tuple[str, str, int], Task] = {}
-        self.nccl_order = tuple(t.name for t in compile_dependencies(schedule).order if t.nccl)
+        self.nccl_order = tuple(t.name for t in compile_dependencies(task_graph).order if t.nccl)
 
     def rank(self, c: _Candidate) -> tuple:
         """Sort key: faster first; at equal speed fewer batches in flight (memory), fewer threads,
@@ -205,9 +205,9 @@ class _Evaluator:
         moved += sum(a != b for x, y in zip(o.order, c.order) for a, b in zip(x, y))
         return moved
 
-    def schedule(self, c: _Candidate) -> Schedule:
+    def task_graph(self, c: _Candidate) -> TaskGraph:
         streams, lookaheads = dict(c.streams), dict(c.lookaheads)
-        stages = []
+        groups = []
         for names in c.order:
             tasks = []
             for n in names:
@@ -222,8 +222,8 @@ class _Evaluator:
                         changes["lookahead"] = lookaheads[n]
                     task = self._tasks[key] = base.replace(**changes) if changes else base
                 tasks.append(task)
-            stages.append(Stage(tuple(tasks)))
-        return Schedule(tuple(stages), self.stream_slots)
+            groups.append(TaskGroup(tuple(tasks)))
+        return TaskGraph(tuple(groups), self.stream_slots)
 
     def violation(self, c: _Candidate) -> str | None:
         """Why `c` breaks a constraint the validator does not know about (None: it does not)."""
@@ -242,8 +242,8 @@ class _Evaluator:
     def graph(self, c: _Candidate) -> DependencyGraph | None:
         """The compiled candidate, or None if the validator or the NCCL order rejects it."""
         try:
-            graph = compile_dependencies(self.schedule(c))
-        except ScheduleValidationError:
+            graph = compile_dependencies(self.task_graph(c))
+        except TaskGraphValidationError:
             return None
         if tuple(t.name for t in graph.order if t.nccl) != self.nccl_order:
             return None
@@ -263,7 +263,7 @@ class _Evaluator:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise _BudgetExhausted
         self.evaluations += 1
-        s = simulate(self.schedule(c), self.costs, dict(c.threads), self.iterations).iteration_s
+        s = simulate(self.task_graph(c), self.costs, dict(c.threads), self.iterations).iteration_s
         self._scores[key] = s
         scored = _Candidate(c.order, c.streams, c.threads, c.lookaheads, s)
         if self.best_seen is None or self.better(scored, self.best_seen):
@@ -271,10 +271,10 @@ class _Evaluator:
         return scored
 
 
-def _candidate_of(schedule: Schedule, threads: Mapping[str, str]) -> _Candidate:
-    tasks = schedule.tasks
+def _candidate_of(task_graph: TaskGraph, threads: Mapping[str, str]) -> _Candidate:
+    tasks = task_graph.tasks
     return _Candidate.make(
-        [[t.name for t in stage.tasks] for stage in schedule.stages],
+        [[t.name for t in group.tasks] for group in task_graph.groups],
         {t.name: t.stream for t in tasks},
         threads,
         {t.name: t.lookahead for t in tasks},
@@ -285,7 +285,7 @@ def _candidate_of(schedule: Schedule, threads: Mapping[str, str]) -> _Candidate:
 
 
 def auto_assign_lookaheads(
-    schedule: Schedule,
+    task_graph: TaskGraph,
     costs: CostModel | str,
     max_in_flight: int = 5,
     *,
@@ -305,7 +305,7 @@ def auto_assign_lookaheads(
     (less memory). It stops when no move helps, or after `max_evaluations` simulations.
 
     Args:
-        schedule: the plan. Tasks in `frozen` must be at lookahead 0 on the default stream.
+        task_graph: the plan. Tasks in `frozen` must be at lookahead 0 on the default stream.
         costs: a `CostModel`, or a path to / the text of its JSON.
         max_in_flight: at most this many batches in flight (max lookahead + 1).
         thread_map: CPU threads, as `simulate` accepts them.
@@ -315,16 +315,16 @@ def auto_assign_lookaheads(
     """
     costs = load_costs(costs)
     evaluator = _Evaluator(
-        schedule,
+        task_graph,
         costs,
         frozen=frozen,
-        max_threads=len(schedule.tasks),
+        max_threads=len(task_graph.tasks),
         max_in_flight=max_in_flight,
         iterations=iterations,
         max_evaluations=max_evaluations,
         deadline=None,
     )
-    start = _candidate_of(schedule, resolve_threads(schedule, costs, thread_map))
+    start = _candidate_of(task_graph, resolve_threads(task_graph, costs, thread_map))
     _require_legal(evaluator, start)
     try:
         best = _climb_lookaheads(evaluator, evaluator.score(start))
@@ -338,7 +338,7 @@ def _require_legal(evaluator: _Evaluator, c: _Candidate) -> None:
     problem = evaluator.violation(c)
     if problem is not None:
         raise ValueError(f"the input plan breaks a tuning constraint: {problem}")
-    compile_dependencies(evaluator.schedule(c))  # raises with the validator's own message
+    compile_dependencies(evaluator.task_graph(c))  # raises with the validator's own message
     if evaluator.graph(c) is None:
         raise ValueError("the input plan's NCCL order could not be established")
 
@@ -393,7 +393,7 @@ def _climb_lookaheads(evaluator: _Evaluator, current: _Candidate) -> _Candidate:
 
 
 def tune(
-    schedule: Schedule,
+    task_graph: TaskGraph,
     costs: CostModel | str,
     thread_map: ThreadMapSpec = None,
     *,
@@ -429,7 +429,7 @@ def tune(
     changes wins.
 
     Args:
-        schedule: the plan to tune; it must itself respect the constraints.
+        task_graph: the plan to tune; it must itself respect the constraints.
         costs: a `CostModel`, or a path to / the text of its JSON.
         thread_map: the plan's CPU threads, as `simulate` accepts them.
         frozen: tasks kept at lookahead 0 on the default stream.
@@ -444,7 +444,7 @@ def tune(
     costs = load_costs(costs)
     deadline = time.monotonic() + time_limit_s if time_limit_s is not None else None
     evaluator = _Evaluator(
-        schedule,
+        task_graph,
         costs,
         frozen=frozen,
         max_threads=max_threads,
@@ -455,7 +455,7 @@ def tune(
         streams=streams,
     )
     rng = random.Random(seed)
-    original = _candidate_of(schedule, resolve_threads(schedule, costs, thread_map))
+    original = _candidate_of(task_graph, resolve_threads(task_graph, costs, thread_map))
     _require_legal(evaluator, original)
     original = evaluator.score(original)
     best = original
@@ -535,22 +535,22 @@ def _order_mutations(
 ) -> list[_Candidate]:
     out = []
     direct = {(e.producer, e.consumer) for e in graph.edges}
-    stage_orders = [[t.name for t in order] for order in graph.stage_orders]
-    for s, order in enumerate(stage_orders):
+    group_orders = [[t.name for t in order] for order in graph.group_orders]
+    for s, order in enumerate(group_orders):
         for i in range(len(order) - 1):
             a, b = order[i], order[i + 1]
             if (a, b) in direct or (evaluator.base[a].nccl and evaluator.base[b].nccl):
                 continue
-            swapped = [list(o) for o in stage_orders]
+            swapped = [list(o) for o in group_orders]
             swapped[s][i], swapped[s][i + 1] = b, a
             out.append(parent.with_(order=swapped))
     work = {n: costs[n].cpu_s + costs[n].device_s for n in evaluator.base}
-    out.append(parent.with_(order=_longest_work_first(graph, stage_orders, work)))
+    out.append(parent.with_(order=_longest_work_first(graph, group_orders, work)))
     return out
 
 
-def _longest_work_first(graph: DependencyGraph, stage_orders: list[list[str]], work: dict[str, float]) -> list:
-    """Per stage, a topological order that fires the task with the most work ahead of it first."""
+def _longest_work_first(graph: DependencyGraph, group_orders: list[list[str]], work: dict[str, float]) -> list:
+    """Per group, a topological order that fires the task with the most work ahead of it first."""
     succ: dict[str, list[str]] = {}
     for e in graph.edges:
         succ.setdefault(e.producer, []).append(e.consumer)
@@ -562,7 +562,7 @@ def _longest_work_first(graph: DependencyGraph, stage_orders: list[list[str]], w
         return ahead[n]
 
     out = []
-    for order in stage_orders:
+    for order in group_orders:
         names = set(order)
         preds = {n: {e.producer for e in graph.edges if e.consumer == n and e.producer in names} for n in order}
         placed: list[str] = []
@@ -594,7 +594,7 @@ def _result(evaluator: _Evaluator, original: _Candidate, best: _Candidate, stopp
     used = {t.stream for t in after.order}
     declared = tuple(s for s in evaluator.stream_slots if s in evaluator.declared_streams or s in used)
     return TuneResult(
-        schedule=Schedule(after.schedule.stages, declared),
+        task_graph=TaskGraph(after.task_graph.groups, declared),
         thread_map=t1,
         original_s=original.score,
         best_s=best.score,

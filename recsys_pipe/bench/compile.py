@@ -42,9 +42,9 @@ def train(info: Any, overrides: list[str], warmup: int, steps: int) -> dict[str,
     plan = training_plan(run)
     trainer = Trainer(build_parts(run, plan, info))
     try:
-        first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
+        first = warmup + plan.task_graph.max_lookahead  # iteration k + L completes step k
         window = Window(info.device)
-        trainer.pipeline.observer = StepTimer(window, first, first + steps)
+        trainer.plan_runner.observer = StepTimer(window, first, first + steps)
         losses = trainer.fit(record_steps=True).losses
         compiled = trainer.parts.compiled
         return {

@@ -329,9 +329,9 @@ def _train(overrides: list[str], warmup: int, steps: int, batch_size: int, start
     plan = training_plan(run)
     trainer = Trainer(build_parts(run, plan, info))
     try:
-        first = warmup + plan.schedule.max_lookahead
+        first = warmup + plan.task_graph.max_lookahead
         window = Window(info.device)
-        trainer.pipeline.observer = StepTimer(window, first, first + steps)
+        trainer.plan_runner.observer = StepTimer(window, first, first + steps)
         trainer.fit()
         seconds = window.figures()["seconds"]
     finally:

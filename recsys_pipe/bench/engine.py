@@ -6,14 +6,14 @@ min-max. Measures:
 
 1. sequential: no-op tasks (a 10-task chain over 3 lookaheads and 3 streams), engine time
    minus a plain loop calling the same functions, per task. Target: <= 1.5 µs/task.
-2. threaded: the same schedule on `ThreadedExecutor("by_stream")` (3 threads). Target:
+2. threaded: the same task graph on `ThreadedExecutor("by_stream")` (3 threads). Target:
    <= 5 µs/task.
 3. threaded scaling: 1, 2 and 4 threads x 10, 30 and 100 tasks (thread k runs the k-th
    contiguous block of the chain), per task. Shows the fixed cost of waking worker threads
    being spread over more tasks.
 4. overlap: GIL-releasing tasks (`time.sleep`) on two thread groups. Iteration time over the
    ideal bound (per iteration, the largest summed task time of one thread, from a
-   `SpanRecorder`; target <= 1.05) and over the sequential time of the same schedule.
+   `SpanRecorder`; target <= 1.05) and over the sequential time of the same task_graph.
 5. plans: the shipped plans, composed and compiled as `recsys-train` does (their tasks,
    lookaheads, streams, dependencies and nccl flags) with no-op task functions, per executor and
    thread map: engine µs per training step, and that as a share of a `--step-ms` step (default 15 ms,
@@ -45,7 +45,7 @@ from typing import Any
 
 from recsys_pipe.bench.common import format_summary as fmt
 from recsys_pipe.bench.common import summary
-from recsys_pipe.engine import SchedulablePipeline, Schedule, SpanRecorder, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, SpanRecorder, Task, TaskGraph, ThreadedExecutor
 
 PLANS = ("serial", "sparse_dist", "hstu_sparse_dist", "hstu_prefetch")
 THREAD_MAPS = ("hstu_default", "by_stream", "per_task", "single")
@@ -64,10 +64,10 @@ def noop(ctx: Any) -> None:
     """A task body that does nothing: what remains of a step is the engine's own cost."""
 
 
-# -- schedules ------------------------------------------------------------------------------------
+# -- task graphs ------------------------------------------------------------------------------------
 
 
-def chain_schedule(num_tasks: int) -> Schedule:
+def chain_task_graph(num_tasks: int) -> TaskGraph:
     """A chain of no-op tasks over three lookaheads and three streams (one per lookahead)."""
     streams = ("memcpy", "data_dist", "default")
     tasks: list[Task] = []
@@ -75,10 +75,10 @@ def chain_schedule(num_tasks: int) -> Schedule:
         la = 2 - min(2, i * 3 // num_tasks)
         deps = [f"t{i - 1}"] if i and tasks[-1].lookahead >= la else []
         tasks.append(Task.from_fn(f"t{i}", noop, lookahead=la, stream=streams[2 - la], depends_on=deps))
-    return Schedule.single_stage(tasks, ("default", "memcpy", "data_dist"))
+    return TaskGraph.single_group(tasks, ("default", "memcpy", "data_dist"))
 
 
-def shipped_plan(name: str, thread_map: str | None = None) -> tuple[Schedule, dict[str, str] | None]:
+def shipped_plan(name: str, thread_map: str | None = None) -> tuple[TaskGraph, dict[str, str] | None]:
     """A shipped plan exactly as `recsys-train` composes and compiles it (Hydra config, plan
     derivation, thread map), with every task function replaced by a no-op; and its thread of
     each task (None for the sequential executor)."""
@@ -87,23 +87,23 @@ def shipped_plan(name: str, thread_map: str | None = None) -> tuple[Schedule, di
 
     overrides = [f"pipeline={name}"] + ([f"thread_map={thread_map}"] if thread_map else [])
     plan = training_plan(load_run(*overrides), resolve_fn=lambda path: noop)
-    return plan.schedule, (dict(plan.thread_of) if plan.threaded else None)
+    return plan.task_graph, (dict(plan.thread_of) if plan.threaded else None)
 
 
 # -- measures (one repetition each) ---------------------------------------------------------------
 
 
-def timed(pipe: SchedulablePipeline, batches: int) -> float:
+def timed(runner: PlanRunner, batches: int) -> float:
     """Seconds to train `batches` batches (prefill and drain included)."""
     start = time.perf_counter()
-    for _ in pipe.iterate(range(batches)):
+    for _ in runner.iterate(range(batches)):
         pass
     return time.perf_counter() - start
 
 
-def plain_loop(schedule: Schedule, iterations: int) -> float:
-    """Seconds a plain loop takes to call the schedule's task functions `iterations` times, in order."""
-    tasks = schedule.tasks
+def plain_loop(task_graph: TaskGraph, iterations: int) -> float:
+    """Seconds a plain loop takes to call the task graph's task functions `iterations` times, in order."""
+    tasks = task_graph.tasks
     start = time.perf_counter()
     for _ in range(iterations):
         for task in tasks:
@@ -111,13 +111,13 @@ def plain_loop(schedule: Schedule, iterations: int) -> float:
     return time.perf_counter() - start
 
 
-def overhead_us_per_task(schedule: Schedule, executor: Any, iterations: int) -> float:
+def overhead_us_per_task(task_graph: TaskGraph, executor: Any, iterations: int) -> float:
     """Engine time minus a plain loop over the same functions, per task invocation."""
-    with SchedulablePipeline(schedule, executor=executor) as pipe:
-        timed(pipe, 20)  # warm: plans cached, workers started
-        engine = timed(pipe, iterations)
-    plain = plain_loop(schedule, iterations)
-    return (engine - plain) / (iterations * len(schedule.tasks)) * 1e6
+    with PlanRunner(task_graph, executor=executor) as runner:
+        timed(runner, 20)  # warm: plans cached, workers started
+        engine = timed(runner, iterations)
+    plain = plain_loop(task_graph, iterations)
+    return (engine - plain) / (iterations * len(task_graph.tasks)) * 1e6
 
 
 def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
@@ -126,7 +126,7 @@ def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
     def sleeper(ctx: Any) -> None:
         time.sleep(sleep_ms / 1e3)
 
-    schedule = Schedule.single_stage(
+    task_graph = TaskGraph.single_group(
         [
             Task.from_fn("h2d", sleeper, lookahead=2, stream="memcpy"),
             Task.from_fn("input_dist", sleeper, lookahead=1, stream="data_dist", depends_on=["h2d"]),
@@ -136,15 +136,15 @@ def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
     )
     threads = {"h2d": "io", "input_dist": "io", "forward": "compute", "backward": "compute"}
     recorder = SpanRecorder()
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor(threads), observer=recorder) as pipe:
-        threaded = timed(pipe, iterations)
+    with PlanRunner(task_graph, executor=ThreadedExecutor(threads), observer=recorder) as runner:
+        threaded = timed(runner, iterations)
     per_iteration: dict[int, dict[str, float]] = {}
     for span in recorder.spans():
         per_thread = per_iteration.setdefault(span.iteration, {})
         per_thread[span.thread] = per_thread.get(span.thread, 0.0) + span.duration_s
     ideal = sum(max(per_thread.values()) for per_thread in per_iteration.values())
-    with SchedulablePipeline(schedule, executor="sequential") as pipe:
-        serial = timed(pipe, iterations)
+    with PlanRunner(task_graph, executor="sequential") as runner:
+        serial = timed(runner, iterations)
     return {
         "iteration_ms_threaded": threaded / iterations * 1e3,
         "iteration_ms_ideal": ideal / iterations * 1e3,
@@ -154,11 +154,11 @@ def overlap(iterations: int, sleep_ms: float) -> dict[str, float]:
     }
 
 
-def plan_us_per_step(schedule: Schedule, executor: Any, steps: int) -> float:
-    """Engine µs per step of `schedule` with no-op tasks on `executor` (after 20 untimed steps)."""
-    with SchedulablePipeline(schedule, executor=executor) as pipe:
-        timed(pipe, 20)
-        return timed(pipe, steps) / steps * 1e6
+def plan_us_per_step(task_graph: TaskGraph, executor: Any, steps: int) -> float:
+    """Engine µs per step of `task_graph` with no-op tasks on `executor` (after 20 untimed steps)."""
+    with PlanRunner(task_graph, executor=executor) as runner:
+        timed(runner, 20)
+        return timed(runner, steps) / steps * 1e6
 
 
 def on_one_core(run: Callable[[], float]) -> Callable[[], float]:
@@ -194,31 +194,31 @@ def main() -> None:
     if args.quick:
         args.repeats, args.iterations, args.overlap_iterations, args.sleep_ms = 2, 100, 8, 1.0
 
-    chain10 = chain_schedule(10)
+    chain10 = chain_task_graph(10)
     runs: dict[str, Callable[[], Any]] = {
         "sequential": lambda: overhead_us_per_task(chain10, "sequential", args.iterations),
         "threaded": lambda: overhead_us_per_task(chain10, ThreadedExecutor("by_stream"), args.iterations),
         "overlap": lambda: overlap(args.overlap_iterations, args.sleep_ms),
     }
     for threads, tasks in SCALING:
-        schedule = chain_schedule(tasks)
+        task_graph = chain_task_graph(tasks)
         iterations = max(20, args.iterations * 10 // tasks)
 
         def blocks(task: Task, threads: int = threads, tasks: int = tasks) -> str:
             return f"w{int(task.name[1:]) * threads // tasks}"
 
-        runs[f"scaling/{threads}x{tasks}"] = lambda s=schedule, b=blocks, n=iterations: overhead_us_per_task(
+        runs[f"scaling/{threads}x{tasks}"] = lambda s=task_graph, b=blocks, n=iterations: overhead_us_per_task(
             s, ThreadedExecutor(b), n
         )
     for plan in () if args.no_plans else PLANS:
         _, threads = shipped_plan(plan)
         for tm in ("sequential",) if threads is None else THREAD_MAPS:
-            schedule, thread_of = shipped_plan(plan, None if tm == "sequential" else tm)
+            task_graph, thread_of = shipped_plan(plan, None if tm == "sequential" else tm)
 
             def make(thread_of: dict[str, str] | None = thread_of) -> Any:
                 return "sequential" if thread_of is None else ThreadedExecutor(dict(thread_of))
 
-            def run(s: Schedule = schedule, m: Callable[[], Any] = make) -> float:
+            def run(s: TaskGraph = task_graph, m: Callable[[], Any] = make) -> float:
                 return plan_us_per_step(s, m(), args.iterations)
 
             runs[f"plan/{plan}/{tm}"] = run

@@ -15,11 +15,11 @@ import torch
 from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
-    SchedulablePipeline,
-    Schedule,
+    PlanRunner,
     SpanRecorder,
     StreamPool,
     Task,
+    TaskGraph,
     TaskObserver,
 )
 
@@ -41,9 +41,9 @@ def train(ctx):
     ctx.slots.set(STEP_RESULT, loss.item())
 
 
-def plan(lookahead: int) -> Schedule:
+def plan(lookahead: int) -> TaskGraph:
     """The two tasks, `prepare` `lookahead` batches ahead on the `memcpy` stream (0: the serial plan)."""
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("prepare", prepare, stream="memcpy", lookahead=lookahead, reads=[BATCH_CPU], writes=["batch"]),
             Task.from_fn("train", train, reads=["batch"], writes=[STEP_RESULT]),
@@ -67,8 +67,8 @@ def run(lookahead: int, executor: str, observer: TaskObserver | None = None) -> 
     state = (model, torch.optim.SGD(model.parameters(), lr=0.05))
     pool = StreamPool.create(["default", "memcpy"], "cuda" if torch.cuda.is_available() else None)
     losses = []
-    with SchedulablePipeline(plan(lookahead), pool, executor, state=state, observer=observer) as pipe:
-        for loss in pipe.iterate(batches(50)):  # one batch's step_result at a time, until drained
+    with PlanRunner(plan(lookahead), pool, executor, state=state, observer=observer) as runner:
+        for loss in runner.iterate(batches(50)):  # one batch's step_result at a time, until drained
             losses.append(loss)
     return losses
 
@@ -76,8 +76,8 @@ def run(lookahead: int, executor: str, observer: TaskObserver | None = None) -> 
 if __name__ == "__main__":
     serial = run(lookahead=0, executor="sequential")
     recorder = SpanRecorder()  # times every task invocation, on the thread that ran it
-    pipelined = run(lookahead=1, executor="threaded", observer=recorder)
-    assert pipelined == serial, "plan with lookaheads must match the serial plan"
+    with_lookaheads = run(lookahead=1, executor="threaded", observer=recorder)
+    assert with_lookaheads == serial, "plan with lookaheads must match the serial plan"
     print(f"50 batches, identical losses: first {serial[0]:.4f} -> last {serial[-1]:.4f}")
     for task in ("prepare", "train"):
         spans = [s for s in recorder.spans(first=5) if s.task == task]

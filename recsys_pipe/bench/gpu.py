@@ -14,14 +14,14 @@ Measured side by side, every repetition running each configuration once in a rot
 (figures: medians over repetitions, with min-max):
 
 - serial: the same five tasks at lookahead 0 on the default stream, sequential executor;
-- pipelined/sequential and pipelined/threaded (one CPU thread per stream);
+- with lookaheads, on the sequential and on the threaded executor (one CPU thread per stream);
 - ideal: per iteration, the largest summed busy time of one stream, from CUDA events recorded on
-  each task's stream around its work (after the engine's waits); no schedule of these streams
+  each task's stream around its work (after the engine's waits); no ordering of the work on these streams
   can beat it, and a plan with lookaheads that overlaps perfectly reaches it;
 - host overhead per task, launch-bound: a 10-task chain over 3 streams and 3 lookaheads, each
   task one tiny kernel: engine time minus a plain loop launching the same kernels, per task.
 
-Targets (GPU): pipelined <= 1.05 x ideal; pipelined >= 1.3 x faster than serial where the
+Targets (GPU): with lookaheads <= 1.05 x ideal; and >= 1.3 x faster than serial where the
 off-default work (h2d + comm) is >= 30 % of the serial iteration; host overhead <= 10 µs per
 task sequential, <= 20 µs threaded. Check: every configuration trains bitwise the same losses
 as serial (same seed, same batches); a mismatch exits 1.
@@ -55,10 +55,10 @@ from recsys_pipe.bench.common import summary
 from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
-    SchedulablePipeline,
-    Schedule,
+    PlanRunner,
     StreamPool,
     Task,
+    TaskGraph,
     TaskObserver,
     ThreadedExecutor,
 )
@@ -67,13 +67,13 @@ from recsys_pipe.engine.testing import cuda_spin
 STREAMS = ("default", "memcpy", "comm")
 OFF_DEFAULT_TASKS = ("h2d", "comm")
 TARGETS = {
-    "pipelined_vs_ideal": 1.05,
+    "lookahead_vs_ideal": 1.05,
     "speedup_vs_serial": 1.3,
     "speedup_applies_from_off_default_share": 0.30,
     "overhead_us_per_task_sequential": 10.0,
     "overhead_us_per_task_threaded": 20.0,
 }
-CONFIGS = ("serial", "pipelined_sequential", "pipelined_threaded")
+CONFIGS = ("serial", "lookahead_sequential", "lookahead_threaded")
 
 
 @dataclass(frozen=True)
@@ -158,13 +158,13 @@ def optimizer_step(ctx: Any) -> None:
     ctx.slots.set(STEP_RESULT, ctx.slots["loss"].detach())
 
 
-def training_plan(pipelined: bool) -> Schedule:
-    """The five tasks; `pipelined=False` is the serial plan (lookahead 0, default stream)."""
+def training_plan(lookaheads: bool) -> TaskGraph:
+    """The five tasks; `lookaheads=False` is the serial plan (lookahead 0, default stream)."""
 
     def placed(stream: str, lookahead: int) -> dict[str, Any]:
-        return {"stream": stream, "lookahead": lookahead} if pipelined else {}
+        return {"stream": stream, "lookahead": lookahead} if lookaheads else {}
 
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("h2d", h2d, reads=[BATCH_CPU], writes=["batch"], **placed("memcpy", 2)),
             Task.from_fn("comm", comm, reads=["batch"], writes=["exchanged"], **placed("comm", 1)),
@@ -203,8 +203,8 @@ def host_batches(shape: Shape, device: torch.device, count: int = 3, seed: int =
 
 
 def executor_of(config: str) -> Any:
-    """The executor of a configuration: one thread per stream for `pipelined_threaded`."""
-    return ThreadedExecutor("by_stream") if config == "pipelined_threaded" else "sequential"
+    """The executor of a configuration: one thread per stream for `lookahead_threaded`."""
+    return ThreadedExecutor("by_stream") if config == "lookahead_threaded" else "sequential"
 
 
 # -- measuring --------------------------------------------------------------------------------------
@@ -265,16 +265,16 @@ def measure_plan(config: str, shape: Shape, device: torch.device, batches: list,
     state = make_state(shape, device)
     pool = StreamPool.create(STREAMS, device)
     busy = BusyTimes(cuda=device.type == "cuda")
-    plan = training_plan(pipelined=config != "serial")
-    with SchedulablePipeline(plan, pool, executor_of(config), state=state, observer=busy) as pipe:
+    plan = training_plan(lookaheads=config != "serial")
+    with PlanRunner(plan, pool, executor_of(config), state=state, observer=busy) as runner:
         it = itertools.cycle(batches)
         for _ in range(warmup):
-            pipe.progress(it)
+            runner.progress(it)
         synchronize(device)
         busy.clear()
         start = time.perf_counter()
         for _ in range(steps):  # in steady state each progress() is one internal iteration
-            pipe.progress(it)
+            runner.progress(it)
         synchronize(device)
         elapsed = time.perf_counter() - start
         spans = busy.seconds()
@@ -295,14 +295,14 @@ def losses(config: str, shape: Shape, device: torch.device, batches: list, steps
     """The first `steps` losses of a fresh model (same seed) on the same batches."""
     state = make_state(shape, device)
     pool = StreamPool.create(STREAMS, device)
-    with SchedulablePipeline(training_plan(config != "serial"), pool, executor_of(config), state=state) as pipe:
+    with PlanRunner(training_plan(config != "serial"), pool, executor_of(config), state=state) as runner:
         it = itertools.cycle(batches)
-        result = torch.stack([pipe.progress(it) for _ in range(steps)])
+        result = torch.stack([runner.progress(it) for _ in range(steps)])
     synchronize(device)
     return result.cpu()
 
 
-def launch_bound_chain(num_tasks: int, device: torch.device) -> Schedule:
+def launch_bound_chain(num_tasks: int, device: torch.device) -> TaskGraph:
     """`num_tasks` tasks in a chain over three lookaheads and three streams (one per lookahead),
     each launching one tiny kernel on its own one-element tensor."""
     streams = ("memcpy", "comm", "default")
@@ -316,24 +316,24 @@ def launch_bound_chain(num_tasks: int, device: torch.device) -> Schedule:
         la = 2 - min(2, i * 3 // num_tasks)
         deps = [f"t{i - 1}"] if i and tasks[-1].lookahead >= la else []
         tasks.append(Task.from_fn(f"t{i}", tiny, lookahead=la, stream=streams[2 - la], depends_on=deps))
-    return Schedule.single_stage(tasks, STREAMS)
+    return TaskGraph.single_group(tasks, STREAMS)
 
 
 def overhead_us_per_task(executor: Any, device: torch.device, iterations: int, num_tasks: int = 10) -> float:
     """Engine time minus a plain loop launching the same kernels (same order, one stream), per task."""
-    schedule = launch_bound_chain(num_tasks, device)
+    task_graph = launch_bound_chain(num_tasks, device)
     pool = StreamPool.create(STREAMS, device)
-    with SchedulablePipeline(schedule, pool, executor) as pipe:
+    with PlanRunner(task_graph, pool, executor) as runner:
         it = itertools.repeat(None)
         for _ in range(50):
-            pipe.progress(it)
+            runner.progress(it)
         synchronize(device)
         start = time.perf_counter()
         for _ in range(iterations):
-            pipe.progress(it)
+            runner.progress(it)
         synchronize(device)
         engine = time.perf_counter() - start
-        calls = [(task.fn, _PlainContext(task)) for task in pipe.graph.order]
+        calls = [(task.fn, _PlainContext(task)) for task in runner.graph.order]
     start = time.perf_counter()
     for _ in range(iterations):
         for fn, ctx in calls:
@@ -479,12 +479,14 @@ def targets(report: dict, device: torch.device) -> dict[str, Any]:
     """Which GPU targets the report meets (not evaluated on the CPU)."""
     if device.type != "cuda":
         return {"limits": TARGETS, "evaluated": False, "reason": "the targets are for a GPU; this was a CPU run"}
-    pipelined = [report["configs"][c] for c in CONFIGS[1:]]
+    with_lookaheads = [report["configs"][c] for c in CONFIGS[1:]]
     share = report["off_default_share_of_serial"]["median"]
     met: dict[str, Any] = {
-        "pipelined_vs_ideal": all(p["ratio_vs_ideal"]["median"] <= TARGETS["pipelined_vs_ideal"] for p in pipelined),
+        "lookahead_vs_ideal": all(
+            p["ratio_vs_ideal"]["median"] <= TARGETS["lookahead_vs_ideal"] for p in with_lookaheads
+        ),
         "speedup_vs_serial": (
-            all(p["speedup_vs_serial"]["median"] >= TARGETS["speedup_vs_serial"] for p in pipelined)
+            all(p["speedup_vs_serial"]["median"] >= TARGETS["speedup_vs_serial"] for p in with_lookaheads)
             if share >= TARGETS["speedup_applies_from_off_default_share"]
             else "not applicable: off-default work below 30 % of the serial iteration"
         ),

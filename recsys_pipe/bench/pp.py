@@ -213,10 +213,10 @@ def simulated(bench: Bench, spans, t_comm: float, t_send: float) -> tuple[float,
 SEND_FNS = (action_tasks.send_f, action_tasks.send_b)
 
 
-def send_durations(spans, pipeline) -> list[float]:
-    """The durations of one rank's send tasks in one step (ms): the tasks of `pipeline` whose
+def send_durations(spans, runner) -> list[float]:
+    """The durations of one rank's send tasks in one step (ms): the tasks of `runner` whose
     function is one of `SEND_FNS`."""
-    sends = {task.name for task in pipeline.schedule.tasks if any(task.fn is fn for fn in SEND_FNS)}
+    sends = {task.name for task in runner.task_graph.tasks if any(task.fn is fn for fn in SEND_FNS)}
     return [(s.end_s - s.start_s) * 1e3 for s in spans if s.task in sends]
 
 
@@ -252,12 +252,12 @@ def main() -> None:
                 step, runner = bench.ours()
                 times[name]["ours"] += timed(step, args)
                 recorder = SpanRecorder()
-                runner.pipeline.observer = recorder
+                runner.plan_runner.observer = recorder
                 step(args.warmup + args.steps)
                 spans = gather_spans(compute_spans(recorder.spans(), rank))
                 every: list = [None] * RANKS
                 dist.all_gather_object(
-                    every, (task_gaps(recorder.spans()), send_durations(recorder.spans(), runner.pipeline))
+                    every, (task_gaps(recorder.spans()), send_durations(recorder.spans(), runner.plan_runner))
                 )
                 gaps[name] += [g * 1e3 for rank_gaps, _ in every for g in rank_gaps]
                 sends[name].append(max(sum(rank_sends) for _, rank_sends in every))

@@ -106,8 +106,8 @@ def train(run: Any, info: Any, batches: list, warmup: int, steps: int) -> tuple[
     trainer = Trainer(build_parts(run, plan, info))
     try:
         window = Window(info.device)
-        first = warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
-        trainer.pipeline.observer = StepTimer(window, first, first + steps)
+        first = warmup + plan.task_graph.max_lookahead  # iteration k + L completes step k
+        trainer.plan_runner.observer = StepTimer(window, first, first + steps)
         summary = trainer.fit(batches=iter(batches), record_steps=True)
         assert summary.steps == len(batches), (summary.steps, len(batches))
         return window.figures()["seconds"], summary.losses, [ids.tolist() for ids in summary.sample_ids]

@@ -1,6 +1,6 @@
 """How well the plan simulator predicts measured iteration times, from profiled costs.
 
-1. Random plans: `--plans` (default 24) random valid schedules of synthetic tasks that release
+1. Random plans: `--plans` (default 24) random valid task graphs of synthetic tasks that release
    the GIL (`time.sleep` of a random 2-10 ms), with random lookaheads (0-2), thread ids (1-3
    threads), streams (which order tasks across threads: same-stream FIFO) and dependencies of
    every kind (slot reads, depends_on, cross_iter_depends_on, same_progress_sync). Each runs on
@@ -40,10 +40,10 @@ from typing import Any
 from recsys_pipe.autosched import CostModel, TaskProfiler, simulate
 from recsys_pipe.engine import (
     DataSlot,
-    SchedulablePipeline,
-    Schedule,
-    ScheduleValidationError,
+    PlanRunner,
     Task,
+    TaskGraph,
+    TaskGraphValidationError,
     ThreadedExecutor,
     compile_dependencies,
 )
@@ -67,8 +67,8 @@ def sleeper(seconds: float):
     return run
 
 
-def random_plan(rng: random.Random) -> tuple[Schedule, dict[str, str]]:
-    """A valid random schedule of sleep tasks and its thread map (name -> thread id)."""
+def random_plan(rng: random.Random) -> tuple[TaskGraph, dict[str, str]]:
+    """A valid random task graph of sleep tasks and its thread map (name -> thread id)."""
     while True:
         n = rng.randint(3, 7)
         threads = [f"t{k}" for k in range(rng.randint(1, 3))]
@@ -100,25 +100,25 @@ def random_plan(rng: random.Random) -> tuple[Schedule, dict[str, str]]:
                     spec[kind].append(f"task{j}")
             specs.append(spec)
         tasks = [Task.from_fn(f"task{i}", sleeper(spec.pop("seconds")), **spec) for i, spec in enumerate(specs)]
-        schedule = Schedule.single_stage(tasks, STREAMS)
+        task_graph = TaskGraph.single_group(tasks, STREAMS)
         try:
-            compile_dependencies(schedule)
-        except ScheduleValidationError:
+            compile_dependencies(task_graph)
+        except TaskGraphValidationError:
             continue  # e.g. a cross-iteration dependency that would read the future
         thread_map = {t.name: rng.choice(threads) for t in tasks}
-        return schedule, thread_map
+        return task_graph, thread_map
 
 
-def measure_random(schedule: Schedule, thread_map: dict[str, str], warmup: int, iters: int) -> dict[str, Any]:
+def measure_random(task_graph: TaskGraph, thread_map: dict[str, str], warmup: int, iters: int) -> dict[str, Any]:
     """Profile one random plan on the threaded executor and compare the simulator's prediction."""
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor(thread_map)) as pipe:
-        profiler = TaskProfiler(pipe, lambda: range(profiler.batches_needed), warmup, iters)
+    with PlanRunner(task_graph, executor=ThreadedExecutor(thread_map)) as runner:
+        profiler = TaskProfiler(runner, lambda: range(profiler.batches_needed), warmup, iters)
         result = profiler.profile_many([])
-    predicted = simulate(schedule, result.costs, thread_map).iteration_s
+    predicted = simulate(task_graph, result.costs, thread_map).iteration_s
     return {
-        "tasks": len(schedule.tasks),
+        "tasks": len(task_graph.tasks),
         "threads": len(set(thread_map.values())),
-        "max_lookahead": schedule.max_lookahead,
+        "max_lookahead": task_graph.max_lookahead,
         "measured_ms": result.baseline_s * 1e3,
         "predicted_ms": predicted * 1e3,
         "error": predicted / result.baseline_s - 1,
@@ -152,8 +152,8 @@ def measure_hstu(plan: str, iters: int, out: Path) -> dict[str, Any]:
     costs = CostModel.from_json(run_dir / "costs.json")
     compiled = training_plan(load_run(f"pipeline={plan}"))
     thread_map = dict(compiled.thread_of) if compiled.threaded else "sequential"
-    predicted = simulate(compiled.schedule, costs, thread_map).iteration_s
-    predicted_mean = simulate(compiled.schedule, costs, thread_map, statistic="mean").iteration_s
+    predicted = simulate(compiled.task_graph, costs, thread_map).iteration_s
+    predicted_mean = simulate(compiled.task_graph, costs, thread_map, statistic="mean").iteration_s
     measured = costs.meta["iteration_s"]
     period = mean_period(json.loads((run_dir / "trace.json").read_text()))
     return {
@@ -189,8 +189,8 @@ def random_plans(count: int, seed: int, warmup: int, iters: int) -> dict[str, An
         f"{'plan':>5} {'tasks':>5} {'threads':>7} {'max la':>6} {'measured ms':>11} {'predicted ms':>12} {'error':>7}"
     )
     for k in range(count):
-        schedule, thread_map = random_plan(rng)
-        row = measure_random(schedule, thread_map, warmup, iters)
+        task_graph, thread_map = random_plan(rng)
+        row = measure_random(task_graph, thread_map, warmup, iters)
         rows.append(row)
         print(
             f"{k:>5} {row['tasks']:>5} {row['threads']:>7} {row['max_lookahead']:>6} {row['measured_ms']:>11.3f} "

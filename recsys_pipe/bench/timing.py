@@ -1,6 +1,6 @@
 """The timed window the training benchmarks share (`recsys_pipe.bench.train`,
 `recsys_pipe.bench.shuffle`): a window opened after a barrier and closed after the last timed
-step, the engine observer that opens and closes it from the pipeline's own hooks and splits the
+step, the engine observer that opens and closes it from the plan runner's own hooks and splits the
 window into task bodies, engine, release and loop time, Python's garbage-collection pauses, and
 the peak memory of one run. `recsys_pipe.bench.train`'s module docstring says what each figure
 means.
@@ -165,7 +165,7 @@ class Window:
 
 
 class StepTimer(TaskObserver):
-    """Times a window of internal iterations `[first, stop)` of an engine pipeline from its
+    """Times a window of internal iterations `[first, stop)` of a plan runner from its
     hooks: opens `window` when iteration `first - 1` finishes and closes it when `stop - 1`
     finishes; records every task span and the iteration boundaries in between. Cheap on
     purpose (a clock read and a dict or list write per hook): its cost lands in the engine

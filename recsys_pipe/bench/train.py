@@ -56,7 +56,7 @@ What a column means (per rank; the larger of the ranks):
 - CPU ms/step: CPU time of the whole process (every thread: the executor's, gloo's) over the
   window / steps. Two ranks on two cores with CPU ms/step close to ms/step leave no core to
   overlap with.
-- engine µs/step (and its share of ms/step): measured with a `TaskObserver` on the pipeline.
+- engine µs/step (and its share of ms/step): measured with a `TaskObserver` on the plan runner.
   Per timed iteration, from `iteration_started` to `tasks_done`, the time during which no task
   body (`task.run`, between `task_started` and `task_finished`) ran on any thread: dispatch,
   dependency latches, thread hand-offs and wake-ups, the batch pull, the executor's join. Time
@@ -137,7 +137,7 @@ TORCHREC_CLASSES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "torchrec_fused": ("TrainPipelineFusedSparseDist", {}, False),
     "torchrec_semi_sync": ("TrainPipelineSemiSync", {"start_batch": 0, "stash_gradients": False}, False),
 }
-#: plan file -> the torchrec class variant whose schedule it declares
+#: plan file -> the torchrec class variant whose order of work it declares
 COUNTERPART = {
     "sparse_dist": TORCHREC,
     "base": "torchrec_base",
@@ -218,9 +218,9 @@ class Bench:
         plan = training_plan(run)
         trainer = Trainer(build_parts(run, plan, self.info))
         try:
-            first = self.warmup + plan.schedule.max_lookahead  # iteration k + L completes step k
+            first = self.warmup + plan.task_graph.max_lookahead  # iteration k + L completes step k
             timer = StepTimer(window, first, first + self.steps)
-            trainer.pipeline.observer = timer
+            trainer.plan_runner.observer = timer
             summary = trainer.fit(iter(self.batches), record_steps=not self.cuda)
             assert summary.steps == len(self.batches), (summary.steps, len(self.batches))
             losses = summary.losses if not self.cuda else [summary.first_loss, summary.last_loss]

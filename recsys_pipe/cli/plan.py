@@ -1,10 +1,10 @@
-"""`recsys-plan`: compile a plan from the Hydra config and show its schedule; never trains.
+"""`recsys-plan`: compile a plan from the Hydra config and show its task graph; never trains.
 
     recsys-plan pipeline=hstu_prefetch thread_map=per_task pipeline.tasks.h2d.lookahead=3
     recsys-plan pipeline=serial plot=true        # + PNG timing diagram and DAG in the run dir
     recsys-plan model=dlrm model.sharding=planner world_size=8 local_world_size=4
 
-After the schedule it shows the model's side: torchrec's printout of the embedding sharding plan
+After the task graph it shows the model's side: torchrec's printout of the embedding sharding plan
 for `world_size` ranks (`local_world_size` per host) on the trainer's device type, or, for a model
 with plain torch tables, its data parallelism (`trainer.dense_ddp`); and which tasks have nothing
 to do.

@@ -1,7 +1,7 @@
 """Pictures of a compiled plan (matplotlib; graphviz optional): `recsys-plan plot=true`.
 
 Why pictures: the timing diagram shows at a glance how many batches overlap and when each
-stage of the pipeline fills and drains; the DAG shows what waits on what.
+lookahead fills and drains; the DAG shows what waits on what.
 Lives in the CLI layer because the plan compiler must not depend on matplotlib.
 """
 
@@ -91,7 +91,7 @@ def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> P
 
 def _lanes(plan: CompiledPlan) -> list[tuple[int, str]]:
     """Swimlanes of both pictures: (lookahead, stream), deepest lookahead on top."""
-    rank = {s: r for r, s in enumerate(plan.schedule.stream_slots)}
+    rank = {s: r for r, s in enumerate(plan.task_graph.stream_slots)}
     lanes = {(t.lookahead, t.stream) for t in plan.order}
     return sorted(lanes, key=lambda ls: (-ls[0], rank.get(ls[1], 99)))
 
@@ -115,7 +115,7 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
     lane_of = {lane: i for i, lane in enumerate(lanes)}
     sx, sy = 1.9, 1.25
     pos = {t.name: (n * sx, -lane_of[(t.lookahead, t.stream)] * sy) for n, t in enumerate(plan.order)}
-    streams = list(plan.schedule.stream_slots)
+    streams = list(plan.task_graph.stream_slots)
     cmap = plt.get_cmap("Set2")
     colour = {s: cmap(i % 8) for i, s in enumerate(streams)}
     n = len(plan.order)

@@ -1,7 +1,7 @@
 """`recsys-plan costs=<costs.json> [tune=true]`: predict the configured plan's step time from
 per-task costs and, with tune=true, search for a faster plan and write it as a plan file.
 
-Lives in the CLI layer: it joins the compiled plan (config) with the schedule tooling
+Lives in the CLI layer: it joins the compiled plan (config) with the plan tooling
 (autosched) and writes files into the run directory.
 """
 
@@ -43,7 +43,7 @@ def predict(plan: CompiledPlan, costs: CostModel, out: Path | None, plot: bool) 
     """Print the simulated step time, utilisation and critical path; draw the Gantt with plot."""
     from recsys_pipe.autosched import simulate
 
-    result = simulate(plan.schedule, costs, _thread_map(plan))
+    result = simulate(plan.task_graph, costs, _thread_map(plan))
     print(f"\nsimulated with the costs ({plan.config.name}):")
     print(result.report())
     if plot and out is not None:
@@ -64,7 +64,7 @@ def tune_plan(
     from recsys_pipe.autosched import plan_yaml, tune
 
     try:
-        result = tune(plan.schedule, costs, _thread_map(plan), time_limit_s=time_limit_s)
+        result = tune(plan.task_graph, costs, _thread_map(plan), time_limit_s=time_limit_s)
     except ValueError as exc:  # the configured plan itself breaks a tuning constraint
         raise ConfigError(ConfigProblem("tune", str(exc))) from None
     print(f"\ntuned ({result.evaluations} simulated plans{', budget exhausted' if result.stopped_early else ''}):")
@@ -75,7 +75,7 @@ def tune_plan(
     path.parent.mkdir(parents=True, exist_ok=True)
     description = f"{plan.config.name} tuned by recsys-plan: predicted {result.best_s * 1e3:.4g} ms/step"
     plan_yaml(
-        result.schedule,
+        result.task_graph,
         {task_name: task.fn for task_name, task in plan.config.tasks.items()},  # as the plan names them: fn: h2d
         thread_map=result.thread_map,
         name=name,

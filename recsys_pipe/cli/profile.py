@@ -5,9 +5,9 @@
     scripts/profile.sh                                        # the same, 2 ranks, HSTU prefetch plan
 
 Same config tree and overrides as `recsys-train` (plus `profile.*`). It builds the trainer's
-parts (loaders, sharded model, streams, the plan's pipeline), rewrites the model on the first
+parts (loaders, sharded model, streams, the plan's runner), rewrites the model on the first
 batch and runs a few batches, then measures passes of `profile.warmup + profile.iters`
-training steps through the pipeline with a `CostProfiler` installed (`TaskProfiler`): one
+training steps through the plan runner with a `CostProfiler` installed (`TaskProfiler`): one
 baseline pass, then with `profile.exposed=true` one pass per task that can be replayed, with
 that task shortcut. It starts as `recsys-train` does (`recsys_pipe.cli.launch`): the same checks
 before any process group, and a run directory with `config.yaml`, `status.json` and `train.log`,
@@ -87,7 +87,7 @@ def _check(run: ProfileCommandConfig, plan: CompiledPlan, data: RankData) -> Non
                     f"profile.tasks[{i}]", f"unknown task '{name}'{suggest(name, names)} (known: {', '.join(names)})"
                 )
             )
-    needed = max(run.profile.warmup, plan.schedule.max_lookahead) + run.profile.iters
+    needed = max(run.profile.warmup, plan.task_graph.max_lookahead) + run.profile.iters
     batches = data.batches_per_epoch
     if run.data.num_batches is not None and run.data.num_batches < needed:
         problems.append(
@@ -158,12 +158,12 @@ def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
     `_Preempted` when a SIGTERM stops them (at the next pass every rank starts)."""
     from recsys_pipe.autosched import TaskProfiler
 
-    pipeline, loader = trainer.pipeline, trainer.data.train_loader()
+    runner, loader = trainer.plan_runner, trainer.data.train_loader()
     batches = iter(loader)
     first = next(batches)
     start = itertools.islice(batches, _BOOTSTRAP_BATCHES)
-    pipeline.seed_first_batch(start, trainer.state.bootstrap(first))
-    for _ in pipeline.iterate(start):  # drained: nothing of it stays in flight
+    runner.seed_first_batch(start, trainer.state.bootstrap(first))
+    for _ in runner.iterate(start):  # drained: nothing of it stays in flight
         pass
 
     def fresh_batches() -> Iterator:
@@ -173,7 +173,7 @@ def _measure(trainer: Trainer, options: ProfileConfig) -> ProfileResult:
         return itertools.islice(iter(loader), profiler.batches_needed)
 
     profiler = TaskProfiler(
-        pipeline,
+        runner,
         fresh_batches,
         options.warmup,
         options.iters,
@@ -208,7 +208,7 @@ def _print_prediction(plan: CompiledPlan, result: ProfileResult) -> None:
 
     thread_map = dict(plan.thread_of) if plan.threaded else "sequential"
     for statistic, measured in (("median", result.baseline_s), ("mean", result.costs.meta.get("iteration_mean_s"))):
-        predicted = simulate(plan.schedule, result.costs, thread_map, statistic=statistic).iteration_s
+        predicted = simulate(plan.task_graph, result.costs, thread_map, statistic=statistic).iteration_s
         error = predicted / measured - 1 if measured else float("nan")
         print(
             f"simulated from the {statistic} costs: {predicted * 1e3:.3f} ms per step "

@@ -30,10 +30,10 @@ from recsys_pipe.engine import (
     DEFAULT_STREAM,
     DependencyGraph,
     Problem,
-    Schedule,
-    ScheduleValidationError,
-    Stage,
     Task,
+    TaskGraph,
+    TaskGraphValidationError,
+    TaskGroup,
     compile_dependencies,
     cpu_edges,
     resolve_thread_map,
@@ -75,9 +75,9 @@ class CompiledPlan:
     specs: Mapping[str, TaskSpec] = dataclasses.field(default_factory=dict)
 
     @property
-    def schedule(self) -> Schedule:
-        """The engine `Schedule` the plan declares (its stages, tasks and streams)."""
-        return self.graph.schedule
+    def task_graph(self) -> TaskGraph:
+        """The engine `TaskGraph` the plan declares (its groups, tasks and streams)."""
+        return self.graph.task_graph
 
     @property
     def order(self) -> tuple[Task, ...]:
@@ -184,15 +184,15 @@ def compile_plan(plan: Any, *, resolve_fn: ResolveFn | None = None, prefix: str 
         options = _task_options(name, tc, spec, prefix, problems)
         try:
             tasks.append(_build_task(name, fn, tc, options))
-        except ScheduleValidationError as exc:
+        except TaskGraphValidationError as exc:
             engine.extend(_engine_problems(exc.problems, prefix))
 
     graph = None
     if len(tasks) == len(cfg.tasks):
-        schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=stream_slots)
+        task_graph = TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=stream_slots)
         try:
-            graph = compile_dependencies(schedule)
-        except ScheduleValidationError as exc:
+            graph = compile_dependencies(task_graph)
+        except TaskGraphValidationError as exc:
             engine.extend(_engine_problems(exc.problems, prefix))
     if problems or engine:
         # Our own checks carry suggestions; drop the engine's repeat of a path they reported.

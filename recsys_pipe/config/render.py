@@ -56,7 +56,7 @@ def firing_table(plan: CompiledPlan, num_batches: int = 4) -> FiringTable:
     iterations = range(M + L)
     phases = tuple("prefill" if i < L and i < M else "drain" if i >= M else "steady" for i in iterations)
     groups: dict[tuple[int, str], list[str]] = {}
-    stream_rank = {s: r for r, s in enumerate(plan.schedule.stream_slots)}
+    stream_rank = {s: r for r, s in enumerate(plan.task_graph.stream_slots)}
     for t in plan.order:
         groups.setdefault((t.lookahead, t.stream), []).append(t.name)
     rows = []
@@ -106,7 +106,7 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
     if cfg.description:
         title += f" -- {cfg.description}"
     out.append(title)
-    out.append(f"executor: {cfg.executor}    streams: {', '.join(plan.schedule.stream_slots)}")
+    out.append(f"executor: {cfg.executor}    streams: {', '.join(plan.task_graph.stream_slots)}")
     if plan.threaded:
         threads = list(dict.fromkeys(plan.thread_of[t.name] for t in plan.order))
         out.append(

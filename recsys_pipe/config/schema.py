@@ -8,7 +8,7 @@ silent coercion would hide a mistake (`lookahead: 1.5`, `nccl: "yes"`).
 Each component owns its config next to its code (data sources in `recsys_pipe.data`, models in
 `recsys_pipe.models`, optimizers and the trainer in `recsys_pipe.train`); they all derive from
 `Section`. These plan models only describe shapes and value ranges; cross-references (unknown
-task or stream names) and the engine's schedule rules are checked by `recsys_pipe.config.compile`,
+task or stream names) and the engine's task-graph rules are checked by `recsys_pipe.config.compile`,
 which reports them with the same `path: message` format.
 """
 

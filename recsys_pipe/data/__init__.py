@@ -78,6 +78,7 @@ _EXPORTS = {
     "SequenceSourceConfig": "sequences",
     "SequencesDataset": "sequences",
     "read_interactions": "sequences",
+    "unseen_items": "negatives",
 }
 
 __all__ = sorted(_EXPORTS)

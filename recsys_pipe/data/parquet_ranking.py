@@ -55,6 +55,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
 from recsys_pipe.data.loader import SequenceDataConfig
 from recsys_pipe.data.movielens import NUM_ACTIONS
+from recsys_pipe.data.negatives import concat_ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet_sequences import (
     ParquetSequenceKeys,
@@ -62,7 +63,6 @@ from recsys_pipe.data.parquet_sequences import (
     _list_type,
     _offsets,
     _one,
-    _ranges,
     _SequenceDecoder,
     check_sequence_columns,
 )
@@ -251,7 +251,7 @@ class _WindowDecoder:
         users = self._users(rows.users, fail)
         pick = np.arange(len(n)) if order is None else order
         keep = np.minimum(n, length)[pick]
-        gather = _ranges(rows.offsets[:-1][pick] + n[pick] - keep, keep)
+        gather = concat_ranges(rows.offsets[:-1][pick] + n[pick] - keep, keep)
         offsets = _offsets(keep)
         # candidates: the last c events of each sample
         within = np.arange(len(gather)) - np.repeat(offsets[:-1], keep)

@@ -8,9 +8,8 @@ The layout (`recsys-data convert sequences` writes it; `data.columns` renames th
 row per user, `user_id` (int64, the raw id), `item_ids` (list<int64>, raw ids, chronological),
 optionally `timestamps` (list<int64>, the same lengths; without it the position in the sequence
 stands in for time) and `actions` (the ratings: read by HSTU ranking, not by the retrieval
-models). Rows are in sorted user-id
-order, so a row's 0-based position over the files is the dense user id that `data=sequences`
-gives the same user (its sample id).
+models). Rows are in sorted user-id order, so a row's 0-based position over the files is the
+dense user id that `data=sequences` gives the same user (its sample id).
 
 Items become dense ids `[0, n)` in sorted raw-id order, as `data=sequences` numbers them, from a
 vocabulary stored at conversion: the key `recsys-pipe/items` of the first file's key-value
@@ -20,12 +19,13 @@ metadata holds the sorted distinct raw item ids as little-endian int64 bytes
 
 A user's training sample is what `data=sequences` builds (module `recsys_pipe.data.sequences`):
 the last `max_seq_len` transitions of the sequence without its last two items (all of it below
-three items), and one negative per target drawn with the user's own generator seeded
-`(data.seed, epoch, user)`: bitwise the same batches as `data=sequences` on the same users. The
-negatives are the one per-user step (rejection sampling against the user's items); the rest is
-vectorised. Unlike `data=sequences`, every row is a sample, so that the batches per epoch follow
-from the row counts alone: a user with fewer than two training transitions (1 or 3 interactions)
-is a sample without targets, which adds nothing to the loss.
+three items), and one negative per target from `recsys_pipe.data.negatives.unseen_items` (a
+counter-based hash of `(data.seed, epoch, user, position)`, rejected against the user's training
+items), drawn for the whole batch at once: bitwise the same batches as `data=sequences` on the
+same users, whichever batch, rank or worker a user falls in. Nothing is per user. Unlike
+`data=sequences`, every row is a sample, so that the batches per epoch follow from the row counts
+alone: a user with fewer than two training transitions (1 or 3 interactions) is a sample without
+targets, which adds nothing to the loss.
 
 Evaluation (`split("valid" | "test")`): rank `r` scores a contiguous `1/W` of the users; a user
 with fewer than 3 interactions is padding (not scored), as the ranks' splits are padded alike.
@@ -46,6 +46,8 @@ from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
 from recsys_pipe.data.loader import DataConfig
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
+from recsys_pipe.data.negatives import concat_ranges as _ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -54,11 +56,10 @@ from recsys_pipe.data.sequences import (
     RetrievalBatch,
     RetrievalSample,
     SequencesDataConfig,
-    _sample_unseen,
     collate_retrieval,
 )
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Fail, StreamSource
+from recsys_pipe.data.stream import EpochOrder, Fail, Piece, StreamSource, WindowDataset
 
 __all__ = [
     "ITEM_VOCAB_KEY",
@@ -206,41 +207,6 @@ class UserRows:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
-    def slice(self, start: int, stop: int) -> UserRows:
-        lo, hi = self.offsets[start], self.offsets[stop]
-        return UserRows(
-            self.items[lo:hi],
-            self.stamps[lo:hi],
-            self.offsets[start : stop + 1] - lo,
-            self.users[start:stop],
-            self.sample_ids[start:stop],
-            self.source,
-        )
-
-    def take(self, index: torch.Tensor) -> UserRows:
-        idx = index.numpy()
-        lengths = np.diff(self.offsets)[idx]
-        gather = _ranges(self.offsets[:-1][idx], lengths)
-        return UserRows(
-            self.items[gather],
-            self.stamps[gather],
-            _offsets(lengths),
-            self.users[idx],
-            self.sample_ids[idx],
-            self.source,
-        )
-
-    @classmethod
-    def concat(cls, parts: Sequence[UserRows]) -> UserRows:
-        return UserRows(
-            np.concatenate([p.items for p in parts]),
-            np.concatenate([p.stamps for p in parts]),
-            _offsets(np.concatenate([np.diff(p.offsets) for p in parts])),
-            np.concatenate([p.users for p in parts]),
-            np.concatenate([p.sample_ids for p in parts]),
-            parts[0].source,
-        )
-
     def finish(self, epoch: int) -> TrainRows:
         """The training samples of these users in `epoch` (see the module docstring)."""
         d = self.source
@@ -333,92 +299,28 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of `arange(s, s + n)` for each start `s` and length `n`, vectorised."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    offsets = _offsets(lengths)
-    row = np.repeat(np.arange(len(lengths)), lengths)
-    return np.asarray(starts, dtype=np.int64)[row] + (np.arange(total) - offsets[row])
-
-
 def _negatives(rows: UserRows, epoch: int, train: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """One negative per target, as `data=sequences` draws them: user `u`'s generator seeded
-    `(seed, epoch, u)` draws `2 * count + 4` items and the first `count` the user's training items
-    do not hold are taken (`_sample_unseen`). The draw is one call per user (a generator cannot be
-    seeded for many users at once); the rejection runs over all users at once, and the rare user
-    whose first draw falls short goes through `_sample_unseen` itself (the same stream)."""
+    """One negative per target of every user at once (`unseen_items`, seen: its training items)."""
     d = rows.source
-    users = np.flatnonzero(counts)
-    if not len(users):
-        return np.zeros(0, dtype=np.int64)
-    sizes = 2 * counts[users] + 4
-    draws = np.empty(int(sizes.sum()), dtype=np.int64)
-    at = 0
-    for user, size in zip(rows.sample_ids[users].tolist(), sizes.tolist()):
-        rng = np.random.default_rng([d.seed, epoch, user])
-        draws[at : at + size] = rng.integers(0, d.num_items, size=size)
-        at += size
-    owner = np.repeat(np.arange(len(users)), sizes)
-    accepted = _unseen(draws, owner, sizes, rows.items, rows.offsets[:-1][users], train[users], d.num_items)
-    # the first `count` accepted draws of each user: its accepted draws numbered from 0
-    total = np.cumsum(accepted)
-    before = np.concatenate([[0], total[np.cumsum(sizes)[:-1] - 1]])
-    keep = accepted & (total - 1 - before[owner] < counts[users][owner])
-    short = np.flatnonzero(np.bincount(owner[keep], minlength=len(users)) < counts[users])
-    if not len(short):
-        return draws[keep]
-    out = np.empty(int(counts.sum()), dtype=np.int64)
-    starts = _offsets(counts[users])
-    got = draws[keep]
-    got_starts = _offsets(np.bincount(owner[keep], minlength=len(users)))
-    refill = set(short.tolist())
-    for k in range(len(users)):
-        lo, hi = starts[k], starts[k + 1]
-        if k in refill:
-            u = int(users[k])
-            first = int(rows.offsets[u])
-            seen = set(rows.items[first : first + int(train[u])].tolist())
-            rng = np.random.default_rng([d.seed, epoch, int(rows.sample_ids[u])])
-            out[lo:hi] = _sample_unseen(rng, d.num_items, seen, hi - lo)
-        else:
-            out[lo:hi] = got[got_starts[k] : got_starts[k + 1]]
-    return out
+    return unseen_items(
+        d.seed, TRAIN, epoch, rows.sample_ids, counts, rows.items, rows.offsets[:-1], train, d.num_items
+    )
 
 
 #: raw item ids up to this many (or 4x the vocabulary) map to dense ids through a table, not a search
 _LOOKUP_ROWS = 1 << 22
-#: the most bytes of the seen-items bitmap `_unseen` sets at once
-_BITMAP_BYTES = 1 << 24
 
 
-def _unseen(
-    draws: np.ndarray,
-    owner: np.ndarray,
-    sizes: np.ndarray,
-    items: np.ndarray,
-    starts: np.ndarray,
-    lengths: np.ndarray,
-    num_items: int,
-) -> np.ndarray:
-    """Whether each draw (of user `owner`) is not among that user's seen items (`items[start:
-    start + length]`), for users in chunks sharing one `[chunk, num_items]` bitmap: set the
-    chunk's seen items, look the draws up, clear them again (no per-user step, no sort)."""
-    chunk = max(1, _BITMAP_BYTES // num_items)
-    bitmap = np.zeros(min(chunk, len(sizes)) * num_items, dtype=bool)
-    accepted = np.empty(len(draws), dtype=bool)
-    draw_at = _offsets(sizes)
-    for first in range(0, len(sizes), chunk):
-        last = min(first + chunk, len(sizes))
-        local = np.repeat(np.arange(last - first, dtype=np.int64), lengths[first:last]) * num_items
-        seen = local + items[_ranges(starts[first:last], lengths[first:last])]
-        bitmap[seen] = True
-        lo, hi = draw_at[first], draw_at[last]
-        accepted[lo:hi] = ~bitmap[(owner[lo:hi] - first) * num_items + draws[lo:hi]]
-        bitmap[seen] = False
-    return accepted
+@dataclass
+class _Columns:
+    """A table's rows as numpy: raw item ids (flat) and their offsets, user ids, timestamps
+    (flat; None: positions stand in) and the rows' sample ids."""
+
+    raw: np.ndarray
+    offsets: np.ndarray
+    users: np.ndarray
+    stamps: np.ndarray | None
+    sample_ids: np.ndarray
 
 
 class _SequenceDecoder:
@@ -435,30 +337,46 @@ class _SequenceDecoder:
         if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
             self._lookup = np.full(int(vocab[-1]) + 1, -1, dtype=np.int64)
             self._lookup[vocab] = np.arange(len(vocab))
+        self._cached: _Columns | None = None
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> UserRows:
+        cols = self._columns(table, sample_ids, fail)
+        if order is None:
+            raw, offsets, stamps, users, ids = cols.raw, cols.offsets, cols.stamps, cols.users, cols.sample_ids
+        else:  # only these rows, in this order: their items gathered, decoded while in cache
+            lengths = cols.offsets[1:][order] - cols.offsets[:-1][order]
+            gather = _ranges(cols.offsets[:-1][order], lengths)
+            raw, offsets, users, ids = cols.raw[gather], _offsets(lengths), cols.users[order], cols.sample_ids[order]
+            stamps = cols.stamps[gather] if cols.stamps is not None else None
+            window_fail = fail
+
+            def fail(column: str, message: str, row: int = 0) -> DataFileError:
+                return window_fail(column, message, int(order[row]))
+
+        if stamps is None:  # the position in the sequence stands in for time
+            stamps = np.arange(len(raw), dtype=np.int64)
+            stamps -= np.repeat(offsets[:-1], np.diff(offsets))
+        return UserRows(self._dense(raw, offsets, fail), stamps, offsets, users, ids, self)
+
+    def _columns(self, table: pa.Table, sample_ids: np.ndarray, fail: Fail) -> _Columns:
+        """The table's columns as numpy, checked; kept for the next call on the same rows (the
+        parts of one window are decoded from the window's table in turn)."""
+        cached = self._cached
+        if cached is not None and np.array_equal(cached.sample_ids, sample_ids):
+            return cached
+        self._cached = None  # release the previous window before decoding this one
         users = _one(table, self.user, fail)
         if users.null_count:
             raise fail(self.user, f"{users.null_count} null user id(s)")
-        items = _one(table, self.items, fail)
-        if items.null_count or items.flatten().null_count:
-            raise fail(self.items, "null item ids or null lists")
-        offsets = np.asarray(items.offsets, dtype=np.int64)
-        offsets = offsets - offsets[0]
-        raw = items.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        dense = self._dense(raw, offsets, fail)
+        raw, offsets = _list_values(table.column(self.items), fail, self.items, "item ids")
+        stamps = None
         if self.stamps is not None:
-            col = _one(table, self.stamps, fail)
-            st_offsets = np.asarray(col.offsets, dtype=np.int64)
-            if not np.array_equal(st_offsets - st_offsets[0], offsets):
+            stamps, st_offsets = _list_values(table.column(self.stamps), fail, self.stamps, "timestamps")
+            if not np.array_equal(st_offsets, offsets):
                 raise fail(self.stamps, f"lists of other lengths than {self.items!r}")
-            stamps = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        else:  # the position in the sequence stands in for time
-            stamps = np.arange(len(raw), dtype=np.int64) - np.repeat(offsets[:-1], np.diff(offsets))
-        rows = UserRows(
-            dense, stamps, offsets, users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), sample_ids, self
-        )
-        return rows if order is None else rows.take(torch.from_numpy(order))
+        user_ids = users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        self._cached = _Columns(raw, offsets, user_ids, stamps, sample_ids)
+        return self._cached
 
     def _dense(self, raw: np.ndarray, offsets: np.ndarray, fail: Fail) -> np.ndarray:
         def row_of(bad: np.ndarray) -> tuple[int, int]:  # the first bad id and its user's row
@@ -471,21 +389,42 @@ class _SequenceDecoder:
                 raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
             return raw
         if self._lookup is not None:
-            inside = (raw >= 0) & (raw < len(self._lookup))
-            dense = np.where(inside, self._lookup[np.where(inside, raw, 0)], -1)
-            unknown = dense < 0
+            if raw.size and raw.min() >= 0 and raw.max() < len(self._lookup):  # the usual case: one gather
+                dense = self._lookup[raw]
+                unknown = dense < 0 if dense.min() < 0 else None
+            else:
+                inside = (raw >= 0) & (raw < len(self._lookup))
+                dense = np.where(inside, self._lookup[np.where(inside, raw, 0)], -1)
+                unknown = dense < 0
         else:
             dense = np.searchsorted(self.vocab, raw)
             unknown = (dense >= len(self.vocab)) | (self.vocab[np.minimum(dense, len(self.vocab) - 1)] != raw)
-        if unknown.any():
+        if unknown is not None and unknown.any():
             bad, row = row_of(unknown)
             raise fail(self.items, f"item id {bad} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})", row)
-        return dense.astype(np.int64)
+        return dense.astype(np.int64, copy=False)
 
 
 def _one(table: pa.Table, name: str, fail: Fail) -> pa.Array:
     col = table.column(name)
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+
+
+def _list_values(column: pa.ChunkedArray, fail: Fail, name: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's values as one int64 array and its offsets (`[rows + 1]`, from 0): the
+    values of each chunk (row-group slice) are read in place, and copied once if there are
+    several (`combine_chunks` would copy the offsets and lists as well)."""
+    values, offsets, at = [], [np.zeros(1, dtype=np.int64)], 0
+    for chunk in column.chunks:
+        flat = chunk.flatten()
+        if chunk.null_count or flat.null_count:
+            raise fail(name, f"null {what} or null lists")
+        bounds = np.asarray(chunk.offsets, dtype=np.int64)
+        offsets.append(bounds[1:] - bounds[0] + at)
+        values.append(flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
+        at += len(flat)
+    flat_values = values[0] if len(values) == 1 else np.concatenate(values) if values else np.zeros(0, np.int64)
+    return flat_values, np.concatenate(offsets)
 
 
 class _Rows:
@@ -527,6 +466,33 @@ class _RawUsers:
         return self.rows.user(user)[0]
 
 
+#: users of a window that a worker turns into training rows at a time: a length-200 user's
+#: rows are ~6 KB, so a part's arrays stay a few MB (in cache, not page-faulted in afresh as a
+#: whole window's hundreds of MB are) and a first batch waits for one part, not the window
+_PART_ROWS = 4096
+
+
+class _Windows(WindowDataset):
+    """`WindowDataset` for windows handed out in parts (`ParquetSequences.epoch_pieces`): the
+    row groups read last stay cached, up to a window's rows plus two row groups (what a window
+    can span), so each part of a window reads none of them again (with one worker the parts of a
+    window reach it in turn; with several, each worker reads the window's groups once)."""
+
+    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: _SequenceDecoder, window: int) -> None:
+        super().__init__(files, order, decoder)
+        self._groups: dict[tuple[int, int], pa.Table] = {}
+        self._keep_rows = window + 2 * int(files.unit_rows().max(initial=0))
+
+    def _group(self, file: int, group: int) -> pa.Table:
+        table = self._groups.pop((file, group), None)
+        if table is None:
+            table = self.files.read(file, group, self.decoder.columns)
+        self._groups[file, group] = table  # the most recently used last
+        while sum(t.num_rows for t in self._groups.values()) > self._keep_rows and len(self._groups) > 1:
+            del self._groups[next(iter(self._groups))]
+        return table
+
+
 class ParquetSequences(StreamSource):
     """This rank's users of sequence Parquet: training by position (`StreamSource`) and the
     leave-one-out evaluation splits (`split`), as `SequencesDataset` offers them."""
@@ -543,6 +509,17 @@ class ParquetSequences(StreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
+        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)
+
+    def epoch_pieces(self, epoch: int) -> list[Piece]:
+        """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
+        `_PART_ROWS` users (a multiple of the batch size): the same rows in the same order."""
+        part = max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
+        return [
+            Piece(p.epoch, p.start, p.length, p.skip + at, min(part, p.take - at))
+            for p in super().epoch_pieces(epoch)
+            for at in range(0, p.take, part)
+        ]
 
     @property
     def num_users(self) -> int:
@@ -558,8 +535,9 @@ class ParquetSequences(StreamSource):
         if len(seq) < 3:
             return None
         end = len(seq) - (2 if split == "valid" else 1)
-        rng = np.random.default_rng([self.seed, 1 << 32, user])
-        negatives = _sample_unseen(rng, self.num_items, set(seq.tolist()), self.eval_negatives)
+        negatives = unseen_items(
+            self.seed, EVAL, 0, [user], [self.eval_negatives], seq, [0], [len(seq)], self.num_items
+        ).tolist()
         return RetrievalSample(
             user,
             seq[:end][-self.max_seq_len :].tolist(),

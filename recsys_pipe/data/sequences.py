@@ -19,14 +19,16 @@ A training sample is one user's last `max_seq_len` training transitions: inputs
 `s_1 .. s_{m-1}`, targets `s_2 .. s_m` (the next item at each position) and one negative per
 position, drawn uniformly from the items not in the user's training sequence (SASRec's sampler).
 The negatives are drawn again every epoch: the training sampler numbers samples across epochs
-(`resamples_per_epoch`), and each draw is seeded by `(data.seed, epoch, sample)`, so a run is
-reproducible and every plan trains the same batches.
+(`resamples_per_epoch`), and each is a counter-based hash of `(data.seed, epoch, user, position)`
+(`recsys_pipe.data.negatives`, shared with `data=parquet_sequences`), so a run is reproducible,
+every plan trains the same batches, and a user's negatives never depend on its batch.
 
 An evaluation sample (`split("valid" | "test")`) is a user's history before the held-out item
 (the last `max_seq_len` of it), the held-out item followed by `eval_negatives` items the user
-never interacted with (seeded per user, the same at every evaluation), and, with `full_eval`, the
-whole catalogue spread over the batch (every evaluation batch carries every item id once, so
-full-corpus ranking goes through the same sharded embedding lookup as everything else).
+never interacted with (the same sampler in a domain of its own: the same at every evaluation),
+and, with `full_eval`, the whole catalogue spread over the batch (every evaluation batch carries
+every item id once, so full-corpus ranking goes through the same sharded embedding lookup as
+everything else).
 
 All item lookups of a batch are features of one KJT, `sparse_features`, that share the item
 table: `item` (inputs), `pos` (targets), `neg` (negatives), `cand` (held-out item then sampled
@@ -51,6 +53,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import TensorBatch, jagged_select, kjt_concat, kjt_select
 from recsys_pipe.data.interactions_file import CsvConfig, detect_layout, read_interaction_columns
 from recsys_pipe.data.loader import DataConfig, readable_file
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.spec import DataSpec
 
 if TYPE_CHECKING:
@@ -272,8 +275,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         train = self._train_part(user)[-(self.max_seq_len + 1) :]
         stamps = self.timestamps[user][: len(self._train_part(user))][-(self.max_seq_len + 1) :]
         targets = train[1:]
-        rng = np.random.default_rng([self.seed, epoch, user])
-        negatives = _sample_unseen(rng, self.num_items, set(self._train_part(user)), len(targets))
+        negatives = _unseen(self.seed, TRAIN, epoch, user, len(targets), self._train_part(user), self.num_items)
         return RetrievalSample(user, train[:-1], stamps[:-1], targets, negatives, [], stamps[-1])
 
     def split(self, name: str, batch_size: int) -> _EvalSplit:
@@ -300,14 +302,13 @@ class SequencesDataset(Dataset[RetrievalSample]):
         Returns:
             The history before the target (at most `max_seq_len` items, with timestamps) and the
             candidates: the target first, then `eval_negatives` items the user never interacted
-            with, drawn from a stream of the user's own.
+            with (`unseen_items` in the `EVAL` domain).
         """
         seq = self.sequences[user]
         end = len(seq) - (2 if split == "valid" else 1)
         history = seq[:end][-self.max_seq_len :]
         stamps = self.timestamps[user][:end][-self.max_seq_len :]
-        rng = np.random.default_rng([self.seed, 1 << 32, user])  # one stream per user, apart from training's
-        negatives = _sample_unseen(rng, self.num_items, set(seq), self.eval_negatives)
+        negatives = _unseen(self.seed, EVAL, 0, user, self.eval_negatives, seq, self.num_items)
         target_time = self.timestamps[user][end]
         return RetrievalSample(user, history, stamps, [], [], [seq[end], *negatives], target_time)
 
@@ -349,19 +350,13 @@ def _check_negatives_exist(data: Interactions, sequences: list[list[int]], num_i
             )
 
 
-def _sample_unseen(rng: np.random.Generator, num_items: int, seen: set[int], count: int) -> list[int]:
-    """`count` items drawn uniformly, with replacement, from `[0, num_items)` minus `seen`
-    (rejection sampling, as SASRec's samplers for training and evaluation)."""
-    if len(seen) >= num_items:
-        raise ConfigError(ConfigProblem("data.path", f"a user interacted with all {num_items} items: no negatives"))
-    out: list[int] = []
-    while len(out) < count:
-        for item in rng.integers(0, num_items, size=2 * (count - len(out)) + 4).tolist():
-            if item not in seen:
-                out.append(item)
-                if len(out) == count:
-                    break
-    return out
+def _unseen(
+    seed: int, domain: int, epoch: int, user: int, count: int, seen: Sequence[int], num_items: int
+) -> list[int]:
+    """One user's `count` negatives (`recsys_pipe.data.negatives.unseen_items`, what it draws for
+    the same user inside any batch)."""
+    items = np.asarray(seen, dtype=np.int64)
+    return unseen_items(seed, domain, epoch, [user], [count], items, [0], [len(items)], num_items).tolist()
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The schedulable pipeline engine: tasks with lookaheads, streams and dependencies, executed
+"""The engine: a plan of tasks with lookaheads, streams and dependencies, run by a `PlanRunner`
 batch-ahead over a ring of in-flight batches.
 
 Imports only the standard library, torch and nvtx (a test enforces it), so it can be reused
@@ -15,31 +15,32 @@ from recsys_pipe.engine.deps import (
     cpu_edges,
 )
 from recsys_pipe.engine.errors import (
-    PipelineBrokenError,
+    DependencyCycleError,
+    PlanRunnerBrokenError,
     Problem,
-    ScheduleValidationError,
-    SchedulingError,
     TaskFailedError,
+    TaskGraphValidationError,
 )
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, SpanRecorder, TaskObserver, TaskSpan
-from recsys_pipe.engine.pipeline import SchedulablePipeline, fires
-from recsys_pipe.engine.schedule import Schedule, Stage
+from recsys_pipe.engine.plan_runner import PlanRunner, fires
 from recsys_pipe.engine.shortcut import shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
 from recsys_pipe.engine.streams import DEFAULT_STREAM, CudaTimer, NoOpEvent, NoOpStream, StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, DeclaredIO, FnTask, Task, declare_effects
+from recsys_pipe.engine.task_graph import TaskGraph, TaskGroup
 from recsys_pipe.engine.threaded import ThreadedExecutor, resolve_thread_map
 
 __all__ = [
     "BATCH_CPU",
     "STEP_RESULT",
+    "DEFAULT_STREAM",
     "BatchRing",
     "CudaTimer",
-    "DEFAULT_STREAM",
     "DataSlot",
     "DeclaredIO",
     "Dependency",
+    "DependencyCycleError",
     "DependencyGraph",
     "Edge",
     "EventWait",
@@ -48,21 +49,20 @@ __all__ = [
     "IterationSpan",
     "NoOpEvent",
     "NoOpStream",
-    "PipelineBrokenError",
-    "RecordFunctionRanges",
+    "PlanRunner",
+    "PlanRunnerBrokenError",
     "Problem",
-    "SchedulablePipeline",
-    "Schedule",
-    "ScheduleValidationError",
-    "SchedulingError",
+    "RecordFunctionRanges",
     "SequentialExecutor",
     "SlotStore",
     "SpanRecorder",
-    "Stage",
     "StreamPool",
     "Task",
     "TaskContext",
     "TaskFailedError",
+    "TaskGraph",
+    "TaskGraphValidationError",
+    "TaskGroup",
     "TaskObserver",
     "TaskSpan",
     "ThreadedExecutor",

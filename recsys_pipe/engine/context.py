@@ -12,13 +12,13 @@ if TYPE_CHECKING:
 
 __all__ = ["StateT", "TaskContext"]
 
-#: The type of the pipeline's shared state (`SchedulablePipeline(..., state=...)`).
+#: The type of the plan runner's shared state (`PlanRunner(..., state=...)`).
 StateT = TypeVar("StateT")
 
 
 class TaskContext(Generic[StateT]):
     """The view of one task invocation: its batch's store, the ring, the streams, and the
-    pipeline's shared `state` (model, optimizer, process group: whatever the caller passed).
+    plan runner's shared `state` (model, optimizer, process group: whatever the caller passed).
 
     Generic over the state's type, so a task annotated `ctx: TaskContext[TrainState]` sees a
     typed `ctx.state` (the engine never looks inside it). Unparametrised, `state` is `Any`.

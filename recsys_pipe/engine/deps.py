@@ -1,4 +1,4 @@
-"""Compile a schedule's declarations into execution order, CPU edges and stream-event waits.
+"""Compile a task graph's declarations into execution order, CPU edges and stream-event waits.
 
 Every dependency reduces to one question: between the producer recording its completion event
 (always into `ring.at(producer.lookahead)` of its own iteration) and the consumer running, how
@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from recsys_pipe.engine.errors import Problem, ScheduleValidationError, SchedulingError
-from recsys_pipe.engine.schedule import Schedule
+from recsys_pipe.engine.errors import DependencyCycleError, Problem, TaskGraphValidationError
 from recsys_pipe.engine.streams import StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, DataSlot, Task
+from recsys_pipe.engine.task_graph import TaskGraph
 
 
 @dataclass(frozen=True)
@@ -73,19 +73,19 @@ class EventWait:
 
 @dataclass(frozen=True)
 class DependencyGraph:
-    """A validated schedule, compiled."""
+    """A validated task_graph, compiled."""
 
-    schedule: Schedule
+    task_graph: TaskGraph
     order: tuple[Task, ...]
-    stage_orders: tuple[tuple[Task, ...], ...]
+    group_orders: tuple[tuple[Task, ...], ...]
     dependencies: tuple[Dependency, ...]
     edges: tuple[Edge, ...]
     event_waits: Mapping[str, tuple[EventWait, ...]] = field(default_factory=dict)
 
     @property
     def max_lookahead(self) -> int:
-        """The largest lookahead of any task (the schedule's)."""
-        return self.schedule.max_lookahead
+        """The largest lookahead of any task (the task graph's)."""
+        return self.task_graph.max_lookahead
 
     @property
     def in_flight_batches(self) -> int:
@@ -93,46 +93,46 @@ class DependencyGraph:
         return self.max_lookahead + 1
 
     def task(self, name: str) -> Task:
-        """The task called `name` (KeyError when the schedule has none)."""
+        """The task called `name` (KeyError when the task graph has none)."""
         for t in self.order:
             if t.name == name:
                 return t
         raise KeyError(name)
 
 
-def compile_dependencies(schedule: Schedule, stream_pool: StreamPool | None = None) -> DependencyGraph:
-    """Validate `schedule` (all rules) and compile it.
+def compile_dependencies(task_graph: TaskGraph, stream_pool: StreamPool | None = None) -> DependencyGraph:
+    """Validate `task_graph` (all rules) and compile it.
 
     Args:
-        schedule: the tasks and streams of one iteration.
-        stream_pool: the streams the pipeline will run on; when given, every stream a task names
+        task_graph: the tasks and streams of one iteration.
+        stream_pool: the streams the plan runner will run on; when given, every stream a task names
             must be in it.
 
     Returns:
         The `DependencyGraph`: the topological order and every resolved dependency with its ring
-        offset. Raises ScheduleValidationError listing every problem at once."""
-    problems, deps, stage_orders = _analyse(schedule, stream_pool)
+        offset. Raises TaskGraphValidationError listing every problem at once."""
+    problems, deps, group_orders = _analyse(task_graph, stream_pool)
     if problems:
         error = (
-            SchedulingError
+            DependencyCycleError
             if all(p.message.startswith("cyclic dependency") for p in problems)
-            else ScheduleValidationError
+            else TaskGraphValidationError
         )
         raise error(problems)
-    tasks = {t.name: t for t in schedule.tasks}
-    waits: dict[str, list[EventWait]] = {t.name: [] for t in schedule.tasks}
+    tasks = {t.name: t for t in task_graph.tasks}
+    waits: dict[str, list[EventWait]] = {t.name: [] for t in task_graph.tasks}
     for d in deps:
         producer = tasks[d.producer]
         if producer.stream != tasks[d.consumer].stream:
             wait = EventWait(d.producer, producer.stream, d.slot_offset)
             if wait not in waits[d.consumer]:
                 waits[d.consumer].append(wait)
-    order = tuple(t for stage in stage_orders for t in stage)
+    order = tuple(t for group in group_orders for t in group)
     edges = tuple(dict.fromkeys(Edge(d.producer, d.consumer, d.edge_kind) for d in deps if d.in_iteration))
     return DependencyGraph(
-        schedule=schedule,
+        task_graph=task_graph,
         order=order,
-        stage_orders=stage_orders,
+        group_orders=group_orders,
         dependencies=deps,
         edges=edges,
         event_waits=MappingProxyType({k: tuple(v) for k, v in waits.items()}),
@@ -161,15 +161,15 @@ def cpu_edges(graph: DependencyGraph, tasks: Sequence[Task] | None = None) -> tu
 # -- analysis -----------------------------------------------------------------------------------
 
 
-def _analyse(schedule: Schedule, pool: StreamPool | None):
+def _analyse(task_graph: TaskGraph, pool: StreamPool | None):
     problems: list[Problem] = []
-    tasks = schedule.tasks
+    tasks = task_graph.tasks
     by_name: dict[str, Task] = {}
-    stage_of: dict[str, int] = {}
-    for s, stage in enumerate(schedule.stages):
-        for t in stage.tasks:
+    group_of: dict[str, int] = {}
+    for s, group in enumerate(task_graph.groups):
+        for t in group.tasks:
             if not isinstance(t, Task):
-                problems.append(Problem(f"stage {s} holds {t!r}, which is not a Task"))
+                problems.append(Problem(f"group {s} holds {t!r}, which is not a Task"))
                 continue
             if t.name in by_name:  # rule 1
                 problems.append(
@@ -177,7 +177,7 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
                 )
                 continue
             by_name[t.name] = t
-            stage_of[t.name] = s
+            group_of[t.name] = s
     if problems:
         return problems, (), ()
     tasks = tuple(by_name.values())
@@ -189,10 +189,10 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
             for i, slot in enumerate(getattr(t, field_name)):
                 if slot.batch_offset < 0:
                     problems.append(Problem(f"slot offsets must be >= 0, got {slot}", t.name, field_name, i))
-        if t.stream not in schedule.stream_slots:
+        if t.stream not in task_graph.stream_slots:
             problems.append(
                 Problem(
-                    f"stream '{t.stream}' is not declared (declared: {', '.join(schedule.stream_slots)})",
+                    f"stream '{t.stream}' is not declared (declared: {', '.join(task_graph.stream_slots)})",
                     t.name,
                     "stream",
                 )
@@ -331,12 +331,12 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
                 )
             )
 
-    for d in deps:  # stages run in order: an in-iteration edge may not point backwards
-        if d.in_iteration and stage_of[d.producer] > stage_of[d.consumer]:
+    for d in deps:  # groups run in order: an in-iteration edge may not point backwards
+        if d.in_iteration and group_of[d.producer] > group_of[d.consumer]:
             problems.append(
                 Problem(
-                    f"'{d.producer}' runs in stage {stage_of[d.producer]}, after this task's stage "
-                    f"{stage_of[d.consumer]}, but must run before it in the same iteration",
+                    f"'{d.producer}' runs in group {group_of[d.producer]}, after this task's group "
+                    f"{group_of[d.consumer]}, but must run before it in the same iteration",
                     d.consumer,
                     d.field,
                     d.index,
@@ -345,10 +345,10 @@ def _analyse(schedule: Schedule, pool: StreamPool | None):
 
     if problems:
         return problems, tuple(deps), ()
-    stage_orders, cycle_problem = _sort_stages(schedule, deps)
+    group_orders, cycle_problem = _sort_groups(task_graph, deps)
     if cycle_problem is not None:
         return [cycle_problem], tuple(deps), ()
-    return [], tuple(deps), stage_orders
+    return [], tuple(deps), group_orders
 
 
 def _lookup(by_name, name, consumer, field_name, index, known, problems) -> Task | None:
@@ -358,11 +358,11 @@ def _lookup(by_name, name, consumer, field_name, index, known, problems) -> Task
     return task
 
 
-def _sort_stages(schedule: Schedule, deps: list[Dependency]):
+def _sort_groups(task_graph: TaskGraph, deps: list[Dependency]):
     in_iteration = [d for d in deps if d.in_iteration]
     orders = []
-    for stage in schedule.stages:
-        names = [t.name for t in stage.tasks]
+    for group in task_graph.groups:
+        names = [t.name for t in group.tasks]
         position = {n: i for i, n in enumerate(names)}
         succ: dict[str, list[str]] = {n: [] for n in names}
         indegree = dict.fromkeys(names, 0)
@@ -386,7 +386,7 @@ def _sort_stages(schedule: Schedule, deps: list[Dependency]):
             first_edge = next(d for d in in_iteration if d.producer == cycle[0] and d.consumer == cycle[1])
             message = "cyclic dependency: " + " -> ".join(cycle)
             return (), Problem(message, first_edge.consumer, first_edge.field, first_edge.index)
-        orders.append(tuple(stage.tasks[position[n]] for n in order))
+        orders.append(tuple(group.tasks[position[n]] for n in order))
     return tuple(orders), None
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a schedule: what, and where (task, field, item index)."""
+    """One thing wrong with a task graph: what, and where (task, field, item index)."""
 
     message: str
     task: str | None = None
@@ -20,9 +20,9 @@ class Problem:
     index: int | None = None
 
     def where(self) -> str:
-        """Where the problem is, as printed: `schedule`, or `task 'x' field reads[1]`."""
+        """Where the problem is, as printed: `task graph`, or `task 'x' field reads[1]`."""
         if self.task is None:
-            return "schedule"
+            return "task graph"
         loc = f"task '{self.task}'"
         if self.field is not None:
             loc += f" field {self.field}" + (f"[{self.index}]" if self.index is not None else "")
@@ -32,15 +32,15 @@ class Problem:
         return f"{self.where()}: {self.message}"
 
 
-class ScheduleValidationError(ValueError):
-    """A schedule (or one task) breaks a declaration rule. `problems` lists every violation."""
+class TaskGraphValidationError(ValueError):
+    """A task graph (or one task) breaks a declaration rule. `problems` lists every violation."""
 
     def __init__(self, problems: Problem | Iterable[Problem]):
         self.problems: list[Problem] = [problems] if isinstance(problems, Problem) else list(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-class SchedulingError(ScheduleValidationError):
+class DependencyCycleError(TaskGraphValidationError):
     """The in-iteration dependency graph has a cycle; the message names it."""
 
 
@@ -57,5 +57,5 @@ class TaskFailedError(RuntimeError):
         super().__init__(f"task '{task}' failed on batch {batch_index} (internal iteration {iteration})")
 
 
-class PipelineBrokenError(RuntimeError):
+class PlanRunnerBrokenError(RuntimeError):
     """Raised by `progress()` after an earlier failure: a half-done iteration cannot resume."""

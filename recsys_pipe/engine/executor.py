@@ -27,7 +27,7 @@ class Executor(Protocol):
         Args:
             tasks: the tasks that fire this iteration, in topological order.
             run: runs one task (its stream context, waits, events and observer hooks included).
-            graph: the compiled schedule, for the edges between the tasks."""
+            graph: the compiled task graph, for the edges between the tasks."""
 
     def shutdown(self) -> None:
         """Release the executor's threads; it runs nothing afterwards."""

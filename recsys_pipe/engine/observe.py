@@ -1,7 +1,7 @@
-"""Watching a pipeline run: hooks around iterations and tasks, and a recorder of task spans.
+"""Watching a plan runner: hooks around iterations and tasks, and a recorder of task spans.
 
-A profiler or a benchmark installs a `TaskObserver` on a `SchedulablePipeline` (constructor
-keyword `observer=` or the settable `pipeline.observer` property) instead of wrapping task
+A profiler or a benchmark installs a `TaskObserver` on a `PlanRunner` (constructor
+keyword `observer=` or the settable `runner.observer` property) instead of wrapping task
 functions. Without an observer the engine pays one branch per task.
 
 Where the hooks run matters for what they can measure:
@@ -20,7 +20,7 @@ Where the hooks run matters for what they can measure:
 
 Hooks may be called from several threads at once (threaded executor) and must be thread-safe.
 An exception raised by a task hook fails that task like an exception from the task itself.
-Iteration numbers are the pipeline's internal iterations (`ctx.iter_count`), which restart at 0
+Iteration numbers are the plan runner's internal iterations (`ctx.iter_count`), which restart at 0
 when `progress()` gets a new iterator.
 """
 
@@ -36,10 +36,10 @@ from recsys_pipe.engine.task import Task
 
 
 class TaskObserver:
-    """Base class of pipeline observers: every hook is a no-op; override the ones you need."""
+    """Base class of plan-runner observers: every hook is a no-op; override the ones you need."""
 
     def iteration_started(self, iteration: int) -> None:
-        """The pipeline is about to run internal iteration `iteration`."""
+        """The plan runner is about to run internal iteration `iteration`."""
 
     def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
         """`task` is about to run on batch `batch_index` (on its thread, in its stream context)."""

@@ -1,6 +1,6 @@
 """Shortcut replay: skip a task's work and replay what it produced, to measure what it costs.
 
-A pipeline with `enable_shortcut(names)` runs each named task once for real (the *caching run*)
+A plan runner with `enable_shortcut(names)` runs each named task once for real (the *caching run*)
 and records what it did to its slots (its declared reads and writes): the slots it added or
 replaced, with every tensor detached and cloned, and the slots it deleted. Every later run
 skips the task's `run` and replays that record, so the tasks after it see the same kind of
@@ -159,7 +159,7 @@ class _Record:
 class ShortcutRun:
     """Runs a shortcut task: the first call runs it and records, later calls replay.
 
-    Installed by `SchedulablePipeline.enable_shortcut` in place of `task.run`; one per task, and a
+    Installed by `PlanRunner.enable_shortcut` in place of `task.run`; one per task, and a
     task never runs twice at once, so no locking is needed.
     """
 

@@ -2,7 +2,7 @@
 
 On CUDA the pool holds real `torch.cuda.Stream`s and records `torch.cuda.Event`s. On a machine
 without a GPU every stream and event is a no-op object with the same interface, so the same
-schedule runs unchanged on a laptop (and CPU tensors never see `record_stream`).
+task graph runs unchanged on a laptop (and CPU tensors never see `record_stream`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class StreamPool:
     @property
     def is_noop(self) -> bool:
         """Every stream is a `NoOpStream`: waits, events and stream scopes order nothing, and
-        the pipeline skips them."""
+        the plan runner skips them."""
         return all(type(s) is NoOpStream for s in self._streams.values())
 
     def __contains__(self, name: object) -> bool:

@@ -1,9 +1,9 @@
-"""Task and DataSlot: the declarations a schedule is made of.
+"""Task and DataSlot: the declarations a task graph is made of.
 
-A Task is declared once (fields), then compiled by the schedule; its fields are normalised at
-construction so every later stage sees one canonical form: slots as `DataSlot`, cross-iteration
-dependencies as `(name, -N)` pairs. Task-level mistakes raise `ScheduleValidationError`
-immediately, where the user wrote them, instead of surfacing later as a scheduling bug.
+A Task is declared once (fields), then compiled with its task graph; its fields are normalised at
+construction so every later step sees one canonical form: slots as `DataSlot`, cross-iteration
+dependencies as `(name, -N)` pairs. Task-level mistakes raise `TaskGraphValidationError`
+immediately, where the user wrote them, instead of surfacing later as an ordering bug.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from recsys_pipe.engine.errors import Problem, ScheduleValidationError
+from recsys_pipe.engine.errors import Problem, TaskGraphValidationError
 
 if TYPE_CHECKING:
     from recsys_pipe.engine.context import TaskContext
@@ -117,7 +117,7 @@ class Task:
         referenced from a plan file carries its own declaration.
         """
         if not callable(fn):
-            raise ScheduleValidationError(
+            raise TaskGraphValidationError(
                 Problem(f"fn must be callable, got {type(fn).__name__}", task=name, field="fn")
             )
         return FnTask(name, fn, **fields)
@@ -136,7 +136,7 @@ class Task:
         problems: list[Problem] = []
         name = raw["name"]
         if not isinstance(name, str) or not name:
-            raise ScheduleValidationError(Problem(f"task name must be a non-empty string, got {name!r}", field="name"))
+            raise TaskGraphValidationError(Problem(f"task name must be a non-empty string, got {name!r}", field="name"))
         self.name = name
 
         def bad(field: str, message: str, index: int | None = None) -> None:
@@ -190,12 +190,12 @@ class Task:
                 bad("io", f"expected a DeclaredIO(capture, restore), got {entry!r}", index)
         self.options = raw["options"]
         if problems:
-            raise ScheduleValidationError(problems)
+            raise TaskGraphValidationError(problems)
 
     # -- behaviour ----------------------------------------------------------------------------
 
     def init(self, ctx: TaskContext) -> None:
-        """Called once when a pipeline is built, before the first iteration."""
+        """Called once when a plan runner is built, before the first iteration."""
 
     def run(self, ctx: TaskContext) -> None:
         """The task's work on its batch: read and write `ctx.slots`, use `ctx.stream` and `ctx.state`."""

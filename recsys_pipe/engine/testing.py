@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from recsys_pipe.engine.schedule import Schedule
 from recsys_pipe.engine.streams import StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, Task
+from recsys_pipe.engine.task_graph import TaskGraph
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,9 @@ def recording_pool(names: Iterable[str], drop_waits: bool = False) -> tuple[Stre
     return StreamPool({n: RecordingStream(n, log, drop_waits) for n in names}), log
 
 
-def required_producers(schedule: Schedule, task: Task, batch: int) -> list[tuple[str, int, str]]:
+def required_producers(task_graph: TaskGraph, task: Task, batch: int) -> list[tuple[str, int, str]]:
     """(producer, producer's batch, why) that must finish before `task` processes `batch`."""
-    tasks = {t.name: t for t in schedule.tasks}
+    tasks = {t.name: t for t in task_graph.tasks}
     c = task
     out: list[tuple[str, int, str]] = []
     for slot in c.reads:
@@ -109,7 +109,7 @@ def required_producers(schedule: Schedule, task: Task, batch: int) -> list[tuple
             continue
         writers = sorted(
             (w.batch_offset, t.name)
-            for t in schedule.tasks
+            for t in task_graph.tasks
             if t is not c
             for w in t.writes
             if w.name == slot.name and w.batch_offset >= slot.batch_offset
@@ -128,7 +128,7 @@ def required_producers(schedule: Schedule, task: Task, batch: int) -> list[tuple
     return out
 
 
-def check_happens_before(log: StreamLog, schedule: Schedule) -> list[str]:
+def check_happens_before(log: StreamLog, task_graph: TaskGraph) -> list[str]:
     """Violations (empty when every dependency of every executed instance is ordered)."""
     clocks: dict[str, dict[str, int]] = {}
     event_clock: dict[int, dict[str, int]] = {}
@@ -162,9 +162,9 @@ def check_happens_before(log: StreamLog, schedule: Schedule) -> list[str]:
         elif op.kind == "end":
             end_position[tuple(op.arg)] = (op.stream, tick(op.stream)[op.stream])
 
-    tasks = {t.name: t for t in schedule.tasks}
+    tasks = {t.name: t for t in task_graph.tasks}
     for (name, batch), clock in begin_clock.items():
-        for producer, producer_batch, why in required_producers(schedule, tasks[name], batch):
+        for producer, producer_batch, why in required_producers(task_graph, tasks[name], batch):
             position = end_position.get((producer, producer_batch))
             if position is None:
                 continue  # that producer instance never ran (prefill / drain / before batch 0)

@@ -221,7 +221,7 @@ class ThreadedExecutor:
     """Runs each thread id's tasks on one CPU thread.
 
     The training step runs on the thread calling `progress()`: the thread id holding the most
-    tasks of the schedule's lowest lookahead (ties: the one whose such task comes first in
+    tasks of the task graph's lowest lookahead (ties: the one whose such task comes first in
     topological order). Every other thread id gets its own long-lived worker. Running that chain
     in place spares the critical chain a thread wake-up per iteration, and its tasks see the
     caller's thread-local state (grad mode, current device), so call `progress()` from one
@@ -240,7 +240,7 @@ class ThreadedExecutor:
         self.max_workers = max_workers
         self._workers: dict[str, _Worker] = {}
         self._plans: dict[tuple[int, ...], _Plan] = {}
-        self._last: tuple[Sequence[Task], _Plan] | None = None  # the pipeline passes the same tuples
+        self._last: tuple[Sequence[Task], _Plan] | None = None  # the plan runner passes the same tuples
         self._worker_of: dict[str, str] = {}
         self._caller_of: dict[int, str] = {}  # id(graph) -> thread id run by the caller
         self._closed = False
@@ -261,7 +261,7 @@ class ThreadedExecutor:
         Args:
             tasks: the tasks that fire this iteration, in topological order.
             run: runs one task (its stream context, waits, events and observer hooks included).
-            graph: the compiled schedule, whose CPU edges the threads wait on."""
+            graph: the compiled task graph, whose CPU edges the threads wait on."""
         if self._closed:
             raise RuntimeError("ThreadedExecutor was shut down")
         last = self._last
@@ -334,7 +334,7 @@ class ThreadedExecutor:
         return _Plan(caller_chain, workers, len(latch_of))
 
     def _caller_thread(self, graph: DependencyGraph) -> str:
-        """The thread id run by the calling thread, chosen once per schedule (over all its tasks,
+        """The thread id run by the calling thread, chosen once per task graph (over all its tasks,
         so the choice does not change between prefill, steady state and drain)."""
         caller = self._caller_of.get(id(graph))
         if caller is None:

@@ -36,11 +36,11 @@ import torch
 from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
-    SchedulablePipeline,
-    Schedule,
-    ScheduleValidationError,
+    PlanRunner,
     Task,
     TaskContext,
+    TaskGraph,
+    TaskGraphValidationError,
     TaskObserver,
     compile_dependencies,
 )
@@ -162,7 +162,7 @@ def _compute_actions(actions: Sequence[Action]) -> list[Action]:
 
 def action_schedule(
     schedule: PipelineSchedule, rank: int, ranks_of_stages: Sequence[int], microbatches: int
-) -> Schedule:
+) -> TaskGraph:
     """Rank `rank`'s actions of `schedule` as a one-iteration engine plan (see the module
     docstring). ValueError when the list does not fit: a stage of another rank, a microbatch
     out of range, an action before what it needs."""
@@ -205,10 +205,10 @@ def action_schedule(
     tasks.append(
         Task.from_fn("losses", step_losses, reads=list(losses), writes=[STEP_RESULT], options=losses or microbatches)
     )
-    plan = Schedule.single_stage(tasks)
+    plan = TaskGraph.single_group(tasks)
     try:
         order = compile_dependencies(plan).order
-    except ScheduleValidationError as exc:
+    except TaskGraphValidationError as exc:
         raise ValueError(f"rank {rank}: the action list does not fit: {exc}") from None
     for declared, compiled in zip(tasks, order, strict=True):
         if declared is not compiled:
@@ -252,7 +252,7 @@ class ActionOrderRunner:
         self.microbatches = microbatches
         self.link = link
         plan = action_schedule(schedule, rank, ranks_of_stages, microbatches)
-        self.pipeline = SchedulablePipeline(plan, state=self.runtimes, observer=observer)
+        self.plan_runner = PlanRunner(plan, state=self.runtimes, observer=observer)
         #: the receive tasks, posted at the start of a step
         self.receives = [task for task in plan.tasks if task.fn is recv_f or task.fn is recv_b]
 
@@ -265,7 +265,7 @@ class ActionOrderRunner:
             runtime.begin_step(step, len(microbatches))
         for task in self.receives:
             _post_receive(task, self.runtimes)
-        losses = self.pipeline.progress(iter([list(microbatches)]))
+        losses = self.plan_runner.progress(iter([list(microbatches)]))
         if self.link is not None:
             self.link.wait_sends()
         for _, runtime in sorted(self.runtimes.items()):  # the same collective order on every replica
@@ -273,5 +273,5 @@ class ActionOrderRunner:
         return losses
 
     def shutdown(self) -> None:
-        """Stop the engine pipeline's worker threads."""
-        self.pipeline.shutdown()
+        """Stop the plan runner's worker threads."""
+        self.plan_runner.shutdown()

@@ -141,7 +141,7 @@ class PipelinedModel(nn.Module):
         size, m = batch.sample_ids.shape[0], self.microbatches
         microbatches = [batch.select(torch.arange(j * size // m, (j + 1) * size // m)) for j in range(m)]
         recorder = SpanRecorder() if self._recording else None
-        self.runner.pipeline.observer = recorder
+        self.runner.plan_runner.observer = recorder
         losses = self.runner.run_step(int(self.step), microbatches)
         self.step += 1
         if recorder is not None:

@@ -11,7 +11,7 @@ plan, so every rank stops at the same task with the same message, and `recsys-tr
 
 The mode is installed through the engine's `TaskObserver` hooks, which run on the thread that
 runs the task, around the task; dispatch modes are per thread, so only that task is watched.
-`trainer.verify_collectives`: `startup` (default) watches the first iterations of each pipeline,
+`trainer.verify_collectives`: `startup` (default) watches the first iterations of each plan runner,
 enough for every task to run in the prefill and the steady state, and then detaches (no cost
 afterwards); `always` watches every iteration (tests); `off`.
 """
@@ -24,7 +24,7 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.engine import SchedulablePipeline, Task, TaskObserver
+from recsys_pipe.engine import PlanRunner, Task, TaskObserver
 
 __all__ = ["CollectiveGuard", "UndeclaredCollectiveError"]
 
@@ -58,18 +58,18 @@ class _RefuseCollectives(TorchDispatchMode):
 
 
 class CollectiveGuard(TaskObserver):
-    """The verification mode as an observer of `pipeline` (installs itself).
+    """The verification mode as an observer of `runner` (installs itself).
 
     Args:
-        pipeline: the pipeline to watch.
+        runner: the plan runner to watch.
         iterations: watch this many internal iterations, then detach (None: always).
     """
 
-    def __init__(self, pipeline: SchedulablePipeline, iterations: int | None = None):
-        self.pipeline = pipeline
+    def __init__(self, runner: PlanRunner, iterations: int | None = None):
+        self.runner = runner
         self.remaining = iterations
         self._local = threading.local()
-        pipeline.observer = self
+        runner.observer = self
 
     def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
         if not task.nccl:
@@ -87,5 +87,5 @@ class CollectiveGuard(TaskObserver):
         if self.remaining is None:
             return
         self.remaining -= 1
-        if self.remaining <= 0 and self.pipeline.observer is self:
-            self.pipeline.observer = None  # verified: no cost from here on
+        if self.remaining <= 0 and self.runner.observer is self:
+            self.runner.observer = None  # verified: no cost from here on

@@ -44,7 +44,7 @@ _EXPORTS = {
     "RunPosition": "progress",
     "RunCheckpointer": "resume",
     "Reporter": "reporting",
-    "build_pipeline": "build",
+    "build_plan_runner": "build",
     "build_parts": "build",
     "TrainParts": "build",
     "Evaluator": "evaluation",

@@ -1,6 +1,6 @@
 """Build what a run trains with, once, from its config: the distributed model with its
 optimizer, the `TrainState` for a compiled plan, and (`build_parts`) every finished part the
-training loop runs on -- data, pipelines, evaluator, checkpointer, metrics writer -- with the
+training loop runs on -- data, plan runners, evaluator, checkpointer, metrics writer -- with the
 model's dense modules compiled in place under `trainer.compile=true` (`recsys_pipe.train.torch_compile`).
 
 How the model is spread over the ranks is chosen once, here, from the config
@@ -20,7 +20,7 @@ from recsys_pipe.config import CompiledPlan
 from recsys_pipe.config.task_registry import Need
 from recsys_pipe.data import RankData
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.engine import SchedulablePipeline, SequentialExecutor, StreamPool, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.verify import CollectiveGuard
 from recsys_pipe.train.checkpoint import Checkpointer
@@ -39,7 +39,15 @@ from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
 from recsys_pipe.train.torch_compile import CompiledDense, compile_dense
 
-__all__ = ["TrainParts", "build_model", "build_parts", "build_pipeline", "build_state", "describe_model", "rank_data"]
+__all__ = [
+    "TrainParts",
+    "build_model",
+    "build_parts",
+    "build_plan_runner",
+    "build_state",
+    "describe_model",
+    "rank_data",
+]
 
 
 def build_model(
@@ -63,7 +71,7 @@ def build_state(
     """The state the plan's tasks share: streams, the input distribution of sharded tables
     (`Parallelism.input_dist`), the balancer (when a task of the plan needs it: `Need.BALANCER`),
     megatron-core's gradient buffers (`trainer.dense_ddp=megatron`)."""
-    streams = StreamPool.create(plan.schedule.stream_slots, info.device)
+    streams = StreamPool.create(plan.task_graph.stream_slots, info.device)
     sparse_dist = (parallelism or parallelism_of(run)).input_dist(model, info, streams, plan)
     balancer = None
     if plan.needing(Need.BALANCER):
@@ -82,16 +90,16 @@ def build_state(
     )
 
 
-def build_pipeline(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> SchedulablePipeline:
-    """A pipeline running `plan` on `streams`, with its own executor (and worker threads)."""
+def build_plan_runner(plan: CompiledPlan, streams: StreamPool, state: TrainState) -> PlanRunner:
+    """A plan runner running `plan` on `streams`, with its own executor (and worker threads)."""
     executor = ThreadedExecutor(thread_map=dict(plan.thread_of)) if plan.threaded else SequentialExecutor()
-    return SchedulablePipeline(plan.graph, streams, executor, state=state)
+    return PlanRunner(plan.graph, streams, executor, state=state)
 
 
 @dataclass
 class TrainParts:
     """The finished parts a training loop runs on (`build_parts`): nothing in it is built later
-    from the config, except the evaluation pipeline, which `evaluator` makes on first use."""
+    from the config, except the evaluation plan runner, which `evaluator` makes on first use."""
 
     #: the validated run config and its compiled plan
     run: RunConfig
@@ -105,8 +113,8 @@ class TrainParts:
     #: what the plan's tasks share: model, optimizer, streams, input distribution, accumulation
     state: TrainState
     optimizer: TrainOptimizer
-    #: the training pipeline (the plan on the state's streams)
-    pipeline: SchedulablePipeline
+    #: the training plan runner (the plan on the state's streams)
+    plan_runner: PlanRunner
     evaluator: Evaluator
     #: log lines, progress bar, `metrics.jsonl` and TensorBoard (rank 0 writes)
     reporter: Reporter
@@ -124,8 +132,8 @@ class TrainParts:
     compiled: CompiledDense | None = None
 
     def close(self) -> None:
-        """Release what the parts hold: pipeline threads, the state's resources, the metrics files."""
-        self.pipeline.shutdown()
+        """Release what the parts hold: plan-runner threads, the state's resources, the metrics files."""
+        self.plan_runner.shutdown()
         self.evaluator.close()
         self.state.close()
         self.reporter.close()
@@ -169,18 +177,18 @@ def build_parts(
     # after DMP and the sparse-dist rewrite (build_state): the modules are compiled where they are
     compiled = compile_dense(model, cfg.compile_options, run.model.label) if cfg.compile else None
 
-    def verified(pipeline: SchedulablePipeline) -> SchedulablePipeline:
-        """`pipeline` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
+    def verified(runner: PlanRunner) -> PlanRunner:
+        """`runner` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
         if cfg.verify_collectives != "off":  # startup: long enough for every task to run in prefill and steady state
-            CollectiveGuard(pipeline, None if cfg.verify_collectives == "always" else plan.graph.max_lookahead + 2)
-        return pipeline
+            CollectiveGuard(runner, None if cfg.verify_collectives == "always" else plan.graph.max_lookahead + 2)
+        return runner
 
     evaluator = Evaluator(
         state,
         data.spec.num_tasks,
         eval_loader,
         retrieval,
-        lambda eval_state: verified(build_pipeline(plan, state.streams, eval_state)),
+        lambda eval_state: verified(build_plan_runner(plan, state.streams, eval_state)),
         rng,
         every=cfg.eval_every,
         every_epochs=cfg.eval_epochs,
@@ -212,7 +220,7 @@ def build_parts(
         data=data,
         state=state,
         optimizer=train_optimizer,
-        pipeline=verified(build_pipeline(plan, state.streams, state)),
+        plan_runner=verified(build_plan_runner(plan, state.streams, state)),
         evaluator=evaluator,
         reporter=reporter,
         checkpointer=checkpointer,

@@ -214,7 +214,7 @@ class RunConfig(Section):
 def load_run_config(cfg: Any, model: type[R] = RunConfig) -> R:  # type: ignore[assignment]
     """Validate the Hydra-composed config into a run config.
 
-    `compile_plan(run.pipeline)` then checks the plan as a schedule.
+    `compile_plan(run.pipeline)` then checks the plan as a task graph.
 
     Args:
         cfg: the composed config (DictConfig or mapping).

@@ -2,7 +2,7 @@
 with the run's saved config (and overrides), on its held-out data, on any number of ranks.
 
 The evaluation is the training run's own: the same parts are built (`build_parts`: data,
-sharded model, the evaluation pipeline of the run's plan), the checkpoint is restored as a
+sharded model, the evaluation plan runner of the run's plan), the checkpoint is restored as a
 resume restores it (DCP reshards the tables for this world size), and `Trainer`'s evaluation
 runs at the checkpoint's step, with its random stream: AUC and log loss for a ranking model,
 HR/NDCG/MRR under both protocols for a retrieval model. On the world size that trained, the

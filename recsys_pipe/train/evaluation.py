@@ -1,7 +1,7 @@
-"""Evaluation of the model being trained, through its own pipeline (the training plan with the
+"""Evaluation of the model being trained, through its own plan runner (the training plan with the
 optimizer work switched off) over held-out data.
 
-Because evaluation has a pipeline of its own, the training pipeline keeps its in-flight batches
+Because evaluation has a plan runner of its own, the training plan runner keeps its in-flight batches
 across an evaluation: no training batch is dropped or replayed, and none leaks into evaluation.
 Two kinds: a ranking source's held-out loader (loss, log loss, per-task AUC, aggregated over all
 ranks) and a retrieval source's validation/test splits (`RetrievalEvaluation`).
@@ -19,7 +19,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from recsys_pipe.engine import SchedulablePipeline
+from recsys_pipe.engine import PlanRunner
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
 from recsys_pipe.train.rng import RngState
 from recsys_pipe.train.state import TrainState
@@ -30,8 +30,8 @@ __all__ = ["Evaluator"]
 class Evaluator:
     """Evaluates the model of `state` over `loader` (ranking) or through `retrieval`.
 
-    `make_pipeline` builds the evaluation pipeline on first use: its executor threads exist only
-    in runs that evaluate, and it is built after the training pipeline's bootstrap (which
+    `make_plan_runner` builds the evaluation plan runner on first use: its executor threads exist only
+    in runs that evaluate, and it is built after the training plan runner's bootstrap (which
     rewrites a torchrec model for the plan's lookaheads). `every` and `every_epochs` are
     `trainer.eval_every` and `trainer.eval_epochs`; `rng` gives evaluation its own random
     stream.
@@ -43,15 +43,15 @@ class Evaluator:
         num_tasks: int,
         loader: DataLoader | None,
         retrieval: RetrievalEvaluation | None,
-        make_pipeline: Callable[[TrainState], SchedulablePipeline],
+        make_plan_runner: Callable[[TrainState], PlanRunner],
         rng: RngState,
         every: int = 0,
         every_epochs: int = 0,
     ):
         self.state, self.num_tasks, self.loader, self.retrieval = state, num_tasks, loader, retrieval
-        self._make_pipeline = make_pipeline
+        self._make_plan_runner = make_plan_runner
         self.rng, self.every, self.every_epochs = rng, every, every_epochs
-        self.pipeline: SchedulablePipeline | None = None
+        self.plan_runner: PlanRunner | None = None
 
     @property
     def has_data(self) -> bool:
@@ -85,18 +85,18 @@ class Evaluator:
         (`RetrievalEvaluation`). With `record_batches`, also this rank's evaluated batches in
         order: `sample_ids` and `batch_losses` (which batch each output belongs to, for the
         checks that switching to evaluation mislabels nothing)."""
-        if self.pipeline is None:  # same plan and streams, its own executor threads
-            self.pipeline = self._make_pipeline(self.state.for_eval())
+        if self.plan_runner is None:  # same plan and streams, its own executor threads
+            self.plan_runner = self._make_plan_runner(self.state.for_eval())
         model = self.state.model
         model.train(False)
         try:
             if self.retrieval is not None:
-                return self.retrieval.evaluate(self.pipeline)
-            return self._ranking(self.pipeline, record_batches)
+                return self.retrieval.evaluate(self.plan_runner)
+            return self._ranking(self.plan_runner, record_batches)
         finally:
             model.train(True)
 
-    def _ranking(self, pipeline: SchedulablePipeline, record_batches: bool) -> dict[str, Any]:
+    def _ranking(self, runner: PlanRunner, record_batches: bool) -> dict[str, Any]:
         # imported here, by the runs that evaluate a ranking model: torchmetrics imports matplotlib's
         # pyplot, about half a second of every process start (recsys-plan, --check, runs without
         # evaluation) otherwise
@@ -110,7 +110,7 @@ class Evaluator:
         log_loss = MeanMetric().to(device)
         sample_ids: list[list[int]] = []
         batch_losses: list[float] = []
-        for result in pipeline.iterate(self.loader):
+        for result in runner.iterate(self.loader):
             if record_batches:
                 sample_ids.append(result.sample_ids.tolist())
                 batch_losses.append(float(result.loss))
@@ -131,6 +131,6 @@ class Evaluator:
         return metrics
 
     def close(self) -> None:
-        """Shut down the evaluation pipeline's worker threads, if it was built."""
-        if self.pipeline is not None:
-            self.pipeline.shutdown()
+        """Shut down the evaluation plan runner's worker threads, if it was built."""
+        if self.plan_runner is not None:
+            self.plan_runner.shutdown()

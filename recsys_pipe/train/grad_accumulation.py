@@ -72,7 +72,7 @@ class GradAccumulationConfig(Section):
 class GradAccumulation:
     """The per-micro-step decisions of gradient accumulation for one model.
 
-    `start_step` is the micro-step of the pipeline's batch 0 (the trainer's step when `fit`
+    `start_step` is the micro-step of the plan runner's batch 0 (the trainer's step when `fit`
     starts); `last_step`, when the run's length is known, the last micro-step it trains.
     """
 
@@ -105,7 +105,7 @@ class GradAccumulation:
             self._local_step = start_step
 
     def micro_step(self, batch_index: int) -> int:
-        """The run's micro-step of the pipeline's batch `batch_index`."""
+        """The run's micro-step of the plan runner's batch `batch_index`."""
         return self.start_step + batch_index
 
     def clears_grad(self, step: int) -> bool:

@@ -1,5 +1,5 @@
 """Checkpoint and resume of a training run: what a checkpoint holds of the run (model,
-optimizers, schedule, the loop's position, a retrieval run's best validation score; each rank's
+optimizers, learning-rate schedule, the loop's position, a retrieval run's best validation score; each rank's
 RNG states and what it has in flight), when one is due, and how a run continues from one.
 
 `RunCheckpointer` is a finished part of a run (`recsys_pipe.train.build.build_parts`): the loop
@@ -82,7 +82,7 @@ class RunCheckpointer:
     # -- saving ---------------------------------------------------------------------------------
 
     def state_dict_items(self, eval_best: bool = True, data_layout: bool = True) -> dict[str, Any]:
-        """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, schedule, progress.
+        """What a checkpoint holds in DCP (`Stateful`s): model, optimizers, LR schedule, progress.
         Each rank's RNG states and what it has in flight (`_RankState`) are saved next to it."""
         return {"train": _TrainingState(self, eval_best, data_layout)}
 
@@ -117,7 +117,7 @@ class RunCheckpointer:
     # -- resuming -------------------------------------------------------------------------------
 
     def restore(self, path: str) -> None:
-        """Continue from the checkpoint at `path`: weights, optimizer and schedule state, step,
+        """Continue from the checkpoint at `path`: weights, optimizer and LR schedule state, step,
         data position and (if the checkpoint has this rank's file) RNG states and what was in flight."""
         self.optimizer.prepare_load()
         try:

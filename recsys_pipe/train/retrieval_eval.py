@@ -1,7 +1,7 @@
 """Next-item retrieval evaluation, distributed over the ranks: ranks, HR@K, NDCG@K, MRR.
 
 Every rank scores its own users of the validation and test splits (`SequencesDataset.split`)
-through the evaluation pipeline (the training plan with the optimizer work switched off); the
+through the evaluation plan runner (the training plan with the optimizer work switched off); the
 model returns, per user, the 0-based rank of the held-out item (the number of candidates scored
 strictly above it) under two protocols:
 
@@ -154,14 +154,14 @@ class RetrievalEvaluation:
         batch_size = data.cfg.eval_batch_size or data.cfg.batch_size
         return cls(data.dataset, batch_size, world_size, dump if is_main else None, replica_ranks)
 
-    def evaluate(self, pipeline: Any) -> dict[str, Any]:
+    def evaluate(self, runner: Any) -> dict[str, Any]:
         """`{split: {protocol: {metric: value}}, "users": {split: count}}` over all ranks; runs
-        `pipeline.iterate` over each split's batches."""
+        `runner.iterate` over each split's batches."""
         record: dict[str, Any] = {"users": {}}
         ranks_by_split = {}
         for name, loader in self.loaders.items():
             ids, sampled, full = [], [], []
-            for result in pipeline.iterate(loader):
+            for result in runner.iterate(loader):
                 ids.append(result.sample_ids.cpu())
                 sampled.append(result.outputs["rank_sampled"].cpu())
                 full.append(result.outputs["rank_full"].cpu())

@@ -2,7 +2,7 @@
 
 Tasks are plain functions `fn(ctx)`; everything they need beyond their batch's slots (model,
 optimizer, streams, torchrec's input distribution, the batch balancer, megatron-core's gradient
-buffers) lives in one `TrainState`, passed to the engine as the pipeline's `state`. Evaluation reuses the same model
+buffers) lives in one `TrainState`, passed to the engine as the plan runner's `state`. Evaluation reuses the same model
 through `for_eval()`, a view whose tasks skip the optimizer work.
 
 This module imports no torchrec: a model with plain torch tables trains without it.
@@ -68,12 +68,12 @@ class TrainState:
     grad_accumulation: GradAccumulation | None = None
     #: the previous batch's gradients, by parameter name (the stash_gradients task of semi_sync)
     grad_stash: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    #: the run's step of the pipeline's batch 0 (a resumed run's start step), so tasks can count
-    #: steps over the run (`run_step`) rather than from this pipeline's start
+    #: the run's step of the plan runner's batch 0 (a resumed run's start step), so tasks can count
+    #: steps over the run (`run_step`) rather than from this plan runner's start
     start_step: int = 0
 
     def run_step(self, batch_index: int) -> int:
-        """The run's 0-based step of the pipeline's batch `batch_index`; evaluation batches count
+        """The run's 0-based step of the plan runner's batch `batch_index`; evaluation batches count
         from 0 (evaluation trains no step)."""
         return batch_index + (self.start_step if self.training else 0)
 
@@ -108,7 +108,7 @@ class TrainState:
         return dataclasses.replace(self, training=False)
 
     def bootstrap(self, cpu_batch: Any) -> dict[str, Any]:
-        """The slots to seed the first batch with (`SchedulablePipeline.seed_first_batch`).
+        """The slots to seed the first batch with (`PlanRunner.seed_first_batch`).
 
         With torchrec tables, the model is rewritten for pipelining on this batch: it is moved,
         traced and its input dist started, and those slots are returned so it is trained like

@@ -1,4 +1,4 @@
-"""The recommendation-training task functions, one per stage of a training step.
+"""The recommendation-training task functions, one per part of a training step.
 
 Each is `fn(ctx)` over its batch's slots (`ctx.slots`, named in `recsys_pipe.train.slots`) and
 the shared `TrainState` (`ctx.state`), registered by name with `@task` (`recsys_pipe.config.

@@ -5,7 +5,7 @@ step (n = steps completed), and `close()` at the end. The profiler starts after 
 stops after step b; each rank writes `<run dir>/torch_trace/rank<r>.json` (Chrome trace format,
 as `torch.profiler.profile.export_chrome_trace` writes it; open it in https://ui.perfetto.dev),
 with torch's `ProfilerStep#<n>` range around each training step n.
-While it records, the pipeline's observer is a `RecordFunctionRanges`, so every task shows as a
+While it records, the plan runner's observer is a `RecordFunctionRanges`, so every task shows as a
 `record_function` range named after it on the thread that ran it (every thread is profiled).
 Outside the window nothing is installed and nothing is paid.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges
 
 __all__ = ["StepWindow"]
 
@@ -32,13 +32,13 @@ class StepWindow:
         steps: `[first, last]`, or None (then every call does nothing).
         out_dir: the run directory; the trace goes to `<out_dir>/torch_trace/rank<rank>.json`.
         rank: this process's rank.
-        pipeline: the training pipeline, whose observer is swapped for the window.
+        runner: the training plan runner, whose observer is swapped for the window.
     """
 
-    def __init__(self, steps: list[int] | None, out_dir: str, rank: int, pipeline: SchedulablePipeline):
+    def __init__(self, steps: list[int] | None, out_dir: str, rank: int, runner: PlanRunner):
         self.first, self.last = (steps[0], steps[1]) if steps else (0, -1)
         self.path = os.path.join(out_dir, "torch_trace", f"rank{rank}.json")
-        self.pipeline = pipeline
+        self.runner = runner
         self._profiler: Any = None
         self._previous_observer = None
 
@@ -68,19 +68,19 @@ class StepWindow:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(
             activities=activities,
-            # a schedule, even one that always records, is what makes torch mark the steps
+            # a profiler schedule, even one that always records, is what makes torch mark the steps
             schedule=lambda step: torch.profiler.ProfilerAction.RECORD,
             # the executor's worker threads too, not only the thread that starts the profiler
             experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True),
         )
         self._profiler.step_num = self.first  # step markers named after training steps: ProfilerStep#<n>
         self._profiler.__enter__()
-        self._previous_observer = self.pipeline.observer
-        self.pipeline.observer = RecordFunctionRanges()
+        self._previous_observer = self.runner.observer
+        self.runner.observer = RecordFunctionRanges()
 
     def _stop(self) -> None:
         profiler, self._profiler = self._profiler, None
-        self.pipeline.observer = self._previous_observer
+        self.runner.observer = self._previous_observer
         profiler.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         profiler.export_chrome_trace(self.path)

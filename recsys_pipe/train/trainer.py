@@ -1,17 +1,17 @@
-"""The training loop: one plan-driven pipeline for training, one for evaluation, same model.
+"""The training loop: one plan runner for training, one for evaluation, same model.
 
 A `Trainer` is a loop over finished parts (`recsys_pipe.train.build.build_parts`): the data, the
-training pipeline, and the parts that decide themselves when they act -- the evaluator
+training plan runner, and the parts that decide themselves when they act -- the evaluator
 (`Evaluator.due`), the checkpointer (`RunCheckpointer.save_if_due`) and the reporter
 (`Reporter.step`: log lines, progress bar, metrics). `Trainer.fit` is the loop, `train_step` one
 step; what remains here is when the loop starts and why it stops.
 
-Evaluation runs through its own pipeline (same plan, optimizer work switched off) over the
-held-out loader, so the training pipeline keeps its in-flight batches across an evaluation:
+Evaluation runs through its own plan runner (same plan, optimizer work switched off) over the
+held-out loader, so the training plan runner keeps its in-flight batches across an evaluation:
 no training batch is dropped or replayed, and no training batch leaks into evaluation.
 
 Epochs are one continuous stream of batches (`RankData.train_loader(epochs, start)`): the
-pipeline never drains or restarts at an epoch boundary, it just keeps pulling; the loop notices
+plan runner never drains or restarts at an epoch boundary, it just keeps pulling; the loop notices
 an epoch end by counting trained batches. Checkpoints store the position of the next batch to
 *train*: batches already pulled, moved or input-distributed for later steps are simply pulled
 again from that position by a resumed run, which refills the ring exactly as the uninterrupted
@@ -62,7 +62,7 @@ class Trainer:
         self.parts = parts
         self.run, self.plan, self.info, self.run_dir = parts.run, parts.plan, parts.info, parts.run_dir
         self.data, self.state, self.optimizer = parts.data, parts.state, parts.optimizer
-        self.pipeline, self.evaluator = parts.pipeline, parts.evaluator
+        self.plan_runner, self.evaluator = parts.plan_runner, parts.evaluator
         self.checkpointer, self.reporter, self.position = parts.checkpointer, parts.reporter, parts.position
         self.stop = stop or StopRequest(self.info.control_group, self.run.trainer.preemption_check_s)
         self.health = health
@@ -91,7 +91,7 @@ class Trainer:
         return self.evaluator.evaluate_at(self.step, record_batches)
 
     def close(self) -> None:
-        """Shut down the pipelines' worker threads, the state's resources and the metrics writer."""
+        """Shut down the plan runners' worker threads, the state's resources and the metrics writer."""
         self.parts.close()
 
     def fit(self, batches: Iterator | None = None, record_steps: bool = False) -> TrainSummary:
@@ -109,7 +109,7 @@ class Trainer:
             return self._fit(batches, record_steps)
 
     def train_step(self, results: Iterator[StepResult]) -> StepResult | None:
-        """One training step: the pipeline trains the next batch (running this iteration's tasks,
+        """One training step: the plan runner trains the next batch (running this iteration's tasks,
         those of batches ahead included) and hands back its result; None once the data ended."""
         result = next(results, None)
         if result is not None:
@@ -130,7 +130,9 @@ class Trainer:
             return summary
         per_epoch = None if batches is not None else self.data.batches_per_epoch
         compile_start = self.parts.compiled.stats() if self.parts.compiled is not None else None
-        traced = StepWindow(self.run.trainer.torch_profiler.steps, self.run_dir or ".", self.info.rank, self.pipeline)
+        traced = StepWindow(
+            self.run.trainer.torch_profiler.steps, self.run_dir or ".", self.info.rank, self.plan_runner
+        )
         traced.step(self.step)
         self.reporter.start(self.planned_steps)
         if self.evaluator.enabled and self.step == 0:
@@ -190,7 +192,7 @@ class Trainer:
         return reason
 
     def _start(self, batches: Iterator | None) -> Iterator[StepResult] | None:
-        """Seed the training pipeline with the first batch (`TrainState.bootstrap`) and return its
+        """Seed the training plan runner with the first batch (`TrainState.bootstrap`) and return its
         results; None if there is no batch to train."""
         it = iter(self.data.train_loader(self.run.trainer.epochs, self.position.batch)) if batches is None else batches
         try:
@@ -198,12 +200,12 @@ class Trainer:
         except StopIteration:
             log.warning("the training data yielded no batch")
             return None
-        self.pipeline.seed_first_batch(it, self.state.bootstrap(first))
+        self.plan_runner.seed_first_batch(it, self.state.bootstrap(first))
         self.state.start_step = self.step
         accumulation = self.state.grad_accumulation
-        if accumulation is not None:  # micro-steps are counted over the run; the pipeline counts from 0
+        if accumulation is not None:  # micro-steps are counted over the run; the plan runner counts from 0
             accumulation.start(self.step, self.planned_steps - 1 if batches is None else None)
-        return self.pipeline.iterate(it)
+        return self.plan_runner.iterate(it)
 
     def _stop_requested(self) -> bool:
         """Whether every rank agreed to stop (SIGTERM) after this step. A stop inside a gradient

@@ -11,9 +11,9 @@ values intact and that without either the memory is reused under the reader.
 
 import pytest
 import torch
-from _schedules import handoff_schedule, handoff_value
+from _task_graphs import handoff_task_graph, handoff_value
 
-from recsys_pipe.engine import SchedulablePipeline, StreamPool
+from recsys_pipe.engine import PlanRunner, StreamPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,8 +23,8 @@ BATCHES = 8
 
 def handoff(record_stream, executor):
     pool = StreamPool.create(["default", "side"], "cuda")
-    with SchedulablePipeline(handoff_schedule(record_stream, READER_BUSY_MS), pool, executor) as pipe:
-        results = list(pipe.iterate(range(BATCHES)))
+    with PlanRunner(handoff_task_graph(record_stream, READER_BUSY_MS), pool, executor) as runner:
+        results = list(runner.iterate(range(BATCHES)))
     torch.cuda.synchronize()
     return {b: sorted({int(v) for v in r.unique().tolist()}) for b, r in enumerate(results)}
 

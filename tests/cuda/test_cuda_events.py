@@ -10,13 +10,13 @@ rotated it to (`wait_violations`).
 
 import pytest
 import torch
-from _schedules import STREAMS, schedule_specs
 from _streams import DEPENDENCY_KINDS as KINDS
 from _streams import DeviceTrace, EventLogPool, wait_violations
+from _task_graphs import STREAMS, task_graph_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recsys_pipe.engine import SchedulablePipeline, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,11 +29,11 @@ EXECUTORS = {
 }
 
 
-def run(schedule, executor, pool, batches=BATCHES):
+def run(task_graph, executor, pool, batches=BATCHES):
     """Train `batches` batches (the bodies ignore the payload); return the compiled graph."""
-    with SchedulablePipeline(schedule, pool, executor) as pipe:
-        assert len(list(pipe.iterate(range(batches)))) == batches
-        return pipe.graph
+    with PlanRunner(task_graph, pool, executor) as runner:
+        assert len(list(runner.iterate(range(batches)))) == batches
+        return runner.graph
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
@@ -78,10 +78,10 @@ def test_prefill_fallback_orders_after_earlier_work_on_the_producers_stream(exec
     specs, _, _ = KINDS["cross_iter_delta_1"]
     trace = DeviceTrace(delay_ms={"X": LONG_MS})
     pool = EventLogPool.cuda(STREAMS, drop_waits_of="s2" if dropped else None, drop_kinds=("stream",))
-    schedule = trace.build(specs, STREAMS)
+    task_graph = trace.build(specs, STREAMS)
     with torch.cuda.stream(pool.get("s1")):
-        trace.preset("X", -1, LONG_MS)  # the batch before batch 0, produced before the pipeline starts
-    graph = run(schedule, EXECUTORS[executor](), pool)
+        trace.preset("X", -1, LONG_MS)  # the batch before batch 0, produced before the plan runner starts
+    graph = run(task_graph, EXECUTORS[executor](), pool)
     assert pool.waits[("C", 0)] == [("stream", "s1")]
     assert all([kind for kind, _ in pool.waits[("C", b)]] == ["event"] for b in range(1, BATCHES))
     assert wait_violations(graph, pool, trace.ran) == []
@@ -94,7 +94,7 @@ def test_prefill_fallback_orders_after_earlier_work_on_the_producers_stream(exec
 
 
 @given(
-    specs=schedule_specs(),
+    specs=task_graph_specs(),
     batches=st.integers(1, 6),
     executor=st.sampled_from([*sorted(EXECUTORS), "random_threads"]),
     data=st.data(),

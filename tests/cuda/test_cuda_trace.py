@@ -19,8 +19,8 @@ from _profiling import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-import recsys_pipe.engine.pipeline as pipeline_module
-from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, StreamPool, Task, ThreadedExecutor
+import recsys_pipe.engine.plan_runner as plan_runner_module
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, StreamPool, Task, TaskGraph, ThreadedExecutor
 from recsys_pipe.engine.testing import cuda_spin
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +36,7 @@ def work(ctx):
 
 
 def plan():
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("h2d", work, stream="memcpy", lookahead=2, writes=["gpu"], nvtx_tag="copy batch"),
             Task.from_fn("dist", work, stream="comm", lookahead=1, reads=["gpu"], writes=["dist"]),
@@ -65,13 +65,13 @@ class NvtxProbe:
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
 def test_nvtx_range_per_task_inside_its_stream_scope(monkeypatch, executor):
     probe = NvtxProbe()
-    monkeypatch.setattr(pipeline_module, "nvtx", probe)
-    schedule = plan()
-    pool = StreamPool.create(schedule.stream_slots, "cuda")
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor]()) as pipe:  # NVTX on: the pool is CUDA
-        list(pipe.iterate(range(BATCHES)))
+    monkeypatch.setattr(plan_runner_module, "nvtx", probe)
+    task_graph = plan()
+    pool = StreamPool.create(task_graph.stream_slots, "cuda")
+    with PlanRunner(task_graph, pool, EXECUTORS[executor]()) as runner:  # NVTX on: the pool is CUDA
+        list(runner.iterate(range(BATCHES)))
     torch.cuda.synchronize()
-    stream_of = {t.label: pool.get(t.stream) for t in schedule.tasks}
+    stream_of = {t.label: pool.get(t.stream) for t in task_graph.tasks}
     pushes = [op for op in probe.ops if op[0] == "push"]
     assert sorted(op[1] for op in pushes) == sorted(label for label in stream_of for _ in range(BATCHES))
     for _, label, _, current in pushes:
@@ -89,25 +89,25 @@ def test_nvtx_range_per_task_inside_its_stream_scope(monkeypatch, executor):
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
 def test_profiler_trace_shows_each_task_and_its_kernels_on_its_stream(tmp_path, executor):
-    schedule = plan()
-    pool = StreamPool.create(schedule.stream_slots, "cuda")
-    labels = {t.label for t in schedule.tasks}
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor](), observer=RecordFunctionRanges()) as pipe:
-        list(pipe.iterate(range(2)))  # warm: worker threads started, kernels loaded
+    task_graph = plan()
+    pool = StreamPool.create(task_graph.stream_slots, "cuda")
+    labels = {t.label for t in task_graph.tasks}
+    with PlanRunner(task_graph, pool, EXECUTORS[executor](), observer=RecordFunctionRanges()) as runner:
+        list(runner.iterate(range(2)))  # warm: worker threads started, kernels loaded
         torch.cuda.synchronize()
         with profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=profile_all_threads()
         ) as prof:
-            list(pipe.iterate(range(BATCHES)))
+            list(runner.iterate(range(BATCHES)))
             torch.cuda.synchronize()
     events = chrome_trace_events(prof, tmp_path)
     ranges = annotations(events, labels)
     assert sorted(r["name"] for r in ranges) == sorted(label for label in labels for _ in range(BATCHES))
     if executor == "threaded":  # one thread per stream: the ranges come from four threads
-        assert len({r["tid"] for r in ranges}) == len(schedule.stream_slots)
+        assert len({r["tid"] for r in ranges}) == len(task_graph.stream_slots)
     streams = kernel_streams_by_label(events, labels)
     assert set(streams) == labels, f"tasks without kernels in the trace: {labels - set(streams)}"
     assert all(len(s) == 1 for s in streams.values()), streams  # each task's kernels on one stream
-    by_stream = {t.stream: streams[t.label] for t in schedule.tasks}
-    assert len({next(iter(s)) for s in by_stream.values()}) == len(schedule.stream_slots), streams
+    by_stream = {t.stream: streams[t.label] for t in task_graph.tasks}
+    assert len({next(iter(s)) for s in by_stream.values()}) == len(task_graph.stream_slots), streams
     assert by_stream["default"] == streams["forward"] == streams["backward"]

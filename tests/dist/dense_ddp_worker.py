@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 tests/dist/dense_ddp_worker.py OUT_DIR --device cpu
 
 Trains `model=dlrm_torch` from the same initial weights on the same batches with
-`trainer.dense_ddp=torch` and `=megatron`, through the serial plan and a pipelined threaded one,
+`trainer.dense_ddp=torch` and `=megatron`, through the serial plan and a threaded one with lookaheads,
 with `torch.use_deterministic_algorithms(True)`, and records after every optimizer step the loss,
 every gradient and every parameter; plus how the megatron state is wired. Writes
 `rank<r>.pt` into OUT_DIR; the tests compare.
@@ -32,7 +32,7 @@ from recsys_pipe.data import make_dataloader
 from recsys_pipe.engine import TaskObserver
 from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import build_model, build_pipeline, build_state, training_plan
+from recsys_pipe.train import build_model, build_plan_runner, build_state, training_plan
 from recsys_pipe.train.dense_ddp import megatron_ddp
 from recsys_pipe.train.optim import dense_optimizer_factory
 
@@ -103,16 +103,16 @@ def train(overrides, info, steps):
     loader = make_dataloader(run.data, info.rank, info.world_size)
     model, optimizer = build(run, info, loader.dataset.spec)
     state = build_state(run, plan, model, optimizer, info)
-    pipeline = build_pipeline(plan, state.streams, state)
+    runner = build_plan_runner(plan, state.streams, state)
     recorder = StepRecorder(model.module)
-    pipeline.observer = recorder
+    runner.observer = recorder
     batches = iter(loader)
-    pipeline.seed_first_batch(batches, state.bootstrap(next(batches)))
+    runner.seed_first_batch(batches, state.bootstrap(next(batches)))
     try:
-        losses = [float(result.loss) for result in pipeline.iterate(batches)]
+        losses = [float(result.loss) for result in runner.iterate(batches)]
         wiring = megatron_wiring(model, state) if run.trainer.dense_ddp == "megatron" else {}
     finally:
-        pipeline.shutdown()
+        runner.shutdown()
         state.close()
     if wiring:
         from megatron.core import parallel_state

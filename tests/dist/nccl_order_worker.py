@@ -1,9 +1,9 @@
 """Worker for test_engine_distributed: run under torchrun with 2 ranks (gloo).
 
-Each rank drives the same schedule of collective-issuing tasks with a *different* thread map
+Each rank drives the same task graph of collective-issuing tasks with a *different* thread map
 and random delays, so without the ordered lock the ranks would issue all_reduces in different
 orders (tensor sizes differ per task, so a mismatch fails loudly instead of mixing numbers).
-Results are compared with a sequential run of the same schedule on the same rank.
+Results are compared with a sequential run of the same task graph on the same rank.
 
 Then shortcut replay across ranks: the same threaded runs with two collective tasks skipped
 (both ranks enable the same shortcuts) must keep every other collective matched, and a DDP
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, Task, TaskFailedError, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, Task, TaskFailedError, TaskGraph, ThreadedExecutor
 
 SIZES = {"shuffle": 3, "start_dist": 5, "wait_dist": 7, "tokens": 1, "backward": 11, "finalize": 13}
 
@@ -41,7 +41,7 @@ def build(results, rng):
     def t(name, **kw):
         return Task.from_fn(name, collective, nccl=True, **kw)
 
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             t("shuffle", stream="memcpy", lookahead=2),
             t("start_dist", stream="data_dist", lookahead=1, depends_on=["shuffle"]),
@@ -56,10 +56,10 @@ def build(results, rng):
 
 def drive(executor, seed, shortcuts=()):
     results = {}
-    with SchedulablePipeline(build(results, random.Random(seed)), executor=executor) as pipe:
+    with PlanRunner(build(results, random.Random(seed)), executor=executor) as runner:
         if shortcuts:
-            pipe.enable_shortcut(shortcuts)
-        for _ in pipe.iterate(range(10)):
+            runner.enable_shortcut(shortcuts)
+        for _ in runner.iterate(range(10)):
             pass
     return {f"{k[0]}:{k[1]}": v for k, v in sorted(results.items())}
 
@@ -108,7 +108,7 @@ def ddp_through_skipped_task(detached):
         opt.step()
         ctx.slots.set("step_result", grads)
 
-    schedule = Schedule.single_stage(
+    task_graph = TaskGraph.single_group(
         [
             Task.from_fn("zero_grad", zero_grad),
             Task.from_fn("embed", embed, reads=["batch_cpu"], writes=["direct", "h"], depends_on=["zero_grad"]),
@@ -118,11 +118,11 @@ def ddp_through_skipped_task(detached):
         ]
     )
     data = [torch.randn(5, 3, generator=torch.Generator().manual_seed(b)) for b in range(5)]
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor("per_task")) as pipe:
+    with PlanRunner(task_graph, executor=ThreadedExecutor("per_task")) as runner:
         if not detached:
-            pipe.enable_shortcut("mid")
+            runner.enable_shortcut("mid")
         try:
-            return {"grads": list(pipe.iterate(data))}
+            return {"grads": list(runner.iterate(data))}
         except TaskFailedError as exc:
             return {"error": f"{exc} <- {exc.__cause__}"}
 

@@ -98,7 +98,7 @@ def train(runner, stages, data=None, timeline=None, steps=None, opt_state=None):
         if steps is not None and step not in steps:
             continue
         if timeline is not None and step == len(data) - 1:
-            runner.pipeline.observer = recorder
+            runner.plan_runner.observer = recorder
         opt.zero_grad(set_to_none=True)
         out = runner.run_step(step, microbatches(x, y))
         losses.append([None if v is None else v.item() for v in out])

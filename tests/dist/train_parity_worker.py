@@ -96,10 +96,10 @@ def tuned_plan_overrides(directory):
 
     plan = training_plan(run_config(["pipeline=hstu_sparse_dist"]))
     costs = CostModel({name: TaskCost(cpu) for name, cpu in TUNE_COSTS.items()})
-    result = tune(plan.schedule, costs, dict(plan.thread_of), max_evaluations=300, seed=0)
+    result = tune(plan.task_graph, costs, dict(plan.thread_of), max_evaluations=300, seed=0)
     assert result.changes and any(c.changed for c in result.changes), "the tuner changed nothing"
     plan_yaml(
-        result.schedule,
+        result.task_graph,
         plan.fn_paths(),
         thread_map=result.thread_map,
         name="tuned",

@@ -105,3 +105,35 @@ def test_reproduce_games_hstu_script_reports_ours_the_reference_and_large(tmp_pa
     for run in ("hstu", "hstu_reference", "hstu_large"):
         assert summary[run]["users"] == 300 and 0 <= summary[run]["full"]["HR@10"] <= 1
         assert summary["train_s"][run] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_reproduce_games_hstu_script_checks_its_inputs_before_training(tmp_path):
+    """A clone that is not the reference, then (with a stand-in clone) a missing data file: each
+    exits 2 with one `error:` line naming what is wrong, and nothing is written to OUT_DIR."""
+    script = ["bash", str(ROOT / "scripts" / "reproduce_games_hstu.sh")]
+    out_dir = tmp_path / "out"
+    data = write_ml1m_shaped(tmp_path / "ratings.dat", users=20)
+    not_a_clone = subprocess.run(
+        [*script, str(data), str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, REFERENCE_ENV: str(tmp_path)},
+    )
+    assert not_a_clone.returncode == 2
+    assert not_a_clone.stderr.strip() == f"error: {REFERENCE_ENV}: {tmp_path} is not a clone of generative-recommenders"
+    clone = tmp_path / "clone"
+    (clone / _REFERENCE_FILE).parent.mkdir(parents=True)
+    (clone / _REFERENCE_FILE).touch()
+    missing = tmp_path / "Video.txt"
+    no_data = subprocess.run(
+        [*script, str(missing), str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, REFERENCE_ENV: str(clone)},
+    )
+    assert no_data.returncode == 2
+    assert no_data.stderr.strip() == f"error: data.path: no such file: {missing}"
+    assert not out_dir.exists()

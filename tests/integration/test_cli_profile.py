@@ -14,7 +14,7 @@ import torch
 from recsys_pipe.autosched import CostModel
 from recsys_pipe.cli.plan import run as plan_run
 from recsys_pipe.cli.profile import run as profile_run
-from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, Task, TaskGraph, ThreadedExecutor
 from recsys_pipe.testing import fork_ranks, load_run
 from recsys_pipe.train.torch_profile import StepWindow
 
@@ -124,13 +124,13 @@ def test_step_window_traces_only_its_steps_with_a_range_per_task_on_each_thread(
         torch.ones(64).sum()
 
     tasks = [Task.from_fn("load", work, lookahead=1, writes=["x"]), Task.from_fn("train", work, reads=["x"])]
-    with SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor({"load": "io"})) as pipe:
-        window = StepWindow([2, 3], str(tmp_path), rank=1, pipeline=pipe)
+    with PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor({"load": "io"})) as runner:
+        window = StepWindow([2, 3], str(tmp_path), rank=1, runner=runner)
         window.step(0)
-        for step, _ in enumerate(pipe.iterate(range(6)), start=1):
+        for step, _ in enumerate(runner.iterate(range(6)), start=1):
             assert window.active == (step in (2, 3))  # recording while steps 2 and 3 ran
             window.step(step)
-            assert isinstance(pipe.observer, RecordFunctionRanges) == (step in (1, 2))
+            assert isinstance(runner.observer, RecordFunctionRanges) == (step in (1, 2))
         window.close()
     trace = json.loads((tmp_path / "torch_trace" / "rank1.json").read_text())
     events = trace["traceEvents"]

@@ -11,7 +11,7 @@ and AUC over the same rows). The fresh interpreter runs the serving snippet of t
 HSTU ranking's program takes padded sequences and needs no fbgemm, so that check blocks fbgemm too.
 
 `recsys-eval`: under the launcher on the 2 ranks that trained, the metrics of a checkpoint equal
-the evaluation the training run logged after that step, exactly (same data, same pipeline).
+the evaluation the training run logged after that step, exactly (same data, same plan).
 """
 
 from __future__ import annotations

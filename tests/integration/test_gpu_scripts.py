@@ -356,12 +356,12 @@ def test_bench_gpu_cpu_smoke_trains_every_configuration_like_serial():
         "numerics",
         "targets",
     }
-    assert list(report["configs"]) == ["serial", "pipelined_sequential", "pipelined_threaded"]
+    assert list(report["configs"]) == ["serial", "lookahead_sequential", "lookahead_threaded"]
     assert report["numerics"]["losses_bitwise_equal_to_serial"] == {
-        "pipelined_sequential": True,
-        "pipelined_threaded": True,
+        "lookahead_sequential": True,
+        "lookahead_threaded": True,
     }
-    for config in ("pipelined_sequential", "pipelined_threaded"):
+    for config in ("lookahead_sequential", "lookahead_threaded"):
         busy = report["configs"][config]["busy_ms"]
         assert busy["comm"]["median"] >= 0.4  # the 0.5 ms communication sleep ran on its stream
         assert busy["default"]["median"] > 0 and "ratio_vs_ideal" in report["configs"][config]

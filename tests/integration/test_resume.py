@@ -2,7 +2,7 @@
 
 Tolerance: bitwise (torch.equal / identical floats), as in the parity tests: CPU kernels are
 deterministic, so a resumed run that differs in any bit trained another batch, with another
-optimizer, schedule or RNG state than the uninterrupted run.
+optimizer, LR schedule or RNG state than the uninterrupted run.
 
 The configuration makes every piece of state matter: Adam moments, rowwise-Adagrad table state,
 a cosine LR schedule with warmup, gradient clipping, dropout (RNG), two shuffled epochs (resumes

@@ -144,7 +144,7 @@ def test_recsys_plan_shows_torchrecs_sharding_plan(tmp_path, capsys):
     )
     assert "module: model.sparse_arch.embedding_bag_collection" in out and "sharding type" in out
     assert (tmp_path / "model.txt").read_text() in out
-    assert "model:" not in (tmp_path / "plan.txt").read_text()  # the schedule text stays as it was
+    assert "model:" not in (tmp_path / "plan.txt").read_text()  # the task graph text stays as it was
 
 
 def test_recsys_plan_says_which_tasks_a_plain_torch_model_leaves_idle(tmp_path, capsys):

@@ -111,7 +111,7 @@ def test_learning_signal_auc_rises_on_held_out_data(ranks):
     assert sum(learning["last_losses"]) < sum(learning["first_losses"])
 
 
-#: plan -> the torchrec class (and option) whose schedule it declares
+#: plan -> the torchrec class (and option) whose order of work it declares
 FAMILY = {
     "sparse_dist": "torchrec_TrainPipelineSparseDist",
     "base": "torchrec_TrainPipelineBase",

@@ -47,17 +47,17 @@ def test_autosched_uses_only_engine_names_that_stay():
         "cpu_edges",
         "fires",
         "resolve_thread_map",
-        "Schedule",
-        "Stage",
+        "TaskGraph",
+        "TaskGroup",
         "Task",
         "DependencyGraph",
         "Dependency",
         "EventWait",
         "Edge",
-        "ScheduleValidationError",
-        "SchedulingError",
-        # the profiler: an observer on a running pipeline, and the shortcut eligibility rule
-        "SchedulablePipeline",
+        "TaskGraphValidationError",
+        "DependencyCycleError",
+        # the profiler: an observer on a running plan runner, and the shortcut eligibility rule
+        "PlanRunner",
         "SpanRecorder",
         "shortcut_refusal",
     }

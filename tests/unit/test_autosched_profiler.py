@@ -17,7 +17,7 @@ from recsys_pipe.autosched import (
     simulate,
     write_chrome_trace,
 )
-from recsys_pipe.engine import SchedulablePipeline, Schedule, StreamPool, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, StreamPool, Task, TaskGraph, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,9 +36,9 @@ def sleeper(seconds):
     return run
 
 
-def plan(pipelined: bool) -> Schedule:
-    la = 1 if pipelined else 0
-    return Schedule.single_stage(
+def plan(lookaheads: bool) -> TaskGraph:
+    la = 1 if lookaheads else 0
+    return TaskGraph.single_group(
         [
             Task.from_fn("load", sleeper(DURATIONS["load"]), lookahead=la, stream="io", writes=["x"]),
             Task.from_fn("a", sleeper(DURATIONS["a"]), reads=["x"], writes=["y"]),
@@ -47,23 +47,23 @@ def plan(pipelined: bool) -> Schedule:
     )
 
 
-def pipeline(pipelined: bool) -> SchedulablePipeline:
-    executor = ThreadedExecutor({"load": "io", "default": "compute"}) if pipelined else "sequential"
-    return SchedulablePipeline(plan(pipelined), executor=executor)
+def plan_runner(lookaheads: bool) -> PlanRunner:
+    executor = ThreadedExecutor({"load": "io", "default": "compute"}) if lookaheads else "sequential"
+    return PlanRunner(plan(lookaheads), executor=executor)
 
 
 @pytest.fixture(scope="module")
 def results():
     """Both plans profiled once (about 5 s of sleeping), shared by the checks below."""
     out = {}
-    for name, pipelined in (("serial", False), ("pipelined", True)):
-        with pipeline(pipelined) as pipe:
-            profiler = TaskProfiler(pipe, lambda: range(12), warmup=2, iters=8)
+    for name, lookaheads in (("serial", False), ("lookahead", True)):
+        with plan_runner(lookaheads) as runner:
+            profiler = TaskProfiler(runner, lambda: range(12), warmup=2, iters=8)
             out[name] = profiler.profile_many()
     return out
 
 
-@pytest.mark.parametrize("plan_name", ["serial", "pipelined"])
+@pytest.mark.parametrize("plan_name", ["serial", "lookahead"])
 def test_measured_cpu_time_is_the_task_duration(results, plan_name):
     costs = results[plan_name].costs
     assert list(costs.tasks) == ["load", "a", "b"]
@@ -75,18 +75,18 @@ def test_measured_cpu_time_is_the_task_duration(results, plan_name):
 
 
 def test_costs_record_how_each_task_ran(results):
-    serial, pipelined = results["serial"].costs, results["pipelined"].costs
+    serial, lookaheads = results["serial"].costs, results["lookahead"].costs
     assert {n: (c.thread, c.stream, c.lookahead) for n, c in serial.tasks.items()} == {
         "load": ("main", "io", 0),
         "a": ("main", "default", 0),
         "b": ("main", "default", 0),
     }
-    assert {n: (c.thread, c.lookahead) for n, c in pipelined.tasks.items()} == {
+    assert {n: (c.thread, c.lookahead) for n, c in lookaheads.tasks.items()} == {
         "load": ("io", 1),
         "a": ("compute", 0),
         "b": ("compute", 0),
     }
-    assert CostModel.from_json(pipelined.to_json()) == pipelined  # the simulator's input format
+    assert CostModel.from_json(lookaheads.to_json()) == lookaheads  # the simulator's input format
 
 
 def test_exposed_time_on_the_serial_plan_is_each_tasks_cost(results):
@@ -97,7 +97,7 @@ def test_exposed_time_on_the_serial_plan_is_each_tasks_cost(results):
 
 
 def test_exposed_time_on_the_pipelined_plan_is_what_a_task_adds_to_the_critical_path(results):
-    result = results["pipelined"]
+    result = results["lookahead"]
     assert result.baseline_s == pytest.approx(DURATIONS["a"] + DURATIONS["b"], rel=TOLERANCE)
     assert result.exposed_s["a"] == pytest.approx(DURATIONS["a"], rel=TOLERANCE)
     assert result.exposed_s["b"] == pytest.approx(DURATIONS["b"], rel=TOLERANCE)
@@ -106,7 +106,7 @@ def test_exposed_time_on_the_pipelined_plan_is_what_a_task_adds_to_the_critical_
 
 
 def test_report_and_json(results):
-    result = results["pipelined"]
+    result = results["lookahead"]
     text = result.report()
     header, rule, *rows = text.splitlines()
     assert header.split() == ["task", "stream", "thread", "la", "cpu", "ms", "device", "ms", "exposed", "ms", "share"]
@@ -119,10 +119,10 @@ def test_report_and_json(results):
 
 
 def test_profiled_costs_predict_the_measured_iteration(results):
-    for name, pipelined in (("serial", False), ("pipelined", True)):
+    for name, lookaheads in (("serial", False), ("lookahead", True)):
         result = results[name]
-        thread_map = {"load": "io", "default": "compute"} if pipelined else "sequential"
-        predicted = simulate(plan(pipelined), result.costs, thread_map).iteration_s
+        thread_map = {"load": "io", "default": "compute"} if lookaheads else "sequential"
+        predicted = simulate(plan(lookaheads), result.costs, thread_map).iteration_s
         assert predicted == pytest.approx(result.baseline_s, rel=0.05), name
 
 
@@ -131,14 +131,14 @@ def test_tasks_that_cannot_be_replayed_are_reported_not_measured():
         Task.from_fn("pure", sleeper(0.001), writes=["x"]),
         Task.from_fn("stateful", sleeper(0.001), reads=["x"], writes=["step_result"], effects="updates a counter"),
     ]
-    with SchedulablePipeline(Schedule.single_stage(tasks)) as pipe:
-        profiler = TaskProfiler(pipe, lambda: range(6), warmup=1, iters=4)
+    with PlanRunner(TaskGraph.single_group(tasks)) as runner:
+        profiler = TaskProfiler(runner, lambda: range(6), warmup=1, iters=4)
         result = profiler.profile_many()
         with pytest.raises(ValueError, match="'stateful' cannot be shortcut"):
             profiler.profile("stateful")
         with pytest.raises(ValueError, match="a pass needs at least 5"):
-            TaskProfiler(pipe, lambda: range(4), warmup=1, iters=4).profile_many([])
-        assert pipe.shortcuts == frozenset() and pipe.observer is None
+            TaskProfiler(runner, lambda: range(4), warmup=1, iters=4).profile_many([])
+        assert runner.shortcuts == frozenset() and runner.observer is None
     assert set(result.exposed_s) == {"pure"}
     assert "updates a counter" in result.not_measured["stateful"]
     assert "n/a: task 'stateful' cannot be shortcut" in result.report()
@@ -217,10 +217,10 @@ class RecordingTimer:
 def test_device_spans_come_from_events_on_each_tasks_stream_read_once_after_the_run():
     timer = RecordingTimer()
     streams = StreamPool({name: RecordingStream(name) for name in ("default", "io")})
-    with SchedulablePipeline(plan(pipelined=True), streams, ThreadedExecutor({"load": "io"})) as pipe:
+    with PlanRunner(plan(lookaheads=True), streams, ThreadedExecutor({"load": "io"})) as runner:
         profiler = CostProfiler(warmup=1, iters=3, thread_of={"load": "io", "a": "main", "b": "main"}, timer=timer)
-        pipe.observer = profiler
-        list(pipe.iterate(range(5)))
+        runner.observer = profiler
+        list(runner.iterate(range(5)))
     timer.run_finished = True
     instances = profiler.instances()
     assert timer.synchronized_at == [True]  # one wait for the device, after the run, not per task
@@ -252,9 +252,9 @@ def test_each_event_pair_is_recorded_on_the_tasks_own_stream():
             super().task_started(task, batch_index, iteration)
             starts.append((task.stream, self._events[task.name, iteration][0].stream))
 
-    with SchedulablePipeline(plan(pipelined=True), streams) as pipe:
-        pipe.observer = Spy(warmup=0, iters=4, timer=timer)
-        list(pipe.iterate(range(3)))
+    with PlanRunner(plan(lookaheads=True), streams) as runner:
+        runner.observer = Spy(warmup=0, iters=4, timer=timer)
+        list(runner.iterate(range(3)))
     assert starts and all(task_stream == event_stream for task_stream, event_stream in starts)
 
 
@@ -262,7 +262,7 @@ def test_each_event_pair_is_recorded_on_the_tasks_own_stream():
 
 
 def test_trace_file_parses_with_one_track_per_thread(results, tmp_path):
-    result = results["pipelined"]
+    result = results["lookahead"]
     path = write_chrome_trace(result.instances, tmp_path / "trace.json")
     trace = json.loads(path.read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -278,7 +278,7 @@ def test_trace_file_parses_with_one_track_per_thread(results, tmp_path):
 
 
 def test_timeline_png(results, tmp_path):
-    result = results["pipelined"]
+    result = results["lookahead"]
     start, end = result.window(last=3)
     assert end - start == pytest.approx(3 * result.baseline_s, rel=0.1)
     path = plot_timeline(result.instances, tmp_path / "timeline.png", time_range=(start, end))

@@ -5,20 +5,20 @@ from __future__ import annotations
 import math
 
 import pytest
-from _schedules import Trace, build, schedule_specs
+from _task_graphs import Trace, build, task_graph_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.autosched import CostModel, TaskCost, simulate
-from recsys_pipe.engine import DataSlot, Schedule, Stage, Task, compile_dependencies, fires
+from recsys_pipe.engine import DataSlot, Task, TaskGraph, TaskGroup, compile_dependencies, fires
 
 
 def noop(ctx):
     pass
 
 
-def plan(*tasks: Task) -> Schedule:
-    return Schedule.single_stage(tasks)
+def plan(*tasks: Task) -> TaskGraph:
+    return TaskGraph.single_group(tasks)
 
 
 def T(name: str, **fields) -> Task:
@@ -269,10 +269,10 @@ def test_plot_writes_a_png(tmp_path):
 
 @st.composite
 def random_plans(draw):
-    specs = draw(schedule_specs(max_tasks=6, max_lookahead=3))
+    specs = draw(task_graph_specs(max_tasks=6, max_lookahead=3))
     for spec in specs:
         spec["nccl"] = draw(st.booleans())
-    schedule = build(specs, Trace())
+    task_graph = build(specs, Trace())
     ms = st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5])
     model = CostModel(
         {
@@ -288,7 +288,7 @@ def random_plans(draw):
             lambda kind: {n: f"T{draw(st.integers(0, 2))}" for n in names} if kind == "dict" else kind
         )
     )
-    return schedule, model, thread_map
+    return task_graph, model, thread_map
 
 
 def _close_ge(a: float, b: float) -> bool:
@@ -298,10 +298,10 @@ def _close_ge(a: float, b: float) -> bool:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_plans(), st.integers(0, 10))
 def test_invariants_on_random_plans(case, extra):
-    schedule, model, thread_map = case
-    graph = compile_dependencies(schedule)
+    task_graph, model, thread_map = case
+    graph = compile_dependencies(task_graph)
     L = graph.max_lookahead
-    r = simulate(schedule, model, thread_map, iterations=L + 6 + extra)
+    r = simulate(task_graph, model, thread_map, iterations=L + 6 + extra)
     m = r.num_batches  # more than asked when the start-up transient took longer
     # without a first-come link the playback is max-plus linear, hence eventually periodic
     assert r.settled or any(c.pcie for c in model.tasks.values())
@@ -350,20 +350,20 @@ def test_invariants_on_random_plans(case, extra):
 
 
 @settings(max_examples=60, deadline=None)
-@given(schedule_specs(max_tasks=6, max_lookahead=3), st.data())
+@given(task_graph_specs(max_tasks=6, max_lookahead=3), st.data())
 def test_one_thread_without_device_time_steps_in_the_sum_of_host_times(specs, data):
-    schedule = build(specs, Trace())
+    task_graph = build(specs, Trace())
     cpu = {s["name"]: data.draw(st.sampled_from([0.25, 0.5, 1.0, 1.5, 3.0])) for s in specs}
     model = CostModel({n: TaskCost(c, 0.0) for n, c in cpu.items()})
-    r = simulate(schedule, model, "sequential", iterations=schedule.max_lookahead + 5)
+    r = simulate(task_graph, model, "sequential", iterations=task_graph.max_lookahead + 5)
     assert r.iteration_s == pytest.approx(sum(cpu.values()), rel=1e-12)
 
 
 def test_multi_stage_schedules_barrier_between_stages():
-    s = Schedule(
-        stages=(Stage((T("a"), T("b", stream="s1"))), Stage((T("c", writes=["step_result"]),))),
+    s = TaskGraph(
+        groups=(TaskGroup((T("a"), T("b", stream="s1"))), TaskGroup((T("c", writes=["step_result"]),))),
         stream_slots=("default", "s1"),
     )
     r = simulate(s, costs(a=(2.0,), b=(3.0,), c=(1.0,)), "per_task")
-    assert span(r, "c", 0, "thread").start == 3.0  # after stage 1's barrier
+    assert span(r, "c", 0, "thread").start == 3.0  # after group 1's barrier
     assert r.iteration_s == 4.0

@@ -57,7 +57,7 @@ REFERENCE_LAYOUT = ("trainer.device=cuda",)
 @pytest.mark.parametrize("thread_map", ["hstu_default", "by_stream", "per_task"])
 def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline, thread_map):
     """The plans are Hydra derivations of one task set (serial <- sparse_dist <- hstu_sparse_dist;
-    sparse_dist <- prefetch <- hstu_prefetch); each must compile to exactly the schedule it
+    sparse_dist <- prefetch <- hstu_prefetch); each must compile to exactly the task graph it
     printed as a stand-alone file."""
     assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}", *REFERENCE_LAYOUT) == 0
     expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()

@@ -1,4 +1,4 @@
-"""The plan compiler: shipped plans compile, overrides change the compiled schedule as expected,
+"""The plan compiler: shipped plans compile, overrides change the compiled task graph as expected,
 compiled plans run on the engine, and the loader's helpers map errors to config paths."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from recsys_pipe.config import (
 from recsys_pipe.config.resolve import FnResolveError
 from recsys_pipe.engine import BATCH_CPU, StreamPool
 from recsys_pipe.testing import compose
-from recsys_pipe.train import RunConfig, build_pipeline, load_run_config, training_plan
+from recsys_pipe.train import RunConfig, build_plan_runner, load_run_config, training_plan
 
 PIPELINES = sorted(p.stem for p in (CONF_DIR / "pipeline").glob("*.yaml"))
 THREAD_MAPS = sorted(p.stem for p in (CONF_DIR / "thread_map").glob("*.yaml"))
@@ -63,7 +63,7 @@ def test_recsys_train_config_validates_too():
     assert plan.threaded and plan.config.name == "hstu_prefetch"  # the default plan, scripts/train.sh's
 
 
-def test_serial_and_pipelined_plans_list_the_same_task_functions():
+def test_serial_and_lookahead_plans_list_the_same_task_functions():
     fns = {p: set(compiled(f"pipeline={p}").fn_paths().values()) for p in PIPELINES}
     assert fns["serial"] == fns["sparse_dist"] == fns["hstu_sparse_dist"]
     assert fns["hstu_prefetch"] - fns["serial"] == {"recsys_pipe.train.tasks:prefetch_embeddings"}
@@ -193,7 +193,7 @@ def test_per_task_thread_overrides_the_map():
     assert plan.thread_of["backward"] == "compute"
 
 
-def test_lookahead_override_changes_schedule():
+def test_lookahead_override_changes_the_task_graph():
     base = compiled("pipeline=hstu_prefetch")
     deeper = compiled("pipeline=hstu_prefetch", "pipeline.tasks.h2d.lookahead=3")
     assert base.graph.max_lookahead == 2 and deeper.graph.max_lookahead == 3
@@ -260,9 +260,9 @@ def _stub(path: str):
 @pytest.mark.parametrize("overrides", [(), ("thread_map=per_task", "pipeline.tasks.h2d.lookahead=3")])
 def test_compiled_plans_run_every_batch_once_in_order(pipeline, overrides):
     plan = compiled(f"pipeline={pipeline}", *overrides, resolve_fn=_stub)
-    pool = StreamPool.create(plan.schedule.stream_slots)
-    with build_pipeline(plan, pool, state=None) as pipe:
-        results = list(pipe.iterate(range(7)))
+    pool = StreamPool.create(plan.task_graph.stream_slots)
+    with build_plan_runner(plan, pool, state=None) as runner:
+        results = list(runner.iterate(range(7)))
     assert results == list(range(7))
 
 

@@ -10,8 +10,7 @@ import pytest
 from _process_group import one_rank_group
 
 from recsys_pipe.cli.data import main as recsys_data
-from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, build_parts, training_plan
+from recsys_pipe.testing import fit_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,15 +19,6 @@ pytestmark = pytest.mark.timeout(300)
 def info():
     with one_rank_group() as info:
         yield info
-
-
-def _fit(info, overrides):
-    run = load_run(*overrides)
-    trainer = Trainer(build_parts(run, training_plan(run), info))
-    try:
-        return trainer.fit(record_steps=True)
-    finally:
-        trainer.close()
 
 
 def _criteo_rows(n: int) -> str:
@@ -57,8 +47,8 @@ def test_a_criteo_file_and_its_parquet_train_the_same_losses(info, tmp_path):
         "data.batch_size=48",
         "data.shuffle=false",
     ]
-    text = _fit(info, [*common, "data=criteo", f"data.path={tsv}"])
-    parquet = _fit(info, [*common, "data=parquet", f"data.path={tmp_path / 'pq'}"])
+    text = fit_run(info, [*common, "data=criteo", f"data.path={tsv}"])
+    parquet = fit_run(info, [*common, "data=parquet", f"data.path={tmp_path / 'pq'}"])
     assert len(text.losses) == 12
     assert [s.tolist() for s in parquet.sample_ids] == [s.tolist() for s in text.sample_ids]
     assert parquet.losses == text.losses  # bitwise: floats compared with ==
@@ -86,8 +76,8 @@ def test_a_user_item_file_and_its_parquet_train_the_same_losses(info, tmp_path):
         "data.eval_negatives=20",
         "data.shuffle=false",
     ]
-    text = _fit(info, [*common, "data=sequences", f"data.path={games}"])
-    parquet = _fit(info, [*common, "data=parquet_sequences", f"data.path={tmp_path / 'pq' / 'Games.parquet'}"])
+    text = fit_run(info, [*common, "data=sequences", f"data.path={games}"])
+    parquet = fit_run(info, [*common, "data=parquet_sequences", f"data.path={tmp_path / 'pq' / 'Games.parquet'}"])
     assert len(text.losses) == 8
     assert [s.tolist() for s in parquet.sample_ids] == [s.tolist() for s in text.sample_ids]
     assert parquet.losses == text.losses
@@ -119,8 +109,8 @@ def test_a_ratings_file_and_its_windowed_parquet_train_hstu_ranking_the_same_los
         "data.use_user_feature=true",
     ]
     movielens = ["data=movielens", f"data.path={ratings}", "data.max_seq_len=10", "data.num_candidates=3"]
-    text = _fit(info, [*common, *movielens])
-    parquet = _fit(info, [*common, "data=parquet_sequences", f"data.path={tmp_path / 'pq' / 'ratings.parquet'}"])
+    text = fit_run(info, [*common, *movielens])
+    parquet = fit_run(info, [*common, "data=parquet_sequences", f"data.path={tmp_path / 'pq' / 'ratings.parquet'}"])
     assert len(text.losses) == 6
     assert [s.tolist() for s in parquet.sample_ids] == [s.tolist() for s in text.sample_ids]
     assert parquet.losses == text.losses

@@ -16,6 +16,7 @@ from recsys_pipe.config import ConfigError
 from recsys_pipe.data.criteo import CriteoDataConfig
 from recsys_pipe.data.ids import fnv1a64, splitmix64
 from recsys_pipe.data.loader import RankData
+from recsys_pipe.data.negatives import TRAIN, unseen_items
 from recsys_pipe.data.parquet import ParquetDataConfig
 from recsys_pipe.data.parquet_files import DataFileError
 from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig, item_vocab_metadata
@@ -480,6 +481,32 @@ def test_sequence_parquet_resumes_by_position_with_workers(sequences):
     assert len(full) == 14 and all(torch.equal(a, b) for a, b in zip(full[9:], resumed, strict=True))
 
 
+def _negatives_by_user(data: RankData, epochs: int) -> dict[tuple[int, int], list[int]]:
+    """(epoch, user) -> that user's training negatives, from the batches of `data`."""
+    out = {}
+    for b, batch in enumerate(data.train_loader(epochs)):
+        neg = batch.sparse_features["neg"]
+        for user, ids in zip(batch.sample_ids.tolist(), torch.split(neg.values(), neg.lengths().tolist())):
+            out[b // data.batches_per_epoch, user] = ids.tolist()
+    return out
+
+
+def test_sequence_negatives_depend_on_the_user_not_its_batch_rank_or_worker(sequences):
+    """Each user's negatives are the same whatever batch size, shuffle, rank count or worker
+    count delivers them, and equal to the user's own draw (`unseen_items` for it alone)."""
+    _, pqt = sequences
+    one = _negatives_by_user(RankData(ParquetSequencesDataConfig(path=pqt, batch_size=16, shuffle=False), 0, 1), 2)
+    cfg = ParquetSequencesDataConfig(path=pqt, batch_size=8, shuffle=True, shuffle_window=24, num_workers=2)
+    for rank in range(2):
+        other = _negatives_by_user(RankData(cfg, rank, 2), 2)
+        assert len(other) > 40 and all(one[key] == ids for key, ids in other.items())
+    data = RankData(ParquetSequencesDataConfig(path=pqt, batch_size=16, shuffle=False), 0, 1).dataset
+    _, seq, _ = data._rows.user(7)
+    train = seq[:-2]
+    alone = unseen_items(0, TRAIN, 1, [7], [len(one[1, 7])], train, [0], [len(train)], data.num_items)
+    assert one[1, 7] == alone.tolist() and not set(alone.tolist()) & set(train.tolist())
+
+
 def test_sequence_files_without_a_vocabulary_need_num_items(tmp_path):
     t = pa.table({"user_id": [1, 2], "item_ids": pa.array([[0, 1, 2], [3, 4, 9]], pa.list_(pa.int64()))})
     pq.write_table(t, tmp_path / "s.parquet")
@@ -490,6 +517,20 @@ def test_sequence_files_without_a_vocabulary_need_num_items(tmp_path):
         DataFileError, match=r"s.parquet, row group 0, column 'item_ids': item id 9 outside \[0, data.num_items=9\)"
     ):
         list(data.train_loader())
+
+
+def test_a_bad_sequence_id_names_its_row_group_when_decoded_in_shuffled_parts(tmp_path):
+    """Windows are decoded in parts of their permuted rows: an error still names the row group
+    of the bad row, not the part's."""
+    seqs = [[u % 7, (u + 1) % 7, (u + 2) % 7, (u + 3) % 7] for u in range(24)]
+    seqs[21][2] = 12  # row group 2 (rows 16..23)
+    t = pa.table({"user_id": pa.array(range(24)), "item_ids": pa.array(seqs, pa.list_(pa.int64()))})
+    pq.write_table(t, tmp_path / "s.parquet", row_group_size=8)
+    cfg = ParquetSequencesDataConfig(
+        path=str(tmp_path / "s.parquet"), batch_size=2, eval_negatives=2, num_items=9, shuffle_window=24
+    )
+    with pytest.raises(DataFileError, match=r"row group 2, column 'item_ids': item id 12 outside"):
+        list(RankData(cfg, 0, 1).train_loader())
 
 
 # -- recsys-data inspect ----------------------------------------------------------------------------
@@ -553,8 +594,8 @@ def test_an_s3_uri_streams_the_same_batches_as_the_local_files(criteo, s3_endpoi
 
 
 def test_negatives_match_data_sequences_when_users_saw_most_items(tmp_path):
-    """12 items, sequences of up to 10: many users' first draw falls short of one negative per
-    target, and the refill draws from the same stream as `data=sequences`."""
+    """12 items, sequences of up to 10: many draws are rejected and redrawn (several rounds),
+    the same in both sources."""
     rng = np.random.default_rng(4)
     seqs = [list(rng.integers(0, 12, rng.integers(4, 11))) for _ in range(60)]
     (tmp_path / "s.txt").write_text("".join(f"{u} {i}\n" for u, s in enumerate(seqs, 1) for i in s))

@@ -11,8 +11,8 @@ import pytest
 from _process_group import one_rank_group
 
 from recsys_pipe.config import ConfigError
-from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, build_parts, resolve_resume, training_plan
+from recsys_pipe.testing import fit_run
+from recsys_pipe.train import resolve_resume
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,19 +49,6 @@ def files(tmp_path_factory):
     return str(d / "criteo"), str(d / "seq.parquet")
 
 
-def _fit(info, overrides, run_dir=None, restore=None):
-    run = load_run(*overrides)
-    if run_dir is not None:
-        run_dir.mkdir()
-    trainer = Trainer(build_parts(run, training_plan(run), info, str(run_dir) if run_dir else None))
-    try:
-        if restore is not None:
-            trainer.restore(restore)
-        return trainer.fit(record_steps=True)
-    finally:
-        trainer.close()
-
-
 def _criteo(path: str) -> list[str]:
     return [
         "trainer=smoke",
@@ -84,11 +71,11 @@ def test_a_resume_mid_epoch_is_bitwise_under_a_lookahead_plan_with_workers(info,
     """Epochs of 12 batches (2 held out): checkpoint at step 7, resume into epoch 2."""
     criteo, _ = files
     base = _criteo(criteo)
-    reference = _fit(info, [*base, "pipeline=serial"])
+    reference = fit_run(info, [*base, "pipeline=serial"])
     assert len(reference.losses) == 24
     plan = [*base, "pipeline=sparse_dist", "data.num_workers=2"]
-    first = _fit(info, [*plan, "trainer.max_steps=7", "trainer.checkpoint.interval=7"], run_dir=tmp_path / "a")
-    second = _fit(info, plan, restore=str(resolve_resume(tmp_path / "a", "unused")))
+    first = fit_run(info, [*plan, "trainer.max_steps=7", "trainer.checkpoint.interval=7"], run_dir=tmp_path / "a")
+    second = fit_run(info, plan, restore=str(resolve_resume(tmp_path / "a", "unused")))
     assert first.losses + second.losses == reference.losses
     assert first.sample_ids[0].tolist() == reference.sample_ids[0].tolist()
     assert [s.tolist() for s in second.sample_ids] == [s.tolist() for s in reference.sample_ids[7:]]
@@ -111,9 +98,9 @@ def test_retrieval_trains_on_sequence_parquet_and_resumes_bitwise(info, files, t
         "data.max_seq_len=8",
         "model.max_seq_len=8",
     ]
-    reference = _fit(info, base)
-    first = _fit(info, [*base, "trainer.max_steps=4", "trainer.checkpoint.interval=4"], run_dir=tmp_path / "s")
-    second = _fit(info, base, restore=str(resolve_resume(tmp_path / "s", "unused")))
+    reference = fit_run(info, base)
+    first = fit_run(info, [*base, "trainer.max_steps=4", "trainer.checkpoint.interval=4"], run_dir=tmp_path / "s")
+    second = fit_run(info, base, restore=str(resolve_resume(tmp_path / "s", "unused")))
     assert first.losses + second.losses == reference.losses
     assert reference.evals and "valid" in reference.evals[-1]
 
@@ -132,7 +119,7 @@ def test_a_bad_row_group_mid_run_stops_with_its_line_and_keeps_the_checkpoint(in
     path.write_bytes(bytes(data))
     overrides = [*_criteo(str(broken)), "data.shuffle=false", "trainer.checkpoint.interval=3", "trainer.eval_every=0"]
     with pytest.raises(ConfigError) as err:
-        _fit(info, overrides, run_dir=tmp_path / "run")
+        fit_run(info, overrides, run_dir=tmp_path / "run")
     text = str(err.value)
     assert text.startswith(f"data.path: {path}, row group 2: cannot be decoded (") and "\n" not in text
     # rows 700..799 are in the window of batches 9..11, pulled while step 9 trains (ahead of it):

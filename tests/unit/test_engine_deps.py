@@ -4,13 +4,13 @@ import pytest
 
 from recsys_pipe.engine import (
     DataSlot,
+    DependencyCycleError,
     EventWait,
-    Schedule,
-    ScheduleValidationError,
-    SchedulingError,
-    Stage,
     StreamPool,
     Task,
+    TaskGraph,
+    TaskGraphValidationError,
+    TaskGroup,
     compile_dependencies,
 )
 
@@ -22,17 +22,17 @@ def t(name, **fields):
 
 
 def sched(*tasks, streams=STREAMS):
-    return Schedule(stages=(Stage(tasks),), stream_slots=streams)
+    return TaskGraph(groups=(TaskGroup(tasks),), stream_slots=streams)
 
 
-def problems_of(schedule, pool=None):
-    with pytest.raises(ScheduleValidationError) as info:
-        compile_dependencies(schedule, pool)
+def problems_of(task_graph, pool=None):
+    with pytest.raises(TaskGraphValidationError) as info:
+        compile_dependencies(task_graph, pool)
     return info.value.problems
 
 
-def order_of(schedule):
-    return [x.name for x in compile_dependencies(schedule).order]
+def order_of(task_graph):
+    return [x.name for x in compile_dependencies(task_graph).order]
 
 
 # -- worked examples: Δ and slot offset of cross_iter_depends_on -------------------------------------
@@ -133,10 +133,10 @@ def test_topological_sort_breaks_ties_by_declaration_order():
 
 def test_stages_run_in_order_and_edges_may_not_point_backwards():
     a, b = t("a"), t("b", depends_on=["a"])
-    schedule = Schedule(stages=(Stage((b,)), Stage((a,))), stream_slots=("default",))
-    (problem,) = problems_of(schedule)
-    assert (problem.task, problem.field) == ("b", "depends_on") and "stage 1" in problem.message
-    ok = Schedule(stages=(Stage((a,)), Stage((b,))), stream_slots=("default",))
+    task_graph = TaskGraph(groups=(TaskGroup((b,)), TaskGroup((a,))), stream_slots=("default",))
+    (problem,) = problems_of(task_graph)
+    assert (problem.task, problem.field) == ("b", "depends_on") and "group 1" in problem.message
+    ok = TaskGraph(groups=(TaskGroup((a,)), TaskGroup((b,))), stream_slots=("default",))
     assert order_of(ok) == ["a", "b"]
 
 
@@ -192,7 +192,7 @@ def test_rule6_dependency_names_exist():
 
 
 def test_rule7_acyclic_names_the_cycle():
-    with pytest.raises(SchedulingError) as info:
+    with pytest.raises(DependencyCycleError) as info:
         compile_dependencies(
             sched(t("a", depends_on=["c"]), t("b", depends_on=["a"]), t("c", same_progress_sync=["b"]), t("d"))
         )

@@ -6,12 +6,12 @@ CUDA streams, with device reads that a missing wait would break; the bookkeeping
 """
 
 import pytest
-from _schedules import STREAMS, Trace, build, schedule_specs
 from _streams import DEPENDENCY_KINDS, DeviceTrace, EventLogPool, wait_violations
+from _task_graphs import STREAMS, Trace, build, task_graph_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recsys_pipe.engine import SchedulablePipeline, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, ThreadedExecutor
 from recsys_pipe.engine.testing import check_happens_before
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,12 +25,12 @@ EXECUTORS = {
 
 def traced(specs, executor, batches):
     trace = Trace()
-    schedule = build(specs, trace, STREAMS)
+    task_graph = build(specs, trace, STREAMS)
     pool, log = EventLogPool.recording(STREAMS)
-    with SchedulablePipeline(schedule, pool, executor) as pipe:
-        assert len(list(pipe.iterate(range(batches)))) == batches
-        graph = pipe.graph
-    return graph, pool, list(trace.reads), check_happens_before(log, schedule)
+    with PlanRunner(task_graph, pool, executor) as runner:
+        assert len(list(runner.iterate(range(batches)))) == batches
+        graph = runner.graph
+    return graph, pool, list(trace.reads), check_happens_before(log, task_graph)
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
@@ -65,7 +65,7 @@ def test_wait_check_catches_a_wait_on_the_wrong_batch():
     assert problems and problems[0].startswith("C[batch ") and "expected" in problems[0]
 
 
-@given(specs=schedule_specs(), batches=st.integers(0, 6), executor=st.sampled_from(sorted(EXECUTORS)))
+@given(specs=task_graph_specs(), batches=st.integers(0, 6), executor=st.sampled_from(sorted(EXECUTORS)))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_random_plans_wait_on_the_event_of_the_right_batch(specs, batches, executor):
     graph, pool, ran, happens_before = traced(specs, EXECUTORS[executor](), batches)
@@ -73,17 +73,17 @@ def test_random_plans_wait_on_the_event_of_the_right_batch(specs, batches, execu
     assert wait_violations(graph, pool, ran) == []
 
 
-@given(specs=schedule_specs(), batches=st.integers(0, 6), executor=st.sampled_from(sorted(EXECUTORS)))
+@given(specs=task_graph_specs(), batches=st.integers(0, 6), executor=st.sampled_from(sorted(EXECUTORS)))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_device_trace_bookkeeping_on_cpu(specs, batches, executor):
     """The CUDA tests' task body on CPU tensors, where every read is in order: it must find every
     producer instance it needs (or know it never runs) and report nothing."""
     trace = DeviceTrace(device="cpu", size=4)
-    schedule = trace.build(specs, STREAMS)
+    task_graph = trace.build(specs, STREAMS)
     pool, _ = EventLogPool.recording(STREAMS)
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor]()) as pipe:
-        list(pipe.iterate(range(batches)))
-        graph = pipe.graph
+    with PlanRunner(task_graph, pool, EXECUTORS[executor]()) as runner:
+        list(runner.iterate(range(batches)))
+        graph = runner.graph
     assert sorted(trace.ran) == sorted((s["name"], b) for s in specs for b in range(batches))
     assert trace.violations() == []
     assert wait_violations(graph, pool, trace.ran) == []
@@ -92,7 +92,7 @@ def test_device_trace_bookkeeping_on_cpu(specs, batches, executor):
 def test_device_trace_reports_a_read_that_saw_an_unwritten_output():
     specs, _, _ = DEPENDENCY_KINDS["slot_read_next_batch"]
     trace = DeviceTrace(device="cpu", size=4)
-    list(SchedulablePipeline(trace.build(specs, STREAMS)).iterate(range(3)))
+    list(PlanRunner(trace.build(specs, STREAMS)).iterate(range(3)))
     assert trace.violations() == [] and len(trace.reads) == 3
     trace.reads[1][-1].fill_(-1)  # what a copy racing ahead of X's write would have seen
     assert trace.violations() == [

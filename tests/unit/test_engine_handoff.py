@@ -4,20 +4,20 @@ The caching-allocator hazard itself exists only on CUDA: tests/cuda/test_cuda_al
 """
 
 import pytest
-from _schedules import handoff_schedule, handoff_value
+from _task_graphs import handoff_task_graph, handoff_value
 
-from recsys_pipe.engine import SchedulablePipeline, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, ThreadedExecutor
 
 
 @pytest.mark.parametrize("executor", ["sequential", "threaded"])
 @pytest.mark.parametrize("record_stream", ["producer", "consumer", "none"])
 def test_handoff_plan_on_cpu(record_stream, executor):
     executor = ThreadedExecutor() if executor == "threaded" else executor
-    with SchedulablePipeline(handoff_schedule(record_stream), executor=executor) as pipe:
-        results = list(pipe.iterate(range(5)))
+    with PlanRunner(handoff_task_graph(record_stream), executor=executor) as runner:
+        results = list(runner.iterate(range(5)))
     assert [sorted(set(r.tolist())) for r in results] == [[handoff_value(b)] for b in range(5)]
 
 
 def test_handoff_plan_rejects_an_unknown_placement():
     with pytest.raises(ValueError, match="record_stream must be producer, consumer or none"):
-        handoff_schedule("both")
+        handoff_task_graph("both")

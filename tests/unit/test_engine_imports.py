@@ -1,4 +1,4 @@
-"""Layering: the engine and the schedule tooling stay importable without the training stack."""
+"""Layering: the engine and the task graph tooling stay importable without the training stack."""
 
 import subprocess
 import sys

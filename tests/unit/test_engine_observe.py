@@ -3,16 +3,16 @@
 import threading
 
 import pytest
-from _schedules import Trace, build
+from _task_graphs import Trace, build
 
-import recsys_pipe.engine.pipeline as pipeline_module
+import recsys_pipe.engine.plan_runner as plan_runner_module
 from recsys_pipe.engine import (
-    PipelineBrokenError,
-    SchedulablePipeline,
-    Schedule,
+    PlanRunner,
+    PlanRunnerBrokenError,
     SpanRecorder,
     Task,
     TaskFailedError,
+    TaskGraph,
     TaskObserver,
     ThreadedExecutor,
 )
@@ -65,8 +65,8 @@ def test_hooks_bracket_every_task_and_iteration(executor):
     calls = Calls()
     trace = Trace(jitter=0.001)
     m = 5
-    with SchedulablePipeline(build(SPECS, trace), executor=EXECUTORS[executor](), observer=calls) as pipe:
-        assert len(list(pipe.iterate(range(m)))) == m
+    with PlanRunner(build(SPECS, trace), executor=EXECUTORS[executor](), observer=calls) as runner:
+        assert len(list(runner.iterate(range(m)))) == m
     caller = threading.current_thread().name
     iterations = m + 2  # two prefill iterations, the drain overlaps them
     assert [c[1] for c in calls.calls if c[0] == "iteration_started"] == list(range(iterations))
@@ -100,8 +100,8 @@ def test_task_hooks_run_inside_the_task_stream_context(executor):
     """A profiler records CUDA events in `task_started`/`task_finished`: they must land on the
     task's stream, between its event waits and its completion event."""
     trace = Trace()
-    schedule = build(SPECS, trace)
-    pool, log = recording_pool(schedule.stream_slots)
+    task_graph = build(SPECS, trace)
+    pool, log = recording_pool(task_graph.stream_slots)
 
     class OnStream(TaskObserver):
         def task_started(self, task, batch_index, iteration):
@@ -110,8 +110,8 @@ def test_task_hooks_run_inside_the_task_stream_context(executor):
         def task_finished(self, task, batch_index, iteration, failed):
             log.append(StreamOp(task.stream, "observer_end", (task.name, batch_index)))
 
-    with SchedulablePipeline(schedule, pool, EXECUTORS[executor](), observer=OnStream()) as pipe:
-        list(pipe.iterate(range(4)))
+    with PlanRunner(task_graph, pool, EXECUTORS[executor](), observer=OnStream()) as runner:
+        list(runner.iterate(range(4)))
     by_label: dict = {}
     for op in log.ops:
         if op.kind in ("begin", "observer_start", "observer_end", "end"):
@@ -122,7 +122,7 @@ def test_task_hooks_run_inside_the_task_stream_context(executor):
         assert ops == [(k, stream) for k in ("begin", "observer_start", "observer_end", "end")]
     plain = [op for op in log.ops if not op.kind.startswith("observer")]
     log.ops[:] = plain
-    assert check_happens_before(log, schedule) == []
+    assert check_happens_before(log, task_graph) == []
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
@@ -133,46 +133,44 @@ def test_failure_is_reported_to_the_observer(executor):
 
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in SPECS]
     calls = Calls()
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=EXECUTORS[executor](), observer=calls)
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=EXECUTORS[executor](), observer=calls)
     it = iter(range(5))
     with pytest.raises(TaskFailedError, match="task 'fwd' failed on batch 1"):
-        list(pipe.iterate(it))
+        list(runner.iterate(it))
     assert ("task_finished", "fwd", 1, 3, True) in [c[:5] for c in calls.calls]
     assert [c[:3] for c in calls.calls if c[0] == "iteration_finished"][-1] == ("iteration_finished", 3, True)
     assert [c[1] for c in calls.calls if c[0] == "tasks_done"] == [0, 1, 2]  # not for the failed iteration
     assert all(c[4] is False for c in calls.calls if c[0] == "task_finished" and c[1:3] != ("fwd", 1))
-    with pytest.raises(PipelineBrokenError):
-        pipe.progress(it)
-    pipe.shutdown()
+    with pytest.raises(PlanRunnerBrokenError):
+        runner.progress(it)
+    runner.shutdown()
 
 
 def test_observer_attaches_and_detaches_between_steps():
     recorder = SpanRecorder()
-    pipe = SchedulablePipeline(build(SPECS, Trace()), executor=ThreadedExecutor("by_stream"))
+    runner = PlanRunner(build(SPECS, Trace()), executor=ThreadedExecutor("by_stream"))
     it = iter(range(8))
-    pipe.progress(it)  # iterations 0-2, unobserved
-    pipe.observer = recorder
-    assert pipe.observer is recorder
-    pipe.progress(it)  # iteration 3
-    pipe.progress(it)  # iteration 4
-    pipe.observer = None
-    list(pipe.iterate(it))
+    runner.progress(it)  # iterations 0-2, unobserved
+    runner.observer = recorder
+    assert runner.observer is recorder
+    runner.progress(it)  # iteration 3
+    runner.progress(it)  # iteration 4
+    runner.observer = None
+    list(runner.iterate(it))
     assert [s.iteration for s in recorder.iterations()] == [3, 4]
     assert sorted({s.iteration for s in recorder.spans()}) == [3, 4]
     assert len(recorder.spans()) == 2 * len(SPECS)
     with pytest.raises(TypeError, match="TaskObserver"):
-        pipe.observer = object()
-    pipe.shutdown()
+        runner.observer = object()
+    runner.shutdown()
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
 def test_span_recorder_spans_threads_windows_and_clear(executor):
     recorder = SpanRecorder()
     m = 6
-    with SchedulablePipeline(
-        build(SPECS, Trace(jitter=0.002)), executor=EXECUTORS[executor](), observer=recorder
-    ) as pipe:
-        list(pipe.iterate(range(m)))
+    with PlanRunner(build(SPECS, Trace(jitter=0.002)), executor=EXECUTORS[executor](), observer=recorder) as runner:
+        list(runner.iterate(range(m)))
     spans = recorder.spans()
     assert sorted((s.task, s.batch_index) for s in spans) == sorted((s["name"], b) for s in SPECS for b in range(m))
     assert all(s.end_s >= s.start_s and s.duration_s >= 0 and not s.failed for s in spans)
@@ -199,7 +197,7 @@ def test_span_recorder_spans_threads_windows_and_clear(executor):
 
 
 class NvtxLog:
-    """Stands in for the `nvtx` module in the pipeline, to see which ranges are opened."""
+    """Stands in for the `nvtx` module in the plan runner, to see which ranges are opened."""
 
     def __init__(self):
         self.ops = []
@@ -214,16 +212,16 @@ class NvtxLog:
 @pytest.mark.parametrize("nvtx_ranges, expected", [(None, False), (True, True), (False, False)])
 def test_nvtx_ranges_only_when_asked_or_on_cuda(monkeypatch, nvtx_ranges, expected):
     ranges = NvtxLog()
-    monkeypatch.setattr(pipeline_module, "nvtx", ranges)
+    monkeypatch.setattr(plan_runner_module, "nvtx", ranges)
 
     def body(ctx):
         if ctx.batch_index == 2:
             raise ValueError("boom")
 
     tasks = [Task.from_fn("a", body, nvtx_tag="tag_a"), Task.from_fn("b", body)]
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks), nvtx_ranges=nvtx_ranges)
+    runner = PlanRunner(TaskGraph.single_group(tasks), nvtx_ranges=nvtx_ranges)
     with pytest.raises(TaskFailedError):
-        list(pipe.iterate(range(4)))
+        list(runner.iterate(range(4)))
     if expected:  # balanced even around the failing task
         assert ranges.ops == [op for _ in range(2) for op in (("push", "tag_a"), ("pop",), ("push", "b"), ("pop",))] + [
             ("push", "tag_a"),

@@ -1,5 +1,5 @@
 """Shortcut replay: what a skipped task leaves for the tasks after it, values and gradients;
-DeclaredIO; refusals; and that a pipeline without shortcuts runs tasks exactly as before."""
+DeclaredIO; refusals; and that a plan runner without shortcuts runs tasks exactly as before."""
 
 import threading
 
@@ -10,13 +10,13 @@ from recsys_pipe.engine import (
     DataSlot,
     DeclaredIO,
     FnTask,
-    SchedulablePipeline,
-    Schedule,
+    PlanRunner,
     Task,
+    TaskGraph,
     ThreadedExecutor,
     declare_effects,
 )
-from recsys_pipe.engine.errors import ScheduleValidationError
+from recsys_pipe.engine.errors import TaskGraphValidationError
 from recsys_pipe.engine.shortcut import ShortcutRun, graft
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ def batches(n, seed=0):
 # -- values --------------------------------------------------------------------------------------
 
 
-def value_pipeline(executor, calls):
+def value_runner(executor, calls):
     """src -> mid (adds, replaces and deletes slots, one of them at lookahead 1) -> out."""
 
     def src(ctx):
@@ -51,8 +51,8 @@ def value_pipeline(executor, calls):
         y = ctx.slots["y"]
         ctx.slots.set("step_result", (ctx.batch_index, y["sum"].clone(), y["parts"][1][1], ctx.slots["x"].clone()))
 
-    return SchedulablePipeline(
-        Schedule.single_stage(
+    return PlanRunner(
+        TaskGraph.single_group(
             [
                 Task.from_fn("src", src, lookahead=1, reads=["batch_cpu"], writes=["x", "scratch"]),
                 Task.from_fn("mid", mid, lookahead=1, reads=["x", "scratch"], writes=[DataSlot("y", 1)]),
@@ -67,15 +67,15 @@ def value_pipeline(executor, calls):
 def test_replay_gives_later_tasks_what_the_caching_run_produced(executor):
     data = batches(6)
     calls = []
-    with value_pipeline(executor, calls) as pipe:
-        reference = list(pipe.iterate(data))
+    with value_runner(executor, calls) as runner:
+        reference = list(runner.iterate(data))
         calls.clear()
-        pipe.enable_shortcut(["mid"])
-        assert pipe.shortcuts == {"mid"}
-        replayed = list(pipe.iterate(data))
+        runner.enable_shortcut(["mid"])
+        assert runner.shortcuts == {"mid"}
+        replayed = list(runner.iterate(data))
         assert calls == [0]  # ran once (the caching run), then replayed
-        pipe.disable_shortcut("mid")
-        again = list(pipe.iterate(data))
+        runner.disable_shortcut("mid")
+        again = list(runner.iterate(data))
     assert calls == [0, *range(6)]
     first = reference[0]
     for index, (batch, total, tag, x) in enumerate(replayed):
@@ -95,14 +95,14 @@ def test_cached_tensors_are_clones_not_the_tasks_own():
     def out(ctx):
         ctx.slots.set("step_result", ctx.slots["y"].clone())
 
-    pipe = SchedulablePipeline(
-        Schedule.single_stage(
+    runner = PlanRunner(
+        TaskGraph.single_group(
             [Task.from_fn("mid", mid, writes=["y"]), Task.from_fn("out", out, reads=["y"], writes=["step_result"])]
         )
     )
-    pipe.enable_shortcut("mid")
+    runner.enable_shortcut("mid")
     results = []
-    for r in pipe.iterate(range(3)):
+    for r in runner.iterate(range(3)):
         results.append(r)
         produced[0].add_(10)  # changing the task's own tensor afterwards does not change the replay
     assert [r.tolist() for r in results] == [[1.0, 1.0, 1.0]] * 3
@@ -116,20 +116,20 @@ def test_unknown_names_and_effects_without_io_are_refused():
     noop = Task.from_fn("noop", lambda ctx: None)
     effectful = Task.from_fn("effectful", writes_registry)
     assert effectful.effects == "writes the registry" and effectful.io == ()
-    pipe = SchedulablePipeline(Schedule.single_stage([noop, effectful]))
+    runner = PlanRunner(TaskGraph.single_group([noop, effectful]))
     with pytest.raises(KeyError, match="'nope'"):
-        pipe.enable_shortcut(["noop", "nope"])
+        runner.enable_shortcut(["noop", "nope"])
     with pytest.raises(ValueError, match=r"task 'effectful' cannot be shortcut: .*: writes the registry"):
-        pipe.enable_shortcut(["noop", "effectful"])
-    assert pipe.shortcuts == frozenset()  # nothing enabled by a refused call
-    pipe.enable_shortcut("noop")
-    assert pipe.shortcuts == {"noop"}
+        runner.enable_shortcut(["noop", "effectful"])
+    assert runner.shortcuts == frozenset()  # nothing enabled by a refused call
+    runner.enable_shortcut("noop")
+    assert runner.shortcuts == {"noop"}
 
 
 def test_task_fields_validate_effects_and_io():
-    with pytest.raises(ScheduleValidationError, match="io"):
+    with pytest.raises(TaskGraphValidationError, match="io"):
         Task.from_fn("t", lambda ctx: None, io=[lambda: None])
-    with pytest.raises(ScheduleValidationError, match="effects"):
+    with pytest.raises(TaskGraphValidationError, match="effects"):
         Task.from_fn("t", lambda ctx: None, effects="")
     io = DeclaredIO(lambda ctx: None, lambda ctx, v: None)
     assert Task.from_fn("t", lambda ctx: None, effects="x", io=io).io == (io,)
@@ -164,8 +164,8 @@ def test_declared_io_restores_external_state_on_every_replay(executor):
         ctx.slots.set("step_result", (registry.pop("batch_seen"), ctx.slots["marker"]))
 
     data = batches(5)
-    pipe = SchedulablePipeline(
-        Schedule.single_stage(
+    runner = PlanRunner(
+        TaskGraph.single_group(
             [
                 Task.from_fn("register", register, reads=["batch_cpu"], writes=["marker"]),
                 Task.from_fn("consume", consume, reads=["marker"], writes=["step_result"]),
@@ -173,9 +173,9 @@ def test_declared_io_restores_external_state_on_every_replay(executor):
         ),
         executor=EXECUTORS[executor](),
     )
-    with pipe:
-        pipe.enable_shortcut("register")
-        results = list(pipe.iterate(data))
+    with runner:
+        runner.enable_shortcut("register")
+        results = list(runner.iterate(data))
     assert runs == [0]
     assert results == [(0, 0)] * 5  # the state and the slot of the caching run, every time
 
@@ -195,9 +195,9 @@ def test_declared_io_values_are_fresh_copies():
         state["t"] = torch.arange(3.0)
 
     task = Task.from_fn("p", producer, effects="sets state['t']", io=[DeclaredIO(capture, restore)])
-    pipe = SchedulablePipeline(Schedule.single_stage([task]))
-    pipe.enable_shortcut("p")
-    list(pipe.iterate(range(4)))
+    runner = PlanRunner(TaskGraph.single_group([task]))
+    runner.enable_shortcut("p")
+    list(runner.iterate(range(4)))
     assert len(seen) == 3
     assert all(torch.equal(t, torch.arange(3.0)) for t in seen)
     assert len({id(t) for t in seen}) == 3 and len({t.data_ptr() for t in seen}) == 3
@@ -268,9 +268,9 @@ def expected_grads(model, x, z_cached):
 def test_replayed_gradients_are_exact_and_upstream_gets_exact_zeros(executor, skip):
     model = Model(skip)
     data = batches(5, seed=3)
-    with SchedulablePipeline(Schedule.single_stage(model.tasks()), executor=EXECUTORS[executor]()) as pipe:
-        pipe.enable_shortcut("mid")
-        results = list(pipe.iterate(data))
+    with PlanRunner(TaskGraph.single_group(model.tasks()), executor=EXECUTORS[executor]()) as runner:
+        runner.enable_shortcut("mid")
+        results = list(runner.iterate(data))
     assert model.mid_runs == 1
     z_cached = results[0][0]
     for x, (z, grads) in list(zip(data, results))[1:]:  # the replays
@@ -303,15 +303,15 @@ def test_replay_under_no_grad_does_not_track():
     def read(ctx):
         ctx.slots.set("step_result", ctx.slots["y"].requires_grad)
 
-    pipe = SchedulablePipeline(
-        Schedule.single_stage(
+    runner = PlanRunner(
+        TaskGraph.single_group(
             [Task.from_fn("make", make, writes=["y"]), Task.from_fn("read", read, reads=["y"], writes=["step_result"])]
         )
     )
-    pipe.enable_shortcut("make")
-    assert list(pipe.iterate(range(2))) == [True, True]
+    runner.enable_shortcut("make")
+    assert list(runner.iterate(range(2))) == [True, True]
     with torch.no_grad():
-        assert list(pipe.iterate(range(2))) == [False, False]
+        assert list(runner.iterate(range(2))) == [False, False]
 
 
 # -- no shortcut: nothing in the way -------------------------------------------------------------
@@ -325,16 +325,16 @@ def test_without_shortcuts_tasks_run_their_own_run_method():
             ran.append((self.name, threading.current_thread().name))
 
     tasks = [Counting("a"), Counting("b", depends_on=["a"])]
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks))
-    records = list(pipe._records.values())
+    runner = PlanRunner(TaskGraph.single_group(tasks))
+    records = list(runner._records.values())
     assert [r.run for r in records] == [t.run for t in tasks]
-    assert pipe._plain  # the per-task path is just `task.run(ctx)`
-    pipe.enable_shortcut("a")
-    assert isinstance(pipe._records[tasks[0]].run, ShortcutRun) and not pipe._plain
-    pipe.disable_shortcut("a")
+    assert runner._plain  # the per-task path is just `task.run(ctx)`
+    runner.enable_shortcut("a")
+    assert isinstance(runner._records[tasks[0]].run, ShortcutRun) and not runner._plain
+    runner.disable_shortcut("a")
     assert [r.run for r in records] == [t.run for t in tasks]  # back to the task's own method
-    assert pipe._plain
-    list(pipe.iterate(range(2)))
+    assert runner._plain
+    list(runner.iterate(range(2)))
     assert [name for name, _ in ran] == ["a", "b", "a", "b"]
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from recsys_pipe.engine import DataSlot, ScheduleValidationError, Task
+from recsys_pipe.engine import DataSlot, Task, TaskGraphValidationError
 
 
 class CountTokens(Task):
@@ -66,7 +66,7 @@ def test_replace_reresolves_bare_slots_at_new_lookahead():
     ],
 )
 def test_task_level_mistakes_raise_at_construction(fields, field, fragment):
-    with pytest.raises(ScheduleValidationError) as info:
+    with pytest.raises(TaskGraphValidationError) as info:
         Task.from_fn("t", lambda ctx: None, **fields)
     problem = info.value.problems[0]
     assert (problem.task, problem.field) == ("t", field)

@@ -8,17 +8,17 @@ import threading
 import time
 
 import pytest
-from _schedules import Trace, build, schedule_specs
+from _task_graphs import Trace, build, task_graph_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.engine import (
-    PipelineBrokenError,
-    SchedulablePipeline,
-    Schedule,
-    Stage,
+    PlanRunner,
+    PlanRunnerBrokenError,
     Task,
     TaskFailedError,
+    TaskGraph,
+    TaskGroup,
     ThreadedExecutor,
     resolve_thread_map,
 )
@@ -38,11 +38,11 @@ THREAD_MAPS = {
 
 def traced_run(specs, executor, m, jitter=0.0, seed=0):
     trace = Trace(jitter=jitter, seed=seed)
-    schedule = build(specs, trace)
-    pool, log = recording_pool(schedule.stream_slots)
-    with SchedulablePipeline(schedule, pool, executor) as pipe:
-        results = list(pipe.iterate(range(m)))
-    return trace, results, check_happens_before(log, schedule)
+    task_graph = build(specs, trace)
+    pool, log = recording_pool(task_graph.stream_slots)
+    with PlanRunner(task_graph, pool, executor) as runner:
+        results = list(runner.iterate(range(m)))
+    return trace, results, check_happens_before(log, task_graph)
 
 
 HAND_WRITTEN = [
@@ -63,7 +63,7 @@ HAND_WRITTEN = [
 
 
 @pytest.mark.parametrize("thread_map", sorted(THREAD_MAPS))
-def test_threaded_equals_sequential_on_hand_written_schedule(thread_map):
+def test_threaded_equals_sequential_on_hand_written_task_graph(thread_map):
     ref, ref_results, ref_violations = traced_run(HAND_WRITTEN, "sequential", 9)
     got, results, violations = traced_run(HAND_WRITTEN, ThreadedExecutor(THREAD_MAPS[thread_map]()), 9, jitter=0.002)
     assert ref_violations == violations == []
@@ -72,13 +72,13 @@ def test_threaded_equals_sequential_on_hand_written_schedule(thread_map):
 
 
 @given(
-    specs=schedule_specs(),
+    specs=task_graph_specs(),
     m=st.integers(0, 6),
     thread_map=st.sampled_from(sorted(THREAD_MAPS)),
     seed=st.integers(0, 1000),
 )
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_threaded_equals_sequential_on_random_schedules(specs, m, thread_map, seed):
+def test_threaded_equals_sequential_on_random_task_graphs(specs, m, thread_map, seed):
     ref, ref_results, _ = traced_run(specs, "sequential", m)
     got, results, violations = traced_run(
         specs, ThreadedExecutor(THREAD_MAPS[thread_map]()), m, jitter=0.001, seed=seed
@@ -111,14 +111,14 @@ def test_nccl_ticket_order_is_topological_order_under_random_delays():
         task("finalize", lookahead=0, depends_on=["backward"]),
     ]
     executor = ThreadedExecutor("per_task")
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=executor)
-    topo_nccl = [t.name for t in pipe.graph.order if t.nccl]
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=executor)
+    topo_nccl = [t.name for t in runner.graph.order if t.nccl]
     assert topo_nccl == ["shuffle", "start_dist", "wait_dist", "tokens", "backward", "finalize"]
-    list(pipe.iterate(range(12)))
+    list(runner.iterate(range(12)))
     assert sorted(issued) == list(range(14))
     for _i, names in issued.items():  # issue order == topological order of that iteration's nccl tasks
         assert names == [name for name in topo_nccl if name in names]
-    pipe.shutdown()
+    runner.shutdown()
 
 
 def draw_thread_map(data, names):
@@ -158,7 +158,7 @@ def assert_nccl_order(events, order, ran):
         assert seq == [(kind, name) for name in expected for kind in ("start", "end")], f"iteration {i}: {seq}"
 
 
-@given(specs=schedule_specs(), m=st.integers(0, 6), data=st.data(), seed=st.integers(0, 1000))
+@given(specs=task_graph_specs(), m=st.integers(0, 6), data=st.data(), seed=st.integers(0, 1000))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_random_thread_assignment_and_nccl_flags_match_sequential(specs, m, data, seed):
     """Stress for the latches: any split of the tasks over threads (and folding by max_workers)
@@ -172,15 +172,15 @@ def test_random_thread_assignment_and_nccl_flags_match_sequential(specs, m, data
     trace, events, lock = Trace(), [], threading.Lock()
     body = nccl_checked_body(trace, events, lock, random.Random(seed))
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in specs]
-    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
-    pool, log = recording_pool(schedule.stream_slots)
-    with SchedulablePipeline(schedule, pool, ThreadedExecutor(thread_map, max_workers)) as pipe:
-        results = list(pipe.iterate(range(m)))
-        order = pipe.graph.order
-    assert check_happens_before(log, schedule) == []
+    task_graph = TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    pool, log = recording_pool(task_graph.stream_slots)
+    with PlanRunner(task_graph, pool, ThreadedExecutor(thread_map, max_workers)) as runner:
+        results = list(runner.iterate(range(m)))
+        order = runner.graph.order
+    assert check_happens_before(log, task_graph) == []
     assert trace.reads == ref.reads and trace.writes == ref.writes and results == ref_results
     ran = {
-        (name, b + pipe.max_lookahead - next(t.lookahead for t in tasks if t.name == name)) for name, b in trace.reads
+        (name, b + runner.max_lookahead - next(t.lookahead for t in tasks if t.name == name)) for name, b in trace.reads
     }
     assert_nccl_order(events, order, ran)
 
@@ -212,17 +212,17 @@ def test_long_run_per_task_threads_keeps_results_and_collective_order():
     trace, events, lock = Trace(), [], threading.Lock()
     body = nccl_checked_body(trace, events, lock)
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in specs]
-    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor("per_task")) as pipe:
-        results = list(pipe.iterate(range(m)))
-        order = pipe.graph.order
+    task_graph = TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    with PlanRunner(task_graph, executor=ThreadedExecutor("per_task")) as runner:
+        results = list(runner.iterate(range(m)))
+        order = runner.graph.order
     assert results == ref_results and trace.reads == ref.reads
     ran = {(name, b + 2 - next(t.lookahead for t in tasks if t.name == name)) for name, b in trace.reads}
     assert_nccl_order(events, order, ran)
     assert len(events) == 2 * 5 * m
 
 
-@given(specs=schedule_specs(max_tasks=5), m=st.integers(1, 5), data=st.data())
+@given(specs=task_graph_specs(max_tasks=5), m=st.integers(1, 5), data=st.data())
 @settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_failure_injection_always_surfaces_and_never_hangs(specs, m, data):
     names = [s["name"] for s in specs]
@@ -242,18 +242,18 @@ def test_failure_injection_always_surfaces_and_never_hangs(specs, m, data):
         Task.from_fn(s["name"], body, nccl=nccl[s["name"]], **{k: v for k, v in s.items() if k != "name"})
         for s in specs
     ]
-    schedule = Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
+    task_graph = TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2"))
     before = threading.active_count()
-    pipe = SchedulablePipeline(schedule, executor=ThreadedExecutor(thread_map))
+    runner = PlanRunner(task_graph, executor=ThreadedExecutor(thread_map))
     it = iter(range(m))
     start = time.monotonic()
     with pytest.raises(TaskFailedError) as info:
-        list(pipe.iterate(it))
+        list(runner.iterate(it))
     assert (info.value.task, info.value.batch_index) == (victim, batch)
     assert isinstance(info.value.__cause__, RuntimeError) and str(info.value.__cause__) == "injected"
-    with pytest.raises(PipelineBrokenError):
-        pipe.progress(it)
-    pipe.shutdown()
+    with pytest.raises(PlanRunnerBrokenError):
+        runner.progress(it)
+    runner.shutdown()
     assert time.monotonic() - start < 10
     assert threading.active_count() == before  # every worker left its chain and stopped
 
@@ -273,11 +273,11 @@ def test_failure_cancels_tasks_not_yet_started():
         Task.from_fn("a", slow_ok, depends_on=["boom"]),
         Task.from_fn("b", slow_ok, depends_on=["a"]),
     ]
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor("per_task"))
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor("per_task"))
     with pytest.raises(TaskFailedError, match="task 'boom' failed on batch 0"):
-        pipe.progress(iter(range(3)))
+        runner.progress(iter(range(3)))
     assert ran == []
-    pipe.shutdown()
+    runner.shutdown()
 
 
 def test_thread_map_strategies_resolve_as_specified():
@@ -315,11 +315,11 @@ def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, ex
         trace.body(ctx)
 
     tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in HAND_WRITTEN]
-    pipe = SchedulablePipeline(
-        Schedule(stages=(Stage(tuple(tasks)),), stream_slots=("default", "s1", "s2")), None, executor
+    runner = PlanRunner(
+        TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=("default", "s1", "s2")), None, executor
     )
     for _ in range(3):  # workers are long-lived: iterations create no threads
-        list(pipe.iterate(range(6)))
+        list(runner.iterate(range(6)))
         assert executor.num_threads == expected
         assert threading.active_count() - before == expected - 1
         assert trace.reads == ref.reads
@@ -331,7 +331,7 @@ def test_thread_count_bounded_by_distinct_thread_ids(thread_map, max_workers, ex
         assert ran_on["t3"] == ran_on["t4"] == {threading.current_thread().name}
     if thread_map == "per_task":  # one lookahead-0 task each: the first in topological order
         assert ran_on["t3"] == {threading.current_thread().name}
-    pipe.shutdown()
+    runner.shutdown()
     assert threading.active_count() == before
 
 
@@ -356,8 +356,8 @@ def test_a_chain_waiting_on_another_thread_is_handed_over_when_its_trigger_opens
         Task.from_fn("d", body, depends_on=["c"]),
     ]
     executor = ThreadedExecutor("by_stream")
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=executor)
-    list(pipe.iterate(range(1)))  # starts the workers
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=executor)
+    list(runner.iterate(range(1)))  # starts the workers
 
     class Spy:  # the worker's job queue, noting what had run when a chain was handed over
         def __init__(self, worker):
@@ -375,8 +375,8 @@ def test_a_chain_waiting_on_another_thread_is_handed_over_when_its_trigger_opens
     for worker in executor._workers.values():
         worker.jobs = Spy(worker)  # read by the worker's loop at its next get()
     done.clear()
-    list(pipe.iterate(range(1)))
-    pipe.shutdown()
+    list(runner.iterate(range(1)))
+    runner.shutdown()
     when = dict(handed)
     assert len(handed) == 3 and when["io"] == ()
     assert "a" in when["s1"] and "b" not in when["s1"]
@@ -385,18 +385,18 @@ def test_a_chain_waiting_on_another_thread_is_handed_over_when_its_trigger_opens
 
 
 def test_shutdown_is_prompt_and_idempotent():
-    pipe = SchedulablePipeline(build(HAND_WRITTEN, Trace()), executor="threaded")
-    list(pipe.iterate(range(3)))
+    runner = PlanRunner(build(HAND_WRITTEN, Trace()), executor="threaded")
+    list(runner.iterate(range(3)))
     start = time.monotonic()
-    pipe.shutdown()
-    pipe.shutdown()
+    runner.shutdown()
+    runner.shutdown()
     assert time.monotonic() - start < 1
-    with pytest.raises(PipelineBrokenError, match="shut down"):
-        pipe.progress(iter(range(2)))
+    with pytest.raises(PlanRunnerBrokenError, match="shut down"):
+        runner.progress(iter(range(2)))
 
 
 @pytest.mark.parametrize("raised_on", ["caller", "worker"])
-def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_pipeline(raised_on):
+def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_runner(raised_on):
     def interrupt(ctx):
         if ctx.batch_index == 1:
             raise KeyboardInterrupt
@@ -411,14 +411,14 @@ def test_keyboard_interrupt_in_a_task_propagates_and_breaks_the_pipeline(raised_
         Task.from_fn("c", slow, depends_on=["b"]),
     ]
     before = threading.active_count()
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor("by_stream"))
     it = iter(range(4))
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        list(pipe.iterate(it))
-    with pytest.raises(PipelineBrokenError, match="KeyboardInterrupt in iteration 1"):
-        pipe.progress(it)
-    pipe.shutdown()
+        list(runner.iterate(it))
+    with pytest.raises(PlanRunnerBrokenError, match="KeyboardInterrupt in iteration 1"):
+        runner.progress(it)
+    runner.shutdown()
     assert time.monotonic() - start < 5 and threading.active_count() == before
 
 
@@ -472,7 +472,7 @@ def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
         Task.from_fn("after", record, stream="s2", depends_on=["c1"]),
     ]
     before = threading.active_count()
-    pipe = SchedulablePipeline(Schedule.single_stage(tasks), executor=ThreadedExecutor("by_stream"))
+    runner = PlanRunner(TaskGraph.single_group(tasks), executor=ThreadedExecutor("by_stream"))
     it = iter(range(4))
     # the handler is installed here, not inherited: a process started in the background by a
     # non-interactive shell (a CI job's `pytest &`) inherits SIGINT ignored, and Python then
@@ -481,7 +481,7 @@ def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
     start = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            list(pipe.iterate(it))
+            list(runner.iterate(it))
     finally:
         signal.signal(signal.SIGINT, previous)
     assert blocked.is_set() and handled.is_set()  # the state under test was reached
@@ -492,7 +492,7 @@ def test_signal_while_the_caller_waits_does_not_hang(caller_blocked_on):
         assert ("after", 1) not in ran
     else:
         assert ("c1", 1) in ran and ("c2", 1) in ran  # the caller's own tasks ran, then it waited
-    with pytest.raises(PipelineBrokenError):
-        pipe.progress(it)
-    pipe.shutdown()
+    with pytest.raises(PlanRunnerBrokenError):
+        runner.progress(it)
+    runner.shutdown()
     assert threading.active_count() == before

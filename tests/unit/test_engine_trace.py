@@ -11,7 +11,7 @@ from _profiling import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-from recsys_pipe.engine import RecordFunctionRanges, SchedulablePipeline, Schedule, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, Task, TaskGraph, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,7 +23,7 @@ def work(ctx):
 
 
 def plan():
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("h2d", work, stream="memcpy", lookahead=2, writes=["gpu"], nvtx_tag="copy batch"),
             Task.from_fn("dist", work, stream="comm", lookahead=1, reads=["gpu"], writes=["dist"]),
@@ -34,12 +34,12 @@ def plan():
 
 
 def profiled_ranges(tmp_path, **profile_kwargs):
-    schedule = plan()
-    labels = {t.label for t in schedule.tasks}
-    with SchedulablePipeline(schedule, executor=ThreadedExecutor("by_stream"), observer=RecordFunctionRanges()) as pipe:
-        list(pipe.iterate(range(2)))  # the worker threads exist before the profiler starts
+    task_graph = plan()
+    labels = {t.label for t in task_graph.tasks}
+    with PlanRunner(task_graph, executor=ThreadedExecutor("by_stream"), observer=RecordFunctionRanges()) as runner:
+        list(runner.iterate(range(2)))  # the worker threads exist before the profiler starts
         with profile(activities=[ProfilerActivity.CPU], **profile_kwargs) as prof:
-            list(pipe.iterate(range(BATCHES)))
+            list(runner.iterate(range(BATCHES)))
     return labels, annotations(chrome_trace_events(prof, tmp_path), labels)
 
 

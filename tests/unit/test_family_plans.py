@@ -53,7 +53,7 @@ def test_family_plans_restate_only_what_differs():
     texts = {p.stem: p.read_text() for p in (CONF_DIR / "pipeline").glob("*.yaml")}
     for name, parent in FAMILY.items():
         assert f"defaults:\n  - {parent}\n  - _self_\n" in texts[name], name
-        assert "#   stage" in texts[name], f"{name}: no stage/stream table in its header"
+        assert "#   part" in texts[name], f"{name}: no part/stream table in its header"
     assert texts["prefetch"].count("fn: ") == 1  # prefetch_embeddings, the one task sparse_dist lacks
     assert texts["fused_sparse_dist"].count("fn: ") == 1  # start_embedding_lookup
     assert texts["semi_sync"].count("fn: ") == 3  # the stale and the synced lookup, embedding_backward

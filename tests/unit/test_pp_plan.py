@@ -7,7 +7,7 @@ becomes its engine plan, transfers included (`action_schedule`).
 
 import pytest
 
-from recsys_pipe.engine import SchedulablePipeline, Schedule, Task
+from recsys_pipe.engine import PlanRunner, Task, TaskGraph
 from recsys_pipe.pp.actions import action_schedule, stage_ranks
 from recsys_pipe.pp.schedules import resolve_schedule
 from recsys_pipe.pp_schedules.actions import PipelineSchedule
@@ -29,7 +29,7 @@ def engine_order(plan):
         Task.from_fn(kind, record(kind), lookahead=k, reads=slots[kind][0], writes=slots[kind][1])
         for kind, k in computes
     ]
-    with SchedulablePipeline(Schedule.single_stage(tasks)) as pipeline:
+    with PlanRunner(TaskGraph.single_group(tasks)) as pipeline:
         for _ in pipeline.iterate(iter(range(plan.microbatches))):
             pass
     return log

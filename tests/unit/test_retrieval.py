@@ -11,15 +11,19 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _process_group import one_rank_group
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.data.loader import RankData
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.sequences import (
     CAND_KEY,
     CATALOG_KEY,
@@ -152,6 +156,115 @@ def test_negatives_are_unseen_seeded_and_fresh_every_epoch(tmp_path):
         sample = test[i]
         assert len(sample.candidates) == 11
         assert not set(sample.candidates[1:]) & set(ds.sequences[sample.sample_id])  # never an item the user saw
+
+
+# -- the negative sampler (recsys_pipe.data.negatives) ---------------------------------------------
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function on Python integers: an independent statement of the hash."""
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _reference_negatives(seed, domain, epoch, user, count, seen, num_items):
+    """The documented draw, one position and attempt at a time in plain Python (pins every draw:
+    an optimisation of `unseen_items` that changed any negative fails here)."""
+    key = _splitmix64(seed % (1 << 64))
+    for word in (domain, epoch, user):
+        key = _splitmix64(key ^ (word % (1 << 64)))
+    out = []
+    for j in range(count):
+        r = 0
+        while (item := _splitmix64(key ^ (r << 32 | j)) % num_items) in seen:
+            r += 1
+        out.append(item)
+    return out
+
+
+def _draw(users, counts, seen, num_items, seed=0, domain=TRAIN, epoch=0):
+    flat = np.array([i for s in seen for i in s], dtype=np.int64)
+    lengths = [len(s) for s in seen]
+    starts = np.cumsum([0, *lengths])[:-1]
+    return unseen_items(seed, domain, epoch, np.array(users), np.array(counts), flat, starts, lengths, num_items)
+
+
+def test_unseen_items_are_the_documented_hash_draws():
+    seen = [[0, 3, 3, 7], [], [1, 2, 4, 5, 6, 8, 9], [5]]
+    for seed, domain, epoch in ((0, TRAIN, 0), (-3, TRAIN, 7), (2**70 + 5, EVAL, 0)):
+        got = _draw([4, 0, 11, 2**40], [5, 3, 6, 0], seen, 10, seed, domain, epoch).tolist()
+        want = [
+            i
+            for u, c, s in zip([4, 0, 11, 2**40], [5, 3, 6, 0], seen)
+            for i in _reference_negatives(seed, domain, epoch, u, c, set(s), 10)
+        ]
+        assert got == want
+    assert _draw([4], [5], seen[:1], 10, domain=TRAIN).tolist() != _draw([4], [5], seen[:1], 10, domain=EVAL).tolist()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_users_negatives_do_not_depend_on_its_batch(data):
+    """Any batch of users (any order, any company) draws each user what it draws alone: unseen
+    items only, `count` of them."""
+    num_items = data.draw(st.integers(2, 30))
+    n = data.draw(st.integers(1, 8))
+    users = data.draw(st.lists(st.integers(0, 2**40), min_size=n, max_size=n, unique=True))
+    counts = data.draw(st.lists(st.integers(0, 12), min_size=n, max_size=n))
+    seen = [
+        data.draw(st.lists(st.integers(0, num_items - 1), max_size=num_items).filter(lambda s: len(set(s)) < num_items))
+        for _ in range(n)
+    ]
+    seed, epoch = data.draw(st.integers(-(2**63), 2**64)), data.draw(st.integers(0, 50))
+    batch = _draw(users, counts, seen, num_items, seed, TRAIN, epoch)
+    alone = [_draw([u], [c], [s], num_items, seed, TRAIN, epoch) for u, c, s in zip(users, counts, seen)]
+    assert batch.tolist() == np.concatenate(alone).tolist()
+    order = data.draw(st.permutations(range(n)))
+    shuffled = _draw(
+        [users[k] for k in order], [counts[k] for k in order], [seen[k] for k in order], num_items, seed, TRAIN, epoch
+    )
+    assert shuffled.tolist() == np.concatenate([alone[k] for k in order]).tolist()
+    for a, c, s in zip(alone, counts, seen):
+        assert len(a) == c and not set(a.tolist()) & set(s) and all(0 <= i < num_items for i in a.tolist())
+
+
+def test_unseen_items_are_uniform_over_the_unseen_ones():
+    """Chi-square over 7 unseen items of 10 (6 degrees of freedom): 70,000 draws over 10,000
+    users; 40 is far above the 0.1% quantile (22.5), so only a real bias fails it."""
+    seen = [[0, 4, 9]] * 10_000
+    draws = _draw(range(10_000), [7] * 10_000, seen, 10, seed=12)
+    observed = np.bincount(draws, minlength=10)
+    assert observed[[0, 4, 9]].sum() == 0
+    expected = len(draws) / 7
+    chi2 = float((((observed[observed > 0] - expected) ** 2) / expected).sum())
+    assert chi2 < 40, observed
+
+
+def test_the_last_unseen_item_is_found_and_a_user_who_saw_everything_is_refused():
+    for seed in range(5):
+        everything_but_5 = [i for i in range(64) if i != 5]
+        assert _draw([seed, 9], [20, 1], [everything_but_5, everything_but_5], 64, seed=seed).tolist() == [5] * 21
+    with pytest.raises(ConfigError, match="a user interacted with all 4 items: no negatives"):
+        _draw([1, 2], [0, 3], [[0, 1, 2, 3], [3, 2, 1, 1, 0]], 4)
+    assert _draw([1], [0], [[0, 1, 2, 3]], 4).tolist() == []  # no negatives asked: nothing refused
+
+
+def test_the_sequences_source_draws_with_the_shared_sampler(tmp_path):
+    data = read_interactions(_pairs(tmp_path))
+    ds = SequencesDataset(data, max_seq_len=50, eval_negatives=10, seed=3)
+    for index in (0, 5, len(ds) + 5):
+        sample = ds[index]
+        user, epoch = sample.sample_id, index // len(ds)
+        train = ds.sequences[user][:-2] if len(ds.sequences[user]) >= 3 else ds.sequences[user]
+        want = _reference_negatives(3, TRAIN, epoch, user, len(sample.targets), set(train), ds.num_items)
+        assert sample.negatives == want
+    sample = ds.split("test", 8)[0]
+    seq = ds.sequences[sample.sample_id]
+    assert sample.candidates[1:] == _reference_negatives(3, EVAL, 0, sample.sample_id, 10, set(seq), ds.num_items)
 
 
 def test_the_training_sampler_numbers_epochs_so_negatives_change(tmp_path):

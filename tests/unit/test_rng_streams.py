@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +17,8 @@ import torch
 from _process_group import one_rank_group
 from torch import nn
 
-from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, build_parts, resolve_resume, training_plan
+from recsys_pipe.testing import built_trainer, fit_run, load_run
+from recsys_pipe.train import resolve_resume
 
 STEPS = 6
 COMMON = [
@@ -64,17 +63,6 @@ def sequences(tmp_path_factory) -> list[str]:
 
 def _overrides(name: str, sequences: list[str]) -> list[str]:
     return [*COMMON, *([] if name == "hstu_small" else sequences), *MODELS[name]]
-
-
-def _fit(info, overrides: list[str], run_dir: Path | None = None, restore: str | None = None):
-    run = load_run(*overrides)
-    trainer = Trainer(build_parts(run, training_plan(run), info, str(run_dir) if run_dir else None))
-    try:
-        if restore is not None:
-            trainer.restore(restore)
-        return trainer.fit(record_steps=True)
-    finally:
-        trainer.close()
 
 
 # -- the dropout function and its generator -------------------------------------------------------
@@ -189,17 +177,16 @@ def test_every_shipped_models_dropout_draws_from_the_dropout_generator(sequences
 @pytest.mark.parametrize("name", list(MODELS))
 def test_evaluating_at_any_cadence_leaves_every_training_loss_bitwise_unchanged(info, sequences, name):
     overrides = _overrides(name, sequences)
-    never = _fit(info, [*overrides, "trainer.eval_every=0"])
-    often = _fit(info, [*overrides, "trainer.eval_every=2"])
+    never = fit_run(info, [*overrides, "trainer.eval_every=0"])
+    often = fit_run(info, [*overrides, "trainer.eval_every=2"])
     assert len(never.losses) == len(often.losses) == STEPS
     assert not never.evals and [e["step"] for e in often.evals] == [0, 2, 4, 6]
     assert often.losses == never.losses
 
 
 def test_evaluation_leaves_the_global_generators_as_it_found_them(info, sequences):
-    run = load_run(*_overrides("sasrec", sequences), "trainer.eval_every=0", "trainer.max_steps=2")
-    trainer = Trainer(build_parts(run, training_plan(run), info))
-    try:
+    overrides = [*_overrides("sasrec", sequences), "trainer.eval_every=0", "trainer.max_steps=2"]
+    with built_trainer(info, overrides) as trainer:
         trainer.fit()
         before = torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=False)
         first = trainer.evaluate()
@@ -208,8 +195,6 @@ def test_evaluation_leaves_the_global_generators_as_it_found_them(info, sequence
         assert np.array_equal(before[2]["state"]["key"], after[2]["state"]["key"])
         first.pop("selected")
         assert trainer.evaluate() == first  # the same stream at the same step
-    finally:
-        trainer.close()
 
 
 # -- checkpointed dropout stream -------------------------------------------------------------------
@@ -218,11 +203,11 @@ def test_evaluation_leaves_the_global_generators_as_it_found_them(info, sequence
 @pytest.mark.timeout(300)
 def test_a_resume_with_dropout_continues_bitwise_and_needs_the_dropout_state(info, sequences, tmp_path):
     overrides = [*_overrides("sasrec", sequences), "trainer.eval_every=2"]
-    reference = _fit(info, overrides)
+    reference = fit_run(info, overrides)
     (tmp_path / "a").mkdir()
-    first = _fit(info, [*overrides, "trainer.max_steps=3", "trainer.checkpoint.interval=3"], run_dir=tmp_path / "a")
+    first = fit_run(info, [*overrides, "trainer.max_steps=3", "trainer.checkpoint.interval=3"], run_dir=tmp_path / "a")
     checkpoint = resolve_resume(tmp_path / "a", "unused")
-    second = _fit(info, overrides, restore=str(checkpoint))
+    second = fit_run(info, overrides, restore=str(checkpoint))
     assert first.losses + second.losses == reference.losses
     # negative control: the checkpoint without its dropout state resumes on a fresh dropout stream
     control = tmp_path / "control"
@@ -231,5 +216,5 @@ def test_a_resume_with_dropout_continues_bitwise_and_needs_the_dropout_state(inf
     state = torch.load(rank_file, weights_only=True)
     assert state.pop("dropout")
     torch.save(state, rank_file)
-    fresh = _fit(info, overrides, restore=str(control))
+    fresh = fit_run(info, overrides, restore=str(control))
     assert fresh.losses[0] != reference.losses[3]

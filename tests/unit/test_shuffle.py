@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from recsys_pipe.data import ITEM_KEY, SequenceBatch, SyntheticConfig, SyntheticDataConfig, make_dataloader
 from recsys_pipe.data.batch import jagged_select, kjt_concat, kjt_select
 from recsys_pipe.data.criteo import CriteoBatch
-from recsys_pipe.engine import SchedulablePipeline, Schedule, StreamPool, Task, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, StreamPool, Task, TaskGraph, ThreadedExecutor
 from recsys_pipe.models import HSTUConfig
 from recsys_pipe.train import tasks
 from recsys_pipe.train.shuffle import BatchBalancer, ShufflePlan, assign_to_ranks, karmarkar_karp, solve_shuffle
@@ -234,7 +234,7 @@ def _run(executor, finish_lookahead: int, delays: list[float], batches) -> tuple
     state = TrainState(
         model=None, optimizer=None, device=torch.device("cpu"), streams=pool, balancer=BatchBalancer(_cost, solver)
     )
-    schedule = Schedule.single_stage(
+    task_graph = TaskGraph.single_group(
         [
             Task.from_fn(
                 "h2d",
@@ -265,8 +265,8 @@ def _run(executor, finish_lookahead: int, delays: list[float], batches) -> tuple
             Task.from_fn("train", _record, reads=["batch_gpu"], writes=["step_result"]),
         ]
     )
-    with SchedulablePipeline(schedule, pool, executor, state=state) as pipe:
-        results = list(pipe.iterate(batches))
+    with PlanRunner(task_graph, pool, executor, state=state) as runner:
+        results = list(runner.iterate(batches))
     state.close()
     return results, solved
 

@@ -30,7 +30,7 @@ from recsys_pipe.config import (
 from recsys_pipe.engine import STEP_RESULT, StreamPool, TaskContext
 from recsys_pipe.runtime import DistInfo
 from recsys_pipe.testing import load_run
-from recsys_pipe.train import build_pipeline, build_state, training_plan
+from recsys_pipe.train import build_plan_runner, build_state, training_plan
 from recsys_pipe.train import tasks as builtin
 from recsys_pipe.train.plan import derive_plan, idle_tasks
 from recsys_pipe.train.state import TrainState
@@ -222,8 +222,8 @@ def test_a_registered_function_need_not_be_importable_by_path():
 
     plan = compile_plan({"tasks": {"t": {"fn": "nested_task_xyz", "reads": ["batch_cpu"], "writes": [STEP_RESULT]}}})
     assert plan.graph.task("t").fn is nested
-    with build_pipeline(plan, StreamPool.create(plan.schedule.stream_slots), state=None) as pipe:
-        assert list(pipe.iterate(range(3))) == [0, -1, -2]
+    with build_plan_runner(plan, StreamPool.create(plan.task_graph.stream_slots), state=None) as runner:
+        assert list(runner.iterate(range(3))) == [0, -1, -2]
 
 
 def _user_tasks(tmp_path, monkeypatch) -> None:
@@ -254,8 +254,8 @@ def test_a_users_plain_function_runs_by_import_path(tmp_path, monkeypatch):
     path = "user_tasks_mod:plain"
     plan = compile_plan({"tasks": {"step": {"fn": path, "reads": ["batch_cpu"], "writes": [STEP_RESULT]}}})
     assert plan.specs == {} and plan.fn_paths() == {"step": path}
-    with build_pipeline(plan, StreamPool.create(plan.schedule.stream_slots), state=None) as pipe:
-        assert list(pipe.iterate(range(4))) == [0, 10, 20, 30]
+    with build_plan_runner(plan, StreamPool.create(plan.task_graph.stream_slots), state=None) as runner:
+        assert list(runner.iterate(range(4))) == [0, 10, 20, 30]
 
 
 def _with_task(run, name: str, fn: str, **fields):

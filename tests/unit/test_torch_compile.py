@@ -21,8 +21,7 @@ import torch
 from _process_group import one_rank_group
 
 from recsys_pipe.cli import train as train_cli
-from recsys_pipe.testing import load_run
-from recsys_pipe.train import Trainer, build_parts, training_plan
+from recsys_pipe.testing import built_trainer, load_run
 from recsys_pipe.train.torch_compile import CompileOptions
 
 STEPS = 5
@@ -50,17 +49,13 @@ def info():
 
 def _fit(info, *overrides: str) -> tuple[list[float], dict]:
     """Per-step losses, and what the run compiled with its state_dict keys."""
-    run = load_run(*overrides)
-    trainer = Trainer(build_parts(run, training_plan(run), info))
-    try:
+    with built_trainer(info, overrides) as trainer:
         losses = trainer.fit(record_steps=True).losses
         compiled = trainer.parts.compiled
         return losses, {
             "stats": compiled.stats() if compiled else None,
             "keys": list(trainer.state.model.state_dict()),
         }
-    finally:
-        trainer.close()
 
 
 def test_the_options_default_to_torch_compiles_own():

@@ -1,4 +1,4 @@
-"""Random valid schedules (hypothesis), a tracing task body and a cross-stream hand-off plan,
+"""Random valid task graphs (hypothesis), a tracing task body and a cross-stream hand-off plan,
 shared by the engine tests (CPU and tests/cuda).
 
 Every generated task reads its declared slots at their declared offsets, writes a value derived
@@ -16,8 +16,8 @@ import time
 import torch
 from hypothesis import strategies as st
 
-from recsys_pipe.engine import DataSlot, Schedule, Stage, Task, compile_dependencies
-from recsys_pipe.engine.errors import ScheduleValidationError
+from recsys_pipe.engine import DataSlot, Task, TaskGraph, TaskGroup, compile_dependencies
+from recsys_pipe.engine.errors import TaskGraphValidationError
 from recsys_pipe.engine.testing import cuda_spin
 
 STREAMS = ("default", "s1", "s2")
@@ -52,14 +52,14 @@ class Trace:
             self.order.append(key)
 
 
-def build(specs: list[dict], trace: Trace, streams=STREAMS) -> Schedule:
+def build(specs: list[dict], trace: Trace, streams=STREAMS) -> TaskGraph:
     tasks = [Task.from_fn(spec["name"], trace.body, **{k: v for k, v in spec.items() if k != "name"}) for spec in specs]
-    return Schedule(stages=(Stage(tuple(tasks)),), stream_slots=streams)
+    return TaskGraph(groups=(TaskGroup(tuple(tasks)),), stream_slots=streams)
 
 
 @st.composite
-def schedule_specs(draw, max_tasks: int = 6, max_lookahead: int = 3, streams=STREAMS) -> list[dict]:
-    """Specs of a random schedule that passes validation.
+def task_graph_specs(draw, max_tasks: int = 6, max_lookahead: int = 3, streams=STREAMS) -> list[dict]:
+    """Specs of a random task graph that passes validation.
 
     In-iteration edges (same-offset reads, same-lookahead depends_on, same_progress_sync) only
     point to earlier tasks, so the graph is acyclic; declaration order is then shuffled so the
@@ -112,8 +112,8 @@ def schedule_specs(draw, max_tasks: int = 6, max_lookahead: int = 3, streams=STR
     shuffled = [specs[i] for i in order]
     try:
         compile_dependencies(build(shuffled, Trace()))
-    except ScheduleValidationError as exc:  # rule 8 conflicts etc.: fall back to the valid prefix
-        raise AssertionError(f"generator produced an invalid schedule: {exc}") from exc
+    except TaskGraphValidationError as exc:  # rule 8 conflicts etc.: fall back to the valid prefix
+        raise AssertionError(f"generator produced an invalid task_graph: {exc}") from exc
     return shuffled
 
 
@@ -124,7 +124,7 @@ def handoff_value(batch: int) -> int:
     return 1000 + batch
 
 
-def handoff_schedule(record_stream: str, spin_ms: float = 0.0) -> Schedule:
+def handoff_task_graph(record_stream: str, spin_ms: float = 0.0) -> TaskGraph:
     """Memory made on one stream, read on another, dropped by the ring while the read may be queued.
 
     `make` (lookahead 1, stream "side") allocates a tensor holding `handoff_value(batch)`; `take`
@@ -157,7 +157,7 @@ def handoff_schedule(record_stream: str, spin_ms: float = 0.0) -> Schedule:
                 x.record_stream(torch.cuda.current_stream())
         ctx.slots.set("step_result", x.clone())
 
-    return Schedule.single_stage(
+    return TaskGraph.single_group(
         [
             Task.from_fn("take", take, reads=["x"], writes=["step_result"]),
             Task.from_fn("make", make, stream="side", lookahead=1, writes=["x"]),

@@ -1,4 +1,4 @@
-"""SchedulablePipeline: drives a compiled schedule over a stream of batches.
+"""PlanRunner: runs one plan (a compiled task graph) over a stream of batches.
 
 Internal iteration i pulls batch i into `ring.at(L)` (L = max lookahead) and fires every task of
 lookahead k with `L - k <= i < M + L - k` (M = batches pulled so far, final once the iterator is
@@ -17,14 +17,14 @@ import nvtx
 
 from recsys_pipe.engine.context import TaskContext
 from recsys_pipe.engine.deps import DependencyGraph, compile_dependencies
-from recsys_pipe.engine.errors import PipelineBrokenError, Problem, ScheduleValidationError, TaskFailedError
+from recsys_pipe.engine.errors import PlanRunnerBrokenError, Problem, TaskFailedError, TaskGraphValidationError
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import TaskObserver
-from recsys_pipe.engine.schedule import Schedule
 from recsys_pipe.engine.shortcut import ShortcutRun, shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing
 from recsys_pipe.engine.streams import StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, Task
+from recsys_pipe.engine.task_graph import TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) 
 
     Args:
         lookahead: the task's lookahead k.
-        max_lookahead: the schedule's largest lookahead L.
+        max_lookahead: the task graph's largest lookahead L.
         iteration: the internal iteration i (0 = the first, prefill included).
         num_batches: M, the batches pulled from the iterator so far.
 
@@ -45,7 +45,7 @@ def fires(lookahead: int, max_lookahead: int, iteration: int, num_batches: int) 
 
 
 class _TaskRecord:
-    """What running one task needs, resolved once per pipeline so the per-task path does no
+    """What running one task needs, resolved once per plan runner so the per-task path does no
     lookups: its event waits, whether it records an event, its NVTX label, and what runs it
     (`task.run`, or a `ShortcutRun` while a shortcut is enabled)."""
 
@@ -62,13 +62,13 @@ class _TaskRecord:
         self.records_event = task.name in needs_event
 
 
-class SchedulablePipeline:
-    """Runs `schedule` batch-ahead over an iterator; see the module docstring for semantics.
+class PlanRunner:
+    """Runs `task_graph` batch-ahead over an iterator; see the module docstring for semantics.
 
     Args:
-        schedule: the tasks and streams of one iteration: a `Schedule`, or its already compiled
+        task_graph: the tasks and streams of one iteration: a `TaskGraph`, or its already compiled
             `DependencyGraph` (e.g. from the plan compiler), which is then not compiled again.
-        stream_pool: named streams; default: no-op streams named by `schedule.stream_slots`.
+        stream_pool: named streams; default: no-op streams named by `task_graph.stream_slots`.
         executor: `"sequential"`, `"threaded"` or an `Executor` object.
         state: shared object every task sees as `ctx.state` (model, optimizer, ...).
         observer: a `TaskObserver` called around iterations and tasks (see `observer`).
@@ -78,7 +78,7 @@ class SchedulablePipeline:
 
     def __init__(
         self,
-        schedule: Schedule | DependencyGraph,
+        task_graph: TaskGraph | DependencyGraph,
         stream_pool: StreamPool | None = None,
         executor: str | Executor = "sequential",
         *,
@@ -86,18 +86,18 @@ class SchedulablePipeline:
         observer: TaskObserver | None = None,
         nvtx_ranges: bool | None = None,
     ):
-        if isinstance(schedule, DependencyGraph):
-            self.graph = schedule
-            _check_pool(schedule, stream_pool)
+        if isinstance(task_graph, DependencyGraph):
+            self.graph = task_graph
+            _check_pool(task_graph, stream_pool)
         else:
-            self.graph = compile_dependencies(schedule, stream_pool)
-        schedule = self.graph.schedule
-        self.schedule = schedule
-        self.stream_pool = stream_pool if stream_pool is not None else StreamPool.create(schedule.stream_slots)
+            self.graph = compile_dependencies(task_graph, stream_pool)
+        task_graph = self.graph.task_graph
+        self.task_graph = task_graph
+        self.stream_pool = stream_pool if stream_pool is not None else StreamPool.create(task_graph.stream_slots)
         self.executor = _make_executor(executor)
         self.state = state
         self.observer = observer
-        self.max_lookahead = schedule.max_lookahead
+        self.max_lookahead = task_graph.max_lookahead
         self.ring = BatchRing(self.max_lookahead + 1)
         self._nvtx = self.stream_pool.is_cuda if nvtx_ranges is None else bool(nvtx_ranges)
         # No-op streams order nothing: skip event waits, records and stream scopes entirely.
@@ -108,7 +108,7 @@ class SchedulablePipeline:
         self._plain = self._plain_possible
         needs_event = {w.producer for waits in self.graph.event_waits.values() for w in waits}
         self._records = {t: _TaskRecord(t, self.graph, needs_event) for t in self.graph.order}
-        self._stage_orders = self.graph.stage_orders
+        self._group_orders = self.graph.group_orders
         self._active_cache: dict[tuple[bool, ...], tuple[tuple[Task, ...], ...]] = {}
         self._iterator: Iterator | None = None
         self._iteration = 0
@@ -172,7 +172,7 @@ class SchedulablePipeline:
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise KeyError(
-                f"no task named {', '.join(map(repr, unknown))} in this pipeline (tasks: {', '.join(by_name)})"
+                f"no task named {', '.join(map(repr, unknown))} in this plan runner (tasks: {', '.join(by_name)})"
             )
         return [by_name[n] for n in names]
 
@@ -229,7 +229,7 @@ class SchedulablePipeline:
 
     def step(self, batch: Any) -> Any:
         """Push one batch and run one internal iteration; return the `step_result` of the batch
-        that completed in it (None while the pipeline fills). Call `drain()` after the last batch."""
+        that completed in it (None while the plan runner fills). Call `drain()` after the last batch."""
         self._check_usable()
         if self._iterator is not _PUSH:
             self._reset(_PUSH)
@@ -254,7 +254,7 @@ class SchedulablePipeline:
             self._closed = True
             self.executor.shutdown()
 
-    def __enter__(self) -> SchedulablePipeline:
+    def __enter__(self) -> PlanRunner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -270,11 +270,11 @@ class SchedulablePipeline:
 
     def _check_usable(self) -> None:
         if self._closed:
-            raise PipelineBrokenError("this pipeline was shut down; build a new one")
+            raise PlanRunnerBrokenError("this plan runner was shut down; build a new one")
         if self._broken is not None:
-            raise PipelineBrokenError(
-                f"this pipeline stopped after a failure ({self._broken}); the failed iteration was left "
-                "half done, so it will not continue. Build a new pipeline (and restore from a checkpoint)."
+            raise PlanRunnerBrokenError(
+                f"this plan runner stopped after a failure ({self._broken}); the failed iteration was left "
+                "half done, so it will not continue. Build a new plan runner (and restore from a checkpoint)."
             )
 
     def _reset(self, batch_iter: Any) -> None:
@@ -310,9 +310,9 @@ class SchedulablePipeline:
         self._running_iteration = i
         self._running_observer = observer
         try:
-            for stage_tasks in self._active(i):
-                if stage_tasks:
-                    self.executor.execute(stage_tasks, self._run_task, self.graph)
+            for group_tasks in self._active(i):
+                if group_tasks:
+                    self.executor.execute(group_tasks, self._run_task, self.graph)
         except BaseException as exc:
             self._broken = str(exc) if isinstance(exc, TaskFailedError) else f"{type(exc).__name__} in iteration {i}"
             if observer is not None:
@@ -329,14 +329,14 @@ class SchedulablePipeline:
         return completed, result
 
     def _active(self, i: int) -> tuple[tuple[Task, ...], ...]:
-        """The tasks that fire at iteration `i`, per stage, in topological order."""
+        """The tasks that fire at iteration `i`, per group, in topological order."""
         L, m = self.max_lookahead, self._pulled
         if L <= i < m:  # steady state: everything fires
-            return self._stage_orders
+            return self._group_orders
         key = tuple(fires(k, L, i, m) for k in range(L + 1))
         active = self._active_cache.get(key)
         if active is None:
-            active = tuple(tuple(t for t in order if key[t.lookahead]) for order in self._stage_orders)
+            active = tuple(tuple(t for t in order if key[t.lookahead]) for order in self._group_orders)
             self._active_cache[key] = active
         return active
 
@@ -411,7 +411,7 @@ def _check_pool(graph: DependencyGraph, pool: StreamPool | None) -> None:
         if t.stream not in pool
     ]
     if problems:
-        raise ScheduleValidationError(problems)
+        raise TaskGraphValidationError(problems)
 
 
 def _make_executor(executor: str | Executor) -> Executor:
