@@ -35,6 +35,10 @@ row per user trains on each user's most recent window). A row with no more event
 of other lengths stop the run in one line naming the file, row group and column (before the
 first step where the row group's statistics show a rating out of range).
 
+The windows of an epoch are handed out in parts (`PartedStreamSource`, as for the retrieval
+users): a worker decodes a window's columns once and turns one part of its rows at a time into
+samples, so the first batch waits for one part, not the whole window.
+
 Evaluation holds out the tail of the rows (`trainer.eval_batches` batches per rank), as
 `data=movielens` holds out the tail of each rank's share.
 """
@@ -59,15 +63,16 @@ from recsys_pipe.data.negatives import concat_ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet_sequences import (
     ParquetSequenceKeys,
+    PartedStreamSource,
     _item_vocab,
     _list_type,
+    _list_values,
     _offsets,
-    _one,
     _SequenceDecoder,
     check_sequence_columns,
 )
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Fail, StreamSource
+from recsys_pipe.data.stream import Fail
 
 __all__ = [
     "USER_VOCAB_KEY",
@@ -214,8 +219,10 @@ class WindowRows:
 
 
 class _WindowDecoder:
-    """Turns a row group of sequence Parquet into `WindowRows`: the items, timestamps and user
-    ids through `data=parquet_sequences`' own decoder (dense ids, its checks), the ratings here."""
+    """Turns a window's table of sequence Parquet into `WindowRows`, one part of the window at a
+    time (`PartedStreamSource`): the items, timestamps and user ids through
+    `data=parquet_sequences`' own decoder (dense ids, its checks, the window's columns kept for
+    its next part), the ratings here (kept alike)."""
 
     def __init__(
         self, cfg: ParquetRankingDataConfig, sequences: _SequenceDecoder, actions: str, users: np.ndarray | None
@@ -224,34 +231,45 @@ class _WindowDecoder:
         self.columns = [*sequences.columns, actions]
         self.max_seq_len, self.num_candidates = int(cfg.max_seq_len), int(cfg.num_candidates)  # type: ignore[arg-type]
         self.thresholds = np.asarray(cfg.thresholds, dtype=np.float64)
+        #: the last window's sample ids, ratings (flat) and their offsets
+        self._cached: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> WindowRows:
-        rows = self.sequences(table, sample_ids, None, fail)
+        window_ratings, window_offsets = self._ratings(table, sample_ids, fail)
+        rows = self.sequences(table, sample_ids, order, fail)  # only the rows of `order`, in its order
+        if order is None:
+            ratings, part_fail = window_ratings, fail
+        else:
+            starts = window_offsets[:-1][order]
+            ratings = window_ratings[concat_ranges(starts, window_offsets[1:][order] - starts)]
+            window_fail = fail
+
+            def part_fail(column: str, message: str, row: int = 0) -> DataFileError:
+                return window_fail(column, message, int(order[row]))
+
         n = np.diff(rows.offsets)
         c, length = self.num_candidates, self.max_seq_len
         short = np.flatnonzero(n <= c)
         if len(short):
             row = int(short[0])
-            raise fail(
+            raise part_fail(
                 self.sequences.items,
                 f"a row of {n[row]} event(s): a sample needs more than data.num_candidates={c} (history, then "
                 "candidates)",
                 row,
             )
-        ratings = self._ratings(table, rows.offsets, fail)
         action_ids = np.rint(2.0 * ratings)  # halves to even, as Python's round(), which data=movielens uses
         bad = np.flatnonzero(~((action_ids >= 0) & (action_ids < NUM_ACTIONS)))
         if len(bad):
             at = int(bad[0])
-            raise fail(
+            raise part_fail(
                 self.actions,
                 f"rating {ratings[at]} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]",
                 _row_of(rows.offsets, at),
             )
-        users = self._users(rows.users, fail)
-        pick = np.arange(len(n)) if order is None else order
-        keep = np.minimum(n, length)[pick]
-        gather = concat_ranges(rows.offsets[:-1][pick] + n[pick] - keep, keep)
+        users = self._users(rows.users, part_fail)
+        keep = np.minimum(n, length)
+        gather = concat_ranges(rows.offsets[:-1] + n - keep, keep)
         offsets = _offsets(keep)
         # candidates: the last c events of each sample
         within = np.arange(len(gather)) - np.repeat(offsets[:-1], keep)
@@ -265,26 +283,41 @@ class _WindowDecoder:
             torch.from_numpy(rows.stamps[gather]),
             torch.from_numpy(offsets),
             torch.from_numpy(labels),
-            None if users is None else torch.from_numpy(users[pick]),
-            torch.from_numpy(np.ascontiguousarray(rows.sample_ids[pick])),
+            None if users is None else torch.from_numpy(users),
+            torch.from_numpy(np.ascontiguousarray(rows.sample_ids)),
             c,
         )
 
-    def _ratings(self, table: pa.Table, offsets: np.ndarray, fail: Fail) -> np.ndarray:
-        col = _one(table, self.actions, fail)
-        if col.null_count:
-            row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-            raise fail(self.actions, "a null list", row)
-        values = col.flatten()
-        if values.null_count:
-            at = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
-            raise fail(self.actions, "a null rating", _row_of(offsets, at))
-        own = np.asarray(col.offsets, dtype=np.int64)
-        own = own - own[0]
-        if not np.array_equal(own, offsets):
-            row = int(np.flatnonzero(np.diff(own) != np.diff(offsets))[0])
+    def _ratings(self, table: pa.Table, sample_ids: np.ndarray, fail: Fail) -> tuple[np.ndarray, np.ndarray]:
+        """The window's ratings (flat, float64) and their offsets, checked (no nulls, the items'
+        lengths); kept for the window's next part."""
+        cached = self._cached
+        if cached is not None and np.array_equal(cached[0], sample_ids):
+            return cached[1], cached[2]
+        self._cached = None  # release the previous window first
+        values, offsets, at, first_row = [], [np.zeros(1, dtype=np.int64)], 0, 0
+        for chunk in table.column(self.actions).chunks:
+            if chunk.null_count:
+                row = int(np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False))[0])
+                raise fail(self.actions, "a null list", first_row + row)
+            bounds = np.asarray(chunk.offsets, dtype=np.int64)
+            bounds = bounds - bounds[0]
+            flat = chunk.flatten()
+            if flat.null_count:
+                event = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+                raise fail(self.actions, "a null rating", first_row + _row_of(bounds, event))
+            values.append(flat.to_numpy(zero_copy_only=False).astype(np.float64, copy=False))
+            offsets.append(bounds[1:] + at)
+            at += len(flat)
+            first_row += len(chunk)
+        ratings = values[0] if len(values) == 1 else np.concatenate(values)
+        ratings_offsets = np.concatenate(offsets)
+        item_offsets = _list_values(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
+        if not np.array_equal(ratings_offsets, item_offsets):
+            row = int(np.flatnonzero(np.diff(ratings_offsets) != np.diff(item_offsets))[0])
             raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)
-        return values.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        self._cached = (sample_ids, ratings, ratings_offsets)
+        return ratings, ratings_offsets
 
     def _users(self, raw: np.ndarray, fail: Fail) -> np.ndarray | None:
         vocab = self.user_vocab
@@ -323,7 +356,7 @@ def _user_vocab(files: ParquetFiles) -> np.ndarray:
     return vocab
 
 
-def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size: int) -> StreamSource:
+def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size: int) -> PartedStreamSource:
     """Builder of `data=parquet_sequences` for HSTU ranking: this rank's windows, checked from the
     files' metadata (a missing or wrong-typed column, a rating out of range in the statistics, a
     window cut other than the keys)."""
@@ -381,4 +414,4 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
         vocab_sizes[USER_KEY] = len(users)
     spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
     decoder = _WindowDecoder(cfg, _SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
-    return StreamSource(files, decoder, rank, world_size, cfg, spec)
+    return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

@@ -66,6 +66,7 @@ __all__ = [
     "RETRIEVAL_MAX_SEQ_LEN",
     "ParquetSequenceKeys",
     "ParquetSequencesDataConfig",
+    "PartedStreamSource",
     "SequenceColumns",
     "check_sequence_columns",
     "item_vocab_metadata",
@@ -493,7 +494,28 @@ class _Windows(WindowDataset):
         return table
 
 
-class ParquetSequences(StreamSource):
+class PartedStreamSource(StreamSource):
+    """A `StreamSource` whose training windows are handed out in parts of `_PART_ROWS` rows
+    (a multiple of the batch size), the row groups kept between the parts (`_Windows`): the
+    same rows in the same order, with a first batch that waits for one part. Its decoder keeps
+    a window's decoded columns for the window's next part (`_SequenceDecoder`)."""
+
+    def prepare(self, eval_batches: int) -> None:
+        super().prepare(eval_batches)
+        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)  # type: ignore[arg-type]
+
+    def epoch_pieces(self, epoch: int) -> list[Piece]:
+        """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
+        `_PART_ROWS` rows (a multiple of the batch size): the same rows in the same order."""
+        part = max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
+        return [
+            Piece(p.epoch, p.start, p.length, p.skip + at, min(part, p.take - at))
+            for p in super().epoch_pieces(epoch)
+            for at in range(0, p.take, part)
+        ]
+
+
+class ParquetSequences(PartedStreamSource):
     """This rank's users of sequence Parquet: training by position (`StreamSource`) and the
     leave-one-out evaluation splits (`split`), as `SequencesDataset` offers them."""
 
@@ -509,17 +531,6 @@ class ParquetSequences(StreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
-        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)
-
-    def epoch_pieces(self, epoch: int) -> list[Piece]:
-        """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
-        `_PART_ROWS` users (a multiple of the batch size): the same rows in the same order."""
-        part = max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
-        return [
-            Piece(p.epoch, p.start, p.length, p.skip + at, min(part, p.take - at))
-            for p in super().epoch_pieces(epoch)
-            for at in range(0, p.take, part)
-        ]
 
     @property
     def num_users(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from recsys_pipe.cli.data import main as recsys_data
 from recsys_pipe.config import ConfigError
+from recsys_pipe.data import parquet_sequences
 from recsys_pipe.data.batch import MASKED_ACTION
 from recsys_pipe.data.loader import RankData, SequenceDataConfig
 from recsys_pipe.data.movielens import MovieLensDataConfig
@@ -56,7 +57,11 @@ def test_the_model_decides_what_parquet_sequences_serves(ratings):
         load_run("model=hstu_small", "model.max_seq_len=8", "data=parquet_sequences", f"data.path={path}")
 
 
-def test_windowed_parquet_gives_the_batches_of_data_movielens(ratings):
+@pytest.mark.parametrize("part", [16, None])
+def test_windowed_parquet_gives_the_batches_of_data_movielens(ratings, part, monkeypatch):
+    """Whole windows, and windows handed out in parts of 16 rows (`PartedStreamSource`)."""
+    if part is not None:
+        monkeypatch.setattr(parquet_sequences, "_PART_ROWS", part)
     csv, path = ratings
     kw = {"batch_size": 8, "shuffle": False, "use_user_feature": True, "thresholds": [3.5]}
     ref = RankData(MovieLensDataConfig(path=csv, max_seq_len=10, num_candidates=3, **kw), 0, 1, eval_batches=2)
@@ -74,9 +79,10 @@ def test_windowed_parquet_gives_the_batches_of_data_movielens(ratings):
             assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
-def test_windows_shuffle_once_per_epoch_and_resume_by_position_with_workers(ratings):
+def test_windows_shuffle_once_per_epoch_and_resume_by_position_with_workers(ratings, monkeypatch):
+    monkeypatch.setattr(parquet_sequences, "_PART_ROWS", 12)  # windows of 36 rows in parts of 12
     _, path = ratings
-    cfg = ranking(path, batch_size=6, shuffle=True, shuffle_window=12, num_workers=2)
+    cfg = ranking(path, batch_size=6, shuffle=True, shuffle_window=36, num_workers=2)
     data = RankData(cfg, 1, 2)
     full = list(data.train_loader(2))
     per_epoch = data.batches_per_epoch
@@ -88,6 +94,34 @@ def test_windows_shuffle_once_per_epoch_and_resume_by_position_with_workers(rati
     for a, b in zip(full[per_epoch - 2 :], resumed, strict=True):
         assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
         assert torch.equal(a.labels, b.labels) and torch.equal(a.sample_ids, b.sample_ids)
+
+
+def _samples(batches) -> dict[int, tuple]:
+    """Each sample of `batches` by its id: items, actions, timestamps and labels."""
+    out = {}
+    for b in batches:
+        kjt, c = b.sparse_features, b.num_candidates.tolist()
+        lengths = b.item_lengths().tolist()
+        items = kjt["item"].values().split(lengths)
+        actions = kjt["action"].values().split(lengths)
+        stamps = b.timestamps.split(lengths)
+        labels = b.labels.split(c)
+        for k, sid in enumerate(b.sample_ids.tolist()):
+            out[sid] = (items[k].tolist(), actions[k].tolist(), stamps[k].tolist(), labels[k].tolist())
+    return out
+
+
+def test_a_shuffled_window_in_parts_holds_the_same_samples(ratings, monkeypatch):
+    """Shuffled rows decoded in parts of a window (rows gathered by the permutation) are the
+    same samples as unshuffled ones, sample id by sample id."""
+    monkeypatch.setattr(parquet_sequences, "_PART_ROWS", 8)
+    _, path = ratings
+    plain = _samples(RankData(ranking(path, batch_size=4, shuffle=False, num_workers=0), 0, 1).train_loader())
+    cfg = ranking(path, batch_size=4, shuffle=True, shuffle_window=40, use_user_feature=True)
+    shuffled = _samples(RankData(cfg, 0, 1).train_loader())
+    common = sorted(plain.keys() & shuffled.keys())
+    assert len(common) > 0.9 * len(plain) and list(shuffled) != sorted(shuffled)
+    assert all(shuffled[sid] == plain[sid] for sid in common)
 
 
 def test_a_row_per_user_trains_its_most_recent_window(tmp_path):
@@ -144,7 +178,8 @@ def _refused_when_decoded(path: str, message: str, **kw) -> None:
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_bad_rating_columns_are_refused_in_one_line_naming_file_row_group_and_column(tmp_path):
+def test_bad_rating_columns_are_refused_in_one_line_naming_file_row_group_and_column(tmp_path, monkeypatch):
+    monkeypatch.setattr(parquet_sequences, "_PART_ROWS", 5)  # the bad row's part is not the window's first
     good = _table()
     _refused_at_start(
         _write(tmp_path, "none.parquet", good.drop_columns(["actions"])),
