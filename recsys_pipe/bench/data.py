@@ -5,7 +5,9 @@ The benchmark generates its own data under a temporary directory (`--dir` keeps 
 Criteo-shaped Parquet (13 integer and 26 id columns, row groups of 131,072, files of 2.5M rows) of
 each `--sizes` (default 5M and 20M rows), a Criteo TSV of `--tsv-rows` rows (1M) with its
 conversion, and sequence Parquet of `--seq-users` users with `--seq-len` items each (200), with a
-"user item" file of its first `--seq-text-users` users for `data=sequences`.
+"user item" file of its first `--seq-text-users` users for `data=sequences`, and a ratings CSV of
+`--rank-ratings` ratings (2M) by `--rank-users` users with its `recsys-data convert sequences
+--windows --rank-seq-len` (64) Parquet for HSTU ranking.
 
 Each measurement runs in a fresh process (`--measure`), so its peak memory is its own:
 
@@ -20,6 +22,10 @@ Each measurement runs in a fresh process (`--measure`), so its peak memory is it
   DataLoader worker each.
 - `train_sasrec`: SASRec (the retrieval main job) through `data=sequences` and
   `data=parquet_sequences` on the same users.
+- `rank_memory` / `rank_loader`: HSTU ranking windows through `data=movielens` on the ratings CSV
+  (parse, hold, collate) and through `data=parquet_sequences` on its windowed conversion, one
+  DataLoader worker each, `data.shuffle=true`.
+- `train_hstu`: `model=hstu_small` trained through the two, as `train_dlrm`.
 
 Reported per measurement: samples/s (per rank: everything runs on one rank), time to the first
 batch (from building the source, the imports excluded, to the first batch), peak RSS (the process
@@ -50,7 +56,21 @@ import numpy as np
 
 from recsys_pipe.bench.common import format_summary, summary
 
-PARTS = ("convert", "criteo_memory", "pyarrow", "loader", "seq_pyarrow", "seq_loader", "train_dlrm", "train_sasrec")
+PARTS = (
+    "convert",
+    "criteo_memory",
+    "pyarrow",
+    "loader",
+    "seq_pyarrow",
+    "seq_loader",
+    "train_dlrm",
+    "train_sasrec",
+    "rank_memory",
+    "rank_loader",
+    "train_hstu",
+)
+#: candidates per HSTU ranking window (data.num_candidates)
+RANK_CANDIDATES = 4
 ROWS_PER_FILE = 2_500_000
 ROW_GROUP = 131_072
 
@@ -142,6 +162,26 @@ def write_sequences(directory: Path, users: int, length: int, text_users: int, s
                 np.savetxt(directory / "sequences.txt", pairs, fmt="%d")
 
 
+def write_ratings(directory: Path, ratings: int, users: int, seq_len: int, seed: int = 3) -> None:
+    """A MovieLens-style ratings CSV (`userId,movieId,rating,timestamp`, half stars) of `ratings`
+    ratings by `users` users, and its `convert sequences --windows seq_len` Parquet under `pq/`."""
+    from recsys_pipe.data.convert import convert_sequences
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    columns = [
+        rng.integers(1, users + 1, ratings),
+        rng.zipf(1.2, ratings) % 30_000 + 1,
+        rng.integers(1, 11, ratings) / 2,
+        rng.integers(10**9, 2 * 10**9, ratings),
+    ]
+    with open(directory / "ratings.csv", "w") as f:
+        f.write("userId,movieId,rating,timestamp\n")
+        np.savetxt(f, np.stack(columns, 1), fmt=["%d", "%d", "%.1f", "%d"], delimiter=",")
+    convert_sequences(str(directory / "ratings.csv"), str(directory / "pq"), windows=seq_len,
+                      num_candidates=RANK_CANDIDATES)  # fmt: skip
+
+
 # -- measurements (each in its own process) ---------------------------------------------------------
 
 
@@ -227,6 +267,21 @@ def measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> di
         data = RankData(cfg, 0, 1)
         out = _iterate(data.train_loader(), start)
         out["bytes_per_sample"] = _disk_bytes(path) / max(out["samples"] + batch_size, 1)
+    elif kind in ("rank_memory", "rank_loader"):
+        from recsys_pipe.data import MovieLensDataConfig, RankData, SequenceDataConfig
+        from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig
+
+        keys = {"path": str(path), "batch_size": batch_size, "num_workers": 1, "shuffle": True}
+        before = _rss_mib()
+        if kind == "rank_memory":
+            cfg = MovieLensDataConfig(**keys, max_seq_len=extra["seq_len"], num_candidates=RANK_CANDIDATES)
+        else:
+            cfg = ParquetSequencesDataConfig(**keys).as_kind(SequenceDataConfig)
+        data = RankData(cfg, 0, 1)
+        held = (_rss_mib() - before) * 2**20
+        out = _iterate(data.train_loader(), start)
+        windows = data.batches_per_epoch * batch_size
+        out["bytes_per_sample"] = held / windows if kind == "rank_memory" else _disk_bytes(path) / windows
     elif kind == "criteo_memory":
         from recsys_pipe.data import CriteoDataConfig, RankData
 
@@ -242,7 +297,7 @@ def measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> di
         seconds = time.perf_counter() - start
         out = {"first_batch_s": None, "samples": converted.rows, "samples_per_s": converted.rows / seconds}
         out["bytes_per_sample"] = Path(converted.path).stat().st_size / converted.rows
-    elif kind in ("train_dlrm", "train_sasrec"):
+    elif kind in ("train_dlrm", "train_sasrec", "train_hstu"):
         out = _train(extra["overrides"], extra["warmup"], extra["steps"], batch_size, start)
     else:
         raise ValueError(f"unknown measurement {kind!r}")
@@ -316,6 +371,9 @@ def main() -> None:
     parser.add_argument("--seq-users", type=int, default=200_000, help="users of the sequence Parquet")
     parser.add_argument("--seq-text-users", type=int, default=20_000, help="users of the 'user item' file")
     parser.add_argument("--seq-len", type=int, default=200, help="items per user")
+    parser.add_argument("--rank-ratings", type=int, default=2_000_000, help="ratings of the HSTU ranking CSV")
+    parser.add_argument("--rank-users", type=int, default=20_000, help="users of the HSTU ranking CSV")
+    parser.add_argument("--rank-seq-len", type=int, default=64, help="HSTU ranking window length")
     parser.add_argument("--batch-size", type=int, default=8192, help="rows per batch (tabular)")
     parser.add_argument("--seq-batch-size", type=int, default=256, help="users per batch (sequences)")
     parser.add_argument("--train-batch-size", type=int, default=2048, help="rows per DLRM training batch")
@@ -338,6 +396,7 @@ def main() -> None:
         args.sizes, args.tsv_rows, args.seq_users, args.seq_text_users = "20000,40000", 20_000, 600, 300
         args.batch_size, args.seq_batch_size, args.train_batch_size = 1024, 64, 256
         args.train_steps, args.warmup, args.reps, args.seq_len = 2, 1, 1, 20
+        args.rank_ratings, args.rank_users, args.rank_seq_len = 20_000, 400, 16
     parts = [p for p in args.only.split(",") if p]
     unknown = set(parts) - set(PARTS)
     if unknown:
@@ -378,6 +437,9 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
     seqs = root / "sequences"
     if {"seq_pyarrow", "seq_loader", "train_sasrec"} & set(parts) and not seqs.exists():
         write_sequences(seqs, args.seq_users, args.seq_len, args.seq_text_users)
+    ranking = root / "ratings"
+    if {"rank_memory", "rank_loader", "train_hstu"} & set(parts) and not ranking.exists():
+        write_ratings(ranking, args.rank_ratings, args.rank_users, args.rank_seq_len)
     print(f"data generated in {time.perf_counter() - t:.1f} s under {root}", flush=True)
     if args.generate_only:
         return
@@ -414,6 +476,22 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
                      {**train, "overrides": [*sasrec, "data=sequences", f"data.path={text}"]}))  # fmt: skip
         jobs.append(("train SASRec, data=parquet_sequences", "train_sasrec", seq_file, args.seq_batch_size,
                      {**train, "overrides": [*sasrec, "data=parquet_sequences", f"data.path={seq_file}"]}))  # fmt: skip
+    ratings, windows = ranking / "ratings.csv", ranking / "pq" / "ratings.parquet"
+    length = args.rank_seq_len
+    if "rank_memory" in parts:
+        jobs.append((f"data=movielens in memory, windows of {length}", "rank_memory", ratings, args.seq_batch_size,
+                     {"seq_len": length}))  # fmt: skip
+    if "rank_loader" in parts:
+        jobs.append((f"data=parquet_sequences HSTU ranking loader, windows of {length}", "rank_loader", windows,
+                     args.seq_batch_size, {}))  # fmt: skip
+    if "train_hstu" in parts:
+        hstu = ["model=hstu_small", f"model.max_seq_len={length}", "data.num_workers=1", "data.shuffle=true"]
+        movielens = ["data=movielens", f"data.path={ratings}", f"data.max_seq_len={length}",
+                     f"data.num_candidates={RANK_CANDIDATES}"]  # fmt: skip
+        jobs.append(("train HSTU, data=movielens", "train_hstu", ratings, args.seq_batch_size,
+                     {**train, "overrides": [*hstu, *movielens]}))  # fmt: skip
+        jobs.append(("train HSTU, data=parquet_sequences", "train_hstu", windows, args.seq_batch_size,
+                     {**train, "overrides": [*hstu, "data=parquet_sequences", f"data.path={windows}"]}))  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in jobs}
     for rep in range(args.reps):
         for name, kind, path, batch, extra in jobs if rep % 2 == 0 else jobs[::-1]:
@@ -468,6 +546,13 @@ def _report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
             median(loader_big, "first_batch_s"), median(f"data=parquet loader, {small} rows", "first_batch_s")
         ),
         "convert_over_56000_rows_per_s": ratio(median("convert criteo (TSV -> Parquet)"), 56_000),
+        "ranking_loader_over_memory": ratio(
+            median(f"data=parquet_sequences HSTU ranking loader, windows of {args.rank_seq_len}"),
+            median(f"data=movielens in memory, windows of {args.rank_seq_len}"),
+        ),
+        "train_hstu_parquet_over_memory": ratio(
+            median("train HSTU, data=parquet_sequences"), median("train HSTU, data=movielens")
+        ),
     }
     targets = {
         "loader_samples_per_s": ">= 1,000,000",
@@ -480,6 +565,8 @@ def _report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         "loader_first_batch_s_largest": "< 5",
         "loader_first_batch_largest_over_smallest": "flat (<= 1.10 + noise)",
         "convert_over_56000_rows_per_s": ">= 5",
+        "ranking_loader_over_memory": ">= 1 (none set: the in-memory source is the baseline)",
+        "train_hstu_parquet_over_memory": ">= 0.98",
     }
     return {
         "rows": rows,

@@ -4,7 +4,8 @@ with positional paths, not training runs; the work lives in `recsys_pipe.data`).
 - `recsys-data convert criteo SRC... DST`: Criteo TSV files (Kaggle `train.txt`, Terabyte
   `day_N`) to Parquet, one file per input, what `data=parquet` reads (`recsys_pipe.data.convert`).
 - `recsys-data convert sequences SRC DST`: a "user item" file (SASRec) or MovieLens ratings to
-  sequence Parquet, one row per user, what `data=parquet_sequences` reads.
+  sequence Parquet, one row per user, what `data=parquet_sequences` reads; with `--windows L`,
+  one row per window of ratings, what it reads for HSTU ranking.
 - `recsys-data inspect PATH [--world-size N --batch-size B]`: a Parquet data set's schema,
   rows, row groups and sizes, and each rank's share and the batches per epoch
   (`recsys_pipe.data.inspect.describe`).
@@ -48,7 +49,17 @@ def _convert_sequences(args: argparse.Namespace) -> int:
     columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
     csv = CsvConfig(delimiter=args.delimiter, header=args.header, columns=columns)
     start = time.perf_counter()
-    files = [convert_sequences(args.src, args.dst, args.row_group_size, args.overwrite, csv=csv)]
+    files = [
+        convert_sequences(
+            args.src,
+            args.dst,
+            args.row_group_size,
+            args.overwrite,
+            csv=csv,
+            windows=args.windows,
+            num_candidates=args.num_candidates,
+        )
+    ]
     return _report(files, time.perf_counter() - start)
 
 
@@ -99,6 +110,21 @@ def _parser() -> argparse.ArgumentParser:
         help="the file's columns in order, comma-separated: user, item, rating, timestamp or another name to skip "
         "(default: from the header, else user,item[,rating,timestamp])",
     )
+    seqs.add_argument(
+        "--windows",
+        type=int,
+        default=None,
+        metavar="L",
+        help="HSTU ranking: one row per window of at most L ratings, cut as data=movielens cuts them with "
+        "data.max_seq_len=L (default: one row per user, for next-item retrieval)",
+    )
+    seqs.add_argument(
+        "--num-candidates",
+        type=int,
+        default=4,
+        metavar="C",
+        help="with --windows: trailing ratings of a window that are ranked (data.num_candidates; default 4)",
+    )
     seqs.set_defaults(run=_convert_sequences)
 
     inspect = commands.add_parser(
@@ -135,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.command == "convert" and args.row_group_size < 1:
         parser.error("--row-group-size must be >= 1")
+    if getattr(args, "windows", None) is not None and args.windows < 2:
+        parser.error("--windows must be >= 2")
     try:
         return args.run(args)
     except ConfigError as exc:

@@ -1,7 +1,8 @@
 """Data sources and batches: synthetic sequences and MovieLens (for HSTU), Criteo files and a
 generated Criteo-like source (for DLRM), and per-user item sequences for next-item retrieval
 (`data=sequences`, for SASRec and HSTU retrieval), and Parquet files of any size streamed by
-position (`data=parquet`: tabular rows; `data=parquet_sequences`: per-user sequences; see
+position (`data=parquet`: tabular rows; `data=parquet_sequences`: per-user sequences for
+next-item retrieval, or windows of ratings for HSTU ranking, whichever the model trains on; see
 `recsys_pipe.data.stream`).
 
 Each source is a builder and its `DataConfig` subclass, registered by name in `DATA_SOURCES`;
@@ -60,7 +61,13 @@ _EXPORTS = {
     "SparseColumn": "parquet",
     "TabularColumns": "parquet",
     "ITEM_VOCAB_KEY": "parquet_sequences",
+    "ParquetSequenceKeys": "parquet_sequences",
     "ParquetSequencesDataConfig": "parquet_sequences",
+    "ParquetRankingDataConfig": "parquet_ranking",
+    "USER_VOCAB_KEY": "parquet_ranking",
+    "WINDOWS_KEY": "parquet_ranking",
+    "user_vocab_metadata": "parquet_ranking",
+    "windows_metadata": "parquet_ranking",
     "SequenceColumns": "parquet_sequences",
     "item_vocab_metadata": "parquet_sequences",
     "Layout": "stream",

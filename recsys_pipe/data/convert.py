@@ -12,7 +12,8 @@ per user in sorted raw-id order: `user_id` (int64), `item_ids` (list<int64>, chr
 `timestamps` (list<int64>, MovieLens only) and `actions` (list<double>: the ratings, MovieLens
 only). Ids stay raw; the file's key-value metadata carries the sorted distinct item ids
 (`recsys_pipe.data.parquet_sequences.item_vocab_metadata`), from which the reading source numbers
-the items as `data=sequences` does.
+the items as `data=sequences` does. With `windows` (HSTU ranking), one row per window of a user's
+ratings instead, cut as `data=movielens` cuts them (`recsys_pipe.data.parquet_ranking` says why).
 """
 
 from __future__ import annotations
@@ -173,25 +174,59 @@ def sequence_schema(with_timestamps: bool, with_actions: bool):  # -> pyarrow.Sc
 
 
 def convert_sequences(
-    source: str, destination: str, row_group_size: int = 16_384, overwrite: bool = False, csv: CsvConfig | None = None
+    source: str,
+    destination: str,
+    row_group_size: int = 16_384,
+    overwrite: bool = False,
+    csv: CsvConfig | None = None,
+    windows: int | None = None,
+    num_candidates: int = 4,
 ) -> ConvertedFile:
-    """Convert a "user item" file or MovieLens ratings to sequence Parquet (one row per user) in
-    `destination` (a directory, created if missing), named after the input (`ratings.dat` ->
-    `ratings.parquet`).
+    """Convert a "user item" file or MovieLens ratings to sequence Parquet in `destination` (a
+    directory, created if missing), named after the input (`ratings.dat` -> `ratings.parquet`):
+    one row per user, or with `windows` one row per window of at most `windows` ratings.
 
     The file is read as `data=sequences` reads it (`read_interactions`, with the same CSV keys
     `csv`: delimiter, header, columns), so the same lines are refused with the same errors. Grouping
     by user needs every line, so memory grows with the file (MovieLens 20M: about 2 GB).
+
+    With `windows`, each user's events are cut as `data=movielens` cuts them for HSTU ranking:
+    from the most recent end into windows of at most `windows` events, a window of no more than
+    `num_candidates` events dropped; rows are the windows of the users in sorted raw-id order,
+    each user's oldest first. The file needs ratings (they become the action ids and labels).
+    The cut (`windows_metadata`) and the user vocabulary (`user_vocab_metadata`) go into the
+    key-value metadata (`recsys_pipe.data.parquet_ranking`).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from recsys_pipe.data.parquet_ranking import user_vocab_metadata, windows_metadata
     from recsys_pipe.data.parquet_sequences import item_vocab_metadata
     from recsys_pipe.data.sequences import read_interactions
 
+    if windows is not None and not 0 < num_candidates < windows:
+        raise _refuse(f"need 0 < --num-candidates ({num_candidates}) < --windows ({windows})", "--num-candidates")
     (output,) = _plan_outputs([source], destination, overwrite)
     data = read_interactions(source, csv)
+    if windows is not None and data.ratings is None:
+        raise _refuse(
+            f"{source}: --windows (HSTU ranking) needs a rating per event (they become the action ids and labels); "
+            "the file has no rating column"
+        )
     lengths = np.fromiter((len(s) for s in data.items), dtype=np.int64, count=len(data.items))
+    user_ids = np.asarray(data.users, dtype=np.int64)
+    items = _flat(data.items, np.int64)
+    flat = {"item_ids": (items, pa.int64())}
+    if data.has_timestamps:
+        flat["timestamps"] = (_flat(data.timestamps, np.int64), pa.int64())
+    if data.ratings is not None:
+        flat["actions"] = (_flat(data.ratings, np.float64), pa.float64())
+    metadata = item_vocab_metadata(items)
+    if windows is not None:
+        owner, gather, lengths = _windows(lengths, windows, num_candidates)
+        user_ids = user_ids[owner]
+        flat = {name: (values[gather], kind) for name, (values, kind) in flat.items()}
+        metadata |= user_vocab_metadata(np.asarray(data.users)) | windows_metadata(windows, num_candidates)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32 if lengths.sum() < 2**31 else np.int64)
     list_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
 
@@ -199,18 +234,11 @@ def convert_sequences(
         array = list_type.from_arrays(pa.array(offsets), pa.array(values, kind))
         return array.cast(pa.list_(kind)) if list_type is pa.LargeListArray else array
 
-    columns = {
-        "user_id": pa.array(np.asarray(data.users, dtype=np.int64)),
-        "item_ids": lists(_flat(data.items, np.int64), pa.int64()),
-    }
-    if data.has_timestamps:
-        columns["timestamps"] = lists(_flat(data.timestamps, np.int64), pa.int64())
-    if data.ratings is not None:
-        columns["actions"] = lists(_flat(data.ratings, np.float64), pa.float64())
+    columns = {"user_id": pa.array(user_ids)}
+    columns |= {name: lists(values, kind) for name, (values, kind) in flat.items()}
     # the item vocabulary travels in the file's metadata, so data=parquet_sequences numbers items
     # as data=sequences does without scanning them before the first step
-    schema = sequence_schema(data.has_timestamps, data.ratings is not None)
-    schema = schema.with_metadata(item_vocab_metadata(columns["item_ids"].values.to_numpy()))
+    schema = sequence_schema(data.has_timestamps, data.ratings is not None).with_metadata(metadata)
     table = pa.Table.from_pydict(columns, schema=schema)
     partial_path = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.partial")
     try:
@@ -220,6 +248,25 @@ def convert_sequences(
         if os.path.exists(partial_path):
             os.remove(partial_path)
     return ConvertedFile(source, output, table.num_rows, pq.ParquetFile(output).num_row_groups)
+
+
+def _windows(lengths: np.ndarray, size: int, num_candidates: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`data=movielens`' windows of users with `lengths` events, vectorised: per window its user,
+    and the events of all windows (indices into the users' concatenated events) with each
+    window's length. A user of `n` events has `ceil((n - num_candidates) / size)` windows (none
+    at `n <= num_candidates`), ending at `n`, `n - size`, ...; stored oldest first."""
+    count = np.maximum(-(-(lengths - num_candidates) // size), 0)
+    owner = np.repeat(np.arange(len(lengths)), count)
+    first_window = np.concatenate([[0], np.cumsum(count)])[:-1]
+    nth = np.arange(int(count.sum())) - first_window[owner]  # 0: the user's oldest window
+    end = lengths[owner] - size * (count[owner] - 1 - nth)
+    start = np.maximum(end - size, 0)
+    user_first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    window_lengths = end - start
+    starts = user_first[owner] + start
+    row = np.repeat(np.arange(len(owner)), window_lengths)
+    within = np.arange(int(window_lengths.sum())) - np.concatenate([[0], np.cumsum(window_lengths)])[:-1][row]
+    return owner, starts[row] + within, window_lengths
 
 
 def _flat(lists: Sequence[Sequence], dtype: type) -> np.ndarray:

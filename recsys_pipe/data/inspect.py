@@ -8,7 +8,7 @@ size the batches per epoch and each rank's rows (the unshuffled epoch's row sequ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pyarrow.parquet as pq
 
@@ -24,6 +24,22 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def _short_texts(metadata: Mapping[bytes, bytes]) -> list[tuple[str, str]]:
+    """The key-value entries that are short printable text (a converter's window cut), to show
+    them whole; vocabularies are binary and Arrow's own schema entry is not ours."""
+    out = []
+    for key, value in metadata.items():
+        if key.startswith(b"ARROW:") or len(value) > 200:
+            continue
+        try:
+            text = value.decode()
+        except UnicodeDecodeError:
+            continue
+        if text.isprintable():
+            out.append((key.decode(errors="replace"), text))
+    return out
 
 
 def _file_sizes(files: ParquetFiles) -> list[int]:
@@ -52,6 +68,7 @@ def describe(path: str | Sequence[str], world_size: int | None = None, batch_siz
         keys = ", ".join(k.decode(errors="replace") for k in files.metadata if not k.startswith(b"ARROW:"))
         if keys:
             lines.append(f"key-value metadata (first file): {keys}")
+        lines += [f"  {key}: {text}" for key, text in _short_texts(files.metadata)]
     lines += ["", "files:"]
     for file_path, file_groups, size in zip(files.paths, files.row_groups, sizes):
         meta = pq.ParquetFile(files.filesystem.open_input_file(file_path)).metadata

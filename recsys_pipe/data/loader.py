@@ -87,6 +87,15 @@ class DataConfig(Component):
         override this; by default it is read from a one-rank dataset."""
         return self.dataset(0, 1).spec
 
+    def as_kind(self, kind: type[DataConfig]) -> DataConfig:
+        """This source's config for a model that trains on `kind` sources (its
+        `ModelConfig.data_kind`, a base class of data configs): by default this config as it is,
+        which the model's `check_data` accepts or refuses. A source that serves several kinds of
+        model (`data=parquet_sequences`: next-item retrieval and HSTU ranking) returns its config
+        of that kind, so the model's checks and the builder see the source it needs. ConfigError
+        for values that do not fit that kind."""
+        return self
+
 
 class SequenceDataConfig(DataConfig):
     """Sources of user interaction sequences (`Sample` -> `Batch`)."""

@@ -1,12 +1,15 @@
 """`data=parquet_sequences`: per-user item sequences streamed from Parquet (next-item retrieval:
-SASRec and HSTU retrieval), with `data=sequences`'s keys, samples and leave-one-out splits.
+SASRec and HSTU retrieval), with `data=sequences`'s keys, samples and leave-one-out splits. For
+HSTU ranking the same source reads windows of ratings instead: a model names the kind of source
+it trains on (`ModelConfig.data_kind`) and `ParquetSequencesDataConfig.as_kind` turns this config
+into that kind's (`recsys_pipe.data.parquet_ranking`, which shares this module's decoder).
 
 The layout (`recsys-data convert sequences` writes it; `data.columns` renames the columns): one
 row per user, `user_id` (int64, the raw id), `item_ids` (list<int64>, raw ids, chronological),
 optionally `timestamps` (list<int64>, the same lengths; without it the position in the sequence
-stands in for time) and `actions` (not read by the retrieval models). Rows are in sorted user-id
-order, so a row's 0-based position over the files is the dense user id that `data=sequences`
-gives the same user (its sample id).
+stands in for time) and `actions` (the ratings: read by HSTU ranking, not by the retrieval
+models). Rows are in sorted user-id order, so a row's 0-based position over the files is the
+dense user id that `data=sequences` gives the same user (its sample id).
 
 Items become dense ids `[0, n)` in sorted raw-id order, as `data=sequences` numbers them, from a
 vocabulary stored at conversion: the key `recsys-pipe/items` of the first file's key-value
@@ -39,10 +42,11 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field, StrictInt, StrictStr, field_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
+from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.negatives import concat_ranges as _ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
@@ -60,8 +64,12 @@ from recsys_pipe.data.stream import EpochOrder, Fail, Piece, StreamSource, Windo
 
 __all__ = [
     "ITEM_VOCAB_KEY",
+    "RETRIEVAL_MAX_SEQ_LEN",
+    "ParquetSequenceKeys",
     "ParquetSequencesDataConfig",
+    "PartedStreamSource",
     "SequenceColumns",
+    "check_sequence_columns",
     "item_vocab_metadata",
     "parquet_sequences_dataset",
 ]
@@ -84,16 +92,24 @@ class SequenceColumns(Section):
     timestamps: StrictStr | None = Field(
         "timestamps", description="the timestamp list column (absent or null: the positions stand in for time)"
     )
+    actions: StrictStr | None = Field(
+        "actions",
+        description="HSTU ranking: the per-event rating list column (numbers, the same lengths), which gives the "
+        "action ids and the labels; not read by the retrieval models",
+    )
 
 
-class ParquetSequencesDataConfig(SequencesDataConfig):
-    """`data=parquet_sequences`: next-item retrieval on sequence Parquet (docs/parquet.md)."""
+#: `data.max_seq_len` of next-item retrieval when it is null (as `data=sequences`)
+RETRIEVAL_MAX_SEQ_LEN = 50
 
-    SIZE_KEY: ClassVar[str] = "data.path"
 
-    name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
-    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_sequences:parquet_sequences_dataset")
-    path: StrictStr | list[StrictStr] = Field(  # type: ignore[assignment]
+class ParquetSequenceKeys(Section):
+    """The keys `data=parquet_sequences` has for both kinds of model: the files, their columns,
+    the shuffle window, and the sample shape of HSTU ranking (`recsys_pipe.data.parquet_ranking`).
+    `ParquetSequencesDataConfig` (what `data=parquet_sequences` validates) and the HSTU ranking
+    config it becomes for a ranking model share them."""
+
+    path: StrictStr | list[StrictStr] = Field(
         description="sequence Parquet file, directory, glob or URI (file://, s3://, gs://, hdfs://), or a list"
     )
     columns: SequenceColumns = Field(default_factory=SequenceColumns, description="the columns' names")
@@ -103,16 +119,76 @@ class ParquetSequencesDataConfig(SequencesDataConfig):
         description="files without a stored item vocabulary: their item ids are dense ids in [0, num_items)",
     )
     shuffle_window: StrictInt = Field(
-        65536, ge=1, description="users shuffled together (rounded down to a multiple of data.batch_size)"
+        65536, ge=1, description="samples shuffled together (rounded down to a multiple of data.batch_size)"
+    )
+    max_seq_len: StrictInt | None = Field(
+        None,
+        ge=2,
+        description=f"most recent interactions a sample feeds the model (null: {RETRIEVAL_MAX_SEQ_LEN} for next-item "
+        "retrieval; HSTU ranking: the window length the files were converted with)",
+    )
+    num_candidates: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="HSTU ranking: trailing events of each sample that are ranked (null: as the files were converted)",
+    )
+    use_user_feature: StrictBool = Field(False, description="HSTU ranking: add the user id as a contextual token")
+    thresholds: list[float] = Field(
+        [4.0, 5.0],
+        min_length=1,
+        description="HSTU ranking: one binary task per threshold: a candidate is positive for task k when its rating "
+        ">= thresholds[k]",
     )
 
-    # replaces the parent's check that data.path is one readable file
+    # replaces a parent's check that data.path is one readable file
     @field_validator("path")
     @classmethod
     def _readable_file(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("an empty list names no file")
         return value
+
+    # replaces a parent's check of num_candidates against max_seq_len: either may be null here
+    @field_validator("num_candidates")
+    @classmethod
+    def _candidates_fit(cls, num_candidates: int | None, info: ValidationInfo) -> int | None:
+        max_seq_len = info.data.get("max_seq_len")
+        if isinstance(max_seq_len, int) and isinstance(num_candidates, int) and num_candidates >= max_seq_len:
+            raise ValueError(
+                f"num_candidates ({num_candidates}) must be < max_seq_len ({max_seq_len}): "
+                "a sample needs at least one history token"
+            )
+        return num_candidates
+
+
+class ParquetSequencesDataConfig(ParquetSequenceKeys, SequencesDataConfig):
+    """`data=parquet_sequences`: sequence Parquet for next-item retrieval (SASRec, HSTU retrieval)
+    or HSTU ranking, whichever the model trains on (`as_kind`; docs/parquet.md)."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_sequences:parquet_sequences_dataset")
+
+    #: the configs this source becomes for other kinds of model (`as_kind`), by import path as the
+    #: registries name config classes: the HSTU ranking source builds on this module
+    VARIANTS: ClassVar[tuple[str, ...]] = ("recsys_pipe.data.parquet_ranking:ParquetRankingDataConfig",)
+
+    def as_kind(self, kind: type[DataConfig]) -> DataConfig:
+        """Next-item retrieval (`kind` a `SequenceSourceConfig`): this config, `max_seq_len`
+        filled in. HSTU ranking (`kind` a `SequenceDataConfig`, the `Sample` sources): the
+        variant of that kind (`ParquetRankingDataConfig`) with the keys the two share. Any other
+        kind: this config (the model's `check_data` then refuses it)."""
+        if isinstance(self, kind):
+            if self.max_seq_len is not None:
+                return self
+            return self.model_copy(update={"max_seq_len": RETRIEVAL_MAX_SEQ_LEN})
+        for path in self.VARIANTS:
+            variant = import_fn(path)
+            if issubclass(variant, kind):
+                keys = variant.model_fields.keys() - {"builder"}
+                return validate_section(variant, self.model_dump(include=set(keys)), "data")
+        return self
 
 
 def _list_type(t: pa.DataType) -> bool:
@@ -426,7 +502,28 @@ class _Windows(WindowDataset):
         return table
 
 
-class ParquetSequences(StreamSource):
+class PartedStreamSource(StreamSource):
+    """A `StreamSource` whose training windows are handed out in parts of `_PART_ROWS` rows
+    (a multiple of the batch size), the row groups kept between the parts (`_Windows`): the
+    same rows in the same order, with a first batch that waits for one part. Its decoder keeps
+    a window's decoded columns for the window's next part (`_SequenceDecoder`)."""
+
+    def prepare(self, eval_batches: int) -> None:
+        super().prepare(eval_batches)
+        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)  # type: ignore[arg-type]
+
+    def epoch_pieces(self, epoch: int) -> list[Piece]:
+        """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
+        `_PART_ROWS` rows (a multiple of the batch size): the same rows in the same order."""
+        part = max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
+        return [
+            Piece(p.epoch, p.start, p.length, p.skip + at, min(part, p.take - at))
+            for p in super().epoch_pieces(epoch)
+            for at in range(0, p.take, part)
+        ]
+
+
+class ParquetSequences(PartedStreamSource):
     """This rank's users of sequence Parquet: training by position (`StreamSource`) and the
     leave-one-out evaluation splits (`split`), as `SequencesDataset` offers them."""
 
@@ -442,17 +539,6 @@ class ParquetSequences(StreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
-        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)
-
-    def epoch_pieces(self, epoch: int) -> list[Piece]:
-        """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
-        `_PART_ROWS` users (a multiple of the batch size): the same rows in the same order."""
-        part = max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
-        return [
-            Piece(p.epoch, p.start, p.length, p.skip + at, min(part, p.take - at))
-            for p in super().epoch_pieces(epoch)
-            for at in range(0, p.take, part)
-        ]
 
     @property
     def num_users(self) -> int:
@@ -536,33 +622,44 @@ def _item_vocab(files: ParquetFiles, num_items: int | None) -> tuple[np.ndarray 
     return None, num_items
 
 
+def check_sequence_columns(files: ParquetFiles, columns: SequenceColumns) -> str | None:
+    """Check the user, item and timestamp columns of the first file's schema (a `DataFileError`
+    naming the file and column); returns the timestamp column to read (None: the default name
+    is absent, so positions stand in for time)."""
+    schema = files.schema
+
+    def require(name: str, list_column: bool) -> None:
+        i = schema.get_field_index(name)
+        if i < 0:
+            raise DataFileError(
+                files.key, files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
+            )
+        t = schema.field(i).type
+        ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
+        if not ok:
+            want = "a list of integers" if list_column else "an integer"
+            raise DataFileError(files.key, files.where(0, column=name), f"must be {want}, it is {t}")
+
+    require(columns.user, False)
+    require(columns.items, True)
+    stamps = columns.timestamps
+    if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
+        return None  # the default name, absent: positions stand in for time
+    if stamps is not None:
+        require(stamps, True)
+    return stamps
+
+
 def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_size: int) -> ParquetSequences:
-    """Builder of `data=parquet_sequences`: this rank's users, checked from the files' metadata."""
+    """Builder of `data=parquet_sequences` for next-item retrieval: this rank's users, checked
+    from the files' metadata (HSTU ranking: `recsys_pipe.data.parquet_ranking`)."""
+    cfg = cfg.as_kind(SequencesDataConfig)  # type: ignore[assignment]
     c = cfg.columns
     stamps = c.timestamps
 
     def check_schema(files: ParquetFiles) -> None:
         nonlocal stamps
-        schema = files.schema
-
-        def require(name: str, list_column: bool) -> None:
-            i = schema.get_field_index(name)
-            if i < 0:
-                raise DataFileError(
-                    files.key, files.where(0), f"no column {name!r} (data.columns names it); it has {schema.names}"
-                )
-            t = schema.field(i).type
-            ok = _list_type(t) and pa.types.is_integer(t.value_type) if list_column else pa.types.is_integer(t)
-            if not ok:
-                want = "a list of integers" if list_column else "an integer"
-                raise DataFileError(files.key, files.where(0, column=name), f"must be {want}, it is {t}")
-
-        require(c.user, False)
-        require(c.items, True)
-        if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
-            stamps = None  # the default name, absent: positions stand in for time
-        if stamps is not None:
-            require(stamps, True)
+        stamps = check_sequence_columns(files, c)
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:

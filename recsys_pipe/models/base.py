@@ -99,6 +99,10 @@ class ModelConfig(Component):
 
     #: how the model is cut into pipeline stages (`parallel.pp`); None: it cannot be
     stage_split: ClassVar[StageSplit | None] = None
+    #: the kind of data source the model trains on: the base class of their configs (None: any).
+    #: A source that serves several kinds gives the model its config of this kind
+    #: (`DataConfig.as_kind`); `check_data` then checks it.
+    data_kind: ClassVar[type[DataConfig] | None] = None
 
     loss_normalization: Literal["local", "global_tokens"] = Field(
         "local",

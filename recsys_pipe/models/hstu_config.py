@@ -24,6 +24,9 @@ class HSTUConfig(ShardedModelConfig):
     #: pipeline stages share out the HSTU blocks (`recsys_pipe.pp.models.hstu_stages`)
     stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.pp.models:hstu_stages")
 
+    #: the sources of `Sample`s (windows with candidates and labels): movielens, synthetic, parquet_sequences
+    data_kind: ClassVar[type[DataConfig] | None] = SequenceDataConfig
+
     name: Literal["hstu"] = "hstu"
     builder: StrictStr | None = builder_field("recsys_pipe.models.hstu:build_hstu")
     embedding_dim: StrictInt = Field(32, ge=1, description="embedding and model width")

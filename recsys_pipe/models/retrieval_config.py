@@ -21,6 +21,9 @@ __all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]
 class RetrievalConfig(ShardedModelConfig):
     """What every retrieval model has (`model.*`): width, sequence length, loss."""
 
+    #: next-item retrieval sources: sequences, parquet_sequences
+    data_kind: ClassVar[type[DataConfig] | None] = SequenceSourceConfig
+
     embedding_dim: StrictInt = Field(50, ge=1, description="item embedding and model width")
     max_seq_len: StrictInt = Field(50, ge=1, description="positions of the encoder; must be >= data.max_seq_len")
     dropout: float = Field(0.5, ge=0, lt=1, description="dropout on embeddings and blocks")

@@ -198,7 +198,13 @@ class RunConfig(Section):
         except ValidationError as exc:
             problems += [p for p in problems_from_validation_error(exc, cls) if _section(p.path) not in failed]
         if run is not None:
-            problems += run.model.check_data(run.data)
+            kind = type(run.model).data_kind
+            try:  # a source that serves several kinds of model, as this model reads it
+                run.data = run.data.as_kind(kind) if kind is not None else run.data
+            except ConfigError as exc:
+                problems += exc.problems
+            else:
+                problems += run.model.check_data(run.data)
         if run is not None and not problems:
             run.data = run.model.data_for_model(run.data)  # what the model derives for its data
         if problems:

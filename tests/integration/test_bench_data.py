@@ -42,10 +42,15 @@ def test_bench_data_quick_reports_every_part_and_the_target_ratios(tmp_path):
         "train DLRM, data=parquet",
         "train SASRec, data=sequences",
         "train SASRec, data=parquet_sequences",
+        "data=movielens in memory, windows of 16",
+        "data=parquet_sequences HSTU ranking loader, windows of 16",
+        "train HSTU, data=movielens",
+        "train HSTU, data=parquet_sequences",
     }
     for name, row in rows.items():
         assert row["samples_per_s"]["median"] > 0 and row["peak_rss_mib"]["median"] > 0, name
-    for name in ("raw pyarrow, 40000 rows", "data=parquet loader, 40000 rows", "data=criteo in memory, 20000 rows"):
+    held = ("data=criteo in memory, 20000 rows", "data=movielens in memory, windows of 16")
+    for name in ("raw pyarrow, 40000 rows", "data=parquet loader, 40000 rows", *held):
         assert rows[name]["first_batch_s"]["median"] >= 0 and rows[name]["bytes_per_sample"]["median"] > 0
     assert rows["data=parquet loader, 40000 rows"]["first_batch_s"]["median"] > 0  # a worker starts first
     assert (
@@ -62,6 +67,8 @@ def test_bench_data_quick_reports_every_part_and_the_target_ratios(tmp_path):
             "loader_first_batch_s_largest",
             "loader_first_batch_largest_over_smallest",
             "convert_over_56000_rows_per_s",
+            "ranking_loader_over_memory",
+            "train_hstu_parquet_over_memory",
         }
     )
     assert "ratios against the targets:" in proc.stdout

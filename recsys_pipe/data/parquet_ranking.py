@@ -1,0 +1,417 @@
+"""`data=parquet_sequences` for HSTU ranking: windows of user interactions streamed from Parquet,
+with `data=movielens`'s keys, samples and labels (`model=hstu`, `hstu_small`).
+
+A model that trains on `Sample` sources (`SequenceDataConfig`, its `ModelConfig.data_kind`) gets
+`data=parquet_sequences` as a `ParquetRankingDataConfig` (`ParquetSequencesDataConfig.as_kind`);
+next-item retrieval models get the same files as users (`recsys_pipe.data.parquet_sequences`).
+
+**One row is one sample.** A row holds `user_id` (int), `item_ids` (list of int, chronological),
+optionally `timestamps` (list of int, the same lengths; absent: the positions in the row stand
+in for time) and `actions` (list of numbers, the same lengths: each event's rating;
+`data.columns.*` renames them). Its sample is its last `data.max_seq_len` events, of which the
+last `data.num_candidates` are the ranking candidates. A history event's rating becomes its
+action id, `round(2 * rating)` (halves to even, as Python's `round`); a candidate's action id is
+`MASKED_ACTION`, and its rating gives its labels: task `k` is `rating >= data.thresholds[k]`.
+So the batches per epoch follow from the row counts in the footers, as the streaming machinery
+needs (`recsys_pipe.data.stream`).
+
+**Why rows are windows, not users.** `data=movielens` cuts each user's ratings, from the most
+recent end, into windows of at most `max_seq_len`, dropping a window with no history; how many
+windows a user has depends on the length of its list, which the footers do not hold. Counting
+them would need a pass over every list before the first step, and ranks could not agree on
+their batches from the metadata alone. So `recsys-data convert sequences --windows L` writes
+one row per window, in `data=movielens`'s order (users in sorted raw-id order, each user's
+windows oldest first), and records its cut in the key-value metadata `recsys-pipe/windows`
+(`{"max_seq_len": L, "num_candidates": C}`). A null `data.max_seq_len` / `data.num_candidates`
+takes the recorded values; other values are refused (they would cut other windows). The sorted
+distinct raw user ids travel as `recsys-pipe/users` (little-endian int64, as the items'
+vocabulary `recsys-pipe/items`), for `data.use_user_feature`: a user's dense id is its place in
+it, as `data=movielens` numbers users. With `data.shuffle=false` the converted file trains
+bitwise `data=movielens`'s losses on the same ratings.
+
+Rows written by other tools need no metadata: each row is one sample as above (a file with one
+row per user trains on each user's most recent window). A row with no more events than
+`data.num_candidates`, a rating whose action id falls outside `[0, 10]`, null ratings and lists
+of other lengths stop the run in one line naming the file, row group and column (before the
+first step where the row group's statistics show a rating out of range).
+
+The windows of an epoch are handed out in parts (`PartedStreamSource`, as for the retrieval
+users): a worker decodes a window's columns once and turns one part of its rows at a time into
+samples, so the first batch waits for one part, not the whole window.
+
+Evaluation holds out the tail of the rows (`trainer.eval_batches` batches per rank), as
+`data=movielens` holds out the tail of each rank's share.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import StrictStr, model_validator
+
+from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
+from recsys_pipe.data.loader import SequenceDataConfig
+from recsys_pipe.data.movielens import NUM_ACTIONS
+from recsys_pipe.data.negatives import concat_ranges
+from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet_sequences import (
+    ParquetSequenceKeys,
+    PartedStreamSource,
+    _item_vocab,
+    _list_type,
+    _list_values,
+    _offsets,
+    _SequenceDecoder,
+    check_sequence_columns,
+)
+from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.stream import Fail
+
+__all__ = [
+    "USER_VOCAB_KEY",
+    "WINDOWS_KEY",
+    "ParquetRankingDataConfig",
+    "WindowRows",
+    "parquet_ranking_dataset",
+    "user_vocab_metadata",
+    "windows_metadata",
+]
+
+USER_VOCAB_KEY = b"recsys-pipe/users"
+WINDOWS_KEY = b"recsys-pipe/windows"
+
+
+def user_vocab_metadata(raw_users: np.ndarray) -> dict[bytes, bytes]:
+    """The key-value metadata that carries a file's user vocabulary (its sorted distinct raw user ids)."""
+    vocab = np.unique(np.asarray(raw_users, dtype=np.int64))
+    return {USER_VOCAB_KEY: vocab.astype("<i8").tobytes()}
+
+
+def windows_metadata(max_seq_len: int, num_candidates: int) -> dict[bytes, bytes]:
+    """The key-value metadata that records how a converter cut the rows into windows."""
+    return {WINDOWS_KEY: json.dumps({"max_seq_len": max_seq_len, "num_candidates": num_candidates}).encode()}
+
+
+def _stored_windows(files: ParquetFiles) -> tuple[int, int] | None:
+    """(max_seq_len, num_candidates) the files were cut with, or None when not recorded."""
+    raw = files.metadata.get(WINDOWS_KEY)
+    if raw is None:
+        return None
+    try:
+        stored = json.loads(raw)
+        cut = int(stored["max_seq_len"]), int(stored["num_candidates"])
+    except (ValueError, KeyError, TypeError):
+        raise DataFileError(files.key, files.where(0), f"{WINDOWS_KEY.decode()} is not the window cut") from None
+    return cut
+
+
+class ParquetRankingDataConfig(ParquetSequenceKeys, SequenceDataConfig):
+    """`data=parquet_sequences` as HSTU ranking reads it (what `ParquetSequencesDataConfig.as_kind`
+    makes for a model whose `data_kind` is `SequenceDataConfig`): windows with candidates and
+    labels. A null `max_seq_len` or `num_candidates` is read from the files' recorded cut."""
+
+    SIZE_KEY: ClassVar[str] = "data.path"
+
+    name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_ranking:parquet_ranking_dataset")
+
+    @model_validator(mode="after")
+    def _cut_from_the_files(self) -> ParquetRankingDataConfig:
+        if self.max_seq_len is not None and self.num_candidates is not None:
+            return self
+        cut = _stored_windows(open_parquet(self.path, "data.path"))
+        if cut is None:
+            missing = "data.max_seq_len" if self.max_seq_len is None else "data.num_candidates"
+            raise ConfigError(
+                ConfigProblem(
+                    missing,
+                    f"HSTU ranking needs it: the files record no window cut ({WINDOWS_KEY.decode()}, written by "
+                    "`recsys-data convert sequences --windows`)",
+                )
+            )
+        # set without validating the assignment again (that would run this validator again)
+        self.__dict__["max_seq_len"] = self.max_seq_len or cut[0]
+        self.__dict__["num_candidates"] = self.num_candidates or cut[1]
+        if self.num_candidates >= self.max_seq_len:  # type: ignore[operator]
+            raise ConfigError(
+                ConfigProblem(
+                    "data.num_candidates",
+                    f"{self.num_candidates} must be < data.max_seq_len ({self.max_seq_len}): a sample needs at least "
+                    "one history token",
+                )
+            )
+        return self
+
+
+@dataclass
+class WindowRows:
+    """Decoded samples (tensors): items, action ids and timestamps of each sample's events
+    (jagged, one offsets array, candidates last), the candidates' labels (`num_candidates` rows
+    per sample), the dense user ids (empty without the user feature) and the sample ids."""
+
+    items: torch.Tensor
+    actions: torch.Tensor
+    stamps: torch.Tensor
+    offsets: torch.Tensor
+    labels: torch.Tensor
+    users: torch.Tensor | None
+    sample_ids: torch.Tensor
+    num_candidates: int
+
+    def __len__(self) -> int:
+        return int(self.sample_ids.numel())
+
+    def slice(self, start: int, stop: int) -> WindowRows:
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        c = self.num_candidates
+        return WindowRows(
+            self.items[lo:hi],
+            self.actions[lo:hi],
+            self.stamps[lo:hi],
+            self.offsets[start : stop + 1] - lo,
+            self.labels[start * c : stop * c],
+            None if self.users is None else self.users[start:stop],
+            self.sample_ids[start:stop],
+            c,
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[WindowRows]) -> WindowRows:
+        lengths = torch.cat([p.offsets[1:] - p.offsets[:-1] for p in parts])
+        users = [p.users for p in parts]
+        return WindowRows(
+            torch.cat([p.items for p in parts]),
+            torch.cat([p.actions for p in parts]),
+            torch.cat([p.stamps for p in parts]),
+            torch.from_numpy(_offsets(lengths.numpy())),
+            torch.cat([p.labels for p in parts]),
+            None if users[0] is None else torch.cat(users),  # type: ignore[arg-type]
+            torch.cat([p.sample_ids for p in parts]),
+            parts[0].num_candidates,
+        )
+
+    def batch(self) -> SequenceBatch:
+        """The batch `recsys_pipe.data.batch.collate` makes of these samples."""
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        b = len(self)
+        lengths = (self.offsets[1:] - self.offsets[:-1]).to(torch.int32)
+        keys, values, all_lengths = [ITEM_KEY, ACTION_KEY], [self.items, self.actions], [lengths, lengths]
+        if self.users is not None:
+            keys.append(USER_KEY)
+            values.append(self.users)
+            all_lengths.append(torch.ones(b, dtype=torch.int32))
+        kjt = KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(all_lengths))
+        return SequenceBatch(
+            sparse_features=kjt,
+            timestamps=self.stamps,
+            num_candidates=torch.full((b,), self.num_candidates, dtype=torch.int64),
+            labels=self.labels,
+            sample_ids=self.sample_ids,
+        )
+
+
+class _WindowDecoder:
+    """Turns a window's table of sequence Parquet into `WindowRows`, one part of the window at a
+    time (`PartedStreamSource`): the items, timestamps and user ids through
+    `data=parquet_sequences`' own decoder (dense ids, its checks, the window's columns kept for
+    its next part), the ratings here (kept alike)."""
+
+    def __init__(
+        self, cfg: ParquetRankingDataConfig, sequences: _SequenceDecoder, actions: str, users: np.ndarray | None
+    ) -> None:
+        self.sequences, self.actions, self.user_vocab = sequences, actions, users
+        self.columns = [*sequences.columns, actions]
+        self.max_seq_len, self.num_candidates = int(cfg.max_seq_len), int(cfg.num_candidates)  # type: ignore[arg-type]
+        self.thresholds = np.asarray(cfg.thresholds, dtype=np.float64)
+        #: the last window's sample ids, ratings (flat) and their offsets
+        self._cached: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> WindowRows:
+        window_ratings, window_offsets = self._ratings(table, sample_ids, fail)
+        rows = self.sequences(table, sample_ids, order, fail)  # only the rows of `order`, in its order
+        if order is None:
+            ratings, part_fail = window_ratings, fail
+        else:
+            starts = window_offsets[:-1][order]
+            ratings = window_ratings[concat_ranges(starts, window_offsets[1:][order] - starts)]
+            window_fail = fail
+
+            def part_fail(column: str, message: str, row: int = 0) -> DataFileError:
+                return window_fail(column, message, int(order[row]))
+
+        n = np.diff(rows.offsets)
+        c, length = self.num_candidates, self.max_seq_len
+        short = np.flatnonzero(n <= c)
+        if len(short):
+            row = int(short[0])
+            raise part_fail(
+                self.sequences.items,
+                f"a row of {n[row]} event(s): a sample needs more than data.num_candidates={c} (history, then "
+                "candidates)",
+                row,
+            )
+        action_ids = np.rint(2.0 * ratings)  # halves to even, as Python's round(), which data=movielens uses
+        bad = np.flatnonzero(~((action_ids >= 0) & (action_ids < NUM_ACTIONS)))
+        if len(bad):
+            at = int(bad[0])
+            raise part_fail(
+                self.actions,
+                f"rating {ratings[at]} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]",
+                _row_of(rows.offsets, at),
+            )
+        users = self._users(rows.users, part_fail)
+        keep = np.minimum(n, length)
+        gather = concat_ranges(rows.offsets[:-1] + n - keep, keep)
+        offsets = _offsets(keep)
+        # candidates: the last c events of each sample
+        within = np.arange(len(gather)) - np.repeat(offsets[:-1], keep)
+        candidate = within >= np.repeat(keep - c, keep)
+        picked = ratings[gather]
+        labels = (picked[candidate][:, None] >= self.thresholds[None, :]).astype(np.float32)
+        actions = np.where(candidate, MASKED_ACTION, action_ids[gather]).astype(np.int64)
+        return WindowRows(
+            torch.from_numpy(rows.items[gather]),
+            torch.from_numpy(actions),
+            torch.from_numpy(rows.stamps[gather]),
+            torch.from_numpy(offsets),
+            torch.from_numpy(labels),
+            None if users is None else torch.from_numpy(users),
+            torch.from_numpy(np.ascontiguousarray(rows.sample_ids)),
+            c,
+        )
+
+    def _ratings(self, table: pa.Table, sample_ids: np.ndarray, fail: Fail) -> tuple[np.ndarray, np.ndarray]:
+        """The window's ratings (flat, float64) and their offsets, checked (no nulls, the items'
+        lengths); kept for the window's next part."""
+        cached = self._cached
+        if cached is not None and np.array_equal(cached[0], sample_ids):
+            return cached[1], cached[2]
+        self._cached = None  # release the previous window first
+        values, offsets, at, first_row = [], [np.zeros(1, dtype=np.int64)], 0, 0
+        for chunk in table.column(self.actions).chunks:
+            if chunk.null_count:
+                row = int(np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False))[0])
+                raise fail(self.actions, "a null list", first_row + row)
+            bounds = np.asarray(chunk.offsets, dtype=np.int64)
+            bounds = bounds - bounds[0]
+            flat = chunk.flatten()
+            if flat.null_count:
+                event = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+                raise fail(self.actions, "a null rating", first_row + _row_of(bounds, event))
+            values.append(flat.to_numpy(zero_copy_only=False).astype(np.float64, copy=False))
+            offsets.append(bounds[1:] + at)
+            at += len(flat)
+            first_row += len(chunk)
+        ratings = values[0] if len(values) == 1 else np.concatenate(values)
+        ratings_offsets = np.concatenate(offsets)
+        item_offsets = _list_values(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
+        if not np.array_equal(ratings_offsets, item_offsets):
+            row = int(np.flatnonzero(np.diff(ratings_offsets) != np.diff(item_offsets))[0])
+            raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)
+        self._cached = (sample_ids, ratings, ratings_offsets)
+        return ratings, ratings_offsets
+
+    def _users(self, raw: np.ndarray, fail: Fail) -> np.ndarray | None:
+        vocab = self.user_vocab
+        if vocab is None:
+            return None
+        dense = np.searchsorted(vocab, raw)
+        unknown = np.flatnonzero((dense >= len(vocab)) | (vocab[np.minimum(dense, len(vocab) - 1)] != raw))
+        if len(unknown):
+            row = int(unknown[0])
+            raise fail(
+                self.sequences.user,
+                f"user id {raw[row]} is not in the stored user vocabulary ({USER_VOCAB_KEY.decode()})",
+                row,
+            )
+        return dense.astype(np.int64)
+
+
+def _row_of(offsets: np.ndarray, event: int) -> int:
+    return int(np.searchsorted(offsets, event, side="right")) - 1
+
+
+def _user_vocab(files: ParquetFiles) -> np.ndarray:
+    stored = files.metadata.get(USER_VOCAB_KEY)
+    if stored is None:
+        raise DataFileError(
+            files.key,
+            files.where(0),
+            f"data.use_user_feature needs a user vocabulary ({USER_VOCAB_KEY.decode()} in the key-value metadata, "
+            "written by `recsys-data convert sequences --windows`)",
+        )
+    vocab = np.frombuffer(stored, dtype="<i8").astype(np.int64)
+    if not len(vocab) or not bool(np.all(vocab[1:] > vocab[:-1])):
+        raise DataFileError(
+            files.key, files.where(0), f"{USER_VOCAB_KEY.decode()} is not a sorted list of distinct user ids"
+        )
+    return vocab
+
+
+def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size: int) -> PartedStreamSource:
+    """Builder of `data=parquet_sequences` for HSTU ranking: this rank's windows, checked from the
+    files' metadata (a missing or wrong-typed column, a rating out of range in the statistics, a
+    window cut other than the keys)."""
+    c = cfg.columns
+    if c.actions is None:
+        raise ConfigError(ConfigProblem("data.columns.actions", "HSTU ranking needs the rating list column"))
+    actions: str = c.actions
+    stamps: str | None = None
+
+    def check_schema(files: ParquetFiles) -> None:
+        nonlocal stamps
+        stamps = check_sequence_columns(files, c)
+        schema = files.schema
+        i = schema.get_field_index(actions)
+        if i < 0:
+            raise DataFileError(
+                files.key,
+                files.where(0),
+                f"no column {actions!r} (data.columns.actions names it: each event's rating, for HSTU ranking); it "
+                f"has {schema.names}",
+            )
+        t = schema.field(i).type
+        if not (_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+            raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
+
+    def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
+        if c.user in stats and stats[c.user].null_count:
+            raise DataFileError(
+                files.key, files.where(file, group, c.user), f"{stats[c.user].null_count} null user id(s)"
+            )
+        st = stats.get(actions)
+        for value in (st.min, st.max) if st is not None else ():
+            if value is not None and not 0 <= round(2 * float(value)) < NUM_ACTIONS:
+                raise DataFileError(
+                    files.key,
+                    files.where(file, group, actions),
+                    f"rating {value} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]",
+                )
+
+    files = open_parquet(cfg.path, "data.path", check_schema, check_stats, stats_columns=[c.user, actions])
+    cut = _stored_windows(files)
+    if cut is not None and cut != (cfg.max_seq_len, cfg.num_candidates):
+        raise ConfigError(
+            ConfigProblem(
+                "data.max_seq_len" if cut[0] != cfg.max_seq_len else "data.num_candidates",
+                f"{files.where(0)} holds windows cut with max_seq_len={cut[0]}, num_candidates={cut[1]} "
+                f"(data.max_seq_len={cfg.max_seq_len}, data.num_candidates={cfg.num_candidates} would cut others): "
+                "set those (or null), or convert again with other --windows / --num-candidates",
+            )
+        )
+    vocab, num_items = _item_vocab(files, cfg.num_items)
+    users = _user_vocab(files) if cfg.use_user_feature else None
+    vocab_sizes = {ITEM_KEY: num_items, ACTION_KEY: NUM_ACTIONS}
+    if users is not None:
+        vocab_sizes[USER_KEY] = len(users)
+    spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
+    decoder = _WindowDecoder(cfg, _SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
+    return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)
