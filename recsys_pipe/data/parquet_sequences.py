@@ -334,13 +334,21 @@ class _Columns:
 class _SequenceDecoder:
     """Turns a row group of sequence Parquet into `UserRows` (dense item ids)."""
 
-    def __init__(self, cfg: ParquetSequencesDataConfig, vocab: np.ndarray | None, num_items: int, stamps: str | None):
+    def __init__(
+        self,
+        cfg: ParquetSequencesDataConfig,
+        vocab: np.ndarray | None,
+        num_items: int,
+        stamps: str | None,
+        negatives_per_target: int = 1,
+    ):
         c = cfg.columns
         self.user, self.items, self.stamps = c.user, c.items, stamps
         self.columns = [c.user, c.items] + ([stamps] if stamps else [])
         self.vocab, self.num_items = vocab, num_items
         self.max_seq_len, self.seed = cfg.max_seq_len, cfg.seed
-        self.negatives_per_target = cfg.negatives_per_target
+        #: training negatives per target (retrieval; the HSTU ranking decoder draws none)
+        self.negatives_per_target = negatives_per_target
         #: raw id -> dense id (-1: unknown) when the raw ids are small enough for a table
         self._lookup: np.ndarray | None = None
         if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
@@ -675,5 +683,5 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
                 "data.eval_negatives", f"{cfg.eval_negatives} exceeds the {num_items - 1} other items of the data"
             )
         )
-    decoder = _SequenceDecoder(cfg, vocab, num_items, stamps)
+    decoder = _SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target)
     return ParquetSequences(files, decoder, rank, world_size, cfg)
