@@ -30,6 +30,8 @@ with fewer than 3 interactions is padding (not scored), as the ranks' splits are
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -39,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
@@ -416,6 +418,37 @@ class _Windows(WindowDataset):
         while sum(t.num_rows for t in self._groups.values()) > self._keep_rows and len(self._groups) > 1:
             del self._groups[next(iter(self._groups))]
         return table
+
+    def __getitem__(self, piece: Piece) -> Any:
+        _reuse_heap()
+        return super().__getitem__(piece)
+
+
+#: glibc's `mallopt` parameters: the size from which `malloc` maps memory of its own, and the
+#: free memory at the heap's top above which `free` gives it back
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
+_HEAP_SET_IN: list[int] = []  # the process that set them
+
+
+def _reuse_heap() -> None:
+    """In a DataLoader worker, let a part's arrays (a few MB each, allocated and freed in the same
+    sizes part after part) come from the heap and stay there for the next part.
+
+    Stream workers map every block from 128 KiB on (`recsys_pipe.data.stream`, against
+    fragmentation by windows of changing sizes), so each such array is fresh memory: one page
+    fault per 4 KiB. On the 2-core benchmark VM a fresh 6.4 MB array cost 1.9 ms to fill, a reused
+    one 0.17 ms, and a part makes dozens. Mapped from 32 MiB on (glibc's most) and not trimmed
+    below 256 MiB, they are reused; a window's own columns (larger) are still mapped. Other C
+    libraries: nothing to do."""
+    if get_worker_info() is None or os.getpid() in _HEAP_SET_IN:
+        return
+    _HEAP_SET_IN[:] = [os.getpid()]
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 class ParquetSequences(StreamSource):
