@@ -18,11 +18,18 @@ A user's training sample is what `data=sequences` builds (module `recsys_pipe.da
 the last `max_seq_len` transitions of the sequence without its last two items (all of it below
 three items), and one negative per target from `recsys_pipe.data.negatives.unseen_items` (a
 counter-based hash of `(data.seed, epoch, user, position)`, rejected against the user's training
-items), drawn for the whole batch at once: bitwise the same batches as `data=sequences` on the
-same users, whichever batch, rank or worker a user falls in. Nothing is per user. Unlike
+items), drawn for many users at once: bitwise the same batches as `data=sequences` on the same
+users, whichever batch, rank or worker a user falls in. Nothing is per user. Unlike
 `data=sequences`, every row is a sample, so that the batches per epoch follow from the row counts
 alone: a user with fewer than two training transitions (1 or 3 interactions) is a sample without
 targets, which adds nothing to the loss.
+
+Decoding: a shuffled window (65,536 users by default: 13M items at length 200) is handed out
+in parts of `_PART_ROWS` users, the same rows in the same order (`ParquetSequences.epoch_pieces`):
+the worker reads the window's row groups and its columns once, and each part gathers, maps and
+samples only its own users' items, in arrays of a few MB that stay in cache and are reused from
+part to part instead of hundreds of MB of fresh memory per step. A first batch waits for one
+part, and what crosses to the main process at a time is a part.
 
 Evaluation (`split("valid" | "test")`): rank `r` scores a contiguous `1/W` of the users; a user
 with fewer than 3 interactions is padding (not scored), as the ranks' splits are padded alike.
@@ -57,7 +64,7 @@ from recsys_pipe.data.sequences import (
     collate_retrieval,
 )
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import EpochOrder, Fail, Piece, StreamSource, WindowDataset
+from recsys_pipe.data.stream import EpochOrder, Fail, Piece, StreamSource, WindowDataset, shared_empty
 
 __all__ = [
     "ITEM_VOCAB_KEY",
@@ -122,10 +129,12 @@ def _list_type(t: pa.DataType) -> bool:
 
 @dataclass
 class UserRows:
-    """Decoded users: dense item ids and timestamps (jagged, one offsets array) and sample ids."""
+    """Decoded users: dense item ids and timestamps (jagged, one offsets array) and sample ids.
+    Without a timestamp column, `stamps` are the positions in each sequence, made when first read
+    (training reads only its inputs' positions, `finish`)."""
 
     items: np.ndarray
-    stamps: np.ndarray
+    given_stamps: np.ndarray | None
     offsets: np.ndarray
     users: np.ndarray
     sample_ids: np.ndarray
@@ -133,6 +142,14 @@ class UserRows:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+    @property
+    def stamps(self) -> np.ndarray:
+        """Each item's timestamp (the positions in its sequence without a timestamp column)."""
+        if self.given_stamps is None:
+            lengths = np.diff(self.offsets)
+            self.given_stamps = _ranges(np.zeros(len(lengths), dtype=np.int64), lengths)
+        return self.given_stamps
 
     def finish(self, epoch: int) -> TrainRows:
         """The training samples of these users in `epoch` (see the module docstring)."""
@@ -143,16 +160,20 @@ class UserRows:
         m = np.maximum(keep - 1, 0)  # transitions: inputs and targets of each sample
         first = self.offsets[:-1] + train - keep
         inputs = _ranges(first, m)
-        targets = inputs + 1
-        negatives = _negatives(self, epoch, train, m)
-        # the time of each sample's last target (of its only item when it has none), as data=sequences has it
-        last = np.where(train > 0, self.offsets[:-1] + train - 1, 0)
-        target_stamps = self.stamps[last]
+        # written where the main process reads them (shared memory in a worker: no copy on the way)
+        out = [shared_empty((len(inputs),), torch.int64) for _ in range(4)]
+        np.take(self.items, inputs, out=out[0].numpy())
+        out[2].numpy()[:] = _negatives(self, epoch, train, m)
+        if self.given_stamps is None:  # positions: of each input, and of each sample's last target
+            out[3].numpy()[:] = _ranges(train - keep, m)
+            target_stamps = train - 1
+        else:  # the time of each sample's last target, as data=sequences has it
+            np.take(self.given_stamps, inputs, out=out[3].numpy())
+            target_stamps = self.given_stamps[self.offsets[:-1] + train - 1]
+        inputs += 1  # the targets
+        np.take(self.items, inputs, out=out[1].numpy())
         return TrainRows(
-            torch.from_numpy(self.items[inputs]),
-            torch.from_numpy(self.items[targets]),
-            torch.from_numpy(negatives),
-            torch.from_numpy(self.stamps[inputs]),
+            *out,
             torch.from_numpy(_offsets(m)),
             torch.from_numpy(self.sample_ids.copy()),
             torch.from_numpy(np.ascontiguousarray(target_stamps, dtype=np.int64)),
@@ -280,9 +301,6 @@ class _SequenceDecoder:
             def fail(column: str, message: str, row: int = 0) -> DataFileError:
                 return window_fail(column, message, int(order[row]))
 
-        if stamps is None:  # the position in the sequence stands in for time
-            stamps = np.arange(len(raw), dtype=np.int64)
-            stamps -= np.repeat(offsets[:-1], np.diff(offsets))
         return UserRows(self._dense(raw, offsets, fail), stamps, offsets, users, ids, self)
 
     def _columns(self, table: pa.Table, sample_ids: np.ndarray, fail: Fail) -> _Columns:
