@@ -14,26 +14,30 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["fnv1a64", "splitmix64", "string_ids"]
+__all__ = ["fnv1a64", "splitmix64", "splitmix64_inplace", "string_ids"]
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
 
 
 def splitmix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function of `values` (any integer dtype, viewed as uint64): a new
-    uint64 array, computed in place in it and one scratch array (two passes of memory per step,
-    not three new arrays)."""
-    z = values.astype(np.int64).view(np.uint64)
-    scratch = np.empty_like(z)
-    z += np.uint64(0x9E3779B97F4A7C15)
+    """SplitMix64's output function of `values` (any integer dtype, viewed as uint64), as a new
+    uint64 array."""
+    return splitmix64_inplace(values.astype(np.int64).view(np.uint64))
+
+
+def splitmix64_inplace(words: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function applied to the uint64 array `words` in place (one scratch
+    array: two passes of memory per step, not three new arrays); returns `words`."""
+    scratch = np.empty_like(words)
+    words += np.uint64(0x9E3779B97F4A7C15)
     for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        np.right_shift(z, np.uint64(shift), out=scratch)
-        z ^= scratch
-        z *= np.uint64(multiplier)
-    np.right_shift(z, np.uint64(31), out=scratch)
-    z ^= scratch
-    return z
+        np.right_shift(words, np.uint64(shift), out=scratch)
+        words ^= scratch
+        words *= np.uint64(multiplier)
+    np.right_shift(words, np.uint64(31), out=scratch)
+    words ^= scratch
+    return words
 
 
 def fnv1a64(strings: pa.Array) -> np.ndarray:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.ids import splitmix64
+from recsys_pipe.data.ids import splitmix64, splitmix64_inplace
 
 __all__ = ["EVAL", "TRAIN", "concat_ranges", "unseen_items"]
 
@@ -112,19 +112,21 @@ def unseen_items(
         raise ValueError(f"at most {(1 << _POSITION_BITS) - 1} negatives per user")
     _check_unseen_exist(seen, starts, lengths, counts, num_items)
 
-    first = np.zeros(len(users), dtype=np.int64)
-    np.cumsum(counts[:-1], out=first[1:])
-    owner = np.repeat(np.arange(len(users), dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts
     position = np.arange(total, dtype=np.int64)
-    position -= first[owner]
+    position -= np.repeat(first, counts)
     key = np.repeat(_user_keys(seed, domain, epoch, users), counts)
     out = _candidates(key, position.view(np.uint64), num_items)  # attempt 0 of every position
-    open_ = np.flatnonzero(_seen(owner, out, seen, starts, lengths, num_items))
+    seen_bits = _SeenBits(seen, starts, lengths, num_items)
+    open_ = np.flatnonzero(seen_bits.contains(np.arange(len(users)), counts, out))
     attempt = 1
     while len(open_):  # the rejected positions' next attempts
         word = position[open_].view(np.uint64) | np.uint64(attempt << _POSITION_BITS)
         candidate = _candidates(key[open_], word, num_items)
-        hit = _seen(owner[open_], candidate, seen, starts, lengths, num_items)
+        owner = np.searchsorted(first, open_, side="right") - 1  # nondecreasing, as open_
+        starts_at = np.flatnonzero(np.diff(owner, prepend=-1))
+        per_user = np.diff(starts_at, append=len(owner))
+        hit = seen_bits.contains(owner[starts_at], per_user, candidate)
         out[open_[~hit]] = candidate[~hit]
         open_ = open_[hit]
         attempt += 1
@@ -133,45 +135,49 @@ def unseen_items(
 
 def _candidates(key: np.ndarray, word: np.ndarray, num_items: int) -> np.ndarray:
     """`splitmix64(key ^ word) mod num_items`, as int64."""
-    h = splitmix64(key ^ word)
+    h = splitmix64_inplace(key ^ word)
     h %= np.uint64(num_items)
     return h.view(np.int64)
 
 
-#: the most bytes of the seen-items bitmap `_seen` sets at once (a few users' rows: stays in cache)
+#: the most bytes of the seen-items bitmap set at once (a few users' rows: stays in cache)
 _BITMAP_BYTES = 1 << 21
 
 
-def _seen(
-    owner: np.ndarray, item: np.ndarray, seen: np.ndarray, starts: np.ndarray, lengths: np.ndarray, n: int
-) -> np.ndarray:
-    """Whether `item[k]` is among the seen items of user `owner[k]` (`owner` nondecreasing).
+class _SeenBits:
+    """Whether items are among users' seen items: a bitmap of `[users, n]` booleans, for the
+    `per` users of one chunk at a time (set their seen items, look the queries up, clear them
+    again): two scatters and one gather per item, no sort (sorting the batch's `user * n + item`
+    keys for `np.searchsorted` gives the same answers some 30x slower). Each user's bitmap keys
+    are computed once, for every round of redraws."""
 
-    A bitmap of `[users, n]` booleans, for a few users at a time: set their seen items, look the
-    queries up, clear them again: two scatters and one gather per item, no sort (sorting the
-    batch's `user * n + item` keys for `np.searchsorted` gives the same answer some 30x slower)."""
-    hit = np.empty(len(owner), dtype=bool)
-    if not len(owner):
+    def __init__(self, seen: np.ndarray, starts: np.ndarray, lengths: np.ndarray, n: int) -> None:
+        self.per = max(1, _BITMAP_BYTES // n)
+        self.row = np.arange(len(lengths), dtype=np.int64) % self.per * n  # each user's row in its chunk
+        self.keys = np.repeat(self.row, lengths)
+        self.keys += seen[concat_ranges(starts, lengths)]
+        self.key_at = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.key_at[1:])
+        self.bitmap = np.zeros(min(self.per, len(lengths)) * n, dtype=bool)
+
+    def contains(self, users: np.ndarray, counts: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Whether each of `items` (`counts[i]` of them for user `users[i]`, users ascending, in
+        that order) is among its user's seen items."""
+        per, key_at, bitmap = self.per, self.key_at, self.bitmap
+        queries = np.repeat(self.row[users], counts)
+        queries += items
+        query_at = np.zeros(len(users) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_at[1:])
+        chunk = users // per
+        bounds = np.flatnonzero(np.diff(chunk, prepend=-1, append=-1))  # where each chunk's users start
+        hit = np.empty(len(items), dtype=bool)
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            c = int(chunk[a])
+            these = self.keys[key_at[c * per] : key_at[min((c + 1) * per, len(key_at) - 1)]]
+            bitmap[these] = True
+            hit[query_at[a] : query_at[b]] = bitmap[queries[query_at[a] : query_at[b]]]
+            bitmap[these] = False
         return hit
-    query_at = np.concatenate([[0], np.flatnonzero(np.diff(owner)) + 1, [len(owner)]])
-    users = owner[query_at[:-1]]
-    per = max(1, _BITMAP_BYTES // n)
-    local = np.arange(len(users), dtype=np.int64) % per * n  # each user's row in its chunk's bitmap
-    user_lengths = lengths[users]
-    keys = np.repeat(local, user_lengths)
-    keys += seen[concat_ranges(starts[users], user_lengths)]
-    queries = np.repeat(local, np.diff(query_at))
-    queries += item
-    key_at = np.zeros(len(users) + 1, dtype=np.int64)
-    np.cumsum(user_lengths, out=key_at[1:])
-    bitmap = np.zeros(min(per, len(users)) * n, dtype=bool)
-    for c in range(0, len(users), per):
-        d = min(c + per, len(users))
-        these = keys[key_at[c] : key_at[d]]
-        bitmap[these] = True
-        hit[query_at[c] : query_at[d]] = bitmap[queries[query_at[c] : query_at[d]]]
-        bitmap[these] = False
-    return hit
 
 
 def _check_unseen_exist(

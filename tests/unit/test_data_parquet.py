@@ -514,6 +514,24 @@ def test_sequence_negatives_depend_on_the_user_not_its_batch_rank_or_worker(sequ
     assert one[1, 7] == alone.tolist() and not set(alone.tolist()) & set(train.tolist())
 
 
+def test_sequence_windows_give_the_same_batches_in_parts_of_any_size(sequences, monkeypatch):
+    """A window is handed out in parts (`_PART_ROWS` users); the size of the parts changes no
+    batch: parts of one batch, of three, and whole windows give bitwise the same batches."""
+    import recsys_pipe.data.parquet_sequences as source
+
+    _, pqt = sequences
+    cfg = ParquetSequencesDataConfig(path=pqt, batch_size=8, shuffle=True, shuffle_window=40, num_workers=1)
+    runs = []
+    for part in (8, 24, 1 << 20):
+        monkeypatch.setattr(source, "_PART_ROWS", part)
+        runs.append(
+            [(b.sparse_features.values(), b.timestamps, b.sample_ids) for b in RankData(cfg, 0, 1).train_loader(2)]
+        )
+    assert len(runs[0]) == 2 * 15
+    for other in runs[1:]:
+        assert all(all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(runs[0], other, strict=True))
+
+
 def test_sequence_files_without_a_vocabulary_need_num_items(tmp_path):
     t = pa.table({"user_id": [1, 2], "item_ids": pa.array([[0, 1, 2], [3, 4, 9]], pa.list_(pa.int64()))})
     pq.write_table(t, tmp_path / "s.parquet")
