@@ -49,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import multiprocessing
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -360,6 +361,8 @@ def _init_worker(worker_id: int) -> None:
 
 #: windows a DataLoader worker decodes ahead (the DataLoader's `prefetch_factor`)
 _PREFETCH = 2
+#: shared blocks per worker: its windows in flight, and the one the main process is cutting
+_RING_DEPTH = _PREFETCH + 1
 _ALIGN = 64
 
 
@@ -516,14 +519,18 @@ class BatchStream:
         self.dataset, self.pieces = dataset, pieces
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         self.window = window
+        #: how the windows of the last iteration crossed from the workers: in a reused shared
+        #: block ("block") or in fresh shared memory ("fresh")
+        self.handoffs: Counter[str] = Counter()
 
     def __iter__(self) -> Iterator[Any]:
         ring = None
         dataset: Dataset = self.dataset
         decoder = self.dataset.decoder
+        self.handoffs = Counter()
         if self.num_workers and isinstance(decoder, BlockDecoder):
             block_bytes = self.window * decoder.row_bytes + 16 * _ALIGN  # each tensor's alignment
-            ring = _Ring(self.num_workers, _PREFETCH + 1, block_bytes)
+            ring = _Ring(self.num_workers, _RING_DEPTH, block_bytes)
             dataset = _RingWindows(self.dataset, ring)
         loader = DataLoader(
             dataset,
@@ -545,6 +552,8 @@ class BatchStream:
                 index, rows = rows.index, ring.unstage(rows)
             if isinstance(rows, _Failed):
                 raise rows.error
+            if self.num_workers:
+                self.handoffs["fresh" if index is None else "block"] += 1
             pending.append(rows)
             held += len(rows)
             batches = []
