@@ -237,7 +237,6 @@ def _criteo_fields(batch) -> list[torch.Tensor]:
     return [batch.dense_features, batch.sparse_ids, batch.labels, batch.sample_ids]
 
 
-@pytest.mark.timeout(120)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     workers=st.sampled_from([1, 2]),
@@ -365,6 +364,17 @@ def test_a_column_mapping_with_several_labels_lists_and_strings(tmp_path):
     assert per["tags"].lengths().tolist() == [len(lists[i]) for i in rows]
     assert per["tags"].values().tolist() == [int(v) % 64 for i in rows for v in lists[i]]
     assert per["item"].values().tolist() == table["item"].to_numpy()[rows].tolist()
+
+    def fields(batch) -> list[torch.Tensor]:
+        kjt = batch.sparse_features
+        return [batch.labels, batch.dense_features, batch.sample_ids, kjt.values(), kjt.lengths()]
+
+    # shuffled, through a worker's shared blocks (the lists in memory of their own): the same batches
+    shuffled = cfg.model_copy(update={"shuffle": True, "shuffle_window": 60})
+    local = list(RankData(shuffled, 0, 1).train_loader(2))
+    handed = list(RankData(shuffled.model_copy(update={"num_workers": 1}), 0, 1).train_loader(2))
+    assert len(handed) == len(local) == 6
+    assert all(torch.equal(x, y) for a, b in zip(handed, local) for x, y in zip(fields(a), fields(b)))
     from recsys_pipe.testing import load_run
 
     with pytest.raises(ConfigError, match="dlrm_torch's plain tables take one id per row; features \\['tags'\\]"):
