@@ -58,6 +58,8 @@ __all__ = [
     "criteo_dataset",
     "criteo_synthetic_dataset",
     "read_criteo",
+    "transform_dense",
+    "transform_dense_into",
 ]
 
 
@@ -67,7 +69,22 @@ CriteoSample = tuple[np.ndarray, np.ndarray, float, int]
 
 def transform_dense(raw: np.ndarray) -> np.ndarray:
     """`sign(x) * log(1 + |x|)` as float32: compresses the heavy-tailed counts."""
-    return (np.sign(raw) * np.log1p(np.abs(raw))).astype(np.float32)
+    out = np.empty(raw.shape, dtype=np.float32)
+    flat = np.ascontiguousarray(raw).reshape(-1)
+    transform_dense_into(flat, out.reshape(-1), np.empty_like(flat), np.empty(flat.shape, dtype=np.float64))
+    return out
+
+
+def transform_dense_into(raw: np.ndarray, out: np.ndarray, same: np.ndarray, wide: np.ndarray) -> None:
+    """`transform_dense` of the 1-D `raw` (int64 or float64) written into `out` (float32, any
+    stride), through the scratch arrays `same` (`raw`'s shape and dtype) and `wide` (float64):
+    no temporaries, so a decoder can reuse its scratch window after window. The same elementwise
+    operations as `transform_dense` (which calls it), so the features are bitwise the same."""
+    np.abs(raw, out=same)
+    np.log1p(same, out=wide)
+    np.sign(raw, out=same)
+    np.multiply(same, wide, out=wide)
+    out[...] = wide
 
 
 # -- batch ----------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ docs/parquet.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -25,11 +26,17 @@ import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
-from recsys_pipe.data.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoBatch, CriteoLayoutConfig, transform_dense
+from recsys_pipe.data.criteo import (
+    CATEGORICAL_KEYS,
+    DENSE_NAMES,
+    CriteoBatch,
+    CriteoLayoutConfig,
+    transform_dense_into,
+)
 from recsys_pipe.data.ids import splitmix64, string_ids
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Fail, StreamSource, shared_empty
+from recsys_pipe.data.stream import Alloc, Fail, StreamSource, shared_empty
 from recsys_pipe.data.tabular import TabularBatch
 
 __all__ = [
@@ -141,7 +148,12 @@ class _Feature:
 
 @dataclass
 class TabularRows:
-    """Decoded tabular rows: single-hot ids as a matrix, multi-hot ones as (values, offsets)."""
+    """Decoded tabular rows: single-hot ids as a matrix, multi-hot ones as (values, offsets).
+
+    With `order`, the rows are those of the tensors at the positions `order`, in that order: a
+    window is decoded as it lies in its row groups, and the gather happens when batches are made
+    (`batch`, `copy`), which copies them out of the window's tensors (module `stream`, "The
+    hand-off"): in the main process, beside a worker that only decodes."""
 
     dense: torch.Tensor
     ids: torch.Tensor
@@ -149,11 +161,14 @@ class TabularRows:
     labels: torch.Tensor
     sample_ids: torch.Tensor
     layout: _Layout
+    order: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return int(self.sample_ids.numel())
+        return int((self.sample_ids if self.order is None else self.order).numel())
 
     def slice(self, start: int, stop: int) -> TabularRows:
+        if self.order is not None:
+            return dataclasses.replace(self, order=self.order[start:stop])
         lists = [
             (values[offsets[start] : offsets[stop]], offsets[start : stop + 1] - offsets[start])
             for values, offsets in self.lists
@@ -167,8 +182,37 @@ class TabularRows:
             self.layout,
         )
 
+    def copy(self) -> TabularRows:
+        """These rows in tensors of their own (gathered in `order`)."""
+        if self.order is None:
+            lists = [(values.clone(), offsets.clone()) for values, offsets in self.lists]
+            return TabularRows(
+                self.dense.clone(),
+                self.ids.clone(),
+                lists,
+                self.labels.clone(),
+                self.sample_ids.clone(),
+                self.layout,
+            )
+        order = self.order
+        lists = []
+        for values, offsets in self.lists:
+            at = order.numpy()
+            starts, lengths = offsets[:-1].numpy()[at], np.diff(offsets.numpy())[at]
+            picked = values.numpy()[_ranges(starts, lengths)]
+            lists.append((torch.from_numpy(picked), torch.from_numpy(_np_offsets(lengths))))
+        return TabularRows(
+            self.dense.index_select(0, order),
+            self.ids.index_select(0, order),
+            lists,
+            self.labels.index_select(0, order),
+            self.sample_ids.index_select(0, order),
+            self.layout,
+        )
+
     @classmethod
     def concat(cls, parts: Sequence[TabularRows]) -> TabularRows:
+        parts = [p.copy() if p.order is not None else p for p in parts]
         lists = []
         for k in range(len(parts[0].lists)):
             values = torch.cat([p.lists[k][0] for p in parts])
@@ -184,23 +228,25 @@ class TabularRows:
         )
 
     def batch(self) -> CriteoBatch | TabularBatch:
+        """These rows as a batch, in tensors of its own."""
+        rows = self.copy()
         layout = self.layout
-        if not self.lists:
-            return CriteoBatch(self.dense, self.ids, self.labels, self.sample_ids, layout.single_keys)
+        if not rows.lists:
+            return CriteoBatch(rows.dense, rows.ids, rows.labels, rows.sample_ids, layout.single_keys)
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        n = len(self)
+        n = len(rows)
         values, lengths = [], []
         for key in layout.keys:
             if key in layout.single_index:
-                values.append(self.ids[:, layout.single_index[key]])
+                values.append(rows.ids[:, layout.single_index[key]])
                 lengths.append(torch.ones(n, dtype=torch.int32))
             else:
-                v, offsets = self.lists[layout.list_index[key]]
+                v, offsets = rows.lists[layout.list_index[key]]
                 values.append(v)
                 lengths.append((offsets[1:] - offsets[:-1]).to(torch.int32))
         kjt = KeyedJaggedTensor(keys=list(layout.keys), values=torch.cat(values), lengths=torch.cat(lengths))
-        return TabularBatch(self.dense, kjt, self.labels, self.sample_ids)
+        return TabularBatch(rows.dense, kjt, rows.labels, rows.sample_ids)
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -239,28 +285,49 @@ class TabularDecoder:
             {f.key: i for i, f in enumerate(self.single)},
             {f.key: i for i, f in enumerate(self.multi)},
         )
-        self._modulo = (
-            np.array([f.num_embeddings for f in self.single], dtype=np.int64)
-            if self.single and all(f.ids == "modulo" for f in self.single)
-            else None
-        )
+        # per table row: labels and dense float32, single-hot ids and its sample id int64; per
+        # window row: its place in `order` (int64)
+        self.row_bytes = 4 * len(self.labels) + 4 * len(self.dense) + 8 * len(self.single) + 16
+        self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
 
-    def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> TabularRows:
+    def _buffer(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        """A scratch array of `n` elements, reused window after window (no page faults, no heap
+        growth from large temporaries)."""
+        key = (name, np.dtype(dtype))
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < n:
+            buf = self._scratch[key] = np.empty(n, dtype=dtype)
+        return buf[:n]
+
+    def _joined(self, n: int, dtype: Any) -> np.ndarray:
+        return self._buffer("joined", n, dtype)
+
+    def __call__(
+        self,
+        table: pa.Table,
+        sample_ids: np.ndarray,
+        order: np.ndarray | None,
+        fail: Fail,
+        alloc: Alloc = shared_empty,
+    ) -> TabularRows:
+        """The table's rows as they lie (checked, ids mapped, dense features transformed), with
+        `order` kept for the gather when batches are made (`TabularRows`)."""
         n = table.num_rows
-        labels = _Matrix(n, len(self.labels), np.float32, order)
+        labels = alloc((n, len(self.labels)), torch.float32).numpy()
         for j, name in enumerate(self.labels):
-            values = _numpy(table, name, fail)
+            values = _numpy(table, name, fail, self._joined)
             if values.size and (values.min() < 0 or values.max() > 1):
                 raise fail(name, "a label outside [0, 1]", int(np.flatnonzero((values < 0) | (values > 1))[0]))
-            labels.set(j, values)
-        ids = _Matrix(n, len(self.single), np.int64, order)
+            labels[:, j] = values
+        ids = alloc((n, len(self.single)), torch.int64).numpy()
         for j, f in enumerate(self.single):
-            values = _ids(table, f, fail)
+            values = _ids(table, f, fail, self._joined)
             if f.ids != "hash":
                 _check_ids(values, f, fail)
-            ids.set(j, values if self._modulo is not None else _map_ids(values, f))
-        if self._modulo is not None:  # Criteo: one broadcast remainder over all features
-            np.remainder(ids.array, self._modulo, out=ids.array)
+            if f.ids == "modulo":
+                np.remainder(values, f.num_embeddings, out=ids[:, j])
+            else:
+                ids[:, j] = _map_ids(values, f)
         lists = []
         for f in self.multi:
             col = table.column(f.column).combine_chunks()
@@ -275,70 +342,70 @@ class TabularDecoder:
             values = _id_values(flat)
             if f.ids != "hash":
                 _check_ids(values, f, fail, offsets)
-            values = _map_ids(values, f)
-            if order is not None:
-                lengths = np.diff(offsets)[order]
-                values = values[_ranges(offsets[:-1][order], lengths)]
-                offsets = _np_offsets(lengths)
-            lists.append((torch.from_numpy(values), torch.from_numpy(offsets)))
-        positions = _Matrix(n, 1, np.int64, order)
-        positions.set(0, sample_ids)
+            mapped, shared_offsets = alloc((len(values),), torch.int64), alloc((n + 1,), torch.int64)
+            mapped.numpy()[:] = _map_ids(values, f)
+            shared_offsets.numpy()[:] = offsets
+            lists.append((mapped, shared_offsets))
+        positions = alloc((n,), torch.int64)
+        positions.numpy()[:] = sample_ids
+        picked = None
+        if order is not None:
+            picked = alloc((len(order),), torch.int64)
+            picked.numpy()[:] = order
         return TabularRows(
-            self._dense(table, n, order, fail),
-            ids.tensor(),
+            self._dense(table, n, alloc, fail),
+            torch.from_numpy(ids),
             lists,
-            labels.tensor(),
-            positions.tensor().reshape(-1),
+            torch.from_numpy(labels),
+            positions,
             self.layout,
+            picked,
         )
 
-    def _dense(self, table: pa.Table, n: int, order: np.ndarray | None, fail: Fail) -> torch.Tensor:
-        out = _Matrix(n, len(self.dense), np.float32, order)
+    def _dense(self, table: pa.Table, n: int, alloc: Alloc, fail: Fail) -> torch.Tensor:
+        out = alloc((n, len(self.dense)), torch.float32)
         if not self.dense:
-            return out.tensor()
-        cols = [_numpy(table, name, fail) for name in self.dense]
-        integers = all(c.dtype.kind in "iu" for c in cols)
-        raw = np.empty(out.array.shape, dtype=np.int64 if integers else np.float64)
-        for j, c in enumerate(cols):
-            raw[:, j] = c if order is None else c[order]
-        if self.dense_transform == "signed_log1p":
-            out.array[:] = transform_dense(raw)  # data=criteo's own function: bitwise the same features
-        else:
-            out.array[:] = raw
-        return out.tensor()
-
-
-class _Matrix:
-    """A `[rows, width]` block of the window's rows in `order`, filled column by column (each
-    column gathered on its own: contiguous reads, much faster than a row gather of the block),
-    in shared memory inside a worker (`shared_empty`)."""
-
-    def __init__(self, rows: int, width: int, dtype: type, order: np.ndarray | None) -> None:
-        self.order = order
-        torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-        self._tensor = shared_empty((rows if order is None else len(order), width), torch_dtype)
-        self.array = self._tensor.numpy()
-
-    def set(self, column: int, values: np.ndarray) -> None:
-        self.array[:, column] = values if self.order is None else values[self.order]
-
-    def tensor(self) -> torch.Tensor:
-        return self._tensor
+            return out
+        array = out.numpy()
+        # as `transform_dense` of the columns as one matrix: int64 if all are integers, else float64
+        integers = all(pa.types.is_integer(table.schema.field(name).type) for name in self.dense)
+        kind = np.int64 if integers else np.float64
+        raw = self._buffer("raw", n, kind)
+        for j, name in enumerate(self.dense):
+            raw[:] = _numpy(table, name, fail, self._joined)
+            if self.dense_transform == "signed_log1p":  # data=criteo's own function: bitwise the same features
+                same, wide = self._buffer("same", n, kind), self._buffer("wide", n, np.float64)
+                transform_dense_into(raw, array[:, j], same, wide)
+            else:
+                array[:, j] = raw
+        return out
 
 
 def _first_null(col: pa.Array) -> int:
     return int(np.flatnonzero(~np.asarray(col.is_valid()))[0])
 
 
-def _numpy(table: pa.Table, name: str, fail: Fail) -> np.ndarray:
+Scratch = Callable[[int, Any], np.ndarray]
+"""`scratch(n, dtype)`: a reused array that a column of several chunks is joined into."""
+
+
+def _joined(chunks: list[np.ndarray], scratch: Scratch | None) -> np.ndarray:
+    """One array of the chunks: the chunk itself if there is one (no copy), else joined (into
+    `scratch`: a window that spans two row groups does not allocate per column)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    if scratch is None:
+        return np.concatenate(chunks)
+    return np.concatenate(chunks, out=scratch(sum(len(c) for c in chunks), chunks[0].dtype))
+
+
+def _numpy(table: pa.Table, name: str, fail: Fail, scratch: Scratch | None = None) -> np.ndarray:
     """A numeric column as one numpy array (no copy for one chunk without nulls)."""
     col = table.column(name)
     if col.null_count:
         col = col.combine_chunks()
         raise fail(name, f"{col.null_count} null value(s)", _first_null(col))
-    if col.num_chunks == 1:
-        return col.chunk(0).to_numpy(zero_copy_only=False)
-    return np.concatenate([c.to_numpy(zero_copy_only=False) for c in col.chunks])
+    return _joined([c.to_numpy(zero_copy_only=False) for c in col.chunks], scratch)
 
 
 def _id_values(col: pa.Array) -> np.ndarray:
@@ -347,20 +414,18 @@ def _id_values(col: pa.Array) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def _ids(table: pa.Table, f: _Feature, fail: Fail) -> np.ndarray:
+def _ids(table: pa.Table, f: _Feature, fail: Fail, scratch: Scratch | None = None) -> np.ndarray:
     col = table.column(f.column)
     if col.null_count:
         col = col.combine_chunks()
         raise fail(f.column, f"{col.null_count} null id(s)", _first_null(col))
-    if col.num_chunks == 1:
-        return _id_values(col.chunk(0))
-    return np.concatenate([_id_values(c) for c in col.chunks])
+    return _joined([_id_values(c) for c in col.chunks], scratch)
 
 
 def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray | None = None) -> None:
     """Negative ids (modulo, as_is) and ids over the vocabulary (as_is), named by their row."""
-    bad = values < 0 if f.ids == "modulo" else (values < 0) | (values >= f.num_embeddings)
     if values.size and (values.min() < 0 or (f.ids == "as_is" and values.max() >= f.num_embeddings)):
+        bad = values < 0 if f.ids == "modulo" else (values < 0) | (values >= f.num_embeddings)
         at = int(np.flatnonzero(bad)[0])
         row = at if offsets is None else int(np.searchsorted(offsets, at, side="right")) - 1
         value = int(values[at])

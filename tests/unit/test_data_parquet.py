@@ -231,6 +231,50 @@ def test_a_map_style_source_continues_the_same_epoch_on_another_world_size(caplo
     assert data.resume_position(170, 1, 2, 256) == 170  # the same layout: as it is
 
 
+# -- workers hand windows over in shared blocks ------------------------------------------------------
+
+
+def _criteo_fields(batch) -> list[torch.Tensor]:
+    return [batch.dense_features, batch.sparse_ids, batch.labels, batch.sample_ids]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    workers=st.sampled_from([1, 2]),
+    batch_size=st.sampled_from([8, 24]),
+    window=st.sampled_from([16, 100]),
+    shuffle=st.booleans(),
+    start=st.integers(0, 30),
+    depth=st.sampled_from([0, 1, 3]),
+)
+def test_workers_hand_windows_over_in_reused_blocks_and_every_batch_stays_intact(
+    criteo, workers, batch_size, window, shuffle, start, depth
+):
+    """Every batch is bitwise the one decoded in this process, although the workers reuse their
+    blocks: all batches are held to the end (a block reused under one would change it). Depth 0:
+    every window crosses in fresh shared memory; 1: blocks or fresh memory as the schedule
+    falls; 3, the default: always in blocks."""
+    from unittest import mock
+
+    from recsys_pipe.data import stream
+
+    glob, _ = criteo
+    kw = {"batch_size": batch_size, "shuffle": shuffle, "shuffle_window": window, "seed": 3}
+    local = list(RankData(parquet(glob, **kw), 0, 1).train_loader(2, start))
+    with mock.patch.object(stream, "_RING_DEPTH", depth):
+        loader = RankData(parquet(glob, num_workers=workers, **kw), 0, 1).train_loader(2, start)
+        handed = list(loader)
+    assert len(handed) == len(local) > 0
+    for a, b in zip(handed, local):
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(_criteo_fields(a), _criteo_fields(b)))
+    windows = sum(loader.handoffs.values())
+    assert windows > 0
+    if depth == 0:
+        assert loader.handoffs["fresh"] == windows
+    if depth == stream._PREFETCH + 1:
+        assert loader.handoffs["block"] == windows
+
+
 # -- held-out rows -----------------------------------------------------------------------------------
 
 
@@ -321,6 +365,17 @@ def test_a_column_mapping_with_several_labels_lists_and_strings(tmp_path):
     assert per["tags"].lengths().tolist() == [len(lists[i]) for i in rows]
     assert per["tags"].values().tolist() == [int(v) % 64 for i in rows for v in lists[i]]
     assert per["item"].values().tolist() == table["item"].to_numpy()[rows].tolist()
+
+    def fields(batch) -> list[torch.Tensor]:
+        kjt = batch.sparse_features
+        return [batch.labels, batch.dense_features, batch.sample_ids, kjt.values(), kjt.lengths()]
+
+    # shuffled, through a worker's shared blocks (the lists in memory of their own): the same batches
+    shuffled = cfg.model_copy(update={"shuffle": True, "shuffle_window": 60})
+    local = list(RankData(shuffled, 0, 1).train_loader(2))
+    handed = list(RankData(shuffled.model_copy(update={"num_workers": 1}), 0, 1).train_loader(2))
+    assert len(handed) == len(local) == 6
+    assert all(torch.equal(x, y) for a, b in zip(handed, local) for x, y in zip(fields(a), fields(b)))
     from recsys_pipe.testing import load_run
 
     with pytest.raises(ConfigError, match="dlrm_torch's plain tables take one id per row; features \\['tags'\\]"):
