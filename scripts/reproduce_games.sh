@@ -7,7 +7,7 @@
 #
 # Trains SASRec with the paper's hyper-parameters (width 50, 2 blocks, 1 head, dropout 0.5, max
 # length 50, batch 128 = 64 per rank on 2 ranks, Adam lr 1e-3 with betas (0.9, 0.98), BCE with
-# one negative per position) in pre-LN blocks (the reference reimplementation's `norm_first`), then HSTU (sampled softmax, 128 negatives, temperature 0.05) on the same data;
+# one negative per position) in pre-LN blocks (the reference reimplementation's `norm_first`), then HSTU (sampled softmax, 128 negatives shared by the batch, temperature 0.05) on the same data;
 # evaluates validation and test every EVAL_EPOCHS epochs under the sampled and full-corpus protocols,
 # and prints the paper's row, the reference reimplementation's and ours (at the epoch with the
 # best validation HR@10), the training times and an HR@10-vs-epoch plot.
@@ -69,7 +69,10 @@ train() {  # name, epochs, then overrides
 }
 
 SASREC=(sasrec "$SASREC_EPOCHS" model=sasrec model.norm_first=true model.compute_kernel=dense)
-HSTU=(hstu "$HSTU_EPOCHS" model=hstu_retrieval optimizer.sparse.name=rowwise_adagrad optimizer.sparse.lr=0.05)
+# HSTU as this script has trained it since 24 November: one pool of negatives per batch (the
+# reference's recipe, per-position negatives, is scripts/reproduce_games_hstu.sh's)
+HSTU=(hstu "$HSTU_EPOCHS" model=hstu_retrieval model.negatives=shared optimizer.sparse.name=rowwise_adagrad
+  optimizer.sparse.lr=0.05)
 check "${SASREC[@]}"
 if [ "$HSTU_EPOCHS" -gt 0 ]; then
   check "${HSTU[@]}"

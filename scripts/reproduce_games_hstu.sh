@@ -15,7 +15,8 @@
 # recsys-bench retrieval_report prints all at the epoch with the best validation HR@10.
 # Every input is checked first (the data file, both of our runs' configs, the reference clone): a
 # bad one exits 2 with one `error: ...` line before anything trains.
-# Environment: EPOCHS (default 50), LARGE_EPOCHS (default 30; 0 skips HSTU-large), EVAL_EPOCHS
+# Environment: EPOCHS (the reference's, default 50), OURS_EPOCHS (default 30), LARGE_EPOCHS (default
+# 20; 0 skips HSTU-large), EVAL_EPOCHS
 # (default 5): sized to fit 60 minutes on a 2-core machine (docs/reproducing.md); EXTRA (more
 # Hydra overrides for our runs).
 set -euo pipefail
@@ -27,7 +28,8 @@ export OMP_NUM_THREADS=1
 : "${RECSYS_HSTU_REFERENCE:?set RECSYS_HSTU_REFERENCE to a clone of github.com/meta-recsys/generative-recommenders}"
 EPOCHS="${EPOCHS:-50}"
 EVAL_EPOCHS="${EVAL_EPOCHS:-5}"
-LARGE_EPOCHS="${LARGE_EPOCHS:-30}"
+OURS_EPOCHS="${OURS_EPOCHS:-30}"
+LARGE_EPOCHS="${LARGE_EPOCHS:-20}"
 RECIPE=(model.max_seq_len=61 data.max_seq_len=50 model.compute_kernel=dense optimizer.lr=0.001 "optimizer.betas=[0.9,0.98]")
 
 run_args() {  # name, epochs, then overrides: the run's recsys-train arguments, in ARGS
@@ -69,7 +71,7 @@ if [ ! -f "$RECSYS_HSTU_REFERENCE/generative_recommenders/research/modeling/sequ
   echo "error: RECSYS_HSTU_REFERENCE: $RECSYS_HSTU_REFERENCE is not a clone of generative-recommenders" >&2
   exit 2
 fi
-check hstu "$EPOCHS" model=hstu_retrieval
+check hstu "$OURS_EPOCHS" model=hstu_retrieval
 if [ "$LARGE_EPOCHS" -gt 0 ]; then
   check hstu_large "$LARGE_EPOCHS" model=hstu_retrieval_large
 fi
@@ -77,7 +79,7 @@ mkdir -p "$OUT"
 
 reference &
 (
-  ours hstu "$EPOCHS" model=hstu_retrieval
+  ours hstu "$OURS_EPOCHS" model=hstu_retrieval
   if [ "$LARGE_EPOCHS" -gt 0 ]; then
     ours hstu_large "$LARGE_EPOCHS" model=hstu_retrieval_large
   fi

@@ -89,7 +89,8 @@ def test_reproduce_games_hstu_script_reports_ours_the_reference_and_large(tmp_pa
     """scripts/reproduce_games_hstu.sh end to end on a small file (1 epoch each): one report
     with the three runs on both protocols, and its JSON line."""
     data = write_ml1m_shaped(tmp_path / "ratings.dat", users=300)
-    env = {**os.environ, "EPOCHS": "1", "LARGE_EPOCHS": "1", "EVAL_EPOCHS": "1", "EXTRA": "trainer.tensorboard=false"}
+    epochs = {"EPOCHS": "1", "OURS_EPOCHS": "1", "LARGE_EPOCHS": "1", "EVAL_EPOCHS": "1"}
+    env = {**os.environ, **epochs, "EXTRA": "trainer.tensorboard=false"}
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "reproduce_games_hstu.sh"), str(data), str(tmp_path / "out")],
         capture_output=True,
