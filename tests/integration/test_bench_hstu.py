@@ -112,29 +112,21 @@ def test_reproduce_games_hstu_script_reports_ours_the_reference_and_large(tmp_pa
 def test_reproduce_games_hstu_script_checks_its_inputs_before_training(tmp_path):
     """A clone that is not the reference, then (with a stand-in clone) a missing data file: each
     exits 2 with one `error:` line naming what is wrong, and nothing is written to OUT_DIR."""
-    script = ["bash", str(ROOT / "scripts" / "reproduce_games_hstu.sh")]
     out_dir = tmp_path / "out"
-    data = write_ml1m_shaped(tmp_path / "ratings.dat", users=20)
-    not_a_clone = subprocess.run(
-        [*script, str(data), str(out_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, REFERENCE_ENV: str(tmp_path)},
-    )
+
+    def script(data: Path, clone: Path) -> subprocess.CompletedProcess:
+        command = ["bash", str(ROOT / "scripts" / "reproduce_games_hstu.sh"), str(data), str(out_dir)]
+        env = {**os.environ, REFERENCE_ENV: str(clone)}
+        return subprocess.run(command, capture_output=True, text=True, timeout=100, env=env)
+
+    not_a_clone = script(write_ml1m_shaped(tmp_path / "ratings.dat", users=20), tmp_path)
     assert not_a_clone.returncode == 2
     assert not_a_clone.stderr.strip() == f"error: {REFERENCE_ENV}: {tmp_path} is not a clone of generative-recommenders"
     clone = tmp_path / "clone"
     (clone / _REFERENCE_FILE).parent.mkdir(parents=True)
     (clone / _REFERENCE_FILE).touch()
     missing = tmp_path / "Video.txt"
-    no_data = subprocess.run(
-        [*script, str(missing), str(out_dir)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env={**os.environ, REFERENCE_ENV: str(clone)},
-    )
+    no_data = script(missing, clone)
     assert no_data.returncode == 2
     assert no_data.stderr.strip() == f"error: data.path: no such file: {missing}"
     assert not out_dir.exists()
