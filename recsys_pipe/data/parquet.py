@@ -34,6 +34,7 @@ from recsys_pipe.data.criteo import (
     transform_dense_into,
 )
 from recsys_pipe.data.ids import splitmix64, string_ids
+from recsys_pipe.data.negatives import concat_ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.data.stream import Alloc, Fail, StreamSource, shared_empty
@@ -199,7 +200,7 @@ class TabularRows:
         for values, offsets in self.lists:
             at = order.numpy()
             starts, lengths = offsets[:-1].numpy()[at], np.diff(offsets.numpy())[at]
-            picked = values.numpy()[_ranges(starts, lengths)]
+            picked = values.numpy()[concat_ranges(starts, lengths)]
             lists.append((torch.from_numpy(picked), torch.from_numpy(_np_offsets(lengths))))
         return TabularRows(
             self.dense.index_select(0, order),
@@ -449,15 +450,6 @@ def _np_offsets(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of `arange(s, s + n)` per start and length, vectorised."""
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    row = np.repeat(np.arange(len(lengths)), lengths)
-    return starts[row] + (np.arange(total) - _np_offsets(lengths)[row])
 
 
 def _features(cfg: ParquetDataConfig) -> tuple[list[str], list[str], str, list[_Feature]]:

@@ -56,8 +56,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
 from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
-from recsys_pipe.data.negatives import concat_ranges as _ranges
+from recsys_pipe.data.negatives import EVAL, TRAIN, concat_ranges, unseen_items
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -225,7 +224,7 @@ class UserRows:
         """Each item's timestamp (the positions in its sequence without a timestamp column)."""
         if self.given_stamps is None:
             lengths = np.diff(self.offsets)
-            self.given_stamps = _ranges(np.zeros(len(lengths), dtype=np.int64), lengths)
+            self.given_stamps = concat_ranges(np.zeros(len(lengths), dtype=np.int64), lengths)
         return self.given_stamps
 
     def finish(self, epoch: int) -> TrainRows:
@@ -236,7 +235,7 @@ class UserRows:
         keep = np.minimum(train, d.max_seq_len + 1)
         m = np.maximum(keep - 1, 0)  # transitions: inputs and targets of each sample
         first = self.offsets[:-1] + train - keep
-        inputs = _ranges(first, m)
+        inputs = concat_ranges(first, m)
         # written where the main process reads them (shared memory in a worker: no copy on the way)
         k = d.negatives_per_target
         out = [shared_empty((len(inputs) * (k if i == 2 else 1),), torch.int64) for i in range(4)]
@@ -245,7 +244,7 @@ class UserRows:
         # each sample's last target (its only item when it has none), as data=sequences has it
         last = np.where(train > 0, self.offsets[:-1] + train - 1, 0)
         if self.given_stamps is None:  # positions: of each input, and of each sample's last target
-            out[3].numpy()[:] = _ranges(train - keep, m)
+            out[3].numpy()[:] = concat_ranges(train - keep, m)
             target_stamps = np.maximum(train - 1, 0)
         else:
             np.take(self.given_stamps, inputs, out=out[3].numpy())
@@ -388,7 +387,7 @@ class _SequenceDecoder:
             raw, offsets, stamps, users, ids = cols.raw, cols.offsets, cols.stamps, cols.users, cols.sample_ids
         else:  # only these rows, in this order: their items gathered, decoded while in cache
             lengths = cols.offsets[1:][order] - cols.offsets[:-1][order]
-            gather = _ranges(cols.offsets[:-1][order], lengths)
+            gather = concat_ranges(cols.offsets[:-1][order], lengths)
             raw, offsets, users, ids = cols.raw[gather], _offsets(lengths), cols.users[order], cols.sample_ids[order]
             stamps = cols.stamps[gather] if cols.stamps is not None else None
             window_fail = fail
