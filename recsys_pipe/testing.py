@@ -374,6 +374,7 @@ class StaleEmbeddingLoop:
 
     def progress(self, it: Any) -> tuple[Any, Any]:
         batch = next(it)  # StopIteration ends the run, as torchrec's pipelines
+        batch = batch.to(self._tables[0].device, non_blocking=False)  # host batches, as the pipelines take them
         i, self._index = self._index, self._index + 1
         current = [w.detach().clone() for w in self._tables]
         stale = self._previous if self._previous is not None and i > self._start else current

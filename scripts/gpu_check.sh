@@ -14,9 +14,11 @@
 #
 # Without a package index and with at most 64 MiB per upload, fbgemm-gpu (which torchrec needs)
 # comes in pieces, one per run: `--stage 1` and `--stage 2` copy their piece into --stage-dir (a
-# folder that outlives the run); `--stage 3` brings the last piece and the small wheels, checks
-# every piece against the checksums, joins and unpacks them into a site there, installs the small
-# wheels into it and runs every step. `--resume` runs again, with that site, the steps a staged
+# folder that outlives the run); `--stage 3` brings the last piece and torchrec's wheels, checks
+# every piece against the checksums, joins and unpacks them into a site there, installs the wheels
+# of every --wheels folder into it and runs every step. The first run can also run the torch-only
+# steps at once (a second, plain call with wheels/small), so something is measured even if the
+# machine is lost before the last piece. `--resume` runs again, with that site, the steps a staged
 # run left undone (out of time, failed). Logs, the benchmarks' JSON and summary.txt go to --out
 # (default: $OUT if set, else runs/gpu_check/<time>). docs/gpu.md has the exact commands.
 set -uo pipefail
@@ -30,8 +32,9 @@ usage: scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--python PY] [--quick] [
 
   --out DIR        where the logs, bench_*.json and summary.txt go
                    (default: $OUT if set, else runs/gpu_check/<time>)
-  --wheels DIR     wheels to install without an index (default: wheels/small in the repository,
-                   if it exists); with --stage, also where fbgemm_gpu.sha256 is looked for
+  --wheels DIR     wheels to install without an index; repeatable (default: wheels/small and
+                   wheels/torchrec in the repository, those that exist); with --stage, also
+                   where fbgemm_gpu.sha256 is looked for
   --python PY      the interpreter with CUDA torch, pytest and hypothesis (default: python3)
   --quick          short benchmark runs: a smoke test of the whole sequence
   --budget S       seconds for this whole run; a step that would not fit is left for --resume
@@ -59,7 +62,7 @@ bad_usage() {
 }
 
 OUT_DIR="${OUT:-}"
-WHEELS=""
+WHEELS=() # the --wheels folders, in order
 PY="python3"
 QUICK=0
 BUDGET=570
@@ -75,7 +78,7 @@ while [[ $# -gt 0 ]]; do
       [[ $# -ge 2 && -n "$2" ]] || bad_usage "$1 needs a value"
       case "$1" in
         --out) OUT_DIR="$2" ;;
-        --wheels) WHEELS="$2" ;;
+        --wheels) WHEELS+=("$2") ;;
         --python) PY="$2" ;;
         --budget) BUDGET="$2" ;;
         --stage) STAGE="$2" stage_given=1 ;;
@@ -100,12 +103,25 @@ fi
 if ((ASSEMBLE_ONLY && !STAGE)); then
   bad_usage "--assemble-only needs --stage"
 fi
-if [[ -n "$WHEELS" && ! -d "$WHEELS" ]]; then
-  bad_usage "--wheels $WHEELS is not a directory"
+for dir in ${WHEELS[@]+"${WHEELS[@]}"}; do
+  [[ -d "$dir" ]] || bad_usage "--wheels $dir is not a directory"
+done
+if ((${#WHEELS[@]} == 0)); then # what scripts/gpu_wheels.sh leaves, where a run brought it
+  for dir in "$ROOT/wheels/small" "$ROOT/wheels/torchrec"; do
+    [[ -d "$dir" ]] && WHEELS+=("$dir")
+  done
 fi
-if [[ -z "$WHEELS" && -d "$ROOT/wheels/small" ]]; then
-  WHEELS="$ROOT/wheels/small"
-fi
+# every wheel of the --wheels folders
+wheel_files() {
+  shopt -s nullglob
+  local dir file
+  for dir in ${WHEELS[@]+"${WHEELS[@]}"}; do
+    for file in "$dir"/*.whl; do
+      printf '%s\n' "$file"
+    done
+  done
+  shopt -u nullglob
+}
 command -v "$PY" >/dev/null 2>&1 || bad_usage "python '$PY' not found"
 
 # -- fbgemm-gpu in pieces: stage this run's piece; the run completing the set assembles the site ----
@@ -127,9 +143,11 @@ if ((STAGE)); then
   echo "[gpu_check] staged $piece in $STAGE_DIR:"
   ls -l "$STAGE_DIR" | sed 's/^/    /'
   manifest=""
-  if [[ -n "$WHEELS" && -f "$WHEELS/fbgemm_gpu.sha256" ]]; then
-    manifest="$(cd "$WHEELS" && pwd)/fbgemm_gpu.sha256"
-  fi
+  for dir in ${WHEELS[@]+"${WHEELS[@]}"}; do
+    if [[ -z "$manifest" && -f "$dir/fbgemm_gpu.sha256" ]]; then
+      manifest="$(cd "$dir" && pwd)/fbgemm_gpu.sha256"
+    fi
+  done
   if [[ -z "$manifest" ]]; then
     echo "[gpu_check] piece $STAGE staged; next: --stage $((STAGE + 1)) with fb.part$(printf '%02d' "$STAGE")"
     exit 0
@@ -159,20 +177,18 @@ with tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz") as archive:
     else:
         archive.extractall(sys.argv[1])
 ' "$STAGE_DIR/site.partial" || stage_failed "the joined pieces did not unpack"
-  shopt -s nullglob
-  small=("$WHEELS"/*.whl)
-  shopt -u nullglob
+  mapfile -t small < <(wheel_files)
   if ((${#small[@]})); then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
       --root-user-action=ignore --target "$STAGE_DIR/site.partial" "${small[@]}" >"$STAGE_DIR/pip.log" 2>&1 || {
-      echo "gpu_check: the wheels in $WHEELS did not install into the staged site:" >&2
+      echo "gpu_check: the wheels in ${WHEELS[*]} did not install into the staged site:" >&2
       tail -n 20 "$STAGE_DIR/pip.log" >&2
       exit 2
     }
   fi
   mv "$STAGE_DIR/site.partial" "$STAGE_DIR/site"
   touch "$SITE_READY"
-  echo "[gpu_check] site assembled in $((SECONDS - start)) s: $(du -sh "$STAGE_DIR/site" | cut -f1), ${#small[@]} small wheel(s)"
+  echo "[gpu_check] site assembled in $((SECONDS - start)) s: $(du -sh "$STAGE_DIR/site" | cut -f1), ${#small[@]} wheel(s)"
   if ((ASSEMBLE_ONLY)); then
     exit 0
   fi
@@ -213,17 +229,12 @@ if ((STAGED)); then
 else
   SITE="$WORK/site"
   mkdir -p "$SITE"
-  shopt -s nullglob
-  wheels=()
-  if [[ -n "$WHEELS" ]]; then
-    wheels=("$WHEELS"/*.whl)
-  fi
-  shopt -u nullglob
+  mapfile -t wheels < <(wheel_files)
   if ((${#wheels[@]})); then
-    echo "[gpu_check] installing ${#wheels[@]} wheel(s) from $WHEELS into a temporary site"
+    echo "[gpu_check] installing ${#wheels[@]} wheel(s) from ${WHEELS[*]} into a temporary site"
     if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
       --root-user-action=ignore --target "$SITE" "${wheels[@]}" >"$WORK/pip.log" 2>&1; then
-      echo "gpu_check: the wheels in $WHEELS did not install:" >&2
+      echo "gpu_check: the wheels in ${WHEELS[*]} did not install:" >&2
       tail -n 20 "$WORK/pip.log" >&2
       exit 2
     fi

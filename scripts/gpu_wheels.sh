@@ -4,27 +4,28 @@
 # the GPU machine next to the repository, in pieces small enough for a runner that accepts at most
 # 64 MiB per upload):
 #
-#   wheels/small/*.whl            the small wheels (about 14 MB), installed without an index
-#   wheels/small/fbgemm_gpu.sha256  the checksums of the pieces below (travels with the last piece)
+#   wheels/small/*.whl            what the torch-only steps need (about 9 MB; travels with the
+#                                 first piece, whose run runs those steps at once)
+#   wheels/torchrec/*.whl         torchrec and the rest (about 4 MB; travels with the last piece)
+#   wheels/torchrec/fbgemm_gpu.sha256  the checksums of the pieces below
 #   wheels/fb.part00, 01, 02      fbgemm-gpu 1.6.0, the CUDA 13 build for torch 2.11 (a 443 MiB
 #                                 wheel): unpacked, repacked as `tar | xz -9` and split into
-#                                 pieces of at most 56 MiB, so torchrec can run there
+#                                 pieces of at most 50 MiB, so torchrec can run there
 #
 #   bash scripts/gpu_wheels.sh [--dir DIR] [--no-fbgemm] [REQUIREMENT ...]
 #
-#   --dir DIR     where to put small/ and the pieces (default: wheels/ in the repository)
-#   --no-fbgemm   only the small wheels
+#   --dir DIR     where to put small/, torchrec/ and the pieces (default: wheels/ in the repository)
+#   --no-fbgemm   only the wheels
 #
-# The small wheels are what gpu_check.sh needs beyond the GPU machine's torch, pytest and
-# hypothesis, pinned to the versions scripts/setup.sh installed on CPU when this list was written:
+# The wheels are what gpu_check.sh needs beyond the GPU machine's torch, pytest and hypothesis,
+# pinned to the versions scripts/setup.sh installed on CPU when this list was written. small/:
 # nvtx (the engine's only other import); the launcher's config stack, pydantic, pydantic-core,
-# annotated-types, typing-inspection, typing-extensions, omegaconf, antlr4-python3-runtime,
-# hydra-core, PyYAML; megatron-core and the packaging it requires; what the trainer imports,
-# torchmetrics, lightning-utilities, tqdm (the GPU image has some of these; carrying them keeps the
-# versions tested on CPU); and torchrec 1.6.1 (the pure-Python release paired with fbgemm-gpu
-# 1.6.0 and torch 2.11) with what it imports that the GPU image lacks: tensordict, cloudpickle,
-# pyvers, iopath, portalocker. Each is fetched without its dependencies: name every one. Further
-# requirements replace the list, e.g.
+# annotated-types, typing-inspection, omegaconf, antlr4-python3-runtime, hydra-core; megatron-core.
+# torchrec/: typing-extensions, PyYAML, packaging, torchmetrics, lightning-utilities, tqdm (the GPU
+# image has these; carrying them keeps the versions tested on CPU), and torchrec 1.6.1 (the
+# pure-Python release paired with fbgemm-gpu 1.6.0 and torch 2.11) with what it imports that the
+# GPU image lacks: tensordict, cloudpickle, pyvers, iopath, portalocker. Each is fetched without
+# its dependencies: name every one. Requirements given replace both lists and go to small/, e.g.
 #   bash scripts/gpu_wheels.sh --no-fbgemm nvtx==0.2.17
 # A requirement published without a wheel for that platform (antlr4-python3-runtime 4.9.3 has only
 # a source archive) is built here into a wheel, which is kept only if it is pure Python.
@@ -35,17 +36,21 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="$ROOT/wheels"
 PY="${PYTHON:-python3}"
-DEFAULT=(
+SMALL_DEFAULT=(
   nvtx==0.2.17
-  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-  omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 PyYAML==6.0.3
-  megatron-core==0.16.1 packaging==26.3
+  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+  omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 hydra-core==1.3.8
+  megatron-core==0.16.1
+)
+TORCHREC_DEFAULT=(
+  typing-extensions==4.16.0 PyYAML==6.0.3 packaging==26.3
   torchmetrics==1.9.0 lightning-utilities==0.15.3 tqdm==4.70.1
   torchrec==1.6.1 tensordict==0.15.3 cloudpickle==3.1.2 pyvers==0.2.3 iopath==0.1.9 portalocker==4.4.2
 )
 FBGEMM=fbgemm-gpu==1.6.0
-#: one piece's size: 64 MiB per upload leaves room for the repository, and next to the last piece the small wheels
-PIECE_SIZE=56m
+#: one piece's size: of 64 MiB per upload it leaves room for the repository (4 MB) and the wheels
+#: that travel with it (small/ with the first piece, torchrec/ with the last)
+PIECE_SIZE=50m
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 requirements=()
@@ -63,9 +68,17 @@ while [[ $# -gt 0 ]]; do
     *) requirements+=("$1"); shift ;;
   esac
 done
-((${#requirements[@]})) || requirements=("${DEFAULT[@]}")
 SMALL="$DIR/small"
-mkdir -p "$SMALL"
+TORCHREC="$DIR/torchrec"
+mkdir -p "$SMALL" "$TORCHREC"
+destinations=()
+if ((${#requirements[@]})); then
+  for requirement in "${requirements[@]}"; do destinations+=("$SMALL"); done
+else
+  requirements=("${SMALL_DEFAULT[@]}" "${TORCHREC_DEFAULT[@]}")
+  for requirement in "${SMALL_DEFAULT[@]}"; do destinations+=("$SMALL"); done
+  for requirement in "${TORCHREC_DEFAULT[@]}"; do destinations+=("$TORCHREC"); done
+fi
 
 platform_args=()
 for p in "${PLATFORMS[@]}"; do
@@ -74,9 +87,10 @@ done
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-for requirement in "${requirements[@]}"; do
+for i in "${!requirements[@]}"; do
+  requirement="${requirements[$i]}" dest="${destinations[$i]}"
   if "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version 3.12 --implementation cp "${platform_args[@]}" -d "$SMALL" "$requirement" >"$log" 2>&1; then
+    --python-version 3.12 --implementation cp "${platform_args[@]}" -d "$dest" "$requirement" >"$log" 2>&1; then
     echo "[gpu_wheels] $requirement: wheel downloaded"
     continue
   fi
@@ -89,16 +103,20 @@ for requirement in "${requirements[@]}"; do
     rm -rf "$build"
     exit 1
   fi
-  mv "${built[0]}" "$SMALL/"
+  mv "${built[0]}" "$dest/"
   rm -rf "$build"
   echo "[gpu_wheels] $requirement: pure-Python wheel built"
 done
 
-echo "[gpu_wheels] small wheels: $(du -ch "$SMALL"/*.whl | tail -n 1 | cut -f1) in $SMALL"
+for dest in "$SMALL" "$TORCHREC"; do
+  if compgen -G "$dest/*.whl" >/dev/null; then
+    echo "[gpu_wheels] wheels: $(du -ch "$dest"/*.whl | tail -n 1 | cut -f1) in $dest"
+  fi
+done
 
 ((FBGEMM_PIECES)) || exit 0
 # -- fbgemm-gpu in pieces ---------------------------------------------------------------------------
-MANIFEST="$SMALL/fbgemm_gpu.sha256"
+MANIFEST="$TORCHREC/fbgemm_gpu.sha256"
 if [[ -f "$MANIFEST" ]] && (cd "$DIR" && sha256sum --quiet -c "$MANIFEST" >/dev/null 2>&1); then
   echo "[gpu_wheels] $FBGEMM: pieces already made and intact ($MANIFEST)"
 else
@@ -118,4 +136,4 @@ fi
 for piece in "$DIR"/fb.part*; do
   echo "[gpu_wheels] $(basename "$piece"): $(stat -c %s "$piece") bytes"
 done
-echo "[gpu_wheels] each run of scripts/gpu_check.sh --stage N brings fb.part0(N-1); the last also brings $SMALL"
+echo "[gpu_wheels] each run of scripts/gpu_check.sh --stage N brings fb.part0(N-1); the first also brings $SMALL, the last $TORCHREC"

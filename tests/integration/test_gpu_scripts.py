@@ -234,16 +234,19 @@ def test_three_stage_runs_assemble_the_site_from_the_pieces(tmp_path):
     assert sorted(p.name for p in stage_dir.iterdir()) == ["fb.part00"]
     out = stage(2, folders[1], stage_dir, nothing)
     assert out.returncode == 0 and "next: --stage 3 with fb.part02" in out.stdout, out.stderr
-    out = stage(3, folders[2], stage_dir, small, "--assemble-only")
+    first = tmp_path / "first"  # the torch-only wheels the first run brought; the checksums come with the last
+    first.mkdir()
+    tiny_wheel(first, "firstpkg")
+    out = stage(3, folders[2], stage_dir, first, "--wheels", str(small), "--assemble-only")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "all 3 pieces staged and intact" in out.stdout and "1 small wheel(s)" in out.stdout
+    assert "all 3 pieces staged and intact" in out.stdout and "2 wheel(s)" in out.stdout
     site = stage_dir / "site"
     for name, data in members.items():
         assert (site / name).read_bytes() == data
     assert (site / ".recsys_pipe_site_ready").exists()
-    code = "import fbgemm_gpu, tinypkg; print(fbgemm_gpu.VERSION, tinypkg.ANSWER)"
+    code = "import fbgemm_gpu, tinypkg, firstpkg; print(fbgemm_gpu.VERSION, tinypkg.ANSWER, firstpkg.ANSWER)"
     imported = run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(site)})
-    assert imported.stdout == "staged 42\n", imported.stderr
+    assert imported.stdout == "staged 42 42\n", imported.stderr
 
 
 def test_the_last_stage_goes_on_to_the_gpu_steps(tmp_path):
