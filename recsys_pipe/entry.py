@@ -8,6 +8,8 @@ import importlib
 import os
 import sys
 
+from recsys_pipe import _ctrl_c
+
 __all__ = ["data", "evaluate", "export", "plan", "profile", "train"]
 
 #: Ctrl-C (SIGINT): 128 + 2, as `recsys_pipe.runtime.failures.EXIT_INTERRUPTED` (not imported: it loads torch)
@@ -15,8 +17,10 @@ _EXIT_INTERRUPTED = 130
 
 
 def _run(module: str, prog: str) -> None:
+    _ctrl_c.install()  # a Ctrl-C a library's bare `except:` swallows is still seen
     try:
         main = importlib.import_module(module).main
+        _ctrl_c.raise_if_received()
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":  # every rank of a torchrun job gets the Ctrl-C: one line
             print(f"{prog}: interrupted (Ctrl-C) while starting; nothing was started", file=sys.stderr)

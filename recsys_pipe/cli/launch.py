@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.config import CompiledPlan, ConfigError
 from recsys_pipe.data import RankData
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
@@ -178,6 +179,7 @@ def run_job(
 
     show_library_warnings(int(os.environ.get("RANK", 0)), cfg.get("debug", False) is True)
     launch = Launch.prepare(cfg, schema, check)  # no process group yet: a bad input exits 2 here
+    _ctrl_c.raise_if_received()  # a Ctrl-C while the model's modules loaded, which one of them swallowed
     try:
         session, resume = launch.start(prog)
     except ConfigError as exc:  # e.g. the named run directory was taken meanwhile

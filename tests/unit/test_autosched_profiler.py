@@ -25,6 +25,8 @@ pytestmark = pytest.mark.timeout(120)
 # one batch ahead on its own thread (15 ms): load overlaps them, a and b are the critical path.
 DURATIONS = {"load": 0.015, "a": 0.030, "b": 0.020}
 TOLERANCE = 0.10
+#: and an absolute slack: a sleep's wake-up comes a few ms late when other jobs load the 2 cores
+SLACK = 0.003
 
 
 def sleeper(seconds):
@@ -69,7 +71,7 @@ def test_measured_cpu_time_is_the_task_duration(results, plan_name):
     assert list(costs.tasks) == ["load", "a", "b"]
     for name, seconds in DURATIONS.items():
         cost = costs[name]
-        assert cost.cpu_s == pytest.approx(seconds, rel=TOLERANCE), name
+        assert cost.cpu_s == pytest.approx(seconds, rel=TOLERANCE, abs=SLACK), name
         assert cost.device_s == 0.0 and cost.samples == 8
         assert cost.cpu_p10_s <= cost.cpu_s <= cost.cpu_p90_s
 
@@ -93,15 +95,15 @@ def test_exposed_time_on_the_serial_plan_is_each_tasks_cost(results):
     result = results["serial"]
     assert result.baseline_s == pytest.approx(sum(DURATIONS.values()), rel=TOLERANCE)
     for name, seconds in DURATIONS.items():
-        assert result.exposed_s[name] == pytest.approx(seconds, rel=TOLERANCE), name
+        assert result.exposed_s[name] == pytest.approx(seconds, rel=TOLERANCE, abs=SLACK), name
 
 
 def test_exposed_time_on_the_pipelined_plan_is_what_a_task_adds_to_the_critical_path(results):
     result = results["lookahead"]
-    assert result.baseline_s == pytest.approx(DURATIONS["a"] + DURATIONS["b"], rel=TOLERANCE)
-    assert result.exposed_s["a"] == pytest.approx(DURATIONS["a"], rel=TOLERANCE)
-    assert result.exposed_s["b"] == pytest.approx(DURATIONS["b"], rel=TOLERANCE)
-    assert result.exposed_s["load"] < TOLERANCE * DURATIONS["load"]  # overlapped: about 0
+    assert result.baseline_s == pytest.approx(DURATIONS["a"] + DURATIONS["b"], rel=TOLERANCE, abs=SLACK)
+    assert result.exposed_s["a"] == pytest.approx(DURATIONS["a"], rel=TOLERANCE, abs=SLACK)
+    assert result.exposed_s["b"] == pytest.approx(DURATIONS["b"], rel=TOLERANCE, abs=SLACK)
+    assert result.exposed_s["load"] < TOLERANCE * DURATIONS["load"] + SLACK  # overlapped: about 0
     assert result.share("a") == pytest.approx(0.6, abs=0.06)
 
 
@@ -233,7 +235,7 @@ def test_device_spans_come_from_events_on_each_tasks_stream_read_once_after_the_
     streams_of = {e.stream for e in timer.events[1:]}
     assert streams_of == {"default", "io"}
     costs = profiler.cost_model()
-    assert costs["a"].device_s == pytest.approx(DURATIONS["a"], rel=TOLERANCE)
+    assert costs["a"].device_s == pytest.approx(DURATIONS["a"], rel=TOLERANCE, abs=SLACK)
     assert costs["load"].device_p10_s is not None and costs.meta["device_timing"] is True
     trace = chrome_trace(instances)
     names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
