@@ -218,7 +218,8 @@ def sequences_dataset(cfg: SequencesDataConfig, rank: int, world_size: int) -> S
 @dataclass
 class RetrievalSample:
     """One user's sample before collation (dense ids). Training: `inputs`, `targets`, `negatives`
-    (`negatives_per_target` per target, target by target); evaluation: `inputs`, `candidates`
+    (`negatives_per_target` per target, target by target; an int64 array: 25,000 of them per
+    user at ML-1M's sizes); evaluation: `inputs`, `candidates`
     (held-out item first). `sample_id` is the dense user id, or -1 for padding (evaluation batches
     are padded to the same count on every rank and padding is not scored)."""
 
@@ -226,7 +227,7 @@ class RetrievalSample:
     inputs: list[int]
     timestamps: list[int]
     targets: list[int]
-    negatives: list[int]
+    negatives: Sequence[int]
     candidates: list[int]
     #: time of the item after the last input (training: the last target; evaluation: the held-out item)
     target_timestamp: int = 0
@@ -281,6 +282,11 @@ class SequencesDataset(Dataset[RetrievalSample]):
         trainable = [u for u, seq in enumerate(self.sequences) if len(self._train_part(u)) >= 2]
         self._users = trainable[: len(trainable) // world_size * world_size][rank::world_size]
         self.collate = collate_retrieval
+        lengths = np.array([len(self._train_part(u)) for u in range(len(self.sequences))], dtype=np.int64)
+        #: every user's training items, flat, and where each user's are (`unseen_items`' seen items)
+        self._train_items = np.fromiter((i for seq in self.sequences for i in seq), np.int64)
+        self._train_starts = np.cumsum([0, *map(len, self.sequences[:-1])], dtype=np.int64)
+        self._train_lengths = lengths
 
     def _train_part(self, user: int) -> list[int]:
         seq = self.sequences[user]
@@ -295,16 +301,40 @@ class SequencesDataset(Dataset[RetrievalSample]):
         return len(self._users)
 
     def __getitem__(self, index: int) -> RetrievalSample:
-        if index < 0:
-            raise IndexError(index)
-        epoch, local = divmod(index, len(self._users))
-        user = self._users[local]
-        train = self._train_part(user)[-(self.max_seq_len + 1) :]
-        stamps = self.timestamps[user][: len(self._train_part(user))][-(self.max_seq_len + 1) :]
-        targets = train[1:]
-        count = len(targets) * self.negatives_per_target
-        negatives = _unseen(self.seed, TRAIN, epoch, user, count, self._train_part(user), self.num_items)
-        return RetrievalSample(user, train[:-1], stamps[:-1], targets, negatives, [], stamps[-1])
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[RetrievalSample]:
+        """The training samples `indices` (what the DataLoader fetches for a batch): their
+        negatives drawn by one `unseen_items` call per epoch among them, the same as each drawn
+        alone (a user's draws never depend on the others)."""
+        if any(index < 0 for index in indices):
+            raise IndexError(min(indices))
+        epochs, local = np.divmod(np.asarray(indices, dtype=np.int64), len(self._users))
+        users = np.asarray(self._users, dtype=np.int64)[local]
+        kept = np.minimum(self._train_lengths[users], self.max_seq_len + 1)  # inputs and the last target
+        counts = (kept - 1) * self.negatives_per_target
+        negatives: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * len(indices)
+        for epoch in np.unique(epochs).tolist():
+            rows = np.flatnonzero(epochs == epoch)
+            drawn = unseen_items(
+                self.seed,
+                TRAIN,
+                epoch,
+                users[rows],
+                counts[rows],
+                self._train_items,
+                self._train_starts[users[rows]],
+                self._train_lengths[users[rows]],
+                self.num_items,
+            )
+            for row, part in zip(rows.tolist(), np.split(drawn, np.cumsum(counts[rows])[:-1])):
+                negatives[row] = part
+        samples = []
+        for user, negs in zip(users.tolist(), negatives):
+            train = self._train_part(user)[-(self.max_seq_len + 1) :]
+            stamps = self.timestamps[user][: len(self._train_part(user))][-(self.max_seq_len + 1) :]
+            samples.append(RetrievalSample(user, train[:-1], stamps[:-1], train[1:], negs, [], stamps[-1]))
+        return samples
 
     def split(self, name: str, batch_size: int) -> _EvalSplit:
         """This rank's evaluation users of split `name` ("valid" or "test"), padded to the same

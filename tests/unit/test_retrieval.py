@@ -151,8 +151,10 @@ def test_negatives_are_unseen_seeded_and_fresh_every_epoch(tmp_path):
         sample = ds[i]
         train_items = set(ds.sequences[sample.sample_id][:-2])
         assert len(sample.negatives) == len(sample.targets) and not set(sample.negatives) & train_items
-        assert sample == again[i]
-    epochs = [ds[len(ds) * e + 3].negatives for e in range(3)]
+        other = again[i]
+        assert other.negatives.tolist() == sample.negatives.tolist()
+        assert (other.inputs, other.targets, other.timestamps) == (sample.inputs, sample.targets, sample.timestamps)
+    epochs = [ds[len(ds) * e + 3].negatives.tolist() for e in range(3)]
     assert epochs[0] != epochs[1] != epochs[2]
     assert ds[len(ds) + 3].inputs == ds[3].inputs
     test = ds.split("test", 8)
@@ -265,7 +267,7 @@ def test_the_sequences_source_draws_with_the_shared_sampler(tmp_path):
         user, epoch = sample.sample_id, index // len(ds)
         train = ds.sequences[user][:-2] if len(ds.sequences[user]) >= 3 else ds.sequences[user]
         want = _reference_negatives(3, TRAIN, epoch, user, len(sample.targets), set(train), ds.num_items)
-        assert sample.negatives == want
+        assert sample.negatives.tolist() == want
     sample = ds.split("test", 8)[0]
     seq = ds.sequences[sample.sample_id]
     assert sample.candidates[1:] == _reference_negatives(3, EVAL, 0, sample.sample_id, 10, set(seq), ds.num_items)
@@ -484,6 +486,18 @@ def test_per_position_batches_look_each_negative_up_once_and_select_and_join(tmp
     again = collate_retrieval([samples[i] for i in (4, 1, 0)])
     assert torch.equal(joined.sparse_features.values(), again.sparse_features.values())
     assert torch.equal(joined.neg_index, again.neg_index)
+
+
+def test_a_batch_fetch_draws_what_each_sample_draws_alone(tmp_path):
+    """`__getitems__` (the DataLoader's batch fetch: one draw for the batch) gives every sample
+    the negatives it gets fetched alone, across an epoch boundary and with a user twice."""
+    ds = SequencesDataset(read_interactions(_pairs(tmp_path)), max_seq_len=5, eval_negatives=5)
+    ds.negatives_per_target = 3
+    indices = [len(ds) - 1, 2, len(ds) + 2, 0]
+    for index, sample in zip(indices, ds.__getitems__(indices), strict=True):
+        alone = ds[index]
+        assert sample.negatives.tolist() == alone.negatives.tolist() and len(alone.negatives) == 3 * len(alone.targets)
+        assert (sample.sample_id, sample.inputs, sample.targets) == (alone.sample_id, alone.inputs, alone.targets)
 
 
 def test_gathered_scores_gradients_match_finite_differences():
