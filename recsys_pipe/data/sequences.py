@@ -80,6 +80,7 @@ __all__ = [
     "SequencesDataConfig",
     "SequencesDataset",
     "collate_retrieval",
+    "distinct_negatives",
     "read_interactions",
     "sequences_dataset",
 ]

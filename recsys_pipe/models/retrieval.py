@@ -57,7 +57,15 @@ from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.retrieval_config import RetrievalConfig
 from recsys_pipe.models.serving import ServingForm
 
-__all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad", "padded_times"]
+__all__ = [
+    "ITEM_TABLE",
+    "RetrievalConfig",
+    "RetrievalHead",
+    "RetrievalModel",
+    "gathered_scores",
+    "left_pad",
+    "padded_times",
+]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 ITEM_TABLE = "item_table"
@@ -247,7 +255,8 @@ class _GatheredScores(torch.autograd.Function):
     `[T, K, D]` rows forward and their gradient backward: at ML-1M's sizes (13,600 positions, 128
     negatives, width 50) 350 MB each, written and read again through main memory. Here every
     chunk's rows are gathered into the cache, used at once, and gathered again in the backward
-    pass; the rows' gradient is summed into `[U, D]` by `index_add_` (deterministic on the CPU)."""
+    pass; the rows' gradient is summed into `[U, D]` by `index_add_` (in order on the CPU, so
+    bitwise reproducible there)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, rows: torch.Tensor, index: torch.Tensor):
@@ -281,6 +290,7 @@ class _GatheredScores(torch.autograd.Function):
 
 
 def _chunk(k: int, d: int) -> int:
+    """Positions per chunk: about `_SCORE_CHUNK_FLOATS` floats of gathered `[K, D]` rows."""
     return max(1, _SCORE_CHUNK_FLOATS // max(1, k * d))
 
 
