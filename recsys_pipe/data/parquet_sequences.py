@@ -318,12 +318,13 @@ class TrainRows:
             values=torch.cat([self.inputs, self.targets, self.negatives]),
             lengths=torch.cat([lengths, lengths, lengths * self.negatives_per_target, zeros]),
         )
-        return RetrievalBatch(
+        batch = RetrievalBatch(
             sparse_features=kjt,
             timestamps=self.stamps,
             sample_ids=self.sample_ids,
             target_timestamps=self.target_stamps,
         )
+        return batch.with_negatives(self.negatives) if self.negatives_per_target > 1 else batch
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:

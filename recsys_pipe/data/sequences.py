@@ -36,10 +36,15 @@ All item lookups of a batch are features of one KJT, `sparse_features`, that sha
 table: `item` (inputs), `pos` (targets), `neg` (negatives), `cand` (held-out item then sampled
 negatives) and `catalog` (every item, evaluation only). Every batch has all five keys (a sharded
 module's input distribution is fixed by the first batch's keys); unused ones are empty.
+With several negatives per target, `neg` holds the batch's distinct negatives and the batch's
+`neg_index` says which are each target's (`RetrievalBatch`): at ML-1M's sizes 1.7 million drawn
+ids are a few thousand items, so the item table looks up, and its gradient sums, a few thousand
+rows instead of 1.7 million.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -75,6 +80,7 @@ __all__ = [
     "SequencesDataConfig",
     "SequencesDataset",
     "collate_retrieval",
+    "distinct_negatives",
     "read_interactions",
     "sequences_dataset",
 ]
@@ -213,7 +219,8 @@ def sequences_dataset(cfg: SequencesDataConfig, rank: int, world_size: int) -> S
 @dataclass
 class RetrievalSample:
     """One user's sample before collation (dense ids). Training: `inputs`, `targets`, `negatives`
-    (`negatives_per_target` per target, target by target); evaluation: `inputs`, `candidates`
+    (`negatives_per_target` per target, target by target; an int64 array: 25,000 of them per
+    user at ML-1M's sizes); evaluation: `inputs`, `candidates`
     (held-out item first). `sample_id` is the dense user id, or -1 for padding (evaluation batches
     are padded to the same count on every rank and padding is not scored)."""
 
@@ -221,7 +228,7 @@ class RetrievalSample:
     inputs: list[int]
     timestamps: list[int]
     targets: list[int]
-    negatives: list[int]
+    negatives: Sequence[int]
     candidates: list[int]
     #: time of the item after the last input (training: the last target; evaluation: the held-out item)
     target_timestamp: int = 0
@@ -276,6 +283,11 @@ class SequencesDataset(Dataset[RetrievalSample]):
         trainable = [u for u, seq in enumerate(self.sequences) if len(self._train_part(u)) >= 2]
         self._users = trainable[: len(trainable) // world_size * world_size][rank::world_size]
         self.collate = collate_retrieval
+        lengths = np.array([len(self._train_part(u)) for u in range(len(self.sequences))], dtype=np.int64)
+        #: every user's training items, flat, and where each user's are (`unseen_items`' seen items)
+        self._train_items = np.fromiter((i for seq in self.sequences for i in seq), np.int64)
+        self._train_starts = np.cumsum([0, *map(len, self.sequences[:-1])], dtype=np.int64)
+        self._train_lengths = lengths
 
     def _train_part(self, user: int) -> list[int]:
         seq = self.sequences[user]
@@ -290,16 +302,40 @@ class SequencesDataset(Dataset[RetrievalSample]):
         return len(self._users)
 
     def __getitem__(self, index: int) -> RetrievalSample:
-        if index < 0:
-            raise IndexError(index)
-        epoch, local = divmod(index, len(self._users))
-        user = self._users[local]
-        train = self._train_part(user)[-(self.max_seq_len + 1) :]
-        stamps = self.timestamps[user][: len(self._train_part(user))][-(self.max_seq_len + 1) :]
-        targets = train[1:]
-        count = len(targets) * self.negatives_per_target
-        negatives = _unseen(self.seed, TRAIN, epoch, user, count, self._train_part(user), self.num_items)
-        return RetrievalSample(user, train[:-1], stamps[:-1], targets, negatives, [], stamps[-1])
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[RetrievalSample]:
+        """The training samples `indices` (what the DataLoader fetches for a batch): their
+        negatives drawn by one `unseen_items` call per epoch among them, the same as each drawn
+        alone (a user's draws never depend on the others)."""
+        if any(index < 0 for index in indices):
+            raise IndexError(min(indices))
+        epochs, local = np.divmod(np.asarray(indices, dtype=np.int64), len(self._users))
+        users = np.asarray(self._users, dtype=np.int64)[local]
+        kept = np.minimum(self._train_lengths[users], self.max_seq_len + 1)  # inputs and the last target
+        counts = (kept - 1) * self.negatives_per_target
+        negatives: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * len(indices)
+        for epoch in np.unique(epochs).tolist():
+            rows = np.flatnonzero(epochs == epoch)
+            drawn = unseen_items(
+                self.seed,
+                TRAIN,
+                epoch,
+                users[rows],
+                counts[rows],
+                self._train_items,
+                self._train_starts[users[rows]],
+                self._train_lengths[users[rows]],
+                self.num_items,
+            )
+            for row, part in zip(rows.tolist(), np.split(drawn, np.cumsum(counts[rows])[:-1])):
+                negatives[row] = part
+        samples = []
+        for user, negs in zip(users.tolist(), negatives):
+            train = self._train_part(user)[-(self.max_seq_len + 1) :]
+            stamps = self.timestamps[user][: len(self._train_part(user))][-(self.max_seq_len + 1) :]
+            samples.append(RetrievalSample(user, train[:-1], stamps[:-1], train[1:], negs, [], stamps[-1]))
+        return samples
 
     def split(self, name: str, batch_size: int) -> _EvalSplit:
         """This rank's evaluation users of split `name` ("valid" or "test"), padded to the same
@@ -391,12 +427,18 @@ class RetrievalBatch(TensorBatch):
         timestamps: `[num input tokens]` int64, aligned with the `item` values.
         target_timestamps: `[B]` int64, each sample's `RetrievalSample.target_timestamp`.
         sample_ids: `[B]` int64, the dense user ids (-1: evaluation padding).
+        neg_index: with several negatives per target (`negatives_per_target > 1`), `[T * k]` int64:
+            negative `j` of target `t` is `neg` value `neg_index[t * k + j]`, and `neg` holds the
+            batch's distinct negatives, ascending, all in the first sample's slot
+            (`distinct_negatives`): the item table looks each up once, however many positions
+            score it. Empty when `neg` holds one negative per target, target by target.
     """
 
     sparse_features: KeyedJaggedTensor
     timestamps: torch.Tensor
     sample_ids: torch.Tensor
     target_timestamps: torch.Tensor
+    neg_index: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def lengths(self, key: str) -> torch.Tensor:
         """`[B]` ids of feature `key` per sample."""
@@ -407,27 +449,88 @@ class RetrievalBatch(TensorBatch):
         """Target positions (what the loss averages over) as a 1-element tensor on the batch's device."""
         return self.lengths(POS_KEY).long().sum().reshape(1)
 
+    def negatives_per_position(self) -> torch.Tensor:
+        """`[T * k]` every target's negatives, target by target (`neg_index` resolved)."""
+        kjt = self.sparse_features
+        neg = kjt[NEG_KEY].values()
+        return neg[self.neg_index] if self.neg_index.numel() else neg
+
+    def _per_position(self) -> KeyedJaggedTensor:
+        """The KJT with every target's negatives in its sample's slot (what `select` and `concat`
+        cut and join before `with_negatives` makes the batch form again)."""
+        if not self.neg_index.numel():
+            return self.sparse_features
+        k = self.neg_index.numel() // max(1, int(self.lengths(POS_KEY).sum()))
+        return _replace_negatives(self.sparse_features, self.negatives_per_position(), self.lengths(POS_KEY) * k)
+
+    def with_negatives(self, negatives: torch.Tensor) -> RetrievalBatch:
+        """This batch with the training negatives `negatives` (`[T * k]`, target by target), in the
+        batch form: with `k > 1`, the distinct ones and `neg_index` (`distinct_negatives`)."""
+        targets = self.lengths(POS_KEY)
+        total = int(targets.sum())
+        if total and negatives.numel() > total:
+            values, index = distinct_negatives(negatives)
+            lengths = torch.zeros_like(targets)
+            lengths[0] = values.numel()
+        else:
+            values, index = negatives, torch.zeros(0, dtype=torch.int64, device=negatives.device)
+            lengths = targets * (negatives.numel() // max(1, total))
+        return dataclasses.replace(
+            self, sparse_features=_replace_negatives(self.sparse_features, values, lengths), neg_index=index
+        )
+
     def select(self, index: torch.Tensor) -> RetrievalBatch:
-        return RetrievalBatch(
-            sparse_features=kjt_select(self.sparse_features, index),
+        kjt = self._per_position()
+        batch = RetrievalBatch(
+            sparse_features=kjt_select(kjt, index),
             timestamps=jagged_select(self.timestamps, self.lengths(INPUT_KEY), index)[0],
             sample_ids=self.sample_ids[index],
             target_timestamps=self.target_timestamps[index],
         )
+        return batch.with_negatives(batch.sparse_features[NEG_KEY].values()) if self.neg_index.numel() else batch
 
     @classmethod
     def concat(cls, batches: Sequence[RetrievalBatch]) -> RetrievalBatch:
-        return RetrievalBatch(
-            sparse_features=kjt_concat([b.sparse_features for b in batches]),
+        batch = RetrievalBatch(
+            sparse_features=kjt_concat([b._per_position() for b in batches]),
             timestamps=torch.cat([b.timestamps for b in batches]),
             sample_ids=torch.cat([b.sample_ids for b in batches]),
             target_timestamps=torch.cat([b.target_timestamps for b in batches]),
         )
+        several = any(b.neg_index.numel() for b in batches)
+        return batch.with_negatives(batch.sparse_features[NEG_KEY].values()) if several else batch
+
+
+def distinct_negatives(negatives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(distinct, index)`: the distinct ids of `negatives`, ascending, and each negative's place
+    among them (`distinct[index] == negatives`), as `torch.unique(sorted=True, return_inverse=True)`
+    gives them, by a bitmap over the ids instead of a sort: per-position negatives are some
+    1.7 million ids of a few thousand items per batch at ML-1M's sizes, where the sort took ~10x longer."""
+    if not negatives.numel():
+        return negatives, torch.zeros(0, dtype=torch.int64, device=negatives.device)
+    present = torch.zeros(int(negatives.max()) + 1, dtype=torch.bool, device=negatives.device)
+    present[negatives] = True
+    distinct = present.nonzero().squeeze(1)
+    place = torch.cumsum(present, 0, dtype=torch.int64) - 1
+    return distinct, place[negatives]
+
+
+def _replace_negatives(kjt: KeyedJaggedTensor, values: torch.Tensor, lengths: torch.Tensor) -> KeyedJaggedTensor:
+    """`kjt` with the `neg` feature's values and per-sample lengths replaced."""
+    keys = kjt.keys()
+    parts = kjt.to_dict()
+    per_key = [(values, lengths) if key == NEG_KEY else (parts[key].values(), parts[key].lengths()) for key in keys]
+    return type(kjt)(
+        keys=keys,
+        values=torch.cat([v for v, _ in per_key]),
+        lengths=torch.cat([n.to(kjt.lengths().dtype) for _, n in per_key]),
+    )
 
 
 def collate_retrieval(samples: Sequence[RetrievalSample], catalog_size: int = 0) -> RetrievalBatch:
     """Collate samples into a `RetrievalBatch`; `catalog_size > 0` spreads item ids
-    `0 .. catalog_size - 1` over the samples' `catalog` feature, in order."""
+    `0 .. catalog_size - 1` over the samples' `catalog` feature, in order. Samples with several
+    negatives per target give the batch form of `RetrievalBatch.neg_index`."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     per_sample = -(-catalog_size // len(samples))
@@ -438,16 +541,22 @@ def collate_retrieval(samples: Sequence[RetrievalSample], catalog_size: int = 0)
         [s.negatives for s in samples],
         [s.candidates for s in samples],
     )
-    values = [i for field in fields for ids in field for i in ids] + list(range(catalog_size))
+    values = np.concatenate(
+        [np.asarray(ids, dtype=np.int64) for field in fields for ids in field]
+        + [np.arange(catalog_size, dtype=np.int64)]
+    )
     lengths = [len(ids) for field in fields for ids in field] + catalog
     kjt = KeyedJaggedTensor(
         keys=list(RETRIEVAL_KEYS),
-        values=torch.tensor(values, dtype=torch.int64),
+        values=torch.from_numpy(values),
         lengths=torch.tensor(lengths, dtype=torch.int32),
     )
-    return RetrievalBatch(
+    batch = RetrievalBatch(
         sparse_features=kjt,
-        timestamps=torch.tensor([t for s in samples for t in s.timestamps], dtype=torch.int64),
+        timestamps=torch.tensor(np.concatenate([np.asarray(s.timestamps, dtype=np.int64) for s in samples])),
         sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
         target_timestamps=torch.tensor([s.target_timestamp for s in samples], dtype=torch.int64),
     )
+    targets = sum(len(s.targets) for s in samples)
+    several = targets and sum(len(s.negatives) for s in samples) > targets
+    return batch.with_negatives(batch.sparse_features[NEG_KEY].values()) if several else batch

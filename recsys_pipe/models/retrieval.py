@@ -18,7 +18,8 @@ is trained to score `s_{t+1}` highest:
   `temperature`; a negative equal to the target is masked out. Whose negatives
   (`model.negatives`): `per_position` (the default, generative-recommenders' recipe), each
   position its own `num_negatives`, which the data draws (`negatives_per_target`, derived from
-  the model config: `neg` holds them target by target, a `[T, K]` block scored by one einsum);
+  the model config: `neg` holds the batch's distinct negatives, each looked up and normalised
+  once, and `RetrievalBatch.neg_index` each position's own, scored by `gathered_scores`);
   `shared`, one pool for every position of the batch, the first `num_negatives` of its
   negatives (the data draws one per target): K lookups per batch instead of K per position.
 
@@ -56,7 +57,15 @@ from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.retrieval_config import RetrievalConfig
 from recsys_pipe.models.serving import ServingForm
 
-__all__ = ["ITEM_TABLE", "RetrievalConfig", "RetrievalHead", "RetrievalModel", "left_pad", "padded_times"]
+__all__ = [
+    "ITEM_TABLE",
+    "RetrievalConfig",
+    "RetrievalHead",
+    "RetrievalModel",
+    "gathered_scores",
+    "left_pad",
+    "padded_times",
+]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 ITEM_TABLE = "item_table"
@@ -135,9 +144,11 @@ class RetrievalHead(nn.Module):
         ids: KeyedJaggedTensor,
         timestamps: torch.Tensor,
         target_timestamps: torch.Tensor,
+        neg_index: torch.Tensor,
     ) -> ModelOutput:
         """`embeddings`: the EC's output for `ids`, the batch's KJT (whose ids mask collisions
-        of negatives with targets and pick the held-out item's full-corpus score)."""
+        of negatives with targets and pick the held-out item's full-corpus score);
+        `neg_index`: `RetrievalBatch.neg_index` (where each position's negatives are in `neg`)."""
         if isinstance(embeddings, Awaitable):  # sharded EC output is lazy
             embeddings = embeddings.wait()
         lengths = embeddings[INPUT_KEY].lengths().long()
@@ -146,7 +157,7 @@ class RetrievalHead(nn.Module):
         ts = padded_times(timestamps, target_timestamps, lengths, self.max_len)
         h = self.encoder(x, ts, valid)  # [B, N, D]
         if self.training or rows[CAND_KEY].numel() == 0:
-            return self._train_loss(h, valid, rows, ids)
+            return self._train_loss(h, valid, rows, ids, neg_index)
         return self._rank(h, rows, ids)
 
     def _normalise(self, v: torch.Tensor) -> torch.Tensor:
@@ -154,7 +165,12 @@ class RetrievalHead(nn.Module):
         return F.normalize(v, dim=-1, eps=NORM_EPS) if self.loss == "sampled_softmax" else v
 
     def _train_loss(
-        self, h: torch.Tensor, valid: torch.Tensor, rows: dict[str, torch.Tensor], ids: KeyedJaggedTensor
+        self,
+        h: torch.Tensor,
+        valid: torch.Tensor,
+        rows: dict[str, torch.Tensor],
+        ids: KeyedJaggedTensor,
+        neg_index: torch.Tensor,
     ) -> ModelOutput:
         # the targets are aligned with the inputs: position p's target is pos[p]
         query = h[valid]  # [T, D] in jagged order (sequences are never longer than max_len here)
@@ -172,15 +188,18 @@ class RetrievalHead(nn.Module):
             neg_ids, target_ids = feature_ids(ids, NEG_KEY), feature_ids(ids, POS_KEY)
             if self.per_position:  # [T, K]: position t's own negatives, target by target
                 t, k = q.shape[0], self.num_negatives
-                if neg_ids.numel() != t * k:
+                if not neg_index.numel():  # one per target: `neg` is the positions' own
+                    neg_index = torch.arange(neg_ids.numel(), device=neg_ids.device)
+                if neg_index.numel() != t * k:
                     raise ValueError(
                         f"model.negatives=per_position needs {k} negatives per target, but the batch has "
-                        f"{neg_ids.numel()} for {t} targets: its data source must draw "
+                        f"{neg_index.numel()} for {t} targets: its data source must draw "
                         "`negatives_per_target` of its config (ModelConfig.data_for_model)"
                     )
-                neg = self._normalise(rows[NEG_KEY]).view(t, k, -1)
-                neg_scores = torch.einsum("td,tkd->tk", q, neg) / self.temperature
-                same = target_ids[:, None] == neg_ids.view(t, k)
+                index = neg_index.view(t, k)
+                # each distinct negative normalised once, scored by every position that drew it
+                neg_scores = gathered_scores(q, self._normalise(rows[NEG_KEY]), index) / self.temperature
+                same = target_ids[:, None] == neg_ids[index]
             else:  # [T, K]: one pool, the batch's first K negatives, for every position
                 pool = self._normalise(rows[NEG_KEY][: self.num_negatives])
                 neg_scores = q @ pool.T / self.temperature
@@ -225,6 +244,62 @@ class RetrievalHead(nn.Module):
         }
 
 
+#: positions per chunk of `gathered_scores`: their `[positions, K, D]` rows stay in the cache
+_SCORE_CHUNK_FLOATS = 1 << 18
+
+
+class _GatheredScores(torch.autograd.Function):
+    """`scores[t, k] = query[t] . rows[index[t, k]]` and its gradients, chunk by chunk of positions.
+
+    Written out because autograd's form (`rows[index]`, then a batched product) materialises
+    `[T, K, D]` rows forward and their gradient backward: at ML-1M's sizes (13,600 positions, 128
+    negatives, width 50) 350 MB each, written and read again through main memory. Here every
+    chunk's rows are gathered into the cache, used at once, and gathered again in the backward
+    pass; the rows' gradient is summed into `[U, D]` by `index_add_` (in order on the CPU, so
+    bitwise reproducible there)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, rows: torch.Tensor, index: torch.Tensor):
+        t, k = index.shape
+        step = _chunk(k, rows.shape[1])
+        scores = query.new_empty(t, k)
+        for a in range(0, t, step):
+            b = min(a + step, t)
+            gathered = rows.index_select(0, index[a:b].reshape(-1)).view(b - a, k, -1)
+            torch.bmm(gathered, query[a:b, :, None], out=scores[a:b, :, None])
+        ctx.save_for_backward(query, rows, index)
+        return scores
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor):
+        query, rows, index = ctx.saved_tensors
+        t, k = index.shape
+        step = _chunk(k, rows.shape[1])
+        grad = grad.contiguous()
+        grad_query = torch.empty_like(query) if ctx.needs_input_grad[0] else None
+        grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[1] else None
+        for a in range(0, t, step):
+            b = min(a + step, t)
+            if grad_query is not None:
+                gathered = rows.index_select(0, index[a:b].reshape(-1)).view(b - a, k, -1)
+                torch.bmm(grad[a:b, None, :], gathered, out=grad_query[a:b, None, :])
+            if grad_rows is not None:
+                outer = grad[a:b, :, None] * query[a:b, None, :]  # [chunk, K, D]
+                grad_rows.index_add_(0, index[a:b].reshape(-1), outer.view(-1, query.shape[1]))
+        return grad_query, grad_rows, None
+
+
+def _chunk(k: int, d: int) -> int:
+    """Positions per chunk: about `_SCORE_CHUNK_FLOATS` floats of gathered `[K, D]` rows."""
+    return max(1, _SCORE_CHUNK_FLOATS // max(1, k * d))
+
+
+def gathered_scores(query: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`[T, K]` scores of each position's own rows: `query[t] . rows[index[t, k]]` (`query`
+    `[T, D]`, `rows` `[U, D]`, `index` `[T, K]` int64), differentiable in `query` and `rows`."""
+    return _GatheredScores.apply(query, rows, index)
+
+
 def feature_ids(ids: KeyedJaggedTensor, key: str) -> torch.Tensor:
     """The ids of feature `key` of a KJT, in jagged order (one slice of its values)."""
     per_key = ids.length_per_key()  # host ints, cached by the KJT
@@ -260,7 +335,7 @@ class RetrievalModel(nn.Module):
 
     def forward(self, batch: RetrievalBatch) -> ModelOutput:
         embeddings = self.ec(batch.sparse_features)
-        return self.head(embeddings, batch.sparse_features, batch.timestamps, batch.target_timestamps)
+        return self.head(embeddings, batch.sparse_features, batch.timestamps, batch.target_timestamps, batch.neg_index)
 
     def serving(self) -> ServingForm:
         """The serving program (`Servable`): `(items, timestamps, valid)` -> the user vectors

@@ -146,7 +146,7 @@ def _score_targets(stage: Any, h: torch.Tensor, valid: torch.Tensor, targets: Se
     training; in evaluation `RetrievalHead`'s ranks, kept in `stage.last_outputs`, and a zero loss."""
     first, second = targets
     if stage.training:
-        loss, _ = stage._loss(h, valid, {POS_KEY: first, NEG_KEY: second}, batch.sparse_features)
+        loss, _ = stage._loss(h, valid, {POS_KEY: first, NEG_KEY: second}, batch.sparse_features, batch.neg_index)
         return loss
     loss, stage.last_outputs = stage._rank(h, {CAND_KEY: first, CATALOG_KEY: second}, batch.sparse_features)
     return loss

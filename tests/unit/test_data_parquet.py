@@ -518,8 +518,10 @@ def test_sequence_parquet_gives_the_batches_and_splits_of_data_sequences(sequenc
     for a, b in zip(ref.train_loader(2), got.train_loader(2), strict=True):  # negatives drawn again in epoch 2
         assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
         assert torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
-        kjt = a.sparse_features
-        assert torch.equal(kjt["neg"].lengths(), kjt["pos"].lengths() * per_target)
+        assert torch.equal(a.neg_index, b.neg_index)
+        negatives = a.negatives_per_position()  # per_target > 1: the distinct ones in the KJT, and their places
+        assert negatives.numel() == a.sparse_features["pos"].values().numel() * per_target
+        assert a.neg_index.numel() == (negatives.numel() if per_target > 1 else 0)
         assert torch.equal(a.timestamps, b.timestamps) and torch.equal(a.sample_ids, b.sample_ids)
         assert torch.equal(a.target_timestamps, b.target_timestamps)  # HSTU's time bias reads them
     for name in ("valid", "test"):

@@ -32,9 +32,9 @@ from recsys_pipe.bench.hstu import (
     reference_gradients,
     reference_inputs,
 )
-from recsys_pipe.data.sequences import INPUT_KEY, NEG_KEY, SequencesDataConfig, collate_retrieval
+from recsys_pipe.data.sequences import INPUT_KEY, SequencesDataConfig, collate_retrieval
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalConfig, build_hstu_retrieval
-from recsys_pipe.models.retrieval import ITEM_TABLE, feature_ids, left_pad, padded_times
+from recsys_pipe.models.retrieval import ITEM_TABLE, left_pad, padded_times
 
 REFERENCE = os.environ.get(REFERENCE_ENV, "")
 needs_reference = pytest.mark.skipif(
@@ -110,7 +110,7 @@ def test_hstu_matches_the_reference_on_the_same_weights_and_batch(tmp_path, head
     ref = build_reference(
         ref_modules, sizes, dataset.num_items, attn_len=ATTN_LEN, shared_negatives=negatives == "shared"
     )
-    neg_ids = feature_ids(batch.sparse_features, NEG_KEY) + 1  # in the reference's ids
+    neg_ids = batch.negatives_per_position() + 1  # in the reference's ids
     if negatives == "shared":
         ref.sampler.pool = neg_ids[:NEGATIVES]  # our pool
     else:

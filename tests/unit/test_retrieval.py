@@ -10,6 +10,7 @@ import math
 import os
 import re
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -34,10 +35,11 @@ from recsys_pipe.data.sequences import (
     POS_KEY,
     SequencesDataConfig,
     SequencesDataset,
+    collate_retrieval,
     read_interactions,
 )
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalConfig
-from recsys_pipe.models.retrieval import left_pad, padded_times
+from recsys_pipe.models.retrieval import gathered_scores, left_pad, padded_times
 from recsys_pipe.models.sasrec import SASRecConfig
 from recsys_pipe.train.retrieval_eval import KS, retrieval_metrics
 
@@ -149,8 +151,10 @@ def test_negatives_are_unseen_seeded_and_fresh_every_epoch(tmp_path):
         sample = ds[i]
         train_items = set(ds.sequences[sample.sample_id][:-2])
         assert len(sample.negatives) == len(sample.targets) and not set(sample.negatives) & train_items
-        assert sample == again[i]
-    epochs = [ds[len(ds) * e + 3].negatives for e in range(3)]
+        other = again[i]
+        assert other.negatives.tolist() == sample.negatives.tolist()
+        assert (other.inputs, other.targets, other.timestamps) == (sample.inputs, sample.targets, sample.timestamps)
+    epochs = [ds[len(ds) * e + 3].negatives.tolist() for e in range(3)]
     assert epochs[0] != epochs[1] != epochs[2]
     assert ds[len(ds) + 3].inputs == ds[3].inputs
     test = ds.split("test", 8)
@@ -263,7 +267,7 @@ def test_the_sequences_source_draws_with_the_shared_sampler(tmp_path):
         user, epoch = sample.sample_id, index // len(ds)
         train = ds.sequences[user][:-2] if len(ds.sequences[user]) >= 3 else ds.sequences[user]
         want = _reference_negatives(3, TRAIN, epoch, user, len(sample.targets), set(train), ds.num_items)
-        assert sample.negatives == want
+        assert sample.negatives.tolist() == want
     sample = ds.split("test", 8)[0]
     seq = ds.sequences[sample.sample_id]
     assert sample.candidates[1:] == _reference_negatives(3, EVAL, 0, sample.sample_id, 10, set(seq), ds.num_items)
@@ -400,7 +404,7 @@ def test_losses_match_their_definitions(tmp_path, cfg):
     h, valid, table = _vectors(model, batch)
     q = h[valid]
     kjt = batch.sparse_features
-    pos, neg = kjt[POS_KEY].values(), kjt[NEG_KEY].values()
+    pos, neg = kjt[POS_KEY].values(), batch.negatives_per_position()
     if cfg.loss == "bce":
         sp = (q * table[pos]).sum(-1)
         sn = (q * table[neg]).sum(-1)
@@ -457,6 +461,56 @@ def test_the_run_config_derives_the_negatives_the_data_draws_per_target(tmp_path
     assert run.data.negatives_per_target == per_target
     with pytest.raises(ValidationError, match="negatives_per_target"):  # no key of the data's
         SequencesDataConfig(path=str(_pairs(tmp_path)), negatives_per_target=9)
+
+
+def test_per_position_batches_look_each_negative_up_once_and_select_and_join(tmp_path):
+    """Several negatives per target: the KJT holds the batch's distinct negatives (each looked up
+    once) and `neg_index` every position's own; `select` and `concat` (microbatches, the batch
+    shuffler) keep every sample's negatives, position by position."""
+    data = SequencesDataConfig(path=str(_pairs(tmp_path)), max_seq_len=20, eval_negatives=5)
+    data = data.with_negatives_per_target(4)
+    ds = data.dataset(0, 1)
+    samples = [ds[i] for i in range(6)]
+    batch = collate_retrieval(samples)
+    distinct = batch.sparse_features[NEG_KEY].values()
+    assert torch.equal(distinct, torch.unique(distinct)) and distinct.numel() < batch.neg_index.numel()
+    assert batch.negatives_per_position().tolist() == [n for s in samples for n in s.negatives]
+    picked = batch.select(torch.tensor([4, 1]))
+    assert picked.negatives_per_position().tolist() == [*samples[4].negatives, *samples[1].negatives]
+    joined = type(batch).concat([picked, batch.select(torch.tensor([0]))])
+    assert joined.negatives_per_position().tolist() == [
+        *samples[4].negatives,
+        *samples[1].negatives,
+        *samples[0].negatives,
+    ]
+    again = collate_retrieval([samples[i] for i in (4, 1, 0)])
+    assert torch.equal(joined.sparse_features.values(), again.sparse_features.values())
+    assert torch.equal(joined.neg_index, again.neg_index)
+
+
+def test_a_batch_fetch_draws_what_each_sample_draws_alone(tmp_path):
+    """`__getitems__` (the DataLoader's batch fetch: one draw for the batch) gives every sample
+    the negatives it gets fetched alone, across an epoch boundary and with a user twice."""
+    ds = SequencesDataset(read_interactions(_pairs(tmp_path)), max_seq_len=5, eval_negatives=5)
+    ds.negatives_per_target = 3
+    indices = [len(ds) - 1, 2, len(ds) + 2, 0]
+    for index, sample in zip(indices, ds.__getitems__(indices), strict=True):
+        alone = ds[index]
+        assert sample.negatives.tolist() == alone.negatives.tolist() and len(alone.negatives) == 3 * len(alone.targets)
+        assert (sample.sample_id, sample.inputs, sample.targets) == (alone.sample_id, alone.inputs, alone.targets)
+
+
+def test_gathered_scores_gradients_match_finite_differences():
+    """The per-position scores' own backward (chunked, `index_add_` into the rows) against
+    autograd's finite differences, with repeated rows and chunks that do not divide the positions."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.randn(5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    index = torch.randint(0, 5, (7, 4), generator=g)
+    with mock.patch("recsys_pipe.models.retrieval._SCORE_CHUNK_FLOATS", 24):  # chunks of 2 positions
+        expected = torch.einsum("td,tkd->tk", query, rows[index])
+        torch.testing.assert_close(gathered_scores(query, rows, index), expected)
+        assert torch.autograd.gradcheck(lambda q, r: gathered_scores(q, r, index), (query, rows))
 
 
 def test_per_position_negatives_refuse_a_batch_with_too_few(tmp_path):
