@@ -244,8 +244,10 @@ class RetrievalHead(nn.Module):
         }
 
 
-#: positions per chunk of `gathered_scores`: their `[positions, K, D]` rows stay in the cache
-_SCORE_CHUNK_FLOATS = 1 << 18
+#: positions per chunk of `gathered_scores`: on the CPU their `[positions, K, D]` rows stay in the
+#: cache; on a GPU a chunk is a few kernel launches, so chunks are large (256 MB of float32 rows)
+#: and a batch takes one or a few
+_SCORE_CHUNK_FLOATS = {"cpu": 1 << 18, "cuda": 1 << 26}
 
 
 class _GatheredScores(torch.autograd.Function):
@@ -261,7 +263,7 @@ class _GatheredScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, rows: torch.Tensor, index: torch.Tensor):
         t, k = index.shape
-        step = _chunk(k, rows.shape[1])
+        step = _chunk(k, rows.shape[1], rows.device)
         scores = query.new_empty(t, k)
         for a in range(0, t, step):
             b = min(a + step, t)
@@ -274,7 +276,7 @@ class _GatheredScores(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor):
         query, rows, index = ctx.saved_tensors
         t, k = index.shape
-        step = _chunk(k, rows.shape[1])
+        step = _chunk(k, rows.shape[1], rows.device)
         grad = grad.contiguous()
         grad_query = torch.empty_like(query) if ctx.needs_input_grad[0] else None
         grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[1] else None
@@ -289,9 +291,10 @@ class _GatheredScores(torch.autograd.Function):
         return grad_query, grad_rows, None
 
 
-def _chunk(k: int, d: int) -> int:
+def _chunk(k: int, d: int, device: torch.device) -> int:
     """Positions per chunk: about `_SCORE_CHUNK_FLOATS` floats of gathered `[K, D]` rows."""
-    return max(1, _SCORE_CHUNK_FLOATS // max(1, k * d))
+    budget = _SCORE_CHUNK_FLOATS.get(device.type, _SCORE_CHUNK_FLOATS["cpu"])
+    return max(1, budget // max(1, k * d))
 
 
 def gathered_scores(query: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

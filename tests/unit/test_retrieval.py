@@ -507,7 +507,7 @@ def test_gathered_scores_gradients_match_finite_differences():
     query = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
     rows = torch.randn(5, 3, dtype=torch.float64, generator=g, requires_grad=True)
     index = torch.randint(0, 5, (7, 4), generator=g)
-    with mock.patch("recsys_pipe.models.retrieval._SCORE_CHUNK_FLOATS", 24):  # chunks of 2 positions
+    with mock.patch.dict("recsys_pipe.models.retrieval._SCORE_CHUNK_FLOATS", cpu=24):  # chunks of 2 positions
         expected = torch.einsum("td,tkd->tk", query, rows[index])
         torch.testing.assert_close(gathered_scores(query, rows, index), expected)
         assert torch.autograd.gradcheck(lambda q, r: gathered_scores(q, r, index), (query, rows))
