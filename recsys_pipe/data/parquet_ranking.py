@@ -65,8 +65,8 @@ from recsys_pipe.data.parquet_sequences import (
     ParquetSequenceKeys,
     PartedStreamSource,
     _item_vocab,
+    _list_chunks,
     _list_type,
-    _list_values,
     _offsets,
     _SequenceDecoder,
     check_sequence_columns,
@@ -312,7 +312,7 @@ class _WindowDecoder:
             first_row += len(chunk)
         ratings = values[0] if len(values) == 1 else np.concatenate(values)
         ratings_offsets = np.concatenate(offsets)
-        item_offsets = _list_values(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
+        item_offsets = _list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
         if not np.array_equal(ratings_offsets, item_offsets):
             row = int(np.flatnonzero(np.diff(ratings_offsets) != np.diff(item_offsets))[0])
             raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)

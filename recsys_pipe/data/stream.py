@@ -184,6 +184,7 @@ class EpochOrder:
         self.num_rows = int(self.units[:, 3].sum()) if len(self.units) else 0
         self.shuffle, self.seed = shuffle, seed
         self._cached: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._permuted: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cached is not None and self._cached[0] == epoch:
@@ -215,10 +216,15 @@ class EpochOrder:
         return out
 
     def permutation(self, piece: Piece) -> np.ndarray | None:
-        """The order of the window's rows (None: as they are)."""
+        """The order of the window's rows (None: as they are); the last window's is kept for
+        its next piece (a window handed out in parts)."""
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed % _U64, piece.epoch, piece.start]).permutation(piece.length)
+        key = (piece.epoch, piece.start, piece.length)
+        if self._permuted is None or self._permuted[0] != key:
+            perm = np.random.default_rng([self.seed % _U64, piece.epoch, piece.start]).permutation(piece.length)
+            self._permuted = (key, perm)
+        return self._permuted[1]
 
 
 def _windows(epoch: int, start: int, rows: int, window: int) -> list[Piece]:
@@ -669,6 +675,12 @@ class StreamSource(PositionalSource):
         self.eval_windows = WindowDataset(eval_source, self.eval_order, self.decoder)
 
     @property
+    def piece_rows(self) -> int:
+        """The most rows a training piece has (`epoch_pieces`): it sizes the blocks a
+        `BlockDecoder`'s rows cross from the workers in (`BatchStream`)."""
+        return self.window
+
+    @property
     def layout(self) -> Layout:
         """This run's layout (its world size and batch size)."""
         return Layout(self.world_size, self.batch_size)
@@ -695,7 +707,9 @@ class StreamSource(PositionalSource):
                 yield from these
 
         cfg = self.cfg
-        return BatchStream(self.train_windows, pieces, self.batch_size, cfg.num_workers, cfg.pin_memory, self.window)
+        return BatchStream(
+            self.train_windows, pieces, self.batch_size, cfg.num_workers, cfg.pin_memory, self.piece_rows
+        )
 
     def eval_loader(self) -> BatchStream | None:
         """The held-out batches of this rank (the same every evaluation), or None without any."""
