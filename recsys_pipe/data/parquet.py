@@ -37,7 +37,7 @@ from recsys_pipe.data.ids import splitmix64, string_ids
 from recsys_pipe.data.negatives import concat_ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Alloc, Fail, StreamSource, shared_empty
+from recsys_pipe.data.stream import Alloc, Fail, ReusedArrays, StreamSource, shared_empty
 from recsys_pipe.data.tabular import TabularBatch
 
 __all__ = [
@@ -289,16 +289,7 @@ class TabularDecoder:
         # per table row: labels and dense float32, single-hot ids and its sample id int64; per
         # window row: its place in `order` (int64)
         self.row_bytes = 4 * len(self.labels) + 4 * len(self.dense) + 8 * len(self.single) + 16
-        self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
-
-    def _buffer(self, name: str, n: int, dtype: Any) -> np.ndarray:
-        """A scratch array of `n` elements, reused window after window (no page faults, no heap
-        growth from large temporaries)."""
-        key = (name, np.dtype(dtype))
-        buf = self._scratch.get(key)
-        if buf is None or buf.size < n:
-            buf = self._scratch[key] = np.empty(n, dtype=dtype)
-        return buf[:n]
+        self._buffer = ReusedArrays()
 
     def _joined(self, n: int, dtype: Any) -> np.ndarray:
         return self._buffer("joined", n, dtype)

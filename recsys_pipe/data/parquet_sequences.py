@@ -41,6 +41,7 @@ with fewer than 3 interactions is padding (not scored), as the ranks' splits are
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 from collections.abc import Sequence
@@ -68,7 +69,16 @@ from recsys_pipe.data.sequences import (
     collate_retrieval,
 )
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Alloc, EpochOrder, Fail, Piece, StreamSource, WindowDataset, shared_empty
+from recsys_pipe.data.stream import (
+    Alloc,
+    EpochOrder,
+    Fail,
+    Piece,
+    ReusedArrays,
+    StreamSource,
+    WindowDataset,
+    shared_empty,
+)
 
 __all__ = [
     "ITEM_VOCAB_KEY",
@@ -413,7 +423,12 @@ class _Columns:
 
 class _SequenceDecoder:
     """Turns a row group of sequence Parquet into `UserRows` (dense item ids). A `BlockDecoder`:
-    the training rows its rows become (`UserRows.finish`) are allocated with the `alloc` given."""
+    the training rows its rows become (`UserRows.finish`) are allocated with the `alloc` given.
+
+    A window's decoded columns are kept for its next part and live in arrays reused by the next
+    window (a window of 65,536 length-200 users maps 105 MB of item ids: fresh memory would
+    page-fault every window). So rows it returned are valid until it decodes another table: a
+    user that keeps rows (`_Rows`) has a decoder of its own (`copy`)."""
 
     def __init__(
         self,
@@ -439,6 +454,13 @@ class _SequenceDecoder:
             self._lookup = np.full(int(vocab[-1]) + 1, -1, dtype=np.int64)
             self._lookup[vocab] = np.arange(len(vocab))
         self._cached: _Columns | None = None
+        self._arrays = ReusedArrays()
+
+    def copy(self) -> _SequenceDecoder:
+        """A decoder of the same columns with a cache and arrays of its own."""
+        other = copy.copy(self)
+        other._cached, other._arrays = None, ReusedArrays()
+        return other
 
     def __call__(
         self,
@@ -469,10 +491,20 @@ class _SequenceDecoder:
             stamp_chunks, st_offsets = _list_chunks(table.column(self.stamps), fail, self.stamps, "timestamps")
             if not np.array_equal(st_offsets, offsets):
                 raise fail(self.stamps, f"lists of other lengths than {self.items!r}")
-            stamps = _joined(stamp_chunks)
+            stamps = self._joined("stamps", stamp_chunks)
         user_ids = users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         self._cached = _Columns(items, offsets, user_ids, stamps, sample_ids)
         return self._cached
+
+    def _joined(self, name: str, chunks: list[np.ndarray]) -> np.ndarray:
+        """The chunks as one array: the chunk itself if there is one, else joined in `name`'s reused array."""
+        if len(chunks) == 1:
+            return chunks[0]
+        out, at = self._arrays(name, sum(len(c) for c in chunks), np.int64), 0
+        for chunk in chunks:
+            out[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        return out
 
     def _dense(self, chunks: list[np.ndarray], offsets: np.ndarray, fail: Fail) -> np.ndarray:
         """The dense ids of the raw item ids `chunks` (one array), checked: each chunk is mapped
@@ -480,7 +512,7 @@ class _SequenceDecoder:
         if self.vocab is None and len(chunks) == 1:
             self._check_range(chunks[0], 0, offsets, fail)
             return chunks[0]
-        dense = np.empty(sum(len(c) for c in chunks), dtype=np.int64)
+        dense = self._arrays("items", sum(len(c) for c in chunks), np.int64)
         at = 0
         for raw in chunks:
             self._dense_into(raw, dense[at : at + len(raw)], at, offsets, fail)
@@ -542,16 +574,11 @@ def _list_chunks(column: pa.ChunkedArray, fail: Fail, name: str, what: str) -> t
     return values, np.concatenate(offsets)
 
 
-def _joined(chunks: list[np.ndarray]) -> np.ndarray:
-    """The chunks as one array (the chunk itself if there is one)."""
-    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-
-
 class _Rows:
     """Random access to users by global position (evaluation, dumps), one row group cached."""
 
     def __init__(self, files: ParquetFiles, decoder: _SequenceDecoder) -> None:
-        self.files, self.decoder = files, decoder
+        self.files, self.decoder = files, decoder.copy()  # its rows are kept while training decodes
         units = files.units()
         self.first = units[:, 2]
         self.units = units

@@ -72,6 +72,7 @@ __all__ = [
     "EpochOrder",
     "Layout",
     "Piece",
+    "ReusedArrays",
     "Rows",
     "StreamSource",
     "WindowDataset",
@@ -327,6 +328,24 @@ class WindowDataset(Dataset):
             return finish(piece.epoch) if finish is not None else rows
         except DataFileError as exc:
             return _Failed(exc)
+
+
+class ReusedArrays:
+    """Scratch arrays by name, reused window after window: a decoder's large temporaries come
+    without page faults and without heap growth (`reused(name, n, dtype)`: an uninitialised
+    array of `n` elements, the one the previous call of that name and dtype returned, grown if
+    needed). What it returned before is overwritten: a decoder hands out nothing that points
+    into one once it decodes the next window."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[str, np.dtype], np.ndarray] = {}
+
+    def __call__(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        key = (name, np.dtype(dtype))
+        array = self._arrays.get(key)
+        if array is None or array.size < n:
+            array = self._arrays[key] = np.empty(n, dtype=dtype)
+        return array[:n]
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
