@@ -30,10 +30,11 @@ targets, which adds nothing to the loss.
 
 Decoding: a shuffled window (65,536 users by default: 13M items at length 200) is handed out
 in parts of `_PART_ROWS` users, the same rows in the same order (`ParquetSequences.epoch_pieces`):
-the worker reads the window's row groups and its columns once, and each part gathers, maps and
-samples only its own users' items, in arrays of a few MB that stay in cache and are reused from
-part to part instead of hundreds of MB of fresh memory per step. A first batch waits for one
-part, and what crosses to the main process at a time is a part.
+the worker reads the window's row groups and maps its item ids to dense ids once (into arrays
+reused window after window), and each part's users index those columns where they lie: a part's
+samples and negatives are written once, into the shared block the part crosses to the main
+process in (`recsys_pipe.data.stream`, "The hand-off"), with no gather of its users' items
+first. A first batch waits for one part.
 
 Evaluation (`split("valid" | "test")`): rank `r` scores a contiguous `1/W` of the users; a user
 with fewer than 3 interactions is padding (not scored), as the ranks' splits are padded alike.

@@ -26,9 +26,10 @@ decodes it whole, into rows that are tensors (`Rows`), and the main process cuts
 rows into batches. Decoding is vectorised Arrow -> numpy -> torch; nothing loops over rows.
 A worker that meets a bad row group hands back the error as data; the main process raises it.
 
-**The hand-off** (`BlockDecoder`s, e.g. `data=parquet`'s). A window's rows cross from a worker to
-the main process in one block of shared memory that the main process allocated before the
-workers started (`_Ring`: `prefetch_factor + 1` blocks per worker, reused window after window).
+**The hand-off** (`BlockDecoder`s: `data=parquet`'s, `data=parquet_sequences`' for retrieval). A
+piece's rows cross from a worker to the main process in one block of shared memory that the
+main process allocated before the workers started (`_Ring`: `prefetch_factor + 1` blocks per
+worker, reused piece after piece, each `StreamSource.piece_rows * row_bytes`).
 The worker decodes into the block and hands back only the block's number and where each tensor
 lies in it; the main process gathers its batches out of the block (copies in memory of its own)
 and then releases it. Fresh shared memory per window (torch's way of passing a worker's tensors)
