@@ -37,8 +37,9 @@ import numpy as np
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.ids import splitmix64, splitmix64_inplace
+from recsys_pipe.data.jagged import concat_ranges
 
-__all__ = ["EVAL", "TRAIN", "concat_ranges", "unseen_items"]
+__all__ = ["EVAL", "TRAIN", "unseen_items"]
 
 TRAIN = 0
 """The domain of the training negatives (drawn again every epoch)."""
@@ -60,36 +61,6 @@ def _user_keys(seed: int, domain: int, epoch: int, users: np.ndarray) -> np.ndar
     k = splitmix64(k ^ _word(domain))
     k = splitmix64(k ^ _word(epoch))
     return splitmix64(np.asarray(users, dtype=np.int64).view(np.uint64) ^ k)
-
-
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """The concatenation of `arange(s, s + n)` for each start `s` and length `n`, vectorised:
-    each range's shift from its place in the output, repeated, plus one `arange` (written into
-    `out`, an int64 array of `sum(lengths)`, if given)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    total = int(ends[-1]) if len(ends) else 0
-    shift = np.asarray(starts, dtype=np.int64) - (ends - lengths)
-    if out is None:
-        out = np.repeat(shift, lengths)
-        out += _arange(total)
-        return out
-    return np.add(np.repeat(shift, lengths), _arange(total), out=out)
-
-
-#: `arange` up to this many elements is a view of one array kept for the next call (a part of a
-#: window makes its ranges again and again: no fresh memory each time), longer ones are made
-_KEPT_ARANGE = 1 << 21
-_ARANGE = np.arange(0, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    global _ARANGE
-    if n > _KEPT_ARANGE:
-        return np.arange(n, dtype=np.int64)
-    if len(_ARANGE) < n:
-        _ARANGE = np.arange(max(n, min(2 * len(_ARANGE), _KEPT_ARANGE)), dtype=np.int64)
-    return _ARANGE[:n]
 
 
 def unseen_items(

@@ -57,8 +57,9 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, fi
 from torch.utils.data import Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
+from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.negatives import EVAL, TRAIN, concat_ranges, unseen_items
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -251,7 +252,7 @@ class UserRows:
     @cached_property
     def offsets(self) -> np.ndarray:
         """The rows' own offsets into `items` and `stamps`."""
-        return self.window.offsets if self.order is None else _offsets(self.lengths)
+        return self.window.offsets if self.order is None else offsets_of(self.lengths)
 
     @cached_property
     def items(self) -> np.ndarray:
@@ -373,7 +374,7 @@ class TrainRows:
             torch.cat([p.targets for p in parts]),
             torch.cat([p.negatives for p in parts]),
             torch.cat([p.stamps for p in parts]),
-            torch.from_numpy(_offsets(lengths.numpy())),
+            torch.from_numpy(offsets_of(lengths.numpy())),
             torch.cat([p.sample_ids for p in parts]),
             torch.cat([p.target_stamps for p in parts]),
             parts[0].negatives_per_target,  # one source: the same in every part
@@ -398,12 +399,6 @@ class TrainRows:
             sample_ids=self.sample_ids.clone(),
             target_timestamps=self.target_stamps.clone(),
         )
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 #: raw item ids up to this many (or 4x the vocabulary) map to dense ids through a table, not a search
