@@ -37,8 +37,9 @@ import numpy as np
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.ids import splitmix64, splitmix64_inplace
+from recsys_pipe.data.jagged import concat_ranges
 
-__all__ = ["EVAL", "TRAIN", "concat_ranges", "unseen_items"]
+__all__ = ["EVAL", "TRAIN", "unseen_items"]
 
 TRAIN = 0
 """The domain of the training negatives (drawn again every epoch)."""
@@ -62,17 +63,6 @@ def _user_keys(seed: int, domain: int, epoch: int, users: np.ndarray) -> np.ndar
     return splitmix64(np.asarray(users, dtype=np.int64).view(np.uint64) ^ k)
 
 
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of `arange(s, s + n)` for each start `s` and length `n`, vectorised:
-    each range's shift from its place in the output, repeated, plus one `arange`."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    total = int(ends[-1]) if len(ends) else 0
-    out = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths)
-    out += np.arange(total, dtype=np.int64)
-    return out
-
-
 def unseen_items(
     seed: int,
     domain: int,
@@ -83,6 +73,7 @@ def unseen_items(
     seen_starts: np.ndarray,
     seen_lengths: np.ndarray,
     num_items: int,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """`counts[i]` items of `[0, num_items)` for user `users[i]`, none among its seen items
     `seen[seen_starts[i]:seen_starts[i] + seen_lengths[i]]`, uniform and with replacement.
@@ -96,6 +87,7 @@ def unseen_items(
         seen: dense item ids holding every user's seen items (any order, repeats allowed).
         seen_starts, seen_lengths: `[U]` where each user's seen items are in `seen`.
         num_items: the catalogue size.
+        out: the int64 array of `sum(counts)` to write them into (None: a new one).
 
     Returns:
         `[sum(counts)]` int64: user 0's negatives, then user 1's, ... (positions in order).
@@ -106,17 +98,18 @@ def unseen_items(
     starts = np.asarray(seen_starts, dtype=np.int64)
     lengths = np.asarray(seen_lengths, dtype=np.int64)
     total = int(counts.sum())
+    if out is None:
+        out = np.empty(total, dtype=np.int64)
     if not total:
-        return np.zeros(0, dtype=np.int64)
+        return out
     if int(counts.max()) >= 1 << _POSITION_BITS:
         raise ValueError(f"at most {(1 << _POSITION_BITS) - 1} negatives per user")
     _check_unseen_exist(seen, starts, lengths, counts, num_items)
 
     first = np.cumsum(counts) - counts
-    position = np.arange(total, dtype=np.int64)
-    position -= np.repeat(first, counts)
+    position = concat_ranges(np.zeros(len(counts), dtype=np.int64), counts)
     key = np.repeat(_user_keys(seed, domain, epoch, users), counts)
-    out = _candidates(key, position.view(np.uint64), num_items)  # attempt 0 of every position
+    _candidates(key, position.view(np.uint64), num_items, out.view(np.uint64))  # attempt 0 of every position
     seen_bits = _SeenBits(seen, starts, lengths, num_items)
     open_ = np.flatnonzero(seen_bits.contains(np.arange(len(users)), counts, out))
     attempt = 1
@@ -133,10 +126,16 @@ def unseen_items(
     return out
 
 
-def _candidates(key: np.ndarray, word: np.ndarray, num_items: int) -> np.ndarray:
-    """`splitmix64(key ^ word) mod num_items`, as int64."""
-    h = splitmix64_inplace(key ^ word)
-    h %= np.uint64(num_items)
+def _candidates(key: np.ndarray, word: np.ndarray, num_items: int, out: np.ndarray | None = None) -> np.ndarray:
+    """`splitmix64(key ^ word) mod num_items`, as int64 (written into the uint64 array `out`, if
+    given). The remainder is `h - (h // n) * n`: numpy divides a uint64 array by a scalar with
+    a multiplication (libdivide), while its `%` divides each element, ten times slower."""
+    h = np.bitwise_xor(key, word, out=out)
+    splitmix64_inplace(h)
+    n = np.uint64(num_items)
+    quotient = h // n
+    quotient *= n
+    h -= quotient
     return h.view(np.int64)
 
 

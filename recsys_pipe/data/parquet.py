@@ -34,10 +34,10 @@ from recsys_pipe.data.criteo import (
     transform_dense_into,
 )
 from recsys_pipe.data.ids import splitmix64, string_ids
-from recsys_pipe.data.negatives import concat_ranges
+from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Alloc, Fail, StreamSource, shared_empty
+from recsys_pipe.data.stream import Alloc, Fail, ReusedArrays, StreamSource, shared_empty
 from recsys_pipe.data.tabular import TabularBatch
 
 __all__ = [
@@ -201,7 +201,7 @@ class TabularRows:
             at = order.numpy()
             starts, lengths = offsets[:-1].numpy()[at], np.diff(offsets.numpy())[at]
             picked = values.numpy()[concat_ranges(starts, lengths)]
-            lists.append((torch.from_numpy(picked), torch.from_numpy(_np_offsets(lengths))))
+            lists.append((torch.from_numpy(picked), torch.from_numpy(offsets_of(lengths))))
         return TabularRows(
             self.dense.index_select(0, order),
             self.ids.index_select(0, order),
@@ -218,7 +218,7 @@ class TabularRows:
         for k in range(len(parts[0].lists)):
             values = torch.cat([p.lists[k][0] for p in parts])
             lengths = torch.cat([p.lists[k][1][1:] - p.lists[k][1][:-1] for p in parts])
-            lists.append((values, _offsets(lengths)))
+            lists.append((values, torch.from_numpy(offsets_of(lengths.numpy()))))
         return TabularRows(
             torch.cat([p.dense for p in parts]),
             torch.cat([p.ids for p in parts]),
@@ -248,12 +248,6 @@ class TabularRows:
                 lengths.append((offsets[1:] - offsets[:-1]).to(torch.int32))
         kjt = KeyedJaggedTensor(keys=list(layout.keys), values=torch.cat(values), lengths=torch.cat(lengths))
         return TabularBatch(rows.dense, kjt, rows.labels, rows.sample_ids)
-
-
-def _offsets(lengths: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths.long(), 0, out=out[1:])
-    return out
 
 
 @dataclass(frozen=True)
@@ -289,16 +283,7 @@ class TabularDecoder:
         # per table row: labels and dense float32, single-hot ids and its sample id int64; per
         # window row: its place in `order` (int64)
         self.row_bytes = 4 * len(self.labels) + 4 * len(self.dense) + 8 * len(self.single) + 16
-        self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
-
-    def _buffer(self, name: str, n: int, dtype: Any) -> np.ndarray:
-        """A scratch array of `n` elements, reused window after window (no page faults, no heap
-        growth from large temporaries)."""
-        key = (name, np.dtype(dtype))
-        buf = self._scratch.get(key)
-        if buf is None or buf.size < n:
-            buf = self._scratch[key] = np.empty(n, dtype=dtype)
-        return buf[:n]
+        self._buffer = ReusedArrays()
 
     def _joined(self, n: int, dtype: Any) -> np.ndarray:
         return self._buffer("joined", n, dtype)
@@ -444,12 +429,6 @@ def _map_ids(raw: np.ndarray, f: _Feature) -> np.ndarray:
     if f.ids == "modulo":
         return raw % f.num_embeddings
     return raw
-
-
-def _np_offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 def _features(cfg: ParquetDataConfig) -> tuple[list[str], list[str], str, list[_Feature]]:

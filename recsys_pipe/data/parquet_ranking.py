@@ -57,17 +57,16 @@ from pydantic import StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
+from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.loader import SequenceDataConfig
 from recsys_pipe.data.movielens import NUM_ACTIONS
-from recsys_pipe.data.negatives import concat_ranges
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet_sequences import (
     ParquetSequenceKeys,
     PartedStreamSource,
     _item_vocab,
+    _list_chunks,
     _list_type,
-    _list_values,
-    _offsets,
     _SequenceDecoder,
     check_sequence_columns,
 )
@@ -190,7 +189,7 @@ class WindowRows:
             torch.cat([p.items for p in parts]),
             torch.cat([p.actions for p in parts]),
             torch.cat([p.stamps for p in parts]),
-            torch.from_numpy(_offsets(lengths.numpy())),
+            torch.from_numpy(offsets_of(lengths.numpy())),
             torch.cat([p.labels for p in parts]),
             None if users[0] is None else torch.cat(users),  # type: ignore[arg-type]
             torch.cat([p.sample_ids for p in parts]),
@@ -270,9 +269,9 @@ class _WindowDecoder:
         users = self._users(rows.users, part_fail)
         keep = np.minimum(n, length)
         gather = concat_ranges(rows.offsets[:-1] + n - keep, keep)
-        offsets = _offsets(keep)
+        keep_at = offsets_of(keep)
         # candidates: the last c events of each sample
-        within = np.arange(len(gather)) - np.repeat(offsets[:-1], keep)
+        within = np.arange(len(gather)) - np.repeat(keep_at[:-1], keep)
         candidate = within >= np.repeat(keep - c, keep)
         picked = ratings[gather]
         labels = (picked[candidate][:, None] >= self.thresholds[None, :]).astype(np.float32)
@@ -281,7 +280,7 @@ class _WindowDecoder:
             torch.from_numpy(rows.items[gather]),
             torch.from_numpy(actions),
             torch.from_numpy(rows.stamps[gather]),
-            torch.from_numpy(offsets),
+            torch.from_numpy(keep_at),
             torch.from_numpy(labels),
             None if users is None else torch.from_numpy(users),
             torch.from_numpy(np.ascontiguousarray(rows.sample_ids)),
@@ -312,7 +311,7 @@ class _WindowDecoder:
             first_row += len(chunk)
         ratings = values[0] if len(values) == 1 else np.concatenate(values)
         ratings_offsets = np.concatenate(offsets)
-        item_offsets = _list_values(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
+        item_offsets = _list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
         if not np.array_equal(ratings_offsets, item_offsets):
             row = int(np.flatnonzero(np.diff(ratings_offsets) != np.diff(item_offsets))[0])
             raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)

@@ -30,10 +30,11 @@ targets, which adds nothing to the loss.
 
 Decoding: a shuffled window (65,536 users by default: 13M items at length 200) is handed out
 in parts of `_PART_ROWS` users, the same rows in the same order (`ParquetSequences.epoch_pieces`):
-the worker reads the window's row groups and its columns once, and each part gathers, maps and
-samples only its own users' items, in arrays of a few MB that stay in cache and are reused from
-part to part instead of hundreds of MB of fresh memory per step. A first batch waits for one
-part, and what crosses to the main process at a time is a part.
+the worker reads the window's row groups and maps its item ids to dense ids once (into arrays
+reused window after window), and each part's users index those columns where they lie: a part's
+samples and negatives are written once, into the shared block the part crosses to the main
+process in (`recsys_pipe.data.stream`, "The hand-off"), with no gather of its users' items
+first. A first batch waits for one part.
 
 Evaluation (`split("valid" | "test")`): rank `r` scores a contiguous `1/W` of the users; a user
 with fewer than 3 interactions is padding (not scored), as the ranks' splits are padded alike.
@@ -41,11 +42,12 @@ with fewer than 3 interactions is padding (not scored), as the ranks' splits are
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -55,8 +57,9 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, fi
 from torch.utils.data import Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
+from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.negatives import EVAL, TRAIN, concat_ranges, unseen_items
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.sequences import (
     INPUT_KEY,
@@ -68,7 +71,16 @@ from recsys_pipe.data.sequences import (
     collate_retrieval,
 )
 from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import EpochOrder, Fail, Piece, StreamSource, WindowDataset, shared_empty
+from recsys_pipe.data.stream import (
+    Alloc,
+    EpochOrder,
+    Fail,
+    Piece,
+    ReusedArrays,
+    StreamSource,
+    WindowDataset,
+    shared_empty,
+)
 
 __all__ = [
     "ITEM_VOCAB_KEY",
@@ -205,59 +217,108 @@ def _list_type(t: pa.DataType) -> bool:
 
 @dataclass
 class UserRows:
-    """Decoded users: dense item ids and timestamps (jagged, one offsets array) and sample ids.
-    Without a timestamp column, `stamps` are the positions in each sequence, made when first read
-    (training reads only its inputs' positions, `finish`)."""
+    """Decoded users: some rows of a window's decoded columns (`window`: dense item ids and
+    timestamps, flat, with their offsets; user and sample ids), those of `order` in that order
+    (None: all, as they lie). Row `i`'s items are `window.items[starts[i]:starts[i] + lengths[i]]`:
+    training reads them there (`finish`), without gathering the rows' items first; `items`,
+    `stamps` and `offsets` are the rows' own, gathered when first read (HSTU ranking, evaluation).
+    Without a timestamp column the positions in each sequence stand in for time."""
 
-    items: np.ndarray
-    given_stamps: np.ndarray | None
-    offsets: np.ndarray
-    users: np.ndarray
-    sample_ids: np.ndarray
+    window: _Columns
+    order: np.ndarray | None
     source: _SequenceDecoder
+    #: where the tensors of the training rows are allocated (`finish`)
+    alloc: Alloc = shared_empty
+
+    def __post_init__(self) -> None:
+        offsets = self.window.offsets
+        if self.order is None:
+            self.starts, self.lengths = offsets[:-1], np.diff(offsets)
+        else:
+            self.starts = offsets[:-1][self.order]
+            self.lengths = offsets[1:][self.order] - self.starts
 
     def __len__(self) -> int:
-        return len(self.sample_ids)
+        return len(self.lengths)
 
-    @property
+    @cached_property
+    def users(self) -> np.ndarray:
+        return self.window.users if self.order is None else self.window.users[self.order]
+
+    @cached_property
+    def sample_ids(self) -> np.ndarray:
+        return self.window.sample_ids if self.order is None else self.window.sample_ids[self.order]
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """The rows' own offsets into `items` and `stamps`."""
+        return self.window.offsets if self.order is None else offsets_of(self.lengths)
+
+    @cached_property
+    def items(self) -> np.ndarray:
+        """The rows' dense item ids, row after row."""
+        return self.window.items if self.order is None else self.window.items[self._gather]
+
+    @cached_property
     def stamps(self) -> np.ndarray:
-        """Each item's timestamp (the positions in its sequence without a timestamp column)."""
-        if self.given_stamps is None:
-            lengths = np.diff(self.offsets)
-            self.given_stamps = concat_ranges(np.zeros(len(lengths), dtype=np.int64), lengths)
-        return self.given_stamps
+        """Each of `items`' timestamp (the positions in its sequence without a timestamp column)."""
+        given = self.window.stamps
+        if given is None:
+            return concat_ranges(np.zeros(len(self.lengths), dtype=np.int64), self.lengths)
+        return given if self.order is None else given[self._gather]
+
+    @cached_property
+    def _gather(self) -> np.ndarray:
+        return concat_ranges(self.starts, self.lengths)
 
     def finish(self, epoch: int) -> TrainRows:
-        """The training samples of these users in `epoch` (see the module docstring)."""
-        d = self.source
-        n = np.diff(self.offsets)
+        """The training samples of these users in `epoch` (see the module docstring), in tensors
+        from `alloc`, each written once from the window's columns."""
+        d, window, alloc = self.source, self.window, self.alloc
+        n = self.lengths
         train = np.where(n >= 3, n - 2, n)
         keep = np.minimum(train, d.max_seq_len + 1)
         m = np.maximum(keep - 1, 0)  # transitions: inputs and targets of each sample
-        first = self.offsets[:-1] + train - keep
-        inputs = concat_ranges(first, m)
-        # written where the main process reads them (shared memory in a worker: no copy on the way)
-        k = d.negatives_per_target
-        out = [shared_empty((len(inputs) * (k if i == 2 else 1),), torch.int64) for i in range(4)]
-        np.take(self.items, inputs, out=out[0].numpy())
-        out[2].numpy()[:] = _negatives(self, epoch, train, m * k)
-        # each sample's last target (its only item when it has none), as data=sequences has it
-        last = np.where(train > 0, self.offsets[:-1] + train - 1, 0)
-        if self.given_stamps is None:  # positions: of each input, and of each sample's last target
-            out[3].numpy()[:] = concat_ranges(train - keep, m)
-            target_stamps = np.maximum(train - 1, 0)
-        else:
-            np.take(self.given_stamps, inputs, out=out[3].numpy())
-            target_stamps = self.given_stamps[last]
-        inputs += 1  # the targets
-        np.take(self.items, inputs, out=out[1].numpy())
-        return TrainRows(
-            *out,
-            torch.from_numpy(_offsets(m)),
-            torch.from_numpy(self.sample_ids.copy()),
-            torch.from_numpy(np.ascontiguousarray(target_stamps, dtype=np.int64)),
-            d.negatives_per_target,
+        k, users, total = d.negatives_per_target, len(n), int(m.sum())
+        inputs, targets, stamps = (alloc((total,), torch.int64) for _ in range(3))
+        negatives = alloc((total * k,), torch.int64)
+        offsets, sample_ids, target_stamps = (
+            alloc((users + 1,), torch.int64),
+            *(alloc((users,), torch.int64) for _ in range(2)),
         )
+        at = concat_ranges(self.starts + train - keep, m)  # the inputs' places in the window's columns
+        # (the indices are in range: `clip` skips numpy's check, which buffers the output)
+        np.take(window.items, at, out=inputs.numpy(), mode="clip")
+        unseen_items(
+            d.seed,
+            TRAIN,
+            epoch,
+            self.sample_ids,
+            m * k,
+            window.items,
+            self.starts,
+            train,
+            d.num_items,
+            out=negatives.numpy(),
+        )
+        if window.stamps is None:  # positions: of each input, and of each sample's last target
+            concat_ranges(train - keep, m, out=stamps.numpy())
+            np.maximum(train - 1, 0, out=target_stamps.numpy())
+        else:
+            np.take(window.stamps, at, out=stamps.numpy(), mode="clip")
+            # each sample's last target (the first item of the rows when it has none), as data=sequences has it
+            first = self.starts[n > 0][:1]
+            last = np.where(train > 0, self.starts + train - 1, first[0] if len(first) else 0)
+            if len(window.stamps):
+                np.take(window.stamps, last, out=target_stamps.numpy(), mode="clip")
+            else:
+                target_stamps.zero_()
+        at += 1  # the targets
+        np.take(window.items, at, out=targets.numpy(), mode="clip")
+        offsets.numpy()[0] = 0
+        np.cumsum(m, out=offsets.numpy()[1:])
+        sample_ids.numpy()[:] = self.sample_ids
+        return TrainRows(inputs, targets, negatives, stamps, offsets, sample_ids, target_stamps, k)
 
 
 @dataclass
@@ -277,6 +338,19 @@ class TrainRows:
 
     def __len__(self) -> int:
         return int(self.sample_ids.numel())
+
+    def copy(self) -> TrainRows:
+        """These rows in tensors of their own."""
+        return TrainRows(
+            self.inputs.clone(),
+            self.targets.clone(),
+            self.negatives.clone(),
+            self.stamps.clone(),
+            self.offsets.clone(),
+            self.sample_ids.clone(),
+            self.target_stamps.clone(),
+            self.negatives_per_target,
+        )
 
     def slice(self, start: int, stop: int) -> TrainRows:
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
@@ -300,14 +374,15 @@ class TrainRows:
             torch.cat([p.targets for p in parts]),
             torch.cat([p.negatives for p in parts]),
             torch.cat([p.stamps for p in parts]),
-            torch.from_numpy(_offsets(lengths.numpy())),
+            torch.from_numpy(offsets_of(lengths.numpy())),
             torch.cat([p.sample_ids for p in parts]),
             torch.cat([p.target_stamps for p in parts]),
             parts[0].negatives_per_target,  # one source: the same in every part
         )
 
     def batch(self) -> RetrievalBatch:
-        """The batch `collate_retrieval` makes of these samples (no candidates, no catalogue)."""
+        """The batch `collate_retrieval` makes of these samples (no candidates, no catalogue), in
+        tensors of its own (these rows may be views of a worker's shared block)."""
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         b = len(self)
@@ -320,25 +395,11 @@ class TrainRows:
         )
         batch = RetrievalBatch(
             sparse_features=kjt,
-            timestamps=self.stamps,
-            sample_ids=self.sample_ids,
-            target_timestamps=self.target_stamps,
+            timestamps=self.stamps.clone(),
+            sample_ids=self.sample_ids.clone(),
+            target_timestamps=self.target_stamps.clone(),
         )
         return batch.with_negatives(self.negatives) if self.negatives_per_target > 1 else batch
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
-def _negatives(rows: UserRows, epoch: int, train: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """`counts[i]` negatives of every user `i` at once (`unseen_items`, seen: its training items)."""
-    d = rows.source
-    return unseen_items(
-        d.seed, TRAIN, epoch, rows.sample_ids, counts, rows.items, rows.offsets[:-1], train, d.num_items
-    )
 
 
 #: raw item ids up to this many (or 4x the vocabulary) map to dense ids through a table, not a search
@@ -347,10 +408,10 @@ _LOOKUP_ROWS = 1 << 22
 
 @dataclass
 class _Columns:
-    """A table's rows as numpy: raw item ids (flat) and their offsets, user ids, timestamps
+    """A table's rows as numpy: dense item ids (flat) and their offsets, user ids, timestamps
     (flat; None: positions stand in) and the rows' sample ids."""
 
-    raw: np.ndarray
+    items: np.ndarray
     offsets: np.ndarray
     users: np.ndarray
     stamps: np.ndarray | None
@@ -358,7 +419,13 @@ class _Columns:
 
 
 class _SequenceDecoder:
-    """Turns a row group of sequence Parquet into `UserRows` (dense item ids)."""
+    """Turns a row group of sequence Parquet into `UserRows` (dense item ids). A `BlockDecoder`:
+    the training rows its rows become (`UserRows.finish`) are allocated with the `alloc` given.
+
+    A window's decoded columns are kept for its next part and live in arrays reused by the next
+    window (a window of 65,536 length-200 users maps 105 MB of item ids: fresh memory would
+    page-fault every window). So rows it returned are valid until it decodes another table: a
+    user that keeps rows (`_Rows`) has a decoder of its own (`copy`)."""
 
     def __init__(
         self,
@@ -375,28 +442,34 @@ class _SequenceDecoder:
         self.max_seq_len, self.seed = cfg.max_seq_len, cfg.seed
         #: training negatives per target (retrieval; the HSTU ranking decoder draws none)
         self.negatives_per_target = negatives_per_target
+        #: the most bytes of a training row (`UserRows.finish`): inputs, targets, timestamps and
+        #: negatives of at most `max_seq_len` transitions, its offset, sample id and target time
+        self.row_bytes = 8 * ((3 + negatives_per_target) * int(self.max_seq_len) + 4)
         #: raw id -> dense id (-1: unknown) when the raw ids are small enough for a table
         self._lookup: np.ndarray | None = None
         if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
             self._lookup = np.full(int(vocab[-1]) + 1, -1, dtype=np.int64)
             self._lookup[vocab] = np.arange(len(vocab))
         self._cached: _Columns | None = None
+        self._arrays = ReusedArrays()
 
-    def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> UserRows:
-        cols = self._columns(table, sample_ids, fail)
-        if order is None:
-            raw, offsets, stamps, users, ids = cols.raw, cols.offsets, cols.stamps, cols.users, cols.sample_ids
-        else:  # only these rows, in this order: their items gathered, decoded while in cache
-            lengths = cols.offsets[1:][order] - cols.offsets[:-1][order]
-            gather = concat_ranges(cols.offsets[:-1][order], lengths)
-            raw, offsets, users, ids = cols.raw[gather], _offsets(lengths), cols.users[order], cols.sample_ids[order]
-            stamps = cols.stamps[gather] if cols.stamps is not None else None
-            window_fail = fail
+    def copy(self) -> _SequenceDecoder:
+        """A decoder of the same columns with a cache and arrays of its own."""
+        other = copy.copy(self)
+        other._cached, other._arrays = None, ReusedArrays()
+        return other
 
-            def fail(column: str, message: str, row: int = 0) -> DataFileError:
-                return window_fail(column, message, int(order[row]))
-
-        return UserRows(self._dense(raw, offsets, fail), stamps, offsets, users, ids, self)
+    def __call__(
+        self,
+        table: pa.Table,
+        sample_ids: np.ndarray,
+        order: np.ndarray | None,
+        fail: Fail,
+        alloc: Alloc = shared_empty,
+    ) -> UserRows:
+        """The rows `order` of the table (None: all): its columns are decoded and checked once
+        (`_columns`), the rows index them."""
+        return UserRows(self._columns(table, sample_ids, fail), order, self, alloc)
 
     def _columns(self, table: pa.Table, sample_ids: np.ndarray, fail: Fail) -> _Columns:
         """The table's columns as numpy, checked; kept for the next call on the same rows (the
@@ -408,41 +481,74 @@ class _SequenceDecoder:
         users = _one(table, self.user, fail)
         if users.null_count:
             raise fail(self.user, f"{users.null_count} null user id(s)")
-        raw, offsets = _list_values(table.column(self.items), fail, self.items, "item ids")
+        raw, offsets = _list_chunks(table.column(self.items), fail, self.items, "item ids")
+        items = self._dense(raw, offsets, fail)
         stamps = None
         if self.stamps is not None:
-            stamps, st_offsets = _list_values(table.column(self.stamps), fail, self.stamps, "timestamps")
+            stamp_chunks, st_offsets = _list_chunks(table.column(self.stamps), fail, self.stamps, "timestamps")
             if not np.array_equal(st_offsets, offsets):
                 raise fail(self.stamps, f"lists of other lengths than {self.items!r}")
+            stamps = self._joined("stamps", stamp_chunks)
         user_ids = users.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        self._cached = _Columns(raw, offsets, user_ids, stamps, sample_ids)
+        self._cached = _Columns(items, offsets, user_ids, stamps, sample_ids)
         return self._cached
 
-    def _dense(self, raw: np.ndarray, offsets: np.ndarray, fail: Fail) -> np.ndarray:
-        def row_of(bad: np.ndarray) -> tuple[int, int]:  # the first bad id and its user's row
-            at = int(np.flatnonzero(bad)[0])
-            return int(raw[at]), int(np.searchsorted(offsets, at, side="right")) - 1
+    def _joined(self, name: str, chunks: list[np.ndarray]) -> np.ndarray:
+        """The chunks as one array: the chunk itself if there is one, else joined in `name`'s reused array."""
+        if len(chunks) == 1:
+            return chunks[0]
+        out, at = self._arrays(name, sum(len(c) for c in chunks), np.int64), 0
+        for chunk in chunks:
+            out[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        return out
 
+    def _dense(self, chunks: list[np.ndarray], offsets: np.ndarray, fail: Fail) -> np.ndarray:
+        """The dense ids of the raw item ids `chunks` (one array), checked: each chunk is mapped
+        straight into its place (no joined copy of the raw ids)."""
+        if self.vocab is None and len(chunks) == 1:
+            self._check_range(chunks[0], 0, offsets, fail)
+            return chunks[0]
+        dense = self._arrays("items", sum(len(c) for c in chunks), np.int64)
+        at = 0
+        for raw in chunks:
+            self._dense_into(raw, dense[at : at + len(raw)], at, offsets, fail)
+            at += len(raw)
+        return dense
+
+    def _dense_into(self, raw: np.ndarray, out: np.ndarray, at: int, offsets: np.ndarray, fail: Fail) -> None:
+        """Map the raw ids `raw` (the window's from position `at` on) into `out`."""
         if self.vocab is None:
-            if raw.size and (raw.min() < 0 or raw.max() >= self.num_items):
-                bad, row = row_of((raw < 0) | (raw >= self.num_items))
-                raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
-            return raw
+            self._check_range(raw, at, offsets, fail)
+            out[:] = raw
+            return
+        unknown = None
         if self._lookup is not None:
             if raw.size and raw.min() >= 0 and raw.max() < len(self._lookup):  # the usual case: one gather
-                dense = self._lookup[raw]
-                unknown = dense < 0 if dense.min() < 0 else None
+                np.take(self._lookup, raw, out=out, mode="clip")  # in range: `clip` skips the buffered check
+                unknown = out < 0 if out.min() < 0 else None
             else:
                 inside = (raw >= 0) & (raw < len(self._lookup))
-                dense = np.where(inside, self._lookup[np.where(inside, raw, 0)], -1)
-                unknown = dense < 0
+                out[:] = np.where(inside, self._lookup[np.where(inside, raw, 0)], -1)
+                unknown = out < 0
         else:
-            dense = np.searchsorted(self.vocab, raw)
-            unknown = (dense >= len(self.vocab)) | (self.vocab[np.minimum(dense, len(self.vocab) - 1)] != raw)
+            out[:] = np.searchsorted(self.vocab, raw)
+            unknown = (out >= len(self.vocab)) | (self.vocab[np.minimum(out, len(self.vocab) - 1)] != raw)
         if unknown is not None and unknown.any():
-            bad, row = row_of(unknown)
+            bad, row = _first_bad(raw, unknown, at, offsets)
             raise fail(self.items, f"item id {bad} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})", row)
-        return dense.astype(np.int64, copy=False)
+
+    def _check_range(self, raw: np.ndarray, at: int, offsets: np.ndarray, fail: Fail) -> None:
+        """Dense ids as they are (no vocabulary): in `[0, num_items)`."""
+        if raw.size and (raw.min() < 0 or raw.max() >= self.num_items):
+            bad, row = _first_bad(raw, (raw < 0) | (raw >= self.num_items), at, offsets)
+            raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
+
+
+def _first_bad(raw: np.ndarray, bad: np.ndarray, at: int, offsets: np.ndarray) -> tuple[int, int]:
+    """The first bad id of `raw` (the window's ids from position `at` on) and its user's row."""
+    i = int(np.flatnonzero(bad)[0])
+    return int(raw[i]), int(np.searchsorted(offsets, at + i, side="right")) - 1
 
 
 def _one(table: pa.Table, name: str, fail: Fail) -> pa.Array:
@@ -450,10 +556,9 @@ def _one(table: pa.Table, name: str, fail: Fail) -> pa.Array:
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
 
 
-def _list_values(column: pa.ChunkedArray, fail: Fail, name: str, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """A list column's values as one int64 array and its offsets (`[rows + 1]`, from 0): the
-    values of each chunk (row-group slice) are read in place, and copied once if there are
-    several (`combine_chunks` would copy the offsets and lists as well)."""
+def _list_chunks(column: pa.ChunkedArray, fail: Fail, name: str, what: str) -> tuple[list[np.ndarray], np.ndarray]:
+    """A list column's values, one int64 array per chunk (row-group slice, read in place), and
+    the offsets of the whole column (`[rows + 1]`, from 0)."""
     values, offsets, at = [], [np.zeros(1, dtype=np.int64)], 0
     for chunk in column.chunks:
         flat = chunk.flatten()
@@ -463,15 +568,14 @@ def _list_values(column: pa.ChunkedArray, fail: Fail, name: str, what: str) -> t
         offsets.append(bounds[1:] - bounds[0] + at)
         values.append(flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
         at += len(flat)
-    flat_values = values[0] if len(values) == 1 else np.concatenate(values) if values else np.zeros(0, np.int64)
-    return flat_values, np.concatenate(offsets)
+    return values, np.concatenate(offsets)
 
 
 class _Rows:
     """Random access to users by global position (evaluation, dumps), one row group cached."""
 
     def __init__(self, files: ParquetFiles, decoder: _SequenceDecoder) -> None:
-        self.files, self.decoder = files, decoder
+        self.files, self.decoder = files, decoder.copy()  # its rows are kept while training decodes
         units = files.units()
         self.first = units[:, 2]
         self.units = units
@@ -574,10 +678,15 @@ class PartedStreamSource(StreamSource):
         super().prepare(eval_batches)
         self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)  # type: ignore[arg-type]
 
+    @property
+    def piece_rows(self) -> int:
+        """The rows of a part: `_PART_ROWS`, rounded down to a multiple of the batch size."""
+        return max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
+
     def epoch_pieces(self, epoch: int) -> list[Piece]:
         """The windows of `StreamSource.epoch_pieces`, each handed out in parts of
-        `_PART_ROWS` rows (a multiple of the batch size): the same rows in the same order."""
-        part = max(self.batch_size, _PART_ROWS // self.batch_size * self.batch_size)
+        `piece_rows` rows (a multiple of the batch size): the same rows in the same order."""
+        part = self.piece_rows
         return [
             Piece(p.epoch, p.start, p.length, p.skip + at, min(part, p.take - at))
             for p in super().epoch_pieces(epoch)

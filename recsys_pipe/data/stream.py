@@ -26,9 +26,10 @@ decodes it whole, into rows that are tensors (`Rows`), and the main process cuts
 rows into batches. Decoding is vectorised Arrow -> numpy -> torch; nothing loops over rows.
 A worker that meets a bad row group hands back the error as data; the main process raises it.
 
-**The hand-off** (`BlockDecoder`s, e.g. `data=parquet`'s). A window's rows cross from a worker to
-the main process in one block of shared memory that the main process allocated before the
-workers started (`_Ring`: `prefetch_factor + 1` blocks per worker, reused window after window).
+**The hand-off** (`BlockDecoder`s: `data=parquet`'s, `data=parquet_sequences`' for retrieval). A
+piece's rows cross from a worker to the main process in one block of shared memory that the
+main process allocated before the workers started (`_Ring`: `prefetch_factor + 1` blocks per
+worker, reused piece after piece, each `StreamSource.piece_rows * row_bytes`).
 The worker decodes into the block and hands back only the block's number and where each tensor
 lies in it; the main process gathers its batches out of the block (copies in memory of its own)
 and then releases it. Fresh shared memory per window (torch's way of passing a worker's tensors)
@@ -72,6 +73,7 @@ __all__ = [
     "EpochOrder",
     "Layout",
     "Piece",
+    "ReusedArrays",
     "Rows",
     "StreamSource",
     "WindowDataset",
@@ -184,6 +186,7 @@ class EpochOrder:
         self.num_rows = int(self.units[:, 3].sum()) if len(self.units) else 0
         self.shuffle, self.seed = shuffle, seed
         self._cached: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._permuted: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         if self._cached is not None and self._cached[0] == epoch:
@@ -215,10 +218,15 @@ class EpochOrder:
         return out
 
     def permutation(self, piece: Piece) -> np.ndarray | None:
-        """The order of the window's rows (None: as they are)."""
+        """The order of the window's rows (None: as they are); the last window's is kept for
+        its next piece (a window handed out in parts)."""
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed % _U64, piece.epoch, piece.start]).permutation(piece.length)
+        key = (piece.epoch, piece.start, piece.length)
+        if self._permuted is None or self._permuted[0] != key:
+            perm = np.random.default_rng([self.seed % _U64, piece.epoch, piece.start]).permutation(piece.length)
+            self._permuted = (key, perm)
+        return self._permuted[1]
 
 
 def _windows(epoch: int, start: int, rows: int, window: int) -> list[Piece]:
@@ -321,6 +329,24 @@ class WindowDataset(Dataset):
             return finish(piece.epoch) if finish is not None else rows
         except DataFileError as exc:
             return _Failed(exc)
+
+
+class ReusedArrays:
+    """Scratch arrays by name, reused window after window: a decoder's large temporaries come
+    without page faults and without heap growth (`reused(name, n, dtype)`: an uninitialised
+    array of `n` elements, the one the previous call of that name and dtype returned, grown if
+    needed). What it returned before is overwritten: a decoder hands out nothing that points
+    into one once it decodes the next window."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[str, np.dtype], np.ndarray] = {}
+
+    def __call__(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        key = (name, np.dtype(dtype))
+        array = self._arrays.get(key)
+        if array is None or array.size < n:
+            array = self._arrays[key] = np.empty(n, dtype=dtype)
+        return array[:n]
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -669,6 +695,12 @@ class StreamSource(PositionalSource):
         self.eval_windows = WindowDataset(eval_source, self.eval_order, self.decoder)
 
     @property
+    def piece_rows(self) -> int:
+        """The most rows a training piece has (`epoch_pieces`): it sizes the blocks a
+        `BlockDecoder`'s rows cross from the workers in (`BatchStream`)."""
+        return self.window
+
+    @property
     def layout(self) -> Layout:
         """This run's layout (its world size and batch size)."""
         return Layout(self.world_size, self.batch_size)
@@ -695,7 +727,9 @@ class StreamSource(PositionalSource):
                 yield from these
 
         cfg = self.cfg
-        return BatchStream(self.train_windows, pieces, self.batch_size, cfg.num_workers, cfg.pin_memory, self.window)
+        return BatchStream(
+            self.train_windows, pieces, self.batch_size, cfg.num_workers, cfg.pin_memory, self.piece_rows
+        )
 
     def eval_loader(self) -> BatchStream | None:
         """The held-out batches of this rank (the same every evaluation), or None without any."""

@@ -545,6 +545,62 @@ def test_sequence_parquet_resumes_by_position_with_workers(sequences, per_target
     assert len(full) == 14 and all(torch.equal(a, b) for a, b in zip(full[9:], resumed, strict=True))
 
 
+@pytest.fixture(scope="module")
+def stamped_sequences(sequences, tmp_path_factory):
+    """The users of `sequences` with a timestamp column (row groups of 25)."""
+    table = pq.read_table(sequences[1])
+    rng = np.random.default_rng(2)
+    stamps = [sorted(rng.integers(0, 10**9, len(s)).tolist()) for s in table["item_ids"].to_pylist()]
+    path = tmp_path_factory.mktemp("stamped") / "seq.parquet"
+    pq.write_table(table.append_column("timestamps", pa.array(stamps, pa.list_(pa.int64()))), path, row_group_size=25)
+    return str(path)
+
+
+def _retrieval_fields(batch) -> list[torch.Tensor]:
+    kjt = batch.sparse_features
+    return [kjt.values(), kjt.lengths(), batch.timestamps, batch.sample_ids, batch.target_timestamps]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    workers=st.sampled_from([1, 2]),
+    part=st.sampled_from([8, 24, 1 << 20]),
+    per_target=st.sampled_from([1, 3]),
+    stamped=st.booleans(),
+    start=st.integers(0, 12),
+    depth=st.sampled_from([0, 1, 3]),
+)
+def test_sequence_workers_hand_parts_over_in_reused_blocks_and_every_batch_stays_intact(
+    sequences, stamped_sequences, workers, part, per_target, stamped, start, depth
+):
+    """The training rows of sequence parts cross in the workers' reused blocks as Criteo's
+    windows do: every batch (ids, negatives, lengths, timestamps, sample ids, target times) is
+    bitwise the one decoded in this process, all held to the end; depth 0: fresh shared memory
+    every time, 3 (the default): always blocks."""
+    from unittest import mock
+
+    import recsys_pipe.data.parquet_sequences as source
+    from recsys_pipe.data import stream
+
+    path = stamped_sequences if stamped else sequences[1]
+    kw = {"path": path, "batch_size": 8, "shuffle": True, "shuffle_window": 40, "max_seq_len": 6, "seed": 5}
+    cfg = ParquetSequencesDataConfig(**kw).with_negatives_per_target(per_target)
+    with mock.patch.object(source, "_PART_ROWS", part):
+        local = list(RankData(cfg, 0, 1).train_loader(2, start))
+        with mock.patch.object(stream, "_RING_DEPTH", depth):
+            loader = RankData(cfg.model_copy(update={"num_workers": workers}), 0, 1).train_loader(2, start)
+            handed = list(loader)
+    assert len(handed) == len(local) == 30 - start
+    for a, b in zip(handed, local):
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(_retrieval_fields(a), _retrieval_fields(b)))
+    pieces = sum(loader.handoffs.values())
+    assert pieces > 0
+    if depth == 0:
+        assert loader.handoffs["fresh"] == pieces
+    if depth == stream._PREFETCH + 1:
+        assert loader.handoffs["block"] == pieces
+
+
 def _negatives_by_user(data: RankData, epochs: int) -> dict[tuple[int, int], list[int]]:
     """(epoch, user) -> that user's training negatives, from the batches of `data`."""
     out = {}
