@@ -558,7 +558,7 @@ def stamped_sequences(sequences, tmp_path_factory):
 
 def _retrieval_fields(batch) -> list[torch.Tensor]:
     kjt = batch.sparse_features
-    return [kjt.values(), kjt.lengths(), batch.timestamps, batch.sample_ids, batch.target_timestamps]
+    return [kjt.values(), kjt.lengths(), batch.timestamps, batch.sample_ids, batch.target_timestamps, batch.neg_index]
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
