@@ -194,6 +194,10 @@ def _arrow_columns(path: str, layout: ColumnLayout) -> InteractionColumns | None
     return InteractionColumns(got["user"], got["item"], rating, stamp)
 
 
+#: the range of the int64 arrays the ids are kept in
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _python_columns(path: str, layout: ColumnLayout, layout_help: str) -> InteractionColumns:
     """The line-by-line reader: the reference for what is accepted and for every error message."""
     roles = layout.roles
@@ -212,6 +216,9 @@ def _python_columns(path: str, layout: ColumnLayout, layout_help: str) -> Intera
                     parsed = {r: (float if r == "rating" else int)(row[i]) for r, i in wanted.items()}
                 except ValueError:
                     _not_numbers(path, number, line, row, layout)
+                for r in ("user", "item"):
+                    if r in parsed and not _INT64_MIN <= parsed[r] <= _INT64_MAX:
+                        fail(path, number, f"{r} id {row[wanted[r]]!r} does not fit in a 64-bit integer")
                 if "rating" in parsed and not 0 < parsed["rating"] <= 5:  # MovieLens stars; also refuses nan and inf
                     fail(path, number, f"rating {row[wanted['rating']]!r} is outside (0, 5]")
                 if "timestamp" in parsed and not 0 <= parsed["timestamp"] < MAX_TIMESTAMP:

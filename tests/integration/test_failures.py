@@ -852,6 +852,7 @@ ratings = st.one_of(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(content=ratings)
+@example(content=b"0::0::1::0\n0::1::2::1\n1::99999999999999999999::1::1\n")  # an id past int64: was an OverflowError
 def test_fuzzed_movielens_files_load_or_fail_with_a_file_error(content, tmp_path):
     """Whatever is in the file: the data loads and every batch collates, or a ConfigError at
     data.path says why; never another exception."""
