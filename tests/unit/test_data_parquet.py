@@ -265,14 +265,23 @@ def test_workers_hand_windows_over_in_reused_blocks_and_every_batch_stays_intact
         loader = RankData(parquet(glob, num_workers=workers, **kw), 0, 1).train_loader(2, start)
         handed = list(loader)
     assert len(handed) == len(local) > 0
-    for a, b in zip(handed, local):
-        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(_criteo_fields(a), _criteo_fields(b)))
-    windows = sum(loader.handoffs.values())
-    assert windows > 0
+    _assert_handed_over_intact(handed, local, _criteo_fields, loader.handoffs, depth)
+
+
+def _assert_handed_over_intact(handed, local, fields, handoffs, depth) -> None:
+    """Every batch a worker handed over equals (values and dtypes) the one decoded in this process,
+    and the pieces crossed as ring depth `depth` says: 0, always fresh shared memory; the
+    default (`_PREFETCH + 1`), always reused blocks."""
+    from recsys_pipe.data import stream
+
+    for a, b in zip(handed, local, strict=True):
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(fields(a), fields(b)))
+    pieces = sum(handoffs.values())
+    assert pieces > 0
     if depth == 0:
-        assert loader.handoffs["fresh"] == windows
+        assert handoffs["fresh"] == pieces
     if depth == stream._PREFETCH + 1:
-        assert loader.handoffs["block"] == windows
+        assert handoffs["block"] == pieces
 
 
 # -- held-out rows -----------------------------------------------------------------------------------
@@ -591,14 +600,7 @@ def test_sequence_workers_hand_parts_over_in_reused_blocks_and_every_batch_stays
             loader = RankData(cfg.model_copy(update={"num_workers": workers}), 0, 1).train_loader(2, start)
             handed = list(loader)
     assert len(handed) == len(local) == 30 - start
-    for a, b in zip(handed, local):
-        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(_retrieval_fields(a), _retrieval_fields(b)))
-    pieces = sum(loader.handoffs.values())
-    assert pieces > 0
-    if depth == 0:
-        assert loader.handoffs["fresh"] == pieces
-    if depth == stream._PREFETCH + 1:
-        assert loader.handoffs["block"] == pieces
+    _assert_handed_over_intact(handed, local, _retrieval_fields, loader.handoffs, depth)
 
 
 def _negatives_by_user(data: RankData, epochs: int) -> dict[tuple[int, int], list[int]]:
