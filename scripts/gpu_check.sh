@@ -358,10 +358,17 @@ if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
   run_step bench_train 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
     -m recsys_pipe.bench.train "${train_args[@]}"
   last_json bench_train
+  # where a step's GPU time goes: torch's operator table of two steps of the HSTU model (batch 1024)
+  run_step torch_profile 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    -m recsys_pipe.cli.train pipeline=serial trainer.device=cuda trainer.backend=nccl \
+    data.batch_size=1024 data.num_batches=14 trainer.max_steps=12 trainer.eval_every=0 \
+    trainer.progress_bar=false "trainer.torch_profiler.steps=[9,10]" "trainer.output_dir=$WORK/torch_profile"
+  cp "$WORK"/torch_profile/recsys-train/*/torch_trace/rank0_ops.txt "$OUT_DIR/torch_profile_ops.txt" 2>/dev/null
 elif ((STAGED)); then # the staged site was to bring torchrec: its absence fails the run
   TORCHREC_NOTE="torchrec does not import from the staged site: ${torchrec_error##*$'\n'}"
   record torchrec_cuda "failed (no torchrec)" 0
   record bench_train "failed (no torchrec)" 0
+  record torch_profile "failed (no torchrec)" 0
 else
   TORCHREC_NOTE="torchrec is not importable here: bring it with the --stage runs (docs/gpu.md)"
 fi
@@ -444,6 +451,25 @@ def bench_train_result():
     return "; ".join(parts)
 
 
+def torch_profile_result():
+    path = out / "torch_profile_ops.txt"
+    if not path.exists():
+        return "no operator table"
+    lines = path.read_text().splitlines()
+    header = next((i for i, line in enumerate(lines) if "Self CUDA %" in line), None)
+    if header is None:
+        return "no CUDA time in the operator table"
+    names = [c.strip() for c in lines[header].split("  ") if c.strip()]
+    share = names.index("Self CUDA %")
+    top = []
+    for line in lines[header + 2 :]:
+        cells = [c.strip() for c in line.split("  ") if c.strip()]
+        if len(cells) != len(names) or len(top) == 3:
+            break
+        top.append(f"{cells[0][:48]} {cells[share]}")
+    return "self CUDA time, top operators: " + "; ".join(top)
+
+
 results = {
     "cuda_tests": lambda: tests_result("cuda_tests"),
     "launcher_cuda": lambda: tests_result("launcher_cuda"),
@@ -452,6 +478,7 @@ results = {
     "bench_engine": bench_engine_result,
     "torchrec_cuda": lambda: tests_result("torchrec_cuda"),
     "bench_train": bench_train_result,
+    "torch_profile": torch_profile_result,
 }
 rows = [line.split("\t") for line in steps_file.read_text().splitlines()]
 header = (
@@ -466,7 +493,6 @@ for name, status, seconds in rows:
     lines.append(f"{name:<14} {status:<26} {seconds:>5}  {result}")
 if not any(name == "torchrec_cuda" for name, _, _ in rows):
     lines.append(f"{'torchrec':<14} {'not run':<26} {'-':>5}  {torchrec_note}")
-lines.append(f"{'profiler':<14} {'not run':<26} {'-':>5}  the task profiler has not landed on this branch")
 passed = all(status == "passed" for _, status, _ in rows)
 left = [name for name, status, _ in rows if status == "left for --resume"]
 if left:
@@ -479,3 +505,7 @@ text = "\n".join(lines)
 print(text)
 sys.exit(0 if passed else 1)
 PYTHON
+status=$?
+# the step logs in one archive: summary.txt, the reports and logs.tgz are a handful of files
+(cd "$OUT_DIR" && compgen -G '*.log' >/dev/null && tar czf logs.tgz ./*.log && rm -f ./*.log)
+exit $status

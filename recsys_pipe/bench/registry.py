@@ -52,6 +52,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         "recsys_pipe.bench.data",
         "the Parquet loaders against raw pyarrow, the in-memory Criteo source, the converter, training on each",
     ),
+    "bias_lookup": Benchmark(
+        "recsys_pipe.bench.bias_lookup", "HSTU's attention-bias lookup: indexing's backward against a sorted sum"
+    ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
     ),

@@ -4,7 +4,10 @@ The training loop calls `StepWindow.step(n)` once before its first step (n=0) an
 step (n = steps completed), and `close()` at the end. The profiler starts after step a-1 and
 stops after step b; each rank writes `<run dir>/torch_trace/rank<r>.json` (Chrome trace format,
 as `torch.profiler.profile.export_chrome_trace` writes it; open it in https://ui.perfetto.dev),
-with torch's `ProfilerStep#<n>` range around each training step n.
+with torch's `ProfilerStep#<n>` range around each training step n, and
+`<run dir>/torch_trace/rank<r>_ops.txt`: torch's operator table (`key_averages().table`) of the
+window, the operators that cost most first (by self device time where CUDA was traced, else by
+self CPU time), so where a step's time goes can be read without opening the trace.
 While it records, the plan runner's observer is a `RecordFunctionRanges`, so every task shows as a
 `record_function` range named after it on the thread that ran it (every thread is profiled).
 Outside the window nothing is installed and nothing is paid.
@@ -38,6 +41,7 @@ class StepWindow:
     def __init__(self, steps: list[int] | None, out_dir: str, rank: int, runner: PlanRunner):
         self.first, self.last = (steps[0], steps[1]) if steps else (0, -1)
         self.path = os.path.join(out_dir, "torch_trace", f"rank{rank}.json")
+        self.ops_path = os.path.join(out_dir, "torch_trace", f"rank{rank}_ops.txt")
         self.runner = runner
         self._profiler: Any = None
         self._previous_observer = None
@@ -84,4 +88,20 @@ class StepWindow:
         profiler.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         profiler.export_chrome_trace(self.path)
-        log.info("torch.profiler trace of steps %d..%d: %s", self.first, self.last, self.path)
+        with open(self.ops_path, "w") as f:
+            f.write(operator_table(profiler) + "\n")
+        log.info(
+            "torch.profiler trace of steps %d..%d: %s (operators: %s)", self.first, self.last, self.path, self.ops_path
+        )
+
+
+#: rows of the operator table
+OPS_ROWS = 40
+
+
+def operator_table(profiler: Any) -> str:
+    """torch's operator table of a finished profile, the costliest operators first: by self device
+    time where the profile traced CUDA (what bounds a GPU step), else by self CPU time."""
+    cuda = torch.profiler.ProfilerActivity.CUDA in profiler.activities
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=key, row_limit=OPS_ROWS, max_name_column_width=90)

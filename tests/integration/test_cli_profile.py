@@ -141,6 +141,9 @@ def test_step_window_traces_only_its_steps_with_a_range_per_task_on_each_thread(
     assert (
         len({e["tid"] for e in ranges if e["name"] == "load"} | {e["tid"] for e in ranges if e["name"] == "train"}) == 2
     )
+    ops = (tmp_path / "torch_trace" / "rank1_ops.txt").read_text()
+    assert "Self CPU" in ops.splitlines()[1]  # torch's table header
+    assert "aten::sum" in ops  # the tasks' work, counted in the window
 
 
 @pytest.mark.timeout(120)

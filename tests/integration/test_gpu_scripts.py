@@ -110,6 +110,12 @@ def gpu_machine(tmp_path, sleep_in_cuda_tests=0, stub_steps=False):
     return fake, env
 
 
+def packed_logs(out_dir):
+    """The step logs, name -> text, from `logs.tgz` (where gpu_check.sh packs them at the end)."""
+    with tarfile.open(out_dir / "logs.tgz") as archive:
+        return {Path(m.name).name: archive.extractfile(m).read().decode() for m in archive.getmembers() if m.isfile()}
+
+
 def summary_rows(out_dir):
     summary = (out_dir / "summary.txt").read_text().splitlines()
     return {line.split()[0]: line for line in summary[2:-1]}, summary[-1]
@@ -139,11 +145,11 @@ def test_gpu_check_runs_every_step_and_summarises(tmp_path):
         "bench_gpu",
         "bench_engine",
         "torchrec",
-        "profiler",
     ]
     assert " passed " in rows["cuda_tests"] and " skipped" in rows["cuda_tests"]
     assert "1 skipped" in rows["launcher_cuda"] and "1 skipped" in rows["megatron_cuda"]
-    log = (out_dir / "cuda_tests.log").read_text()
+    logs = packed_logs(out_dir)
+    log = logs["cuda_tests.log"]
     assert "test_cuda_launcher" not in log and "test_cuda_torchrec" not in log  # each test in one step only
     assert "failed (exit 2)" in rows["bench_gpu"] and "no report" in rows["bench_gpu"]
     assert " passed " in rows["bench_engine"] and "µs/task" in rows["bench_engine"]
@@ -152,14 +158,13 @@ def test_gpu_check_runs_every_step_and_summarises(tmp_path):
     assert overall == "overall: FAILED"
     assert out.stdout.rstrip().endswith("overall: FAILED")
     assert json.loads((out_dir / "bench_engine.json").read_text())["plans"] == {}
-    assert sorted(p.name for p in out_dir.iterdir()) == [
-        "bench_engine.json",
+    assert sorted(p.name for p in out_dir.iterdir()) == ["bench_engine.json", "logs.tgz", "summary.txt"]
+    assert sorted(logs) == [
         "bench_engine.log",
         "bench_gpu.log",
         "cuda_tests.log",
         "launcher_cuda.log",
         "megatron_cuda.log",
-        "summary.txt",
     ]
 
 
@@ -302,7 +307,7 @@ def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
     for name in ("launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine"):
         assert "left for --resume" in rows[name], rows[name]
     assert overall.startswith("overall: INCOMPLETE: launcher_cuda, megatron_cuda") and "--resume" in overall
-    (first / "cuda_tests.log").unlink()  # --resume brings the earlier logs from the stage folder
+    assert not (first / "cuda_tests.log").exists()  # packed; --resume brings it from the stage folder
     stub, env = gpu_machine(tmp_path / "stub", stub_steps=True)
     second = tmp_path / "second"
     out = run(
@@ -320,15 +325,15 @@ def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
         "bench_engine",
         "torchrec_cuda",
         "bench_train",
-        "profiler",
+        "torch_profile",
     ]
     for name in ("cuda_tests", "launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine"):
         assert " passed " in rows[name], rows[name]
     assert "stub: -m pytest tests/cuda/test_cuda_launcher.py" in rows["launcher_cuda"]
-    for name in ("torchrec_cuda", "bench_train"):
+    for name in ("torchrec_cuda", "bench_train", "torch_profile"):
         assert "failed (no torchrec)" in rows[name] and "torchrec does not import from the staged site" in rows[name]
     assert overall == "overall: FAILED"
-    assert (second / "cuda_tests.log").exists()
+    assert "cuda_tests.log" in packed_logs(second)
 
 
 def test_gpu_wheels_arguments():
