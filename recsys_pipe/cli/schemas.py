@@ -20,6 +20,10 @@ SCHEMA_NAME = "recsys_schema"
 DEFAULTS_GROUP = "hydra/recsys_defaults"
 
 
+#: whether `register_schemas` ran in this process
+_registered = False
+
+
 def register_schemas() -> None:
     """Register in Hydra's ConfigStore the defaults every YAML file overrides (one source per
     default: the pydantic `Field`s, see `recsys_pipe.config.structured`), and the
@@ -31,6 +35,9 @@ def register_schemas() -> None:
       theirs first (`- /hydra/recsys_defaults/model/hstu@_here_`). Under `hydra/` because --help
       lists every other group as a user's choice, and these are not.
     """
+    global _registered
+    if _registered:  # the registries are fixed at import: the nodes would be the same (~20 ms each time)
+        return
     from recsys_pipe.config import ConfigError
     from recsys_pipe.config.structured import defaults_node, root_skeleton
     from recsys_pipe.train.config import RunConfig, TrainerConfig
@@ -58,3 +65,4 @@ def register_schemas() -> None:
             store_config(group=f"{DEFAULTS_GROUP}/{section}", name=name, node=node)
     if not OmegaConf.has_resolver("recsys_sweep_dir"):
         OmegaConf.register_new_resolver("recsys_sweep_dir", sweep_dir)
+    _registered = True
