@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,79 @@ def _copy_repositories_shallowly() -> None:
     CachingConfigRepository.__init__ = __init__
 
 
-_copy_repositories_shallowly()
+def _parse_config_files_once() -> None:
+    """Make Hydra's config sources (the config directory's files, and Hydra's own configs in its
+    package) parse each YAML file once per process and content.
+
+    Why: Hydra reads and parses every config file again in each composition, with PyYAML's
+    pure-Python loader: about a fifth of a composition, paid at every command's start, for every
+    job a sweep checks and in each of the test suite's compositions. The parsed YAML (plain lists
+    and dicts, keyed by the file and its whole text, so an edited file is parsed again) is kept;
+    each load still gets its own `DictConfig`, made from a deep copy of it, as `OmegaConf.load`
+    makes one. Anything unusual (a missing or unreadable file, a YAML error, a file that is not a
+    mapping or a list) goes through Hydra's own code, with its own messages."""
+    import yaml
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # its discovery of the plugins re-executes the sources' modules: patch after it
+    from hydra._internal.core_plugins.file_config_source import FileConfigSource
+    from hydra._internal.core_plugins.importlib_resources_config_source import ImportlibResourcesConfigSource
+    from hydra.plugins.config_source import ConfigResult, ConfigSource
+    from omegaconf._utils import get_yaml_loader
+
+    parsed: dict[tuple[str, str], tuple[dict, Any]] = {}
+
+    def cached(source: Any, where: str, text: str) -> Any:
+        """The ConfigResult of `text` (the file `where`), or None where Hydra should read it."""
+        key = (where, text)
+        if key not in parsed:
+            try:
+                obj = yaml.load(text, Loader=get_yaml_loader())
+            except yaml.YAMLError:
+                return None
+            if not isinstance(obj, (dict, list)):
+                return None
+            parsed[key] = (ConfigSource._get_header_dict(text[:512]), obj)
+        header, obj = parsed[key]
+        config = OmegaConf.create(copy.deepcopy(obj))
+        path = f"{source.scheme()}://{source.path}"
+        return ConfigResult(config=config, path=path, provider=source.provider, header=dict(header))
+
+    read_file = FileConfigSource.load_config
+    read_resource = ImportlibResourcesConfigSource._read_config
+
+    def load_config(self: Any, config_path: str) -> Any:
+        full_path = os.path.realpath(os.path.join(self.path, self._normalize_file_name(config_path)))
+        try:
+            with open(full_path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeError):
+            return read_file(self, config_path)
+        return cached(self, full_path, text) or read_file(self, config_path)
+
+    def _read_config(self: Any, res: Any) -> Any:
+        try:
+            text = res.read_bytes().decode("utf-8")
+        except (OSError, UnicodeError):
+            return read_resource(self, res)
+        return cached(self, str(res), text) or read_resource(self, res)
+
+    FileConfigSource.load_config = load_config
+    ImportlibResourcesConfigSource._read_config = _read_config
+
+
+#: whether `_patch_hydra` ran in this process
+_patched = False
+
+
+def _patch_hydra() -> None:
+    """Hydra's composition made cheaper (`_copy_repositories_shallowly`,
+    `_parse_config_files_once`), once per process, before its first composition."""
+    global _patched
+    if not _patched:
+        _copy_repositories_shallowly()
+        _parse_config_files_once()
+        _patched = True
 
 
 def compose_with_hydra_node(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
@@ -81,6 +154,7 @@ def compose_with_hydra_node(config_dir: Path, config_name: str, overrides: list[
     `hydra` node; Hydra's global state is cleared before and after."""
     from hydra import compose, initialize_config_dir
 
+    _patch_hydra()
     clear_global_hydra()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base=VERSION_BASE):
@@ -109,6 +183,7 @@ def hydra_main(
     """
     import hydra
 
+    _patch_hydra()
     main = hydra.main(config_path=str(config_dir), config_name=config_name, version_base=VERSION_BASE)(task)
     if mode is HYDRA_MODE_UNKNOWN:
         return main
