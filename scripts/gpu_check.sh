@@ -303,8 +303,13 @@ run_step() {
   if [[ $rc -ne 0 ]]; then
     tail -n 30 "$log" | sed 's/^/    /'
   fi
-  if [[ -n "$RESULTS" ]]; then
-    cp "$log" "$RESULTS/"
+  keep "$name.log"
+}
+
+# keep FILE: a report in $OUT_DIR, also kept in the stage folder (for a later --resume's summary)
+keep() {
+  if [[ -n "$RESULTS" && -f "$OUT_DIR/$1" ]]; then
+    cp "$OUT_DIR/$1" "$RESULTS/"
   fi
 }
 
@@ -313,9 +318,7 @@ last_json() {
   local log="$OUT_DIR/$1.log" json="$OUT_DIR/$1.json"
   [[ -f "$log" ]] || return 0
   tail -n 1 "$log" | grep '^{' >"$json" || rm -f "$json"
-  if [[ -n "$RESULTS" && -f "$json" ]]; then
-    cp "$json" "$RESULTS/"
-  fi
+  keep "$1.json"
 }
 
 bench_args=()
@@ -364,6 +367,7 @@ if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
     data.batch_size=1024 data.num_batches=14 trainer.max_steps=12 trainer.eval_every=0 \
     trainer.progress_bar=false "trainer.torch_profiler.steps=[9,10]" "trainer.output_dir=$WORK/torch_profile"
   cp "$WORK"/torch_profile/recsys-train/*/torch_trace/rank0_ops.txt "$OUT_DIR/torch_profile_ops.txt" 2>/dev/null
+  keep torch_profile_ops.txt
 elif ((STAGED)); then # the staged site was to bring torchrec: its absence fails the run
   TORCHREC_NOTE="torchrec does not import from the staged site: ${torchrec_error##*$'\n'}"
   record torchrec_cuda "failed (no torchrec)" 0

@@ -83,8 +83,9 @@ def _parse_config_files_once() -> None:
     job a sweep checks and in each of the test suite's compositions. The parsed YAML (plain lists
     and dicts, keyed by the file and its whole text, so an edited file is parsed again) is kept;
     each load still gets its own `DictConfig`, made from a deep copy of it, as `OmegaConf.load`
-    makes one. Anything unusual (a missing or unreadable file, a YAML error, a file that is not a
-    mapping or a list) goes through Hydra's own code, with its own messages."""
+    makes one (an empty file, or one of comments only, is an empty mapping). Anything unusual (a
+    missing or unreadable file, a YAML error, a file that is a lone scalar) goes through Hydra's
+    own code, with its own messages."""
     import yaml
     from hydra.core.plugins import Plugins
 
@@ -104,11 +105,11 @@ def _parse_config_files_once() -> None:
                 obj = yaml.load(text, Loader=get_yaml_loader())
             except yaml.YAMLError:
                 return None
-            if not isinstance(obj, (dict, list)):
+            if obj is not None and not isinstance(obj, (dict, list)):
                 return None
             parsed[key] = (ConfigSource._get_header_dict(text[:512]), obj)
         header, obj = parsed[key]
-        config = OmegaConf.create(copy.deepcopy(obj))
+        config = OmegaConf.create() if obj is None else OmegaConf.create(copy.deepcopy(obj))  # as OmegaConf.load
         path = f"{source.scheme()}://{source.path}"
         return ConfigResult(config=config, path=path, provider=source.provider, header=dict(header))
 
