@@ -154,6 +154,9 @@ def check_run(
     run = load_run_config(cfg, schema)
     plan = training_plan(run)
     device = run_device(run.trainer)
+    problems = run.model.check_device(device.type)
+    if problems:
+        raise ConfigError(problems)
     resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     parallelism_of(run).check(world_size, device.type)

@@ -9,8 +9,10 @@ Layout, chosen for torchrec's sparse-dist pipeline:
   `batch.sparse_features`, and can then run the EC's input_dist ahead of the forward.
   Anything data-dependent lives inside the ranker, which FX never traces.
 * The ranker works on jagged token values `[T, D]`: LayerNorm, projections and the output
-  MLP never see padding. Only the attention pads to `[B, N, ...]` and back, with fbgemm's
-  `jagged_to_padded_dense` / `dense_to_jagged`.
+  MLP never see padding. The attention (`model.attention`) either pads to `[B, N, ...]` and
+  back with fbgemm's `jagged_to_padded_dense` / `dense_to_jagged` (`padded`), or runs fused
+  Triton kernels on the jagged tokens (`triton`, `recsys_pipe.models.hstu_triton`; `auto`
+  picks it on CUDA). Both compute the same function.
 
 Sequence of a sample: `[user?] history_1 .. history_h candidate_1 .. candidate_c`; a token is
 `item_emb + action_emb` (candidates carry the masked action, so their label stays hidden).
@@ -20,7 +22,7 @@ independently of each other. The multi-task head reads the candidate tokens of t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
@@ -37,6 +39,9 @@ from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu_config import HSTUConfig
 from recsys_pipe.models.serving import ServingForm
 
+if TYPE_CHECKING:
+    from recsys_pipe.models.hstu_triton import JaggedBias
+
 __all__ = [
     "HSTUConfig",
     "HSTULayer",
@@ -47,6 +52,8 @@ __all__ = [
     "bias_lookup",
     "build_hstu",
     "embedding_tables",
+    "triton_available",
+    "uses_triton",
 ]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -60,6 +67,31 @@ choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
 def build_hstu(cfg: HSTUConfig, spec: DataSpec) -> HSTUModel:
     """Builder of `model.name=hstu`."""
     return HSTUModel(cfg, spec)
+
+
+def uses_triton(attention: str, device: torch.device) -> bool:
+    """Whether `model.attention` (`auto`, `padded`, `triton`) runs the fused Triton kernels on
+    tensors of `device`: `triton` always (the launcher refused it where it cannot run:
+    `HSTUConfig.check_device`), `auto` on CUDA where Triton imports."""
+    if attention == "auto":
+        return device.type == "cuda" and triton_available()
+    return attention == "triton"
+
+
+def triton_available() -> bool:
+    """Whether `triton` imports here (cached)."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON
+
+
+_TRITON: bool | None = None
 
 
 def _has_user(spec: DataSpec) -> bool:
@@ -144,8 +176,22 @@ class RelativeBias(nn.Module):
         encoder's is the time of the item each position predicts (the reference's
         "ts(next item) - ts(current item)"). Data only: computed once for every layer's bias."""
         query_times = key_times if query_times is None else query_times
-        gap = (query_times[:, :, None] - key_times[:, None, :]).abs().clamp(min=1).float()
-        return (torch.log(gap) / TIME_BUCKET_WIDTH).long().clamp(max=self.num_time_buckets)
+        return self.bucket_of_gap((query_times[:, :, None] - key_times[:, None, :]).abs())
+
+    def bucket_of_gap(self, gap: torch.Tensor) -> torch.Tensor:
+        """The time bucket of integer gaps >= 0: `ln(max(gap, 1)) / 0.301`, at most
+        `num_time_buckets` (monotone in the gap; the Triton attention's buckets are checked
+        against this very function, `hstu_triton.bucket_bounds`)."""
+        return (torch.log(gap.clamp(min=1).float()) / TIME_BUCKET_WIDTH).long().clamp(max=self.num_time_buckets)
+
+    def jagged(self, query_times: torch.Tensor, key_times: torch.Tensor | None = None) -> JaggedBias:
+        """The bias as the Triton attention reads it (`model.attention=triton`): the tables and
+        the jagged `[T]` timestamps of the queries and keys (default: the queries')."""
+        from recsys_pipe.models.hstu_triton import JaggedBias, bucket_bounds
+
+        bounds = bucket_bounds(self.bucket_of_gap, self.num_time_buckets, TIME_BUCKET_WIDTH, query_times.device)
+        key_times = query_times if key_times is None else key_times
+        return JaggedBias(self.position, self.time, query_times, key_times, bounds)
 
     def from_buckets(self, bucket: torch.Tensor) -> torch.Tensor:
         """`[B, N, N]` buckets (`bucketize`) -> the bias `[B, N, N]` (query, key)."""
@@ -186,20 +232,42 @@ class HSTULayer(nn.Module):
     def forward(
         self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """`x` jagged `[T, D]`; `mask`/`bias` `[B, N, N]` -> jagged `[T, D]`."""
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
-        qkv = torch.cat([q, k, v], dim=-1)
-        padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [self.max_len], 0.0)
-        out = torch.ops.fbgemm.dense_to_jagged(self._attend(padded, mask, bias), [offsets])[0]
-        return x + self.output(self.dropout(u * self.attn_norm(out)))
+        """`x` jagged `[T, D]`; `mask`/`bias` `[B, N, N]` -> jagged `[T, D]` (`model.attention=padded`:
+        the attention pads to `[B, N, ...]` and back)."""
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qkv = torch.cat([q, k, v], dim=-1)
+            padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [self.max_len], 0.0)
+            return torch.ops.fbgemm.dense_to_jagged(self._attend(padded, mask, bias), [offsets])[0]
+
+        return self._block(x, attend)
+
+    def forward_jagged(
+        self, x: torch.Tensor, offsets: torch.Tensor, num_candidates: torch.Tensor | None, bias: JaggedBias | None
+    ) -> torch.Tensor:
+        """The same block with the fused Triton attention on the jagged tokens (`model.attention=
+        triton`, `recsys_pipe.models.hstu_triton`): nothing is padded; the trailing
+        `num_candidates` `[B]` tokens of each sequence are its candidates, `bias` the relative
+        bias's tables and jagged timestamps (`RelativeBias.jagged`)."""
+        from recsys_pipe.models.hstu_triton import jagged_hstu_attention
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            t, h = q.shape[0], self.num_heads
+            heads = (q.view(t, h, -1), k.view(t, h, -1), v.view(t, h, -1))
+            return jagged_hstu_attention(*heads, offsets, self.max_len, num_candidates, bias).view(t, -1)
+
+        return self._block(x, attend)
 
     def forward_padded(self, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same block on padded tokens `[B, N, D]` (the serving program's layout, which needs
         no fbgemm): every token-wise step is the same, and the mask keeps padding keys out of
         the attention, so the valid positions equal `forward`'s; padding positions are junk."""
+        return self._block(x, lambda q, k, v: self._attend(torch.cat([q, k, v], dim=-1), mask, bias))
+
+    def _block(self, x: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Everything around the attention: `attend(q, k, v)` on the projected tokens."""
         u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
-        out = self._attend(torch.cat([q, k, v], dim=-1), mask, bias)
-        return x + self.output(self.dropout(u * self.attn_norm(out)))
+        return x + self.output(self.dropout(u * self.attn_norm(attend(q, k, v))))
 
     def _attend(self, qkv: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Padded `[B, N, 3D]` queries, keys, values -> the attention output `[B, N, D]`."""
@@ -224,6 +292,8 @@ class HSTURanker(nn.Module):
         d = cfg.embedding_dim
         self.padded_len = padded_len(cfg, spec)
         self.with_user = _has_user(spec)
+        #: `model.attention`: auto, padded or triton (`uses_triton` decides per call, by device)
+        self.attention = cfg.attention
         self.input_dropout = Dropout(cfg.dropout)
         self.bias = RelativeBias(self.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
         self.layers = nn.ModuleList(HSTULayer(cfg, self.padded_len) for _ in range(cfg.num_layers))
@@ -245,14 +315,20 @@ class HSTURanker(nn.Module):
         if self.with_user:
             tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        mask = _attention_mask(lengths, num_candidates, self.padded_len)
-        bias = None
-        if self.bias is not None:
-            padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
-            bias = self.bias(padded_ts)
-        x = self.input_dropout(tokens)
-        for layer in self.layers:
-            x = layer(x, offsets, mask, bias)
+        if uses_triton(self.attention, tokens.device):
+            jagged_bias = self.bias.jagged(timestamps) if self.bias is not None else None
+            x = self.input_dropout(tokens)
+            for layer in self.layers:
+                x = layer.forward_jagged(x, offsets, num_candidates, jagged_bias)
+        else:
+            mask = _attention_mask(lengths, num_candidates, self.padded_len)
+            bias = None
+            if self.bias is not None:
+                padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
+                bias = self.bias(padded_ts)
+            x = self.input_dropout(tokens)
+            for layer in self.layers:
+                x = layer(x, offsets, mask, bias)
         rows = _candidate_rows(offsets, num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])
         per_token = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
