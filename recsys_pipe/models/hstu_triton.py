@@ -78,7 +78,7 @@ def _only_in_interpreter(configs: list[Any], named_args: dict[str, Any], **kwarg
     """`early_config_prune`: the interpreter runs one small block size (no benchmarking on the CPU)."""
     if INTERPRETED:
         block = _INTERPRETER_BLOCK
-        meta = {key: block for key in configs[0].kwargs}
+        meta = dict.fromkeys(configs[0].kwargs, block)
         return [triton.Config(meta, num_warps=1, num_stages=1)]
     return configs
 
@@ -180,6 +180,11 @@ def _times(QT, KT, start, offs_m, offs_n, length, HAS_BIAS: tl.constexpr):
         qt = tl.load(QT + start + offs_m, mask=offs_m < length, other=0).to(tl.int64)
         kt = tl.load(KT + start + offs_n, mask=offs_n < length, other=0).to(tl.int64)
     return qt, kt
+
+
+@triton.jit
+def _smallest(x):
+    return tl.min(tl.min(x, axis=1), axis=0)
 
 
 @triton.jit
@@ -402,8 +407,9 @@ def _bias_grad_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program (Δ, sequence and head): the tiles (query block kb + Δ, key block kb). Writes the
-    sums of dS along each of the tile diagonals (jj - ii + BLOCK - 1, summed over the tiles) to
-    POS_PART[bh, Δ, :] and the sums of dS per time bucket to TIME_PART[bh, Δ, :]."""
+    sum of their dS tiles to POS_PART[bh, Δ] (`[BLOCK, BLOCK]`: every tile of one block diagonal
+    has the same relative position at the same place, so torch sums its diagonals once,
+    `_overlap_add`), and the sums of dS per time bucket to TIME_PART[bh, Δ, :]."""
     diagonal = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
@@ -431,22 +437,15 @@ def _bias_grad_kernel(
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = _score_grad(s, dp, allowed, MAX_LEN)
             by_diagonal += ds
-            # the buckets this tile holds (gaps of neighbouring tokens span few of them)
-            low = tl.min(tl.min(tl.where(allowed, bucket, NUM_BUCKETS + 1), axis=1), axis=0)
-            high = tl.max(tl.max(tl.where(allowed, bucket, -1), axis=1), axis=0)
-            for t in range(low, high + 1):
+            # each bucket the tile holds, in increasing order (a tile's gaps fall in few buckets)
+            t = _smallest(tl.where(allowed, bucket, NUM_BUCKETS + 1))
+            while t <= NUM_BUCKETS:
                 total = tl.sum(tl.sum(tl.where(allowed & (bucket == t), ds, 0.0), axis=1), axis=0)
                 by_bucket += tl.where(buckets == t, total, 0.0)
-    # diagonals of the summed tiles: c = jj - ii + BLOCK - 1
-    cs = tl.arange(0, 2 * BLOCK)
-    local = ii[None, :] - ii[:, None] + BLOCK - 1
-    by_position = tl.zeros([2 * BLOCK], dtype=tl.float32)
-    if first_m < length:
-        for c in range(0, 2 * BLOCK - 1):
-            total = tl.sum(tl.sum(tl.where(local == c, by_diagonal, 0.0), axis=1), axis=0)
-            by_position += tl.where(cs == c, total, 0.0)
+                t = _smallest(tl.where(allowed & (bucket > t), bucket, NUM_BUCKETS + 1))
     row = pid_bh * NUM_DIAGONALS + diagonal
-    tl.store(POS_PART + row * 2 * BLOCK + cs, by_position)
+    tile = (row * BLOCK + ii[:, None]) * BLOCK + ii[None, :]
+    tl.store(POS_PART + tile, by_diagonal)
     tl.store(TIME_PART + row * BUCKETS_P2 + buckets, by_bucket)
 
 
@@ -620,32 +619,40 @@ def _bias_grads(
     num_time = args.time.shape[0]
     buckets_p2 = triton.next_power_of_2(num_time)
     bh = args.sequences * heads
-    block = _INTERPRETER_BLOCK if INTERPRETED else None
-    # the partial buffers are sized for the smallest block of the configs (the most diagonals)
-    smallest = block or min(c.kwargs["BLOCK"] for c in _SQUARE_CONFIGS)
-    diagonals = triton.cdiv(n, smallest)
-    device = q.device
-    pos_part = torch.zeros((bh, diagonals, 2 * max(c.kwargs["BLOCK"] for c in _SQUARE_CONFIGS)), device=device)
-    time_part = torch.zeros((bh, diagonals, buckets_p2), device=device)
-    chosen: dict[str, int] = {}
+    # sized for any config's block: the most diagonals (smallest block) by the largest tile
+    blocks = [_INTERPRETER_BLOCK] if INTERPRETED else [c.kwargs["BLOCK"] for c in _SQUARE_CONFIGS]
+    diagonals = triton.cdiv(n, min(blocks))
+    pos_part = torch.zeros(bh * diagonals * max(blocks) ** 2, device=q.device)
+    time_part = torch.zeros((bh, diagonals, buckets_p2), device=q.device)
+    chosen = {"BLOCK": min(blocks)}
     if total:
 
         def grid(meta: dict[str, Any]) -> tuple[int, int]:
-            chosen["BLOCK"] = meta["BLOCK"]
+            chosen["BLOCK"] = meta["BLOCK"]  # the last call is the run that counts
             return (triton.cdiv(n, meta["BLOCK"]), bh)
 
         _bias_grad_kernel[grid](
             q, k, v, dout, pos_part, time_part, *args.geometry, q.stride(0), dout.stride(0), heads, d, n, diagonals,
             BUCKETS_P2=buckets_p2, **args.flags,
         )  # fmt: skip
-    blk = chosen.get("BLOCK", smallest)
-    width = 2 * blk
-    # the rows of POS_PART are laid out with the chosen block's width: view them so
-    per_diagonal = pos_part.view(-1)[: bh * diagonals * width].view(bh, diagonals, width)
-    summed = per_diagonal.sum(dim=0)[: triton.cdiv(n, blk)]
-    dpos = _overlap_add(summed, n, blk).to(args.position.dtype)
-    dtime = time_part[:, : triton.cdiv(n, blk)].sum(dim=(0, 1))[:num_time].to(args.time.dtype)
+    blk = chosen["BLOCK"]
+    used = triton.cdiv(n, blk)  # the diagonals this block size has (autotuning may have left others)
+    tiles = pos_part[: bh * diagonals * blk * blk].view(bh, diagonals, blk, blk)[:, :used].sum(dim=0)
+    dpos = _overlap_add(_diagonal_sums(tiles), n, blk).to(args.position.dtype)
+    dtime = time_part[:, :used].sum(dim=(0, 1))[:num_time].to(args.time.dtype)
     return dpos, dtime
+
+
+def _diagonal_sums(tiles: torch.Tensor) -> torch.Tensor:
+    """`[R, B, B]` -> `[R, 2B]`: entry c sums each tile's elements with jj - ii + B - 1 = c (the
+    last entry is 0). Each row ii is shifted by ii (reversed columns, padded rows of 2B, read as
+    rows of 2B - 1), then the columns are summed: no scatter, the same bits every time."""
+    r, b, _ = tiles.shape
+    padded = torch.nn.functional.pad(tiles.flip(-1), (0, b))  # [R, B, 2B]
+    skewed = padded.reshape(r, -1)[:, : b * (2 * b - 1)].reshape(r, b, 2 * b - 1)
+    # column col = ii + (B - 1 - jj), so c = jj - ii + B - 1 = 2B - 2 - col
+    sums = skewed.sum(dim=1).flip(-1)
+    return torch.nn.functional.pad(sums, (0, 1))
 
 
 def _overlap_add(per_diagonal: torch.Tensor, n: int, blk: int) -> torch.Tensor:
