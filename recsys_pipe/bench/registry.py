@@ -55,6 +55,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bias_lookup": Benchmark(
         "recsys_pipe.bench.bias_lookup", "HSTU's attention-bias lookup: indexing's backward against a sorted sum"
     ),
+    "hstu_gpu": Benchmark(
+        "recsys_pipe.bench.hstu_gpu",
+        "HSTU at production sizes: MFU, samples/s, CPU/GPU ms per step; padded vs Triton attention (a GPU)",
+    ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
     ),
