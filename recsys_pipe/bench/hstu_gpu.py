@@ -350,6 +350,8 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
         att["triton_vs_padded"] = _ratio(att, "triton", "padded")
         att["triton_vs_padded_no_bias"] = _ratio(att, "triton_no_bias", "padded_no_bias")
         att["triton_vs_gr"] = _ratio(att, "triton_no_bias", "gr_triton_no_bias")
+        if "wall_ms" in att.get("gr_triton_no_bias", {}) and "wall_ms" in att.get("triton_no_bias", {}):
+            att["gr_max_abs_diff"] = _gr_difference(shape, inputs, dtype, gr)
         report["attention"] = att
     if args.only in (None, "step"):
         steps = {a: step_variant(shape, inputs, a, dtype) for a in args.attention}
@@ -366,6 +368,19 @@ def run_shape(name: str, shape: Shape, args: argparse.Namespace, device: torch.d
         report["step"] = measured
     report["card"], report["peak_bf16_tflops"] = card, peak
     return report
+
+
+def _gr_difference(shape: Shape, inputs: Inputs, dtype: torch.dtype, gr: Any) -> float:
+    """The largest difference between our attention's output (no bias) and generative-recommenders'
+    on the same inputs: both compute SiLU(q k^T) / N under the same mask."""
+    from recsys_pipe.models.hstu_triton import jagged_hstu_attention
+
+    gen = torch.Generator(device=inputs.offsets.device).manual_seed(2)
+    h, d = shape.heads, shape.width // shape.heads
+    q, k, v = (torch.randn(inputs.tokens, h, d, device=inputs.offsets.device, dtype=dtype, generator=gen) for _ in "qkv")
+    ours = jagged_hstu_attention(q, k, v, inputs.offsets, shape.max_len, inputs.num_candidates)
+    theirs = gr(N=shape.max_len, alpha=1.0, q=q, k=k, v=v, seq_offsets=inputs.offsets, num_targets=inputs.num_candidates)
+    return float((ours.float() - theirs.float()).abs().max())
 
 
 def _fits(shape: Shape, batches: list[int], device: torch.device) -> Shape:

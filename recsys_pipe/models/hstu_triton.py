@@ -74,28 +74,39 @@ def runs_on(device: torch.device) -> bool:
     return device.type == ("cpu" if INTERPRETED else "cuda")
 
 
-def _only_in_interpreter(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """`early_config_prune`: the interpreter runs one small block size (no benchmarking on the CPU)."""
+#: RECSYS_HSTU_TRITON_AUTOTUNE=0: every kernel takes its first config, untuned (tests that check
+#: values, not speed, and would otherwise compile every config of every kernel)
+AUTOTUNE = os.environ.get("RECSYS_HSTU_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """`early_config_prune`: the interpreter runs one small block size (no benchmarking on the
+    CPU); with autotuning off, the first config."""
     if INTERPRETED:
-        block = _INTERPRETER_BLOCK
-        meta = dict.fromkeys(configs[0].kwargs, block)
+        meta = dict.fromkeys(configs[0].kwargs, _INTERPRETER_BLOCK)
         return [triton.Config(meta, num_warps=1, num_stages=1)]
-    return configs
+    return configs if AUTOTUNE else configs[:1]
 
 
-def _configs(names: tuple[str, ...], shapes: list[tuple[int, ...]]) -> list[Any]:
-    return [
-        triton.Config(dict(zip(names, shape)), num_warps=warps, num_stages=stages)
-        for shape in shapes
-        for warps in (4, 8)
-        for stages in (2, 3)
-    ]
+def _config(warps: int, stages: int, **blocks: int) -> Any:
+    return triton.Config(blocks, num_warps=warps, num_stages=stages)
 
 
-_FWD_CONFIGS = _configs(("BLOCK_M", "BLOCK_N"), [(64, 32), (64, 64), (128, 32), (128, 64)])
-_BWD_CONFIGS = _configs(("BLOCK_M", "BLOCK_N"), [(32, 64), (64, 64), (64, 128), (32, 32)])
-_SQUARE_CONFIGS = _configs(("BLOCK",), [(32,), (64,)])
-_PRUNE = {"early_config_prune": _only_in_interpreter}
+# a few shapes each: every config of a kernel compiles once per key on a first run
+_FWD_CONFIGS = [
+    _config(4, 2, BLOCK_M=64, BLOCK_N=64),
+    _config(8, 2, BLOCK_M=128, BLOCK_N=64),
+    _config(4, 3, BLOCK_M=128, BLOCK_N=32),
+    _config(4, 3, BLOCK_M=64, BLOCK_N=32),
+]
+_BWD_CONFIGS = [
+    _config(4, 2, BLOCK_M=64, BLOCK_N=64),
+    _config(4, 2, BLOCK_M=32, BLOCK_N=64),
+    _config(8, 2, BLOCK_M=64, BLOCK_N=128),
+    _config(4, 3, BLOCK_M=32, BLOCK_N=32),
+]
+_SQUARE_CONFIGS = [_config(4, 2, BLOCK=32), _config(4, 2, BLOCK=64), _config(8, 2, BLOCK=64)]
+_PRUNE = {"early_config_prune": _prune}
 _KEY = ["MAX_LEN", "BLOCK_D", "HAS_BIAS", "HAS_CANDIDATES"]
 
 
