@@ -11,8 +11,9 @@ padded path and, given a clone, generative-recommenders' Triton kernel.
                                                   # where TRITON_INTERPRET=1)
 
 The shapes (`SHAPES`): `e2e`, NVIDIA recsys-examples' HSTU training (8 layers, width 1024, 4
-heads, Zipf lengths up to 4096, batch 32, bf16); `dlrmv4`, MLPerf DLRMv4's HSTU (3 layers, width
-512, 4 heads of 128, length 4096, bf16, the largest batch of `--dlrmv4-batches` that fits);
+heads, Zipf lengths up to 4096, batch 32, bf16), and `e2e_1024` the same up to 1024;
+`dlrmv4`, MLPerf DLRMv4's HSTU (3 layers, width 512, 4 heads of 128, length 4096, bf16, the
+largest batch of `--dlrmv4-batches` that fits);
 `small_256`, `small_1024`, the training benchmark's small model (width 32, 2 layers, 2 heads,
 length 32) at those batches. The step is the dense model (`HSTURanker`: blocks, head, loss) on
 jagged token embeddings plus an Adam step: the embedding lookup is left out (its cost is
@@ -66,6 +67,7 @@ class Shape:
 
 SHAPES = {
     "e2e": Shape(layers=8, width=1024, heads=4, max_len=4096, batch=32, candidates=8),
+    "e2e_1024": Shape(layers=8, width=1024, heads=4, max_len=1024, batch=32, candidates=8),
     "dlrmv4": Shape(layers=3, width=512, heads=4, max_len=4096, batch=32, candidates=8),
     "small_256": Shape(layers=2, width=32, heads=2, max_len=32, batch=256, candidates=4, min_len=8, time_buckets=32),
     "small_1024": Shape(layers=2, width=32, heads=2, max_len=32, batch=1024, candidates=4, min_len=8, time_buckets=32),
@@ -377,9 +379,13 @@ def _gr_difference(shape: Shape, inputs: Inputs, dtype: torch.dtype, gr: Any) ->
 
     gen = torch.Generator(device=inputs.offsets.device).manual_seed(2)
     h, d = shape.heads, shape.width // shape.heads
-    q, k, v = (torch.randn(inputs.tokens, h, d, device=inputs.offsets.device, dtype=dtype, generator=gen) for _ in "qkv")
+    q, k, v = (
+        torch.randn(inputs.tokens, h, d, device=inputs.offsets.device, dtype=dtype, generator=gen) for _ in "qkv"
+    )
     ours = jagged_hstu_attention(q, k, v, inputs.offsets, shape.max_len, inputs.num_candidates)
-    theirs = gr(N=shape.max_len, alpha=1.0, q=q, k=k, v=v, seq_offsets=inputs.offsets, num_targets=inputs.num_candidates)
+    theirs = gr(
+        N=shape.max_len, alpha=1.0, q=q, k=k, v=v, seq_offsets=inputs.offsets, num_targets=inputs.num_candidates
+    )
     return float((ours.float() - theirs.float()).abs().max())
 
 
@@ -419,7 +425,9 @@ def _print(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="recsys-bench hstu_gpu", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)} (default: all)"
+    )
     parser.add_argument("--only", choices=["attention", "step"], help="one part (default: both)")
     parser.add_argument("--attention", default="padded,triton", help="the step's model.attention values")
     parser.add_argument("--gr", help="a generative-recommenders clone: time its Triton attention too")

@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "engine": Benchmark(
         "recsys_pipe.bench.engine", "the engine's own cost per task and per step, overlap of thread groups"
     ),
+    "engine_costs": Benchmark(
+        "recsys_pipe.bench.engine_costs",
+        "the engine's per-task device costs, each alone: stream entry, event record and wait, thread hand-offs",
+    ),
     "train": Benchmark(
         "recsys_pipe.bench.train",
         "the shipped plans against torchrec's pipelines: samples/s, CPU, memory, engine cost (2 ranks)",
