@@ -683,6 +683,7 @@ def _overlap_add(per_diagonal: torch.Tensor, n: int, blk: int) -> torch.Tensor:
     return out
 
 
+@torch.compiler.disable  # `trainer.compile`: a graph break here; the kernels are compiled already
 def jagged_hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
