@@ -377,10 +377,12 @@ attention_args=(--only attention --shapes e2e_1024,e2e,dlrmv4)
 if ((QUICK)); then
   attention_args=(--only attention --quick)
 fi
+attention_path="$PYTHONPATH"
 if [[ -d "$GR_DIR/generative_recommenders" ]]; then
-  attention_args+=(--gr "$GR_DIR")
+  attention_args+=(--gr)
+  attention_path="$(cd "$GR_DIR" && pwd):$PYTHONPATH"
 fi
-run_step bench_attention 240 "$PY" -m recsys_pipe.bench.hstu_gpu "${attention_args[@]}"
+run_step bench_attention 240 env PYTHONPATH="$attention_path" "$PY" -m recsys_pipe.bench.hstu_gpu "${attention_args[@]}"
 last_json bench_attention
 
 # torchrec's steps, where torchrec and its CUDA fbgemm-gpu import (brought by the --stage runs)

@@ -6,7 +6,7 @@ padded path and, given a clone, generative-recommenders' Triton kernel.
     recsys-bench hstu_gpu                         # every shape, both parts (a GPU)
     recsys-bench hstu_gpu --only attention        # the attention alone (needs only torch + triton)
     recsys-bench hstu_gpu --only step --shapes e2e,small_1024
-    recsys-bench hstu_gpu --gr path/to/generative-recommenders   # also time its Triton attention
+    PYTHONPATH=path/to/generative-recommenders recsys-bench hstu_gpu --gr   # also its Triton attention
     recsys-bench hstu_gpu --quick                 # CI: a tiny shape on the CPU (triton interpreted
                                                   # where TRITON_INTERPRET=1)
 
@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -324,12 +322,11 @@ def _ratio(results: dict[str, Any], faster: str, baseline: str) -> float | None:
 # -- the command ----------------------------------------------------------------------------------
 
 
-def _load_gr(path: str | None) -> Any:
-    """generative-recommenders' `triton_hstu_mha` from a clone (or the few files of it that
-    scripts/gpu_wheels.sh --gr stages), or None."""
-    if path is None:
+def _load_gr(wanted: bool) -> Any:
+    """generative-recommenders' `triton_hstu_mha` (a clone, or the few files of it that
+    scripts/gpu_wheels.sh --gr stages, on PYTHONPATH), or None."""
+    if not wanted:
         return None
-    sys.path.insert(0, os.path.abspath(path))
     from generative_recommenders.ops.triton.triton_hstu_attention import triton_hstu_mha
 
     return triton_hstu_mha
@@ -430,7 +427,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--only", choices=["attention", "step"], help="one part (default: both)")
     parser.add_argument("--attention", default="padded,triton", help="the step's model.attention values")
-    parser.add_argument("--gr", help="a generative-recommenders clone: time its Triton attention too")
+    parser.add_argument(
+        "--gr",
+        action="store_true",
+        help="also time generative-recommenders' Triton attention (put a clone, or wheels/gr, on PYTHONPATH)",
+    )
     parser.add_argument("--dlrmv4-batches", default="128,64,32,16,8", help="DLRMv4 batches to try, largest first")
     parser.add_argument("--steps", type=int, default=5, help="calls per timed window")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")

@@ -22,10 +22,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     "engine": Benchmark(
         "recsys_pipe.bench.engine", "the engine's own cost per task and per step, overlap of thread groups"
     ),
-    "engine_costs": Benchmark(
-        "recsys_pipe.bench.engine_costs",
-        "the engine's per-task device costs, each alone: stream entry, event record and wait, thread hand-offs",
-    ),
     "train": Benchmark(
         "recsys_pipe.bench.train",
         "the shipped plans against torchrec's pipelines: samples/s, CPU, memory, engine cost (2 ranks)",
@@ -36,6 +32,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         "recsys_pipe.bench.pp", "pipeline-parallel schedules: our engine against torch.distributed.pipelining (2 ranks)"
     ),
     "gpu": Benchmark("recsys_pipe.bench.gpu", "overlap on CUDA streams (a GPU; --device cpu: a smoke test)"),
+    "engine_costs": Benchmark(
+        "recsys_pipe.bench.engine_costs",
+        "the engine's per-task device costs, each alone: stream entry, event record and wait, thread hand-offs",
+    ),
     "sasrec": Benchmark(
         "recsys_pipe.bench.sasrec", "SASRec training throughput against the reference PyTorch implementation"
     ),
