@@ -92,7 +92,7 @@ ROW_GROUP = 131_072
 
 def _criteo_columns(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """Criteo-shaped rows: skewed counts (some empty: 0), 32-bit ids, a learnable-ish label."""
-    from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES
+    from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES
 
     cols: dict[str, np.ndarray] = {}
     counts = np.floor(np.exp(rng.normal(1.5, 1.5, (len(DENSE_NAMES), n)))).astype(np.int64)
@@ -109,7 +109,7 @@ def write_criteo_parquet(directory: Path, rows: int, seed: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys_pipe.data.convert import criteo_schema
+    from recsys_pipe.data.tools.convert import criteo_schema
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -155,8 +155,8 @@ def write_sequences(directory: Path, users: int, length: int, text_users: int, s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys_pipe.data.convert import sequence_schema
-    from recsys_pipe.data.parquet_sequences import item_vocab_metadata
+    from recsys_pipe.data.parquet.sequences import item_vocab_metadata
+    from recsys_pipe.data.tools.convert import sequence_schema
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -177,7 +177,7 @@ def write_sequences(directory: Path, users: int, length: int, text_users: int, s
 def write_ratings(directory: Path, ratings: int, users: int, seq_len: int, seed: int = 3) -> None:
     """A MovieLens-style ratings CSV (`userId,movieId,rating,timestamp`, half stars) of `ratings`
     ratings by `users` users, and its `convert sequences --windows seq_len` Parquet under `pq/`."""
-    from recsys_pipe.data.convert import convert_sequences
+    from recsys_pipe.data.tools.convert import convert_sequences
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -339,9 +339,9 @@ def measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> di
     starts after the imports: what it measures is the source's own start (metadata, workers)."""
     import torch  # noqa: F401  (imported before the clock starts)
 
-    import recsys_pipe.data.criteo
-    import recsys_pipe.data.parquet
-    import recsys_pipe.data.parquet_sequences  # noqa: F401
+    import recsys_pipe.data.in_memory.criteo
+    import recsys_pipe.data.parquet.sequences
+    import recsys_pipe.data.parquet.tabular  # noqa: F401
 
     with MemoryWatch() as watch:
         out = _measure(kind, path, batch_size, extra)
@@ -357,8 +357,8 @@ def _measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> d
         out["bytes_per_sample"] = _disk_bytes(path) / max(out["samples"] + batch_size, 1)
     elif kind in ("loader", "seq_loader"):
         from recsys_pipe.data import RankData
-        from recsys_pipe.data.parquet import ParquetDataConfig
-        from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig
+        from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig
+        from recsys_pipe.data.parquet.tabular import ParquetDataConfig
 
         keys = {"path": str(path), "batch_size": batch_size, "num_workers": extra.get("workers", 1), "shuffle": True}
         if kind == "loader":
@@ -370,7 +370,7 @@ def _measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> d
         out["bytes_per_sample"] = _disk_bytes(path) / max(out["samples"] + batch_size, 1)
     elif kind in ("rank_memory", "rank_loader"):
         from recsys_pipe.data import MovieLensDataConfig, RankData, SequenceDataConfig
-        from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig
+        from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig
 
         keys = {"path": str(path), "batch_size": batch_size, "num_workers": 1, "shuffle": True}
         before = _rss_mib()
@@ -392,7 +392,7 @@ def _measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> d
         out = _iterate(data.train_loader(), start)
         out["bytes_per_sample"] = held / len(data.dataset)
     elif kind == "convert":
-        from recsys_pipe.data.convert import convert_criteo
+        from recsys_pipe.data.tools.convert import convert_criteo
 
         (converted,) = convert_criteo([str(path)], extra["dst"], overwrite=True)
         seconds = time.perf_counter() - start
@@ -531,7 +531,7 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
         write_criteo_tsv(tsv, args.tsv_rows)
     converted = root / "criteo_tsv_parquet"
     if "train_dlrm" in parts and not converted.exists():
-        from recsys_pipe.data.convert import convert_criteo
+        from recsys_pipe.data.tools.convert import convert_criteo
 
         convert_criteo([str(tsv)], str(converted))
     seqs = root / "sequences"

@@ -98,7 +98,7 @@ def ours(data: str, steps: int, info) -> tuple[float, float]:
 def reference_batches(data: str, steps: int) -> list[tuple[np.ndarray, ...]]:
     """The reference's (user, seq, pos, neg) arrays for the first `steps` batches of our training
     samples (ids + 1: the reference keeps 0 for padding)."""
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 
     dataset = SequencesDataConfig(path=data).dataset(0, 1)
     batches = []
@@ -168,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     info = init_distributed("cpu", "gloo")
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 
     dataset = SequencesDataConfig(path=args.data).dataset(0, 1)
     batches = reference_batches(args.data, args.steps)

@@ -31,8 +31,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu_config import HSTUConfig
 from recsys_pipe.models.serving import ServingForm

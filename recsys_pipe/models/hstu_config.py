@@ -11,7 +11,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.batch import SequenceBatch
-from recsys_pipe.data.loader import DataConfig, SequenceDataConfig
+from recsys_pipe.data.source import DataConfig, SequenceDataConfig
 from recsys_pipe.models.base import ShardedModelConfig, StageSplit, heads_divide_width
 
 __all__ = ["HSTUConfig"]

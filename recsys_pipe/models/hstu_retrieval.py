@@ -25,7 +25,7 @@ import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 from torch import nn
 
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu import HSTULayer, RelativeBias
 from recsys_pipe.models.retrieval import RetrievalModel

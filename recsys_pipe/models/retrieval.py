@@ -44,7 +44,8 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from recsys_pipe.data.sequences import (
+from recsys_pipe.data.batch import DataSpec
+from recsys_pipe.data.in_memory.sequences import (
     CAND_KEY,
     CATALOG_KEY,
     INPUT_KEY,
@@ -53,7 +54,6 @@ from recsys_pipe.data.sequences import (
     RETRIEVAL_KEYS,
     RetrievalBatch,
 )
-from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.retrieval_config import RetrievalConfig
 from recsys_pipe.models.serving import ServingForm
 

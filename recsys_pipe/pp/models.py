@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
-from recsys_pipe.data.sequences import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY
+from recsys_pipe.data.in_memory.sequences import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
 from recsys_pipe.models.retrieval import RetrievalModel, left_pad, padded_times
 from recsys_pipe.pp.dropout import MICROBATCH_DROPOUT

@@ -19,7 +19,7 @@ from torch import nn
 from recsys_pipe.config import CompiledPlan
 from recsys_pipe.config.task_registry import Need
 from recsys_pipe.data import RankData
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.engine import PlanRunner, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.verify import CollectiveGuard

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.loader import RankData, has_eval_splits
-from recsys_pipe.data.sequences import SPLITS, SequencesDataset
+from recsys_pipe.data.in_memory.sequences import SPLITS, SequencesDataset
+from recsys_pipe.data.source import RankData, has_eval_splits
 
 __all__ = ["KS", "PROTOCOLS", "RetrievalEvaluation", "check_eval_dump", "eval_dump_path", "retrieval_metrics"]
 

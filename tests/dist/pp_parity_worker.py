@@ -264,7 +264,7 @@ def train_hstu(runner, model, stages, microbatches):
 
 def sasrec_setup(num_blocks, out_dir, rank):
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
     from recsys_pipe.models.sasrec import SASRecConfig
 
     path = os.path.join(out_dir, f"sequences_rank{rank}.txt")  # one copy per rank: no waiting

@@ -44,7 +44,7 @@ def test_imports_without_torchrec():
         """\
         import recsys_pipe.data, recsys_pipe.models, recsys_pipe.train
         import recsys_pipe.train.tasks, recsys_pipe.train.state, recsys_pipe.train.trainer, recsys_pipe.train.build
-        import recsys_pipe.data.batch, recsys_pipe.data.criteo, recsys_pipe.models.dlrm, recsys_pipe.cli.train
+        import recsys_pipe.data.batch, recsys_pipe.data.in_memory.criteo, recsys_pipe.models.dlrm, recsys_pipe.cli.train
         from recsys_pipe.train import Trainer, training_plan
         print("ok")
         """

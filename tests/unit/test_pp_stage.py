@@ -176,7 +176,7 @@ def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise
     """Chained on one rank under one microbatch key: the keyed dropout sites (the attention
     weights' too) draw the same masks in the model and in its stages."""
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
     from recsys_pipe.models.sasrec import SASRecConfig
     from recsys_pipe.pp.models import sasrec_stages
 
@@ -199,7 +199,7 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
     """Chained on one rank under one microbatch key: the keyed dropout sites draw the same masks
     in the model and in its stages."""
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
     from recsys_pipe.models.retrieval_config import HSTURetrievalConfig
     from recsys_pipe.pp.models import hstu_retrieval_stages
 

@@ -3,7 +3,7 @@ with `data=movielens`'s keys, samples and labels (`model=hstu`, `hstu_small`).
 
 A model that trains on `Sample` sources (`SequenceDataConfig`, its `ModelConfig.data_kind`) gets
 `data=parquet_sequences` as a `ParquetRankingDataConfig` (`ParquetSequencesDataConfig.as_kind`);
-next-item retrieval models get the same files as users (`recsys_pipe.data.parquet_sequences`).
+next-item retrieval models get the same files as users (`recsys_pipe.data.parquet.sequences`).
 
 **One row is one sample.** A row holds `user_id` (int), `item_ids` (list of int, chronological),
 optionally `timestamps` (list of int, the same lengths; absent: the positions in the row stand
@@ -13,7 +13,7 @@ last `data.num_candidates` are the ranking candidates. A history event's rating 
 action id, `round(2 * rating)` (halves to even, as Python's `round`); a candidate's action id is
 `MASKED_ACTION`, and its rating gives its labels: task `k` is `rating >= data.thresholds[k]`.
 So the batches per epoch follow from the row counts in the footers, as the streaming machinery
-needs (`recsys_pipe.data.stream`).
+needs (`recsys_pipe.data.parquet.stream`).
 
 **Why rows are windows, not users.** `data=movielens` cuts each user's ratings, from the most
 recent end, into windows of at most `max_seq_len`, dropping a window with no history; how many
@@ -56,12 +56,11 @@ import torch
 from pydantic import StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
+from recsys_pipe.data.in_memory.movielens import NUM_ACTIONS
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
-from recsys_pipe.data.loader import SequenceDataConfig
-from recsys_pipe.data.movielens import NUM_ACTIONS
-from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
-from recsys_pipe.data.parquet_sequences import (
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.sequences import (
     ParquetSequenceKeys,
     PartedStreamSource,
     _item_vocab,
@@ -70,8 +69,8 @@ from recsys_pipe.data.parquet_sequences import (
     _SequenceDecoder,
     check_sequence_columns,
 )
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Fail
+from recsys_pipe.data.parquet.stream import Fail
+from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = [
     "USER_VOCAB_KEY",
@@ -119,7 +118,7 @@ class ParquetRankingDataConfig(ParquetSequenceKeys, SequenceDataConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
-    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_ranking:parquet_ranking_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet.ranking:parquet_ranking_dataset")
 
     @model_validator(mode="after")
     def _cut_from_the_files(self) -> ParquetRankingDataConfig:

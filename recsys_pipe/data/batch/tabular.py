@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from recsys_pipe.data.batch import TensorBatch, kjt_concat, kjt_select
-from recsys_pipe.data.loader import DataConfig
+from recsys_pipe.data.batch.protocol import TensorBatch, kjt_concat, kjt_select
+from recsys_pipe.data.source import DataConfig
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

@@ -34,7 +34,7 @@ from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validat
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from recsys_pipe.config import Component, ConfigError, ConfigProblem
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class SequenceDataConfig(DataConfig):
 
 class PositionalSource(ABC):
     """A source that plans its own batches by position (the Parquet sources'
-    `recsys_pipe.data.stream.StreamSource`): a builder may return one instead of a map-style
+    `recsys_pipe.data.parquet.stream.StreamSource`): a builder may return one instead of a map-style
     dataset, and `RankData` delegates to it. Its data state is still the number of batches
     trained, and it maps a checkpoint's position onto its own layout (`resume_layout`)."""
 

@@ -20,7 +20,7 @@ torchrec `Pipelineable` when torchrec is loaded (`register_with_torchrec`), so t
 imports torchrec itself: a model with plain torch tables trains where torchrec is not installed.
 
 The sequence batch (`SequenceBatch`, built from `Sample`s by `collate`) feeds HSTU; the Criteo
-batch lives in `recsys_pipe.data.criteo`.
+batch lives in `recsys_pipe.data.in_memory.criteo`.
 """
 
 from __future__ import annotations

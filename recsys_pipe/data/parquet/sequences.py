@@ -2,7 +2,7 @@
 SASRec and HSTU retrieval), with `data=sequences`'s keys, samples and leave-one-out splits. For
 HSTU ranking the same source reads windows of ratings instead: a model names the kind of source
 it trains on (`ModelConfig.data_kind`) and `ParquetSequencesDataConfig.as_kind` turns this config
-into that kind's (`recsys_pipe.data.parquet_ranking`, which shares this module's decoder).
+into that kind's (`recsys_pipe.data.parquet.ranking`, which shares this module's decoder).
 
 The layout (`recsys-data convert sequences` writes it; `data.columns` renames the columns): one
 row per user, `user_id` (int64, the raw id), `item_ids` (list<int64>, raw ids, chronological),
@@ -17,7 +17,7 @@ metadata holds the sorted distinct raw item ids as little-endian int64 bytes
 (`item_vocab_metadata`). So nothing scans the items before the first step. Files without it need
 `data.num_items`: their item ids are then taken as dense ids, checked to be in `[0, num_items)`.
 
-A user's training sample is what `data=sequences` builds (module `recsys_pipe.data.sequences`):
+A user's training sample is what `data=sequences` builds (module `recsys_pipe.data.in_memory.sequences`):
 the last `max_seq_len` transitions of the sequence without its last two items (all of it below
 three items), and `negatives_per_target` negatives per target (one, or what the model derives:
 `SequenceSourceConfig.negatives_per_target`) from `recsys_pipe.data.negatives.unseen_items` (a
@@ -33,7 +33,7 @@ in parts of `_PART_ROWS` users, the same rows in the same order (`ParquetSequenc
 the worker reads the window's row groups and maps its item ids to dense ids once (into arrays
 reused window after window), and each part's users index those columns where they lie: a part's
 samples and negatives are written once, into the shared block the part crosses to the main
-process in (`recsys_pipe.data.stream`, "The hand-off"), with no gather of its users' items
+process in (`recsys_pipe.data.parquet.stream`, "The hand-off"), with no gather of its users' items
 first. A first batch waits for one part.
 
 Evaluation (`split("valid" | "test")`): rank `r` scores a contiguous `1/W` of the users; a user
@@ -57,11 +57,8 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, fi
 from torch.utils.data import Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
-from recsys_pipe.data.jagged import concat_ranges, offsets_of
-from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
-from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
-from recsys_pipe.data.sequences import (
+from recsys_pipe.data.batch import DataSpec
+from recsys_pipe.data.in_memory.sequences import (
     INPUT_KEY,
     RETRIEVAL_KEYS,
     SPLITS,
@@ -70,8 +67,10 @@ from recsys_pipe.data.sequences import (
     SequencesDataConfig,
     collate_retrieval,
 )
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import (
+from recsys_pipe.data.jagged import concat_ranges, offsets_of
+from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.stream import (
     Alloc,
     EpochOrder,
     Fail,
@@ -81,6 +80,7 @@ from recsys_pipe.data.stream import (
     WindowDataset,
     shared_empty,
 )
+from recsys_pipe.data.source import DataConfig
 
 __all__ = [
     "ITEM_VOCAB_KEY",
@@ -125,7 +125,7 @@ RETRIEVAL_MAX_SEQ_LEN = 50
 
 class ParquetSequenceKeys(Section):
     """The keys `data=parquet_sequences` has for both kinds of model: the files, their columns,
-    the shuffle window, and the sample shape of HSTU ranking (`recsys_pipe.data.parquet_ranking`).
+    the shuffle window, and the sample shape of HSTU ranking (`recsys_pipe.data.parquet.ranking`).
     `ParquetSequencesDataConfig` (what `data=parquet_sequences` validates) and the HSTU ranking
     config it becomes for a ranking model share them."""
 
@@ -188,11 +188,11 @@ class ParquetSequencesDataConfig(ParquetSequenceKeys, SequencesDataConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
-    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_sequences:parquet_sequences_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet.sequences:parquet_sequences_dataset")
 
     #: the configs this source becomes for other kinds of model (`as_kind`), by import path as the
     #: registries name config classes: the HSTU ranking source builds on this module
-    VARIANTS: ClassVar[tuple[str, ...]] = ("recsys_pipe.data.parquet_ranking:ParquetRankingDataConfig",)
+    VARIANTS: ClassVar[tuple[str, ...]] = ("recsys_pipe.data.parquet.ranking:ParquetRankingDataConfig",)
 
     def as_kind(self, kind: type[DataConfig]) -> DataConfig:
         """Next-item retrieval (`kind` a `SequenceSourceConfig`): this config, `max_seq_len`
@@ -651,7 +651,7 @@ def _reuse_heap() -> None:
     """In a DataLoader worker, let a part's arrays (a few MB each, allocated and freed in the same
     sizes part after part) come from the heap and stay there for the next part.
 
-    Stream workers map every block from 128 KiB on (`recsys_pipe.data.stream`, against
+    Stream workers map every block from 128 KiB on (`recsys_pipe.data.parquet.stream`, against
     fragmentation by windows of changing sizes), so each such array is fresh memory: one page
     fault per 4 KiB. On the 2-core benchmark VM a fresh 6.4 MB array cost 1.9 ms to fill, a reused
     one 0.17 ms, and a part makes dozens. Mapped from 32 MiB on (glibc's most) and not trimmed
@@ -823,7 +823,7 @@ def check_sequence_columns(files: ParquetFiles, columns: SequenceColumns) -> str
 
 def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_size: int) -> ParquetSequences:
     """Builder of `data=parquet_sequences` for next-item retrieval: this rank's users, checked
-    from the files' metadata (HSTU ranking: `recsys_pipe.data.parquet_ranking`)."""
+    from the files' metadata (HSTU ranking: `recsys_pipe.data.parquet.ranking`)."""
     cfg = cfg.as_kind(SequencesDataConfig)  # type: ignore[assignment]
     c = cfg.columns
     stamps = c.timestamps

@@ -16,7 +16,7 @@ this module imports no torchrec (a plain-torch DLRM trains on it where torchrec 
 
 Rank `r` of `w` owns the contiguous rows `[N r / w, N (r + 1) / w)` of the file's N rows (at most
 `data.max_rows`): it counts the file's line ends (a byte scan) and parses only its own lines,
-through pyarrow (`recsys_pipe.data.criteo_tsv`), keeping them in memory. A malformed row stops the
+through pyarrow (`recsys_pipe.data.text.criteo_tsv`), keeping them in memory. A malformed row stops the
 rank that owns it with `<file>:<line>: <problem>`. For files larger than memory, convert them
 (`recsys-data convert criteo`) and train with `data=parquet`, which streams.
 """
@@ -35,11 +35,10 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import Section, builder_field
-from recsys_pipe.data.batch import TensorBatch
-from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
-from recsys_pipe.data.loader import readable_file
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.tabular import TabularDataConfig
+from recsys_pipe.data.batch import DataSpec, TensorBatch
+from recsys_pipe.data.batch.tabular import TabularDataConfig
+from recsys_pipe.data.source import readable_file
+from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -194,7 +193,7 @@ class CriteoDataConfig(CriteoLayoutConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["criteo"] = "criteo"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.criteo:criteo_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.in_memory.criteo:criteo_dataset")
     path: StrictStr = Field(description="Criteo-format TSV: label, 13 integer, 26 hexadecimal categorical columns")
     max_rows: StrictInt | None = Field(
         None, ge=1, description="read at most this many rows from the start of the file (null: all)"
@@ -219,7 +218,7 @@ class CriteoSyntheticDataConfig(CriteoLayoutConfig):
     SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
 
     name: Literal["criteo_synthetic"] = "criteo_synthetic"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.criteo:criteo_synthetic_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.in_memory.criteo:criteo_synthetic_dataset")
     synthetic: CriteoSyntheticConfig = Field(default_factory=CriteoSyntheticConfig, description="the generated world")
 
 

@@ -1,7 +1,7 @@
 """Next-item retrieval data (`data=sequences`): per-user item sequences, leave-one-out split.
 
 Reads these layouts, detected from the first line (or named by `data.csv.*`; the file is parsed
-by pyarrow, see `recsys_pipe.data.interactions_file`):
+by pyarrow, see `recsys_pipe.data.text.interactions`):
 
 * SASRec's "user item" lines (two integers separated by white space), each user's lines in
   chronological order (the file order is the time order, as in SASRec's preprocessed data sets);
@@ -57,11 +57,10 @@ from pydantic import Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
-from recsys_pipe.data.batch import TensorBatch, jagged_select, kjt_concat, kjt_select
-from recsys_pipe.data.interactions_file import CsvConfig, detect_layout, read_interaction_columns
-from recsys_pipe.data.loader import DataConfig, readable_file
+from recsys_pipe.data.batch import DataSpec, TensorBatch, jagged_select, kjt_concat, kjt_select
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.source import DataConfig, readable_file
+from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, read_interaction_columns
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -192,7 +191,7 @@ class SequencesDataConfig(SequenceSourceConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["sequences"] = "sequences"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.sequences:sequences_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.in_memory.sequences:sequences_dataset")
     path: StrictStr = Field(
         description='"user item" lines (SASRec format), MovieLens ratings.dat / ratings.csv, or any delimited file of '
         "user, item [and timestamp] columns (data.csv.*)"
