@@ -29,8 +29,9 @@ from recsys_pipe.config import CompiledPlan, ConfigError
 from recsys_pipe.data import RankData
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
 from recsys_pipe.runtime.session import RequestedDir, RunSession
-from recsys_pipe.train.config import RunConfig, load_run_config
-from recsys_pipe.train.plan import pipelining_without_effect, training_plan
+from recsys_pipe.train.config import RunConfig
+from recsys_pipe.train.plan import pipelining_without_effect
+from recsys_pipe.train.preflight import CommandCheck, check_run
 
 if TYPE_CHECKING:
     from recsys_pipe.train import Trainer
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["Launch", "Outcome", "requested_run_dir", "run_job"]
 
 log = logging.getLogger("recsys_pipe")
-
-#: a command's own checks of its run, plan and this rank's data (ConfigError), after the shared ones
-CommandCheck = Callable[[Any, CompiledPlan, RankData], None]
 
 
 def requested_run_dir() -> RequestedDir:
@@ -136,32 +134,6 @@ class Launch:
             log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
         parts = build_parts(run, self.plan, session.info, session.run_dir, data=self.data)
         return Trainer(parts, stop=session.stop, health=session.health)
-
-
-def check_run(
-    cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None
-) -> tuple[RunConfig, CompiledPlan, RankData, Path | None]:
-    """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
-    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
-    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
-    the first one starts."""
-    from recsys_pipe.cli.preflight import check_inputs, run_device
-    from recsys_pipe.train.build import rank_data
-    from recsys_pipe.train.checkpoint import resolve_resume
-    from recsys_pipe.train.parallel import parallelism_of
-
-    run = load_run_config(cfg, schema)
-    plan = training_plan(run)
-    device = run_device(run.trainer)
-    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    parallelism_of(run).check(world_size, device.type)
-    data = rank_data(run, rank, world_size)
-    check_inputs(run, data)
-    if check is not None:
-        check(run, plan, data)
-    return run, plan, data, resume
 
 
 def run_job(

@@ -77,7 +77,7 @@ class ProfileCommandConfig(RunConfig):
 
 def _check(run: ProfileCommandConfig, plan: CompiledPlan, data: RankData) -> None:
     """`recsys-profile`'s own checks before any process group starts, after those every run
-    makes (`recsys_pipe.cli.launch.check_run`): the tasks to measure, and enough batches."""
+    makes (`recsys_pipe.train.preflight.check_run`): the tasks to measure, and enough batches."""
     problems = []
     names = [t.name for t in plan.order]
     for i, name in enumerate(run.profile.tasks or ()):

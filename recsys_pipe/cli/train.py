@@ -29,7 +29,8 @@ from omegaconf import DictConfig
 
 from recsys_pipe.cli.app import hydra_app
 from recsys_pipe.cli.console import show_library_warnings
-from recsys_pipe.cli.launch import Launch, Outcome, check_run, run_job
+from recsys_pipe.cli.launch import Launch, Outcome, run_job
+from recsys_pipe.train.preflight import check_run
 
 if TYPE_CHECKING:
     from recsys_pipe.train import Trainer

@@ -14,11 +14,22 @@ spread over the ranks needs of the device is `Parallelism.check`'s.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from recsys_pipe.config import ConfigError, ConfigProblem
+from omegaconf import DictConfig
 
-__all__ = ["check_inputs", "run_device"]
+from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
+from recsys_pipe.data import RankData
+from recsys_pipe.train.config import RunConfig, load_run_config
+from recsys_pipe.train.plan import training_plan
+
+__all__ = ["CommandCheck", "check_inputs", "check_run", "run_device"]
+
+#: a command's own checks of its run, plan and this rank's data (ConfigError), after the shared ones
+CommandCheck = Callable[[Any, CompiledPlan, RankData], None]
 
 
 def run_device(trainer: Any) -> Any:
@@ -47,3 +58,28 @@ def check_inputs(run: Any, data: Any) -> None:
     if problems:
         raise ConfigError(problems)
     check_eval_dump(run.trainer.eval_dump, run.trainer.eval_every, data)
+
+
+def check_run(
+    cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None
+) -> tuple[RunConfig, CompiledPlan, RankData, Path | None]:
+    """What a run refuses before any process group starts, except its directory: the config,
+    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
+    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
+    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
+    the first one starts."""
+    from recsys_pipe.train.build import rank_data
+    from recsys_pipe.train.checkpoint import resolve_resume
+    from recsys_pipe.train.parallel import parallelism_of
+
+    run = load_run_config(cfg, schema)
+    plan = training_plan(run)
+    device = run_device(run.trainer)
+    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    parallelism_of(run).check(world_size, device.type)
+    data = rank_data(run, rank, world_size)
+    check_inputs(run, data)
+    if check is not None:
+        check(run, plan, data)
+    return run, plan, data, resume
