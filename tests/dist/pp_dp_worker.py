@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, microbatch_seed
+from recsys_pipe.models.dropout import microbatch_seed
+from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mesh import PipelineMesh
 from recsys_pipe.pp.schedules import resolve_schedule
