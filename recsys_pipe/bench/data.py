@@ -155,7 +155,7 @@ def write_sequences(directory: Path, users: int, length: int, text_users: int, s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys_pipe.data.parquet.sequences import item_vocab_metadata
+    from recsys_pipe.data.parquet.decode import item_vocab_metadata
     from recsys_pipe.data.tools.convert import sequence_schema
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -141,9 +141,7 @@ def load_reference(path: str | os.PathLike[str]) -> SimpleNamespace:
         LearnablePositionalEmbeddingInputFeaturesPreprocessor,
     )
     from generative_recommenders.research.modeling.sequential.losses.sampled_softmax import SampledSoftmaxLoss
-    from generative_recommenders.research.modeling.sequential.output_postprocessors import (
-        L2NormEmbeddingPostprocessor,
-    )
+    from generative_recommenders.research.modeling.sequential.output_postprocessors import L2NormEmbeddingPostprocessor
     from generative_recommenders.research.rails.similarities.dot_product_similarity_fn import DotProductSimilarity
 
     class SharedNegativesSampler(autoregressive_losses.LocalNegativesSampler):
@@ -279,7 +277,7 @@ class ReferenceInputs:
 def reference_inputs(batch: Any, attn_len: int) -> ReferenceInputs:
     """A `RetrievalBatch` of training samples (inputs s_1..s_m, targets s_2..s_m+1) -> the
     reference's `[s_1 .. s_m, s_m+1, 0 ..]` with its times."""
-    from recsys_pipe.data.in_memory.sequences import INPUT_KEY, POS_KEY
+    from recsys_pipe.data.batch import INPUT_KEY, POS_KEY
 
     kjt = batch.sparse_features
     lengths = batch.lengths(INPUT_KEY).long()
@@ -415,7 +413,8 @@ def ours(data: str, sizes: Sizes, steps: int, info: Any, extra: list[str]) -> tu
 
 def training_batches(data: str, sizes: Sizes, steps: int) -> tuple[list[ReferenceInputs], int]:
     """The reference's inputs for the first `steps` batches of our training samples, and the item count."""
-    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig, collate_retrieval
+    from recsys_pipe.data.batch import collate_retrieval
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 
     dataset = SequencesDataConfig(path=data, max_seq_len=sizes.data_len).dataset(0, 1)
     batches = []

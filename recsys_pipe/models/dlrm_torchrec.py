@@ -15,8 +15,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recsys_pipe.data.batch import DataSpec
-from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, CriteoBatch
+from recsys_pipe.data.batch import CATEGORICAL_KEYS, CriteoBatch, DataSpec
 from recsys_pipe.models.dlrm import DLRMArch, DLRMConfig, DLRMDCNConfig, ModelOutput, click_loss, click_serving
 from recsys_pipe.models.serving import ServingForm
 

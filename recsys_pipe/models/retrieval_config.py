@@ -10,9 +10,8 @@ from typing import ClassVar, Literal
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
-from recsys_pipe.data.batch import DataSpec
-from recsys_pipe.data.in_memory.sequences import INPUT_KEY, SequenceSourceConfig
-from recsys_pipe.data.source import DataConfig
+from recsys_pipe.data.batch import INPUT_KEY, DataSpec
+from recsys_pipe.data.source import DataConfig, SequenceSourceConfig
 from recsys_pipe.models.base import ShardedModelConfig, StageSplit, heads_divide_width
 
 __all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]

@@ -59,16 +59,15 @@ from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
 from recsys_pipe.data.in_memory.movielens import NUM_ACTIONS
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
-from recsys_pipe.data.parquet.sequences import (
-    ParquetSequenceKeys,
-    PartedStreamSource,
-    _item_vocab,
-    _list_chunks,
-    _list_type,
-    _SequenceDecoder,
+from recsys_pipe.data.parquet.decode import (
+    SequenceDecoder,
     check_sequence_columns,
+    is_list_type,
+    item_vocab,
+    list_chunks,
 )
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.sequences import ParquetSequenceKeys, PartedStreamSource
 from recsys_pipe.data.parquet.stream import Fail
 from recsys_pipe.data.source import SequenceDataConfig
 
@@ -223,7 +222,7 @@ class _WindowDecoder:
     its next part), the ratings here (kept alike)."""
 
     def __init__(
-        self, cfg: ParquetRankingDataConfig, sequences: _SequenceDecoder, actions: str, users: np.ndarray | None
+        self, cfg: ParquetRankingDataConfig, sequences: SequenceDecoder, actions: str, users: np.ndarray | None
     ) -> None:
         self.sequences, self.actions, self.user_vocab = sequences, actions, users
         self.columns = [*sequences.columns, actions]
@@ -310,7 +309,7 @@ class _WindowDecoder:
             first_row += len(chunk)
         ratings = values[0] if len(values) == 1 else np.concatenate(values)
         ratings_offsets = np.concatenate(offsets)
-        item_offsets = _list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
+        item_offsets = list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
         if not np.array_equal(ratings_offsets, item_offsets):
             row = int(np.flatnonzero(np.diff(ratings_offsets) != np.diff(item_offsets))[0])
             raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)
@@ -377,7 +376,7 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
                 f"has {schema.names}",
             )
         t = schema.field(i).type
-        if not (_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+        if not (is_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
             raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
@@ -405,11 +404,11 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
                 "set those (or null), or convert again with other --windows / --num-candidates",
             )
         )
-    vocab, num_items = _item_vocab(files, cfg.num_items)
+    vocab, num_items = item_vocab(files, cfg.num_items)
     users = _user_vocab(files) if cfg.use_user_feature else None
     vocab_sizes = {ITEM_KEY: num_items, ACTION_KEY: NUM_ACTIONS}
     if users is not None:
         vocab_sizes[USER_KEY] = len(users)
     spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
-    decoder = _WindowDecoder(cfg, _SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
+    decoder = _WindowDecoder(cfg, SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
     return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

@@ -26,16 +26,9 @@ import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
-from recsys_pipe.data.batch import DataSpec
-from recsys_pipe.data.batch.tabular import TabularBatch
+from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
 from recsys_pipe.data.ids import splitmix64, string_ids
-from recsys_pipe.data.in_memory.criteo import (
-    CATEGORICAL_KEYS,
-    DENSE_NAMES,
-    CriteoBatch,
-    CriteoLayoutConfig,
-    transform_dense_into,
-)
+from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoLayoutConfig, transform_dense_into
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.stream import Alloc, Fail, ReusedArrays, StreamSource, shared_empty

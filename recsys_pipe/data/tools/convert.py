@@ -201,8 +201,8 @@ def convert_sequences(
     import pyarrow.parquet as pq
 
     from recsys_pipe.data.in_memory.sequences import read_interactions
+    from recsys_pipe.data.parquet.decode import item_vocab_metadata
     from recsys_pipe.data.parquet.ranking import user_vocab_metadata, windows_metadata
-    from recsys_pipe.data.parquet.sequences import item_vocab_metadata
 
     if windows is not None and not 0 < num_candidates < windows:
         raise _refuse(f"need 0 < --num-candidates ({num_candidates}) < --windows ({windows})", "--num-candidates")
