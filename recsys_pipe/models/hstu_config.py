@@ -21,8 +21,8 @@ class HSTUConfig(ShardedModelConfig):
     """`model=hstu_small`: sizes of the HSTU ranker (`model.*`). Vocabulary sizes come from the
     data source's `DataSpec`."""
 
-    #: pipeline stages share out the HSTU blocks (`recsys_pipe.models.hstu_stages.hstu_stages`)
-    stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.models.hstu_stages:hstu_stages")
+    #: pipeline stages share out the HSTU blocks (`recsys_pipe.models.hstu_cut.hstu_stages`)
+    stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.models.hstu_cut:hstu_stages")
 
     #: the sources of `Sample`s (windows with candidates and labels): movielens, synthetic, parquet_sequences
     data_kind: ClassVar[type[DataConfig] | None] = SequenceDataConfig

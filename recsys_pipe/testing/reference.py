@@ -98,6 +98,8 @@ class StaleEmbeddingLoop:
         self._index = 0
 
     def progress(self, it: Any) -> tuple[Any, Any]:
+        """Train the next batch of `it` (StopIteration when it is exhausted, as torchrec's
+        pipelines end); returns its loss and sample ids."""
         batch = next(it)  # StopIteration ends the run, as torchrec's pipelines
         batch = batch.to(self._tables[0].device, non_blocking=False)  # host batches, as the pipelines take them
         i, self._index = self._index, self._index + 1

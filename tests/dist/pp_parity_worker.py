@@ -40,8 +40,8 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from recsys_pipe.autosched.pipeline_parallel import measured_result
 from recsys_pipe.engine import SpanRecorder
 from recsys_pipe.models.dropout import microbatch_seed
-from recsys_pipe.models.hstu_stages import hstu_stages
-from recsys_pipe.models.retrieval_stages import sasrec_stages
+from recsys_pipe.models.hstu_cut import hstu_stages
+from recsys_pipe.models.retrieval_cut import sasrec_stages
 from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mlp import TorchStageAdapter, mlp_stages
