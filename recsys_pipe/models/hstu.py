@@ -43,9 +43,12 @@ __all__ = [
     "HSTURanker",
     "RelativeBias",
     "SummedBackwardLookup",
+    "attention_mask",
     "bias_lookup",
     "build_hstu",
+    "candidate_rows",
     "embedding_tables",
+    "prepend_context",
 ]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -242,9 +245,9 @@ class HSTURanker(nn.Module):
         tokens = items.values() + actions.values()
         lengths = items.lengths().long()
         if self.with_user:
-            tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
+            tokens, timestamps, lengths = prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        mask = _attention_mask(lengths, num_candidates, self.padded_len)
+        mask = attention_mask(lengths, num_candidates, self.padded_len)
         bias = None
         if self.bias is not None:
             padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
@@ -252,7 +255,7 @@ class HSTURanker(nn.Module):
         x = self.input_dropout(tokens)
         for layer in self.layers:
             x = layer(x, offsets, mask, bias)
-        rows = _candidate_rows(offsets, num_candidates, labels.shape[0])
+        rows = candidate_rows(offsets, num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])
         per_token = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
         task_losses = per_token.mean(dim=0)
@@ -360,11 +363,11 @@ class _CandidateScores(nn.Module):
         candidate = pos[None] >= (lengths - num_candidates)[:, None]
         actions = torch.where(candidate, MASKED_ACTION, actions)
         tokens = self.items[items] + self.actions[actions]
-        if self.users is not None and users is not None:  # `_prepend_context`: at the first item's time
+        if self.users is not None and users is not None:  # `prepend_context`: at the first item's time
             tokens = torch.cat([self.users[users][:, None], tokens], dim=1)
             timestamps = torch.cat([timestamps[:, :1], timestamps], dim=1)
             lengths = lengths + 1
-        mask = _attention_mask(lengths, num_candidates, ranker.padded_len)
+        mask = attention_mask(lengths, num_candidates, ranker.padded_len)
         bias = ranker.bias(timestamps) if ranker.bias is not None else None
         x = ranker.input_dropout(tokens)
         for layer in ranker.layers:
@@ -376,7 +379,7 @@ class _CandidateScores(nn.Module):
         return torch.where((pos[None] < num_candidates[:, None])[..., None], logits, 0.0)
 
 
-def _prepend_context(
+def prepend_context(
     tokens: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, context: JaggedTensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Put each sample's contextual tokens before its item tokens (jagged concat per sample).
@@ -401,7 +404,7 @@ def _prepend_context(
     return merged, merged_ts, total
 
 
-def _attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int) -> torch.Tensor:
+def attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int) -> torch.Tensor:
     """`[B, N, N]` float mask: causal over valid tokens; candidate keys only for themselves."""
     pos = torch.arange(n, device=lengths.device)
     valid = pos[None] < lengths[:, None]
@@ -412,7 +415,7 @@ def _attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int)
     return allowed.float()
 
 
-def _candidate_rows(offsets: torch.Tensor, num_candidates: torch.Tensor, total: int) -> torch.Tensor:
+def candidate_rows(offsets: torch.Tensor, num_candidates: torch.Tensor, total: int) -> torch.Tensor:
     """Jagged row indices of the `total` candidate tokens (the last `num_candidates[b]` of
     sample b). Sizes come from host-known shapes, so no device sync on CUDA."""
     device = offsets.device
