@@ -227,3 +227,33 @@ def test_train_and_cli_mention_pipeline_parallelism_only_behind_its_seam():
     ]
     assert not found, "pipeline parallelism outside train/parallel/:\n" + "\n".join(found)
     assert PP_WORDS.search("from recsys_pipe.pp.train import x") and PP_WORDS.search("run.parallel.pp.size")
+
+
+# -- the commands reach training through its check and build entry points ---------------------------
+
+#: what the start-up path of the training commands may import from `train`: the run config (the
+#: commands' configs derive from it), the pre-flight (`check_plan`, `check_run`, and the build
+#: entry point `CheckedRun.build`), and the types the commands' work receives (`Trainer`, and
+#: `progress` for how a fit ended)
+STARTUP_MAY_IMPORT = {
+    "recsys_pipe.train",
+    "recsys_pipe.train.config",
+    "recsys_pipe.train.preflight",
+    "recsys_pipe.train.progress",
+}
+
+
+def test_the_training_commands_reach_train_through_its_check_and_build_entry_points():
+    """cli/ keeps run directories, Hydra and supervision: `recsys-train`'s and `recsys-profile`'s
+    start-up (`cli/launch.py`, `cli/train.py`, `cli/profile.py`) check a run with train's
+    pre-flight and have train build it; they never assemble it from train's parts themselves."""
+    startup = ("recsys_pipe.cli.launch", "recsys_pipe.cli.train", "recsys_pipe.cli.profile")
+    graph = _import_graph()
+    bad = sorted(
+        f"{importer} imports {module}"
+        for importer in startup
+        for module in graph[importer]
+        if _package(module) == "train" and module not in STARTUP_MAY_IMPORT
+    )
+    assert not bad, bad
+    assert "recsys_pipe.train.preflight" in graph["recsys_pipe.cli.launch"]  # the check sees imports
