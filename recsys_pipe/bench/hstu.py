@@ -51,7 +51,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from recsys_pipe.bench.common import summary, train_speed
+from recsys_pipe.bench.common import sequences_train_speed, summary
 
 #: the environment variable naming a clone of generative-recommenders (tests and benchmark)
 REFERENCE_ENV = "RECSYS_HSTU_REFERENCE"
@@ -393,22 +393,7 @@ def levers_off(names: tuple[str, ...]) -> Iterator[list[str]]:
 def ours(data: str, sizes: Sizes, steps: int, info: Any, extra: list[str]) -> tuple[float, float]:
     """Samples/s of recsys_pipe's trainer at `sizes` (serial plan, `steps` steps), by the wall
     clock and by the CPU clock."""
-    from recsys_pipe.testing import load_run
-
-    run = load_run(
-        "data=sequences",
-        f"data.path={data}",
-        *sizes.overrides(),
-        "pipeline=serial",
-        "model.sharding=row_wise",
-        "trainer.device=cpu",
-        f"trainer.max_steps={steps}",
-        "trainer.eval_every=0",
-        "trainer.progress_bar=false",
-        f"trainer.log_every={steps}",
-        *extra,
-    )
-    return train_speed(run, info)
+    return sequences_train_speed(data, steps, info, *sizes.overrides(), *extra)
 
 
 def training_batches(data: str, sizes: Sizes, steps: int) -> tuple[list[ReferenceInputs], int]:

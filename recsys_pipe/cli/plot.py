@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from recsys_pipe.config import CompiledPlan, firing_table
 
@@ -26,6 +27,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Lay `fig` out, write it to `path` as PNG and close it (pyplot keeps every open figure)."""
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> Path:
@@ -82,11 +92,7 @@ def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> P
         f"in flight (max lookahead {plan.graph.max_lookahead}), {num_batches} batches shown",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _lanes(plan: CompiledPlan) -> list[tuple[int, str]]:
@@ -202,11 +208,7 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
         "lookahead and stream; boxes show the CPU thread",
         fontsize=9,
     )
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_dot(plan: CompiledPlan, path: str | Path, render: bool = True) -> list[Path]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from recsys_pipe.cli.app import hydra_app
+from recsys_pipe.cli.app import HydraApp
 from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.launch import Launch, Outcome, run_job
 from recsys_pipe.train.preflight import check_plan, check_run
@@ -76,7 +76,7 @@ def check_config(cfg: DictConfig) -> None:
     check_run(cfg)
 
 
-_app = hydra_app(
+_app = HydraApp(
     train_task,
     config_name="train",
     prog=PROG,
