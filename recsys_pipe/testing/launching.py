@@ -97,22 +97,9 @@ def fork_ranks(
             join=False,
             start_method="forkserver",
         )
-        deadline, code = time.monotonic() + timeout, 0
         try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise subprocess.TimeoutExpired([str(script), *args], timeout)
-        except mp.ProcessExitedException as failed:
-            code = failed.exit_code
-        except mp.ProcessRaisedException as failed:  # the rank's traceback, as its stderr would show
-            code = 1
-            with Path(logs, f"stderr{failed.error_index}").open("a") as stderr:
-                stderr.write(str(failed))
+            code = _join_ranks(context, timeout, [str(script), *args], logs)
         finally:
-            for process in context.processes:  # the others, once one failed or time ran out
-                if process.is_alive():
-                    process.kill()
-                process.join()
             del store
         outputs = [
             "".join(
@@ -123,6 +110,31 @@ def fork_ranks(
             for kind in ("stdout", "stderr")
         ]
     return subprocess.CompletedProcess([str(script), *args], code, *outputs)
+
+
+def _join_ranks(context: Any, timeout: float, command: list[str], logs: str) -> int:
+    """Wait for the ranks of `context` (torch's `ProcessContext`): the first failed rank's exit
+    code (1 for a rank that raised: its traceback goes to its stderr log), 0 if none failed;
+    `TimeoutExpired` after `timeout`. Every rank is ended and joined before it returns."""
+    import torch.multiprocessing as mp
+
+    deadline, code = time.monotonic() + timeout, 0
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(command, timeout)
+    except mp.ProcessExitedException as failed:
+        code = failed.exit_code
+    except mp.ProcessRaisedException as failed:  # the rank's traceback, as its stderr would show
+        code = 1
+        with Path(logs, f"stderr{failed.error_index}").open("a") as stderr:
+            stderr.write(str(failed))
+    finally:
+        for process in context.processes:  # the others, once one failed or time ran out
+            if process.is_alive():
+                process.kill()
+            process.join()
+    return code
 
 
 def _rank_main(rank: int, script: str, args: tuple[str, ...], variables: dict[str, str], cwd: str, logs: str) -> None:
