@@ -13,9 +13,17 @@ module imports only the standard library until a helper is called.
 
 from __future__ import annotations
 
-from recsys_pipe.testing.config import built_trainer, compose, fit_run, load_run
+from recsys_pipe.testing.config import built_trainer, compose, fit_run, load_run, parity_overrides, recsys_plan
 from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, inject_fault, zero_grad_with_fault
-from recsys_pipe.testing.launching import PRELOADED, check_torchrun, fork_ranks, read_rank_results, run_torchrun
+from recsys_pipe.testing.launching import (
+    PRELOADED,
+    check_torchrun,
+    end_rank,
+    fork_ranks,
+    read_rank_results,
+    run_torchrun,
+    worker_env,
+)
 from recsys_pipe.testing.reference import (
     StaleEmbeddingLoop,
     run_stale_embedding_reference,
@@ -31,14 +39,18 @@ __all__ = [
     "built_trainer",
     "check_torchrun",
     "compose",
+    "end_rank",
     "fit_run",
     "fork_ranks",
     "inject_fault",
     "load_run",
+    "parity_overrides",
     "read_rank_results",
+    "recsys_plan",
     "run_stale_embedding_reference",
     "run_torchrec_pipeline",
     "run_torchrun",
     "torchrec_pipeline",
+    "worker_env",
     "zero_grad_with_fault",
 ]
