@@ -2,12 +2,17 @@
 generated Criteo-like source (for DLRM), and per-user item sequences for next-item retrieval
 (`data=sequences`, for SASRec and HSTU retrieval), and Parquet files of any size streamed by
 position (`data=parquet`: tabular rows; `data=parquet_sequences`: per-user sequences for
-next-item retrieval, or windows of ratings for HSTU ranking, whichever the model trains on; see
-`recsys_pipe.data.parquet.stream`).
+next-item retrieval, or windows of ratings for HSTU ranking, whichever the model trains on).
+
+The sub-packages are its layers: the batch contract (`batch`: the batch protocol, the batch
+types, their keys, `DataSpec`; models, pipeline stages and task functions import them from
+there), the source contract (`source`: `DataConfig`, the bases of the kinds of source,
+`RankData`), in-memory sources (`in_memory`), text parsers (`text`), streaming Parquet
+(`parquet`), the negative sampler (`negatives`), raw ids mapped to rows (`ids`) and the
+`recsys-data` tools (`tools`).
 
 Each source is a builder and its `DataConfig` subclass, registered by name in `DATA_SOURCES`;
-`make_dataloader(cfg, rank, world_size)` turns any of them into batches. The batch protocol is
-written down in `recsys_pipe.data.batch`.
+`make_dataloader(cfg, rank, world_size)` turns any of them into batches.
 
 Names are imported on first use (PEP 562), so `import recsys_pipe.data` loads no data source and
 no torchrec: a plain-torch model trains where torchrec is not installed.
