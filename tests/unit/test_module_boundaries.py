@@ -4,6 +4,7 @@ Hydra's internals inside one adapter, and no two modules of recsys_pipe import e
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -23,6 +24,7 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in SOURCES}
 
 
+@functools.cache
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every absolute import, at any depth: module level, inside functions and
     under `if TYPE_CHECKING:` (a type-only import still ties the two modules together).
@@ -81,6 +83,7 @@ def test_hydra_internals_are_used_by_one_adapter_only():
     assert any(m.startswith("hydra._internal") for _, m in _imports(adapter))  # the check sees imports
 
 
+@functools.cache
 def _import_graph() -> dict[str, set[str]]:
     """recsys_pipe module -> the recsys_pipe modules it imports (module level, inside functions and
     under TYPE_CHECKING: `_imports`). Importing `a.b.c` runs `a` and `a.b` first, but those edges are left
