@@ -345,8 +345,10 @@ class PlanRunner:
         try:
             if self._stream_ops:
                 self._run_on_streams(i)
-            else:
-                self._run_groups(i)
+            else:  # `_run_on_streams` without the streams: this loop is the no-op pool's whole iteration
+                for group_tasks in self._active(i):
+                    if group_tasks:
+                        self.executor.execute(group_tasks, self._run_task, self.graph)
         except BaseException as exc:
             self._broken = str(exc) if isinstance(exc, TaskFailedError) else f"{type(exc).__name__} in iteration {i}"
             if observer is not None:
@@ -362,14 +364,9 @@ class PlanRunner:
             observer.iteration_finished(i, False)
         return completed, result
 
-    def _run_groups(self, i: int) -> None:
-        for group_tasks in self._active(i):
-            if group_tasks:
-                self.executor.execute(group_tasks, self._run_task, self.graph)
-
     def _run_on_streams(self, i: int) -> None:
-        """`_run_groups` where the streams order work: decide whether this iteration skips the
-        implied waits, and give the calling thread its current stream back at the end."""
+        """Iteration `i`'s tasks where the streams order work: first whether it skips the implied
+        waits; the calling thread gets its current stream back at the end."""
         L, m = self.max_lookahead, self._pulled
         steady = L <= i < m
         if not (steady or (i < L and m == i + 1)):
@@ -382,7 +379,9 @@ class PlanRunner:
         local.seq, local.stream = self._seq, pool.current_name()
         entered = local.stream
         try:
-            self._run_groups(i)
+            for group_tasks in self._active(i):
+                if group_tasks:
+                    self.executor.execute(group_tasks, self._run_task, self.graph)
         finally:
             if local.stream != entered:
                 pool.restore(saved)

@@ -108,8 +108,7 @@ class BatchRing:
     def advance(self) -> None:
         """Drop offset 0, shift every store down by one, append an empty store on top (which
         keeps the dropped store's event objects, to record again)."""
-        dropped = self._stores.pop(0)
-        self._stores.append(SlotStore(dropped._spare))
+        self._stores.append(SlotStore(self._stores.pop(0)._spare))
 
     def clear(self) -> None:
         """Replace every store by an empty one (drops every in-flight value and recorded event;
