@@ -321,10 +321,10 @@ class HydraApp:
                 break
             except Exception as exc:
                 key = self._schema_key_not_in_yaml(exc, overrides)
-                if key is None:
+                if not isinstance(key, str):
                     if debug_requested() or "debug=true" in overrides:
                         traceback.print_exc()
-                    return self._composition_error(exc, search_dirs)
+                    return key or self._composition_error(exc, search_dirs)
                 added.add(key)
                 overrides = [f"++{o}" if o.split("=", 1)[0] == key else o for o in overrides]
         else:
@@ -344,11 +344,13 @@ class HydraApp:
                 return exc
         return None
 
-    def _schema_key_not_in_yaml(self, exc: BaseException, overrides: list[str]) -> str | None:
-        """The override key Hydra refused as not in the config although the schema has it."""
+    def _schema_key_not_in_yaml(self, exc: BaseException, overrides: list[str]) -> str | ConfigError | None:
+        """The override key Hydra refused as not in the config although the schema has it; or
+        the ConfigError of an override below the key Hydra names that the schema does not have
+        (`data.columns.sparse.user.num_embedings`: named as typed, with the keys it is close to)."""
         from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-        from recsys_pipe.cli.keys import describe_keys
+        from recsys_pipe.cli.keys import closest_listed, describe_keys, format_suggestions, key_matches
         from recsys_pipe.config import import_fn
 
         if not self.schema:
@@ -365,8 +367,12 @@ class HydraApp:
         if key is None:
             return None
         values = OmegaConf.to_container(parent._get_root(), resolve=False)
-        known = {p for p, _, _ in describe_keys(import_fn(self.schema), values)}
-        return key if key in known else None
+        known = [p for p, _, _ in describe_keys(import_fn(self.schema), values)]
+        if any(key_matches(key, pattern) for pattern in known):
+            return key
+        if key == path:
+            return None  # Hydra's own error names it
+        return ConfigError(ConfigProblem(key, f"unknown key{format_suggestions(closest_listed(key, known))}"))
 
     def _composition_error(self, exc: BaseException, search_dirs: list[Path]) -> ConfigError:
         from recsys_pipe.cli.compose_errors import composition_error
