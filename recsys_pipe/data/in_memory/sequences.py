@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn
 
 import numpy as np
 import torch
@@ -59,6 +59,7 @@ from torch.utils.data import Dataset
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import DataSpec, TensorBatch, jagged_select, kjt_concat, kjt_select
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
+from recsys_pipe.data.serving import id_record, retrieval_features, retrieval_row
 from recsys_pipe.data.source import DataConfig, readable_file
 from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, read_interaction_columns
 
@@ -267,6 +268,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         self.raw_users = data.users
         self.sequences = [[item_index[i] for i in seq] for seq in data.items]
         self.timestamps = data.timestamps
+        self.has_timestamps = data.has_timestamps
         self.num_items = len(self.raw_items)
         if eval_negatives > self.num_items - 1:
             raise ConfigError(
@@ -287,6 +289,24 @@ class SequencesDataset(Dataset[RetrievalSample]):
         self._train_items = np.fromiter((i for seq in self.sequences for i in seq), np.int64)
         self._train_starts = np.cumsum([0, *map(len, self.sequences[:-1])], dtype=np.int64)
         self._train_lengths = lengths
+
+    def serving_features(self) -> dict[str, Any]:
+        """Items through the sorted vocabulary of raw ids (`recsys_pipe.data.serving`)."""
+        items = id_record("vocabulary", self.num_items, self.raw_items)
+        return retrieval_features(items, self.has_timestamps, self.max_seq_len)
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """Each user's row cut before its held-out item of `split`, raw ids as the file holds them."""
+        return [
+            retrieval_row(
+                self.raw_users[u],
+                [self.raw_items[i] for i in self.sequences[u]],
+                self.timestamps[u],
+                split,
+                self.has_timestamps,
+            )
+            for u in map(int, sample_ids)
+        ]
 
     def _train_part(self, user: int) -> list[int]:
         seq = self.sequences[user]

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 
-__all__ = ["DataFileError", "ParquetFiles", "RowGroupStats", "open_parquet"]
+__all__ = ["DataFileError", "ParquetFiles", "RowGroupStats", "open_parquet", "read_rows"]
 
 _GLOB_CHARS = "*?["
 
@@ -299,3 +299,19 @@ def _check_stats(
                 st.null_count if st.has_null_count else None,
             )
         check(files, file, g, kept)
+
+
+def read_rows(files: ParquetFiles, positions: Sequence[int], columns: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows at global `positions` (in that order), `columns` of each, as Python values
+    (`{column: value}`; a list column's value a list): what an export shows raw."""
+    units = files.units()
+    wanted = np.asarray(positions, dtype=np.int64)
+    unit = np.searchsorted(units[:, 2], wanted, side="right") - 1
+    rows: list[dict[str, Any]] = [{} for _ in positions]
+    for u in np.unique(unit).tolist():
+        file, group, first = (int(x) for x in units[u])
+        table = files.read(file, group, list(dict.fromkeys(columns)))
+        at = np.flatnonzero(unit == u)
+        for i, row in zip(at.tolist(), table.take(pa.array(wanted[at] - first)).to_pylist()):
+            rows[i] = row
+    return rows

@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +70,7 @@ from recsys_pipe.data.parquet.sequences import (
     check_sequence_columns,
 )
 from recsys_pipe.data.parquet.stream import Fail
+from recsys_pipe.data.serving import RATING_ACTIONS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = [
@@ -231,6 +232,19 @@ class _WindowDecoder:
         self.thresholds = np.asarray(cfg.thresholds, dtype=np.float64)
         #: the last window's sample ids, ratings (flat) and their offsets
         self._cached: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def serving_features(self) -> dict[str, Any]:
+        """Items and users through the stored vocabularies, ratings as action ids (`recsys_pipe.data.serving`)."""
+        seq = self.sequences
+        vocab = seq.vocab
+        items = id_record("as_is", seq.num_items) if vocab is None else id_record("vocabulary", len(vocab), vocab)
+        users = None if self.user_vocab is None else id_record("vocabulary", len(self.user_vocab), self.user_vocab)
+        columns = {"user": seq.user, "items": seq.items, "actions": self.actions}
+        if seq.stamps is not None:
+            columns["timestamps"] = seq.stamps
+        return sequence_features(
+            items, RATING_ACTIONS, seq.stamps is not None, self.max_seq_len, self.num_candidates, users, columns
+        )
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> WindowRows:
         window_ratings, window_offsets = self._ratings(table, sample_ids, fail)

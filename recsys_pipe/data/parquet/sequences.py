@@ -80,6 +80,7 @@ from recsys_pipe.data.parquet.stream import (
     WindowDataset,
     shared_empty,
 )
+from recsys_pipe.data.serving import SEQUENCE_COLUMNS, id_record, retrieval_features, retrieval_row
 from recsys_pipe.data.source import DataConfig
 
 __all__ = [
@@ -710,6 +711,29 @@ class ParquetSequences(PartedStreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
+
+    def serving_features(self) -> dict[str, Any]:
+        """Items through the stored vocabulary, or as dense ids (`recsys_pipe.data.serving`)."""
+        decoder = self.decoder
+        assert isinstance(decoder, _SequenceDecoder)
+        vocab = decoder.vocab
+        items = id_record("as_is", self.num_items) if vocab is None else id_record("vocabulary", len(vocab), vocab)
+        return retrieval_features(items, decoder.stamps is not None, self.max_seq_len, self.columns)
+
+    @property
+    def columns(self) -> dict[str, str]:
+        c = self.cfg.columns
+        return {"user": c.user, "items": c.items, "timestamps": c.timestamps or SEQUENCE_COLUMNS["timestamps"]}
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """Each user's row (by global position) cut before its held-out item of `split`."""
+        rows = []
+        for user in map(int, sample_ids):
+            raw_user, seq, stamps = self._rows.user(user)
+            raw = self.raw_items[seq].tolist()
+            has_timestamps = self.decoder.stamps is not None  # type: ignore[attr-defined]
+            rows.append(retrieval_row(raw_user, raw, stamps.tolist(), split, has_timestamps, self.columns))
+        return rows
 
     @property
     def num_users(self) -> int:

@@ -61,7 +61,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, read_rows
 from recsys_pipe.data.source import PositionalSource
 
 __all__ = [
@@ -693,6 +693,16 @@ class StreamSource(PositionalSource):
         self.order = EpochOrder(files, 0, total - held_out, cfg.shuffle, cfg.seed)
         self.train_windows = WindowDataset(files, self.order, self.decoder)
         self.eval_windows = WindowDataset(eval_source, self.eval_order, self.decoder)
+
+    def serving_features(self) -> dict[str, Any]:
+        """How the decoder transforms each feature (`recsys_pipe.data.serving.ServedSource`)."""
+        return self.decoder.serving_features()  # type: ignore[attr-defined]
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """The rows at the global positions `sample_ids` (of `data.eval_path`'s files for the
+        split `eval` when it names some), the columns the decoder reads, as the files hold them."""
+        files = self.eval_files if split == "eval" and self.eval_files is not None else self.files
+        return read_rows(files, sample_ids, self.decoder.columns)  # type: ignore[attr-defined]
 
     @property
     def piece_rows(self) -> int:

@@ -28,17 +28,18 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.data.batch.tabular import TabularBatch
-from recsys_pipe.data.ids import splitmix64, string_ids
+from recsys_pipe.data.ids import string_ids
 from recsys_pipe.data.in_memory.criteo import (
     CATEGORICAL_KEYS,
     DENSE_NAMES,
     CriteoBatch,
     CriteoLayoutConfig,
-    transform_dense_into,
 )
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.stream import Alloc, Fail, ReusedArrays, StreamSource, shared_empty
+from recsys_pipe.data.preprocess import map_ids, signed_log1p_into
+from recsys_pipe.data.serving import id_record
 
 __all__ = [
     "ParquetDataConfig",
@@ -145,6 +146,11 @@ class _Feature:
     column: str
     num_embeddings: int
     ids: IdMapping
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The feature's id mapping as `features.json` describes it (`recsys_pipe.data.preprocess`)."""
+        return id_record(self.ids, self.num_embeddings)
 
 
 @dataclass
@@ -280,6 +286,8 @@ class TabularDecoder:
             {f.key: i for i, f in enumerate(self.single)},
             {f.key: i for i, f in enumerate(self.multi)},
         )
+        #: dense columns are read as int64 when all are integers, else as float64 (`_dense`)
+        self.dense_integers = all(pa.types.is_integer(schema.field(name).type) for name in self.dense)
         # per table row: labels and dense float32, single-hot ids and its sample id int64; per
         # window row: its place in `order` (int64)
         self.row_bytes = 4 * len(self.labels) + 4 * len(self.dense) + 8 * len(self.single) + 16
@@ -287,6 +295,17 @@ class TabularDecoder:
 
     def _joined(self, n: int, dtype: Any) -> np.ndarray:
         return self._buffer("joined", n, dtype)
+
+    def serving_features(self) -> dict[str, Any]:
+        """Each column's transform as this decoder applies it (`recsys_pipe.data.serving`)."""
+        parse = "int" if self.dense_integers else "float"
+        transform = {"kind": self.dense_transform}
+        features: dict[str, Any] = {
+            name: {"column": name, "parse": parse, "transform": transform} for name in self.dense
+        }
+        for f in [*self.single, *self.multi]:
+            features[f.key] = {"column": f.column, "parse": "id", "ids": f.record}
+        return {"features": features, "params": {}, "inputs": {"dense_features": list(self.dense)}}
 
     def __call__(
         self,
@@ -354,14 +373,13 @@ class TabularDecoder:
             return out
         array = out.numpy()
         # as `transform_dense` of the columns as one matrix: int64 if all are integers, else float64
-        integers = all(pa.types.is_integer(table.schema.field(name).type) for name in self.dense)
-        kind = np.int64 if integers else np.float64
+        kind = np.int64 if self.dense_integers else np.float64
         raw = self._buffer("raw", n, kind)
         for j, name in enumerate(self.dense):
             raw[:] = _numpy(table, name, fail, self._joined)
             if self.dense_transform == "signed_log1p":  # data=criteo's own function: bitwise the same features
                 same, wide = self._buffer("same", n, kind), self._buffer("wide", n, np.float64)
-                transform_dense_into(raw, array[:, j], same, wide)
+                signed_log1p_into(raw, array[:, j], same, wide)
             else:
                 array[:, j] = raw
         return out
@@ -423,9 +441,10 @@ def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray 
 
 
 def _map_ids(raw: np.ndarray, f: _Feature) -> np.ndarray:
-    """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed)."""
+    """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed): the mapping an
+    export's `preprocess.py` applies (`map_ids`), the checked modes without checking again."""
     if f.ids == "hash":
-        return (splitmix64(raw) % np.uint64(f.num_embeddings)).astype(np.int64)
+        return map_ids(raw, f.record)
     if f.ids == "modulo":
         return raw % f.num_embeddings
     return raw
