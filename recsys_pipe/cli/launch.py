@@ -29,6 +29,7 @@ from recsys_pipe.config import CompiledPlan, ConfigError
 from recsys_pipe.data import RankData
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
 from recsys_pipe.runtime.session import RequestedDir, RunSession
+from recsys_pipe.train.checkpoint import ResumeChoice
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.plan import pipelining_without_effect
 from recsys_pipe.train.preflight import CommandCheck, check_run
@@ -74,8 +75,9 @@ class Launch:
     plan: CompiledPlan
     requested: RequestedDir
     data: RankData
-    #: the checkpoint this rank found for `trainer.resume_from` (rank 0's is used: `start`)
-    resume: Path | None
+    #: the checkpoint this rank found for `trainer.resume_from` (rank 0's is used: `start`), and
+    #: the newer checkpoints of other experiments `latest` passed over
+    resume: ResumeChoice
 
     @classmethod
     def prepare(cls, cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> Launch:
@@ -100,12 +102,14 @@ class Launch:
         session = RunSession.start(
             prog, self.run.trainer, self.requested, self.run.debug, plan=self.run.pipeline.name, resumed_from=None
         )
-        resume = [self.resume if session.info.is_main else None]
+        resume = [self.resume.path if session.info.is_main else None]
         dist.broadcast_object_list(resume, src=0)
         if resume[0] is not None:
             session.status.info["resumed_from"] = str(resume[0])
         info = session.info
         if info.is_main:
+            for path, why in self.resume.skipped:
+                log.info("trainer.resume_from=latest: skipped %s, a checkpoint of another experiment (%s)", path, why)
             container = OmegaConf.to_container(self.cfg, resolve=True)
             with open(os.path.join(session.run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml({k: v for k, v in container.items() if k != "hydra"}))

@@ -13,7 +13,7 @@ module imports only the standard library until a helper is called.
 
 from __future__ import annotations
 
-from recsys_pipe.testing.config import built_trainer, compose, fit_run, load_run
+from recsys_pipe.testing.config import built_trainer, compose, fit_run, load_run, train_here
 from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, inject_fault, zero_grad_with_fault
 from recsys_pipe.testing.launching import PRELOADED, check_torchrun, fork_ranks, read_rank_results, run_torchrun
 from recsys_pipe.testing.reference import (
@@ -40,5 +40,6 @@ __all__ = [
     "run_torchrec_pipeline",
     "run_torchrun",
     "torchrec_pipeline",
+    "train_here",
     "zero_grad_with_fault",
 ]

@@ -14,8 +14,11 @@ metadata (which it does only after every rank's data is written). A crash mid-sa
 most a `.partial` directory, which is never loaded.
 
 `resume_from` accepts a checkpoint directory, a run directory (its newest complete checkpoint),
-or `latest` (the newest complete checkpoint under `trainer.output_dir`, or a fresh start when
-there is none, so a requeued job can always pass it).
+or `latest`: the newest complete checkpoint under `trainer.output_dir` of the same experiment
+(`recsys_pipe.train.fingerprint`: model, data, global batch; newer ones of other experiments
+are passed over and logged), or a fresh start when there is none at all, so a requeued job can
+always pass it; when there are only other experiments' checkpoints the run is refused, naming
+the newest and how to force it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,11 +40,16 @@ from pydantic import Field, StrictBool, StrictInt
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.train.checkpoint_errors import writing_checkpoint
 
+if TYPE_CHECKING:
+    from recsys_pipe.train.fingerprint import RunFingerprint
+
 __all__ = [
     "CHECKPOINTS_DIR",
     "CheckpointConfig",
     "Checkpointer",
+    "ResumeChoice",
     "check_checkpoint",
+    "choose_resume",
     "compare_state",
     "find_checkpoints",
     "load_checkpoint",
@@ -49,6 +57,7 @@ __all__ = [
     "resolve_resume",
     "saved_config",
     "saved_model_name",
+    "saved_world_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,26 +100,68 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a run resumes from (None: a fresh start), and the newer checkpoints of
+    other experiments `latest` passed over, each with what differs."""
+
+    path: Path | None
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
 def resolve_resume(spec: str | None, output_dir: str, model_name: str | None = None) -> Path | None:
     """The checkpoint `trainer.resume_from` names (see the module docstring); None for a fresh
     start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint, or
     one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains)."""
-    path = _resolve(spec, output_dir)
-    if path is not None:
-        check_checkpoint(path, model_name)
-    return path
+    return choose_resume(spec, output_dir, model_name).path
 
 
-def _resolve(spec: str | None, output_dir: str) -> Path | None:
+def choose_resume(
+    spec: str | None, output_dir: str, model_name: str | None = None, fingerprint: RunFingerprint | None = None
+) -> ResumeChoice:
+    """`resolve_resume`, where `latest` takes the newest checkpoint of the experiment `fingerprint`
+    names (`recsys_pipe.train.fingerprint`), passing over those of others (ConfigError naming the
+    newest of them when there is no other)."""
+    if spec == "latest":
+        choice = _latest(Path(os.path.expanduser(output_dir)), fingerprint)
+    else:
+        choice = ResumeChoice(_resolve(spec))
+    if choice.path is not None:
+        check_checkpoint(choice.path, model_name)
+    return choice
+
+
+def _latest(output_dir: Path, fingerprint: RunFingerprint | None) -> ResumeChoice:
+    from recsys_pipe.train.fingerprint import saved_fingerprint
+
+    candidates = [c.path for run in _run_dirs(output_dir) for c in find_checkpoints(run)]
+    candidates.sort(key=lambda p: (p / _METADATA).stat().st_mtime_ns, reverse=True)
+    skipped: list[tuple[Path, str]] = []
+    for path in candidates:
+        if fingerprint is None:
+            return ResumeChoice(path)
+        saved = saved_fingerprint(path, saved_world_size(read_metadata(path)))
+        difference = "its fingerprint cannot be read" if saved is None else fingerprint.difference(saved)
+        if difference is None:
+            return ResumeChoice(path, tuple(skipped))
+        skipped.append((path, difference))
+    if skipped:
+        newest, why = skipped[0]
+        raise ConfigError(
+            ConfigProblem(
+                RESUME_KEY,
+                f"latest: no checkpoint under {output_dir} is of this experiment; the newest, {newest}, is of "
+                f"another ({why}); to continue from it anyway set trainer.resume_from={newest}",
+            )
+        )
+    return ResumeChoice(None)
+
+
+def _resolve(spec: str | None) -> Path | None:
     if spec is None:
         return None
     key = RESUME_KEY
-    if spec == "latest":
-        candidates = [c.path for run in _run_dirs(Path(output_dir)) for c in find_checkpoints(run)]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda p: (p / _METADATA).stat().st_mtime_ns)
-    path = Path(spec)
+    path = Path(os.path.expanduser(spec))
     if not path.exists():
         raise ConfigError(ConfigProblem(key, f"no such checkpoint or run directory: {spec}"))
     if (path / _METADATA).is_file():
@@ -179,7 +230,7 @@ def saved_model_name(path: Path) -> str | None:
     return str(name) if name is not None else None
 
 
-def _saved_world_size(metadata: Any) -> int:
+def saved_world_size(metadata: Any) -> int:
     """Ranks that wrote the checkpoint: DCP's data files are named `__<rank>_<n>.distcp`."""
     ranks = {m.group(1) for i in metadata.storage_data.values() if (m := re.match(r"__(\d+)_", i.relative_path))}
     return max(len(ranks), 1)
@@ -216,7 +267,7 @@ def compare_state(state: dict[str, Any], metadata: Any, path: Path, world_size: 
     others = [_name(k) for k in saved if k not in state]
     if missing and others:
         text += f"; it holds {', '.join(others[:2])}" + (f" and {len(others) - 2} more" if len(others) > 2 else "")
-    saved_ranks = _saved_world_size(metadata)
+    saved_ranks = saved_world_size(metadata)
     if saved_ranks != world_size:
         text += f"; written by {saved_ranks} rank(s), loading on {world_size}"
     raise _mismatch(path, text)
@@ -318,6 +369,8 @@ class Checkpointer:
         self.rank = rank
         self._pending: tuple[Future, CheckpointInfo, Path] | None = None
         self.last: CheckpointInfo | None = None
+        #: small files rank 0 writes into every checkpoint (name -> text), e.g. its fingerprint
+        self.files: dict[str, str] = {}
         #: called with each checkpoint once it is visible (rank 0): e.g. to log it
         self.on_published: Callable[[CheckpointInfo], None] | None = None
 
@@ -340,6 +393,8 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)  # left by a crash of an earlier attempt
                 partial.mkdir(parents=True)
+                for name, text in self.files.items():
+                    (partial / name).write_text(text)
             if dist.is_initialized():
                 dist.barrier(group=self.group)
             if rank_state is not None:  # before DCP's collectives: written once rank 0 publishes

@@ -23,10 +23,11 @@ from omegaconf import DictConfig
 
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
+from recsys_pipe.train.checkpoint import ResumeChoice
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.plan import training_plan
 
-__all__ = ["CommandCheck", "check_inputs", "check_run", "run_device"]
+__all__ = ["CommandCheck", "check_global_batch", "check_inputs", "check_resume", "check_run", "run_device"]
 
 #: a command's own checks of its run, plan and this rank's data (ConfigError), after the shared ones
 CommandCheck = Callable[[Any, CompiledPlan, RankData], None]
@@ -62,24 +63,61 @@ def check_inputs(run: Any, data: Any) -> None:
 
 def check_run(
     cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None
-) -> tuple[RunConfig, CompiledPlan, RankData, Path | None]:
+) -> tuple[RunConfig, CompiledPlan, RankData, ResumeChoice]:
     """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
-    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
-    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
-    the first one starts."""
+    the compiled plan, the device, `resume_from` (`latest`: of this experiment, `check_resume`),
+    how the model is spread over this job's ranks on this device (`Parallelism.check`), this
+    rank's data and the model and eval dump against it (`check_inputs`), and the command's own
+    `check`. A sweep runs it for every job before the first one starts."""
     from recsys_pipe.train.build import rank_data
-    from recsys_pipe.train.checkpoint import resolve_resume
     from recsys_pipe.train.parallel import parallelism_of
 
     run = load_run_config(cfg, schema)
     plan = training_plan(run)
     device = run_device(run.trainer)
-    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    resume = check_resume(run, world_size)
     parallelism_of(run).check(world_size, device.type)
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)
+    if resume.path is not None and data.stream is not None:
+        check_global_batch(run, world_size, resume.path)
     if check is not None:
         check(run, plan, data)
     return run, plan, data, resume
+
+
+def check_resume(run: RunConfig, world_size: int) -> ResumeChoice:
+    """The checkpoint `trainer.resume_from` names; `latest` takes the newest of this experiment
+    (the same model, data and global batch on `world_size` ranks: `recsys_pipe.train.fingerprint`)."""
+    from recsys_pipe.train.checkpoint import choose_resume
+    from recsys_pipe.train.fingerprint import fingerprint
+
+    trainer = run.trainer
+    mine = fingerprint(run, world_size) if trainer.resume_from == "latest" else None
+    return choose_resume(trainer.resume_from, trainer.output_dir, run.model.name, mine)
+
+
+def check_global_batch(run: RunConfig, world_size: int, checkpoint: Path) -> None:
+    """A streaming source continues an epoch exactly only at the checkpoint's global batch
+    (`StreamSource.resume_layout`): another one is refused here, before the start."""
+    from recsys_pipe.train.checkpoint import read_metadata, saved_world_size
+    from recsys_pipe.train.fingerprint import fingerprint, saved_fingerprint
+
+    saved = saved_fingerprint(checkpoint, saved_world_size(read_metadata(checkpoint)))
+    mine = fingerprint(run, world_size)
+    if saved is None or saved.global_batch == mine.global_batch:
+        return
+    ranks = mine.global_batch // run.data.batch_size
+    per_rank, rest = divmod(saved.global_batch, ranks)
+    fix = (
+        f"set data.batch_size={per_rank}" if not rest else f"use a number of replicas that divides {saved.global_batch}"
+    )
+    raise ConfigError(
+        ConfigProblem(
+            "data.batch_size",
+            f"the checkpoint {checkpoint} trained a global batch of {saved.global_batch} rows; this run's is "
+            f"{mine.global_batch} ({ranks} replica(s) x data.batch_size={run.data.batch_size}), and the epoch "
+            f"would not continue exactly: {fix}",
+        )
+    )

@@ -17,12 +17,10 @@ the evaluation the training run logged after that step, exactly (same data, same
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -173,21 +171,12 @@ def hstu_run(tmp_path_factory) -> Path:
     process (about a second: torch and torchrec are imported already; a launch would import
     them again), a checkpoint at step 1. The run's log handlers and warning filters are taken
     off again, so the tests after it see this process as it was."""
-    from recsys_pipe.cli import train as train_cli
+    from recsys_pipe.testing import train_here
 
     tmp = tmp_path_factory.mktemp("hstu")
     args = [*SMOKE, "trainer.max_steps=1", "trainer.checkpoint.interval=1", "trainer.eval_every=0"]
     args += ["trainer.eval_batches=1", "data.num_batches=8", "data.use_user_feature=true"]
-    root, package = logging.getLogger(), logging.getLogger("recsys_pipe")
-    handlers, level = list(root.handlers), package.level
-    try:
-        with warnings.catch_warnings():
-            assert train_cli.run([*args, f"trainer.output_dir={tmp / 'runs'}"]) == 0
-    finally:
-        for handler in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(handler)
-            handler.close()
-        package.setLevel(level)
+    assert train_here(*args, f"trainer.output_dir={tmp / 'runs'}") == 0
     (run_dir,) = (tmp / "runs" / "recsys-train").iterdir()
     return run_dir
 

@@ -19,8 +19,6 @@ rows (`test_preprocess_and_training_transforms_agree`).
 from __future__ import annotations
 
 import json
-import logging
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recsys_pipe.cli import export as export_cli
+from recsys_pipe.testing import train_here
 from recsys_pipe.train.export import export_run, verify_exports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -80,20 +79,8 @@ def _user_items(path: Path) -> None:
 
 
 def _train(tmp: Path, name: str, *overrides: str) -> Path:
-    """One step in this process; the run's log handlers and warning filters are taken off again."""
-    from recsys_pipe.cli import train as train_cli
-
-    root, package = logging.getLogger(), logging.getLogger("recsys_pipe")
-    handlers, level = list(root.handlers), package.level
     out = tmp / "runs" / name
-    try:
-        with warnings.catch_warnings():
-            assert train_cli.run([*STEP, *overrides, f"trainer.output_dir={out}"]) == 0, name
-    finally:
-        for handler in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(handler)
-            handler.close()
-        package.setLevel(level)
+    assert train_here(*STEP, *overrides, f"trainer.output_dir={out}") == 0, name
     (run_dir,) = (out / "recsys-train").iterdir()
     return run_dir
 

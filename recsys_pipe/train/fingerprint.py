@@ -1,0 +1,105 @@
+"""Which experiment a checkpoint belongs to: the fingerprint saved with every checkpoint.
+
+`trainer.resume_from=latest` takes the newest checkpoint under `trainer.output_dir` of *this*
+experiment: the same model, the same data and the same global batch (the rows of a batch over
+all data-parallel replicas: what splits an epoch into steps; how many batches an optimizer step
+accumulates, the optimizer and the plan are settings a resume may change, and it says so).
+Another run in the same directory (another model, another data set, another
+global batch) is skipped, and named in the log. Each checkpoint carries `fingerprint.json`: the
+model and data sections as validated (data paths made absolute; the keys that do not change what
+is trained left out: the per-rank batch size, which the global batch replaces, the DataLoader
+workers and pinning) and the global batch. A checkpoint written before fingerprints were saved
+is fingerprinted from its run's `config.yaml` and the ranks that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recsys_pipe.config import ConfigError
+
+__all__ = ["FINGERPRINT_FILE", "RunFingerprint", "fingerprint", "saved_fingerprint"]
+
+FINGERPRINT_FILE = "fingerprint.json"
+#: data keys that change how rows are read, not which rows are trained
+_INCIDENTAL_DATA_KEYS = ("batch_size", "num_workers", "pin_memory", "eval_batch_size")
+_PATH_KEYS = ("path", "eval_path")
+
+
+@dataclass(frozen=True)
+class RunFingerprint:
+    """The model and data sections (as JSON values) and the global batch of an experiment."""
+
+    model: dict[str, Any]
+    data: dict[str, Any]
+    global_batch: int
+
+    def to_json(self) -> str:
+        return json.dumps({"model": self.model, "data": self.data, "global_batch": self.global_batch}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunFingerprint:
+        values = json.loads(text)
+        return cls(values["model"], values["data"], int(values["global_batch"]))
+
+    def difference(self, other: RunFingerprint) -> str | None:
+        """The first thing `other` (a checkpoint's) trains differently, in words; None if the same."""
+        for section, mine, theirs in (("model", self.model, other.model), ("data", self.data, other.data)):
+            for key in sorted(set(mine) | set(theirs)):
+                if mine.get(key) != theirs.get(key):
+                    return f"{section}.{key} is {_short(theirs.get(key))} there, {_short(mine.get(key))} here"
+        if self.global_batch != other.global_batch:
+            return f"a global batch of {other.global_batch} rows there, {self.global_batch} here"
+        return None
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _absolute(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_absolute(v) for v in value]
+    if isinstance(value, str) and "://" not in value:
+        return os.path.abspath(os.path.expanduser(value))
+    return value
+
+
+def fingerprint(run: Any, world_size: int) -> RunFingerprint:
+    """The fingerprint of `run` (a `RunConfig`) trained on `world_size` ranks."""
+    from recsys_pipe.train.parallel import parallelism_of
+
+    model = run.model.model_dump(mode="json", by_alias=True)
+    data = run.data.model_dump(mode="json", by_alias=True)
+    for key in _INCIDENTAL_DATA_KEYS:
+        data.pop(key, None)
+    for key in _PATH_KEYS:
+        if data.get(key) is not None:
+            data[key] = _absolute(data[key])
+    replicas = parallelism_of(run).replicas(world_size)
+    return RunFingerprint(model, data, run.data.batch_size * replicas)
+
+
+def saved_fingerprint(checkpoint: Path, world_size: int | None = None) -> RunFingerprint | None:
+    """The fingerprint of the checkpoint at `checkpoint`: its `fingerprint.json`, else made from
+    its run's `config.yaml` on `world_size` ranks (the ranks that wrote it); None if neither
+    can be read."""
+    from recsys_pipe.train.checkpoint import saved_config
+    from recsys_pipe.train.config import load_run_config
+
+    try:
+        return RunFingerprint.from_json((checkpoint / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError, KeyError):
+        pass
+    saved = saved_config(checkpoint)
+    if saved is None or world_size is None:
+        return None
+    try:
+        return fingerprint(load_run_config(saved), world_size)
+    except (ConfigError, ValueError, TypeError):
+        return None
