@@ -1,33 +1,56 @@
-"""Ctrl-C while a command starts: a SIGINT handler that remembers the signal as well as raising
-`KeyboardInterrupt`.
+"""Ctrl-C at any moment of a command: a SIGINT handler that remembers the signal as well as
+raising `KeyboardInterrupt`, one that only remembers it, and the pause points of its tests.
 
-Why: some libraries import their optional parts under a bare `except:` (fbgemm-gpu's lookup
-invokers do), which swallows the `KeyboardInterrupt` of a Ctrl-C that lands there; the command
-would then go on and train as if nothing had been pressed. The console scripts install this
-handler before they import anything heavy (`recsys_pipe.entry`), and the start-up calls
+Why remember: some libraries import their optional parts under a bare `except:` (fbgemm-gpu's
+lookup invokers do), which swallows the `KeyboardInterrupt` of a Ctrl-C that lands there; the
+command would then go on and train as if nothing had been pressed. The console scripts install
+this handler before they import anything heavy (`recsys_pipe.entry`), and the start-up calls
 `raise_if_received()` at the points where it hands SIGINT over to training's own handling, so a
-swallowed Ctrl-C still ends the start. Imports nothing but `signal`: it must be cheap to load.
+swallowed Ctrl-C still ends the start. Once a command's outcome is decided (its check passed,
+its run recorded), a Ctrl-C no longer raises but is still remembered (`record`), and the
+command exits 130 (`exit_code`): never ignored, so `scripts/train.sh` does not go on to torchrun.
+
+Imports nothing but the standard library: it must be cheap to load.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import time
 from types import FrameType
 
-__all__ = ["install", "raise_if_received"]
+__all__ = ["PAUSE_ENV", "exit_code", "install", "pause_point", "raise_if_received", "record"]
+
+#: Ctrl-C (SIGINT): 128 + 2, as `recsys_pipe.runtime.failures.EXIT_INTERRUPTED`
+_EXIT_INTERRUPTED = 130
+#: names a moment (`pause_point`) at which a command waits, for the tests that Ctrl-C it there
+PAUSE_ENV = "RECSYS_PIPE_PAUSE_AT"
+#: how long a pause point waits (a test's signal arrives within milliseconds of the line)
+_PAUSE_S = 3.0
 
 _received = False
 
 
-def _remember_and_raise(signum: int, frame: FrameType | None) -> None:
+def _remember(signum: int, frame: FrameType | None) -> None:
     global _received
     _received = True
+
+
+def _remember_and_raise(signum: int, frame: FrameType | None) -> None:
+    _remember(signum, frame)
     raise KeyboardInterrupt
 
 
 def install() -> None:
     """Make SIGINT raise `KeyboardInterrupt` (as Python's default) and remember that it came."""
     signal.signal(signal.SIGINT, _remember_and_raise)
+
+
+def record() -> None:
+    """Make SIGINT only remember that it came (a command finishing: `exit_code` says 130)."""
+    signal.signal(signal.SIGINT, _remember)
 
 
 def raise_if_received() -> None:
@@ -37,3 +60,19 @@ def raise_if_received() -> None:
     if _received:
         _received = False
         raise KeyboardInterrupt
+
+
+def exit_code(code: int) -> int:
+    """The command's exit code: 130 for a run that would exit 0 but saw a Ctrl-C it recorded."""
+    return _EXIT_INTERRUPTED if code == 0 and _received else code
+
+
+def pause_point(moment: str) -> None:
+    """Where `$RECSYS_PIPE_PAUSE_AT` names `moment`, say so on stderr (`paused at <moment>`) and
+    wait a few seconds, so that a test sends its Ctrl-C at exactly this moment; a no-op otherwise."""
+    if os.environ.get(PAUSE_ENV) != moment:
+        return
+    print(f"paused at {moment}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + _PAUSE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -96,12 +96,22 @@ class Launch:
     def start(self, prog: str) -> tuple[RunSession, Path | None]:
         """Start this rank's session, agree on the checkpoint to resume from (rank 0's: `latest`
         must mean the same directory on every rank) and, on rank 0, write the run's config.yaml.
-        ConfigError if the requested run directory was taken meanwhile."""
-        import torch.distributed as dist
-
+        ConfigError if the requested run directory was taken meanwhile; SystemExit(130) after a
+        Ctrl-C once the session started (recorded in status.json)."""
         session = RunSession.start(
             prog, self.run.trainer, self.requested, self.run.debug, plan=self.run.pipeline.name, resumed_from=None
         )
+        try:
+            return session, self._started(session)
+        except KeyboardInterrupt:  # Ctrl-C while the session starts: recorded, the group left, 130
+            code = session.interrupted(0, checkpoint=None)
+            raise SystemExit(session.close(code)) from None
+
+    def _started(self, session: RunSession) -> Path | None:
+        """The checkpoint every rank resumes from (rank 0's), and the run's config.yaml and first lines."""
+        import torch.distributed as dist
+
+        _ctrl_c.pause_point("start")
         resume = [self.resume.path if session.info.is_main else None]
         dist.broadcast_object_list(resume, src=0)
         if resume[0] is not None:
@@ -124,7 +134,7 @@ class Launch:
             warning = pipelining_without_effect(self.plan, self.run)
             if warning is not None:
                 log.warning("%s", warning)
-        return session, resume[0]
+        return resume[0]
 
     def build(self, session: RunSession) -> Trainer:
         """The build phase: every part the loop runs on, from the config, once; the trainer over them."""
@@ -179,9 +189,10 @@ def _supervised(launch: Launch, session: RunSession, prog: str, work: Callable[[
 
     trainer = None
     ctrl_c = CtrlC()
-    # what SIGINT does once the handlers below are gone again: nothing (the run's outcome is then
-    # being recorded and the process group left; `run_job` restores Ctrl-C)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what SIGINT does once the handlers below are gone again: it is remembered, and the command
+    # exits 130 (the run's outcome is then being recorded and the process group left; `run_job`
+    # restores Ctrl-C)
+    _ctrl_c.record()
     try:
         # a Ctrl-C asks every rank to stop after a step and checkpoint (130), as SIGTERM does (75),
         # also while the parts are built: the loop stops after its first step; a second Ctrl-C
@@ -221,9 +232,14 @@ def _user_code_owners(run: RunConfig) -> dict[str, str]:
 
 
 def _interrupted(session: RunSession, trainer: Trainer | None) -> int:
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
+    from recsys_pipe.train.checkpoint import find_checkpoints
+
+    previous = signal.getsignal(signal.SIGINT)
+    _ctrl_c.record()  # torchrun forwards a second SIGINT: finish cleaning up (the code is 130 anyway)
     try:
-        code = session.interrupted(trainer.step if trainer is not None else 0)
+        written = find_checkpoints(session.run_dir)  # what was saved before the Ctrl-C (complete ones only)
+        checkpoint = str(written[-1].path) if written else None
+        code = session.interrupted(trainer.step if trainer is not None else 0, checkpoint=checkpoint)
         if trainer is not None:
             trainer.close()
     finally:  # the process goes on (a caller of `run`, the next job): Ctrl-C works again

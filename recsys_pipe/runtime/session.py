@@ -117,14 +117,16 @@ class RunSession:
                 log.warning("exiting with code %d (%s, resumable from %s)", code, state, fields.get("checkpoint"))
         return code
 
-    def interrupted(self, step: int) -> int:
-        """Record a Ctrl-C after `step` (the last completed step; nothing is saved).
+    def interrupted(self, step: int, checkpoint: str | None) -> int:
+        """Record a Ctrl-C that stopped the run at once after `step` (the last completed step):
+        nothing more is saved; `checkpoint` is the newest complete one the run wrote before (or None).
 
         Returns:
             The exit code to end with, `EXIT_INTERRUPTED` (130)."""
-        log.warning("interrupted (Ctrl-C): stopping after step %d, the last completed one; nothing saved", step)
+        saved = f"resumable from {checkpoint}" if checkpoint else "no checkpoint was written"
+        log.warning("interrupted (Ctrl-C): stopping after step %d, the last completed one; %s", step, saved)
         if self.info.is_main:
-            self.status.write("interrupted", exit_code=EXIT_INTERRUPTED, step=step)
+            self.status.write("interrupted", exit_code=EXIT_INTERRUPTED, step=step, checkpoint=checkpoint)
         return EXIT_INTERRUPTED
 
     def failed(self, exc: BaseException, owners: Mapping[str, str] | None = None) -> int:

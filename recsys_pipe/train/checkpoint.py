@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, StrictBool, StrictInt
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.train.checkpoint_errors import writing_checkpoint
 
@@ -395,6 +396,7 @@ class Checkpointer:
                 partial.mkdir(parents=True)
                 for name, text in self.files.items():
                     (partial / name).write_text(text)
+            _ctrl_c.pause_point("checkpoint")
             if dist.is_initialized():
                 dist.barrier(group=self.group)
             if rank_state is not None:  # before DCP's collectives: written once rank 0 publishes

@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
 from recsys_pipe.train.checkpoint import ResumeChoice
@@ -73,6 +74,7 @@ def check_run(
     from recsys_pipe.train.parallel import parallelism_of
 
     run = load_run_config(cfg, schema)
+    _ctrl_c.pause_point("check")
     plan = training_plan(run)
     device = run_device(run.trainer)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
