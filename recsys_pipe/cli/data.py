@@ -6,9 +6,10 @@ with positional paths, not training runs; the work lives in `recsys_pipe.data`).
 - `recsys-data convert sequences SRC DST`: a "user item" file (SASRec) or MovieLens ratings to
   sequence Parquet, one row per user, what `data=parquet_sequences` reads; with `--windows L`,
   one row per window of ratings, what it reads for HSTU ranking.
-- `recsys-data inspect PATH [--world-size N --batch-size B]`: a Parquet data set's schema,
-  rows, row groups and sizes, and each rank's share and the batches per epoch
-  (`recsys_pipe.data.tools.inspect.describe`).
+- `recsys-data inspect PATH [--world-size N --batch-size B] [--scan [key=value ...]]`: a
+  Parquet data set's schema, rows, row groups and sizes, and each rank's share and the batches per
+  epoch (`recsys_pipe.data.tools.inspect.describe`); with `--scan`, every bad row, read with all
+  cores (`recsys_pipe.data.tools.scan`).
 
 A bad input exits 2 with one line `error: <what>: <message>`.
 """
@@ -20,7 +21,7 @@ import json
 import sys
 import time
 
-from recsys_pipe.config import ConfigError
+from recsys_pipe.config import ConfigError, ConfigProblem
 
 __all__ = ["main"]
 
@@ -30,8 +31,21 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 2
 def _inspect(args: argparse.Namespace) -> int:
     from recsys_pipe.data.tools.inspect import describe
 
-    print(describe(args.path if len(args.path) > 1 else args.path[0], args.world_size, args.batch_size))
-    return EXIT_OK
+    paths = [p for p in args.path if "=" not in p]
+    overrides = [p for p in args.path if "=" in p]
+    if not paths:
+        raise ConfigError(ConfigProblem("PATH", "names no file (key=value arguments are overrides of --scan)"))
+    path = paths if len(paths) > 1 else paths[0]
+    if overrides and not args.scan:
+        raise ConfigError(ConfigProblem(overrides[0], "key=value overrides go with --scan"))
+    print(describe(path, args.world_size, args.batch_size))
+    if not args.scan:
+        return EXIT_OK
+    from recsys_pipe.data.tools.scan import scan
+
+    report = scan(path, overrides, args.workers)
+    print(report.text())
+    return EXIT_BAD_INPUT if report.bad_rows else EXIT_OK
 
 
 def _convert_criteo(args: argparse.Namespace) -> int:
@@ -132,11 +146,25 @@ def _parser() -> argparse.ArgumentParser:
         help="schema, rows, row groups and sizes of Parquet files; with --world-size and --batch-size, each "
         "rank's share",
         description="Show a Parquet data set from its footers: schema, rows, row groups, sizes; with --world-size "
-        "and --batch-size also the batches per epoch and each rank's rows.",
+        "and --batch-size also the batches per epoch and each rank's rows; with --scan every bad row.",
     )
-    inspect.add_argument("path", nargs="+", help="file, directory, glob or URI (as data.path)")
+    inspect.add_argument(
+        "path",
+        nargs="+",
+        help="file, directory, glob or URI (as data.path); with --scan also key=value overrides of the training "
+        "config that reads them (a column mapping, model=..., data.num_candidates=...)",
+    )
     inspect.add_argument("--world-size", type=int, metavar="N", help="ranks sharing the data")
     inspect.add_argument("--batch-size", type=int, metavar="B", help="rows per batch per rank (data.batch_size)")
+    inspect.add_argument(
+        "--scan",
+        action="store_true",
+        help="read every row (all cores) with the training source's checks and list every bad row: file, row "
+        "group, row, column (exit 2 if any)",
+    )
+    inspect.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="--scan: processes (default: every core)"
+    )
     inspect.set_defaults(run=_inspect)
     return parser
 
@@ -151,7 +179,11 @@ def _output_options(command: argparse.ArgumentParser, row_group_size: int) -> No
 def main(argv: list[str] | None = None) -> int:
     """Run `recsys-data`; returns its exit code (0 ok, 2 bad input or usage)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "inspect" or any("=" not in e or e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # `inspect PATH --scan key=value ...`: overrides after the options
+        args.path += extra
     if args.command == "inspect":
         if (args.world_size is None) != (args.batch_size is None):
             parser.error("--world-size and --batch-size go together")

@@ -66,6 +66,8 @@ def _fit(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
         "checkpoint": summary.checkpoint,
         "eval": summary.evals[-1] if summary.evals else None,
     }
+    if summary.skipped is not None:  # data.on_bad_row=skip: the bad rows left out, over all ranks
+        fields["skipped_rows"] = summary.skipped
     # a signal during the last checkpoint or evaluation stops nothing more, but is not ignored:
     # the run ends as a stopped one (130 for Ctrl-C, 75 for SIGTERM), its checkpoint recorded
     stopped = summary.stop_reason == PREEMPTED or trainer.stop.requested.is_set()

@@ -59,11 +59,12 @@ from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
 from recsys_pipe.data.in_memory.movielens import NUM_ACTIONS
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.checks import RowProblems, list_column
+from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.sequences import (
+    ItemStats,
     ParquetSequenceKeys,
     PartedStreamSource,
-    _item_vocab,
     _list_chunks,
     _list_type,
     _SequenceDecoder,
@@ -126,15 +127,22 @@ class ParquetRankingDataConfig(ParquetSequenceKeys, SequenceDataConfig):
         if self.max_seq_len is not None and self.num_candidates is not None:
             return self
         cut = _stored_windows(open_parquet(self.path, "data.path"))
-        if cut is None:
-            missing = "data.max_seq_len" if self.max_seq_len is None else "data.num_candidates"
-            raise ConfigError(
+        if cut is None:  # every key missing, and what else the files lack, in one run
+            problems = [
                 ConfigProblem(
-                    missing,
+                    key,
                     f"HSTU ranking needs it: the files record no window cut ({WINDOWS_KEY.decode()}, written by "
                     "`recsys-data convert sequences --windows`)",
                 )
-            )
+                for key, value in (("data.max_seq_len", self.max_seq_len), ("data.num_candidates", self.num_candidates))
+                if value is None
+            ]
+            try:
+                columns, items = self.columns, ItemStats(self.num_items)
+                open_parquet(self.path, "data.path", lambda files: _check_window_columns(files, columns, items))
+            except ConfigError as exc:
+                problems += exc.problems
+            raise ConfigError(problems)
         # set without validating the assignment again (that would run this validator again)
         self.__dict__["max_seq_len"] = self.max_seq_len or cut[0]
         self.__dict__["num_candidates"] = self.num_candidates or cut[1]
@@ -233,6 +241,32 @@ class _WindowDecoder:
         #: the last window's sample ids, ratings (flat) and their offsets
         self._cached: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
+    def validate(self, table: pa.Table) -> RowProblems:
+        """Every row `__call__` would refuse, check by check (`recsys_pipe.data.parquet.checks`):
+        the sequence decoder's, and the ratings', the candidates' and the users' own."""
+        problems = self.sequences.validate(table)
+        items, item_offsets, _ = list_column(table.column(self.sequences.items))
+        ratings, offsets, null_lists = list_column(table.column(self.actions))
+        problems.add(self.actions, null_lists, "a null list")
+        problems.add(self.actions, (np.diff(offsets) != np.diff(item_offsets)) & ~null_lists, "lists of other lengths")
+        nulls = np.asarray(ratings.is_null()) if ratings.null_count else np.zeros(len(ratings), dtype=bool)
+        problems.add_values(self.actions, nulls, offsets, "a null rating")
+        values = ratings.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        action_ids = np.rint(2.0 * values)
+        problems.add_values(
+            self.actions, ~((action_ids >= 0) & (action_ids < NUM_ACTIONS)), offsets, lambda at: _rating(values[at])
+        )
+        short = np.diff(item_offsets) <= self.num_candidates
+        problems.add(
+            self.sequences.items, short, lambda row: _short(int(np.diff(item_offsets)[row]), self.num_candidates)
+        )
+        if self.user_vocab is not None:
+            raw = table.column(self.sequences.user).fill_null(0).to_numpy().astype(np.int64)
+            place = np.minimum(np.searchsorted(self.user_vocab, raw), len(self.user_vocab) - 1)
+            unknown = self.user_vocab[place] != raw
+            problems.add(self.sequences.user, unknown, lambda row: _unknown_user(int(raw[row])))
+        return problems
+
     def serving_features(self) -> dict[str, Any]:
         """Items and users through the stored vocabularies, ratings as action ids (`recsys_pipe.data.serving`)."""
         seq = self.sequences
@@ -256,29 +290,20 @@ class _WindowDecoder:
             ratings = window_ratings[concat_ranges(starts, window_offsets[1:][order] - starts)]
             window_fail = fail
 
-            def part_fail(column: str, message: str, row: int = 0) -> DataFileError:
-                return window_fail(column, message, int(order[row]))
+            def part_fail(column: str, message: str, row: int | None = None) -> DataFileError:
+                return window_fail(column, message, None if row is None else int(order[row]))
 
         n = np.diff(rows.offsets)
         c, length = self.num_candidates, self.max_seq_len
         short = np.flatnonzero(n <= c)
         if len(short):
             row = int(short[0])
-            raise part_fail(
-                self.sequences.items,
-                f"a row of {n[row]} event(s): a sample needs more than data.num_candidates={c} (history, then "
-                "candidates)",
-                row,
-            )
+            raise part_fail(self.sequences.items, _short(int(n[row]), c), row)
         action_ids = np.rint(2.0 * ratings)  # halves to even, as Python's round(), which data=movielens uses
         bad = np.flatnonzero(~((action_ids >= 0) & (action_ids < NUM_ACTIONS)))
         if len(bad):
             at = int(bad[0])
-            raise part_fail(
-                self.actions,
-                f"rating {ratings[at]} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]",
-                _row_of(rows.offsets, at),
-            )
+            raise part_fail(self.actions, _rating(ratings[at]), _row_of(rows.offsets, at))
         users = self._users(rows.users, part_fail)
         keep = np.minimum(n, length)
         gather = concat_ranges(rows.offsets[:-1] + n - keep, keep)
@@ -339,12 +364,54 @@ class _WindowDecoder:
         unknown = np.flatnonzero((dense >= len(vocab)) | (vocab[np.minimum(dense, len(vocab) - 1)] != raw))
         if len(unknown):
             row = int(unknown[0])
-            raise fail(
-                self.sequences.user,
-                f"user id {raw[row]} is not in the stored user vocabulary ({USER_VOCAB_KEY.decode()})",
-                row,
-            )
+            raise fail(self.sequences.user, _unknown_user(int(raw[row])), row)
         return dense.astype(np.int64)
+
+
+def _check_window_columns(files: ParquetFiles, columns: Any, items: ItemStats) -> str | None:
+    """Every missing or wrong column of windows, and a missing item vocabulary, in one
+    ConfigError; returns the timestamp column to read (`check_sequence_columns`)."""
+    found, stamps = Collected(), None
+    with found:
+        stamps = check_sequence_columns(files, columns)
+    with found:
+        items.read(files)
+    with found:
+        if columns.actions is None:
+            raise ConfigError(ConfigProblem("data.columns.actions", "HSTU ranking needs the rating list column"))
+        _check_actions(files, columns.actions)
+    found.raise_all()
+    return stamps
+
+
+def _check_actions(files: ParquetFiles, actions: str) -> None:
+    schema = files.schema
+    i = schema.get_field_index(actions)
+    if i < 0:
+        raise DataFileError(
+            files.key,
+            files.where(0),
+            f"no column {actions!r} (data.columns.actions names it: each event's rating, for HSTU ranking); it "
+            f"has {schema.names}",
+        )
+    t = schema.field(i).type
+    if not (_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+        raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
+
+
+def _short(events: int, num_candidates: int) -> str:
+    return (
+        f"a row of {events} event(s): a sample needs more than data.num_candidates={num_candidates} (history, then "
+        "candidates)"
+    )
+
+
+def _rating(rating: float) -> str:
+    return f"rating {rating} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]"
+
+
+def _unknown_user(user: int) -> str:
+    return f"user id {user} is not in the stored user vocabulary ({USER_VOCAB_KEY.decode()})"
 
 
 def _row_of(offsets: np.ndarray, event: int) -> int:
@@ -377,38 +444,25 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
         raise ConfigError(ConfigProblem("data.columns.actions", "HSTU ranking needs the rating list column"))
     actions: str = c.actions
     stamps: str | None = None
+    items = ItemStats(cfg.num_items)
 
     def check_schema(files: ParquetFiles) -> None:
         nonlocal stamps
-        stamps = check_sequence_columns(files, c)
-        schema = files.schema
-        i = schema.get_field_index(actions)
-        if i < 0:
-            raise DataFileError(
-                files.key,
-                files.where(0),
-                f"no column {actions!r} (data.columns.actions names it: each event's rating, for HSTU ranking); it "
-                f"has {schema.names}",
-            )
-        t = schema.field(i).type
-        if not (_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
-            raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
+        stamps = _check_window_columns(files, c, items)
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:
             raise DataFileError(
                 files.key, files.where(file, group, c.user), f"{stats[c.user].null_count} null user id(s)"
             )
+        items.check(files, file, group, stats.get(c.items), c.items)
         st = stats.get(actions)
         for value in (st.min, st.max) if st is not None else ():
             if value is not None and not 0 <= round(2 * float(value)) < NUM_ACTIONS:
-                raise DataFileError(
-                    files.key,
-                    files.where(file, group, actions),
-                    f"rating {value} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]",
-                )
+                raise DataFileError(files.key, files.where(file, group, actions), _rating(value))
 
-    files = open_parquet(cfg.path, "data.path", check_schema, check_stats, stats_columns=[c.user, actions])
+    stats = None if cfg.on_bad_row == "skip" else check_stats  # skipped as decoded, then
+    files = open_parquet(cfg.path, "data.path", check_schema, stats, stats_columns=[c.user, c.items, actions])
     cut = _stored_windows(files)
     if cut is not None and cut != (cfg.max_seq_len, cfg.num_candidates):
         raise ConfigError(
@@ -419,7 +473,7 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
                 "set those (or null), or convert again with other --windows / --num-candidates",
             )
         )
-    vocab, num_items = _item_vocab(files, cfg.num_items)
+    vocab, num_items = items.vocab, items.num_items
     users = _user_vocab(files) if cfg.use_user_feature else None
     vocab_sizes = {ITEM_KEY: num_items, ACTION_KEY: NUM_ACTIONS}
     if users is not None:

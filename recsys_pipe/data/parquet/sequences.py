@@ -69,7 +69,8 @@ from recsys_pipe.data.in_memory.sequences import (
 )
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.checks import RowProblems, list_column, null_rows
+from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.stream import (
     Alloc,
     EpochOrder,
@@ -86,6 +87,7 @@ from recsys_pipe.data.source import DataConfig
 __all__ = [
     "ITEM_VOCAB_KEY",
     "RETRIEVAL_MAX_SEQ_LEN",
+    "ItemStats",
     "ParquetSequenceKeys",
     "ParquetSequencesDataConfig",
     "PartedStreamSource",
@@ -454,6 +456,37 @@ class _SequenceDecoder:
         self._cached: _Columns | None = None
         self._arrays = ReusedArrays()
 
+    def validate(self, table: pa.Table) -> RowProblems:
+        """Every row `__call__` would refuse, check by check (`recsys_pipe.data.parquet.checks`)."""
+        problems = RowProblems(table.num_rows)
+        problems.add(self.user, null_rows(table.column(self.user)), "a null user id")
+        flat, offsets, null_lists = list_column(table.column(self.items))
+        problems.add(self.items, null_lists, "a null list of item ids")
+        nulls = np.asarray(flat.is_null()) if flat.null_count else np.zeros(len(flat), dtype=bool)
+        problems.add_values(self.items, nulls, offsets, "a null item id")
+        raw = flat.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        problems.add_values(self.items, self._unknown(raw), offsets, lambda at: self._unknown_message(int(raw[at])))
+        if self.stamps is not None:
+            stamps, stamp_offsets, null_stamps = list_column(table.column(self.stamps))
+            problems.add(self.stamps, null_stamps, "a null list of timestamps")
+            bad = np.diff(stamp_offsets) != np.diff(offsets)
+            problems.add(self.stamps, bad & ~null_stamps, f"a list of another length than {self.items!r}'s")
+            stamp_nulls = np.asarray(stamps.is_null()) if stamps.null_count else np.zeros(len(stamps), dtype=bool)
+            problems.add_values(self.stamps, stamp_nulls, stamp_offsets, "a null timestamp")
+        return problems
+
+    def _unknown(self, raw: np.ndarray) -> np.ndarray:
+        """The raw item ids the decoder cannot map: not in the vocabulary, or outside [0, num_items)."""
+        if self.vocab is None:
+            return (raw < 0) | (raw >= self.num_items)
+        place = np.minimum(np.searchsorted(self.vocab, raw), len(self.vocab) - 1)
+        return self.vocab[place] != raw
+
+    def _unknown_message(self, raw: int) -> str:
+        if self.vocab is None:
+            return f"item id {raw} outside [0, data.num_items={self.num_items})"
+        return f"item id {raw} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})"
+
     def copy(self) -> _SequenceDecoder:
         """A decoder of the same columns with a cache and arrays of its own."""
         other = copy.copy(self)
@@ -537,13 +570,13 @@ class _SequenceDecoder:
             unknown = (out >= len(self.vocab)) | (self.vocab[np.minimum(out, len(self.vocab) - 1)] != raw)
         if unknown is not None and unknown.any():
             bad, row = _first_bad(raw, unknown, at, offsets)
-            raise fail(self.items, f"item id {bad} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})", row)
+            raise fail(self.items, self._unknown_message(bad), row)
 
     def _check_range(self, raw: np.ndarray, at: int, offsets: np.ndarray, fail: Fail) -> None:
         """Dense ids as they are (no vocabulary): in `[0, num_items)`."""
         if raw.size and (raw.min() < 0 or raw.max() >= self.num_items):
             bad, row = _first_bad(raw, (raw < 0) | (raw >= self.num_items), at, offsets)
-            raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
+            raise fail(self.items, self._unknown_message(bad), row)
 
 
 def _first_bad(raw: np.ndarray, bad: np.ndarray, at: int, offsets: np.ndarray) -> tuple[int, int]:
@@ -573,32 +606,45 @@ def _list_chunks(column: pa.ChunkedArray, fail: Fail, name: str, what: str) -> t
 
 
 class _Rows:
-    """Random access to users by global position (evaluation, dumps), one row group cached."""
+    """Random access to users by global position (evaluation, dumps), one row group cached.
+    With `skip` (`data.on_bad_row=skip`), a bad user is None (evaluation padding)."""
 
-    def __init__(self, files: ParquetFiles, decoder: _SequenceDecoder) -> None:
+    def __init__(self, files: ParquetFiles, decoder: _SequenceDecoder, skip: bool = False) -> None:
         self.files, self.decoder = files, decoder.copy()  # its rows are kept while training decodes
+        self.skip = skip
         units = files.units()
         self.first = units[:, 2]
         self.units = units
-        self._cached: tuple[int, UserRows] | None = None
+        #: the cached row group: its number, its (good) users, and each row's place among them (-1: bad)
+        self._cached: tuple[int, UserRows, np.ndarray] | None = None
 
-    def user(self, row: int) -> tuple[int, np.ndarray, np.ndarray]:
+    def user(self, row: int) -> tuple[int, np.ndarray, np.ndarray] | None:
         """(raw user id, dense items, timestamps) of the user at global position `row`."""
         u = int(np.searchsorted(self.first, row, side="right")) - 1
         if self._cached is None or self._cached[0] != u:
-            file, group, first = (int(x) for x in self.units[u])
-            files = self.files
-
-            def fail(column: str, message: str, row: int = 0) -> DataFileError:
-                return DataFileError(files.key, files.where(file, group, column), message)
-
-            table = files.read(file, group, self.decoder.columns)
-            ids = np.arange(first, first + table.num_rows, dtype=np.int64)
-            self._cached = (u, self.decoder(table, ids, None, fail))
-        rows = self._cached[1]
-        i = row - int(self.first[u])
+            self._cached = (u, *self._group(u))
+        _, rows, place = self._cached
+        i = int(place[row - int(self.first[u])])
+        if i < 0:
+            return None
         lo, hi = rows.offsets[i], rows.offsets[i + 1]
         return int(rows.users[i]), rows.items[lo:hi], rows.stamps[lo:hi]
+
+    def _group(self, u: int) -> tuple[UserRows, np.ndarray]:
+        file, group, first = (int(x) for x in self.units[u])
+        files = self.files
+        table = files.read(file, group, self.decoder.columns)
+        good = ~self.decoder.validate(table).bad if self.skip else np.ones(table.num_rows, dtype=bool)
+        at = np.flatnonzero(good)
+
+        def fail(column: str, message: str, row: int | None = None) -> DataFileError:
+            return DataFileError(
+                files.key, files.where(file, group, column, None if row is None else int(at[row])), message
+            )
+
+        ids = np.arange(first, first + table.num_rows, dtype=np.int64)[good]
+        table = table if good.all() else table.filter(pa.array(good))
+        return self.decoder(table, ids, None, fail), np.where(good, np.cumsum(good) - 1, -1)
 
 
 class _RawUsers:
@@ -607,8 +653,9 @@ class _RawUsers:
     def __init__(self, rows: _Rows) -> None:
         self.rows = rows
 
-    def __getitem__(self, user: int) -> int:
-        return self.rows.user(user)[0]
+    def __getitem__(self, user: int) -> int | None:
+        found = self.rows.user(user)
+        return None if found is None else found[0]
 
 
 #: users of a window that a worker turns into training rows at a time: a length-200 user's
@@ -623,8 +670,10 @@ class _Windows(WindowDataset):
     can span), so each part of a window reads none of them again (with one worker the parts of a
     window reach it in turn; with several, each worker reads the window's groups once)."""
 
-    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: _SequenceDecoder, window: int) -> None:
-        super().__init__(files, order, decoder)
+    def __init__(
+        self, files: ParquetFiles, order: EpochOrder, decoder: _SequenceDecoder, window: int, skip: bool = False
+    ) -> None:
+        super().__init__(files, order, decoder, skip)
         self._groups: dict[tuple[int, int], pa.Table] = {}
         self._keep_rows = window + 2 * int(files.unit_rows().max(initial=0))
 
@@ -677,7 +726,8 @@ class PartedStreamSource(StreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(eval_batches)
-        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)  # type: ignore[arg-type]
+        skip = self.train_windows.skip
+        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window, skip)  # type: ignore[arg-type]
 
     @property
     def piece_rows(self) -> int:
@@ -706,7 +756,7 @@ class ParquetSequences(PartedStreamSource):
         self.seed, self.max_seq_len = cfg.seed, cfg.max_seq_len
         self.eval_negatives, self.full_eval = cfg.eval_negatives, cfg.full_eval
         self.raw_items = decoder.vocab if decoder.vocab is not None else np.arange(decoder.num_items)
-        self._rows = _Rows(files, decoder)
+        self._rows = _Rows(files, decoder, skip=cfg.on_bad_row == "skip")
         self.raw_users = _RawUsers(self._rows)
 
     def prepare(self, eval_batches: int) -> None:
@@ -729,7 +779,9 @@ class ParquetSequences(PartedStreamSource):
         """Each user's row (by global position) cut before its held-out item of `split`."""
         rows = []
         for user in map(int, sample_ids):
-            raw_user, seq, stamps = self._rows.user(user)
+            found = self._rows.user(user)
+            assert found is not None  # a held-out sample is never a skipped row
+            raw_user, seq, stamps = found
             raw = self.raw_items[seq].tolist()
             has_timestamps = self.decoder.stamps is not None  # type: ignore[attr-defined]
             rows.append(retrieval_row(raw_user, raw, stamps.tolist(), split, has_timestamps, self.columns))
@@ -741,11 +793,17 @@ class ParquetSequences(PartedStreamSource):
 
     def held_out(self, user: int, split: str) -> int:
         """The dense id of `user`'s held-out item of `split`."""
-        return int(self._rows.user(user)[1][-2 if split == "valid" else -1])
+        found = self._rows.user(user)
+        assert found is not None, f"user {user} was skipped as bad, so it has no held-out item"
+        return int(found[1][-2 if split == "valid" else -1])
 
     def eval_sample(self, user: int, split: str) -> RetrievalSample | None:
-        """`user`'s evaluation sample of `split` (`SequencesDataset.eval_sample`), None below 3 items."""
-        _, seq, stamps = self._rows.user(user)
+        """`user`'s evaluation sample of `split` (`SequencesDataset.eval_sample`), None below 3
+        items or for a bad row skipped (`data.on_bad_row=skip`)."""
+        found = self._rows.user(user)
+        if found is None:
+            return None
+        _, seq, stamps = found
         if len(seq) < 3:
             return None
         end = len(seq) - (2 if split == "valid" else 1)
@@ -798,6 +856,34 @@ class _EvalSplit(Dataset[RetrievalSample]):
         return sample
 
 
+class ItemStats:
+    """The item vocabulary of sequence files (read with the first file's schema) and the check of
+    each row group's item statistics against it: an item id below or above every id it holds
+    (or outside `[0, data.num_items)` without one) is refused before the start."""
+
+    def __init__(self, num_items: int | None) -> None:
+        self.configured = num_items
+        self.vocab: np.ndarray | None = None
+        self.num_items = 0
+
+    def read(self, files: ParquetFiles) -> None:
+        self.vocab, self.num_items = _item_vocab(files, self.configured)
+
+    def check(self, files: ParquetFiles, file: int, group: int, st: RowGroupStats | None, column: str) -> None:
+        if st is None or not isinstance(st.min, int) or not isinstance(st.max, int):
+            return
+        low, high = (0, self.num_items - 1) if self.vocab is None else (int(self.vocab[0]), int(self.vocab[-1]))
+        outside = st.min if st.min < low else st.max if st.max > high else None
+        if outside is not None:
+            where = files.where(file, group, column)
+            message = (
+                f"item id {outside} outside [0, data.num_items={self.num_items})"
+                if self.vocab is None
+                else f"item id {outside} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})"
+            )
+            raise DataFileError(files.key, where, f"{message} (its statistics)")
+
+
 def _item_vocab(files: ParquetFiles, num_items: int | None) -> tuple[np.ndarray | None, int]:
     stored = files.metadata.get(ITEM_VOCAB_KEY)
     if stored is not None:
@@ -835,13 +921,17 @@ def check_sequence_columns(files: ParquetFiles, columns: SequenceColumns) -> str
             want = "a list of integers" if list_column else "an integer"
             raise DataFileError(files.key, files.where(0, column=name), f"must be {want}, it is {t}")
 
-    require(columns.user, False)
-    require(columns.items, True)
+    found = Collected()  # every missing or wrong column in one run
+    for name, is_list in ((columns.user, False), (columns.items, True)):
+        with found:
+            require(name, is_list)
     stamps = columns.timestamps
     if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
-        return None  # the default name, absent: positions stand in for time
-    if stamps is not None:
-        require(stamps, True)
+        stamps = None  # the default name, absent: positions stand in for time
+    elif stamps is not None:
+        with found:
+            require(stamps, True)
+    found.raise_all()
     return stamps
 
 
@@ -851,19 +941,27 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
     cfg = cfg.as_kind(SequencesDataConfig)  # type: ignore[assignment]
     c = cfg.columns
     stamps = c.timestamps
+    items = ItemStats(cfg.num_items)
 
     def check_schema(files: ParquetFiles) -> None:
         nonlocal stamps
-        stamps = check_sequence_columns(files, c)
+        found = Collected()
+        with found:
+            stamps = check_sequence_columns(files, c)
+        with found:
+            items.read(files)
+        found.raise_all()
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:
             raise DataFileError(
                 files.key, files.where(file, group, c.user), f"{stats[c.user].null_count} null user id(s)"
             )
+        items.check(files, file, group, stats.get(c.items), c.items)
 
-    files = open_parquet(cfg.path, "data.path", check_schema, check_stats, stats_columns=[c.user])
-    vocab, num_items = _item_vocab(files, cfg.num_items)
+    stats = None if cfg.on_bad_row == "skip" else check_stats  # skipped as decoded, then
+    files = open_parquet(cfg.path, "data.path", check_schema, stats, stats_columns=[c.user, c.items])
+    vocab, num_items = items.vocab, items.num_items
     if cfg.eval_negatives > num_items - 1:
         raise ConfigError(
             ConfigProblem(
