@@ -35,6 +35,7 @@ from recsys_pipe.cli.hydra_adapter import (
     hydra_main,
     hydra_runtime,
     parse_hydra_args,
+    quoted_home,
     sweep_jobs,
 )
 from recsys_pipe.cli.reporting import debug_requested, first_to_report, report_config_error
@@ -182,7 +183,7 @@ class HydraApp:
         argv = list(sys.argv[1:] if argv is None else argv)
         self._keep_going = KEEP_GOING in argv
         self._check_only = CHECK_ONLY in argv
-        argv = [a for a in argv if a not in (KEEP_GOING, CHECK_ONLY)]
+        argv = [quoted_home(a) for a in argv if a not in (KEEP_GOING, CHECK_ONLY)]
         try:
             checked = self._check_jobs(argv)
         except UserCodeError as exc:  # `--check` ran the user's builder, which raised

@@ -72,6 +72,7 @@ def _convert_sequences(args: argparse.Namespace) -> int:
             csv=csv,
             windows=args.windows,
             num_candidates=args.num_candidates,
+            rating_scale=args.rating_scale,
         )
     ]
     return _report(files, time.perf_counter() - start)
@@ -109,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
         "sequences",
         help='"user item" lines (SASRec) or MovieLens ratings -> sequence Parquet (one row per user)',
         description="Convert an interactions file to sequence Parquet (read by data=parquet_sequences): user_id, "
-        "item_ids (chronological), timestamps and actions (the ratings) where the file has them.",
+        "item_ids (chronological), timestamps and actions (the ratings) where the file has them. Text ids (u17, "
+        "B00005N7P0) are numbered in sorted order, their texts kept in the metadata.",
     )
     seqs.add_argument("src", metavar="SRC", help="ratings.dat, ratings.csv, or a 'user item' file")
     seqs.add_argument("dst", metavar="DST", help="output directory (created if missing)")
@@ -138,6 +140,13 @@ def _parser() -> argparse.ArgumentParser:
         default=4,
         metavar="C",
         help="with --windows: trailing ratings of a window that are ranked (data.num_candidates; default 4)",
+    )
+    seqs.add_argument(
+        "--rating-scale",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="ratings lie in (0, S] (default 5, MovieLens's stars); HSTU ranking reads data.thresholds in this scale",
     )
     seqs.set_defaults(run=_convert_sequences)
 

@@ -31,11 +31,11 @@ PROG = "recsys-export"
 
 def parse_overrides(items: Sequence[str]) -> tuple[str | None, dict[str, object]]:
     """`checkpoint=step_N` and `key=value` overrides (values as Hydra's grammar reads them)."""
-    from recsys_pipe.cli.hydra_adapter import parse_override_value
+    from recsys_pipe.cli.hydra_adapter import parse_override_value, quoted_home
 
     checkpoint, overrides = None, {}
     for item in items:
-        key, sep, value = item.partition("=")
+        key, sep, value = quoted_home(item).partition("=")
         if not sep or not key:
             raise ConfigError(ConfigProblem(item, "expected key=value (e.g. checkpoint=step_100, data.path=...)"))
         try:

@@ -33,7 +33,7 @@ import torch
 from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validator
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from recsys_pipe.config import Component, ConfigError, ConfigProblem
+from recsys_pipe.config import Component, ConfigError, ConfigProblem, home_expanded
 from recsys_pipe.data.batch import DataSpec
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ __all__ = [
 
 
 def readable_file(path: str) -> str:
-    """`path` if it is a readable file, else ValueError (for a `data.path` field validator)."""
+    """`path` (`~` expanded) if it is a readable file, else ValueError (for a `data.path` field validator)."""
+    path = home_expanded(path)
     if os.path.isdir(path):
         raise ValueError(f"{path} is a directory; data.path names a file")
     if not os.path.isfile(path):

@@ -87,6 +87,9 @@ class TrainedModel:
 def resolve_checkpoint(run_dir: Path, name: str | None) -> Path:
     """The run's newest complete checkpoint, or the one `name`d (`step_N`); ConfigError at
     `checkpoint` otherwise."""
+    if not run_dir.is_dir():
+        what = "no such directory" if not run_dir.exists() else "not a directory"
+        raise ConfigError(ConfigProblem("run_dir", f"{run_dir}: {what}"))
     found = find_checkpoints(run_dir)
     if not found:
         raise ConfigError(ConfigProblem("run_dir", f"{run_dir} holds no complete checkpoint (checkpoints/step_<N>/)"))
@@ -118,7 +121,7 @@ def load_trained_model(
     unsharded from the run's config and loaded with every table gathered from its shards."""
     import torch.distributed.checkpoint as dcp
 
-    run_dir = Path(run_dir)
+    run_dir = Path(os.path.expanduser(str(run_dir)))
     path = resolve_checkpoint(run_dir, checkpoint)
     run = load_run(run_dir, path, overrides or {})
     parallelism_of(run).check_export()

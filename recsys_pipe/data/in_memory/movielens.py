@@ -31,7 +31,7 @@ from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sam
 from recsys_pipe.data.serving import RATING_ACTIONS, SEQUENCE_COLUMNS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig, readable_file
 from recsys_pipe.data.text.files import fail
-from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, read_interaction_columns
+from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, has_string_ids, read_interaction_columns
 
 __all__ = ["MovieLensDataConfig", "MovieLensDataset", "movielens_dataset", "read_ratings"]
 
@@ -61,7 +61,7 @@ def read_ratings(path: str | Path, csv: CsvConfig | None = None) -> list[Rating]
     missing = [r for r in ("rating", "timestamp") if r not in layout.roles]
     if missing:
         _fail(path, 1, f"no {' and no '.join(missing)} column (columns: {list(layout.roles)}); {_LAYOUT}")
-    columns = read_interaction_columns(path, layout, _LAYOUT)
+    columns = read_interaction_columns(path, layout, _LAYOUT, string_ids=has_string_ids(path, layout))
     if not len(columns):
         _fail(path, None, "the file has no ratings (header only)")
     assert columns.rating is not None and columns.timestamp is not None

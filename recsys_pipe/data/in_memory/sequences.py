@@ -61,7 +61,7 @@ from recsys_pipe.data.batch import DataSpec, TensorBatch, jagged_select, kjt_con
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.serving import id_record, retrieval_features, retrieval_row
 from recsys_pipe.data.source import DataConfig, readable_file
-from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, read_interaction_columns
+from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, has_string_ids, read_interaction_columns
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -116,16 +116,21 @@ class Interactions:
     ratings: list[list[float]] | None = None
 
 
-def read_interactions(path: str | Path, csv: CsvConfig | None = None) -> Interactions:
+def read_interactions(
+    path: str | Path, csv: CsvConfig | None = None, rating_scale: float = 5.0, string_ids: bool | None = None
+) -> Interactions:
     """Parse a "user item" file, a MovieLens ratings file or another delimited file (`csv`) into
     per-user sequences: with a timestamp column, each user's events sorted by (timestamp, item);
-    without, in file order.
+    without, in file order. Ratings in (0, `rating_scale`]; user and item ids integers, or text
+    with `string_ids` (None: text where the file's first lines hold an id that is not an integer).
 
     A bad file is a `ConfigError` at `data.path` naming the file and line (`recsys-train` exits 2).
     """
     path = str(path)
     layout = detect_layout(path, csv or CsvConfig(), _LAYOUT)
-    columns = read_interaction_columns(path, layout, _LAYOUT) if layout.roles else None
+    if string_ids is None:
+        string_ids = bool(layout.roles) and has_string_ids(path, layout)
+    columns = read_interaction_columns(path, layout, _LAYOUT, rating_scale, string_ids) if layout.roles else None
     if columns is None or not len(columns):
         _fail(path, None, f"the file has no interactions; {_LAYOUT}")
     stamps = columns.timestamp

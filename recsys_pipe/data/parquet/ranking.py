@@ -1,5 +1,5 @@
 """`data=parquet_sequences` for HSTU ranking: windows of user interactions streamed from Parquet,
-with `data=movielens`'s keys, samples and labels (`model=hstu`, `hstu_small`).
+with `data=movielens`'s keys, samples and labels (`model=hstu_small`).
 
 A model that trains on `Sample` sources (`SequenceDataConfig`, its `ModelConfig.data_kind`) gets
 `data=parquet_sequences` as a `ParquetRankingDataConfig` (`ParquetSequencesDataConfig.as_kind`);
@@ -62,6 +62,8 @@ from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.checks import RowProblems, list_column
 from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.sequences import (
+    RATING_SCALE_KEY,
+    WINDOWS_KEY,
     ItemStats,
     ParquetSequenceKeys,
     PartedStreamSource,
@@ -85,7 +87,6 @@ __all__ = [
 ]
 
 USER_VOCAB_KEY = b"recsys-pipe/users"
-WINDOWS_KEY = b"recsys-pipe/windows"
 
 
 def user_vocab_metadata(raw_users: np.ndarray) -> dict[bytes, bytes]:
@@ -232,9 +233,16 @@ class _WindowDecoder:
     its next part), the ratings here (kept alike)."""
 
     def __init__(
-        self, cfg: ParquetRankingDataConfig, sequences: _SequenceDecoder, actions: str, users: np.ndarray | None
+        self,
+        cfg: ParquetRankingDataConfig,
+        sequences: _SequenceDecoder,
+        actions: str,
+        users: np.ndarray | None,
+        rating_scale: float = 5.0,
     ) -> None:
         self.sequences, self.actions, self.user_vocab = sequences, actions, users
+        #: a rating's action id is `rint(factor * rating)`: 2 for MovieLens's five stars, in [0, 10] on any scale
+        self.factor = action_factor(rating_scale)
         self.columns = [*sequences.columns, actions]
         self.max_seq_len, self.num_candidates = int(cfg.max_seq_len), int(cfg.num_candidates)  # type: ignore[arg-type]
         self.thresholds = np.asarray(cfg.thresholds, dtype=np.float64)
@@ -252,9 +260,12 @@ class _WindowDecoder:
         nulls = np.asarray(ratings.is_null()) if ratings.null_count else np.zeros(len(ratings), dtype=bool)
         problems.add_values(self.actions, nulls, offsets, "a null rating")
         values = ratings.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
-        action_ids = np.rint(2.0 * values)
+        action_ids = np.rint(self.factor * values)
         problems.add_values(
-            self.actions, ~((action_ids >= 0) & (action_ids < NUM_ACTIONS)), offsets, lambda at: _rating(values[at])
+            self.actions,
+            ~((action_ids >= 0) & (action_ids < NUM_ACTIONS)),
+            offsets,
+            lambda at: _rating(values[at], self.factor),
         )
         short = np.diff(item_offsets) <= self.num_candidates
         problems.add(
@@ -270,15 +281,22 @@ class _WindowDecoder:
     def serving_features(self) -> dict[str, Any]:
         """Items and users through the stored vocabularies, ratings as action ids (`recsys_pipe.data.serving`)."""
         seq = self.sequences
-        vocab = seq.vocab
-        items = id_record("as_is", seq.num_items) if vocab is None else id_record("vocabulary", len(vocab), vocab)
-        users = None if self.user_vocab is None else id_record("vocabulary", len(self.user_vocab), self.user_vocab)
+        items = seq.items_record()
+        users = None
+        if self.user_vocab is not None:
+            names = seq.user_names
+            users = id_record("vocabulary", len(self.user_vocab), self.user_vocab if names is None else names)
         columns = {"user": seq.user, "items": seq.items, "actions": self.actions}
         if seq.stamps is not None:
             columns["timestamps"] = seq.stamps
+        actions = {**RATING_ACTIONS, "transform": {"kind": "scaled_round", "scale": self.factor}}
         return sequence_features(
-            items, RATING_ACTIONS, seq.stamps is not None, self.max_seq_len, self.num_candidates, users, columns
+            items, actions, seq.stamps is not None, self.max_seq_len, self.num_candidates, users, columns
         )
+
+    def named_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A row as read, its numbered ids as the texts they were (`_SequenceDecoder.named_row`)."""
+        return self.sequences.named_row(row)
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> WindowRows:
         window_ratings, window_offsets = self._ratings(table, sample_ids, fail)
@@ -299,11 +317,11 @@ class _WindowDecoder:
         if len(short):
             row = int(short[0])
             raise part_fail(self.sequences.items, _short(int(n[row]), c), row)
-        action_ids = np.rint(2.0 * ratings)  # halves to even, as Python's round(), which data=movielens uses
+        action_ids = np.rint(self.factor * ratings)  # halves to even, as Python's round(), which data=movielens uses
         bad = np.flatnonzero(~((action_ids >= 0) & (action_ids < NUM_ACTIONS)))
         if len(bad):
             at = int(bad[0])
-            raise part_fail(self.actions, _rating(ratings[at]), _row_of(rows.offsets, at))
+            raise part_fail(self.actions, _rating(ratings[at], self.factor), _row_of(rows.offsets, at))
         users = self._users(rows.users, part_fail)
         keep = np.minimum(n, length)
         gather = concat_ranges(rows.offsets[:-1] + n - keep, keep)
@@ -406,8 +424,13 @@ def _short(events: int, num_candidates: int) -> str:
     )
 
 
-def _rating(rating: float) -> str:
-    return f"rating {rating} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]"
+def action_factor(rating_scale: float) -> float:
+    """What a rating is multiplied by for its action id: `(NUM_ACTIONS - 1) / scale` (2.0 on 5 stars)."""
+    return (NUM_ACTIONS - 1) / rating_scale
+
+
+def _rating(rating: float, factor: float = 2.0) -> str:
+    return f"rating {rating} gives the action id round({factor:g} * rating) outside [0, {NUM_ACTIONS - 1}]"
 
 
 def _unknown_user(user: int) -> str:
@@ -416,6 +439,12 @@ def _unknown_user(user: int) -> str:
 
 def _row_of(offsets: np.ndarray, event: int) -> int:
     return int(np.searchsorted(offsets, event, side="right")) - 1
+
+
+def rating_scale(files: ParquetFiles) -> float:
+    """The scale of the files' ratings, `(0, scale]` (`RATING_SCALE_KEY`; absent: 5 stars)."""
+    stored = files.metadata.get(RATING_SCALE_KEY)
+    return float(stored) if stored is not None else 5.0
 
 
 def _user_vocab(files: ParquetFiles) -> np.ndarray:
@@ -446,9 +475,12 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
     stamps: str | None = None
     items = ItemStats(cfg.num_items)
 
+    factor = action_factor(5.0)
+
     def check_schema(files: ParquetFiles) -> None:
-        nonlocal stamps
+        nonlocal stamps, factor
         stamps = _check_window_columns(files, c, items)
+        factor = action_factor(rating_scale(files))
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:
@@ -458,8 +490,8 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
         items.check(files, file, group, stats.get(c.items), c.items)
         st = stats.get(actions)
         for value in (st.min, st.max) if st is not None else ():
-            if value is not None and not 0 <= round(2 * float(value)) < NUM_ACTIONS:
-                raise DataFileError(files.key, files.where(file, group, actions), _rating(value))
+            if value is not None and not 0 <= round(factor * float(value)) < NUM_ACTIONS:
+                raise DataFileError(files.key, files.where(file, group, actions), _rating(value, factor))
 
     stats = None if cfg.on_bad_row == "skip" else check_stats  # skipped as decoded, then
     files = open_parquet(cfg.path, "data.path", check_schema, stats, stats_columns=[c.user, c.items, actions])
@@ -479,5 +511,6 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
     if users is not None:
         vocab_sizes[USER_KEY] = len(users)
     spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
-    decoder = _WindowDecoder(cfg, _SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
+    sequences = _SequenceDecoder(cfg, vocab, num_items, stamps, names=files)  # type: ignore[arg-type]
+    decoder = _WindowDecoder(cfg, sequences, actions, users, rating_scale(files))  # type: ignore[arg-type]
     return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +57,15 @@ import torch
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch.utils.data import Dataset, get_worker_info
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
+from recsys_pipe.config import (
+    ConfigError,
+    ConfigProblem,
+    Section,
+    builder_field,
+    home_expanded,
+    import_fn,
+    validate_section,
+)
 from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.data.in_memory.sequences import (
     INPUT_KEY,
@@ -85,7 +94,11 @@ from recsys_pipe.data.serving import SEQUENCE_COLUMNS, id_record, retrieval_feat
 from recsys_pipe.data.source import DataConfig
 
 __all__ = [
+    "ITEM_NAMES_KEY",
     "ITEM_VOCAB_KEY",
+    "RATING_SCALE_KEY",
+    "USER_NAMES_KEY",
+    "WINDOWS_KEY",
     "RETRIEVAL_MAX_SEQ_LEN",
     "ItemStats",
     "ParquetSequenceKeys",
@@ -94,10 +107,30 @@ __all__ = [
     "SequenceColumns",
     "check_sequence_columns",
     "item_vocab_metadata",
+    "names_metadata",
     "parquet_sequences_dataset",
+    "stored_names",
 ]
 
 ITEM_VOCAB_KEY = b"recsys-pipe/items"
+#: text ids: the file holds their numbers, these keys their texts in that order (a JSON list)
+ITEM_NAMES_KEY, USER_NAMES_KEY = b"recsys-pipe/item-names", b"recsys-pipe/user-names"
+#: the ratings' scale, `(0, scale]` (text; absent: 5, MovieLens's stars)
+RATING_SCALE_KEY = b"recsys-pipe/rating-scale"
+#: the window cut of files whose rows are windows, for HSTU ranking (`recsys_pipe.data.parquet.ranking`)
+WINDOWS_KEY = b"recsys-pipe/windows"
+
+
+def names_metadata(users: Sequence[str], items: Sequence[str]) -> dict[bytes, bytes]:
+    """The key-value metadata of text ids: the users' and the items' texts, in the order of their
+    numbers (a converter numbers text ids in sorted order)."""
+    return {USER_NAMES_KEY: json.dumps(list(users)).encode(), ITEM_NAMES_KEY: json.dumps(list(items)).encode()}
+
+
+def stored_names(files: ParquetFiles, key: bytes) -> list[str] | None:
+    """The texts of the ids numbered by a converter (`names_metadata`), or None."""
+    stored = files.metadata.get(key)
+    return None if stored is None else json.loads(stored)
 
 
 def item_vocab_metadata(raw_items: np.ndarray) -> dict[bytes, bytes]:
@@ -169,7 +202,7 @@ class ParquetSequenceKeys(Section):
     def _readable_file(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("an empty list names no file")
-        return value
+        return home_expanded(value)
 
     # replaces a parent's check of num_candidates against max_seq_len: either may be null here
     @field_validator("num_candidates")
@@ -437,8 +470,12 @@ class _SequenceDecoder:
         num_items: int,
         stamps: str | None,
         negatives_per_target: int = 1,
+        names: ParquetFiles | None = None,
     ):
         c = cfg.columns
+        #: the texts of ids a converter numbered (`names_metadata`), read from `names`' metadata
+        self.item_names = None if names is None else stored_names(names, ITEM_NAMES_KEY)
+        self.user_names = None if names is None else stored_names(names, USER_NAMES_KEY)
         self.user, self.items, self.stamps = c.user, c.items, stamps
         self.columns = [c.user, c.items] + ([stamps] if stamps else [])
         self.vocab, self.num_items = vocab, num_items
@@ -455,6 +492,22 @@ class _SequenceDecoder:
             self._lookup[vocab] = np.arange(len(vocab))
         self._cached: _Columns | None = None
         self._arrays = ReusedArrays()
+
+    def items_record(self) -> dict[str, Any]:
+        """How raw item ids become table rows (`features.json`): the vocabulary (of texts, where a
+        converter numbered text ids), or the ids as they are."""
+        if self.vocab is None:
+            return id_record("as_is", self.num_items)
+        return id_record("vocabulary", len(self.vocab), self.vocab if self.item_names is None else self.item_names)
+
+    def named_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A row as read (`read_rows`), its numbered user and item ids as the texts they were."""
+        row = dict(row)
+        if self.item_names is not None:
+            row[self.items] = [self.item_names[i] for i in row[self.items]]
+        if self.user_names is not None:
+            row[self.user] = self.user_names[row[self.user]]
+        return row
 
     def validate(self, table: pa.Table) -> RowProblems:
         """Every row `__call__` would refuse, check by check (`recsys_pipe.data.parquet.checks`)."""
@@ -766,9 +819,7 @@ class ParquetSequences(PartedStreamSource):
         """Items through the stored vocabulary, or as dense ids (`recsys_pipe.data.serving`)."""
         decoder = self.decoder
         assert isinstance(decoder, _SequenceDecoder)
-        vocab = decoder.vocab
-        items = id_record("as_is", self.num_items) if vocab is None else id_record("vocabulary", len(vocab), vocab)
-        return retrieval_features(items, decoder.stamps is not None, self.max_seq_len, self.columns)
+        return retrieval_features(decoder.items_record(), decoder.stamps is not None, self.max_seq_len, self.columns)
 
     @property
     def columns(self) -> dict[str, str]:
@@ -782,9 +833,12 @@ class ParquetSequences(PartedStreamSource):
             found = self._rows.user(user)
             assert found is not None  # a held-out sample is never a skipped row
             raw_user, seq, stamps = found
+            decoder = self.decoder
+            assert isinstance(decoder, _SequenceDecoder)
+            user = raw_user if decoder.user_names is None else decoder.user_names[raw_user]
             raw = self.raw_items[seq].tolist()
-            has_timestamps = self.decoder.stamps is not None  # type: ignore[attr-defined]
-            rows.append(retrieval_row(raw_user, raw, stamps.tolist(), split, has_timestamps, self.columns))
+            raw = raw if decoder.item_names is None else [decoder.item_names[i] for i in raw]
+            rows.append(retrieval_row(user, raw, stamps.tolist(), split, decoder.stamps is not None, self.columns))
         return rows
 
     @property
@@ -946,6 +1000,13 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
     def check_schema(files: ParquetFiles) -> None:
         nonlocal stamps
         found = Collected()
+        if WINDOWS_KEY in files.metadata:
+            raise DataFileError(
+                files.key,
+                files.where(0),
+                f"its rows are windows of ratings for HSTU ranking ({WINDOWS_KEY.decode()}), not one row per user: "
+                "a retrieval model reads users (convert without --windows)",
+            )
         with found:
             stamps = check_sequence_columns(files, c)
         with found:
@@ -968,5 +1029,5 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
                 "data.eval_negatives", f"{cfg.eval_negatives} exceeds the {num_items - 1} other items of the data"
             )
         )
-    decoder = _SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target)
+    decoder = _SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target, names=files)
     return ParquetSequences(files, decoder, rank, world_size, cfg)

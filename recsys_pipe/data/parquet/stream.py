@@ -812,7 +812,9 @@ class StreamSource(PositionalSource):
         """The rows at the global positions `sample_ids` (of `data.eval_path`'s files for the
         split `eval` when it names some), the columns the decoder reads, as the files hold them."""
         files = self.eval_files if split == "eval" and self.eval_files is not None else self.files
-        return read_rows(files, sample_ids, self.decoder.columns)  # type: ignore[attr-defined]
+        rows = read_rows(files, sample_ids, self.decoder.columns)  # type: ignore[attr-defined]
+        named = getattr(self.decoder, "named_row", None)  # numbered text ids back to their texts
+        return rows if named is None else [named(row) for row in rows]
 
     @property
     def piece_rows(self) -> int:

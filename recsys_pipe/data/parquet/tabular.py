@@ -25,7 +25,7 @@ import pyarrow as pa
 import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, home_expanded
 from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.data.batch.tabular import TabularBatch
 from recsys_pipe.data.ids import string_ids
@@ -109,7 +109,7 @@ class ParquetDataConfig(CriteoLayoutConfig):
     def _names_files(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("an empty list names no file")
-        return value
+        return home_expanded(value)
 
     def spec(self) -> DataSpec:
         if self.columns is None:
