@@ -10,7 +10,7 @@ runs before it reports success): `program.pt2` scores `example_inputs.pt` as
 (hexadecimal ids, empty cells), the Criteo Parquet layout, `data.columns` mappings (two labels,
 integer, string and list ids, float and integer dense columns; another without dense columns),
 MovieLens ratings and their Parquet windows (HSTU ranking, with the user feature), "user item"
-lines and sequence Parquet with timestamps (the retrieval models).
+lines and sequence Parquet with timestamps, of integer and of text ids (the retrieval models).
 
 The training path's transforms and `preprocess.py` are also compared directly on the same raw
 rows (`test_preprocess_and_training_transforms_agree`).
@@ -73,6 +73,15 @@ def _ratings(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _text_ids(source: Path, path: Path) -> None:
+    """The ratings with text ids (`u3`, `m21`), as the Amazon data sets have them."""
+    lines = []
+    for line in source.read_text().splitlines():
+        user, movie, rating, stamp = line.split("::")
+        lines.append(f"u{user}::m{movie}::{rating}::{stamp}")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _user_items(path: Path) -> None:
     lines = [f"{u} {(u * 7 + k) % 30 + 100}" for u in range(1, 41) for k in range(3 + u % 10)]
     path.write_text("\n".join(lines) + "\n")
@@ -87,6 +96,7 @@ def _train(tmp: Path, name: str, *overrides: str) -> Path:
 
 def _layouts(tmp: Path) -> dict[str, list[str]]:
     """The (model, data) overrides of each case, with the files they read written into `tmp`."""
+    from recsys_pipe.data.text.interactions import CsvConfig
     from recsys_pipe.data.tools.convert import convert_criteo, convert_sequences
 
     _criteo_tsv(tmp / "day.tsv", 48)
@@ -96,6 +106,9 @@ def _layouts(tmp: Path) -> dict[str, list[str]]:
     _ratings(tmp / "ratings.dat")
     windows = convert_sequences(str(tmp / "ratings.dat"), str(tmp / "windows"), windows=8, num_candidates=2)
     sequences = convert_sequences(str(tmp / "ratings.dat"), str(tmp / "sequences"))
+    _text_ids(tmp / "ratings.dat", tmp / "text_ids.dat")
+    columns = CsvConfig(delimiter="::", header=False, columns=["user", "item", "rating", "timestamp"])
+    text_ids = convert_sequences(str(tmp / "text_ids.dat"), str(tmp / "text_ids"), csv=columns)
     _user_items(tmp / "seq.txt")
     small = ["data.batch_size=8"]
     mapped = ["data=parquet", "data.columns.labels=[click,like]", "data.columns.sparse.user.column=user_id"]
@@ -131,8 +144,7 @@ def _layouts(tmp: Path) -> dict[str, list[str]]:
         "dlrm_torch-columns_no_dense": ["model=dlrm_torch", *sparse, f"data.path={tmp / 'plain.parquet'}", *small],
         "hstu-movielens": [*ranking, "data=movielens", f"data.path={tmp / 'ratings.dat'}"],
         "hstu-parquet_windows": [*ranking, "data=parquet_sequences", f"data.path={windows.path}"],
-        "sasrec-parquet_sequences": ["model=sasrec", "data=parquet_sequences", f"data.path={sequences.path}"]
-        + retrieval,
+        "sasrec-parquet_text_ids": ["model=sasrec", "data=parquet_sequences", f"data.path={text_ids.path}"] + retrieval,
         "hstu_retrieval-user_items": ["model=hstu_retrieval", "data=sequences", f"data.path={tmp / 'seq.txt'}"]
         + retrieval,
         "hstu_retrieval-parquet_sequences": [
@@ -189,6 +201,10 @@ def test_features_json_describes_each_transform(exports):
         "missing": 0,
         "ids": {"mapping": "modulo", "num_embeddings": 97},
     }
+    texts = json.loads((exports["sasrec-parquet_text_ids"] / "features.json").read_text())
+    assert texts["features"]["item"]["ids"]["values"][:2] == ["m105", "m112"]  # the texts, sorted
+    first = json.loads((exports["sasrec-parquet_text_ids"] / "raw_example.jsonl").read_text().splitlines()[0])
+    assert first["user_id"].startswith("u") and all(i.startswith("m") for i in first["item_ids"])
     ranking = json.loads((exports["hstu-movielens"] / "features.json").read_text())
     assert ranking["features"]["action"]["transform"] == {"kind": "scaled_round", "scale": 2.0}
     assert ranking["features"]["item"]["ids"]["mapping"] == "vocabulary"
