@@ -34,9 +34,8 @@ from unittest import mock
 import numpy as np
 import torch
 
-from recsys_pipe.bench.common import summary, train_speed
+from recsys_pipe.bench.common import sequences_train_speed, summary
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run
 from recsys_pipe.train.optim import AdamConfig
 
 MAX_LEN, BATCH = 50, 128
@@ -77,22 +76,15 @@ def levers_off(names: tuple[str, ...]) -> Iterator[None]:
 def ours(data: str, steps: int, info) -> tuple[float, float]:
     """Samples/s of recsys_pipe's trainer on the reference's configuration (serial plan, `steps`
     steps), by the wall clock and by the CPU clock."""
-    run = load_run(
-        "data=sequences",
-        f"data.path={data}",
+    return sequences_train_speed(
+        data,
+        steps,
+        info,
         "model=sasrec",
-        "pipeline=serial",
         "model.norm_first=true",
-        "model.sharding=row_wise",
         "model.compute_kernel=dense",  # Adam updates the item table, as in the reference
         "optimizer.betas=[0.9,0.98]",
-        "trainer.device=cpu",
-        f"trainer.max_steps={steps}",
-        "trainer.eval_every=0",
-        "trainer.progress_bar=false",
-        f"trainer.log_every={steps}",
     )
-    return train_speed(run, info)
 
 
 def reference_batches(data: str, steps: int) -> list[tuple[np.ndarray, ...]]:

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 
@@ -43,9 +44,29 @@ def _inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     from recsys_pipe.data.tools.scan import scan
 
-    report = scan(path, overrides, args.workers)
+    report = scan(_scanned_source(path, overrides), args.workers)
     print(report.text())
     return EXIT_BAD_INPUT if report.bad_rows else EXIT_OK
+
+
+def _scanned_source(path: str | list[str], overrides: list[str]):  # -> StreamSource
+    """The training source that reads `path`, its layout from the files (`scan.layout`) and
+    `overrides` (a key of the schema is added as recsys-train adds it), skipping bad rows, so that
+    nothing but an unreadable config or file stops the scan (ConfigError)."""
+    from omegaconf import open_dict
+
+    from recsys_pipe.cli.compose import compose_config
+    from recsys_pipe.data.tools.scan import layout
+    from recsys_pipe.train.config import load_run_config
+
+    overrides = [f"++{o.lstrip('+')}" if "." in o.split("=", 1)[0] else o for o in overrides]
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    chosen = [o for o in layout(path) if o.split("=", 1)[0].lstrip("+") not in given]
+    paths = path if isinstance(path, str) else "[" + ",".join(path) + "]"
+    cfg = compose_config(*chosen, f"data.path={paths}", "++data.on_bad_row=skip", *overrides, config_name="train")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return load_run_config(cfg).data.dataset(0, 1)
 
 
 def _convert_criteo(args: argparse.Namespace) -> int:
@@ -93,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser("convert", help="convert a text format to Parquet")
     formats = convert.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    _add_convert_criteo(formats)
+    _add_convert_sequences(formats)
+    _add_inspect(commands)
+    return parser
+
+
+def _add_convert_criteo(formats: Any) -> None:
     criteo = formats.add_parser(
         "criteo",
         help="Criteo TSV (Kaggle train.txt, Terabyte day_N) -> Parquet, one file per input",
@@ -106,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     criteo.add_argument("--workers", type=int, default=None, help="parsing threads (default: every core)")
     criteo.set_defaults(run=_convert_criteo)
 
+
+def _add_convert_sequences(formats: Any) -> None:
     seqs = formats.add_parser(
         "sequences",
         help='"user item" lines (SASRec) or MovieLens ratings -> sequence Parquet (one row per user)',
@@ -150,6 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     seqs.set_defaults(run=_convert_sequences)
 
+
+def _add_inspect(commands: Any) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="schema, rows, row groups and sizes of Parquet files; with --world-size and --batch-size, each "
@@ -175,7 +207,6 @@ def _parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=None, metavar="N", help="--scan: processes (default: every core)"
     )
     inspect.set_defaults(run=_inspect)
-    return parser
 
 
 def _output_options(command: argparse.ArgumentParser, row_group_size: int) -> None:

@@ -1,14 +1,16 @@
 """The one start-up path of every command that trains a model (`recsys-train`,
-`recsys-profile`) and of the checks before a sweep (`Launch.check`).
+`recsys-profile`) and of the checks before a sweep (`Launch.prepare`).
 
-Before any process group starts, each rank checks everything it can (`Launch.prepare`): the
-config, the plan (task code imported), the device, `resume_from`, the model's distribution over
-the ranks, its share of the data (and the model against it) and the output directory. A
-problem there exits 2 with `error: <path>: <message>`. Then `run_job` starts the rank's
-`RunSession` (process group, run directory with `config.yaml` and `status.json`, logging, peer
-health, the SIGTERM agreement), builds the `Trainer` from finished parts and runs the
-command's work under one supervision: Ctrl-C, failures (the first one recorded in
-`status.json`), bad input found late and preemption end every command the same way.
+Before any process group starts, each rank runs train's pre-flight (`check_run`: the config,
+the plan with its task code imported, the device, `resume_from`, the model's distribution over
+the ranks, its share of the data and the model against it) and checks the output directory
+(`Launch.prepare`). A problem there exits 2 with `error: <path>: <message>`. Then `run_job`
+starts the rank's `RunSession` (process group, run directory with `config.yaml` and
+`status.json`, logging, peer health, the SIGTERM agreement), has train build the `Trainer`
+(`CheckedRun.build`) and runs the command's work under one supervision: Ctrl-C, failures (the
+first one recorded in `status.json`), bad input found late and preemption end every command the
+same way. This module keeps the run directory, the session and the supervision; what a run is
+made of is train's.
 """
 
 from __future__ import annotations
@@ -26,13 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_pipe import _ctrl_c
 from recsys_pipe.config import CompiledPlan, ConfigError
-from recsys_pipe.data import RankData
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
 from recsys_pipe.runtime.session import RequestedDir, RunSession
-from recsys_pipe.train.checkpoint import ResumeChoice
 from recsys_pipe.train.config import RunConfig
-from recsys_pipe.train.plan import pipelining_without_effect
-from recsys_pipe.train.preflight import CommandCheck, check_run
+from recsys_pipe.train.preflight import CheckedRun, CommandCheck, check_run
 
 if TYPE_CHECKING:
     from recsys_pipe.train import Trainer
@@ -68,16 +67,22 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Launch:
-    """One rank's launch of a run, checked before any process group starts."""
+    """One rank's launch of a run: the run train's pre-flight accepted (`CheckedRun`) and the
+    directory it is to run in, checked before any process group starts."""
 
     cfg: DictConfig
-    run: RunConfig
-    plan: CompiledPlan
+    checked: CheckedRun
     requested: RequestedDir
-    data: RankData
-    #: the checkpoint this rank found for `trainer.resume_from` (rank 0's is used: `start`), and
-    #: the newer checkpoints of other experiments `latest` passed over
-    resume: ResumeChoice
+
+    @property
+    def run(self) -> RunConfig:
+        """The validated run config."""
+        return self.checked.run
+
+    @property
+    def plan(self) -> CompiledPlan:
+        """The run's compiled plan."""
+        return self.checked.plan
 
     @classmethod
     def prepare(cls, cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> Launch:
@@ -85,13 +90,13 @@ class Launch:
         use); ConfigError (with config paths) for the first bad one."""
         from recsys_pipe.runtime import check_output_dir, check_unused
 
-        run, plan, data, resume = check_run(cfg, schema, check)
+        checked = check_run(cfg, schema, check)
         requested = requested_run_dir()
         if requested.path is None:
-            check_output_dir(run.trainer.output_dir)
+            check_output_dir(checked.run.trainer.output_dir)
         elif not requested.sweep:  # a sweep job's directory is claimed (atomically) by rank 0 later:
             check_unused(requested.path, requested.key)  # checking it here would race with a faster rank 0
-        return cls(cfg, run, plan, requested, data, resume)
+        return cls(cfg, checked, requested)
 
     def start(self, prog: str) -> tuple[RunSession, Path | None]:
         """Start this rank's session, agree on the checkpoint to resume from (rank 0's: `latest`
@@ -112,13 +117,13 @@ class Launch:
         import torch.distributed as dist
 
         _ctrl_c.pause_point("start")
-        resume = [self.resume.path if session.info.is_main else None]
+        resume = [self.checked.resume.path if session.info.is_main else None]
         dist.broadcast_object_list(resume, src=0)
         if resume[0] is not None:
             session.status.info["resumed_from"] = str(resume[0])
         info = session.info
         if info.is_main:
-            for path, why in self.resume.skipped:
+            for path, why in self.checked.resume.skipped:
                 log.info("trainer.resume_from=latest: skipped %s, a checkpoint of another experiment (%s)", path, why)
             container = OmegaConf.to_container(self.cfg, resolve=True)
             with open(os.path.join(session.run_dir, "config.yaml"), "w") as f:
@@ -131,23 +136,9 @@ class Launch:
                 info.device,
                 info.backend,
             )
-            warning = pipelining_without_effect(self.plan, self.run)
-            if warning is not None:
-                log.warning("%s", warning)
+            for note in self.checked.start_notes():
+                log.warning("%s", note)
         return resume[0]
-
-    def build(self, session: RunSession) -> Trainer:
-        """The build phase: every part the loop runs on, from the config, once; the trainer over them."""
-        from recsys_pipe.train import Trainer, build_parts
-        from recsys_pipe.train.retrieval_eval import eval_dump_path
-
-        run = self.run  # a relative trainer.eval_dump is a path inside the run directory
-        eval_dump = eval_dump_path(run.trainer.eval_dump, session.run_dir)
-        run = run.model_copy(update={"trainer": run.trainer.model_copy(update={"eval_dump": eval_dump})})
-        if session.info.is_main and run.trainer.eval_dump is not None:
-            log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
-        parts = build_parts(run, self.plan, session.info, session.run_dir, data=self.data)
-        return Trainer(parts, stop=session.stop, health=session.health)
 
 
 def run_job(
@@ -198,7 +189,7 @@ def _supervised(launch: Launch, session: RunSession, prog: str, work: Callable[[
         # also while the parts are built: the loop stops after its first step; a second Ctrl-C
         # stops at once, saving nothing (KeyboardInterrupt, `ctrl_c`)
         with ctrl_c, session.stop.interrupts():
-            trainer = launch.build(session)
+            trainer = launch.checked.build(session)
             outcome = work(trainer)
     except KeyboardInterrupt:
         return _interrupted(session, trainer)
@@ -232,13 +223,11 @@ def _user_code_owners(run: RunConfig) -> dict[str, str]:
 
 
 def _interrupted(session: RunSession, trainer: Trainer | None) -> int:
-    from recsys_pipe.train.checkpoint import find_checkpoints
-
     previous = signal.getsignal(signal.SIGINT)
     _ctrl_c.record()  # torchrun forwards a second SIGINT: finish cleaning up (the code is 130 anyway)
     try:
-        written = find_checkpoints(session.run_dir)  # what was saved before the Ctrl-C (complete ones only)
-        checkpoint = str(written[-1].path) if written else None
+        # the last checkpoint published before the Ctrl-C (one being written is not: `.partial`)
+        checkpoint = trainer.checkpointer.last_path if trainer is not None else None
         code = session.interrupted(trainer.step if trainer is not None else 0, checkpoint=checkpoint)
         if trainer is not None:
             trainer.close()

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from recsys_pipe import _ctrl_c
-from recsys_pipe.cli.app import hydra_app
+from recsys_pipe.cli.app import HydraApp
 from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.launch import Launch, Outcome, run_job
-from recsys_pipe.train.preflight import check_run
+from recsys_pipe.train.preflight import check_plan, check_run
 
 if TYPE_CHECKING:
     from recsys_pipe.train import Trainer
@@ -81,21 +81,14 @@ def check_config(cfg: DictConfig) -> None:
     check_run(cfg)
 
 
-def _validate(cfg: DictConfig) -> None:
-    """The check of a single job's config before Hydra runs it (the job repeats all of
-    `check_run` first thing, so reading its data twice is left to sweeps)."""
-    from recsys_pipe.train.config import load_run_config
-    from recsys_pipe.train.plan import training_plan
-
-    training_plan(load_run_config(cfg))
-
-
-_app = hydra_app(
+_app = HydraApp(
     train_task,
     config_name="train",
     prog=PROG,
     schema="recsys_pipe.train.config:RunConfig",
-    validate=_validate,
+    # a single job's config before Hydra runs it (the job repeats all of `check_run` first
+    # thing, so reading its data twice is left to sweeps)
+    validate=check_plan,
     check=Launch.prepare,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE
     sweep_check=check_config,
 )

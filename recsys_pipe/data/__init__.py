@@ -2,12 +2,18 @@
 generated Criteo-like source (for DLRM), and per-user item sequences for next-item retrieval
 (`data=sequences`, for SASRec and HSTU retrieval), and Parquet files of any size streamed by
 position (`data=parquet`: tabular rows; `data=parquet_sequences`: per-user sequences for
-next-item retrieval, or windows of ratings for HSTU ranking, whichever the model trains on; see
-`recsys_pipe.data.parquet.stream`).
+next-item retrieval, or windows of ratings for HSTU ranking, whichever the model trains on).
+
+The sub-packages are its layers: the batch contract (`batch`: the batch protocol, the batch
+types, their keys, `DataSpec`; models, pipeline stages and task functions import them from
+there), the source contract (`source`: `DataConfig`, the bases of the kinds of source,
+`RankData`), in-memory sources (`in_memory`), text parsers (`text`), streaming Parquet
+(`parquet`), the negative sampler (`negatives`), raw ids mapped to rows (`ids`), what an
+export ships to turn raw rows into a model's inputs (`preprocess`, numpy and torch only, and
+`serving`: each source's description of its features) and the `recsys-data` tools (`tools`).
 
 Each source is a builder and its `DataConfig` subclass, registered by name in `DATA_SOURCES`;
-`make_dataloader(cfg, rank, world_size)` turns any of them into batches. The batch protocol is
-written down in `recsys_pipe.data.batch`.
+`make_dataloader(cfg, rank, world_size)` turns any of them into batches.
 
 Names are imported on first use (PEP 562), so `import recsys_pipe.data` loads no data source and
 no torchrec: a plain-torch model trains where torchrec is not installed.
@@ -40,15 +46,15 @@ _EXPORTS = {
     "SyntheticConfig": "in_memory.synthetic",
     "SyntheticDataConfig": "in_memory.synthetic",
     "SyntheticSequenceDataset": "in_memory.synthetic",
-    "CriteoBatch": "in_memory.criteo",
+    "CriteoBatch": "batch",
     "CriteoDataConfig": "in_memory.criteo",
     "CriteoDataset": "in_memory.criteo",
     "CriteoSyntheticConfig": "in_memory.criteo",
     "CriteoSyntheticDataConfig": "in_memory.criteo",
     "CriteoSyntheticDataset": "in_memory.criteo",
     "CriteoLayoutConfig": "in_memory.criteo",
-    "TabularBatch": "batch.tabular",
-    "TabularDataConfig": "batch.tabular",
+    "TabularBatch": "batch",
+    "TabularDataConfig": "source",
     "read_criteo": "text.criteo_tsv",
     "CriteoRows": "text.criteo_tsv",
     "CsvConfig": "text.interactions",
@@ -60,25 +66,29 @@ _EXPORTS = {
     "ParquetDataConfig": "parquet.tabular",
     "SparseColumn": "parquet.tabular",
     "TabularColumns": "parquet.tabular",
-    "ITEM_VOCAB_KEY": "parquet.sequences",
+    "ITEM_VOCAB_KEY": "parquet.decode",
     "ParquetSequenceKeys": "parquet.sequences",
     "ParquetSequencesDataConfig": "parquet.sequences",
     "ParquetRankingDataConfig": "parquet.ranking",
     "USER_VOCAB_KEY": "parquet.ranking",
-    "WINDOWS_KEY": "parquet.ranking",
+    "WINDOWS_KEY": "parquet.decode",
     "user_vocab_metadata": "parquet.ranking",
     "windows_metadata": "parquet.ranking",
-    "SequenceColumns": "parquet.sequences",
-    "item_vocab_metadata": "parquet.sequences",
+    "SequenceColumns": "parquet.decode",
+    "item_vocab_metadata": "parquet.decode",
     "Layout": "parquet.stream",
     "StreamSource": "parquet.stream",
     "describe": "tools.inspect",
-    "RetrievalBatch": "in_memory.sequences",
+    "RetrievalBatch": "batch",
     "SequencesDataConfig": "in_memory.sequences",
-    "SequenceSourceConfig": "in_memory.sequences",
+    "SequenceSourceConfig": "source",
     "SequencesDataset": "in_memory.sequences",
     "read_interactions": "in_memory.sequences",
     "unseen_items": "negatives",
+    "ServedSource": "serving",
+    "served_source": "serving",
+    "preprocess_file": "serving",
+    "FEATURES_FORMAT": "serving",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,23 +15,36 @@ Parquet files), whatever file they read: a text file's rows are what its convers
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.data import preprocess
 
 __all__ = [
     "ACTION_IDS",
+    "FEATURES_FORMAT",
     "RATING_ACTIONS",
     "SEQUENCE_COLUMNS",
     "ServedSource",
     "id_record",
+    "preprocess_file",
     "retrieval_features",
     "retrieval_row",
     "served_source",
     "sequence_features",
 ]
+
+#: the format `features.json` declares (`recsys_pipe.data.preprocess.FORMAT`)
+FEATURES_FORMAT = preprocess.FORMAT
+
+
+def preprocess_file() -> Path:
+    """The file an export copies as its `preprocess.py` (`recsys_pipe.data.preprocess`)."""
+    return Path(preprocess.__file__)
+
 
 #: the columns of a sequence row (the Parquet layout `recsys-data convert sequences` writes)
 SEQUENCE_COLUMNS = {"user": "user_id", "items": "item_ids", "timestamps": "timestamps", "actions": "actions"}

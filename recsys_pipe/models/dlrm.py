@@ -25,10 +25,8 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 from torch import nn
 
 from recsys_pipe.config import ConfigProblem, Section, builder_field
-from recsys_pipe.data.batch import DataSpec
-from recsys_pipe.data.batch.tabular import TabularBatch, TabularDataConfig
-from recsys_pipe.data.in_memory.criteo import CriteoBatch
-from recsys_pipe.data.source import DataConfig
+from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
+from recsys_pipe.data.source import DataConfig, TabularDataConfig
 from recsys_pipe.models.base import ModelConfig, ShardedModelConfig
 from recsys_pipe.models.serving import ServingForm
 

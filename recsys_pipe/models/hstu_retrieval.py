@@ -46,7 +46,7 @@ class HSTURetrievalEncoder(nn.Module):
     """Left-padded item embeddings `[B, N, D]` -> one L2-normalised vector per position `[B, N, D]`.
 
     The steps are methods (`geometry`, `embed`, `time_buckets`, `run_layers`, `finish`) so that a
-    pipeline stage (`recsys_pipe.models.retrieval_stages`) runs the same code on its share of the layers."""
+    pipeline stage (`recsys_pipe.models.retrieval_cut`) runs the same code on its share of the layers."""
 
     def __init__(self, cfg: HSTURetrievalConfig) -> None:
         super().__init__()

@@ -44,14 +44,14 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from recsys_pipe.data.batch import DataSpec
-from recsys_pipe.data.in_memory.sequences import (
+from recsys_pipe.data.batch import (
     CAND_KEY,
     CATALOG_KEY,
     INPUT_KEY,
     NEG_KEY,
     POS_KEY,
     RETRIEVAL_KEYS,
+    DataSpec,
     RetrievalBatch,
 )
 from recsys_pipe.data.source import DataConfig

@@ -13,9 +13,25 @@ module imports only the standard library until a helper is called.
 
 from __future__ import annotations
 
-from recsys_pipe.testing.config import built_trainer, compose, fit_run, load_run, train_here
-from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, inject_fault, zero_grad_with_fault
-from recsys_pipe.testing.launching import PRELOADED, check_torchrun, fork_ranks, read_rank_results, run_torchrun
+from recsys_pipe.testing.config import (
+    built_trainer,
+    compose,
+    fit_run,
+    load_run,
+    parity_overrides,
+    recsys_plan,
+    train_here,
+)
+from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, PAUSE_ENV, inject_fault, zero_grad_with_fault
+from recsys_pipe.testing.launching import (
+    PRELOADED,
+    check_torchrun,
+    end_rank,
+    fork_ranks,
+    read_rank_results,
+    run_torchrun,
+    worker_env,
+)
 from recsys_pipe.testing.reference import (
     StaleEmbeddingLoop,
     run_stale_embedding_reference,
@@ -26,20 +42,25 @@ from recsys_pipe.testing.reference import (
 __all__ = [
     "FAULT_ENV",
     "FAULT_OVERRIDE",
+    "PAUSE_ENV",
     "PRELOADED",
     "StaleEmbeddingLoop",
     "built_trainer",
     "check_torchrun",
     "compose",
+    "end_rank",
     "fit_run",
     "fork_ranks",
     "inject_fault",
     "load_run",
+    "parity_overrides",
     "read_rank_results",
+    "recsys_plan",
     "run_stale_embedding_reference",
     "run_torchrec_pipeline",
     "run_torchrun",
     "torchrec_pipeline",
     "train_here",
+    "worker_env",
     "zero_grad_with_fault",
 ]

@@ -1,5 +1,7 @@
 """Config helpers for tests and benchmarks: compose a config as the CLIs do (`compose`), validate
-it (`load_run`), and build or train its run in this process (`built_trainer`, `fit_run`)."""
+it (`load_run`), build or train its run in this process (`built_trainer`, `fit_run`), the
+overrides the parity workers train with (`parity_overrides`), and `recsys-plan` run in this
+process (`recsys_plan`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ if TYPE_CHECKING:
     from recsys_pipe.runtime import DistInfo
     from recsys_pipe.train import Trainer, TrainSummary
 
-__all__ = ["built_trainer", "compose", "fit_run", "load_run", "train_here"]
+__all__ = ["built_trainer", "compose", "fit_run", "load_run", "parity_overrides", "recsys_plan", "train_here"]
 
 
 def compose(*overrides: str, config_name: str = "config") -> Any:
@@ -67,6 +69,30 @@ def fit_run(
         if restore is not None:
             trainer.restore(restore)
         return trainer.fit(record_steps=True)
+
+
+def parity_overrides(steps: int, device: str = "cpu", backend: str = "gloo") -> list[str]:
+    """The overrides every parity worker trains its variants with: SGD, no progress bar, no
+    evaluation, `steps` batches of 16 samples per rank and no step cap, on `device` with
+    `backend`."""
+    return [
+        "optimizer=sgd",
+        "trainer.progress_bar=false",
+        "trainer.eval_every=0",
+        f"trainer.device={device}",
+        f"trainer.backend={backend}",
+        "data.batch_size=16",
+        f"data.num_batches={steps}",
+        "trainer.max_steps=null",
+    ]
+
+
+def recsys_plan(run_dir: str | os.PathLike, *argv: str) -> int:
+    """`recsys-plan argv...` in this process with its run directory at `run_dir` (`plan.txt` and
+    the pictures go there); returns its exit code."""
+    from recsys_pipe.cli.plan import run
+
+    return run([*argv, f"hydra.run.dir={run_dir}"])
 
 
 def train_here(*args: str) -> int:

@@ -1,6 +1,7 @@
 """Launching workers on several ranks for tests and benchmarks: torchrun (`run_torchrun`), or ranks
-forked from a server that imported torch, torchrec and this package once (`fork_ranks`), and
-reading what they wrote (`read_rank_results`, `check_torchrun`)."""
+forked from a server that imported torch, torchrec and this package once (`fork_ranks`), the
+environment a worker process gets (`worker_env`), how a worker rank ends (`end_rank`), and
+reading what the ranks wrote (`read_rank_results`, `check_torchrun`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["PRELOADED", "check_torchrun", "fork_ranks", "read_rank_results", "run_torchrun"]
+__all__ = [
+    "PRELOADED",
+    "check_torchrun",
+    "end_rank",
+    "fork_ranks",
+    "read_rank_results",
+    "run_torchrun",
+    "worker_env",
+]
 
 
 def run_torchrun(
@@ -26,8 +35,37 @@ def run_torchrun(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env=worker_env(**(env or {})),
     )
+
+
+def worker_env(pythonpath: str | os.PathLike | None = None, **variables: str) -> dict[str, str]:
+    """The environment of a worker process: this process's, with one intra-op thread (the ranks
+    share the machine's cores), `pythonpath` put first on PYTHONPATH if given, and `variables` on
+    top."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), os.environ.get("PYTHONPATH")]))
+    return {**env, **variables}
+
+
+def end_rank(path: str | os.PathLike, result: Any) -> NoReturn:
+    """How a worker rank ends: `result` written to `path` (`torch.save` for a `.pt` file, else
+    JSON), every rank waits for the others, the process group is left, the output flushed, and
+    the process exits 0 at once (`os._exit`: gloo's worker threads can abort an orderly
+    interpreter shutdown, about one run in ten)."""
+    import torch
+    import torch.distributed as dist
+
+    if Path(path).suffix == ".pt":
+        torch.save(result, path)
+    else:  # json.dumps uses the C encoder, json.dump the pure-Python one
+        Path(path).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 #: what a training rank imports: the fork server of `fork_ranks` imports them once
@@ -97,22 +135,9 @@ def fork_ranks(
             join=False,
             start_method="forkserver",
         )
-        deadline, code = time.monotonic() + timeout, 0
         try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise subprocess.TimeoutExpired([str(script), *args], timeout)
-        except mp.ProcessExitedException as failed:
-            code = failed.exit_code
-        except mp.ProcessRaisedException as failed:  # the rank's traceback, as its stderr would show
-            code = 1
-            with Path(logs, f"stderr{failed.error_index}").open("a") as stderr:
-                stderr.write(str(failed))
+            code = _join_ranks(context, timeout, [str(script), *args], logs)
         finally:
-            for process in context.processes:  # the others, once one failed or time ran out
-                if process.is_alive():
-                    process.kill()
-                process.join()
             del store
         outputs = [
             "".join(
@@ -123,6 +148,31 @@ def fork_ranks(
             for kind in ("stdout", "stderr")
         ]
     return subprocess.CompletedProcess([str(script), *args], code, *outputs)
+
+
+def _join_ranks(context: Any, timeout: float, command: list[str], logs: str) -> int:
+    """Wait for the ranks of `context` (torch's `ProcessContext`): the first failed rank's exit
+    code (1 for a rank that raised: its traceback goes to its stderr log), 0 if none failed;
+    `TimeoutExpired` after `timeout`. Every rank is ended and joined before it returns."""
+    import torch.multiprocessing as mp
+
+    deadline, code = time.monotonic() + timeout, 0
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(command, timeout)
+    except mp.ProcessExitedException as failed:
+        code = failed.exit_code
+    except mp.ProcessRaisedException as failed:  # the rank's traceback, as its stderr would show
+        code = 1
+        with Path(logs, f"stderr{failed.error_index}").open("a") as stderr:
+            stderr.write(str(failed))
+    finally:
+        for process in context.processes:  # the others, once one failed or time ran out
+            if process.is_alive():
+                process.kill()
+            process.join()
+    return code
 
 
 def _rank_main(rank: int, script: str, args: tuple[str, ...], variables: dict[str, str], cwd: str, logs: str) -> None:

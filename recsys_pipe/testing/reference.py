@@ -53,22 +53,8 @@ def run_torchrec_pipeline(
 
     `grad_accumulation=(steps, warmup_steps)` wraps it in torchrec's `GradientAccumulationWrapper`.
     """
-    from torchrec.distributed.train_pipeline import GradientAccumulationConfig, GradientAccumulationWrapper
-
     pipe = torchrec_pipeline(model, optimizer, device, pipeline, **options)
-    if grad_accumulation is not None:
-        steps, warmup = grad_accumulation
-        config = GradientAccumulationConfig(num_steps=steps, num_warmup_steps=warmup)
-        pipe = GradientAccumulationWrapper(pipe, optimizer, model, config)
-    it, losses, ids = iter(batches), [], []
-    while True:  # torchrec's pipeline ends with StopIteration once every batch is trained
-        try:
-            loss, sample_ids = pipe.progress(it)
-        except StopIteration:
-            break
-        losses.append(float(loss))
-        ids.append(sample_ids.tolist())
-    return losses, ids
+    return _train_every_batch(pipe, model, optimizer, batches, grad_accumulation)
 
 
 class StaleEmbeddingLoop:
@@ -98,6 +84,8 @@ class StaleEmbeddingLoop:
         self._index = 0
 
     def progress(self, it: Any) -> tuple[Any, Any]:
+        """Train the next batch of `it` (StopIteration when it is exhausted, as torchrec's
+        pipelines end); returns its loss and sample ids."""
         batch = next(it)  # StopIteration ends the run, as torchrec's pipelines
         batch = batch.to(self._tables[0].device, non_blocking=False)  # host batches, as the pipelines take them
         i, self._index = self._index, self._index + 1
@@ -131,9 +119,18 @@ def run_stale_embedding_reference(
     """Train every batch of `batches` with `StaleEmbeddingLoop` (wrapped in torchrec's
     `GradientAccumulationWrapper` with `grad_accumulation=(steps, warmup_steps)`): per-step
     losses and trained sample ids."""
+    loop = StaleEmbeddingLoop(model, optimizer, stash_gradients, start_batch)
+    return _train_every_batch(loop, model, optimizer, batches, grad_accumulation)
+
+
+def _train_every_batch(
+    loop: Any, model: Any, optimizer: Any, batches: Any, grad_accumulation: tuple[int, int] | None
+) -> tuple[list[float], list[list[int]]]:
+    """`loop.progress(it)` until it raises StopIteration (as torchrec's pipelines end once every
+    batch is trained), wrapped in torchrec's `GradientAccumulationWrapper` with
+    `grad_accumulation=(steps, warmup_steps)`: per-step losses and trained sample ids."""
     from torchrec.distributed.train_pipeline import GradientAccumulationConfig, GradientAccumulationWrapper
 
-    loop: Any = StaleEmbeddingLoop(model, optimizer, stash_gradients, start_batch)
     if grad_accumulation is not None:
         steps, warmup = grad_accumulation
         config = GradientAccumulationConfig(num_steps=steps, num_warmup_steps=warmup)

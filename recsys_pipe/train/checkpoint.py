@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,19 +41,15 @@ from recsys_pipe import _ctrl_c
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.train.checkpoint_errors import writing_checkpoint
 
-if TYPE_CHECKING:
-    from recsys_pipe.train.fingerprint import RunFingerprint
-
 __all__ = [
     "CHECKPOINTS_DIR",
     "CheckpointConfig",
     "Checkpointer",
-    "ResumeChoice",
     "check_checkpoint",
-    "choose_resume",
     "compare_state",
     "find_checkpoints",
     "load_checkpoint",
+    "newest_checkpoints",
     "read_metadata",
     "resolve_resume",
     "saved_config",
@@ -101,61 +97,25 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-@dataclass(frozen=True)
-class ResumeChoice:
-    """The checkpoint a run resumes from (None: a fresh start), and the newer checkpoints of
-    other experiments `latest` passed over, each with what differs."""
-
-    path: Path | None
-    skipped: tuple[tuple[Path, str], ...] = ()
-
-
 def resolve_resume(spec: str | None, output_dir: str, model_name: str | None = None) -> Path | None:
-    """The checkpoint `trainer.resume_from` names (see the module docstring); None for a fresh
-    start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint, or
-    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains)."""
-    return choose_resume(spec, output_dir, model_name).path
-
-
-def choose_resume(
-    spec: str | None, output_dir: str, model_name: str | None = None, fingerprint: RunFingerprint | None = None
-) -> ResumeChoice:
-    """`resolve_resume`, where `latest` takes the newest checkpoint of the experiment `fingerprint`
-    names (`recsys_pipe.train.fingerprint`), passing over those of others (ConfigError naming the
-    newest of them when there is no other)."""
+    """The checkpoint `trainer.resume_from` names (see the module docstring; `latest` here: the
+    newest of any experiment, `recsys_pipe.train.fingerprint.choose_resume` takes this run's);
+    None for a fresh start. ConfigError (at `trainer.resume_from`) if the path holds no complete
+    checkpoint, or one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains)."""
     if spec == "latest":
-        choice = _latest(Path(os.path.expanduser(output_dir)), fingerprint)
+        newest = newest_checkpoints(output_dir)
+        path = newest[0] if newest else None
     else:
-        choice = ResumeChoice(_resolve(spec))
-    if choice.path is not None:
-        check_checkpoint(choice.path, model_name)
-    return choice
+        path = _resolve(spec)
+    if path is not None:
+        check_checkpoint(path, model_name)
+    return path
 
 
-def _latest(output_dir: Path, fingerprint: RunFingerprint | None) -> ResumeChoice:
-    from recsys_pipe.train.fingerprint import saved_fingerprint
-
-    candidates = [c.path for run in _run_dirs(output_dir) for c in find_checkpoints(run)]
-    candidates.sort(key=lambda p: (p / _METADATA).stat().st_mtime_ns, reverse=True)
-    skipped: list[tuple[Path, str]] = []
-    for path in candidates:
-        if fingerprint is None:
-            return ResumeChoice(path)
-        saved = saved_fingerprint(path, saved_world_size(read_metadata(path)))
-        difference = "its fingerprint cannot be read" if saved is None else fingerprint.difference(saved)
-        if difference is None:
-            return ResumeChoice(path, tuple(skipped))
-        skipped.append((path, difference))
-    if skipped:
-        newest, why = skipped[0]
-        raise ConfigError(
-            ConfigProblem(
-                RESUME_KEY,
-                f"latest: no checkpoint under {output_dir} is of this experiment; the newest, {newest}, is of "
-                f"another ({why}); to continue from it anyway set trainer.resume_from={newest}",
-            )
-        )
-    return ResumeChoice(None)
+def newest_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint of every run under `output_dir`, the newest written first."""
+    candidates = [c.path for run in _run_dirs(Path(os.path.expanduser(str(output_dir)))) for c in find_checkpoints(run)]
+    return sorted(candidates, key=lambda p: (p / _METADATA).stat().st_mtime_ns, reverse=True)
 
 
 def _resolve(spec: str | None) -> Path | None:
@@ -430,12 +390,13 @@ class Checkpointer:
             self._publish(info, partial)
 
     def _publish(self, info: CheckpointInfo, partial: Path) -> None:
-        self.last = info
         if self.rank != 0:
+            self.last = info
             return
         if info.path.exists():  # the same step saved again (e.g. a rerun into this run dir)
             shutil.rmtree(info.path)
         os.replace(partial, info.path)
+        self.last = info  # once it is there: what an interrupted run's status.json names
         if self.on_published is not None:
             self.on_published(info)
         if self.cfg.keep_latest:

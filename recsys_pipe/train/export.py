@@ -46,8 +46,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data import preprocess
-from recsys_pipe.data.serving import ServedSource, served_source
+from recsys_pipe.data import FEATURES_FORMAT, ServedSource, preprocess_file, served_source
 from recsys_pipe.models.serving import Servable, ServingForm
 from recsys_pipe.train.checkpoint import find_checkpoints, read_metadata, saved_config
 from recsys_pipe.train.config import RunConfig, load_run_config
@@ -269,7 +268,7 @@ def _write(
     files.append(staging / "features.json")
     files[-1].write_text(json.dumps(features, indent=1) + "\n")
     files.append(staging / "preprocess.py")
-    shutil.copyfile(Path(preprocess.__file__), files[-1])
+    shutil.copyfile(preprocess_file(), files[-1])
     rows = held.source.raw_rows(example.sample_ids, held.split)
     files.append(staging / "raw_example.jsonl")
     files[-1].write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -287,7 +286,7 @@ def features_json(form: ServingForm, described: Mapping[str, Any]) -> dict[str, 
     if missing:
         raise RuntimeError(f"the data source describes no feature {missing[0]!r} that the program takes")
     return {
-        "format": preprocess.FORMAT,
+        "format": FEATURES_FORMAT,
         "program": form.program,
         "inputs": inputs,
         "features": {name: records[name] for name in records if name in used},

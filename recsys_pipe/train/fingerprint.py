@@ -20,9 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recsys_pipe.config import ConfigError
+from recsys_pipe.config import ConfigError, ConfigProblem
+from recsys_pipe.train.checkpoint import (
+    RESUME_KEY,
+    check_checkpoint,
+    newest_checkpoints,
+    read_metadata,
+    resolve_resume,
+    saved_config,
+    saved_world_size,
+)
 
-__all__ = ["FINGERPRINT_FILE", "RunFingerprint", "fingerprint", "saved_fingerprint"]
+__all__ = ["FINGERPRINT_FILE", "ResumeChoice", "RunFingerprint", "choose_resume", "fingerprint", "saved_fingerprint"]
 
 FINGERPRINT_FILE = "fingerprint.json"
 #: data keys that change how rows are read, not which rows are trained
@@ -89,7 +98,6 @@ def saved_fingerprint(checkpoint: Path, world_size: int | None = None) -> RunFin
     """The fingerprint of the checkpoint at `checkpoint`: its `fingerprint.json`, else made from
     its run's `config.yaml` on `world_size` ranks (the ranks that wrote it); None if neither
     can be read."""
-    from recsys_pipe.train.checkpoint import saved_config
     from recsys_pipe.train.config import load_run_config
 
     try:
@@ -103,3 +111,41 @@ def saved_fingerprint(checkpoint: Path, world_size: int | None = None) -> RunFin
         return fingerprint(load_run_config(saved), world_size)
     except (ConfigError, ValueError, TypeError):
         return None
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a run resumes from (None: a fresh start), and the newer checkpoints of
+    other experiments `latest` passed over, each with what differs."""
+
+    path: Path | None
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
+def choose_resume(
+    spec: str | None, output_dir: str, model_name: str | None = None, mine: RunFingerprint | None = None
+) -> ResumeChoice:
+    """`resolve_resume`, where `latest` takes the newest checkpoint of the experiment `mine`
+    names, passing over those of others (ConfigError naming the newest of them when there is no
+    other)."""
+    if spec != "latest" or mine is None:
+        return ResumeChoice(resolve_resume(spec, output_dir, model_name))
+    skipped: list[tuple[Path, str]] = []
+    for path in newest_checkpoints(output_dir):
+        saved = saved_fingerprint(path, saved_world_size(read_metadata(path)))
+        difference = "its fingerprint cannot be read" if saved is None else mine.difference(saved)
+        if difference is None:
+            check_checkpoint(path, model_name)
+            return ResumeChoice(path, tuple(skipped))
+        skipped.append((path, difference))
+    if skipped:
+        newest, why = skipped[0]
+        where = os.path.expanduser(output_dir)
+        raise ConfigError(
+            ConfigProblem(
+                RESUME_KEY,
+                f"latest: no checkpoint under {where} is of this experiment; the newest, {newest}, is of "
+                f"another ({why}); to continue from it anyway set trainer.resume_from={newest}",
+            )
+        )
+    return ResumeChoice(None)

@@ -1,10 +1,14 @@
-"""Checks of the machine a run needs and of the inputs as read, shared by the CLIs that start a
-process group (`recsys-train` runs them in `Launch.prepare`, and `--check` runs the same).
+"""The pre-flight: everything a run refuses before any process group starts, and the build
+entry point of a run that passed it. The commands (`recsys_pipe.cli.launch`) call these two:
+`check_run(cfg)` for the checks (`recsys-train` runs them in `Launch.prepare`, `--check` and the
+sweep check run the same) and `CheckedRun.build(session)` for the trainer; what they do with a
+run in between is supervision (run directory, status, signals).
 
-Why here and not in the config schema: whether CUDA is visible is a fact about this machine,
-not about the config, but it is still the user's input that is wrong (`trainer.device=cuda` or
-`trainer.backend=nccl` on a machine without a GPU), so it is a ConfigError (exit 2, one line)
-found before any process group starts, never a traceback from inside `init_process_group`.
+Why the machine is checked here and not in the config schema: whether CUDA is visible is a fact
+about this machine, not about the config, but it is still the user's input that is wrong
+(`trainer.device=cuda` or `trainer.backend=nccl` on a machine without a GPU), so it is a
+ConfigError (exit 2, one line) found before any process group starts, never a traceback from
+inside `init_process_group`.
 
 `check_inputs` runs the checks that need the data as read but no process group; each lives
 with the component it concerns (the model's `check_spec`, the retrieval evaluation's
@@ -14,21 +18,38 @@ spread over the ranks needs of the device is `Parallelism.check`'s.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from recsys_pipe import _ctrl_c
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
-from recsys_pipe.train.checkpoint import ResumeChoice
 from recsys_pipe.train.config import RunConfig, load_run_config
-from recsys_pipe.train.plan import training_plan
+from recsys_pipe.train.fingerprint import ResumeChoice
+from recsys_pipe.train.plan import pipelining_without_effect, training_plan
 
-__all__ = ["CommandCheck", "check_global_batch", "check_inputs", "check_resume", "check_run", "run_device"]
+if TYPE_CHECKING:
+    from recsys_pipe.runtime.session import RunSession
+    from recsys_pipe.train.trainer import Trainer
+
+__all__ = [
+    "CheckedRun",
+    "CommandCheck",
+    "check_global_batch",
+    "check_inputs",
+    "check_plan",
+    "check_resume",
+    "check_run",
+    "run_device",
+]
+
+log = logging.getLogger("recsys_pipe")
 
 #: a command's own checks of its run, plan and this rank's data (ConfigError), after the shared ones
 CommandCheck = Callable[[Any, CompiledPlan, RankData], None]
@@ -62,9 +83,50 @@ def check_inputs(run: Any, data: Any) -> None:
     check_eval_dump(run.trainer.eval_dump, run.trainer.eval_every, data)
 
 
-def check_run(
-    cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None
-) -> tuple[RunConfig, CompiledPlan, RankData, ResumeChoice]:
+@dataclass(frozen=True)
+class CheckedRun:
+    """A run the pre-flight accepted (`check_run`), ready to be built once its session started:
+    the run config, its compiled plan, this rank's data (read once, used by the run) and the
+    checkpoint this rank found for `trainer.resume_from`."""
+
+    run: RunConfig
+    plan: CompiledPlan
+    data: RankData
+    #: the checkpoint this rank found for `trainer.resume_from`, and the newer checkpoints of
+    #: other experiments `latest` passed over
+    resume: ResumeChoice
+
+    def start_notes(self) -> list[str]:
+        """What the main rank logs when the run starts: a plan that pipelines work the model does
+        not have (`pipelining_without_effect`)."""
+        warning = pipelining_without_effect(self.plan, self.run)
+        return [] if warning is None else [warning]
+
+    def build(self, session: RunSession) -> Trainer:
+        """The build phase in `session` (its process group, run directory, stop request and peer
+        health): every part the loop runs on, once, from the config; the trainer over them. A
+        relative `trainer.eval_dump` becomes a path inside the run directory."""
+        from recsys_pipe.train.build import build_parts
+        from recsys_pipe.train.retrieval_eval import eval_dump_path
+        from recsys_pipe.train.trainer import Trainer
+
+        run = self.run
+        eval_dump = eval_dump_path(run.trainer.eval_dump, session.run_dir)
+        run = run.model_copy(update={"trainer": run.trainer.model_copy(update={"eval_dump": eval_dump})})
+        if session.info.is_main and run.trainer.eval_dump is not None:
+            log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
+        parts = build_parts(run, self.plan, session.info, session.run_dir, data=self.data)
+        return Trainer(parts, stop=session.stop, health=session.health)
+
+
+def check_plan(cfg: DictConfig, schema: type[RunConfig] = RunConfig) -> tuple[RunConfig, CompiledPlan]:
+    """The config validated (`RunConfig`, or the command's `schema`) and its plan compiled: the
+    check of every job of a sweep before Hydra runs it (ConfigError, with config paths)."""
+    run = load_run_config(cfg, schema)
+    return run, training_plan(run)
+
+
+def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> CheckedRun:
     """What a run refuses before any process group starts, except its directory: the config,
     the compiled plan, the device, `resume_from` (`latest`: of this experiment, `check_resume`),
     how the model is spread over this job's ranks on this device (`Parallelism.check`), this
@@ -73,10 +135,12 @@ def check_run(
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.parallel import parallelism_of
 
-    run = load_run_config(cfg, schema)
+    run, plan = check_plan(cfg, schema)
     _ctrl_c.pause_point("check")
-    plan = training_plan(run)
     device = run_device(run.trainer)
+    problems = run.model.check_device(device.type)
+    if problems:
+        raise ConfigError(problems)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     resume = check_resume(run, world_size)
     parallelism_of(run).check(world_size, device.type)
@@ -86,14 +150,13 @@ def check_run(
         check_global_batch(run, world_size, resume.path)
     if check is not None:
         check(run, plan, data)
-    return run, plan, data, resume
+    return CheckedRun(run, plan, data, resume)
 
 
 def check_resume(run: RunConfig, world_size: int) -> ResumeChoice:
     """The checkpoint `trainer.resume_from` names; `latest` takes the newest of this experiment
     (the same model, data and global batch on `world_size` ranks: `recsys_pipe.train.fingerprint`)."""
-    from recsys_pipe.train.checkpoint import choose_resume
-    from recsys_pipe.train.fingerprint import fingerprint
+    from recsys_pipe.train.fingerprint import choose_resume, fingerprint
 
     trainer = run.trainer
     mine = fingerprint(run, world_size) if trainer.resume_from == "latest" else None

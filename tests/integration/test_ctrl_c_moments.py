@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys_pipe._ctrl_c import PAUSE_ENV
+from recsys_pipe.testing import PAUSE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -17,8 +17,9 @@ from recsys_pipe.data.ids import fnv1a64, splitmix64
 from recsys_pipe.data.in_memory.criteo import CriteoDataConfig
 from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.data.negatives import TRAIN, unseen_items
+from recsys_pipe.data.parquet.decode import item_vocab_metadata
 from recsys_pipe.data.parquet.files import DataFileError
-from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig, item_vocab_metadata
+from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig
 from recsys_pipe.data.parquet.stream import Layout, rank_pieces
 from recsys_pipe.data.parquet.tabular import ParquetDataConfig
 from recsys_pipe.data.source import RankData

@@ -25,17 +25,8 @@ from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNorm
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import make_dataloader
-from recsys_pipe.data.in_memory.sequences import (
-    CAND_KEY,
-    CATALOG_KEY,
-    INPUT_KEY,
-    NEG_KEY,
-    POS_KEY,
-    SequencesDataConfig,
-    SequencesDataset,
-    collate_retrieval,
-    read_interactions,
-)
+from recsys_pipe.data.batch import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY, collate_retrieval
+from recsys_pipe.data.in_memory.sequences import SequencesDataConfig, SequencesDataset, read_interactions
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.source import RankData
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalConfig

@@ -60,18 +60,17 @@ from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY
 from recsys_pipe.data.in_memory.movielens import NUM_ACTIONS
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.checks import RowProblems, list_column
-from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
-from recsys_pipe.data.parquet.sequences import (
+from recsys_pipe.data.parquet.decode import (
     RATING_SCALE_KEY,
     WINDOWS_KEY,
     ItemStats,
-    ParquetSequenceKeys,
-    PartedStreamSource,
-    _list_chunks,
-    _list_type,
-    _SequenceDecoder,
+    SequenceDecoder,
     check_sequence_columns,
+    is_list_type,
+    list_chunks,
 )
+from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.sequences import ParquetSequenceKeys, PartedStreamSource
 from recsys_pipe.data.parquet.stream import Fail
 from recsys_pipe.data.serving import RATING_ACTIONS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig
@@ -235,7 +234,7 @@ class _WindowDecoder:
     def __init__(
         self,
         cfg: ParquetRankingDataConfig,
-        sequences: _SequenceDecoder,
+        sequences: SequenceDecoder,
         actions: str,
         users: np.ndarray | None,
         rating_scale: float = 5.0,
@@ -295,7 +294,7 @@ class _WindowDecoder:
         )
 
     def named_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        """A row as read, its numbered ids as the texts they were (`_SequenceDecoder.named_row`)."""
+        """A row as read, its numbered ids as the texts they were (`SequenceDecoder.named_row`)."""
         return self.sequences.named_row(row)
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> WindowRows:
@@ -367,7 +366,7 @@ class _WindowDecoder:
             first_row += len(chunk)
         ratings = values[0] if len(values) == 1 else np.concatenate(values)
         ratings_offsets = np.concatenate(offsets)
-        item_offsets = _list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
+        item_offsets = list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
         if not np.array_equal(ratings_offsets, item_offsets):
             row = int(np.flatnonzero(np.diff(ratings_offsets) != np.diff(item_offsets))[0])
             raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)
@@ -413,7 +412,7 @@ def _check_actions(files: ParquetFiles, actions: str) -> None:
             f"has {schema.names}",
         )
     t = schema.field(i).type
-    if not (_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+    if not (is_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
         raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
 
 
@@ -511,6 +510,6 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
     if users is not None:
         vocab_sizes[USER_KEY] = len(users)
     spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
-    sequences = _SequenceDecoder(cfg, vocab, num_items, stamps, names=files)  # type: ignore[arg-type]
+    sequences = SequenceDecoder(cfg, vocab, num_items, stamps, names=files)  # type: ignore[arg-type]
     decoder = _WindowDecoder(cfg, sequences, actions, users, rating_scale(files))  # type: ignore[arg-type]
     return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

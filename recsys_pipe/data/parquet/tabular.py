@@ -26,15 +26,9 @@ import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, home_expanded
-from recsys_pipe.data.batch import DataSpec
-from recsys_pipe.data.batch.tabular import TabularBatch
+from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
 from recsys_pipe.data.ids import string_ids
-from recsys_pipe.data.in_memory.criteo import (
-    CATEGORICAL_KEYS,
-    DENSE_NAMES,
-    CriteoBatch,
-    CriteoLayoutConfig,
-)
+from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoLayoutConfig
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.checks import RowProblems, list_column, null_rows
 from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet

@@ -211,8 +211,8 @@ def convert_sequences(
     import pyarrow.parquet as pq
 
     from recsys_pipe.data.in_memory.sequences import read_interactions
+    from recsys_pipe.data.parquet.decode import RATING_SCALE_KEY, item_vocab_metadata
     from recsys_pipe.data.parquet.ranking import user_vocab_metadata, windows_metadata
-    from recsys_pipe.data.parquet.sequences import RATING_SCALE_KEY, item_vocab_metadata
 
     if windows is not None and not 0 < num_candidates < windows:
         raise _refuse(f"need 0 < --num-candidates ({num_candidates}) < --windows ({windows})", "--num-candidates")
@@ -237,15 +237,7 @@ def convert_sequences(
         metadata |= user_vocab_metadata(user_ids) | windows_metadata(windows, num_candidates)
         user_ids = user_ids[owner]
         flat = {name: (values[gather], kind) for name, (values, kind) in flat.items()}
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32 if lengths.sum() < 2**31 else np.int64)
-    list_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-
-    def lists(values: np.ndarray, kind):  # -> pyarrow array of lists
-        array = list_type.from_arrays(pa.array(offsets), pa.array(values, kind))
-        return array.cast(pa.list_(kind)) if list_type is pa.LargeListArray else array
-
-    columns = {"user_id": pa.array(user_ids)}
-    columns |= {name: lists(values, kind) for name, (values, kind) in flat.items()}
+    columns = {"user_id": pa.array(user_ids), **_list_columns(flat, lengths)}
     # the item vocabulary travels in the file's metadata, so data=parquet_sequences numbers items
     # as data=sequences does without scanning them before the first step
     schema = sequence_schema(data.has_timestamps, data.ratings is not None).with_metadata(metadata)
@@ -260,10 +252,24 @@ def convert_sequences(
     return ConvertedFile(source, output, table.num_rows, pq.ParquetFile(output).num_row_groups)
 
 
+def _list_columns(flat: dict[str, tuple[np.ndarray, Any]], lengths: np.ndarray) -> dict[str, Any]:
+    """The flat `values` of each column as Arrow lists of `lengths` (64-bit offsets past 2^31 values)."""
+    import pyarrow as pa
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32 if lengths.sum() < 2**31 else np.int64)
+    list_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
+
+    def lists(values: np.ndarray, kind):  # -> pyarrow array of lists
+        array = list_type.from_arrays(pa.array(offsets), pa.array(values, kind))
+        return array.cast(pa.list_(kind)) if list_type is pa.LargeListArray else array
+
+    return {name: lists(values, kind) for name, (values, kind) in flat.items()}
+
+
 def _numbered(data: Any) -> tuple[np.ndarray, np.ndarray, dict[bytes, bytes]]:
     """The users' and the events' item ids as int64, and the metadata of their names: integer ids
     as they are (none); text ids numbered in sorted order (users come sorted already)."""
-    from recsys_pipe.data.parquet.sequences import names_metadata
+    from recsys_pipe.data.parquet.decode import names_metadata
 
     if not data.users or not isinstance(data.users[0], str):
         return np.asarray(data.users, dtype=np.int64), _flat(data.items, np.int64), {}

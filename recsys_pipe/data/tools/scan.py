@@ -4,9 +4,9 @@ The footers show what statistics can (`--check` refuses it before a run); a row 
 do not show (a file written without them, a list too short, an id a vocabulary lacks) is found
 only when its row group is decoded. The scan decodes every row group of the files with the
 checks the training source would make (its decoder's `validate`,
-`recsys_pipe.data.parquet.checks`): the source is built from a training config (the file's
-layout picks `data=parquet` or `data=parquet_sequences` and a model that reads it; `key=value`
-overrides name a column mapping, a model, `data.num_candidates`, ...), with
+`recsys_pipe.data.parquet.checks`): `recsys-data` builds the source from a training config (the
+file's `layout` picks `data=parquet` or `data=parquet_sequences` and a model that reads it;
+`key=value` overrides name a column mapping, a model, `data.num_candidates`, ...), with
 `data.on_bad_row=skip` so that a row group's statistics do not stop it. Row groups are spread
 over a process pool (one worker per core); each reports its problems check by check, with the
 file, the row group, the row (of the file) and the column, up to `limit` per check and row group
@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ScanReport", "scan", "scan_source"]
+__all__ = ["ScanReport", "layout", "scan"]
 
 #: the source the workers scan (set before the pool forks, so nothing is pickled)
 _SOURCE: Any = None
@@ -49,42 +49,6 @@ class ScanReport:
         return "\n".join([*self.lines, summary])
 
 
-def _layout(path: str | Sequence[str]) -> list[str]:
-    """`data=` and `model=` overrides that read the files' layout: sequence Parquet (windows for
-    HSTU ranking, users for retrieval) or tabular rows."""
-    from recsys_pipe.data.parquet.files import open_parquet
-    from recsys_pipe.data.parquet.ranking import WINDOWS_KEY
-
-    files = open_parquet(path)
-    # sizes that never stop a scan (it reads every row, whatever a run would batch or sample)
-    sizes = ["++data.batch_size=1"]
-    if WINDOWS_KEY in files.metadata:
-        return ["data=parquet_sequences", "model=hstu_small", *sizes]
-    if files.schema.get_field_index("item_ids") >= 0:
-        return ["data=parquet_sequences", "model=sasrec", *sizes, "++data.eval_negatives=1"]
-    return ["data=parquet", "model=dlrm", *sizes]
-
-
-def scan_source(path: str | Sequence[str], overrides: Sequence[str]) -> Any:
-    """The training source that reads `path` (a `StreamSource`), its layout from the files and
-    `overrides` (ConfigError for a config or file that cannot be read at all)."""
-    from omegaconf import open_dict
-
-    from recsys_pipe.cli.compose import compose_config
-    from recsys_pipe.train.config import load_run_config
-
-    # a key of the schema that no YAML file lists (a column mapping's) is added, as recsys-train adds it
-    overrides = [f"++{o.lstrip('+')}" if "." in o.split("=", 1)[0] else o for o in overrides]
-    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-    layout = [o for o in _layout(path) if o.split("=", 1)[0].lstrip("+") not in given]
-    paths = path if isinstance(path, str) else "[" + ",".join(path) + "]"
-    cfg = compose_config(*layout, f"data.path={paths}", "++data.on_bad_row=skip", *overrides, config_name="train")
-    with open_dict(cfg):
-        del cfg["hydra"]
-    run = load_run_config(cfg)
-    return run.data.dataset(0, 1)
-
-
 def _scan_group(unit: tuple[int, int, int], limit: int) -> tuple[list[tuple[int, str]], int, int]:
     """(problems as (row of the file, line), bad rows, unlisted) of one row group."""
     files, which, group = _SOURCE[unit[0]], unit[1], unit[2]
@@ -97,12 +61,26 @@ def _scan_group(unit: tuple[int, int, int], limit: int) -> tuple[list[tuple[int,
     return lines, int(problems.bad.sum()), unlisted
 
 
-def scan(
-    path: str | Sequence[str], overrides: Sequence[str] = (), workers: int | None = None, limit: int = 100
-) -> ScanReport:
-    """Every bad row of the files at `path` (see the module docstring)."""
+def layout(path: str | Sequence[str]) -> list[str]:
+    """`data=` and `model=` overrides that read the files' layout (sequence Parquet: windows for
+    HSTU ranking, users for retrieval; else tabular rows), and sizes that never stop a scan (it
+    reads every row, whatever a run would batch or sample)."""
+    from recsys_pipe.data.parquet.decode import WINDOWS_KEY
+    from recsys_pipe.data.parquet.files import open_parquet
+
+    files = open_parquet(path)
+    sizes = ["++data.batch_size=1"]
+    if WINDOWS_KEY in files.metadata:
+        return ["data=parquet_sequences", "model=hstu_small", *sizes]
+    if files.schema.get_field_index("item_ids") >= 0:
+        return ["data=parquet_sequences", "model=sasrec", *sizes, "++data.eval_negatives=1"]
+    return ["data=parquet", "model=dlrm", *sizes]
+
+
+def scan(source: Any, workers: int | None = None, limit: int = 100) -> ScanReport:
+    """Every bad row of the files of `source` (a `StreamSource` built with
+    `data.on_bad_row=skip`; see the module docstring)."""
     global _SOURCE
-    source = scan_source(path, overrides)
     sets = [source.files] + ([source.eval_files] if getattr(source, "eval_files", None) is not None else [])
     units = [
         (s, f, g)

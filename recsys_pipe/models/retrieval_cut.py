@@ -36,7 +36,7 @@ import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 from torch import nn
 
-from recsys_pipe.data.in_memory.sequences import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY
+from recsys_pipe.data.batch import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY
 from recsys_pipe.models.dropout import MICROBATCH_DROPOUT
 from recsys_pipe.models.retrieval import RetrievalModel, left_pad, padded_times
 

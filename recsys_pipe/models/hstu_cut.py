@@ -28,7 +28,7 @@ from torch import nn
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY
 from recsys_pipe.models.dropout import MICROBATCH_DROPOUT
-from recsys_pipe.models.hstu import HSTUModel, _attention_mask, _candidate_rows, _prepend_context
+from recsys_pipe.models.hstu import HSTUModel, attention_mask, candidate_rows, prepend_context
 
 __all__ = ["HSTUStage", "hstu_stages"]
 
@@ -61,7 +61,7 @@ class HSTUStage(nn.Module):
         if self.with_user:
             lengths = kjt[USER_KEY].lengths().long() + lengths
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        return lengths, offsets, _attention_mask(lengths, batch.num_candidates, self.padded_len)
+        return lengths, offsets, attention_mask(lengths, batch.num_candidates, self.padded_len)
 
     def _embed(self, batch: Any, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """HSTURanker's token assembly: the tokens, and the relative bias if the model has one."""
@@ -69,7 +69,7 @@ class HSTUStage(nn.Module):
         items, actions = embeddings[ITEM_KEY], embeddings[ACTION_KEY]
         tokens, timestamps = items.values() + actions.values(), batch.timestamps
         if self.with_user:
-            tokens, timestamps, _ = _prepend_context(tokens, timestamps, items.lengths().long(), embeddings[USER_KEY])
+            tokens, timestamps, _ = prepend_context(tokens, timestamps, items.lengths().long(), embeddings[USER_KEY])
         if self.bias is None:
             return (self.input_dropout(tokens),)
         padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
@@ -83,7 +83,7 @@ class HSTUStage(nn.Module):
         if not self.last:
             return (x, *bias)
         labels = batch.labels
-        rows = _candidate_rows(offsets, batch.num_candidates, labels.shape[0])
+        rows = candidate_rows(offsets, batch.num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])
         per_token = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
         #: what evaluation reads besides the loss (the model's `logits` and `labels` outputs)
