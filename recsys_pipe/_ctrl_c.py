@@ -27,10 +27,11 @@ __all__ = ["PAUSE_ENV", "exit_code", "install", "pause_point", "raise_if_receive
 _EXIT_INTERRUPTED = 130
 #: names a moment (`pause_point`) at which a command waits, for the tests that Ctrl-C it there
 PAUSE_ENV = "RECSYS_PIPE_PAUSE_AT"
-#: how long a pause point waits (a test's signal arrives within milliseconds of the line)
-_PAUSE_S = 3.0
+#: the longest a pause point waits for a test's signal
+_PAUSE_S = 60.0
 
 _received = False
+_paused: set[str] = set()
 
 
 def _remember(signum: int, frame: FrameType | None) -> None:
@@ -69,10 +70,26 @@ def exit_code(code: int) -> int:
 
 def pause_point(moment: str) -> None:
     """Where `$RECSYS_PIPE_PAUSE_AT` names `moment`, say so on stderr (`paused at <moment>`) and
-    wait a few seconds, so that a test sends its Ctrl-C at exactly this moment; a no-op otherwise."""
-    if os.environ.get(PAUSE_ENV) != moment:
+    wait for a SIGINT, handled as the handler in place at this moment handles it (a test sends
+    its Ctrl-C at exactly this moment); a no-op otherwise."""
+    if os.environ.get(PAUSE_ENV) != moment or moment in _paused:
         return
-    print(f"paused at {moment}", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + _PAUSE_S
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
+    _paused.add(moment)  # once: the moment may come again after the signal (a stop's own checkpoint)
+    previous = signal.getsignal(signal.SIGINT)
+    arrived = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        arrived.append(signum)
+        signal.signal(signal.SIGINT, previous)
+        if callable(previous):
+            previous(signum, frame)  # the moment's own handling (it may raise KeyboardInterrupt)
+
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        print(f"paused at {moment}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + _PAUSE_S
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_signal:
+            signal.signal(signal.SIGINT, previous)

@@ -129,7 +129,7 @@ def test_hstu_ranking_and_retrieval_skip_their_bad_rows(info, tmp_path):
     """Windows (HSTU ranking): a row of no more events than num_candidates and a rating of 42;
     users (retrieval): an item outside the vocabulary. Each is skipped and counted; a skipped
     user is evaluation padding."""
-    from recsys_pipe.data.parquet.sequences import item_vocab_metadata
+    from recsys_pipe.data.parquet.decode import item_vocab_metadata
 
     rng = np.random.default_rng(3)
     rows = [rng.integers(0, 30, 6).tolist() for _ in range(40)]

@@ -172,10 +172,13 @@ def test_convert_sequences_from_user_item_lines_and_its_errors(tmp_path, capsys)
     assert run(["convert", "sequences", str(path), str(tmp_path / "out")]) == 0
     table = pq.read_table(tmp_path / "out" / "Games.parquet")
     assert table.to_pydict() == {"user_id": [1, 2], "item_ids": [[9, 9], [5, 3, 7]]}  # file order, no timestamps
-    path.write_text("1 2\n1 3\n1 four\n")
-    assert run(["convert", "sequences", str(path), str(tmp_path / "out2")]) == 2
+    path.write_text("1 2\n1 3\n1 four\n")  # a text id among the first lines: every id is read as text
+    assert run(["convert", "sequences", str(path), str(tmp_path / "out2")]) == 0
+    assert pq.read_table(tmp_path / "out2" / "Games.parquet").column("item_ids").to_pylist() == [[0, 1, 2]]
+    path.write_text("1 2\n1 3\n1\n")
+    assert run(["convert", "sequences", str(path), str(tmp_path / "out3")]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {path}:3: user and item must be integers, got '1 four'\n"
+    assert err.startswith(f"error: {path}:3: expected two fields `user item`, got '1'")
 
 
 def test_csv_keys_read_headers_and_headerless_files_for_the_sources(tmp_path):
@@ -239,7 +242,7 @@ def test_text_ids_are_numbered_and_their_texts_kept(tmp_path, capsys):
     """The docs' `1700000000;u17;i4;5.0` lines: converted, and trained on as text (data.md)."""
     import json
 
-    from recsys_pipe.data.parquet.sequences import ITEM_NAMES_KEY, USER_NAMES_KEY
+    from recsys_pipe.data.parquet.decode import ITEM_NAMES_KEY, USER_NAMES_KEY
 
     (tmp_path / "clicks.txt").write_text(CLICKS)
     args = ["--delimiter", ";", "--no-header", "--columns", "timestamp,user,item,rating"]

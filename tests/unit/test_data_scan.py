@@ -11,7 +11,7 @@ import pytest
 
 from recsys_pipe.cli import data as data_cli
 from recsys_pipe.config import ConfigError
-from recsys_pipe.data.parquet.sequences import item_vocab_metadata
+from recsys_pipe.data.parquet.decode import item_vocab_metadata
 
 pytestmark = pytest.mark.timeout(300)
 
