@@ -8,7 +8,7 @@ this handler before they import anything heavy (`recsys_pipe.entry`), and the st
 `raise_if_received()` at the points where it hands SIGINT over to training's own handling, so a
 swallowed Ctrl-C still ends the start. Once a command's outcome is decided (its check passed,
 its run recorded), a Ctrl-C no longer raises but is still remembered (`record`), and the
-command exits 130 (`exit_code`): never ignored, so `scripts/train.sh` does not go on to torchrun.
+command exits 130 (`settle`): never ignored, so `scripts/train.sh` does not go on to torchrun.
 
 Imports nothing but the standard library: it must be cheap to load.
 """
@@ -21,7 +21,7 @@ import sys
 import time
 from types import FrameType
 
-__all__ = ["PAUSE_ENV", "exit_code", "install", "pause_point", "raise_if_received", "record"]
+__all__ = ["PAUSE_ENV", "install", "pause_point", "raise_if_received", "record", "settle"]
 
 #: Ctrl-C (SIGINT): 128 + 2, as `recsys_pipe.runtime.failures.EXIT_INTERRUPTED`
 _EXIT_INTERRUPTED = 130
@@ -63,9 +63,13 @@ def raise_if_received() -> None:
         raise KeyboardInterrupt
 
 
-def exit_code(code: int) -> int:
-    """The command's exit code: 130 for a run that would exit 0 but saw a Ctrl-C it recorded."""
-    return _EXIT_INTERRUPTED if code == 0 and _received else code
+def settle(code: int) -> int:
+    """A finished command's (or sweep job's) exit code: 130 for one that would exit 0 but saw a
+    Ctrl-C it recorded; the record is consumed (a process that goes on, a test's or a sweep's,
+    starts its next run without it)."""
+    global _received
+    received, _received = _received, False
+    return _EXIT_INTERRUPTED if code == 0 and received else code
 
 
 def pause_point(moment: str) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.cli.compose import compose_config
 from recsys_pipe.cli.hydra_adapter import (
     HYDRA_MODE_UNKNOWN,
@@ -245,7 +246,9 @@ class HydraApp:
         return code
 
     def _interrupted_at_start(self) -> int:
-        """Ctrl-C outside training (which handles its own): one line (rank 0's), exit 130."""
+        """Ctrl-C outside training (which handles its own): one line (rank 0's), exit 130 (the
+        Ctrl-C consumed: a process that goes on starts its next run without it)."""
+        _ctrl_c.settle(0)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{self.prog}: interrupted (Ctrl-C); nothing was trained", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -350,7 +353,7 @@ class HydraApp:
         (`data.columns.sparse.user.num_embedings`: named as typed, with the keys it is close to)."""
         from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-        from recsys_pipe.cli.keys import closest_listed, describe_keys, format_suggestions, key_matches
+        from recsys_pipe.cli.keys import closest_listed, describe_keys, format_suggestions, key_matches, misspelt_entry
         from recsys_pipe.config import import_fn
 
         if not self.schema:
@@ -368,8 +371,9 @@ class HydraApp:
             return None
         values = OmegaConf.to_container(parent._get_root(), resolve=False)
         known = [p for p, _, _ in describe_keys(import_fn(self.schema), values)]
-        if any(key_matches(key, pattern) for pattern in known):
-            return key
+        pattern = next((pattern for pattern in known if key_matches(key, pattern)), None)
+        if pattern is not None:
+            return None if misspelt_entry(key, pattern, values) else key
         if key == path:
             return None  # Hydra's own error names it
         return ConfigError(ConfigProblem(key, f"unknown key{format_suggestions(closest_listed(key, known))}"))

@@ -23,7 +23,15 @@ from pydantic_core import PydanticUndefined
 
 from recsys_pipe.config import ConfigError
 
-__all__ = ["closest_keys", "closest_listed", "describe_keys", "format_keys", "format_suggestions", "key_matches"]
+__all__ = [
+    "closest_keys",
+    "closest_listed",
+    "describe_keys",
+    "format_keys",
+    "format_suggestions",
+    "key_matches",
+    "misspelt_entry",
+]
 
 _UNSET = object()
 
@@ -42,6 +50,23 @@ def key_matches(key: str, pattern: str) -> bool:
     pattern (a map of sections: `data.columns.sparse.<name>.num_embeddings`) stands for any name."""
     parts, wanted = key.split("."), pattern.split(".")
     return len(parts) == len(wanted) and all(w in (p, "<name>") for p, w in zip(parts, wanted))
+
+
+def misspelt_entry(key: str, pattern: str, values: Any) -> bool:
+    """Whether `key` (which `pattern` lists with `<name>` for a map's entry) names a new entry one
+    typo or so away from an entry the map has (`pipeline.tasks.h2dd` for `h2d`): a misspelling,
+    not a new entry such as `data.columns.sparse.user`."""
+    parts = key.split(".")
+    for at, part in enumerate(pattern.split(".")):
+        if part != "<name>":
+            continue
+        entries: Any = values
+        for step in parts[:at]:
+            entries = entries.get(step) if isinstance(entries, Mapping) else None
+        names = list(entries) if isinstance(entries, Mapping) else []
+        if parts[at] not in names and _closest(parts[at], names, 1, cutoff=0.75):
+            return True
+    return False
 
 
 def closest_listed(key: str, listed: Sequence[str], n: int = 3) -> list[str]:

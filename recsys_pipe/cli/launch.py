@@ -110,6 +110,7 @@ class Launch:
             return session, self._started(session)
         except KeyboardInterrupt:  # Ctrl-C while the session starts: recorded, the group left, 130
             code = session.interrupted(0, checkpoint=None)
+            _ctrl_c.settle(0)  # this Ctrl-C, consumed
             raise SystemExit(session.close(code)) from None
 
     def _started(self, session: RunSession) -> Path | None:
@@ -166,7 +167,7 @@ def run_job(
     try:
         # returns with Ctrl-C ignored: the outcome is recorded, the group is left in order
         code = _supervised(launch, session, prog, lambda trainer: work(launch, trainer, resume))
-        code = session.close(code, keep_group=launch.requested.sweep)
+        code = _ctrl_c.settle(session.close(code, keep_group=launch.requested.sweep))  # a Ctrl-C while closing: 130
     finally:  # the process goes on (a sweep's next job): Ctrl-C works again
         signal.signal(signal.SIGINT, previous)
     if code:
@@ -232,5 +233,6 @@ def _interrupted(session: RunSession, trainer: Trainer | None) -> int:
         if trainer is not None:
             trainer.close()
     finally:  # the process goes on (a caller of `run`, the next job): Ctrl-C works again
+        _ctrl_c.settle(0)  # a second Ctrl-C while cleaning up is this same interruption: consumed
         signal.signal(signal.SIGINT, previous)
     return code

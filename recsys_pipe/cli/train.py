@@ -112,7 +112,7 @@ def main() -> None:
         teardown()  # after a sweep, whose jobs shared the process group
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(_ctrl_c.exit_code(code))
+    os._exit(_ctrl_c.settle(code))
 
 
 if __name__ == "__main__":

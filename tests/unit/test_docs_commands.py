@@ -76,6 +76,15 @@ def _commands() -> list[tuple[str, int, str, bool, list[str]]]:
     return found
 
 
+def _world(command: str) -> str:
+    """The ranks a command starts (torchrun's, scripts/train.sh's `--nproc_per_node`/NPROC), as the
+    check sees them (`WORLD_SIZE`, as scripts/train.sh sets it for its check)."""
+    found = re.search(r"(?:--nproc_per_node[ =]|NPROC=)(\d+)", command)
+    if found:
+        return found.group(1)
+    return "2" if re.search(r"(^|\s)scripts/(train|profile)\.sh", command) else "1"
+
+
 def _overrides(command: str) -> tuple[str, list[str]] | None:
     """(the CLI, its arguments) of a config command, else None."""
     words = shlex.split(command.split("  #")[0].split(" # ")[0])
@@ -111,7 +120,7 @@ def _check(cli: str, args: list[str]) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_every_command_runs_in_a_test_or_is_illustrative(capsys):
+def test_every_command_runs_in_a_test_or_is_illustrative(capsys, monkeypatch):
     unchecked, failing, untested = [], [], []
     for page, line, command, marked, errors in _commands():
         where = f"{page}:{line}: {command}"
@@ -120,6 +129,9 @@ def test_every_command_runs_in_a_test_or_is_illustrative(capsys):
         owner = PAGE_RUN_BY.get(page)
         config = _overrides(command)
         if config is not None and owner is None:
+            world = _world(command)
+            monkeypatch.setenv("WORLD_SIZE", world)
+            monkeypatch.setenv("RANK", str(int(world) - 1))
             problems = _check(*config)
             if problems != errors:  # a refused config's block shows its error lines
                 failing.append(f"{where}: {problems} (the page shows {errors})")
