@@ -149,14 +149,16 @@ def check_run(
     from recsys_pipe.cli.preflight import check_inputs, run_device
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.checkpoint import resolve_resume
-    from recsys_pipe.train.parallel import parallelism_of
+    from recsys_pipe.train.parallel import Topology, parallelism_of
 
     run = load_run_config(cfg, schema)
     plan = training_plan(run)
     device = run_device(run.trainer)
-    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    parallelism_of(run).check(world_size, device.type)
+    parallelism = parallelism_of(run)
+    topology = Topology.of_job(device.type)
+    parallelism.check(topology)
+    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
+    rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)
     if check is not None:

@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,13 +91,19 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def resolve_resume(spec: str | None, output_dir: str, model_name: str | None = None) -> Path | None:
+def resolve_resume(
+    spec: str | None,
+    output_dir: str,
+    model_name: str | None = None,
+    tables: Callable[[], Mapping[str, tuple[int, int]] | None] | None = None,
+) -> Path | None:
     """The checkpoint `trainer.resume_from` names (see the module docstring); None for a fresh
     start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint, or
-    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains)."""
+    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains; `tables`:
+    gives its torchrec tables' shapes by name, asked only when there is a checkpoint)."""
     path = _resolve(spec, output_dir)
     if path is not None:
-        check_checkpoint(path, model_name)
+        check_checkpoint(path, model_name, tables() if tables is not None else None)
     return path
 
 
@@ -127,11 +133,14 @@ def _resolve(spec: str | None, output_dir: str) -> Path | None:
     return found[-1].path
 
 
-def check_checkpoint(path: Path, model_name: str | None = None) -> None:
+def check_checkpoint(
+    path: Path, model_name: str | None = None, tables: Mapping[str, tuple[int, int]] | None = None
+) -> None:
     """What can be checked of a checkpoint from its own files, before DCP reads any tensor:
-    its metadata reads, every data file it names is there and long enough, and (when the run
-    directory's `config.yaml` says which model wrote it) the model is `model_name`.
-    ConfigError at `trainer.resume_from` naming what differs."""
+    its metadata reads, every data file it names is there and long enough, (when the run
+    directory's `config.yaml` says which model wrote it) the model is `model_name`, and every
+    table of `tables` (name -> (rows, dim), the config's) has that shape in it.
+    ConfigError at `trainer.resume_from` naming what differs (the first table that differs)."""
     metadata = read_metadata(path)
     sizes: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -147,6 +156,28 @@ def check_checkpoint(path: Path, model_name: str | None = None) -> None:
     saved = saved_model_name(path)
     if model_name is not None and saved is not None and saved != model_name:
         raise _mismatch(path, f"it holds model '{saved}' (its run's config.yaml), this run trains '{model_name}'")
+    if tables:
+        _check_tables(path, metadata, tables)
+
+
+def _check_tables(path: Path, metadata: Any, tables: Mapping[str, tuple[int, int]]) -> None:
+    """ConfigError naming the first of `tables` whose weight the checkpoint holds in another
+    shape (a table is found by its name, `...<name>.weight` under the model; DCP's metadata
+    keeps each table's global size whatever its sharding)."""
+    stored: dict[str, tuple[int, ...]] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        parts = key.split(".")
+        if key.startswith("train.model.") and parts[-1] == "weight" and getattr(item, "size", None) is not None:
+            stored.setdefault(parts[-2], tuple(item.size))
+    for name, shape in tables.items():
+        have = stored.get(name)
+        if have is not None and have != tuple(shape):
+            raise _mismatch(
+                path,
+                f"table {name} is {list(have)} (rows, dim) in the checkpoint and {list(shape)} in this config: "
+                "its rows come from the data (e.g. data.num_embeddings) and its width from model.embedding_dim; "
+                "resume with the checkpoint's sizes",
+            )
 
 
 def read_metadata(path: Path) -> Any:

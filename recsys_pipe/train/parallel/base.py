@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from recsys_pipe.engine import StreamPool
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.train.config import RunConfig
+    from recsys_pipe.train.parallel.topology import Topology
     from recsys_pipe.train.rng import RngState
 
 __all__ = ["Parallelism"]
@@ -36,9 +37,14 @@ class Parallelism(ABC):
     # -- before any process group -----------------------------------------------------------------
 
     @abstractmethod
-    def check(self, world_size: int, device_type: str) -> None:
-        """ConfigError (with config paths) for what this layout cannot train on `world_size`
-        ranks of `device_type`; checked before any process group starts."""
+    def check(self, topology: Topology) -> None:
+        """ConfigError (with config paths) for what this layout cannot train on `topology`'s
+        ranks; checked before any process group starts."""
+
+    def table_shapes(self) -> dict[str, tuple[int, int]] | None:
+        """The config's torchrec tables by name, (rows, dim), for checking a checkpoint before
+        it is loaded; None for a layout without torchrec tables."""
+        return None
 
     def check_export(self) -> None:
         """ConfigError (with config paths) if a checkpoint of this layout cannot be loaded as one
