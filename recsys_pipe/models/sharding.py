@@ -83,6 +83,7 @@ __all__ = [
     "make_sharded_model",
     "optimize_tables_in_backward",
     "sharding_plan",
+    "table_features",
     "table_shapes",
 ]
 
@@ -121,6 +122,12 @@ def table_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
         for module in embedding_modules(model).values()
         for cfg in _table_configs(module)
     }
+
+
+def table_features(module: nn.Module) -> dict[str, list[str]]:
+    """Each table of an `EmbeddingCollection`/`EmbeddingBagCollection` by name: the KJT features
+    it looks up."""
+    return {cfg.name: list(cfg.feature_names) for cfg in _table_configs(module)}
 
 
 def local_world_size(world_size: int) -> int:
@@ -327,6 +334,7 @@ def make_sharded_model(
     embedding_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
     embedding_optimizer_kwargs: Mapping[str, Any] | None = None,
     data_parallel: bool = True,
+    plan: ShardingPlan | None = None,
 ) -> DistributedModelParallel:
     """Wrap `model` in DistributedModelParallel over `pg`, its tables sharded by `cfg.sharding` on
     `cfg.compute_kernel`. Works for world size 1 and up.
@@ -343,6 +351,7 @@ def make_sharded_model(
         embedding_optimizer_kwargs: its arguments (`lr`, ...).
         data_parallel: wrap the rest of the model in DMP's DDP over `pg`; False leaves its
             gradients alone (pipeline stages average theirs themselves, `recsys_pipe.pp.stage`).
+        plan: the sharding plan to use (default: `sharding_plan` for `pg`'s ranks and `device`).
 
     Returns:
         The `DistributedModelParallel` model."""
@@ -358,7 +367,9 @@ def make_sharded_model(
     if cfg.compute_kernel == "fused":
         optimize_tables_in_backward(model, embedding_optimizer, embedding_optimizer_kwargs)
     ranks = pg.size()
-    plan = sharding_plan(model, cfg, ranks, device.type, min(local_world_size(ranks), ranks), batch_size=batch_size)
+    if plan is None:
+        local = min(local_world_size(ranks), ranks)
+        plan = sharding_plan(model, cfg, ranks, device.type, local, batch_size=batch_size)
     weights = _table_weights(model)
     sharded = DistributedModelParallel(
         module=model,
@@ -383,15 +394,21 @@ def _table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _load_shards(sharded: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy each table's rows and columns of this rank's shards from the unsharded `weights`.
+    """Copy each table's rows and columns of this rank's shards from the unsharded `weights`,
+    then free the unsharded tables' memory.
 
     torchrec's sharded modules initialise their shards afresh (each rank draws its own shards'
-    values), so without this a table's initial values would depend on the sharding type and the
-    world size. With it, every layout starts from the weights the seeded model was built with,
-    and N ranks train what one rank trains (`tests/integration/test_multi_host.py`). Skipped for a
-    model built on the meta device (nothing to copy)."""
+    values), so without the copy a table's initial values would depend on the sharding type and
+    the world size. With it, every layout starts from the weights the seeded model was built
+    with, and N ranks train what one rank trains (`tests/integration/test_multi_host.py`).
+
+    torchrec keeps the unsharded parameters referenced after sharding (its sharding infos, and
+    the in-backward optimizer hooks), so every rank would hold the whole unsharded tables for
+    the rest of the run; their storage is released here instead (shape kept, as FSDP frees a
+    parameter's storage). Skipped for a model built on the meta device (nothing to copy)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+    in_use = set()
     for key, value in sharded.state_dict().items():
         full = weights.get(key)
         if full is None or full.is_meta or not isinstance(value, ShardedTensor):
@@ -400,6 +417,11 @@ def _load_shards(sharded: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
             for shard in value.local_shards():
                 (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                 shard.tensor.copy_(full[row : row + rows, col : col + cols])
+                in_use.add(shard.tensor.untyped_storage().data_ptr())
+    for full in weights.values():
+        storage = full.untyped_storage()
+        if not full.is_meta and storage.data_ptr() not in in_use:
+            storage.resize_(0)
 
 
 def make_optimizer(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, StrictInt, StrictStr
@@ -51,10 +51,19 @@ class SparseOptimizerConfig(Section):
     eps: float = Field(1e-8, gt=0, description="epsilon of adaptive optimizers")
     weight_decay: float = Field(0.0, ge=0, description="weight decay of the embedding tables")
 
+    def state_elements(self, rows: int, cols: int) -> int:
+        """Floats of fbgemm's state for a table shard of `rows` x `cols` under this optimizer."""
+        per_entry = {"sgd": 0, "adagrad": 1, "adam": 2}
+        return rows if self.name == "rowwise_adagrad" else per_entry[self.name] * rows * cols
+
 
 class OptimizerConfig(Component):
     """What every dense optimizer config has (`optimizer.*`), plus the fused sparse one
     (`optimizer.sparse`). A builder whose config parameter is not annotated gets this class."""
+
+    #: floats of optimizer state per parameter entry (the memory estimate's); a custom optimizer
+    #: is assumed to keep two, as Adam does, unless its config class says otherwise
+    state_copies: ClassVar[float] = 2
 
     lr: float = Field(1e-3, gt=0, description="dense learning rate")
     weight_decay: float = Field(0.0, ge=0, description="dense weight decay")
@@ -85,6 +94,10 @@ class SGDConfig(OptimizerConfig):
     builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_sgd")
     momentum: float = Field(0.0, ge=0, description="momentum")
 
+    @property
+    def state_copies(self) -> float:  # type: ignore[override]
+        return 1 if self.momentum else 0
+
 
 class AdamConfig(OptimizerConfig):
     """`optimizer=adam` (and `optimizer.name=adamw`)."""
@@ -104,6 +117,8 @@ class AdamWConfig(AdamConfig):
 
 class AdagradConfig(OptimizerConfig):
     """`optimizer.name=adagrad`."""
+
+    state_copies: ClassVar[float] = 1
 
     name: Literal["adagrad"] = "adagrad"
     builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_adagrad")
