@@ -55,6 +55,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bias_lookup": Benchmark(
         "recsys_pipe.bench.bias_lookup", "HSTU's attention-bias lookup: indexing's backward against a sorted sum"
     ),
+    "multi_host": Benchmark(
+        "recsys_pipe.bench.multi_host",
+        "8 ranks as 2 hosts x 4: every sharding type against one rank, resharded resumes, memory estimate vs RSS",
+    ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
     ),

@@ -75,6 +75,20 @@ def check_config(cfg: DictConfig) -> None:
     check_run(cfg)
 
 
+def _check(cfg: DictConfig) -> None:
+    """`--check`: every check a job makes before its process group (`Launch.prepare`), then the
+    estimated peak memory of this job's ranks (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`): one line, and
+    a warning where the largest rank does not fit."""
+    from recsys_pipe.train.memory import check_memory
+    from recsys_pipe.train.plan import planned_device_type
+
+    launch = Launch.prepare(cfg)
+    line, warning = check_memory(launch.run, launch.plan, planned_device_type(launch.run.trainer.device))
+    print(line)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def _validate(cfg: DictConfig) -> None:
     """The check of a single job's config before Hydra runs it (the job repeats all of
     `check_run` first thing, so reading its data twice is left to sweeps)."""
@@ -90,7 +104,7 @@ _app = hydra_app(
     prog=PROG,
     schema="recsys_pipe.train.config:RunConfig",
     validate=_validate,
-    check=Launch.prepare,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE
+    check=_check,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE, and memory
     sweep_check=check_config,
 )
 

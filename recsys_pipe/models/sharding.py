@@ -21,11 +21,15 @@ Every type must be offered by the table's sharder on the device (`recsys_pipe.mo
 torchrec's, with `row_wise` and `table_row_wise` of bag tables also offered on the CPU); a type
 that is not is refused as a config error naming the table, before any process group starts.
 
-Every rank computes the same plan itself, with no collective. torchrec's `collective_plan`
-plans on rank 0 and broadcasts, so a planner failure there leaves the other ranks waiting in
-the broadcast; planning everywhere makes a failure happen on every rank alike, and each exits
-with the planner's message as a config error. (The planner is deterministic given the model,
-topology and constraints: it does not read the devices.)
+Every rank plans itself, then takes rank 0's plan. torchrec's `collective_plan` plans on rank 0
+only and broadcasts, so a planner failure there leaves the other ranks waiting in the broadcast;
+planning everywhere makes a failure happen on every rank alike (before the broadcast), and each
+exits with the planner's message as a config error. The broadcast is still needed: torchrec's
+planner breaks ties between equally good plans in the order it iterates sets of strings, which
+differs between processes (Python randomises string hashing per process). Seen with two torchrun
+agents: the ranks of one host planned a table `column_wise` that the other host's ranks planned
+`table_wise`, and their first all-to-all failed. (Ranks forked from one process share the hash
+seed and agree; hand-built plans agree anyway.)
 
 data_parallel `EmbeddingCollection` tables do not work on CPU in torchrec, so on CPU the planner
 is not offered that choice and a constraint asking for it is refused.
@@ -370,6 +374,10 @@ def make_sharded_model(
     if plan is None:
         local = min(local_world_size(ranks), ranks)
         plan = sharding_plan(model, cfg, ranks, device.type, local, batch_size=batch_size)
+        if cfg.sharding == "planner" and ranks > 1:  # the same tie-breaks on every rank: rank 0's
+            chosen = [plan]
+            dist.broadcast_object_list(chosen, src=dist.get_global_rank(pg, 0), group=pg)
+            plan = chosen[0]
     weights = _table_weights(model)
     sharded = DistributedModelParallel(
         module=model,

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PROBE_ROWS",
+    "check_memory",
     "RUNTIME_BYTES",
     "MemoryEstimate",
     "RankMemory",
@@ -56,6 +57,7 @@ __all__ = [
     "dry_run_tables",
     "estimate_memory",
     "probe_activations",
+    "table_part",
 ]
 
 GIB = 2**30
@@ -66,7 +68,7 @@ PROBE_ROWS = 1024
 #: data.num_embeddings=10 trainer=smoke` on 1 and 2 ranks (gloo) minus its model, 2026-12-06 on
 #: the 2-core development machine (`scripts/multi_host.sh` measures it again); cuda: the CUDA
 #: context and NCCL's buffers, assumed (not measured here: no GPU)
-RUNTIME_BYTES = {"cpu": 420 * MIB, "cuda": 1 * GIB}
+RUNTIME_BYTES = {"cpu": 424 * MIB, "cuda": 1 * GIB}
 
 
 @dataclass
@@ -390,6 +392,7 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchrec.distributed import collective_utils
     from torchrec.distributed.embedding_types import ShardedEmbeddingModule
 
     from recsys_pipe.models.sharding import make_sharded_model
@@ -402,6 +405,10 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
     saved_env = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(topology.local_world_size)  # torchrec's host groups read it
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=topology.world_size)
+    # DMP asks rank 0 by a broadcast whether to validate collectives; under the fake group a
+    # broadcast carries nothing to the other ranks, so it is answered here as already asked
+    validation = collective_utils._INITIALIZED
+    collective_utils._INITIALIZED = True
     try:
         with torch.device("meta"):
             module = run.model.build(run.data.spec())
@@ -436,6 +443,7 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
                 measured["weights" if name.startswith("weight") else "state"] += storage.nbytes()
         return measured
     finally:
+        collective_utils._INITIALIZED = validation
         dist.destroy_process_group()
         if saved_env is None:
             os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -467,10 +475,15 @@ def device_capacity(device: torch.device, local_world_size: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_world_size, 1)
 
 
+def table_part(estimate: MemoryEstimate, rank: int) -> int:
+    """Bytes of `rank`'s table shards and their optimizer state in `estimate` (what a dry run builds)."""
+    parts = estimate.ranks[rank].parts
+    return sum(v for k, v in parts.items() if k.startswith("tables ") or (" state" in k and k.endswith(")")))
+
+
 def dry_run_report(estimate: MemoryEstimate, measured: Mapping[str, int], rank: int) -> str:
     """How `rank`'s tables built for real (`dry_run_tables`) compare with `estimate`'s table part."""
-    parts = estimate.ranks[rank].parts
-    expected = sum(v for k, v in parts.items() if k.startswith("tables ") or k.endswith(")") and " state" in k)
+    expected = table_part(estimate, rank)
     built = measured["weights"] + measured["state"]
     diff = (built - expected) / expected if expected else 0.0
     t = estimate.topology
@@ -481,4 +494,27 @@ def dry_run_report(estimate: MemoryEstimate, measured: Mapping[str, int], rank: 
         f"({t.hosts} host(s) x {t.local_world_size}): {measured['weights'] / MIB:.2f} MiB weights + "
         f"{measured['state'] / MIB:.2f} MiB optimizer state = {built / MIB:.2f} MiB; the estimate's table shards "
         f"and their state: {expected / MIB:.2f} MiB ({diff:+.1%}){unbuilt}"
+    )
+
+
+def check_memory(run: RunConfig, plan: CompiledPlan, device_type: str) -> tuple[str, str | None]:
+    """What `recsys-train --check` says about memory for this job (`Topology.of_job`): the
+    verdict line of the estimate against the memory one rank has (`device_capacity`), and a
+    warning when the largest rank does not fit (None when it does). Pipeline-parallel runs are
+    not estimated."""
+    from recsys_pipe.train.parallel import PipelineStages, Topology, parallelism_of
+
+    if isinstance(parallelism_of(run), PipelineStages):
+        return "estimated peak memory: not estimated for pipeline-parallel runs (parallel.pp)", None
+    topology = Topology.of_job(device_type)
+    device = torch.device("cuda" if device_type == "cuda" else "cpu")
+    capacity = device_capacity(device, topology.local_world_size)
+    estimate = estimate_memory(run, plan, topology, capacity / GIB)
+    if estimate.fits():
+        return estimate.verdict(), None
+    top = estimate.largest
+    return estimate.verdict(), (
+        f"rank {top.rank} needs an estimated {top.peak / GIB:.2f} GiB, more than the {capacity / GIB:.2f} GiB one rank "
+        f"has here; `recsys-plan <the same overrides> world_size={topology.world_size} "
+        f"local_world_size={topology.local_world_size} memory_gib=...` shows every rank by part"
     )
