@@ -183,7 +183,9 @@ def memory(out: Path) -> dict[str, Any]:
     plan = training_plan(run)
     rows = []
     for ranks in (1, 2, 4, 8):
-        estimate = estimate_memory(run, plan, Topology(ranks, ranks, "cpu")).largest.peak
+        estimated = estimate_memory(run, plan, Topology(ranks, ranks, "cpu"))
+        assert estimated is not None
+        estimate = estimated.largest.peak
         row: dict[str, Any] = {"ranks": ranks, "estimate_mib": estimate / 2**20}
         for allocator, env in (("default", {}), ("fixed_mmap", FIXED_MMAP)):
             folder = out / f"rss_{allocator}_{ranks}"
@@ -197,7 +199,9 @@ def memory(out: Path) -> dict[str, Any]:
     for sharding in ("row_wise", "table_row_wise", "column_wise", "table_wise", "planner"):
         big = load_run(*DRY_RUN, f"model.sharding={sharding}")
         topology = Topology(64, 8, "cuda")
-        expected = table_part(estimate_memory(big, training_plan(big), topology), 0)
+        estimated = estimate_memory(big, training_plan(big), topology)
+        assert estimated is not None
+        expected = table_part(estimated, 0)
         measured = dry_run_tables(big, topology, 0)
         built = measured["weights"] + measured["state"]
         rel = (built - expected) / expected

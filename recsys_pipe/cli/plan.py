@@ -151,9 +151,11 @@ def _memory(run_cfg: PlanCommandConfig, plan: CompiledPlan, topology: Topology) 
     """The memory table (`memory_gib` or `dry_run`) and the dry run's comparison, if asked for."""
     if run_cfg.memory_gib is None and not run_cfg.dry_run:
         return None
-    from recsys_pipe.train.memory import dry_run_report, dry_run_tables, estimate_memory
+    from recsys_pipe.train.memory import NOT_ESTIMATED, dry_run_report, dry_run_tables, estimate_memory
 
     estimate = estimate_memory(run_cfg, plan, topology, run_cfg.memory_gib)
+    if estimate is None:
+        return NOT_ESTIMATED
     text = estimate.render()
     if run_cfg.dry_run:
         if run_cfg.dry_run_rank >= topology.world_size:

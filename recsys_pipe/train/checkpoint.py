@@ -250,7 +250,22 @@ def compare_state(state: dict[str, Any], metadata: Any, path: Path, world_size: 
     saved_ranks = _saved_world_size(metadata)
     if saved_ranks != world_size:
         text += f"; written by {saved_ranks} rank(s), loading on {world_size}"
+    if any(_column_shard_state(key, saved.get(key), state[key]) for key in state if key in saved):
+        text += (
+            " (fbgemm's row-wise state of a column-sharded table keeps one value per row of each column shard: "
+            "resume with as many column shards, or train with optimizer.sparse.name=adagrad, whose state reshards)"
+        )
     raise _mismatch(path, text)
+
+
+def _column_shard_state(key: str, stored: Any, value: Any) -> bool:
+    """Whether `key` is fbgemm's row-wise optimizer state (`momentum1`, one dimension) of a table
+    sharded into another number of column shards than the checkpoint's."""
+    size, have = _global_size(value), getattr(stored, "size", None)
+    if not key.endswith("momentum1") or size is None or have is None or len(size) != 1 or len(have) != 1:
+        return False
+    low, high = sorted((size[0], have[0]))
+    return low > 0 and low != high and high % low == 0
 
 
 def _global_size(value: Any) -> Any:

@@ -62,6 +62,8 @@ __all__ = [
 
 GIB = 2**30
 MIB = 2**20
+#: what is said of a layout whose memory is not estimated (`Parallelism.planned_model`)
+NOT_ESTIMATED = "estimated peak memory: not estimated for how this run spreads its model over the ranks"
 #: tables are cut to at most this many rows for the activation probe
 PROBE_ROWS = 1024
 #: what a training process holds besides the model. cpu: peak RSS of `recsys-train model=dlrm
@@ -120,6 +122,7 @@ class MemoryEstimate:
 
     @property
     def columns(self) -> list[str]:
+        """The parts some rank holds, in the order they were added."""
         seen: dict[str, None] = {}
         for rank in self.ranks:
             for key, value in rank.parts.items():
@@ -129,9 +132,11 @@ class MemoryEstimate:
 
     @property
     def largest(self) -> RankMemory:
+        """The rank with the highest peak (the lowest such rank)."""
         return max(self.ranks, key=lambda r: (r.peak, -r.rank))
 
     def fits(self) -> bool | None:
+        """Whether the largest rank fits the capacity; None without one."""
         return None if self.capacity is None else self.largest.peak <= self.capacity
 
     def verdict(self) -> str:
@@ -171,24 +176,22 @@ def estimate_memory(
     topology: Topology,
     capacity_gib: float | None = None,
     activations: Activations | None = None,
-) -> MemoryEstimate:
+) -> MemoryEstimate | None:
     """The estimated peak memory of each rank of `topology` training `run` with `plan`
-    (`activations`: measured by `probe_activations` when not given)."""
-    from recsys_pipe.train.parallel import ShardedTables, parallelism_of
-    from recsys_pipe.train.parallel.sharded import meta_model, planned_sharding
+    (`activations`: measured by `probe_activations` when not given); None for a layout whose
+    memory is not estimated (`Parallelism.planned_model`)."""
+    from recsys_pipe.train.parallel import parallelism_of
 
-    parallelism = parallelism_of(run)
+    planned = parallelism_of(run).planned_model(topology)
+    if planned is None:
+        return None
+    module, sharding = planned
     activations = activations or probe_activations(run)
     ranks = [RankMemory(r) for r in range(topology.world_size)]
     legend: list[str] = []
     notes: list[str] = []
-    if isinstance(parallelism, ShardedTables):
-        module, sharding = planned_sharding(
-            run, run.model, topology.world_size, topology.local_world_size, topology.device_type
-        )
+    if sharding is not None:
         legend += _add_tables(run, module, sharding, topology, activations, ranks)
-    else:
-        module = meta_model(run)
     legend += _add_dense(run, module, ranks)
     batch = run.data.batch_size
     in_flight = plan.graph.in_flight_batches
@@ -500,16 +503,15 @@ def dry_run_report(estimate: MemoryEstimate, measured: Mapping[str, int], rank: 
 def check_memory(run: RunConfig, plan: CompiledPlan, device_type: str) -> tuple[str, str | None]:
     """What `recsys-train --check` says about memory for this job (`Topology.of_job`): the
     verdict line of the estimate against the memory one rank has (`device_capacity`), and a
-    warning when the largest rank does not fit (None when it does). Pipeline-parallel runs are
-    not estimated."""
-    from recsys_pipe.train.parallel import PipelineStages, Topology, parallelism_of
+    warning when the largest rank does not fit (None when it does)."""
+    from recsys_pipe.train.parallel import Topology
 
-    if isinstance(parallelism_of(run), PipelineStages):
-        return "estimated peak memory: not estimated for pipeline-parallel runs (parallel.pp)", None
     topology = Topology.of_job(device_type)
     device = torch.device("cuda" if device_type == "cuda" else "cpu")
     capacity = device_capacity(device, topology.local_world_size)
     estimate = estimate_memory(run, plan, topology, capacity / GIB)
+    if estimate is None:
+        return NOT_ESTIMATED, None
     if estimate.fits():
         return estimate.verdict(), None
     top = estimate.largest

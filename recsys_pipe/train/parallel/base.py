@@ -95,6 +95,13 @@ class Parallelism(ABC):
         """What `recsys-plan` says about how the model is spread over `world_size` ranks
         (`local_size` per host) on `device_type` (no table memory is allocated)."""
 
+    def planned_model(self, topology: Topology) -> tuple[nn.Module, Any] | None:
+        """For the memory estimate (`recsys_pipe.train.memory`): the model built on the meta
+        device and torchrec's sharding plan of its tables over `topology`'s ranks (None when no
+        tables are sharded); None when this layout's memory is not estimated."""
+        with torch.device("meta"):
+            return self.run.model.build(self.run.data.spec()), None
+
     def describe_steps(self) -> str | None:
         """What `recsys-plan` shows of each rank's share of one step beyond the plan, if anything."""
         return None

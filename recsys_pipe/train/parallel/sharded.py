@@ -41,6 +41,10 @@ class ShardedTables(Parallelism):
             check_sparse_device(self.run.optimizer.sparse, topology.device_type)
         planned_sharding(self.run, self.run.model, topology.world_size, topology.local_world_size, topology.device_type)
 
+    def planned_model(self, topology: Topology) -> tuple[nn.Module, Any]:
+        t = topology
+        return planned_sharding(self.run, self.run.model, t.world_size, t.local_world_size, t.device_type)
+
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         from recsys_pipe.models.sharding import table_shapes
 

@@ -74,6 +74,9 @@ class PipelineStages(Parallelism):
         cfg = pipelined_tables(run.model)
         return describe_sharding(run, cfg, ranks, min(local_size, ranks), device_type, " (the first stage's replicas)")
 
+    def planned_model(self, topology: Topology) -> None:
+        return None  # the memory estimate does not cut the model into stages yet
+
     def describe_steps(self) -> str | None:
         from recsys_pipe.train.parallel.stage_text import render_pipeline_parallel
 
