@@ -29,6 +29,7 @@ usage() {
   cat <<'EOF'
 usage: scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--python PY] [--quick] [--budget S]
                             [--stage N [--pieces DIR] [--assemble-only] | --resume] [--stage-dir DIR]
+                            [--steps LIST] [--gr DIR]
 
   --out DIR        where the logs, bench_*.json and summary.txt go
                    (default: $OUT if set, else runs/gpu_check/<time>)
@@ -46,6 +47,9 @@ usage: scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--python PY] [--quick] [
   --stage-dir DIR  the folder kept between runs (default: /tmp/recsys_pipe_stage)
   --assemble-only  with --stage: stop once the site is assembled (needs no GPU)
   --resume         run the steps an earlier staged run did not pass, with its assembled site
+  --steps LIST     only these steps (comma-separated names, as in the summary; default: all)
+  --gr DIR         generative-recommenders' Triton attention for bench_attention (default:
+                   wheels/gr where scripts/gpu_wheels.sh --gr put it)
   -h, --help       this text
 
 exit status: 0 every step passed (with --stage: or the piece was staged and more are to come);
@@ -72,9 +76,11 @@ PIECES="$ROOT/wheels"
 STAGE_DIR="/tmp/recsys_pipe_stage"
 ASSEMBLE_ONLY=0
 RESUME=0
+ONLY_STEPS=""
+GR_DIR="$ROOT/wheels/gr"
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --out | --wheels | --python | --budget | --stage | --pieces | --stage-dir)
+    --out | --wheels | --python | --budget | --stage | --pieces | --stage-dir | --steps | --gr)
       [[ $# -ge 2 && -n "$2" ]] || bad_usage "$1 needs a value"
       case "$1" in
         --out) OUT_DIR="$2" ;;
@@ -84,6 +90,8 @@ while [[ $# -gt 0 ]]; do
         --stage) STAGE="$2" stage_given=1 ;;
         --pieces) PIECES="$2" ;;
         --stage-dir) STAGE_DIR="$2" ;;
+        --steps) ONLY_STEPS=",$2," ;;
+        --gr) GR_DIR="$2" ;;
       esac
       shift 2
       ;;
@@ -106,6 +114,13 @@ fi
 for dir in ${WHEELS[@]+"${WHEELS[@]}"}; do
   [[ -d "$dir" ]] || bad_usage "--wheels $dir is not a directory"
 done
+ALL_STEPS=",cuda_tests,launcher_cuda,megatron_cuda,bench_gpu,bench_engine,engine_costs,bench_attention,torchrec_cuda,bench_hstu_step,bench_train,torch_profile,"
+if [[ -n "$ONLY_STEPS" ]]; then
+  IFS=',' read -ra wanted_steps <<<"${ONLY_STEPS:1:-1}"
+  for name in "${wanted_steps[@]}"; do
+    [[ "$ALL_STEPS" == *",$name,"* ]] || bad_usage "--steps: unknown step '$name' (steps: ${ALL_STEPS:1:-1})"
+  done
+fi
 if ((${#WHEELS[@]} == 0)); then # what scripts/gpu_wheels.sh leaves, where a run brought it
   for dir in "$ROOT/wheels/small" "$ROOT/wheels/torchrec"; do
     [[ -d "$dir" ]] && WHEELS+=("$dir")
@@ -272,12 +287,18 @@ record() {
   printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"
 }
 
+# selected NAME: whether --steps (or its absence) chose step NAME
+selected() {
+  [[ -z "$ONLY_STEPS" || "$ONLY_STEPS" == *",$1,"* ]]
+}
+
 # run_step NAME LIMIT_S COMMAND...: runs COMMAND in the repository root under a time limit (cut to
 # what is left of --budget), output to $OUT_DIR/NAME.log; records "NAME<TAB>status<TAB>seconds". On
 # --resume a step that passed before is not run again.
 run_step() {
   local name="$1" limit="$2"
   shift 2
+  selected "$name" || return 0
   if ((RESUME)) && awk -F'\t' -v name="$name" '$1 == name && $2 == "passed" { found = 1 } END { exit !found }' "$STEPS"; then
     echo "[gpu_check] $name: passed in an earlier run"
     return
@@ -347,11 +368,35 @@ if ! plans_error="$("$PY" -c "$probe" 2>&1)"; then
 fi
 run_step bench_engine 90 "$PY" -m recsys_pipe.bench.engine ${engine_args[@]+"${engine_args[@]}"}
 last_json bench_engine
+# the engine's per-task CUDA cost, split: stream entry, event record and wait, thread hand-offs
+run_step engine_costs 60 "$PY" -m recsys_pipe.bench.engine_costs ${bench_args[@]+"${bench_args[@]}"}
+last_json engine_costs
+# the HSTU attention alone, padded against the Triton kernels (and generative-recommenders' where
+# its files were brought: scripts/gpu_wheels.sh --gr): torch and triton only
+attention_args=(--only attention --shapes e2e_1024,e2e,dlrmv4)
+if ((QUICK)); then
+  attention_args=(--only attention --quick)
+fi
+attention_path="$PYTHONPATH"
+if [[ -d "$GR_DIR/generative_recommenders" ]]; then
+  attention_args+=(--gr)
+  attention_path="$(cd "$GR_DIR" && pwd):$PYTHONPATH"
+fi
+run_step bench_attention 240 env PYTHONPATH="$attention_path" "$PY" -m recsys_pipe.bench.hstu_gpu "${attention_args[@]}"
+last_json bench_attention
 
 # torchrec's steps, where torchrec and its CUDA fbgemm-gpu import (brought by the --stage runs)
 TORCHREC_NOTE=""
 if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
   run_step torchrec_cuda 180 "$PY" -m pytest "${TRAINING_TESTS[2]}" -q -rs -p no:cacheprovider
+  # the HSTU step at production sizes and the benchmark's small model: MFU, CPU and GPU ms per
+  # step, padded against triton attention
+  step_args=(--only step --shapes e2e,dlrmv4,small_256,small_1024)
+  if ((QUICK)); then
+    step_args=(--only step --quick)
+  fi
+  run_step bench_hstu_step 240 "$PY" -m recsys_pipe.bench.hstu_gpu "${step_args[@]}"
+  last_json bench_hstu_step
   if ((QUICK)); then
     train_args=(--quick)
   else
@@ -370,9 +415,9 @@ if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
   keep torch_profile_ops.txt
 elif ((STAGED)); then # the staged site was to bring torchrec: its absence fails the run
   TORCHREC_NOTE="torchrec does not import from the staged site: ${torchrec_error##*$'\n'}"
-  record torchrec_cuda "failed (no torchrec)" 0
-  record bench_train "failed (no torchrec)" 0
-  record torch_profile "failed (no torchrec)" 0
+  for name in torchrec_cuda bench_hstu_step bench_train torch_profile; do
+    selected "$name" && record "$name" "failed (no torchrec)" 0
+  done
 else
   TORCHREC_NOTE="torchrec is not importable here: bring it with the --stage runs (docs/gpu.md)"
 fi
@@ -455,11 +500,52 @@ def bench_train_result():
     return "; ".join(parts)
 
 
+def engine_costs_result():
+    r = load("engine_costs.json")
+    if r is None:
+        return "no report"
+    return f"µs per call ({r['streams']}): " + ", ".join(f"{k} {med(v)}" for k, v in r["us_per_call"].items())
+
+
+def hstu_gpu_result(name, part):
+    r = load(f"{name}.json")
+    if r is None:
+        return "no report"
+    texts = []
+    for shape, entry in r["shapes"].items():
+        rows = entry.get(part, {})
+        if part == "attention":
+            ratios = ", ".join(f"{k} {rows.get(k)}" for k in ("triton_vs_padded", "triton_vs_padded_no_bias", "triton_vs_gr"))
+            texts.append(f"{shape}: {ratios}")
+        else:
+            cells = []
+            for variant in ("padded", "triton"):
+                row = rows.get(variant, {})
+                if "wall_ms" in row:
+                    cells.append(
+                        f"{variant} {med(row['wall_ms'])} ms (cpu {med(row['cpu_ms'])}, gpu {row['gpu_ms']}), "
+                        f"MFU {row['mfu']}"
+                    )
+                elif row:
+                    cells.append(f"{variant} {row.get('error', '?')[:60]}")
+            texts.append(f"{shape}: " + "; ".join(cells))
+    return " | ".join(texts)
+
+
 def torch_profile_result():
     path = out / "torch_profile_ops.txt"
     if not path.exists():
         return "no operator table"
     lines = path.read_text().splitlines()
+    totals = {}
+    for line in lines:  # the footer: "Self CPU time total: 275.649ms", "Self CUDA time total: ..."
+        for kind in ("CPU", "CUDA"):
+            prefix = f"Self {kind} time total: "
+            if line.startswith(prefix):
+                value = line[len(prefix):].strip()
+                scale = 1e-3 if value.endswith("us") else (1e3 if value.endswith("s") and not value.endswith("ms") else 1)
+                totals[kind] = float(value.rstrip("mus")) * scale / 2  # two profiled steps
+    per_step = ", ".join(f"{'host' if k == 'CPU' else 'GPU'} {v:.2f} ms/step" for k, v in totals.items())
     header = next((i for i, line in enumerate(lines) if "Self CUDA %" in line), None)
     if header is None:
         return "no CUDA time in the operator table"
@@ -471,7 +557,7 @@ def torch_profile_result():
         if len(cells) != len(names) or len(top) == 3:
             break
         top.append(f"{cells[0][:48]} {cells[share]}")
-    return "self CUDA time, top operators: " + "; ".join(top)
+    return f"batch 1024: {per_step}; self CUDA time, top operators: " + "; ".join(top)
 
 
 results = {
@@ -480,6 +566,9 @@ results = {
     "megatron_cuda": lambda: tests_result("megatron_cuda"),
     "bench_gpu": bench_gpu_result,
     "bench_engine": bench_engine_result,
+    "engine_costs": engine_costs_result,
+    "bench_attention": lambda: hstu_gpu_result("bench_attention", "attention"),
+    "bench_hstu_step": lambda: hstu_gpu_result("bench_hstu_step", "step"),
     "torchrec_cuda": lambda: tests_result("torchrec_cuda"),
     "bench_train": bench_train_result,
     "torch_profile": torch_profile_result,

@@ -11,11 +11,14 @@
 #   wheels/fb.part00, 01, 02      fbgemm-gpu 1.6.0, the CUDA 13 build for torch 2.11 (a 443 MiB
 #                                 wheel): unpacked, repacked as `tar | xz -9` and split into
 #                                 pieces of at most 50 MiB, so torchrec can run there
+#   wheels/gr/                    with --gr: the five source files of generative-recommenders'
+#                                 Triton HSTU attention (`recsys-bench hstu_gpu --gr wheels/gr`)
 #
-#   bash scripts/gpu_wheels.sh [--dir DIR] [--no-fbgemm] [REQUIREMENT ...]
+#   bash scripts/gpu_wheels.sh [--dir DIR] [--no-fbgemm] [--gr CLONE] [REQUIREMENT ...]
 #
 #   --dir DIR     where to put small/, torchrec/ and the pieces (default: wheels/ in the repository)
 #   --no-fbgemm   only the wheels
+#   --gr CLONE    also copy generative-recommenders' Triton attention from a clone into DIR/gr
 #
 # The wheels are what gpu_check.sh needs beyond the GPU machine's torch, pytest and hypothesis,
 # pinned to the versions scripts/setup.sh installed on CPU when this list was written. small/:
@@ -55,6 +58,12 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 man
 
 requirements=()
 FBGEMM_PIECES=1
+GR_CLONE=""
+#: what `recsys-bench hstu_gpu --gr` imports of generative-recommenders (its Triton HSTU attention)
+GR_FILES=(
+  generative_recommenders/__init__.py generative_recommenders/common.py generative_recommenders/ops/utils.py
+  generative_recommenders/ops/triton/triton_hstu_attention.py generative_recommenders/ops/triton/triton_attention_utils.py
+)
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dir)
@@ -63,11 +72,24 @@ while [[ $# -gt 0 ]]; do
       shift 2
       ;;
     --no-fbgemm) FBGEMM_PIECES=0; shift ;;
+    --gr)
+      [[ $# -ge 2 && -d "$2/generative_recommenders" ]] || { echo "gpu_wheels: --gr needs a generative-recommenders clone" >&2; exit 2; }
+      GR_CLONE="$2"
+      shift 2
+      ;;
     -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) echo "gpu_wheels: unknown option '$1' (see --help)" >&2; exit 2 ;;
     *) requirements+=("$1"); shift ;;
   esac
 done
+if [[ -n "$GR_CLONE" ]]; then # a few source files: they travel to the GPU machine with the first run
+  rm -rf "$DIR/gr"
+  for file in "${GR_FILES[@]}"; do
+    mkdir -p "$DIR/gr/$(dirname "$file")"
+    cp "$GR_CLONE/$file" "$DIR/gr/$file"
+  done
+  echo "[gpu_wheels] generative-recommenders' Triton attention: ${#GR_FILES[@]} files in $DIR/gr ($(git -C "$GR_CLONE" rev-parse --short HEAD 2>/dev/null || echo 'no git'))"
+fi
 SMALL="$DIR/small"
 TORCHREC="$DIR/torchrec"
 mkdir -p "$SMALL" "$TORCHREC"

@@ -45,7 +45,9 @@ else
   # CUDA build), torchrec's own runtime requirements (its list names the CUDA fbgemm-gpu), then
   # this project's, read from pyproject.toml, less torch and torchrec...
   # shellcheck disable=SC2046  # one requirement per word
-  install "torch==2.13.0" "fbgemm-gpu-cpu==1.8.0" tensordict torchmetrics iopath pyre-extensions typing-inspect $("$VENV/bin/python" "$ROOT/scripts/requirements.py" "$ROOT/pyproject.toml" \
+  # triton: the version whose interpreter the CPU tests of the Triton attention were written
+  # against (a CUDA torch brings its own, pinned by torch)
+  install "torch==2.13.0" "fbgemm-gpu-cpu==1.8.0" "triton==3.9.0" tensordict torchmetrics iopath pyre-extensions typing-inspect $("$VENV/bin/python" "$ROOT/scripts/requirements.py" "$ROOT/pyproject.toml" \
     --extras "$EXTRAS" --without torch torchrec)
   # ...then torchrec and the project without dependency resolution. Installed last, so no later
   # install checks torchrec's list and complains that the CUDA fbgemm-gpu is missing.

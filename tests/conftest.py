@@ -13,6 +13,12 @@ import torch
 
 torch.set_num_threads(1)
 
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter, which is read when a
+# kernel is defined: set before anything imports the Triton HSTU attention (its tests, and
+# `model.attention=triton` in the launcher's tests).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture
 def no_process_group(monkeypatch):

@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         "recsys_pipe.bench.pp", "pipeline-parallel schedules: our engine against torch.distributed.pipelining (2 ranks)"
     ),
     "gpu": Benchmark("recsys_pipe.bench.gpu", "overlap on CUDA streams (a GPU; --device cpu: a smoke test)"),
+    "engine_costs": Benchmark(
+        "recsys_pipe.bench.engine_costs",
+        "the engine's per-task device costs, each alone: stream entry, event record and wait, thread hand-offs",
+    ),
     "sasrec": Benchmark(
         "recsys_pipe.bench.sasrec", "SASRec training throughput against the reference PyTorch implementation"
     ),
@@ -58,6 +62,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "multi_host": Benchmark(
         "recsys_pipe.bench.multi_host",
         "8 ranks as 2 hosts x 4: every sharding type against one rank, resharded resumes, memory estimate vs RSS",
+    ),
+    "hstu_gpu": Benchmark(
+        "recsys_pipe.bench.hstu_gpu",
+        "HSTU at production sizes: MFU, samples/s, CPU/GPU ms per step; padded vs Triton attention (a GPU)",
     ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"

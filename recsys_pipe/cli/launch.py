@@ -154,6 +154,9 @@ def check_run(
     run = load_run_config(cfg, schema)
     plan = training_plan(run)
     device = run_device(run.trainer)
+    problems = run.model.check_device(device.type)
+    if problems:
+        raise ConfigError(problems)
     parallelism = parallelism_of(run)
     topology = Topology.of_job(device.type)
     parallelism.check(topology)

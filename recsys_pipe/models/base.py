@@ -135,6 +135,11 @@ class ModelConfig(Component):
         by the run config once `check_data` found no problem; by default `data` as it is."""
         return data
 
+    def check_device(self, device_type: str) -> list[ConfigProblem]:
+        """Problems with training this model on `device_type` ("cpu" or "cuda", where the run
+        trains), found before any process group starts; none by default."""
+        return []
+
     def check_spec(self, spec: Any) -> list[ConfigProblem]:
         """Problems with using this model on the data as read (its `DataSpec`: vocabulary sizes),
         found by the pre-flight before anything starts; none by default."""

@@ -9,8 +9,10 @@ Layout, chosen for torchrec's sparse-dist pipeline:
   `batch.sparse_features`, and can then run the EC's input_dist ahead of the forward.
   Anything data-dependent lives inside the ranker, which FX never traces.
 * The ranker works on jagged token values `[T, D]`: LayerNorm, projections and the output
-  MLP never see padding. Only the attention pads to `[B, N, ...]` and back, with fbgemm's
-  `jagged_to_padded_dense` / `dense_to_jagged`.
+  MLP never see padding. The attention (`model.attention`) either pads to `[B, N, ...]` and
+  back with fbgemm's `jagged_to_padded_dense` / `dense_to_jagged` (`padded`), or runs fused
+  Triton kernels on the jagged tokens (`triton`, `recsys_pipe.models.hstu_triton`; `auto`
+  picks it on CUDA). Both compute the same function.
 
 Sequence of a sample: `[user?] history_1 .. history_h candidate_1 .. candidate_c`; a token is
 `item_emb + action_emb` (candidates carry the masked action, so their label stays hidden).
@@ -20,7 +22,7 @@ independently of each other. The multi-task head reads the candidate tokens of t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
@@ -34,8 +36,20 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
 from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.dropout import Dropout
+from recsys_pipe.models.hstu_attention import (
+    RelativeBias,
+    SummedBackwardLookup,
+    bias_lookup,
+    padded_attention,
+    triton_available,
+    uses_triton,
+)
+from recsys_pipe.models.hstu_attention import attention_mask as _attention_mask
 from recsys_pipe.models.hstu_config import HSTUConfig
 from recsys_pipe.models.serving import ServingForm
+
+if TYPE_CHECKING:
+    from recsys_pipe.models.hstu_triton import JaggedBias
 
 __all__ = [
     "HSTUConfig",
@@ -47,14 +61,13 @@ __all__ = [
     "bias_lookup",
     "build_hstu",
     "embedding_tables",
+    "triton_available",
+    "uses_triton",
 ]
 
 ModelOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 LAYER_NORM_EPS = 1e-6
 """LayerNorm epsilon of the HSTU blocks (generative-recommenders')."""
-TIME_BUCKET_WIDTH = 0.301
-"""Time gaps are bucketed by `ln(gap_seconds) / TIME_BUCKET_WIDTH` (generative-recommenders'
-choice): each bucket spans a factor of ~1.35; 64 buckets reach about 7 years."""
 
 
 def build_hstu(cfg: HSTUConfig, spec: DataSpec) -> HSTUModel:
@@ -86,79 +99,6 @@ def embedding_tables(cfg: HSTUConfig, spec: DataSpec) -> list[EmbeddingConfig]:
     ]
 
 
-def bias_lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`table[index]` for a small 1-d bias table read at many positions (the attention bias: B*N*N
-    reads of a few dozen time buckets), with a backward that is fast on the device it runs on.
-
-    The gradient sums millions of positions into a few dozen entries, most of them into one or two
-    (gaps of days fall in the last time buckets). On CUDA, indexing's backward (`index_put_` with
-    accumulation) sums each entry's positions serially: at batch 1024 that took 98 % of an HSTU
-    step's GPU time (32 ms per call, H100). There `SummedBackwardLookup` sorts the positions by
-    entry and sums each entry's run in parallel (deterministic, as the indexing is). On the CPU,
-    indexing's backward is the fastest way."""
-    if index.is_cuda:
-        return SummedBackwardLookup.apply(table, index)
-    return table[index]
-
-
-class SummedBackwardLookup(torch.autograd.Function):
-    """`table[index]` whose backward sums the gradient of each table entry with a sort and a
-    segmented reduction (`torch.segment_reduce`, a parallel tree per entry) instead of indexing's
-    serial accumulation, which a table of a few entries read at millions of positions serialises
-    (`bias_lookup`). No atomics: the same inputs give the same bits."""
-
-    @staticmethod
-    def forward(ctx: Any, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.entries = table.shape[0]
-        return table[index]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (index,) = ctx.saved_tensors
-        flat = index.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
-        per_entry = torch.bincount(flat, minlength=ctx.entries)
-        # `unsafe`: the lengths sum to the data's length by construction (no check, no host sync)
-        summed = torch.segment_reduce(grad.reshape(-1)[order], "sum", lengths=per_entry, unsafe=True)
-        return summed, None
-
-
-class RelativeBias(nn.Module):
-    """Learned attention bias from relative position and bucketed log time gap (shared by heads),
-    as generative-recommenders' `RelativeBucketedTimeAndPositionBasedBias`: query i and key j
-    get `position[j - i + N - 1] + time[bucket(|query_time_i - key_time_j|)]`, both tables
-    initialised N(0, 0.02)."""
-
-    def __init__(self, max_len: int, num_time_buckets: int) -> None:
-        super().__init__()
-        self.max_len = max_len
-        self.num_time_buckets = num_time_buckets
-        self.position = nn.Parameter(torch.empty(2 * max_len - 1).normal_(0.0, 0.02))
-        self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0.0, 0.02))
-
-    def bucketize(self, key_times: torch.Tensor, query_times: torch.Tensor | None = None) -> torch.Tensor:
-        """Padded `[B, N]` timestamps of the keys and of the queries (default: the keys') -> the
-        `[B, N, N]` time bucket of each (query, key): `ln(max(|gap|, 1)) / 0.301`, at most
-        `num_time_buckets`. The ranking model's query time is its token's own; the retrieval
-        encoder's is the time of the item each position predicts (the reference's
-        "ts(next item) - ts(current item)"). Data only: computed once for every layer's bias."""
-        query_times = key_times if query_times is None else query_times
-        gap = (query_times[:, :, None] - key_times[:, None, :]).abs().clamp(min=1).float()
-        return (torch.log(gap) / TIME_BUCKET_WIDTH).long().clamp(max=self.num_time_buckets)
-
-    def from_buckets(self, bucket: torch.Tensor) -> torch.Tensor:
-        """`[B, N, N]` buckets (`bucketize`) -> the bias `[B, N, N]` (query, key)."""
-        n = self.max_len
-        pos = torch.arange(n, device=bucket.device)
-        position_bias = bias_lookup(self.position, pos[None, :] - pos[:, None] + n - 1)
-        return position_bias[None] + bias_lookup(self.time, bucket)
-
-    def forward(self, key_times: torch.Tensor, query_times: torch.Tensor | None = None) -> torch.Tensor:
-        """Padded `[B, N]` timestamps -> bias `[B, N, N]` (`bucketize`, then `from_buckets`)."""
-        return self.from_buckets(self.bucketize(key_times, query_times))
-
-
 class HSTULayer(nn.Module):
     """One HSTU block on jagged tokens (the paper's equations 1-3, as generative-recommenders'
     `SequentialTransductionUnitJagged` with `rel_bias` normalisation):
@@ -186,31 +126,46 @@ class HSTULayer(nn.Module):
     def forward(
         self, x: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """`x` jagged `[T, D]`; `mask`/`bias` `[B, N, N]` -> jagged `[T, D]`."""
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
-        qkv = torch.cat([q, k, v], dim=-1)
-        padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [self.max_len], 0.0)
-        out = torch.ops.fbgemm.dense_to_jagged(self._attend(padded, mask, bias), [offsets])[0]
-        return x + self.output(self.dropout(u * self.attn_norm(out)))
+        """`x` jagged `[T, D]`; `mask`/`bias` `[B, N, N]` -> jagged `[T, D]` (`model.attention=padded`:
+        the attention pads to `[B, N, ...]` and back)."""
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qkv = torch.cat([q, k, v], dim=-1)
+            padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [self.max_len], 0.0)
+            return torch.ops.fbgemm.dense_to_jagged(self._attend(padded, mask, bias), [offsets])[0]
+
+        return self._block(x, attend)
+
+    def forward_jagged(
+        self, x: torch.Tensor, offsets: torch.Tensor, num_candidates: torch.Tensor | None, bias: JaggedBias | None
+    ) -> torch.Tensor:
+        """The same block with the fused Triton attention on the jagged tokens (`model.attention=
+        triton`, `recsys_pipe.models.hstu_triton`): nothing is padded; the trailing
+        `num_candidates` `[B]` tokens of each sequence are its candidates, `bias` the relative
+        bias's tables and jagged timestamps (`RelativeBias.jagged`)."""
+        from recsys_pipe.models.hstu_triton import jagged_hstu_attention
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            t, h = q.shape[0], self.num_heads
+            heads = (q.view(t, h, -1), k.view(t, h, -1), v.view(t, h, -1))
+            return jagged_hstu_attention(*heads, offsets, self.max_len, num_candidates, bias).view(t, -1)
+
+        return self._block(x, attend)
 
     def forward_padded(self, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same block on padded tokens `[B, N, D]` (the serving program's layout, which needs
         no fbgemm): every token-wise step is the same, and the mask keeps padding keys out of
         the attention, so the valid positions equal `forward`'s; padding positions are junk."""
+        return self._block(x, lambda q, k, v: self._attend(torch.cat([q, k, v], dim=-1), mask, bias))
+
+    def _block(self, x: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Everything around the attention: `attend(q, k, v)` on the projected tokens."""
         u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
-        out = self._attend(torch.cat([q, k, v], dim=-1), mask, bias)
-        return x + self.output(self.dropout(u * self.attn_norm(out)))
+        return x + self.output(self.dropout(u * self.attn_norm(attend(q, k, v))))
 
     def _attend(self, qkv: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Padded `[B, N, 3D]` queries, keys, values -> the attention output `[B, N, D]`."""
-        n, h = self.max_len, self.num_heads
-        b = qkv.shape[0]
-        q, k, v = qkv.view(b, n, 3, h, -1).unbind(dim=2)
-        scores = torch.einsum("bnhd,bmhd->bhnm", q, k)
-        if bias is not None:
-            scores = scores + bias[:, None]
-        attn = F.silu(scores) / n * mask[:, None]
-        return torch.einsum("bhnm,bmhd->bnhd", attn, v).reshape(b, n, -1)
+        return padded_attention(qkv, mask, bias, self.num_heads)
 
 
 class HSTURanker(nn.Module):
@@ -224,6 +179,8 @@ class HSTURanker(nn.Module):
         d = cfg.embedding_dim
         self.padded_len = padded_len(cfg, spec)
         self.with_user = _has_user(spec)
+        #: `model.attention`: auto, padded or triton (`uses_triton` decides per call, by device)
+        self.attention = cfg.attention
         self.input_dropout = Dropout(cfg.dropout)
         self.bias = RelativeBias(self.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
         self.layers = nn.ModuleList(HSTULayer(cfg, self.padded_len) for _ in range(cfg.num_layers))
@@ -245,14 +202,20 @@ class HSTURanker(nn.Module):
         if self.with_user:
             tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        mask = _attention_mask(lengths, num_candidates, self.padded_len)
-        bias = None
-        if self.bias is not None:
-            padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
-            bias = self.bias(padded_ts)
-        x = self.input_dropout(tokens)
-        for layer in self.layers:
-            x = layer(x, offsets, mask, bias)
+        if uses_triton(self.attention, tokens.device):
+            jagged_bias = self.bias.jagged(timestamps) if self.bias is not None else None
+            x = self.input_dropout(tokens)
+            for layer in self.layers:
+                x = layer.forward_jagged(x, offsets, num_candidates, jagged_bias)
+        else:
+            mask = _attention_mask(lengths, num_candidates, self.padded_len)
+            bias = None
+            if self.bias is not None:
+                padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
+                bias = self.bias(padded_ts)
+            x = self.input_dropout(tokens)
+            for layer in self.layers:
+                x = layer(x, offsets, mask, bias)
         rows = _candidate_rows(offsets, num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])
         per_token = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
@@ -400,17 +363,6 @@ def _prepend_context(
     first_ts = timestamps[item_offsets[:-1]].repeat_interleave(ctx_lengths, output_size=num_ctx)
     merged_ts = torch.cat([first_ts, timestamps])[index]
     return merged, merged_ts, total
-
-
-def _attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int) -> torch.Tensor:
-    """`[B, N, N]` float mask: causal over valid tokens; candidate keys only for themselves."""
-    pos = torch.arange(n, device=lengths.device)
-    valid = pos[None] < lengths[:, None]
-    candidate = valid & (pos[None] >= (lengths - num_candidates)[:, None])
-    causal = pos[:, None] >= pos[None, :]
-    eye = torch.eye(n, dtype=torch.bool, device=lengths.device)
-    allowed = valid[:, :, None] & valid[:, None, :] & causal & (~candidate[:, None, :] | eye)
-    return allowed.float()
 
 
 def _candidate_rows(offsets: torch.Tensor, num_candidates: torch.Tensor, total: int) -> torch.Tensor:

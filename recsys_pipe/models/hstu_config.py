@@ -4,6 +4,7 @@ loading torchrec, which the model itself needs."""
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar, Literal
 
 import torch
@@ -38,6 +39,12 @@ class HSTUConfig(ShardedModelConfig):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on tokens and attention outputs")
     relative_bias: StrictBool = Field(True, description="learned relative position/time attention bias")
     num_time_buckets: StrictInt = Field(64, ge=1, description="log time-gap buckets of the relative bias")
+    attention: Literal["auto", "padded", "triton"] = Field(
+        "auto",
+        description="how attention runs: padded (pads each batch to [B, N, N], torch ops), triton (fused jagged "
+        "Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1), auto (triton on CUDA where Triton imports, "
+        "else padded); the same function either way",
+    )
 
     _heads_divide_width = field_validator("num_heads")(heads_divide_width)
 
@@ -54,6 +61,39 @@ class HSTUConfig(ShardedModelConfig):
             ]
         return []
 
+    def check_device(self, device_type: str) -> list[ConfigProblem]:
+        """`model.attention=triton` needs Triton, and a device its kernels run on: CUDA, or the CPU
+        in Triton's interpreter (`TRITON_INTERPRET=1`, slow: for tests)."""
+        if self.attention != "triton":
+            return []
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return [
+                ConfigProblem(
+                    "model.attention",
+                    f"triton needs the triton package, which does not import here ({exc}); use padded or auto",
+                )
+            ]
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if device_type == "cuda" and interpreted:
+            return [
+                ConfigProblem(
+                    "model.attention",
+                    "triton on CUDA is compiled, but TRITON_INTERPRET is set (the interpreter runs on CPU tensors "
+                    "only); unset it, or use padded",
+                )
+            ]
+        if device_type != "cuda" and not interpreted:
+            return [
+                ConfigProblem(
+                    "model.attention",
+                    f"triton runs its kernels on CUDA, and this run trains on {device_type}; use padded or auto "
+                    "(or set TRITON_INTERPRET=1 to run them in Triton's slow CPU interpreter, for tests)",
+                )
+            ]
+        return []
+
     def sample_costs(self, batch: SequenceBatch) -> torch.Tensor:
         """Compute cost of each sample of `batch`, for the balanced batch shuffler: the forward
         FLOPs of `num_layers` HSTU blocks on its `n` tokens (items plus the user token) at width
@@ -61,7 +101,7 @@ class HSTUConfig(ShardedModelConfig):
         attention scores and the weighted sum of values, and `5 n d^2` for the fused u,v,q,k
         projection (`4 d^2` per token) and the output projection (`d^2`); the backward pass
         scales both terms alike. The quadratic term makes long sequences dominate, as they do in
-        jagged attention kernels on the GPU. (This CPU implementation pads attention to
+        jagged attention kernels on the GPU (`model.attention=triton`); the padded attention pads to
         `max_seq_len`, so there its attention time does not depend on the lengths.)"""
         n = batch.sequence_lengths().to(torch.float64)
         d = float(self.embedding_dim)

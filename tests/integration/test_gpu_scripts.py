@@ -73,6 +73,40 @@ def test_gpu_check_bad_arguments_exit_2_with_one_line(args, message):
     assert out.stderr == f"gpu_check: {message} (see --help)\n"
 
 
+def test_gpu_check_steps_must_be_known():
+    out = run(["bash", str(GPU_CHECK), "--steps", "cuda_tests,bogus"])
+    assert out.returncode == 2
+    assert out.stderr.startswith("gpu_check: --steps: unknown step 'bogus' (steps: cuda_tests,launcher_cuda,")
+
+
+def test_gpu_check_steps_runs_only_those(tmp_path):
+    """`--steps` (the documented runs of a short GPU session pick their steps): only the named
+    steps run and are summarised; the steps are stubs here, this is the selection."""
+    stub, env = gpu_machine(tmp_path, stub_steps=True)
+    out_dir = tmp_path / "out"
+    out = run(
+        [
+            "bash",
+            str(GPU_CHECK),
+            "--python",
+            str(stub),
+            "--steps",
+            "engine_costs,bench_attention",
+            "--out",
+            str(out_dir),
+        ],
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows, overall = summary_rows(out_dir)
+    assert list(rows) == ["engine_costs", "bench_attention", "torchrec"] and overall == "overall: PASSED"
+    assert (
+        "stub: -m recsys_pipe.bench.hstu_gpu --only attention --shapes e2e_1024,e2e,dlrmv4"
+        in packed_logs(out_dir)["bench_attention.log"]
+    )
+
+
 def test_gpu_check_help():
     out = run(["bash", str(GPU_CHECK), "--help"])
     assert out.returncode == 0 and out.stdout.startswith("usage: scripts/gpu_check.sh")
@@ -144,6 +178,8 @@ def test_gpu_check_runs_every_step_and_summarises(tmp_path):
         "megatron_cuda",
         "bench_gpu",
         "bench_engine",
+        "engine_costs",
+        "bench_attention",
         "torchrec",
     ]
     assert " passed " in rows["cuda_tests"] and " skipped" in rows["cuda_tests"]
@@ -154,15 +190,26 @@ def test_gpu_check_runs_every_step_and_summarises(tmp_path):
     assert "failed (exit 2)" in rows["bench_gpu"] and "no report" in rows["bench_gpu"]
     assert " passed " in rows["bench_engine"] and "µs/task" in rows["bench_engine"]
     assert "shipped plans skipped: ImportError: " in rows["bench_engine"]
+    assert " passed " in rows["engine_costs"] and "stream_entry" in rows["engine_costs"]
+    # the attention alone needs torch and triton only (interpreted here): padded against triton
+    assert " passed " in rows["bench_attention"] and "quick: triton_vs_padded " in rows["bench_attention"]
     assert "not run" in rows["torchrec"] and "torchrec is not importable here" in rows["torchrec"]
     assert overall == "overall: FAILED"
     assert out.stdout.rstrip().endswith("overall: FAILED")
     assert json.loads((out_dir / "bench_engine.json").read_text())["plans"] == {}
-    assert sorted(p.name for p in out_dir.iterdir()) == ["bench_engine.json", "logs.tgz", "summary.txt"]
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "bench_attention.json",
+        "bench_engine.json",
+        "engine_costs.json",
+        "logs.tgz",
+        "summary.txt",
+    ]
     assert sorted(logs) == [
+        "bench_attention.log",
         "bench_engine.log",
         "bench_gpu.log",
         "cuda_tests.log",
+        "engine_costs.log",
         "launcher_cuda.log",
         "megatron_cuda.log",
     ]
@@ -304,7 +351,7 @@ def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     rows, overall = summary_rows(first)
     assert " passed " in rows["cuda_tests"]
-    for name in ("launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine"):
+    for name in ("launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine", "engine_costs", "bench_attention"):
         assert "left for --resume" in rows[name], rows[name]
     assert overall.startswith("overall: INCOMPLETE: launcher_cuda, megatron_cuda") and "--resume" in overall
     assert not (first / "cuda_tests.log").exists()  # packed; --resume brings it from the stage folder
@@ -323,14 +370,17 @@ def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
         "megatron_cuda",
         "bench_gpu",
         "bench_engine",
+        "engine_costs",
+        "bench_attention",
         "torchrec_cuda",
+        "bench_hstu_step",
         "bench_train",
         "torch_profile",
     ]
-    for name in ("cuda_tests", "launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine"):
+    for name in ("cuda_tests", "launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine", "engine_costs"):
         assert " passed " in rows[name], rows[name]
     assert "stub: -m pytest tests/cuda/test_cuda_launcher.py" in rows["launcher_cuda"]
-    for name in ("torchrec_cuda", "bench_train", "torch_profile"):
+    for name in ("torchrec_cuda", "bench_hstu_step", "bench_train", "torch_profile"):
         assert "failed (no torchrec)" in rows[name] and "torchrec does not import from the staged site" in rows[name]
     assert overall == "overall: FAILED"
     assert "cuda_tests.log" in packed_logs(second)
@@ -340,9 +390,12 @@ def test_gpu_wheels_arguments():
     """(Downloading needs a package index: checked by hand, docs/gpu.md.)"""
     out = run(["bash", str(GPU_WHEELS), "--help"])
     assert (
-        out.returncode == 0 and "bash scripts/gpu_wheels.sh [--dir DIR] [--no-fbgemm] [REQUIREMENT ...]" in out.stdout
+        out.returncode == 0
+        and "bash scripts/gpu_wheels.sh [--dir DIR] [--no-fbgemm] [--gr CLONE] [REQUIREMENT ...]" in out.stdout
     )
     assert "set -euo" not in out.stdout  # the help is the comment block, nothing after it
+    bad = run(["bash", str(GPU_WHEELS), "--gr", "/nonexistent"])
+    assert bad.returncode == 2 and bad.stderr == "gpu_wheels: --gr needs a generative-recommenders clone\n"
     out = run(["bash", str(GPU_WHEELS), "--bogus"])
     assert out.returncode == 2 and out.stderr == "gpu_wheels: unknown option '--bogus' (see --help)\n"
     out = run(["bash", str(GPU_WHEELS), "--dir"])
