@@ -71,6 +71,8 @@ RSS_RUN = [
     "data.num_batches=10",
 ]
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+#: a run with almost no model: its peak RSS is the estimate's runtime part on the CPU
+RUNTIME_RUN = ["model=dlrm", "data.num_embeddings=10", "model.sharding=row_wise", "data.num_batches=10"]
 #: the 64-rank dry run: DLRM with 26 tables of 10^6 rows
 DRY_RUN = ["model=dlrm", "data.num_embeddings=1000000"]
 MARKERS = ("<!-- multi_host results: begin -->", "<!-- multi_host results: end -->")
@@ -175,7 +177,7 @@ def reshard(out: Path, kernel: str) -> dict[str, Any]:
 def memory(out: Path) -> dict[str, Any]:
     """Peak RSS per rank at 1, 2, 4, 8 ranks against the estimate; the 64-rank dry run."""
     from recsys_pipe.testing import load_run
-    from recsys_pipe.train.memory import dry_run_tables, estimate_memory, table_part
+    from recsys_pipe.train.memory import RUNTIME_BYTES, dry_run_tables, estimate_memory, table_part
     from recsys_pipe.train.parallel import Topology
     from recsys_pipe.train.plan import training_plan
 
@@ -195,6 +197,10 @@ def memory(out: Path) -> dict[str, Any]:
             row[allocator] = {"min_mib": min(peaks), "max_mib": max(peaks)}
             row[allocator]["worst_rel"] = max(abs(estimate / 2**20 - p) / p for p in peaks)
         rows.append(row)
+    runtime = out / "rss_runtime"
+    runtime.mkdir(exist_ok=True)
+    launch(runtime, 1, 1, "rss", str(runtime), "10", *RUNTIME_RUN, env=FIXED_MMAP)
+    measured_runtime = _read(runtime / "rss_rank0.json")["peak_rss"] / 2**20
     dry = {}
     for sharding in ("row_wise", "table_row_wise", "column_wise", "table_wise", "planner"):
         big = load_run(*DRY_RUN, f"model.sharding={sharding}")
@@ -206,7 +212,8 @@ def memory(out: Path) -> dict[str, Any]:
         built = measured["weights"] + measured["state"]
         rel = (built - expected) / expected
         dry[sharding] = {"estimate_mib": expected / 2**20, "built_mib": built / 2**20, "rel": rel}
-    return {"rss": rows, "dry_run_64": dry}
+    runtime_mib = {"measured": measured_runtime, "constant": RUNTIME_BYTES["cpu"] / 2**20}
+    return {"rss": rows, "runtime_mib": runtime_mib, "dry_run_64": dry}
 
 
 def _checks(results: dict[str, Any]) -> list[str]:
@@ -281,6 +288,12 @@ def render(results: dict[str, Any], timing: dict[str, Any]) -> str:
                 f"| {row['ranks']} | {row['estimate_mib']:.0f} | {d['min_mib']:.0f}–{d['max_mib']:.0f} | "
                 f"{d['worst_rel']:.0%} | {f['min_mib']:.0f}–{f['max_mib']:.0f} | {f['worst_rel']:.0%} |"
             )
+        rt = mem["runtime_mib"]
+        lines += [
+            "",
+            f"The estimate's CPU runtime part, {rt['constant']:.0f} MiB, against a rank training DLRM with 26 tables "
+            f"of 10 rows now: {rt['measured']:.0f} MiB peak RSS.",
+        ]
         lines += [
             "",
             "**64 ranks (8 x 8), rank 0's tables built under torch's fake process group** (DLRM, 26 tables of 10^6 "
