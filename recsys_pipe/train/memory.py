@@ -509,7 +509,11 @@ def check_memory(run: RunConfig, plan: CompiledPlan, device_type: str) -> tuple[
     topology = Topology.of_job(device_type)
     device = torch.device("cuda" if device_type == "cuda" else "cpu")
     capacity = device_capacity(device, topology.local_world_size)
-    estimate = estimate_memory(run, plan, topology, capacity / GIB)
+    try:
+        estimate = estimate_memory(run, plan, topology, capacity / GIB)
+    except Exception as exc:  # e.g. a custom model the probe cannot run on cut tables: the run itself may work
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return f"estimated peak memory: not estimated ({type(exc).__name__}: {first})", None
     if estimate is None:
         return NOT_ESTIMATED, None
     if estimate.fits():

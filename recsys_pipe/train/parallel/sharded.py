@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recsys_pipe.config import UserCodeError
 from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.train.dense_ddp import check_dense_ddp
 from recsys_pipe.train.optim import check_sparse_device, dense_optimizer_factory, sparse_optimizer
@@ -39,11 +40,13 @@ class ShardedTables(Parallelism):
         check_dense_ddp(self.run, topology.device_type)
         if self.run.model.compute_kernel == "fused":
             check_sparse_device(self.run.optimizer.sparse, topology.device_type)
-        planned_sharding(self.run, self.run.model, topology.world_size, topology.local_world_size, topology.device_type)
+        try:
+            planned_sharding(self.run, self.run.model, *_sizes(topology))
+        except UserCodeError:  # the user's builder fails on the meta device: their build after start reports it
+            return
 
     def planned_model(self, topology: Topology) -> tuple[nn.Module, Any]:
-        t = topology
-        return planned_sharding(self.run, self.run.model, t.world_size, t.local_world_size, t.device_type)
+        return planned_sharding(self.run, self.run.model, *_sizes(topology))
 
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         from recsys_pipe.models.sharding import table_shapes
@@ -75,6 +78,10 @@ class ShardedTables(Parallelism):
 
     def describe_model(self, plan: CompiledPlan, world_size: int, local_size: int, device_type: str) -> str:
         return describe_sharding(self.run, self.run.model, world_size, local_size, device_type)
+
+
+def _sizes(topology: Topology) -> tuple[int, int, str]:
+    return topology.world_size, topology.local_world_size, topology.device_type
 
 
 def meta_model(run: Any, cfg: ShardedModelConfig | None = None) -> nn.Module:
