@@ -46,6 +46,7 @@ are not part of it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -372,7 +373,9 @@ def make_sharded_model(
         optimize_tables_in_backward(model, embedding_optimizer, embedding_optimizer_kwargs)
     ranks = pg.size()
     if plan is None:
-        local = min(local_world_size(ranks), ranks)
+        # the ranks of `pg` per host; a group of some ranks of each host (a pipeline stage's
+        # replicas) may not hold whole hosts: the largest count dividing both stands in
+        local = math.gcd(local_world_size(ranks), ranks)
         plan = sharding_plan(model, cfg, ranks, device.type, local, batch_size=batch_size)
         if cfg.sharding == "planner" and ranks > 1:  # the same tie-breaks on every rank: rank 0's
             chosen = [plan]
