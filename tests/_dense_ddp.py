@@ -12,12 +12,13 @@ numbers. Every plan must give the serial plan's numbers, as everywhere in this p
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from recsys_pipe.testing import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "dense_ddp_worker.py"
@@ -35,11 +36,7 @@ def run_worker(out: Path, device: str, nproc: int = 1, steps: int = 12, timeout:
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        },
+        env=worker_env(pythonpath=ROOT),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from recsys_pipe.testing import worker_env
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "launcher_worker.py"
 #: what the launcher imports beyond torch and the engine (tests/cuda needs no more than those)
@@ -69,11 +71,7 @@ def run_launcher_worker(
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        },
+        env=worker_env(pythonpath=ROOT),
     )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())

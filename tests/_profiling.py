@@ -19,6 +19,22 @@ from typing import Any
 
 import torch
 
+from recsys_pipe.engine import Task, TaskGraph
+
+
+def traced_plan(work: Any) -> TaskGraph:
+    """The plan both trace tests profile, each task running `work(ctx)`: `h2d` (memcpy stream,
+    lookahead 2, NVTX tag "copy batch"), `dist` (comm stream, lookahead 1), then `forward` and
+    `backward` on the default stream, the last writing `step_result`."""
+    return TaskGraph.single_group(
+        [
+            Task.from_fn("h2d", work, stream="memcpy", lookahead=2, writes=["gpu"], nvtx_tag="copy batch"),
+            Task.from_fn("dist", work, stream="comm", lookahead=1, reads=["gpu"], writes=["dist"]),
+            Task.from_fn("forward", work, reads=["dist"], writes=["loss"]),
+            Task.from_fn("backward", work, reads=["loss"], writes=["step_result"]),
+        ]
+    )
+
 
 def profile_all_threads() -> Any:
     """The experimental profiler setting that records every thread's ranges, not only the caller's."""

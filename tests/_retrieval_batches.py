@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recsys_pipe.data.sequences import POS_KEY, RetrievalBatch
+from recsys_pipe.data.batch import POS_KEY, RetrievalBatch
 
 
 def with_collisions(batch: RetrievalBatch, per_target: int) -> RetrievalBatch:

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from recsys_pipe.data import DataConfig, DataSpec
-from recsys_pipe.data.criteo import CriteoBatch
+from recsys_pipe.data.batch import CriteoBatch
 from recsys_pipe.models import ShardedModelConfig
 
 

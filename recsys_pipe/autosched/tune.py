@@ -461,32 +461,63 @@ def tune(
     best = original
     stopped = False
     try:
-        best = _climb_lookaheads(evaluator, original)
-        beam = [best]
-        stale = 0
-        for _ in range(rounds):
-            children: dict[tuple, _Candidate] = {}
-            for parent in beam:
-                options = _mutations(evaluator, parent, costs)
-                if len(options) > max_children:
-                    options = [options[i] for i in sorted(rng.sample(range(len(options)), max_children))]
-                for child in options:
-                    children.setdefault(child.key, child)
-            scored = [s for c in children.values() if (s := evaluator.score(c)) is not None]
-            scored.sort(key=evaluator.rank)
-            refined = [_climb_lookaheads(evaluator, c) for c in _to_refine(scored, 2 * beam_width)]
-            pool = {c.key: c for c in [*beam, *refined]}
-            beam = sorted(pool.values(), key=evaluator.rank)[:beam_width]
-            if beam and evaluator.better(beam[0], best):
-                best, stale = beam[0], 0
-            else:
-                stale += 1
-                if stale >= patience:
-                    break
+        best = _beam_search(evaluator, original, costs, rng, rounds, patience, beam_width, max_children)
     except _BudgetExhausted:
         stopped = True
         best = evaluator.best_seen  # the best legal plan scored, the original at worst
     return _result(evaluator, original, best, stopped)
+
+
+def _beam_search(
+    evaluator: _Evaluator,
+    original: _Candidate,
+    costs: CostModel,
+    rng: random.Random,
+    rounds: int,
+    patience: int,
+    beam_width: int,
+    max_children: int,
+) -> _Candidate:
+    """`tune`'s search from the scored `original`: its lookaheads climbed first, then up to
+    `rounds` rounds of `_next_beam`, stopping after `patience` rounds without a better plan.
+    Returns the best plan found (_BudgetExhausted when the evaluator's budget runs out)."""
+    best = _climb_lookaheads(evaluator, original)
+    beam = [best]
+    stale = 0
+    for _ in range(rounds):
+        beam = _next_beam(evaluator, beam, costs, rng, beam_width, max_children)
+        if beam and evaluator.better(beam[0], best):
+            best, stale = beam[0], 0
+        else:
+            stale += 1
+            if stale >= patience:
+                break
+    return best
+
+
+def _next_beam(
+    evaluator: _Evaluator,
+    beam: list[_Candidate],
+    costs: CostModel,
+    rng: random.Random,
+    beam_width: int,
+    max_children: int,
+) -> list[_Candidate]:
+    """One round: every parent's children (at most `max_children` each, drawn with `rng`)
+    scored with their lookaheads, the best of them refined (`_to_refine`, lookaheads climbed),
+    and the best `beam_width` of the beam and those."""
+    children: dict[tuple, _Candidate] = {}
+    for parent in beam:
+        options = _mutations(evaluator, parent, costs)
+        if len(options) > max_children:
+            options = [options[i] for i in sorted(rng.sample(range(len(options)), max_children))]
+        for child in options:
+            children.setdefault(child.key, child)
+    scored = [s for c in children.values() if (s := evaluator.score(c)) is not None]
+    scored.sort(key=evaluator.rank)
+    refined = [_climb_lookaheads(evaluator, c) for c in _to_refine(scored, 2 * beam_width)]
+    pool = {c.key: c for c in [*beam, *refined]}
+    return sorted(pool.values(), key=evaluator.rank)[:beam_width]
 
 
 def _to_refine(ranked: list[_Candidate], top: int) -> list[_Candidate]:

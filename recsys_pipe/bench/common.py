@@ -96,6 +96,27 @@ def run_ranks(main: Callable[[], object]) -> None:
         os._exit(code)
 
 
+def sequences_train_speed(data: str, steps: int, info: Any, *overrides: str) -> tuple[float, float]:
+    """`train_speed` of a `data=sequences` run on the file `data` as the reference benchmarks
+    train it (the serial plan on the CPU, `steps` steps, no evaluation, one log line), with the
+    model's `overrides` after those."""
+    from recsys_pipe.testing import load_run
+
+    run = load_run(
+        "data=sequences",
+        f"data.path={data}",
+        "pipeline=serial",
+        "model.sharding=row_wise",
+        "trainer.device=cpu",
+        f"trainer.max_steps={steps}",
+        "trainer.eval_every=0",
+        "trainer.progress_bar=false",
+        f"trainer.log_every={steps}",
+        *overrides,
+    )
+    return train_speed(run, info)
+
+
 def train_speed(run: Any, info: Any) -> tuple[float, float]:
     """Samples/s of recsys_pipe's trainer fitting `run` (a validated RunConfig) on `info`'s
     process group, by the wall clock and by this process's CPU clock (the reference

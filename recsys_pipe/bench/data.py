@@ -92,7 +92,7 @@ ROW_GROUP = 131_072
 
 def _criteo_columns(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """Criteo-shaped rows: skewed counts (some empty: 0), 32-bit ids, a learnable-ish label."""
-    from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES
+    from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES
 
     cols: dict[str, np.ndarray] = {}
     counts = np.floor(np.exp(rng.normal(1.5, 1.5, (len(DENSE_NAMES), n)))).astype(np.int64)
@@ -109,7 +109,7 @@ def write_criteo_parquet(directory: Path, rows: int, seed: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys_pipe.data.convert import criteo_schema
+    from recsys_pipe.data.tools.convert import criteo_schema
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -155,8 +155,8 @@ def write_sequences(directory: Path, users: int, length: int, text_users: int, s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys_pipe.data.convert import sequence_schema
-    from recsys_pipe.data.parquet_sequences import item_vocab_metadata
+    from recsys_pipe.data.parquet.decode import item_vocab_metadata
+    from recsys_pipe.data.tools.convert import sequence_schema
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -177,7 +177,7 @@ def write_sequences(directory: Path, users: int, length: int, text_users: int, s
 def write_ratings(directory: Path, ratings: int, users: int, seq_len: int, seed: int = 3) -> None:
     """A MovieLens-style ratings CSV (`userId,movieId,rating,timestamp`, half stars) of `ratings`
     ratings by `users` users, and its `convert sequences --windows seq_len` Parquet under `pq/`."""
-    from recsys_pipe.data.convert import convert_sequences
+    from recsys_pipe.data.tools.convert import convert_sequences
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -339,9 +339,9 @@ def measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> di
     starts after the imports: what it measures is the source's own start (metadata, workers)."""
     import torch  # noqa: F401  (imported before the clock starts)
 
-    import recsys_pipe.data.criteo
-    import recsys_pipe.data.parquet
-    import recsys_pipe.data.parquet_sequences  # noqa: F401
+    import recsys_pipe.data.in_memory.criteo
+    import recsys_pipe.data.parquet.sequences
+    import recsys_pipe.data.parquet.tabular  # noqa: F401
 
     with MemoryWatch() as watch:
         out = _measure(kind, path, batch_size, extra)
@@ -357,8 +357,8 @@ def _measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> d
         out["bytes_per_sample"] = _disk_bytes(path) / max(out["samples"] + batch_size, 1)
     elif kind in ("loader", "seq_loader"):
         from recsys_pipe.data import RankData
-        from recsys_pipe.data.parquet import ParquetDataConfig
-        from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig
+        from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig
+        from recsys_pipe.data.parquet.tabular import ParquetDataConfig
 
         keys = {"path": str(path), "batch_size": batch_size, "num_workers": extra.get("workers", 1), "shuffle": True}
         if kind == "loader":
@@ -370,7 +370,7 @@ def _measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> d
         out["bytes_per_sample"] = _disk_bytes(path) / max(out["samples"] + batch_size, 1)
     elif kind in ("rank_memory", "rank_loader"):
         from recsys_pipe.data import MovieLensDataConfig, RankData, SequenceDataConfig
-        from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig
+        from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig
 
         keys = {"path": str(path), "batch_size": batch_size, "num_workers": 1, "shuffle": True}
         before = _rss_mib()
@@ -392,7 +392,7 @@ def _measure(kind: str, path: Path, batch_size: int, extra: dict[str, Any]) -> d
         out = _iterate(data.train_loader(), start)
         out["bytes_per_sample"] = held / len(data.dataset)
     elif kind == "convert":
-        from recsys_pipe.data.convert import convert_criteo
+        from recsys_pipe.data.tools.convert import convert_criteo
 
         (converted,) = convert_criteo([str(path)], extra["dst"], overwrite=True)
         seconds = time.perf_counter() - start
@@ -512,6 +512,27 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
     """Generate what `parts` need under `root`, measure, print the table, the ratios and the JSON line."""
     sizes = _sizes(args.sizes)
     t = time.perf_counter()
+    generate(args, parts, root, sizes)
+    print(f"data generated in {time.perf_counter() - t:.1f} s under {root}", flush=True)
+    if args.generate_only:
+        return
+    jobs = _jobs(args, parts, root, sizes)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in jobs}
+    for rep in range(args.reps):
+        for name, kind, path, batch, extra in jobs if rep % 2 == 0 else jobs[::-1]:
+            if args.quick:  # one process for everything: a smoke test of the structure, not of memory
+                results[name].append(measure(kind, path, batch, extra))
+            else:
+                results[name].append(_spawn(kind, path, batch, extra, args.threads))
+    report = _report(results, args, sizes)
+    _print(report)
+    print(json.dumps(report))
+
+
+def generate(args: argparse.Namespace, parts: list[str], root: Path, sizes: list[int]) -> None:
+    """Write under `root` the data sets `parts` read that are not there yet: Criteo Parquet of
+    every size (the smaller ones the biggest one's first files, linked), the Criteo TSV and its
+    conversion, the sequences and the ratings."""
     biggest = root / f"criteo_{max(sizes)}"
     if {"pyarrow", "loader"} & set(parts) and not biggest.exists():
         write_criteo_parquet(biggest, max(sizes))
@@ -531,7 +552,7 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
         write_criteo_tsv(tsv, args.tsv_rows)
     converted = root / "criteo_tsv_parquet"
     if "train_dlrm" in parts and not converted.exists():
-        from recsys_pipe.data.convert import convert_criteo
+        from recsys_pipe.data.tools.convert import convert_criteo
 
         convert_criteo([str(tsv)], str(converted))
     seqs = root / "sequences"
@@ -540,10 +561,14 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
     ranking = root / "ratings"
     if {"rank_memory", "rank_loader", "train_hstu"} & set(parts) and not ranking.exists():
         write_ratings(ranking, args.rank_ratings, args.rank_users, args.rank_seq_len)
-    print(f"data generated in {time.perf_counter() - t:.1f} s under {root}", flush=True)
-    if args.generate_only:
-        return
 
+
+def _jobs(
+    args: argparse.Namespace, parts: list[str], root: Path, sizes: list[int]
+) -> list[tuple[str, str, Path, int, dict[str, Any]]]:
+    """The measurements `parts` ask for, in order: (row name, kind, path, batch size, extra)."""
+    seqs, ranking = root / "sequences", root / "ratings"
+    tsv, converted = root / "criteo.tsv", root / "criteo_tsv_parquet"
     jobs: list[tuple[str, str, Path, int, dict[str, Any]]] = []  # (row name, kind, path, batch, extra)
     if "convert" in parts:
         jobs.append(("convert criteo (TSV -> Parquet)", "convert", tsv, 0, {"dst": str(root / "converted")}))
@@ -596,19 +621,24 @@ def run(args: argparse.Namespace, parts: list[str], root: Path) -> None:
                      {**train, "overrides": [*hstu, *movielens]}))  # fmt: skip
         jobs.append(("train HSTU, data=parquet_sequences", "train_hstu", windows, args.seq_batch_size,
                      {**train, "overrides": [*hstu, "data=parquet_sequences", f"data.path={windows}"]}))  # fmt: skip
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in jobs}
-    for rep in range(args.reps):
-        for name, kind, path, batch, extra in jobs if rep % 2 == 0 else jobs[::-1]:
-            if args.quick:  # one process for everything: a smoke test of the structure, not of memory
-                results[name].append(measure(kind, path, batch, extra))
-            else:
-                results[name].append(_spawn(kind, path, batch, extra, args.threads))
-    report = _report(results, args, sizes)
-    _print(report)
-    print(json.dumps(report))
+    return jobs
 
 
 def _report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
+    """The report: each row's medians (min-max), the ratios of the targets and their limits."""
+    rows = _rows(results)
+    ratios = _ratios(rows, args, sizes)
+    return {
+        "rows": rows,
+        "ratios": {k: v for k, v in ratios.items() if v is not None},
+        "targets": {k: TARGETS[k] for k, v in ratios.items() if v is not None},
+        "config": {k: v for k, v in vars(args).items() if k not in ("measure", "path", "extra")},
+        "cpus": os.cpu_count(),
+    }
+
+
+def _rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per row, the median (min-max) of each figure its runs measured."""
     rows: dict[str, Any] = {}
     for name, runs in results.items():
         row: dict[str, Any] = {}
@@ -625,6 +655,11 @@ def _report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
             if values:
                 row[key] = summary(values, 4 if key == "first_batch_s" else 1)
         rows[name] = row
+    return rows
+
+
+def _ratios(rows: dict[str, Any], args: argparse.Namespace, sizes: list[int]) -> dict[str, float | None]:
+    """The figures the targets judge (`TARGETS`), None where their rows did not run."""
 
     def median(name: str, key: str = "samples_per_s") -> float | None:
         return rows.get(name, {}).get(key, {}).get("median")
@@ -634,7 +669,7 @@ def _report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
 
     big, small = max(sizes), min(sizes)
     loader_big = f"data=parquet loader, {big} rows"
-    ratios = {
+    return {
         "loader_samples_per_s": median(loader_big),
         "loader_over_raw_pyarrow": ratio(median(loader_big), median(f"raw pyarrow, {big} rows")),
         "sequence_loader_samples_per_s": median(f"data=parquet_sequences loader, length {args.seq_len}, 2 workers"),
@@ -666,29 +701,25 @@ def _report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
             median("train HSTU, data=parquet_sequences"), median("train HSTU, data=movielens")
         ),
     }
-    targets = {
-        "loader_samples_per_s": ">= 1,000,000",
-        "loader_over_raw_pyarrow": ">= 1/1.5 = 0.667",
-        "sequence_loader_samples_per_s": ">= 100,000 (data.num_workers=2, one per core here)",
-        "sequence_loader_one_worker_samples_per_s": "none (what one worker decodes)",
-        "train_dlrm_parquet_over_memory": ">= 0.98",
-        "train_sasrec_parquet_over_text": ">= 0.98",
-        "loader_peak_memory_mib_largest": "<= 1024",
-        "loader_peak_memory_largest_over_smallest": "<= 1.10 (glibc's mmap threshold fixed: the data's share)",
-        "loader_peak_memory_largest_over_smallest_default_malloc": "none (glibc's heap varies run to run)",
-        "loader_first_batch_s_largest": "< 5",
-        "loader_first_batch_largest_over_smallest": "flat (<= 1.10 + noise)",
-        "convert_over_56000_rows_per_s": ">= 5",
-        "ranking_loader_over_memory": ">= 1 (none set: the in-memory source is the baseline)",
-        "train_hstu_parquet_over_memory": ">= 0.98",
-    }
-    return {
-        "rows": rows,
-        "ratios": {k: v for k, v in ratios.items() if v is not None},
-        "targets": {k: targets[k] for k, v in ratios.items() if v is not None},
-        "config": {k: v for k, v in vars(args).items() if k not in ("measure", "path", "extra")},
-        "cpus": os.cpu_count(),
-    }
+
+
+#: the target of each ratio of the report (`_ratios`)
+TARGETS = {
+    "loader_samples_per_s": ">= 1,000,000",
+    "loader_over_raw_pyarrow": ">= 1/1.5 = 0.667",
+    "sequence_loader_samples_per_s": ">= 100,000 (data.num_workers=2, one per core here)",
+    "sequence_loader_one_worker_samples_per_s": "none (what one worker decodes)",
+    "train_dlrm_parquet_over_memory": ">= 0.98",
+    "train_sasrec_parquet_over_text": ">= 0.98",
+    "loader_peak_memory_mib_largest": "<= 1024",
+    "loader_peak_memory_largest_over_smallest": "<= 1.10 (glibc's mmap threshold fixed: the data's share)",
+    "loader_peak_memory_largest_over_smallest_default_malloc": "none (glibc's heap varies run to run)",
+    "loader_first_batch_s_largest": "< 5",
+    "loader_first_batch_largest_over_smallest": "flat (<= 1.10 + noise)",
+    "convert_over_56000_rows_per_s": ">= 5",
+    "ranking_loader_over_memory": ">= 1 (none set: the in-memory source is the baseline)",
+    "train_hstu_parquet_over_memory": ">= 0.98",
+}
 
 
 _MEMORY_PARTS = ("peak_main_rss_mib", "peak_worker_uss_mib", "peak_worker_shared_mib")

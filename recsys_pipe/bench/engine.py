@@ -193,7 +193,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.iterations, args.overlap_iterations, args.sleep_ms = 2, 100, 8, 1.0
+    runs = measurements(args)
+    samples: dict[str, list] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(args.repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(runs[name]())
+    report = build_report(samples, args)
+    report["targets"] = {"limits": TARGETS, "met": targets_met(report)}
+    print_table(report)
+    print(json.dumps(report))
 
+
+def measurements(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
+    """Every configuration, by name, as a function that measures it once: the overheads of the
+    sequential and threaded executors, the overlap, the thread scaling and the shipped plans."""
     chain10 = chain_task_graph(10)
     runs: dict[str, Callable[[], Any]] = {
         "sequential": lambda: overhead_us_per_task(chain10, "sequential", args.iterations),
@@ -224,14 +239,11 @@ def main() -> None:
             runs[f"plan/{plan}/{tm}"] = run
             if thread_of is not None and PINNING:
                 runs[f"plan/{plan}/{tm}/one_core"] = on_one_core(run)
+    return runs
 
-    samples: dict[str, list] = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(args.repeats):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(runs[name]())
 
+def build_report(samples: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
+    """Medians (min-max) of every measurement, and each plan's share of a `--step-ms` step."""
     report: dict[str, Any] = {
         "machine": {"repeats": args.repeats, "iterations": args.iterations, "step_ms": args.step_ms},
         "sequential": {"overhead_us_per_task": summary(samples["sequential"])},
@@ -243,7 +255,7 @@ def main() -> None:
         "overlap": {key: summary([s[key] for s in samples["overlap"]], 4) for key in samples["overlap"][0]},
         "plans": {},
     }
-    for name in names:
+    for name in samples:
         if name.startswith("plan/"):
             _, plan, tm, *placement = name.split("/")
             figures = {
@@ -252,6 +264,12 @@ def main() -> None:
             }
             entry = report["plans"].setdefault(f"{plan}/{tm}", {})
             entry.update({"one_core": figures} if placement else figures)
+    return report
+
+
+def targets_met(report: dict[str, Any]) -> dict[str, bool]:
+    """Which of `TARGETS` the report meets (the plans' shares with the default thread maps and
+    all of them, on one core and placed by the OS)."""
     met = {
         "sequential_us_per_task": report["sequential"]["overhead_us_per_task"]["median"]
         <= TARGETS["sequential_us_per_task"],
@@ -272,9 +290,7 @@ def main() -> None:
         met["plan_share_percent_all_maps"] = within(every, one_core=True)
         met["plan_share_percent_default_maps_os_placement"] = within(shipped, one_core=False)
         met["plan_share_percent_all_maps_os_placement"] = within(every, one_core=False)
-    report["targets"] = {"limits": TARGETS, "met": met}
-    print_table(report)
-    print(json.dumps(report))
+    return met
 
 
 def print_table(report: dict[str, Any]) -> None:

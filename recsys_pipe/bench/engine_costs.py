@@ -28,7 +28,7 @@ import torch
 
 from recsys_pipe.bench.common import format_summary, summary
 from recsys_pipe.engine import StreamPool
-from recsys_pipe.engine.threaded import _latch, _open
+from recsys_pipe.engine.threaded import closed_latch, open_latch
 
 __all__ = ["main", "measure_costs"]
 
@@ -61,14 +61,14 @@ def _ping_pong(make: Callable[[], tuple[Callable[[], None], Callable[[], None]]]
 
 def _latch_pair() -> tuple[Callable[[], None], Callable[[], None]]:
     """The executor's cross-thread edge: a fresh closed latch per hand-off (as per iteration)."""
-    box = [_latch()]
+    box = [closed_latch()]
 
     def signal() -> None:
-        _open(box[0])
+        open_latch(box[0])
 
     def wait() -> None:
         box[0].acquire()
-        box[0] = _latch()
+        box[0] = closed_latch()
 
     return signal, wait
 

@@ -51,7 +51,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from recsys_pipe.bench.common import summary, train_speed
+from recsys_pipe.bench.common import sequences_train_speed, summary
 
 #: the environment variable naming a clone of generative-recommenders (tests and benchmark)
 REFERENCE_ENV = "RECSYS_HSTU_REFERENCE"
@@ -141,9 +141,7 @@ def load_reference(path: str | os.PathLike[str]) -> SimpleNamespace:
         LearnablePositionalEmbeddingInputFeaturesPreprocessor,
     )
     from generative_recommenders.research.modeling.sequential.losses.sampled_softmax import SampledSoftmaxLoss
-    from generative_recommenders.research.modeling.sequential.output_postprocessors import (
-        L2NormEmbeddingPostprocessor,
-    )
+    from generative_recommenders.research.modeling.sequential.output_postprocessors import L2NormEmbeddingPostprocessor
     from generative_recommenders.research.rails.similarities.dot_product_similarity_fn import DotProductSimilarity
 
     class SharedNegativesSampler(autoregressive_losses.LocalNegativesSampler):
@@ -279,7 +277,7 @@ class ReferenceInputs:
 def reference_inputs(batch: Any, attn_len: int) -> ReferenceInputs:
     """A `RetrievalBatch` of training samples (inputs s_1..s_m, targets s_2..s_m+1) -> the
     reference's `[s_1 .. s_m, s_m+1, 0 ..]` with its times."""
-    from recsys_pipe.data.sequences import INPUT_KEY, POS_KEY
+    from recsys_pipe.data.batch import INPUT_KEY, POS_KEY
 
     kjt = batch.sparse_features
     lengths = batch.lengths(INPUT_KEY).long()
@@ -395,27 +393,13 @@ def levers_off(names: tuple[str, ...]) -> Iterator[list[str]]:
 def ours(data: str, sizes: Sizes, steps: int, info: Any, extra: list[str]) -> tuple[float, float]:
     """Samples/s of recsys_pipe's trainer at `sizes` (serial plan, `steps` steps), by the wall
     clock and by the CPU clock."""
-    from recsys_pipe.testing import load_run
-
-    run = load_run(
-        "data=sequences",
-        f"data.path={data}",
-        *sizes.overrides(),
-        "pipeline=serial",
-        "model.sharding=row_wise",
-        "trainer.device=cpu",
-        f"trainer.max_steps={steps}",
-        "trainer.eval_every=0",
-        "trainer.progress_bar=false",
-        f"trainer.log_every={steps}",
-        *extra,
-    )
-    return train_speed(run, info)
+    return sequences_train_speed(data, steps, info, *sizes.overrides(), *extra)
 
 
 def training_batches(data: str, sizes: Sizes, steps: int) -> tuple[list[ReferenceInputs], int]:
     """The reference's inputs for the first `steps` batches of our training samples, and the item count."""
-    from recsys_pipe.data.sequences import SequencesDataConfig, collate_retrieval
+    from recsys_pipe.data.batch import collate_retrieval
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 
     dataset = SequencesDataConfig(path=data, max_seq_len=sizes.data_len).dataset(0, 1)
     batches = []

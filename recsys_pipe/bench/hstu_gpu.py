@@ -201,8 +201,7 @@ def step_variant(shape: Shape, inputs: Inputs, attention: str, dtype: torch.dtyp
     autocast (bf16 on CUDA), backward, Adam."""
     from torchrec.sparse.jagged_tensor import JaggedTensor
 
-    from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY
-    from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, DataSpec
     from recsys_pipe.models.hstu import HSTURanker
     from recsys_pipe.models.hstu_config import HSTUConfig
 

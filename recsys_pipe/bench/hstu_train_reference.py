@@ -29,7 +29,9 @@ import torch
 
 from recsys_pipe.bench.hstu import REFERENCE_ENV, Sizes, build_reference, load_reference, reference_forward
 from recsys_pipe.bench.hstu import reference_inputs as training_inputs
-from recsys_pipe.data.sequences import SPLITS, SequencesDataConfig, SequencesDataset, collate_retrieval
+from recsys_pipe.data.batch import collate_retrieval
+from recsys_pipe.data.in_memory.sequences import SequencesDataConfig, SequencesDataset
+from recsys_pipe.data.source import SPLITS
 from recsys_pipe.train.retrieval_eval import SELECTION, retrieval_metrics
 
 

@@ -34,9 +34,8 @@ from unittest import mock
 import numpy as np
 import torch
 
-from recsys_pipe.bench.common import summary, train_speed
+from recsys_pipe.bench.common import sequences_train_speed, summary
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run
 from recsys_pipe.train.optim import AdamConfig
 
 MAX_LEN, BATCH = 50, 128
@@ -77,28 +76,21 @@ def levers_off(names: tuple[str, ...]) -> Iterator[None]:
 def ours(data: str, steps: int, info) -> tuple[float, float]:
     """Samples/s of recsys_pipe's trainer on the reference's configuration (serial plan, `steps`
     steps), by the wall clock and by the CPU clock."""
-    run = load_run(
-        "data=sequences",
-        f"data.path={data}",
+    return sequences_train_speed(
+        data,
+        steps,
+        info,
         "model=sasrec",
-        "pipeline=serial",
         "model.norm_first=true",
-        "model.sharding=row_wise",
         "model.compute_kernel=dense",  # Adam updates the item table, as in the reference
         "optimizer.betas=[0.9,0.98]",
-        "trainer.device=cpu",
-        f"trainer.max_steps={steps}",
-        "trainer.eval_every=0",
-        "trainer.progress_bar=false",
-        f"trainer.log_every={steps}",
     )
-    return train_speed(run, info)
 
 
 def reference_batches(data: str, steps: int) -> list[tuple[np.ndarray, ...]]:
     """The reference's (user, seq, pos, neg) arrays for the first `steps` batches of our training
     samples (ids + 1: the reference keeps 0 for padding)."""
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 
     dataset = SequencesDataConfig(path=data).dataset(0, 1)
     batches = []
@@ -168,7 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     info = init_distributed("cpu", "gloo")
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 
     dataset = SequencesDataConfig(path=args.data).dataset(0, 1)
     batches = reference_batches(args.data, args.steps)

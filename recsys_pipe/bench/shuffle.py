@@ -122,8 +122,8 @@ def max_over_ranks(value: float) -> float:
     return float(t)
 
 
-def main() -> None:
-    """Measure imbalance, then train every variant in interleaved repetitions; rank 0 prints the report."""
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the window (default 5)")
@@ -136,7 +136,12 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.steps, args.repeats, args.warmup, args.batch_size) < 1:
         parser.error("--steps, --repeats, --warmup and --batch-size must be >= 1")
+    return args
 
+
+def main() -> None:
+    """Measure imbalance, then train every variant in interleaved repetitions; rank 0 prints the report."""
+    args = parse_args()
     one_thread_per_rank()
     from recsys_pipe.data import make_dataloader
     from recsys_pipe.runtime import init_distributed
@@ -146,7 +151,6 @@ def main() -> None:
     total = args.warmup + args.steps + TAIL
     runs = {v: run_config(v, args, total) for v in VARIANTS}
     batches = list(make_dataloader(runs[VARIANTS[0]].data, info.rank, world))  # loading is not timed
-    loaded = [b.sample_ids.tolist() for b in batches]
     balance = imbalance(runs[VARIANTS[0]], batches, world)
     if main_rank:
         print(
@@ -156,7 +160,19 @@ def main() -> None:
             f"{args.repeats} repetition(s)",
             flush=True,
         )
+    seconds = train_every_variant(runs, info, batches, args, total)
+    if main_rank:
+        report(seconds, balance, args, world)
 
+
+def train_every_variant(
+    runs: dict[str, Any], info: Any, batches: list, args: argparse.Namespace, total: int
+) -> dict[str, list[float]]:
+    """Every variant trained `args.repeats` times, interleaved, on the same batches: the timed
+    window's seconds (the slowest rank) per repetition. Asserts that each balanced step trained
+    exactly the samples loaded over all ranks, and that repetitions train the same losses."""
+    world = info.world_size
+    loaded = [b.sample_ids.tolist() for b in batches]
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     losses: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     for rep in range(args.repeats):
@@ -172,7 +188,7 @@ def main() -> None:
                     got = sorted(i for rank_trained, _ in both for i in rank_trained[step])
                     want = sorted(i for _, rank_loaded in both for i in rank_loaded[step])
                     assert got == want, f"{name}: step {step} trained other samples than were loaded"
-        if main_rank:
+        if info.rank == 0:
             print(
                 f"  repetition {rep + 1}/{args.repeats}: "
                 + ", ".join(f"{v} {args.batch_size * world * args.steps / seconds[v][-1]:.0f}" for v in VARIANTS)
@@ -182,46 +198,52 @@ def main() -> None:
     for name in VARIANTS:  # deterministic: every repetition trains the same losses
         if not all(got == losses[name][0] for got in losses[name]):
             raise AssertionError(f"rank {info.rank}: {name} trained different losses in different repetitions")
+    return seconds
 
+
+def report(
+    seconds: dict[str, list[float]], balance: dict[str, dict[str, float]], args: argparse.Namespace, world: int
+) -> None:
+    """Print the imbalance, every variant's speed (median, min..max) and its ratio to the
+    unbalanced plan, then the whole as one JSON line."""
     samples = args.batch_size * world * args.steps
     sps = {v: statistics.median(samples / s for s in seconds[v]) for v in VARIANTS}
     spread = {v: (min(samples / s for s in seconds[v]), max(samples / s for s in seconds[v])) for v in VARIANTS}
     ratio = {balanced: sps[balanced] / sps[plain] for plain, balanced in PAIRS}
-    if main_rank:
-        print()
-        print("per-rank imbalance, max over ranks / mean over ranks (mean over batches, worst batch):")
-        for measure in ("workload", "tokens"):
-            b, a = balance[f"{measure}_before"], balance[f"{measure}_after"]
-            print(
-                f"  {measure:<9} as loaded {b['mean']:.3f} (worst {b['worst']:.3f})   "
-                f"balanced {a['mean']:.3f} (worst {a['worst']:.3f})"
-            )
-        print()
-        print(f"{'variant':<27} {'samples/s':>10} {'(min..max)':>16} {'ms/step':>8} {'vs unbalanced':>14}")
-        for v in VARIANTS:
-            lo, hi = spread[v]
-            print(
-                f"{v:<27} {sps[v]:>10.1f} {f'({lo:.0f}..{hi:.0f})':>16} {samples / sps[v] / args.steps * 1e3:>8.2f} "
-                f"{(f'{ratio[v]:.3f}x' if v in ratio else '-'):>14}"
-            )
-        print("each balanced step trained exactly the samples loaded over all ranks: yes", flush=True)
+    print()
+    print("per-rank imbalance, max over ranks / mean over ranks (mean over batches, worst batch):")
+    for measure in ("workload", "tokens"):
+        b, a = balance[f"{measure}_before"], balance[f"{measure}_after"]
         print(
-            json.dumps(
-                {
-                    "imbalance": {k: {s: round(x, 4) for s, x in v.items()} for k, v in balance.items()},
-                    "samples_per_s": {v: round(sps[v], 2) for v in VARIANTS},
-                    "samples_per_s_range": {v: [round(x, 2) for x in spread[v]] for v in VARIANTS},
-                    "ratio_balanced_vs_unbalanced": {v: round(r, 4) for v, r in ratio.items()},
-                    "steps": args.steps,
-                    "repeats": args.repeats,
-                    "world_size": world,
-                    "batch_size": args.batch_size,
-                    "max_seq_len": args.max_seq_len,
-                    "alpha": args.alpha,
-                }
-            ),
-            flush=True,
+            f"  {measure:<9} as loaded {b['mean']:.3f} (worst {b['worst']:.3f})   "
+            f"balanced {a['mean']:.3f} (worst {a['worst']:.3f})"
         )
+    print()
+    print(f"{'variant':<27} {'samples/s':>10} {'(min..max)':>16} {'ms/step':>8} {'vs unbalanced':>14}")
+    for v in VARIANTS:
+        lo, hi = spread[v]
+        print(
+            f"{v:<27} {sps[v]:>10.1f} {f'({lo:.0f}..{hi:.0f})':>16} {samples / sps[v] / args.steps * 1e3:>8.2f} "
+            f"{(f'{ratio[v]:.3f}x' if v in ratio else '-'):>14}"
+        )
+    print("each balanced step trained exactly the samples loaded over all ranks: yes", flush=True)
+    print(
+        json.dumps(
+            {
+                "imbalance": {k: {s: round(x, 4) for s, x in v.items()} for k, v in balance.items()},
+                "samples_per_s": {v: round(sps[v], 2) for v in VARIANTS},
+                "samples_per_s_range": {v: [round(x, 2) for x in spread[v]] for v in VARIANTS},
+                "ratio_balanced_vs_unbalanced": {v: round(r, 4) for v, r in ratio.items()},
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "world_size": world,
+                "batch_size": args.batch_size,
+                "max_seq_len": args.max_seq_len,
+                "alpha": args.alpha,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -308,37 +308,52 @@ def aggregate(
             row["cuda_peak_allocated_mib"] = summary(worst("cuda_peak_allocated_mib"), 1)
             row["cuda_peak_reserved_mib"] = summary(worst("cuda_peak_reserved_mib"), 1)
         if "breakdown" in reps[0][0]:
-
-            def per_step_us(key: str, reps: list = reps) -> list[float]:
-                return [max(rank["breakdown"][key] for rank in rep) / steps * 1e6 for rep in reps]
-
-            row["engine_us_per_step"] = summary(per_step_us("engine_s"), 1)
-            row["engine_share_percent"] = summary(
-                (
-                    max(rank["breakdown"]["engine_s"] / rank["seconds"] for rank in rep) * 100
-                    for rep in reps  # the larger share of the ranks
-                ),
-                3,
-            )
-            row["release_us_per_step"] = summary(per_step_us("release_s"), 1)
-            row["loop_us_per_step"] = summary(per_step_us("loop_s"), 1)
-            row["gc_outside_tasks_us_per_step"] = summary(per_step_us("gc_outside_tasks_s"), 1)
-            row["task_busy_ms_per_step"] = summary((v / 1e3 for v in per_step_us("busy_s")), 2)
-            rank0 = [rep[0]["breakdown"] for rep in reps]
-            row["rank0_task_ms_per_step"] = {
-                task: round(statistics.median(b["per_task_s"][task] for b in rank0) / steps * 1e3, 3)
-                for task in rank0[0]["per_task_s"]
-            }
-            row["rank0_thread_ms_per_step"] = {
-                thread: round(statistics.median(b["per_thread_s"].get(thread, 0.0) for b in rank0) / steps * 1e3, 3)
-                for thread in rank0[0]["per_thread_s"]
-            }
-            row["thread_of"] = rank0[0]["thread_of"]
-            row["rank0_engine_us_per_step_by_position"] = {
-                where: round(statistics.median(b["gaps_s"].get(where, 0.0) for b in rank0) / steps * 1e6, 1)
-                for where in rank0[0]["gaps_s"]
-            }
+            row.update(breakdown_row(reps, steps))
         out[name] = row
+    add_ratios(records, out)
+    return out
+
+
+def breakdown_row(reps: list[list[dict[str, Any]]], steps: int) -> dict[str, Any]:
+    """A variant's engine figures over its repetitions (where the engine's observer ran): its
+    time per step and share of a step, and rank 0's time per task, per thread and by position."""
+    out: dict[str, Any] = {}
+
+    def per_step_us(key: str) -> list[float]:
+        return [max(rank["breakdown"][key] for rank in rep) / steps * 1e6 for rep in reps]
+
+    out["engine_us_per_step"] = summary(per_step_us("engine_s"), 1)
+    out["engine_share_percent"] = summary(
+        (
+            max(rank["breakdown"]["engine_s"] / rank["seconds"] for rank in rep) * 100
+            for rep in reps  # the larger share of the ranks
+        ),
+        3,
+    )
+    out["release_us_per_step"] = summary(per_step_us("release_s"), 1)
+    out["loop_us_per_step"] = summary(per_step_us("loop_s"), 1)
+    out["gc_outside_tasks_us_per_step"] = summary(per_step_us("gc_outside_tasks_s"), 1)
+    out["task_busy_ms_per_step"] = summary((v / 1e3 for v in per_step_us("busy_s")), 2)
+    rank0 = [rep[0]["breakdown"] for rep in reps]
+    out["rank0_task_ms_per_step"] = {
+        task: round(statistics.median(b["per_task_s"][task] for b in rank0) / steps * 1e3, 3)
+        for task in rank0[0]["per_task_s"]
+    }
+    out["rank0_thread_ms_per_step"] = {
+        thread: round(statistics.median(b["per_thread_s"].get(thread, 0.0) for b in rank0) / steps * 1e3, 3)
+        for thread in rank0[0]["per_thread_s"]
+    }
+    out["thread_of"] = rank0[0]["thread_of"]
+    out["rank0_engine_us_per_step_by_position"] = {
+        where: round(statistics.median(b["gaps_s"].get(where, 0.0) for b in rank0) / steps * 1e6, 1)
+        for where in rank0[0]["gaps_s"]
+    }
+    return out
+
+
+def add_ratios(records: dict[str, list[list[dict[str, Any]]]], out: dict[str, Any]) -> None:
+    """Add to each variant's row of `out` its paired speed ratios (and memory ratios) to its
+    torchrec class and to torchrec_sdd, repetition by repetition."""
     for name, counterpart in COUNTERPART.items():
         if name in records and counterpart in records:
             reference = [max(rank["seconds"] for rank in rep) for rep in records[counterpart]]
@@ -359,7 +374,6 @@ def aggregate(
                 out[name]["rss_growth_vs_torchrec"] = round(
                     out[name]["rss_growth_mib"]["median"] / out[TORCHREC]["rss_growth_mib"]["median"], 3
                 )
-    return out
 
 
 def print_table(batch_size: int, steps: int, repeats: int, world: int, rows: dict[str, Any]) -> None:
@@ -497,47 +511,15 @@ def main() -> None:
         os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]})
     one_thread_per_rank()
     from recsys_pipe.runtime import init_distributed
-    from recsys_pipe.train import training_plan
 
     cuda = torch.cuda.is_available()
     info = init_distributed("cuda" if cuda else "cpu", "nccl" if cuda else "gloo")
-    rank, world, main_rank = info.rank, info.world_size, info.rank == 0
-    plans = {**PLANS, **args.plan}
-    variants = [*plans, TORCHREC] + ([TORCHREC_PREFETCH] if cuda else [])
-    if args.variants:
-        from recsys_pipe.config import CONF_DIR
-
-        files = {p.stem: (f"pipeline={p.stem}",) for p in sorted((CONF_DIR / "pipeline").glob("*.yaml"))}
-        plans = {**files, **plans}
-        known = [*plans, *TORCHREC_CLASSES]
-        chosen = args.variants.split(",")
-        unknown = sorted(set(chosen) - set(known))
-        if unknown:
-            raise SystemExit(f"error: --variants: unknown {unknown}; choose from {known}")
-        cuda_only = [v for v in chosen if v in TORCHREC_CLASSES and not TORCHREC_CLASSES[v][2]]
-        if cuda_only and not cuda:
-            raise SystemExit(
-                f"error: --variants: {cuda_only} need CUDA: on the CPU torchrec 1.8 fails in Tensor.record_stream "
-                "(RuntimeError: unknown parameter type)"
-            )
-        variants = list(dict.fromkeys(chosen))
-    machine = {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "device": torch.cuda.get_device_name(info.device) if cuda else "cpu",
-        "backend": info.backend,
-        "ranks": world,
-        "pinned": args.pin,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    with open("/proc/cpuinfo") as f:
-        model = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    if model:
-        machine["cpu"] = model[0]
+    main_rank = info.rank == 0
+    plans, variants = choose_variants(args, cuda)
+    machine = describe_machine(info, args.pin, cuda)
     if main_rank:
         print(
-            f"bench_train: {world} ranks ({info.backend}, {machine['device']}, {machine['cores']} cores: "
+            f"bench_train: {info.world_size} ranks ({info.backend}, {machine['device']}, {machine['cores']} cores: "
             f"{machine['cpu']}), 1 intra-op thread per rank; batch sizes {args.batch_sizes}, "
             f"{args.repeats} repetition(s){', each rank pinned to one core' if args.pin else ''}; "
             f"variants: {', '.join(variants)}",
@@ -545,58 +527,8 @@ def main() -> None:
         )
     report: dict[str, Any] = {"machine": machine, "repeats": args.repeats, "batches": {}}
     rss_problem = None
-    cores = os.cpu_count() or 1
     for batch_size in args.batch_sizes:
-        steps = args.steps or STEPS.get(batch_size, max(4, 1536 // batch_size))
-        warmup = args.warmup or WARMUP.get(batch_size, 3)
-        bench = Bench(info, batch_size, warmup, steps, {name: plans[name] for name in variants if name in plans})
-        rss_problem = bench.memory.problem
-        if "observer_us_per_step" not in report:
-            tasks = max(len(training_plan(run).graph.order) for run in bench.runs.values())
-            report["observer_us_per_step"] = round(observer_cost_us(tasks), 2)
-        records: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
-        started = time.perf_counter()
-        rep = discarded = in_a_row = 0
-        while rep < args.repeats:
-            shift = rep % len(variants)
-            this: dict[str, list[dict[str, Any]]] = {}
-            for name in variants[shift:] + variants[:shift]:
-                gathered: list[Any] = [None] * world
-                dist.all_gather_object(gathered, bench.run(name))
-                this[name] = gathered
-            other = max(other_load(runs, cores) for runs in this.values())
-            ms = ", ".join(f"{v} {max(r['seconds'] for r in this[v]) / steps * 1e3:.1f}" for v in variants)
-            line = f"  batch {batch_size} repetition {rep + 1}/{args.repeats} ({time.perf_counter() - started:.0f} s)"
-            if other > args.max_other_load and discarded < args.retries:
-                discarded += 1  # every rank computed the same figure from the same gathered records
-                in_a_row += 1
-                pause = min(60, 10 * in_a_row)  # let a burst of other work pass
-                if main_rank:
-                    print(
-                        f"{line}: other jobs used {other:.0%} of the cores; discarded, run again in {pause} s",
-                        flush=True,
-                    )
-                time.sleep(pause)
-                continue
-            in_a_row = 0
-            for name, runs in this.items():
-                records[name].append(runs)
-            rep += 1
-            if main_rank:
-                print(f"{line}: ms/step {ms}; other jobs {other:.0%}", flush=True)
-        equal = check_losses(records, cuda, rank)
-        rows = aggregate(records, batch_size, steps, world, cores)
-        report["batches"][str(batch_size)] = {
-            "steps": steps,
-            "warmup": warmup,
-            "discarded_repetitions": discarded,
-            "variants": rows,
-            "losses": equal,
-        }
-        if main_rank:
-            print_table(batch_size, steps, args.repeats, world, rows)
-            print_breakdown(rows)
-            print(f"losses: {equal['note']}", flush=True)
+        rss_problem = measure_batch_size(info, args, batch_size, plans, variants, report)
     report["targets"] = targets(report, variants, cuda)
     report["speed_gate"] = speed_gate(report, args.min_vs_class, args.max_other_load)
     if rss_problem:
@@ -609,6 +541,126 @@ def main() -> None:
         print_speed_gate(report["speed_gate"])
         print(json.dumps(report), flush=True)
     enforce_speed_gate(report["speed_gate"], main_rank)
+
+
+def choose_variants(args: argparse.Namespace, cuda: bool) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """The plans by name (the shipped ones, `--plan`'s, and with `--variants` every plan file) and
+    the variants to run, in order: every plan and torchrec's classes, or `--variants`' choice
+    (SystemExit naming an unknown one, or a torchrec class that needs CUDA on a CPU machine)."""
+    plans = {**PLANS, **args.plan}
+    if not args.variants:
+        return plans, [*plans, TORCHREC] + ([TORCHREC_PREFETCH] if cuda else [])
+    from recsys_pipe.config import CONF_DIR
+
+    files = {p.stem: (f"pipeline={p.stem}",) for p in sorted((CONF_DIR / "pipeline").glob("*.yaml"))}
+    plans = {**files, **plans}
+    known = [*plans, *TORCHREC_CLASSES]
+    chosen = args.variants.split(",")
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        raise SystemExit(f"error: --variants: unknown {unknown}; choose from {known}")
+    cuda_only = [v for v in chosen if v in TORCHREC_CLASSES and not TORCHREC_CLASSES[v][2]]
+    if cuda_only and not cuda:
+        raise SystemExit(
+            f"error: --variants: {cuda_only} need CUDA: on the CPU torchrec 1.8 fails in Tensor.record_stream "
+            "(RuntimeError: unknown parameter type)"
+        )
+    return plans, list(dict.fromkeys(chosen))
+
+
+def describe_machine(info: Any, pinned: bool, cuda: bool) -> dict[str, Any]:
+    """What the report says of the machine: CPU model, cores, device, backend, ranks, versions."""
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "device": torch.cuda.get_device_name(info.device) if cuda else "cpu",
+        "backend": info.backend,
+        "ranks": info.world_size,
+        "pinned": pinned,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    with open("/proc/cpuinfo") as f:
+        model = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    if model:
+        machine["cpu"] = model[0]
+    return machine
+
+
+def measure_batch_size(
+    info: Any,
+    args: argparse.Namespace,
+    batch_size: int,
+    plans: dict[str, tuple[str, ...]],
+    variants: list[str],
+    report: dict[str, Any],
+) -> str | None:
+    """Every variant at `batch_size`, `args.repeats` clean interleaved repetitions, into
+    `report["batches"]` (rank 0 prints the table); returns the memory probe's problem, if any."""
+    from recsys_pipe.train import training_plan
+
+    cuda, main_rank, cores = info.device.type == "cuda", info.rank == 0, os.cpu_count() or 1
+    steps = args.steps or STEPS.get(batch_size, max(4, 1536 // batch_size))
+    warmup = args.warmup or WARMUP.get(batch_size, 3)
+    bench = Bench(info, batch_size, warmup, steps, {name: plans[name] for name in variants if name in plans})
+    if "observer_us_per_step" not in report:
+        tasks = max(len(training_plan(run).graph.order) for run in bench.runs.values())
+        report["observer_us_per_step"] = round(observer_cost_us(tasks), 2)
+    records, discarded = repetitions(bench, args, batch_size, steps, variants, main_rank)
+    equal = check_losses(records, cuda, info.rank)
+    rows = aggregate(records, batch_size, steps, info.world_size, cores)
+    report["batches"][str(batch_size)] = {
+        "steps": steps,
+        "warmup": warmup,
+        "discarded_repetitions": discarded,
+        "variants": rows,
+        "losses": equal,
+    }
+    if main_rank:
+        print_table(batch_size, steps, args.repeats, info.world_size, rows)
+        print_breakdown(rows)
+        print(f"losses: {equal['note']}", flush=True)
+    return bench.memory.problem
+
+
+def repetitions(
+    bench: Bench, args: argparse.Namespace, batch_size: int, steps: int, variants: list[str], main_rank: bool
+) -> tuple[dict[str, list[list[dict[str, Any]]]], int]:
+    """`args.repeats` repetitions of every variant, each starting one variant further along, the
+    ranks' figures gathered; a repetition during which other jobs used more than
+    `--max-other-load` of the cores is discarded and run again after a pause (up to
+    `--retries`). Returns the kept repetitions per variant and how many were discarded."""
+    cores = os.cpu_count() or 1
+    records: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
+    started = time.perf_counter()
+    rep = discarded = in_a_row = 0
+    while rep < args.repeats:
+        shift = rep % len(variants)
+        this: dict[str, list[dict[str, Any]]] = {}
+        for name in variants[shift:] + variants[:shift]:
+            gathered: list[Any] = [None] * bench.info.world_size
+            dist.all_gather_object(gathered, bench.run(name))
+            this[name] = gathered
+        other = max(other_load(runs, cores) for runs in this.values())
+        ms = ", ".join(f"{v} {max(r['seconds'] for r in this[v]) / steps * 1e3:.1f}" for v in variants)
+        line = f"  batch {batch_size} repetition {rep + 1}/{args.repeats} ({time.perf_counter() - started:.0f} s)"
+        if other > args.max_other_load and discarded < args.retries:
+            discarded += 1  # every rank computed the same figure from the same gathered records
+            in_a_row += 1
+            pause = min(60, 10 * in_a_row)  # let a burst of other work pass
+            if main_rank:
+                print(
+                    f"{line}: other jobs used {other:.0%} of the cores; discarded, run again in {pause} s", flush=True
+                )
+            time.sleep(pause)
+            continue
+        in_a_row = 0
+        for name, runs in this.items():
+            records[name].append(runs)
+        rep += 1
+        if main_rank:
+            print(f"{line}: ms/step {ms}; other jobs {other:.0%}", flush=True)
+    return records, discarded
 
 
 def check_losses(records: dict[str, list[list[dict[str, Any]]]], cuda: bool, rank: int) -> dict[str, Any]:

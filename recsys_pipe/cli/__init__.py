@@ -22,7 +22,6 @@ from recsys_pipe.cli.app import (
     EXIT_PREEMPTED,
     KEEP_GOING,
     HydraApp,
-    hydra_app,
 )
 from recsys_pipe.cli.compose import compose_config
 from recsys_pipe.cli.reporting import first_to_report, report_config_error
@@ -39,7 +38,6 @@ __all__ = [
     "HydraApp",
     "compose_config",
     "first_to_report",
-    "hydra_app",
     "register_schemas",
     "report_config_error",
 ]

@@ -10,8 +10,8 @@ ends with every key, its current value and its description (`recsys_pipe.cli.key
 Usage from a CLI module:
 
     def task(cfg: DictConfig) -> None: ...          # may raise ConfigError
-    main = hydra_app(task, config_name="plan", prog="recsys-plan", schema="pkg.module:Config")
-    # main() -> SystemExit(code); run(argv) -> code (in-process, for tests)
+    app = HydraApp(task, config_name="plan", prog="recsys-plan", schema="pkg.module:Config")
+    # app.main() -> SystemExit(code); app.run(argv) -> code (in-process, for tests)
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ __all__ = [
     "EXIT_PREEMPTED",
     "KEEP_GOING",
     "HydraApp",
-    "hydra_app",
 ]
 
 #: Command-line flag of a sweep (`-m`): run the valid jobs even if some are invalid; each invalid
@@ -456,16 +455,3 @@ def _exit_code(code: Any) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
-
-
-def hydra_app(
-    task: Callable[[DictConfig], Any],
-    config_name: str,
-    prog: str,
-    schema: str | None = None,
-    validate: Callable[[DictConfig], Any] | None = None,
-    check: Callable[[DictConfig], Any] | None = None,
-    sweep_check: Callable[[DictConfig], Any] | None = None,
-) -> HydraApp:
-    """Wrap `task(cfg)` as a Hydra app reading the packaged conf/ tree."""
-    return HydraApp(task, config_name, prog, schema, validate, check, sweep_check)

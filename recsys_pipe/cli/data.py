@@ -2,13 +2,13 @@
 with positional paths, not training runs; the work lives in `recsys_pipe.data`).
 
 - `recsys-data convert criteo SRC... DST`: Criteo TSV files (Kaggle `train.txt`, Terabyte
-  `day_N`) to Parquet, one file per input, what `data=parquet` reads (`recsys_pipe.data.convert`).
+  `day_N`) to Parquet, one file per input, what `data=parquet` reads (`recsys_pipe.data.tools.convert`).
 - `recsys-data convert sequences SRC DST`: a "user item" file (SASRec) or MovieLens ratings to
   sequence Parquet, one row per user, what `data=parquet_sequences` reads; with `--windows L`,
   one row per window of ratings, what it reads for HSTU ranking.
 - `recsys-data inspect PATH [--world-size N --batch-size B]`: a Parquet data set's schema,
   rows, row groups and sizes, and each rank's share and the batches per epoch
-  (`recsys_pipe.data.inspect.describe`).
+  (`recsys_pipe.data.tools.inspect.describe`).
 
 A bad input exits 2 with one line `error: <what>: <message>`.
 """
@@ -28,14 +28,14 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from recsys_pipe.data.inspect import describe
+    from recsys_pipe.data.tools.inspect import describe
 
     print(describe(args.path if len(args.path) > 1 else args.path[0], args.world_size, args.batch_size))
     return EXIT_OK
 
 
 def _convert_criteo(args: argparse.Namespace) -> int:
-    from recsys_pipe.data.convert import convert_criteo
+    from recsys_pipe.data.tools.convert import convert_criteo
 
     start = time.perf_counter()
     files = convert_criteo(args.src, args.dst, args.row_group_size, args.workers, args.overwrite)
@@ -43,8 +43,8 @@ def _convert_criteo(args: argparse.Namespace) -> int:
 
 
 def _convert_sequences(args: argparse.Namespace) -> int:
-    from recsys_pipe.data.convert import convert_sequences
-    from recsys_pipe.data.interactions_file import CsvConfig
+    from recsys_pipe.data.text.interactions import CsvConfig
+    from recsys_pipe.data.tools.convert import convert_sequences
 
     columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
     csv = CsvConfig(delimiter=args.delimiter, header=args.header, columns=columns)

@@ -1,14 +1,16 @@
 """The one start-up path of every command that trains a model (`recsys-train`,
-`recsys-profile`) and of the checks before a sweep (`Launch.check`).
+`recsys-profile`) and of the checks before a sweep (`Launch.prepare`).
 
-Before any process group starts, each rank checks everything it can (`Launch.prepare`): the
-config, the plan (task code imported), the device, `resume_from`, the model's distribution over
-the ranks, its share of the data (and the model against it) and the output directory. A
-problem there exits 2 with `error: <path>: <message>`. Then `run_job` starts the rank's
-`RunSession` (process group, run directory with `config.yaml` and `status.json`, logging, peer
-health, the SIGTERM agreement), builds the `Trainer` from finished parts and runs the
-command's work under one supervision: Ctrl-C, failures (the first one recorded in
-`status.json`), bad input found late and preemption end every command the same way.
+Before any process group starts, each rank runs train's pre-flight (`check_run`: the config,
+the plan with its task code imported, the device, `resume_from`, the model's distribution over
+the ranks, its share of the data and the model against it) and checks the output directory
+(`Launch.prepare`). A problem there exits 2 with `error: <path>: <message>`. Then `run_job`
+starts the rank's `RunSession` (process group, run directory with `config.yaml` and
+`status.json`, logging, peer health, the SIGTERM agreement), has train build the `Trainer`
+(`CheckedRun.build`) and runs the command's work under one supervision: Ctrl-C, failures (the
+first one recorded in `status.json`), bad input found late and preemption end every command the
+same way. This module keeps the run directory, the session and the supervision; what a run is
+made of is train's.
 """
 
 from __future__ import annotations
@@ -26,11 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_pipe import _ctrl_c
 from recsys_pipe.config import CompiledPlan, ConfigError
-from recsys_pipe.data import RankData
 from recsys_pipe.runtime.failures import EXIT_CONFIG_ERROR, config_error_in, is_communication_error
 from recsys_pipe.runtime.session import RequestedDir, RunSession
-from recsys_pipe.train.config import RunConfig, load_run_config
-from recsys_pipe.train.plan import pipelining_without_effect, training_plan
+from recsys_pipe.train.config import RunConfig
+from recsys_pipe.train.preflight import CheckedRun, CommandCheck, check_run
 
 if TYPE_CHECKING:
     from recsys_pipe.train import Trainer
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["Launch", "Outcome", "requested_run_dir", "run_job"]
 
 log = logging.getLogger("recsys_pipe")
-
-#: a command's own checks of its run, plan and this rank's data (ConfigError), after the shared ones
-CommandCheck = Callable[[Any, CompiledPlan, RankData], None]
 
 
 def requested_run_dir() -> RequestedDir:
@@ -69,15 +67,22 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Launch:
-    """One rank's launch of a run, checked before any process group starts."""
+    """One rank's launch of a run: the run train's pre-flight accepted (`CheckedRun`) and the
+    directory it is to run in, checked before any process group starts."""
 
     cfg: DictConfig
-    run: RunConfig
-    plan: CompiledPlan
+    checked: CheckedRun
     requested: RequestedDir
-    data: RankData
-    #: the checkpoint this rank found for `trainer.resume_from` (rank 0's is used: `start`)
-    resume: Path | None
+
+    @property
+    def run(self) -> RunConfig:
+        """The validated run config."""
+        return self.checked.run
+
+    @property
+    def plan(self) -> CompiledPlan:
+        """The run's compiled plan."""
+        return self.checked.plan
 
     @classmethod
     def prepare(cls, cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> Launch:
@@ -85,13 +90,13 @@ class Launch:
         use); ConfigError (with config paths) for the first bad one."""
         from recsys_pipe.runtime import check_output_dir, check_unused
 
-        run, plan, data, resume = check_run(cfg, schema, check)
+        checked = check_run(cfg, schema, check)
         requested = requested_run_dir()
         if requested.path is None:
-            check_output_dir(run.trainer.output_dir)
+            check_output_dir(checked.run.trainer.output_dir)
         elif not requested.sweep:  # a sweep job's directory is claimed (atomically) by rank 0 later:
             check_unused(requested.path, requested.key)  # checking it here would race with a faster rank 0
-        return cls(cfg, run, plan, requested, data, resume)
+        return cls(cfg, checked, requested)
 
     def start(self, prog: str) -> tuple[RunSession, Path | None]:
         """Start this rank's session, agree on the checkpoint to resume from (rank 0's: `latest`
@@ -102,7 +107,7 @@ class Launch:
         session = RunSession.start(
             prog, self.run.trainer, self.requested, self.run.debug, plan=self.run.pipeline.name, resumed_from=None
         )
-        resume = [self.resume if session.info.is_main else None]
+        resume = [self.checked.resume if session.info.is_main else None]
         dist.broadcast_object_list(resume, src=0)
         if resume[0] is not None:
             session.status.info["resumed_from"] = str(resume[0])
@@ -119,54 +124,9 @@ class Launch:
                 info.device,
                 info.backend,
             )
-            warning = pipelining_without_effect(self.plan, self.run)
-            if warning is not None:
-                log.warning("%s", warning)
+            for note in self.checked.start_notes():
+                log.warning("%s", note)
         return session, resume[0]
-
-    def build(self, session: RunSession) -> Trainer:
-        """The build phase: every part the loop runs on, from the config, once; the trainer over them."""
-        from recsys_pipe.train import Trainer, build_parts
-        from recsys_pipe.train.retrieval_eval import eval_dump_path
-
-        run = self.run  # a relative trainer.eval_dump is a path inside the run directory
-        eval_dump = eval_dump_path(run.trainer.eval_dump, session.run_dir)
-        run = run.model_copy(update={"trainer": run.trainer.model_copy(update={"eval_dump": eval_dump})})
-        if session.info.is_main and run.trainer.eval_dump is not None:
-            log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
-        parts = build_parts(run, self.plan, session.info, session.run_dir, data=self.data)
-        return Trainer(parts, stop=session.stop, health=session.health)
-
-
-def check_run(
-    cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None
-) -> tuple[RunConfig, CompiledPlan, RankData, Path | None]:
-    """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
-    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
-    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
-    the first one starts."""
-    from recsys_pipe.cli.preflight import check_inputs, run_device
-    from recsys_pipe.train.build import rank_data
-    from recsys_pipe.train.checkpoint import resolve_resume
-    from recsys_pipe.train.parallel import Topology, parallelism_of
-
-    run = load_run_config(cfg, schema)
-    plan = training_plan(run)
-    device = run_device(run.trainer)
-    problems = run.model.check_device(device.type)
-    if problems:
-        raise ConfigError(problems)
-    parallelism = parallelism_of(run)
-    topology = Topology.of_job(device.type)
-    parallelism.check(topology)
-    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
-    rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
-    data = rank_data(run, rank, world_size)
-    check_inputs(run, data)
-    if check is not None:
-        check(run, plan, data)
-    return run, plan, data, resume
 
 
 def run_job(
@@ -216,7 +176,7 @@ def _supervised(launch: Launch, session: RunSession, prog: str, work: Callable[[
         # also while the parts are built: the loop stops after its first step; a second Ctrl-C
         # stops at once, saving nothing (KeyboardInterrupt, `ctrl_c`)
         with ctrl_c, session.stop.interrupts():
-            trainer = launch.build(session)
+            trainer = launch.checked.build(session)
             outcome = work(trainer)
     except KeyboardInterrupt:
         return _interrupted(session, trainer)

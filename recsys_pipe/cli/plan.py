@@ -29,7 +29,7 @@ from typing import Literal
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from recsys_pipe.cli.app import hydra_app
+from recsys_pipe.cli.app import HydraApp
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, render_plan, structure_only
 from recsys_pipe.train.build import describe_model
 from recsys_pipe.train.config import RunConfig, load_run_config
@@ -191,7 +191,7 @@ def _check_creatable(path: Path) -> None:
         raise ConfigError(ConfigProblem("trainer.output_dir", f"cannot create run directories under {path}: {reason}"))
 
 
-_app = hydra_app(
+_app = HydraApp(
     plan_task,
     config_name="plan",
     prog="recsys-plan",

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from recsys_pipe.config import CompiledPlan, firing_table
 
@@ -26,6 +27,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Lay `fig` out, write it to `path` as PNG and close it (pyplot keeps every open figure)."""
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> Path:
@@ -82,11 +92,7 @@ def plot_timing(plan: CompiledPlan, path: str | Path, num_batches: int = 4) -> P
         f"in flight (max lookahead {plan.graph.max_lookahead}), {num_batches} batches shown",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _lanes(plan: CompiledPlan) -> list[tuple[int, str]]:
@@ -105,6 +111,18 @@ def _arc_room(plan: CompiledPlan, pos: dict[str, tuple[float, float]]) -> float:
     return room
 
 
+#: colour of each kind of in-iteration edge in the DAG
+_KIND_COLOUR = {
+    "slot": "#1f77b4",
+    "depends_on": "#d62728",
+    "same_progress_sync": "#9467bd",
+    "cross_iter(Δ=0)": "#8c564b",
+    "stream_fifo": "#999999",
+}
+#: grid of the DAG: horizontal and vertical distance of the boxes
+_SX, _SY = 1.9, 1.25
+
+
 def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
     """PNG of the task graph as swimlanes: one lane per (lookahead, stream), tasks left to right
     in execution (topological) order, boxes labelled with their CPU thread. Solid arrows:
@@ -113,17 +131,38 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
     plt = _pyplot()
     lanes = _lanes(plan)
     lane_of = {lane: i for i, lane in enumerate(lanes)}
-    sx, sy = 1.9, 1.25
-    pos = {t.name: (n * sx, -lane_of[(t.lookahead, t.stream)] * sy) for n, t in enumerate(plan.order)}
+    pos = {t.name: (n * _SX, -lane_of[(t.lookahead, t.stream)] * _SY) for n, t in enumerate(plan.order)}
     streams = list(plan.task_graph.stream_slots)
     cmap = plt.get_cmap("Set2")
     colour = {s: cmap(i % 8) for i, s in enumerate(streams)}
     n = len(plan.order)
     fig, ax = plt.subplots(figsize=(3.5 + 1.55 * n, 1.4 + 1.05 * len(lanes) + 0.6 * _arc_room(plan, pos)))
     for i, (la, stream) in enumerate(lanes):
-        y = -i * sy
-        ax.axhspan(y - sy / 2, y + sy / 2, color="#f4f4f4" if i % 2 == 0 else "white", zorder=0)
-        ax.text(-sx * 0.62, y, f"la {la}\n{stream}", ha="right", va="center", fontsize=8)
+        y = -i * _SY
+        ax.axhspan(y - _SY / 2, y + _SY / 2, color="#f4f4f4" if i % 2 == 0 else "white", zorder=0)
+        ax.text(-_SX * 0.62, y, f"la {la}\n{stream}", ha="right", va="center", fontsize=8)
+    boxes = _task_boxes(ax, plan, pos, colour)
+    top = _draw_edges(ax, plan, pos, boxes)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[s]) for s in streams]
+    handles += [
+        plt.Line2D([0], [0], color=c, linestyle=":" if k == "stream_fifo" else "-") for k, c in _KIND_COLOUR.items()
+    ]
+    handles += [plt.Line2D([0], [0], color="#7f7f7f", linestyle="--")]
+    names = [f"stream {s}" for s in streams] + list(_KIND_COLOUR) + ["cross-iteration (ring)"]
+    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.set_xlim(-_SX * 1.3, (n - 1) * _SX + _SX * 0.6)
+    ax.set_ylim(-(len(lanes) - 0.5) * _SY - 0.5, _SY / 2 + top)
+    ax.axis("off")
+    ax.set_title(
+        f"{plan.config.name or 'plan'}: tasks in execution order (left to right), one lane per "
+        "lookahead and stream; boxes show the CPU thread",
+        fontsize=9,
+    )
+    return _save(plt, fig, path)
+
+
+def _task_boxes(ax: Any, plan: CompiledPlan, pos: dict[str, tuple[float, float]], colour: dict) -> dict[str, Any]:
+    """One box per task at `pos`, in its stream's colour, labelled with its thread (and nccl)."""
     boxes = {}
     for t in plan.order:
         x, y = pos[t.name]
@@ -138,6 +177,12 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
             zorder=3,
             bbox={"boxstyle": "round,pad=0.35", "facecolor": colour.get(t.stream, "#dddddd"), "edgecolor": "black"},
         )
+    return boxes
+
+
+def _draw_edges(ax: Any, plan: CompiledPlan, pos: dict[str, tuple[float, float]], boxes: dict[str, Any]) -> float:
+    """The CPU edges (arcs over the boxes they skip in a lane) and the cross-iteration
+    dependencies (dashed, labelled with Δ); returns the head room the arcs need above the top lane."""
 
     def arrow(a: str, b: str, style: str, col: str, rad: float, label: str | None = None) -> None:
         ax.annotate(
@@ -161,13 +206,6 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
             (x1, y1), (x2, y2) = pos[a], pos[b]
             ax.text((x1 + x2) / 2, (y1 + y2) / 2 + 0.18, label, fontsize=7, color=col, ha="center", zorder=4)
 
-    kind_colour = {
-        "slot": "#1f77b4",
-        "depends_on": "#d62728",
-        "same_progress_sync": "#9467bd",
-        "cross_iter(Δ=0)": "#8c564b",
-        "stream_fifo": "#999999",
-    }
     order = {t.name: i for i, t in enumerate(plan.order)}
     top = 0.3  # head room for arcs that skip over boxes in a lane (an arc rises ~rad * length / 2)
     for e in plan.cpu_edges():
@@ -178,7 +216,7 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
             e.producer,
             e.consumer,
             ":" if e.kind == "stream_fifo" else "-",
-            kind_colour.get(e.kind, "black"),
+            _KIND_COLOUR.get(e.kind, "black"),
             rad=(0.3 if e.kind == "stream_fifo" else -0.3) if skip else 0.0,
         )
     seen = set()
@@ -187,26 +225,7 @@ def plot_dag(plan: CompiledPlan, path: str | Path) -> Path:
             continue
         seen.add((d.producer, d.consumer))
         arrow(d.producer, d.consumer, "--", "#7f7f7f", rad=-0.15, label=f"Δ={d.delta}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[s]) for s in streams]
-    handles += [
-        plt.Line2D([0], [0], color=c, linestyle=":" if k == "stream_fifo" else "-") for k, c in kind_colour.items()
-    ]
-    handles += [plt.Line2D([0], [0], color="#7f7f7f", linestyle="--")]
-    names = [f"stream {s}" for s in streams] + list(kind_colour) + ["cross-iteration (ring)"]
-    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    ax.set_xlim(-sx * 1.3, (n - 1) * sx + sx * 0.6)
-    ax.set_ylim(-(len(lanes) - 0.5) * sy - 0.5, sy / 2 + top)
-    ax.axis("off")
-    ax.set_title(
-        f"{plan.config.name or 'plan'}: tasks in execution order (left to right), one lane per "
-        "lookahead and stream; boxes show the CPU thread",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return top
 
 
 def write_dot(plan: CompiledPlan, path: str | Path, render: bool = True) -> list[Path]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from recsys_pipe.cli.app import hydra_app
+from recsys_pipe.cli.app import HydraApp
 from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.launch import Launch, Outcome, run_job
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, Section, suggest
@@ -77,7 +77,7 @@ class ProfileCommandConfig(RunConfig):
 
 def _check(run: ProfileCommandConfig, plan: CompiledPlan, data: RankData) -> None:
     """`recsys-profile`'s own checks before any process group starts, after those every run
-    makes (`recsys_pipe.cli.launch.check_run`): the tasks to measure, and enough batches."""
+    makes (`recsys_pipe.train.preflight.check_run`): the tasks to measure, and enough batches."""
     problems = []
     names = [t.name for t in plan.order]
     for i, name in enumerate(run.profile.tasks or ()):
@@ -216,7 +216,7 @@ def _print_prediction(plan: CompiledPlan, result: ProfileResult) -> None:
         )
 
 
-_app = hydra_app(
+_app = HydraApp(
     profile_task,
     config_name="profile",
     prog=PROG,

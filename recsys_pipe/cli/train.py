@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from recsys_pipe.cli.app import hydra_app
+from recsys_pipe.cli.app import HydraApp
 from recsys_pipe.cli.console import show_library_warnings
-from recsys_pipe.cli.launch import Launch, Outcome, check_run, run_job
+from recsys_pipe.cli.launch import Launch, Outcome, run_job
+from recsys_pipe.train.preflight import check_plan, check_run
 
 if TYPE_CHECKING:
     from recsys_pipe.train import Trainer
@@ -89,21 +90,14 @@ def _check(cfg: DictConfig) -> None:
         print(f"warning: {warning}", file=sys.stderr)
 
 
-def _validate(cfg: DictConfig) -> None:
-    """The check of a single job's config before Hydra runs it (the job repeats all of
-    `check_run` first thing, so reading its data twice is left to sweeps)."""
-    from recsys_pipe.train.config import load_run_config
-    from recsys_pipe.train.plan import training_plan
-
-    training_plan(load_run_config(cfg))
-
-
-_app = hydra_app(
+_app = HydraApp(
     train_task,
     config_name="train",
     prog=PROG,
     schema="recsys_pipe.train.config:RunConfig",
-    validate=_validate,
+    # a single job's config before Hydra runs it (the job repeats all of `check_run` first
+    # thing, so reading its data twice is left to sweeps)
+    validate=check_plan,
     check=_check,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE, and memory
     sweep_check=check_config,
 )

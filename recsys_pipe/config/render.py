@@ -100,13 +100,24 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
 
     Returns:
         The order, streams, threads, NCCL tickets, CPU edges, event waits and firing table."""
+    sections = (
+        _header(plan),
+        _tasks(plan),
+        _cpu_edges(plan),
+        _event_waits(plan),
+        _cross_iteration(plan),
+        _timing(plan, num_batches),
+    )
+    return "\n".join(line for section in sections for line in section)
+
+
+def _header(plan: CompiledPlan) -> list[str]:
+    """The plan's name, executor, streams, thread map and in-flight batches."""
     cfg, graph = plan.config, plan.graph
-    out: list[str] = []
     title = f"plan: {cfg.name or '(unnamed)'}"
     if cfg.description:
         title += f" -- {cfg.description}"
-    out.append(title)
-    out.append(f"executor: {cfg.executor}    streams: {', '.join(plan.task_graph.stream_slots)}")
+    out = [title, f"executor: {cfg.executor}    streams: {', '.join(plan.task_graph.stream_slots)}"]
     if plan.threaded:
         threads = list(dict.fromkeys(plan.thread_of[t.name] for t in plan.order))
         out.append(
@@ -115,8 +126,14 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
     else:
         out.append("thread map: not used (sequential executor: every task on the calling thread)")
     out.append(f"max lookahead: {graph.max_lookahead} -> in-flight batches: {graph.in_flight_batches}")
+    return out
 
-    out += ["", "tasks, in topological order (the order each iteration submits them):"]
+
+def _tasks(plan: CompiledPlan) -> list[str]:
+    """The tasks in topological order with their lookahead, stream, thread, NCCL ticket and
+    function, and the options the plan sets."""
+    cfg = plan.config
+    out = ["", "tasks, in topological order (the order each iteration submits them):"]
     rows = []
     ticket = 0
     fns = plan.fn_paths()  # a registered task shows its function's import path
@@ -134,49 +151,66 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
             f"  {name}: {', '.join(f'{key}={json.dumps(value)}' for key, value in sorted(opts.items()))}"
             for name, opts in options.items()
         ]
+    return out
 
-    out += ["", "CPU dependency edges (same iteration: producer finishes before consumer starts):"]
+
+def _cpu_edges(plan: CompiledPlan) -> list[str]:
+    """The CPU edges of an iteration, by consumer, and what enforces each."""
+    out = ["", "CPU dependency edges (same iteration: producer finishes before consumer starts):"]
     position = {t.name: n for n, t in enumerate(plan.order)}
     edges = sorted(plan.cpu_edges(), key=lambda e: (position[e.consumer], position[e.producer]))
-    if edges:
-        erows = []
-        for e in edges:
-            note = "cross-thread wait" if plan.threaded and e.cross_thread else "same thread: program order"
-            if not plan.threaded:
-                note = "program order"
-            erows.append([e.producer, "->", e.consumer, e.kind, note])
-        out += _table(["producer", "", "consumer", "kind", "enforced by"], erows)
-        out.append("  (stream_fifo: previous task on the same stream; kept across threads to preserve stream order)")
-    else:
-        out.append("  (none)")
+    if not edges:
+        return [*out, "  (none)"]
+    erows = []
+    for e in edges:
+        note = "cross-thread wait" if plan.threaded and e.cross_thread else "same thread: program order"
+        if not plan.threaded:
+            note = "program order"
+        erows.append([e.producer, "->", e.consumer, e.kind, note])
+    out += _table(["producer", "", "consumer", "kind", "enforced by"], erows)
+    out.append("  (stream_fifo: previous task on the same stream; kept across threads to preserve stream order)")
+    return out
 
-    out += [
+
+def _event_waits(plan: CompiledPlan) -> list[str]:
+    """The cross-stream event waits: which consumer waits on which producer's event, at which offset."""
+    out = [
         "",
         "event waits (cross-stream; consumer's stream waits on the producer's event found at",
         "ring slot offset k = the batch k iterations ahead of the one being trained):",
     ]
     wrows = []
     for t in plan.order:
-        for w in graph.event_waits.get(t.name, ()):
+        for w in plan.graph.event_waits.get(t.name, ()):
             wrows.append([t.name, t.stream, "waits", w.producer, w.producer_stream, str(w.slot_offset)])
     if wrows:
-        out += _table(["consumer", "stream", "", "producer", "stream", "slot_offset"], wrows)
-    else:
-        out.append("  (none: every dependency is on the same stream, ordered by stream FIFO)")
+        return out + _table(["consumer", "stream", "", "producer", "stream", "slot_offset"], wrows)
+    return [*out, "  (none: every dependency is on the same stream, ordered by stream FIFO)"]
 
+
+def _cross_iteration(plan: CompiledPlan) -> list[str]:
+    """The dependencies on earlier iterations (Δ >= 1), which the ring's rotation satisfies."""
     cross: dict[tuple[str, str, int], list[str]] = {}
-    for d in graph.dependencies:
+    for d in plan.graph.dependencies:
         if not d.in_iteration:
             cross.setdefault((d.producer, d.consumer, d.delta), []).append(f"{d.field}[{d.index}]")
-    if cross:
-        out += ["", "cross-iteration dependencies (satisfied by ring rotation, no in-iteration edge):"]
-        out += _table(
+    if not cross:
+        return []
+    return [
+        "",
+        "cross-iteration dependencies (satisfied by ring rotation, no in-iteration edge):",
+        *_table(
             ["producer", "", "consumer", "declared in", "iterations earlier (Δ)"],
             [[p, "->", c, ", ".join(fields), str(delta)] for (p, c, delta), fields in cross.items()],
-        )
+        ),
+    ]
 
+
+def _timing(plan: CompiledPlan, num_batches: int) -> list[str]:
+    """The firing table: which batch each (lookahead, stream) row processes per internal iteration."""
+    graph = plan.graph
     table = firing_table(plan, num_batches)
-    out += [
+    out = [
         "",
         f"timing: batch processed per internal iteration i ({num_batches} batches; prefill "
         f"i < {graph.max_lookahead}, drain i >= {num_batches}):",
@@ -188,4 +222,4 @@ def render_plan(plan: CompiledPlan, num_batches: int = 4) -> str:
     trows.append(["progress() returns", *(f"b{c}" if c is not None else "-" for c in table.returns)])
     out += _table(headers, trows)
     out += [f"  la{r.lookahead} {r.stream}: {', '.join(r.tasks)}" for r in table.rows]
-    return "\n".join(out)
+    return out

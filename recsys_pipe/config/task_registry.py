@@ -31,10 +31,11 @@ and hands the validated model to the engine task, where the function reads it wi
 `task_options(ctx, H2DOptions)` (the model's defaults when the task was built without a plan).
 
 How names are found: a plan is compiled in a process that has not necessarily imported the module
-defining a task, so on the first lookup the registry imports every module listed in
-`BUILTIN_TASK_MODULES` (the shipped task modules: a new module of shipped tasks is added to that
-tuple) and every module advertised under the `recsys_pipe.tasks` entry-point group (how an
-installed package makes its own registered tasks known by name:
+defining a task, so on the first lookup of an unknown name the registry imports every module a
+package named with `TASKS.add_modules(...)` (the training package names the shipped task modules
+when it is imported: `recsys_pipe.train`; this package names none, it sits below them) and
+every module advertised under the `recsys_pipe.tasks` entry-point group (how an installed
+package makes its own registered tasks known by name:
 `[project.entry-points."recsys_pipe.tasks"] my_tasks = "my_pkg.tasks"` in its pyproject.toml).
 A module imported by other means (e.g. by the user's model builder) registers its tasks too.
 """
@@ -56,7 +57,6 @@ from recsys_pipe.config.errors import suggest
 from recsys_pipe.config.resolve import FnResolveError
 
 __all__ = [
-    "BUILTIN_TASK_MODULES",
     "ENTRY_POINT_GROUP",
     "TASKS",
     "Need",
@@ -68,9 +68,6 @@ __all__ = [
     "task_options",
 ]
 
-#: Modules whose import registers the shipped tasks; the registry imports them on first lookup.
-#: A new module of shipped task functions is added here.
-BUILTIN_TASK_MODULES: tuple[str, ...] = ("recsys_pipe.train.tasks", "recsys_pipe.train.lookup_tasks")
 #: Entry-point group through which an installed package names its own task modules.
 ENTRY_POINT_GROUP = "recsys_pipe.tasks"
 
@@ -128,7 +125,8 @@ class TaskRegistry:
     """Registered tasks by name and by function.
 
     Args:
-        modules: modules imported on the first lookup, whose import registers tasks.
+        modules: modules imported on the first lookup, whose import registers tasks (more are
+            named with `add_modules`).
         entry_point_group: entry-point group naming further such modules (None: none).
     """
 
@@ -174,6 +172,16 @@ class TaskRegistry:
             self._by_name[name] = spec
             self._by_fn[fn] = spec
         return spec
+
+    def add_modules(self, *modules: str) -> None:
+        """Name more modules whose import registers tasks, imported on the next lookup of a name
+        not registered yet: a package that defines tasks calls it when it is imported, so the
+        registry (below every such package) never names them."""
+        with self._lock:
+            new = tuple(m for m in modules if m not in self._modules)
+            if new:
+                self._modules += new
+                self._loaded = False
 
     def lookup(self, name: str) -> TaskSpec:
         """The task registered as `name`; UnknownTaskError (with a did-you-mean) if none is."""
@@ -229,7 +237,7 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
 
 
 #: The registry `@task` adds to and plans' `fn:` names are looked up in.
-TASKS = TaskRegistry(BUILTIN_TASK_MODULES, ENTRY_POINT_GROUP)
+TASKS = TaskRegistry(entry_point_group=ENTRY_POINT_GROUP)
 
 
 def task(

@@ -158,191 +158,51 @@ def cpu_edges(graph: DependencyGraph, tasks: Sequence[Task] | None = None) -> tu
     return tuple(edges)
 
 
-# -- analysis -----------------------------------------------------------------------------------
+# -- analysis: one function per rule -----------------------------------------------------------
+#
+# `_analyse` applies the rules in this order and collects every problem, so that an invalid task
+# graph is reported in one error: (1) task names are unique; (2) lookaheads and slot offsets are
+# >= 0; (3) every stream is declared (and in the pool); (4) a slot has one writer, never the
+# engine's `batch_cpu`; (5) every read resolves to a writer at the same or a deeper offset; (6)
+# every task a dependency field names exists, and the dependency is not a future read; (7) the
+# in-iteration graph of each group is acyclic; (8) a cross-stream wait finds its event in the
+# ring, at one offset per (consumer, producer) pair; (9) an in-iteration edge never points to a
+# later group. Problems come out task by task, in declaration order, as the rules meet them.
 
 
-def _analyse(task_graph: TaskGraph, pool: StreamPool | None):
-    problems: list[Problem] = []
-    tasks = task_graph.tasks
-    by_name: dict[str, Task] = {}
-    group_of: dict[str, int] = {}
-    for s, group in enumerate(task_graph.groups):
-        for t in group.tasks:
-            if not isinstance(t, Task):
-                problems.append(Problem(f"group {s} holds {t!r}, which is not a Task"))
-                continue
-            if t.name in by_name:  # rule 1
-                problems.append(
-                    Problem("task name is used by more than one task; names must be unique", t.name, "name")
-                )
-                continue
-            by_name[t.name] = t
-            group_of[t.name] = s
+@dataclass(frozen=True)
+class _Declared:
+    """What the dependency rules look names up in: the tasks by name, the writer of each slot and
+    the known names as an error message lists them."""
+
+    by_name: Mapping[str, Task]
+    writers: Mapping[DataSlot, str]
+    known: str
+
+
+def _analyse(
+    task_graph: TaskGraph, pool: StreamPool | None
+) -> tuple[list[Problem], tuple[Dependency, ...], tuple[tuple[Task, ...], ...]]:
+    """Every rule above applied to `task_graph`: the problems (all of them), the resolved
+    dependencies and, when there is no problem, each group's topological order (else `()`)."""
+    by_name, group_of, problems = _unique_tasks(task_graph)
     if problems:
         return problems, (), ()
     tasks = tuple(by_name.values())
-
-    for t in tasks:  # rules 2 and 3 (rule 2 is re-checked: tasks are mutable objects)
-        if t.lookahead < 0:
-            problems.append(Problem(f"must be >= 0, got {t.lookahead}", t.name, "lookahead"))
-        for field_name in ("reads", "writes"):
-            for i, slot in enumerate(getattr(t, field_name)):
-                if slot.batch_offset < 0:
-                    problems.append(Problem(f"slot offsets must be >= 0, got {slot}", t.name, field_name, i))
-        if t.stream not in task_graph.stream_slots:
-            problems.append(
-                Problem(
-                    f"stream '{t.stream}' is not declared (declared: {', '.join(task_graph.stream_slots)})",
-                    t.name,
-                    "stream",
-                )
-            )
-        elif pool is not None and t.stream not in pool:
-            problems.append(
-                Problem(
-                    f"stream '{t.stream}' is not in the stream pool (pool has: {', '.join(pool.names)})",
-                    t.name,
-                    "stream",
-                )
-            )
-
-    writers: dict[DataSlot, str] = {}
-    for t in tasks:  # rule 4
-        for i, slot in enumerate(t.writes):
-            if slot.name == BATCH_CPU:
-                problems.append(
-                    Problem(
-                        f"slot '{BATCH_CPU}' is reserved: the engine writes the pulled batch there", t.name, "writes", i
-                    )
-                )
-            elif slot in writers:
-                problems.append(
-                    Problem(
-                        f"slot {slot} is already written by '{writers[slot]}'; each slot has at most one writer",
-                        t.name,
-                        "writes",
-                        i,
-                    )
-                )
-            else:
-                writers[slot] = t.name
-
+    for t in tasks:  # rules 2 and 3 (rule 2 is re-checked here: tasks are mutable objects)
+        problems += _non_negative_offsets(t)
+        problems += _declared_stream(t, task_graph, pool)
+    writers, writer_problems = _slot_writers(tasks)
+    problems += writer_problems
+    declared = _Declared(by_name, writers, ", ".join(by_name))
     deps: list[Dependency] = []
-    known = ", ".join(by_name)
-    for c in tasks:
-        for i, slot in enumerate(c.reads):  # rule 5
-            if slot.name == BATCH_CPU:
-                continue
-            candidates = sorted((w.batch_offset, name) for w, name in writers.items() if w.name == slot.name)
-            usable = [(k, name) for k, name in candidates if k >= slot.batch_offset and name != c.name]
-            if not usable:
-                if any(name == c.name for _, name in candidates) and not [k for k, n in candidates if n != c.name]:
-                    continue  # a task reading back what it wrote itself: no dependency
-                if candidates:
-                    found = ", ".join(f"'{n}' at offset {k}" for k, n in candidates)
-                    msg = (
-                        f"future read: slot '{slot.name}' is read at offset {slot.batch_offset} but only "
-                        f"written at a smaller offset ({found}); a value written at offset k is visible "
-                        f"at offsets <= k"
-                    )
-                else:
-                    msg = f"no task writes slot '{slot.name}'"
-                problems.append(Problem(msg, c.name, "reads", i))
-                continue
-            k, producer = usable[0]
-            x = by_name[producer]
-            delta = k - slot.batch_offset
-            deps.append(Dependency(producer, c.name, "slot", "reads", i, delta, x.lookahead - delta))
-
-        for i, name in enumerate(c.depends_on):
-            x = _lookup(by_name, name, c, "depends_on", i, known, problems)
-            if x is None:
-                continue
-            if x.lookahead < c.lookahead:
-                problems.append(
-                    Problem(
-                        f"future read: '{name}' has lookahead {x.lookahead} < this task's {c.lookahead}, so it "
-                        f"has not processed this batch yet; depends_on needs the producer's lookahead >= the "
-                        f"consumer's (use cross_iter_depends_on for an earlier batch)",
-                        c.name,
-                        "depends_on",
-                        i,
-                    )
-                )
-                continue
-            deps.append(Dependency(name, c.name, "depends_on", "depends_on", i, x.lookahead - c.lookahead, c.lookahead))
-
-        for i, (name, offset) in enumerate(c.cross_iter_depends_on):
-            x = _lookup(by_name, name, c, "cross_iter_depends_on", i, known, problems)
-            if x is None:
-                continue
-            n = -offset
-            delta = x.lookahead + n - c.lookahead
-            if delta < 0:
-                problems.append(
-                    Problem(
-                        f"future read: ('{name}', {offset}) gives Δ = {x.lookahead} + {n} - {c.lookahead} = {delta} "
-                        f"< 0: "
-                        f"'{name}' has not processed batch K-{n} when this task processes batch K",
-                        c.name,
-                        "cross_iter_depends_on",
-                        i,
-                    )
-                )
-                continue
-            slot_offset = x.lookahead if delta == 0 else c.lookahead - n
-            deps.append(
-                Dependency(name, c.name, "cross_iter_depends_on", "cross_iter_depends_on", i, delta, slot_offset)
-            )
-
-        for i, name in enumerate(c.same_progress_sync):
-            x = _lookup(by_name, name, c, "same_progress_sync", i, known, problems)
-            if x is None:
-                continue
-            deps.append(Dependency(name, c.name, "same_progress_sync", "same_progress_sync", i, 0, x.lookahead))
-
-    pair_offsets: dict[tuple[str, str], Dependency] = {}
-    for d in deps:  # cross-stream lookups must stay in the ring; rule 8
-        x, c = by_name[d.producer], by_name[d.consumer]
-        if x.stream == c.stream:
-            continue
-        if d.slot_offset < 0:
-            problems.append(
-                Problem(
-                    f"cross-stream wait on '{d.producer}' (stream '{x.stream}') would look up its event at ring "
-                    f"offset {d.slot_offset} (Δ = {d.delta}), which has rotated out of the ring; put both tasks "
-                    f"on one stream or raise this task's lookahead",
-                    c.name,
-                    d.field,
-                    d.index,
-                )
-            )
-            continue
-        first = pair_offsets.setdefault((d.producer, d.consumer), d)
-        if first.slot_offset != d.slot_offset:
-            problems.append(
-                Problem(
-                    f"'{d.producer}' is waited on twice with different ring offsets ({first.field} gives "
-                    f"{first.slot_offset}, {d.field} gives {d.slot_offset}); at most one cross-stream wait per "
-                    f"(consumer, producer) pair",
-                    c.name,
-                    d.field,
-                    d.index,
-                )
-            )
-
-    for d in deps:  # groups run in order: an in-iteration edge may not point backwards
-        if d.in_iteration and group_of[d.producer] > group_of[d.consumer]:
-            problems.append(
-                Problem(
-                    f"'{d.producer}' runs in group {group_of[d.producer]}, after this task's group "
-                    f"{group_of[d.consumer]}, but must run before it in the same iteration",
-                    d.consumer,
-                    d.field,
-                    d.index,
-                )
-            )
-
+    for c in tasks:  # rules 5 and 6, field by field of each consumer
+        for resolve in (_slot_reads, _depends_on, _cross_iter_depends_on, _same_progress_sync):
+            found, field_problems = resolve(c, declared)
+            deps += found
+            problems += field_problems
+    problems += _cross_stream_waits(deps, by_name)
+    problems += _group_order(deps, group_of)
     if problems:
         return problems, tuple(deps), ()
     group_orders, cycle_problem = _sort_groups(task_graph, deps)
@@ -351,14 +211,218 @@ def _analyse(task_graph: TaskGraph, pool: StreamPool | None):
     return [], tuple(deps), group_orders
 
 
-def _lookup(by_name, name, consumer, field_name, index, known, problems) -> Task | None:
-    task = by_name.get(name)
-    if task is None:  # rule 6
-        problems.append(Problem(f"unknown task '{name}' (known: {known})", consumer.name, field_name, index))
+def _unique_tasks(task_graph: TaskGraph) -> tuple[dict[str, Task], dict[str, int], list[Problem]]:
+    """Rule 1: every member of a group is a `Task`, and no two tasks share a name (a name is how
+    slots, dependencies, thread maps and errors refer to a task). Returns the tasks by name in
+    declaration order, the group index of each, and the problems."""
+    problems: list[Problem] = []
+    by_name: dict[str, Task] = {}
+    group_of: dict[str, int] = {}
+    for s, group in enumerate(task_graph.groups):
+        for t in group.tasks:
+            if not isinstance(t, Task):
+                problems.append(Problem(f"group {s} holds {t!r}, which is not a Task"))
+                continue
+            if t.name in by_name:
+                problems.append(
+                    Problem("task name is used by more than one task; names must be unique", t.name, "name")
+                )
+                continue
+            by_name[t.name] = t
+            group_of[t.name] = s
+    return by_name, group_of, problems
+
+
+def _non_negative_offsets(t: Task) -> list[Problem]:
+    """Rule 2: a lookahead and every slot offset are >= 0: an offset counts batches ahead of the
+    oldest in flight, and the ring holds no batch behind it."""
+    problems = []
+    if t.lookahead < 0:
+        problems.append(Problem(f"must be >= 0, got {t.lookahead}", t.name, "lookahead"))
+    for field_name in ("reads", "writes"):
+        for i, slot in enumerate(getattr(t, field_name)):
+            if slot.batch_offset < 0:
+                problems.append(Problem(f"slot offsets must be >= 0, got {slot}", t.name, field_name, i))
+    return problems
+
+
+def _declared_stream(t: Task, task_graph: TaskGraph, pool: StreamPool | None) -> list[Problem]:
+    """Rule 3: a task's stream is one the task graph declares and, when the plan runner's pool is
+    known, one the pool has: a task never runs on a stream nobody created."""
+    if t.stream not in task_graph.stream_slots:
+        declared = ", ".join(task_graph.stream_slots)
+        return [Problem(f"stream '{t.stream}' is not declared (declared: {declared})", t.name, "stream")]
+    if pool is not None and t.stream not in pool:
+        names = ", ".join(pool.names)
+        return [Problem(f"stream '{t.stream}' is not in the stream pool (pool has: {names})", t.name, "stream")]
+    return []
+
+
+def _slot_writers(tasks: Sequence[Task]) -> tuple[dict[DataSlot, str], list[Problem]]:
+    """Rule 4: each slot (name and offset) has at most one writer, so a read has one producer to
+    wait for, and no task writes `batch_cpu`, where the engine puts the pulled batch. Returns the
+    writer of each slot (the first, where several claim one) and the problems."""
+    writers: dict[DataSlot, str] = {}
+    problems = []
+    for t in tasks:
+        for i, slot in enumerate(t.writes):
+            if slot.name == BATCH_CPU:
+                message = f"slot '{BATCH_CPU}' is reserved: the engine writes the pulled batch there"
+                problems.append(Problem(message, t.name, "writes", i))
+            elif slot in writers:
+                message = f"slot {slot} is already written by '{writers[slot]}'; each slot has at most one writer"
+                problems.append(Problem(message, t.name, "writes", i))
+            else:
+                writers[slot] = t.name
+    return writers, problems
+
+
+def _slot_reads(c: Task, declared: _Declared) -> tuple[list[Dependency], list[Problem]]:
+    """Rule 5: every slot `c` reads (but `batch_cpu`, the engine's) resolves to a writer. A value
+    written at offset k is visible at offsets <= k (the ring rotates it down), so the producer is
+    the writer of the slot's name at the smallest offset >= the read's; Δ = k - j. A task that
+    reads back only what it wrote itself depends on nobody."""
+    deps, problems = [], []
+    for i, slot in enumerate(c.reads):
+        if slot.name == BATCH_CPU:
+            continue
+        candidates = sorted((w.batch_offset, name) for w, name in declared.writers.items() if w.name == slot.name)
+        usable = [(k, name) for k, name in candidates if k >= slot.batch_offset and name != c.name]
+        if usable:
+            k, producer = usable[0]
+            delta = k - slot.batch_offset
+            lookahead = declared.by_name[producer].lookahead
+            deps.append(Dependency(producer, c.name, "slot", "reads", i, delta, lookahead - delta))
+        elif candidates and all(name == c.name for _, name in candidates):
+            continue  # a task reading back what it wrote itself: no dependency
+        elif candidates:
+            found = ", ".join(f"'{n}' at offset {k}" for k, n in candidates)
+            message = (
+                f"future read: slot '{slot.name}' is read at offset {slot.batch_offset} but only "
+                f"written at a smaller offset ({found}); a value written at offset k is visible "
+                f"at offsets <= k"
+            )
+            problems.append(Problem(message, c.name, "reads", i))
+        else:
+            problems.append(Problem(f"no task writes slot '{slot.name}'", c.name, "reads", i))
+    return deps, problems
+
+
+def _named_task(declared: _Declared, name: str, c: Task, field_name: str, index: int) -> Task | Problem:
+    """Rule 6, first half: a dependency field names a task that exists (the problem otherwise)."""
+    task = declared.by_name.get(name)
+    if task is None:
+        return Problem(f"unknown task '{name}' (known: {declared.known})", c.name, field_name, index)
     return task
 
 
-def _sort_groups(task_graph: TaskGraph, deps: list[Dependency]):
+def _depends_on(c: Task, declared: _Declared) -> tuple[list[Dependency], list[Problem]]:
+    """Rule 6 for `depends_on: [X]` (X processed the same batch): X exists and has a lookahead >=
+    C's, or it has not reached C's batch yet (a future read); Δ = X.la - C.la, event at C.la."""
+    deps, problems = [], []
+    for i, name in enumerate(c.depends_on):
+        x = _named_task(declared, name, c, "depends_on", i)
+        if isinstance(x, Problem):
+            problems.append(x)
+        elif x.lookahead < c.lookahead:
+            message = (
+                f"future read: '{name}' has lookahead {x.lookahead} < this task's {c.lookahead}, so it "
+                f"has not processed this batch yet; depends_on needs the producer's lookahead >= the "
+                f"consumer's (use cross_iter_depends_on for an earlier batch)"
+            )
+            problems.append(Problem(message, c.name, "depends_on", i))
+        else:
+            delta = x.lookahead - c.lookahead
+            deps.append(Dependency(name, c.name, "depends_on", "depends_on", i, delta, c.lookahead))
+    return deps, problems
+
+
+def _cross_iter_depends_on(c: Task, declared: _Declared) -> tuple[list[Dependency], list[Problem]]:
+    """Rule 6 for `cross_iter_depends_on: [[X, -N]]` (X processed batch K-N when C processes K):
+    X exists and Δ = X.la + N - C.la >= 0; the event is at C.la - N, or at X.la when Δ = 0 (then
+    the edge acts as `same_progress_sync`)."""
+    deps, problems = [], []
+    for i, (name, offset) in enumerate(c.cross_iter_depends_on):
+        x = _named_task(declared, name, c, "cross_iter_depends_on", i)
+        if isinstance(x, Problem):
+            problems.append(x)
+            continue
+        n = -offset
+        delta = x.lookahead + n - c.lookahead
+        if delta < 0:
+            message = (
+                f"future read: ('{name}', {offset}) gives Δ = {x.lookahead} + {n} - {c.lookahead} = {delta} "
+                f"< 0: "
+                f"'{name}' has not processed batch K-{n} when this task processes batch K"
+            )
+            problems.append(Problem(message, c.name, "cross_iter_depends_on", i))
+            continue
+        slot_offset = x.lookahead if delta == 0 else c.lookahead - n
+        deps.append(Dependency(name, c.name, "cross_iter_depends_on", "cross_iter_depends_on", i, delta, slot_offset))
+    return deps, problems
+
+
+def _same_progress_sync(c: Task, declared: _Declared) -> tuple[list[Dependency], list[Problem]]:
+    """Rule 6 for `same_progress_sync: [X]` (X's work of this iteration is done first): X exists;
+    always legal, Δ = 0, the event at X.la."""
+    deps, problems = [], []
+    for i, name in enumerate(c.same_progress_sync):
+        x = _named_task(declared, name, c, "same_progress_sync", i)
+        if isinstance(x, Problem):
+            problems.append(x)
+        else:
+            deps.append(Dependency(name, c.name, "same_progress_sync", "same_progress_sync", i, 0, x.lookahead))
+    return deps, problems
+
+
+def _cross_stream_waits(deps: Sequence[Dependency], by_name: Mapping[str, Task]) -> list[Problem]:
+    """Rule 8: a consumer on another stream than its producer waits on the producer's event, so
+    that event must still be in the ring (offset >= 0: Δ not beyond the producer's lookahead),
+    and all of a (consumer, producer) pair's declarations must look it up at one offset: the
+    engine makes one wait per pair. Same-stream dependencies need no event (FIFO)."""
+    problems = []
+    pair_offsets: dict[tuple[str, str], Dependency] = {}
+    for d in deps:
+        x, c = by_name[d.producer], by_name[d.consumer]
+        if x.stream == c.stream:
+            continue
+        if d.slot_offset < 0:
+            message = (
+                f"cross-stream wait on '{d.producer}' (stream '{x.stream}') would look up its event at ring "
+                f"offset {d.slot_offset} (Δ = {d.delta}), which has rotated out of the ring; put both tasks "
+                f"on one stream or raise this task's lookahead"
+            )
+            problems.append(Problem(message, c.name, d.field, d.index))
+            continue
+        first = pair_offsets.setdefault((d.producer, d.consumer), d)
+        if first.slot_offset != d.slot_offset:
+            message = (
+                f"'{d.producer}' is waited on twice with different ring offsets ({first.field} gives "
+                f"{first.slot_offset}, {d.field} gives {d.slot_offset}); at most one cross-stream wait per "
+                f"(consumer, producer) pair"
+            )
+            problems.append(Problem(message, c.name, d.field, d.index))
+    return problems
+
+
+def _group_order(deps: Sequence[Dependency], group_of: Mapping[str, int]) -> list[Problem]:
+    """Rule 9: groups run one after another within an iteration, so an in-iteration edge (Δ = 0)
+    may not point from a later group to an earlier one."""
+    problems = []
+    for d in deps:
+        if d.in_iteration and group_of[d.producer] > group_of[d.consumer]:
+            message = (
+                f"'{d.producer}' runs in group {group_of[d.producer]}, after this task's group "
+                f"{group_of[d.consumer]}, but must run before it in the same iteration"
+            )
+            problems.append(Problem(message, d.consumer, d.field, d.index))
+    return problems
+
+
+def _sort_groups(task_graph: TaskGraph, deps: list[Dependency]) -> tuple[tuple[tuple[Task, ...], ...], Problem | None]:
+    """Rule 7: each group's in-iteration edges (Δ = 0) form no cycle. Kahn's algorithm orders the
+    group, declaration order breaking ties (so the order is the same on every rank); a cycle is
+    the problem, reported at its first edge as `cyclic dependency: a -> b -> a`."""
     in_iteration = [d for d in deps if d.in_iteration]
     orders = []
     for group in task_graph.groups:
@@ -380,7 +444,7 @@ def _sort_groups(task_graph: TaskGraph, deps: list[Dependency]):
                 indegree[nxt] -= 1
                 if indegree[nxt] == 0:
                     heapq.heappush(ready, position[nxt])
-        if len(order) < len(names):  # rule 7
+        if len(order) < len(names):
             remaining = {n for n in names if indegree[n] > 0}
             cycle = _find_cycle(remaining, succ, names)
             first_edge = next(d for d in in_iteration if d.producer == cycle[0] and d.consumer == cycle[1])

@@ -97,14 +97,14 @@ class _Plan:
         self.eager = tuple(k for k, (_, chain) in enumerate(workers) if not chain[0].waits_for)
 
 
-def _latch() -> Any:
+def closed_latch() -> Any:
     """A closed one-shot latch: `release()` opens it; a waiter passes with acquire + release."""
     lock = threading.Lock()
     lock.acquire()
     return lock
 
 
-def _open(latch: Any) -> None:
+def open_latch(latch: Any) -> None:
     """Open a latch; opening it twice is harmless (the failure paths may race a normal release)."""
     try:
         latch.release()
@@ -119,11 +119,11 @@ class _IterationState:
     __slots__ = ("latches", "cancelled", "errors", "running", "finished", "plan", "run", "_posted", "_closed", "_lock")
 
     def __init__(self, plan: _Plan, run: RunTask):
-        self.latches = [_latch() for _ in range(plan.num_latches)]
+        self.latches = [closed_latch() for _ in range(plan.num_latches)]
         self.cancelled = False
         self.errors: list[BaseException] = []
         self.running = len(plan.workers)
-        self.finished = _latch()  # opened by the last worker to finish: one wake-up for the caller
+        self.finished = closed_latch()  # opened by the last worker to finish: one wake-up for the caller
         self.plan, self.run = plan, run
         self._posted = [False] * len(plan.workers)
         self._closed = False  # no more hand-overs: the caller is unwinding
@@ -141,7 +141,7 @@ class _IterationState:
     def signal(self, step: _Step) -> None:
         """Open `step`'s latch, then hand over the chains it triggers."""
         if step.signal >= 0:
-            _open(self.latches[step.signal])
+            open_latch(self.latches[step.signal])
         for k in step.hands_over:
             self.hand_over(k)
 
@@ -161,13 +161,13 @@ class _IterationState:
             self.running -= 1
             last = self.running == 0
         if last:
-            _open(self.finished)
+            open_latch(self.finished)
 
     def open_all(self) -> None:
         """Wake every waiter (they see `cancelled` and stop): for a caller interrupted while it
         may have been passing through a latch."""
         for latch in self.latches:
-            _open(latch)
+            open_latch(latch)
 
 
 def _run_chain(chain: Sequence[_Step], run: RunTask, state: _IterationState) -> None:
@@ -181,7 +181,7 @@ def _run_chain(chain: Sequence[_Step], run: RunTask, state: _IterationState) -> 
                 for index in step.waits_for:
                     latch = latches[index]
                     latch.acquire()
-                    _open(latch)
+                    open_latch(latch)
                 if not state.cancelled:
                     try:
                         run(step.task)

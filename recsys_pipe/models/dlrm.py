@@ -23,10 +23,8 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 from torch import nn
 
 from recsys_pipe.config import ConfigProblem, Section, builder_field
-from recsys_pipe.data.criteo import CriteoBatch
-from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.tabular import TabularDataConfig
+from recsys_pipe.data.batch import CriteoBatch, DataSpec
+from recsys_pipe.data.source import DataConfig, TabularDataConfig
 from recsys_pipe.models.base import ModelConfig, ShardedModelConfig
 from recsys_pipe.models.serving import ServingForm
 

@@ -15,8 +15,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recsys_pipe.data.criteo import CATEGORICAL_KEYS, CriteoBatch
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import CATEGORICAL_KEYS, CriteoBatch, DataSpec
 from recsys_pipe.models.dlrm import DLRMArch, DLRMConfig, DLRMDCNConfig, ModelOutput, click_loss, click_serving
 from recsys_pipe.models.serving import ServingForm
 
@@ -80,25 +79,23 @@ class _DenseLookupDLRM(nn.Module):
 
 def build_dlrm(cfg: DLRMConfig, spec: DataSpec) -> DLRMRanker:
     """Builder of `model.name=dlrm`."""
-    return DLRMRanker(
-        DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(tables=embedding_bag_tables(cfg, spec)),
-            dense_in_features=spec.num_dense,
-            dense_arch_layer_sizes=list(cfg.dense_arch_layer_sizes),
-            over_arch_layer_sizes=[*cfg.over_arch_layer_sizes, spec.num_tasks],
-        )
-    )
+    return _ranker(DLRM, cfg, spec)
 
 
 def build_dlrm_dcn(cfg: DLRMDCNConfig, spec: DataSpec) -> DLRMRanker:
-    """Builder of `model.name=dlrm_dcn`."""
+    """Builder of `model.name=dlrm_dcn`: DLRM with torchrec's low-rank cross-net interaction."""
+    return _ranker(DLRM_DCN, cfg, spec, dcn_num_layers=cfg.dcn_num_layers, dcn_low_rank_dim=cfg.dcn_low_rank_dim)
+
+
+def _ranker(model: type[DLRM], cfg: DLRMArch, spec: DataSpec, **interaction: int) -> DLRMRanker:
+    """torchrec's `model` class (DLRM or DLRM_DCN, which takes the `interaction` keywords too)
+    over one table per sparse feature, sized by the data, in `DLRMRanker`."""
     return DLRMRanker(
-        DLRM_DCN(
+        model(
             embedding_bag_collection=EmbeddingBagCollection(tables=embedding_bag_tables(cfg, spec)),
             dense_in_features=spec.num_dense,
             dense_arch_layer_sizes=list(cfg.dense_arch_layer_sizes),
             over_arch_layer_sizes=[*cfg.over_arch_layer_sizes, spec.num_tasks],
-            dcn_num_layers=cfg.dcn_num_layers,
-            dcn_low_rank_dim=cfg.dcn_low_rank_dim,
+            **interaction,
         )
     )

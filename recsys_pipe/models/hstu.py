@@ -33,18 +33,17 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu_attention import (
     RelativeBias,
     SummedBackwardLookup,
+    attention_mask,
     bias_lookup,
     padded_attention,
     triton_available,
     uses_triton,
 )
-from recsys_pipe.models.hstu_attention import attention_mask as _attention_mask
 from recsys_pipe.models.hstu_config import HSTUConfig
 from recsys_pipe.models.serving import ServingForm
 
@@ -58,9 +57,12 @@ __all__ = [
     "HSTURanker",
     "RelativeBias",
     "SummedBackwardLookup",
+    "attention_mask",
     "bias_lookup",
     "build_hstu",
+    "candidate_rows",
     "embedding_tables",
+    "prepend_context",
     "triton_available",
     "uses_triton",
 ]
@@ -200,7 +202,7 @@ class HSTURanker(nn.Module):
         tokens = items.values() + actions.values()
         lengths = items.lengths().long()
         if self.with_user:
-            tokens, timestamps, lengths = _prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
+            tokens, timestamps, lengths = prepend_context(tokens, timestamps, lengths, embeddings[USER_KEY])
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
         if uses_triton(self.attention, tokens.device):
             jagged_bias = self.bias.jagged(timestamps) if self.bias is not None else None
@@ -208,7 +210,7 @@ class HSTURanker(nn.Module):
             for layer in self.layers:
                 x = layer.forward_jagged(x, offsets, num_candidates, jagged_bias)
         else:
-            mask = _attention_mask(lengths, num_candidates, self.padded_len)
+            mask = attention_mask(lengths, num_candidates, self.padded_len)
             bias = None
             if self.bias is not None:
                 padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
@@ -216,7 +218,7 @@ class HSTURanker(nn.Module):
             x = self.input_dropout(tokens)
             for layer in self.layers:
                 x = layer(x, offsets, mask, bias)
-        rows = _candidate_rows(offsets, num_candidates, labels.shape[0])
+        rows = candidate_rows(offsets, num_candidates, labels.shape[0])
         logits = self.head(self.final_norm(x)[rows])
         per_token = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
         task_losses = per_token.mean(dim=0)
@@ -324,11 +326,11 @@ class _CandidateScores(nn.Module):
         candidate = pos[None] >= (lengths - num_candidates)[:, None]
         actions = torch.where(candidate, MASKED_ACTION, actions)
         tokens = self.items[items] + self.actions[actions]
-        if self.users is not None and users is not None:  # `_prepend_context`: at the first item's time
+        if self.users is not None and users is not None:  # `prepend_context`: at the first item's time
             tokens = torch.cat([self.users[users][:, None], tokens], dim=1)
             timestamps = torch.cat([timestamps[:, :1], timestamps], dim=1)
             lengths = lengths + 1
-        mask = _attention_mask(lengths, num_candidates, ranker.padded_len)
+        mask = attention_mask(lengths, num_candidates, ranker.padded_len)
         bias = ranker.bias(timestamps) if ranker.bias is not None else None
         x = ranker.input_dropout(tokens)
         for layer in ranker.layers:
@@ -340,7 +342,7 @@ class _CandidateScores(nn.Module):
         return torch.where((pos[None] < num_candidates[:, None])[..., None], logits, 0.0)
 
 
-def _prepend_context(
+def prepend_context(
     tokens: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, context: JaggedTensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Put each sample's contextual tokens before its item tokens (jagged concat per sample).
@@ -365,7 +367,7 @@ def _prepend_context(
     return merged, merged_ts, total
 
 
-def _candidate_rows(offsets: torch.Tensor, num_candidates: torch.Tensor, total: int) -> torch.Tensor:
+def candidate_rows(offsets: torch.Tensor, num_candidates: torch.Tensor, total: int) -> torch.Tensor:
     """Jagged row indices of the `total` candidate tokens (the last `num_candidates[b]` of
     sample b). Sizes come from host-known shapes, so no device sync on CUDA."""
     device = offsets.device

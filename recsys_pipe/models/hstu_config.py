@@ -12,7 +12,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
 from recsys_pipe.data.batch import SequenceBatch
-from recsys_pipe.data.loader import DataConfig, SequenceDataConfig
+from recsys_pipe.data.source import DataConfig, SequenceDataConfig
 from recsys_pipe.models.base import ShardedModelConfig, StageSplit, heads_divide_width
 
 __all__ = ["HSTUConfig"]
@@ -22,8 +22,8 @@ class HSTUConfig(ShardedModelConfig):
     """`model=hstu_small`: sizes of the HSTU ranker (`model.*`). Vocabulary sizes come from the
     data source's `DataSpec`."""
 
-    #: pipeline stages share out the HSTU blocks (`recsys_pipe.pp.models.hstu_stages`)
-    stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.pp.models:hstu_stages")
+    #: pipeline stages share out the HSTU blocks (`recsys_pipe.models.hstu_cut.hstu_stages`)
+    stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.models.hstu_cut:hstu_stages")
 
     #: the sources of `Sample`s (windows with candidates and labels): movielens, synthetic, parquet_sequences
     data_kind: ClassVar[type[DataConfig] | None] = SequenceDataConfig

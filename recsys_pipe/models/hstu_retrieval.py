@@ -25,7 +25,7 @@ import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 from torch import nn
 
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu import HSTULayer, RelativeBias
 from recsys_pipe.models.retrieval import RetrievalModel
@@ -46,7 +46,7 @@ class HSTURetrievalEncoder(nn.Module):
     """Left-padded item embeddings `[B, N, D]` -> one L2-normalised vector per position `[B, N, D]`.
 
     The steps are methods (`geometry`, `embed`, `time_buckets`, `run_layers`, `finish`) so that a
-    pipeline stage (`recsys_pipe.pp.models`) runs the same code on its share of the layers."""
+    pipeline stage (`recsys_pipe.models.retrieval_cut`) runs the same code on its share of the layers."""
 
     def __init__(self, cfg: HSTURetrievalConfig) -> None:
         super().__init__()

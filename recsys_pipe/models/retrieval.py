@@ -44,16 +44,16 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from recsys_pipe.data.sequences import (
+from recsys_pipe.data.batch import (
     CAND_KEY,
     CATALOG_KEY,
     INPUT_KEY,
     NEG_KEY,
     POS_KEY,
     RETRIEVAL_KEYS,
+    DataSpec,
     RetrievalBatch,
 )
-from recsys_pipe.data.spec import DataSpec
 from recsys_pipe.models.retrieval_config import RetrievalConfig
 from recsys_pipe.models.serving import ServingForm
 

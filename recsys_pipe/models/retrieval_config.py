@@ -10,9 +10,8 @@ from typing import ClassVar, Literal
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigProblem, builder_field
-from recsys_pipe.data.loader import DataConfig
-from recsys_pipe.data.sequences import INPUT_KEY, SequenceSourceConfig
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import INPUT_KEY, DataSpec
+from recsys_pipe.data.source import DataConfig, SequenceSourceConfig
 from recsys_pipe.models.base import ShardedModelConfig, StageSplit, heads_divide_width
 
 __all__ = ["HSTURetrievalConfig", "RetrievalConfig", "SASRecConfig"]
@@ -93,8 +92,8 @@ class RetrievalConfig(ShardedModelConfig):
 class SASRecConfig(RetrievalConfig):
     """`model=sasrec`: the SASRec encoder's sizes (`model.*`); the item count comes from the data."""
 
-    #: pipeline stages share out the self-attention blocks (`recsys_pipe.pp.models.sasrec_stages`)
-    stage_split: ClassVar[StageSplit] = StageSplit("num_blocks", "recsys_pipe.pp.models:sasrec_stages")
+    #: pipeline stages share out the self-attention blocks (`recsys_pipe.models.retrieval_cut.sasrec_stages`)
+    stage_split: ClassVar[StageSplit] = StageSplit("num_blocks", "recsys_pipe.models.retrieval_cut:sasrec_stages")
 
     name: Literal["sasrec"] = "sasrec"
     builder: StrictStr | None = builder_field("recsys_pipe.models.sasrec:build_sasrec")
@@ -112,8 +111,10 @@ class SASRecConfig(RetrievalConfig):
 class HSTURetrievalConfig(RetrievalConfig):
     """`model=hstu_retrieval`: sizes of the HSTU encoder (`model.*`)."""
 
-    #: pipeline stages share out the HSTU blocks (`recsys_pipe.pp.models.hstu_retrieval_stages`)
-    stage_split: ClassVar[StageSplit] = StageSplit("num_layers", "recsys_pipe.pp.models:hstu_retrieval_stages")
+    #: pipeline stages share out the HSTU blocks (`recsys_pipe.models.retrieval_cut.hstu_retrieval_stages`)
+    stage_split: ClassVar[StageSplit] = StageSplit(
+        "num_layers", "recsys_pipe.models.retrieval_cut:hstu_retrieval_stages"
+    )
 
     name: Literal["hstu_retrieval"] = "hstu_retrieval"
     builder: StrictStr | None = builder_field("recsys_pipe.models.hstu_retrieval:build_hstu_retrieval")

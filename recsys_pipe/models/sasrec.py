@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.retrieval import RetrievalModel
 from recsys_pipe.models.retrieval_config import SASRecConfig

@@ -5,8 +5,9 @@ the point-to-point transfers) in the order of its action list, one engine plan p
 (`ActionOrderRunner`), whatever the schedule: GPipe, 1F1B, ZB-H1 and ZB-H2 are declared as
 lookaheads and compiled to action lists, interleaved 1F1B, ZBV and DualPipeV come as action
 lists, and so does a torch CSV (`recsys_pipe.pp_schedules`, `resolve_schedule`). Dropout sites
-keyed by (step, microbatch, layer) (`seeded_dropout`) draw the same masks wherever they run, so
-a pipelined run equals the one-rank run.
+keyed by (step, microbatch, layer) (`recsys_pipe.models.dropout.seeded_dropout`; the runtime
+sets the key, `microbatch_seed`) draw the same masks wherever they run, so a pipelined run
+equals the one-rank run. Each model cuts itself into stages (`ModelConfig.stage_split`).
 `parallel.pp` is the config section (`PipelineParallelConfig`). The training loop reaches this
 package through one door, `recsys_pipe.train.parallel.PipelineStages`; nothing here imports the
 training package.
@@ -26,16 +27,9 @@ _EXPORTS = {
     "check_pipeline_parallel": "config",
     "pipelined_tables": "config",
     "split_layers": "config",
-    "MICROBATCH_DROPOUT": "dropout",
-    "MicrobatchDropoutRng": "dropout",
-    "current_microbatch_seed": "dropout",
-    "microbatch_seed": "dropout",
-    "seeded_dropout": "dropout",
     "MLPStage": "mlp",
     "TorchStageAdapter": "mlp",
     "mlp_stages": "mlp",
-    "HSTUStage": "models",
-    "hstu_stages": "models",
     "PipelinedModel": "train",
     "build_pipelined_model": "train",
     "PeerLink": "p2p",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recsys_pipe.pp.dropout import microbatch_seed, seeded_dropout
+from recsys_pipe.models.dropout import microbatch_seed, seeded_dropout
 
 __all__ = ["MLPStage", "TorchStageAdapter", "mlp_stages"]
 

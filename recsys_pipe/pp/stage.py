@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
-from recsys_pipe.pp.dropout import microbatch_seed
+from recsys_pipe.models.dropout import microbatch_seed
 from recsys_pipe.pp.p2p import PeerLink, activation_tag, gradient_tag
 
 __all__ = ["BackwardRecord", "ChainedStages", "ForwardRecord", "StageRuntime", "as_stage_input"]

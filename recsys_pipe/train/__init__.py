@@ -1,5 +1,8 @@
 """Training adapter: the run config, the task functions, their shared state, the loop.
 
+It names its task modules to the task registry (`TASK_MODULES`), so a plan's `fn: h2d` finds
+the shipped tasks once this package is imported.
+
 Names are imported on first use (PEP 562): `import recsys_pipe.train` loads no torchrec, and
 nothing in the training path imports it unless the model has torchrec tables. The process
 plumbing around the loop (process group, run directory, peer health, preemption) is
@@ -9,6 +12,13 @@ plumbing around the loop (process group, run directory, peer health, preemption)
 from __future__ import annotations
 
 from recsys_pipe._lazy import lazy_exports
+from recsys_pipe.config.task_registry import TASKS
+
+#: the modules of the shipped task functions (`@task`): this package names them to the registry,
+#: which imports them on the first lookup of a name (`fn: h2d`); a new module of shipped tasks is
+#: added here
+TASK_MODULES = ("recsys_pipe.train.tasks", "recsys_pipe.train.lookup_tasks")
+TASKS.add_modules(*TASK_MODULES)
 
 _EXPORTS = {
     "CheckpointConfig": "checkpoint",

@@ -19,7 +19,7 @@ from torch import nn
 from recsys_pipe.config import CompiledPlan
 from recsys_pipe.config.task_registry import Need
 from recsys_pipe.data import RankData
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import DataSpec
 from recsys_pipe.engine import PlanRunner, SequentialExecutor, StreamPool, ThreadedExecutor
 from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.runtime.verify import CollectiveGuard
@@ -148,6 +148,14 @@ def rank_data(run: RunConfig, rank: int, world_size: int) -> RankData:
     return RankData(run.data, *share, eval_batches=run.trainer.eval_batches)
 
 
+def _verified(runner: PlanRunner, run: RunConfig, plan: CompiledPlan) -> PlanRunner:
+    """`runner` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
+    mode = run.trainer.verify_collectives
+    if mode != "off":  # startup: long enough for every task to run in prefill and steady state
+        CollectiveGuard(runner, None if mode == "always" else plan.graph.max_lookahead + 2)
+    return runner
+
+
 def build_parts(
     run: RunConfig, plan: CompiledPlan, info: DistInfo, run_dir: str | None = None, data: RankData | None = None
 ) -> TrainParts:
@@ -177,18 +185,12 @@ def build_parts(
     # after DMP and the sparse-dist rewrite (build_state): the modules are compiled where they are
     compiled = compile_dense(model, cfg.compile_options, run.model.label) if cfg.compile else None
 
-    def verified(runner: PlanRunner) -> PlanRunner:
-        """`runner` under `trainer.verify_collectives` (see `recsys_pipe.runtime.verify`)."""
-        if cfg.verify_collectives != "off":  # startup: long enough for every task to run in prefill and steady state
-            CollectiveGuard(runner, None if cfg.verify_collectives == "always" else plan.graph.max_lookahead + 2)
-        return runner
-
     evaluator = Evaluator(
         state,
         data.spec.num_tasks,
         eval_loader,
         retrieval,
-        lambda eval_state: verified(build_plan_runner(plan, state.streams, eval_state)),
+        lambda eval_state: _verified(build_plan_runner(plan, state.streams, eval_state), run, plan),
         rng,
         every=cfg.eval_every,
         every_epochs=cfg.eval_epochs,
@@ -220,7 +222,7 @@ def build_parts(
         data=data,
         state=state,
         optimizer=train_optimizer,
-        plan_runner=verified(build_plan_runner(plan, state.streams, state)),
+        plan_runner=_verified(build_plan_runner(plan, state.streams, state), run, plan),
         evaluator=evaluator,
         reporter=reporter,
         checkpointer=checkpointer,

@@ -34,8 +34,8 @@ from recsys_pipe.config import (
     validate_section,
 )
 from recsys_pipe.config.errors import problems_from_validation_error
-from recsys_pipe.data.loader import DataConfig
 from recsys_pipe.data.registry import DATA_SOURCES
+from recsys_pipe.data.source import DataConfig
 from recsys_pipe.models.base import ModelConfig
 from recsys_pipe.models.registry import MODELS
 from recsys_pipe.train.checkpoint import CheckpointConfig

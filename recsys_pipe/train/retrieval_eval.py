@@ -1,6 +1,7 @@
 """Next-item retrieval evaluation, distributed over the ranks: ranks, HR@K, NDCG@K, MRR.
 
-Every rank scores its own users of the validation and test splits (`SequencesDataset.split`)
+Every rank scores its own users of the validation and test splits (`dataset.split(name,
+batch_size)` of a source with its own splits: `data=sequences`, `data=parquet_sequences`)
 through the evaluation plan runner (the training plan with the optimizer work switched off); the
 model returns, per user, the 0-based rank of the held-out item (the number of candidates scored
 strictly above it) under two protocols:
@@ -35,8 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.loader import RankData, has_eval_splits
-from recsys_pipe.data.sequences import SPLITS, SequencesDataset
+from recsys_pipe.data.source import SPLITS, RankData, has_eval_splits
 
 __all__ = ["KS", "PROTOCOLS", "RetrievalEvaluation", "check_eval_dump", "eval_dump_path", "retrieval_metrics"]
 
@@ -118,7 +118,7 @@ class RetrievalEvaluation:
     """
 
     def __init__(
-        self, dataset: SequencesDataset, batch_size: int, world_size: int, dump: str | None, replica_ranks: int = 1
+        self, dataset: Any, batch_size: int, world_size: int, dump: str | None, replica_ranks: int = 1
     ) -> None:
         self.dataset = dataset
         self.world_size = world_size

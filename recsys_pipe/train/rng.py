@@ -8,7 +8,7 @@ else draws from.
   (`recsys_pipe.models.dropout`), seeded from `seed` (alike on every rank, as torch's global
   generator is); checkpointed.
 * data order and training negatives: functions of `(data.seed, epoch, sample)`
-  (`recsys_pipe.data.loader`, `recsys_pipe.data.sequences`), so their state is the data
+  (`recsys_pipe.data.source`, `recsys_pipe.data.in_memory.sequences`), so their state is the data
   position, which the checkpoint's progress holds.
 * evaluation: `RngState.evaluation(step)` runs an evaluation on torch's, Python's and numpy's
   global generators seeded from `(seed, step)`, and gives them back to training as they were,

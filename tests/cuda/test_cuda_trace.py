@@ -16,11 +16,12 @@ from _profiling import (
     chrome_trace_events,
     kernel_streams_by_label,
     profile_all_threads,
+    traced_plan,
 )
 from torch.profiler import ProfilerActivity, profile
 
 import recsys_pipe.engine.plan_runner as plan_runner_module
-from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, StreamPool, Task, TaskGraph, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, StreamPool, ThreadedExecutor
 from recsys_pipe.engine.testing import cuda_spin
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,17 +34,6 @@ def work(ctx):
     """A little device work on the task's stream: a short spin and a fill."""
     cuda_spin(0.2)
     ctx.slots.set(ctx.task.writes[0].name, torch.full((1024,), float(ctx.batch_index), device="cuda"))
-
-
-def plan():
-    return TaskGraph.single_group(
-        [
-            Task.from_fn("h2d", work, stream="memcpy", lookahead=2, writes=["gpu"], nvtx_tag="copy batch"),
-            Task.from_fn("dist", work, stream="comm", lookahead=1, reads=["gpu"], writes=["dist"]),
-            Task.from_fn("forward", work, reads=["dist"], writes=["loss"]),
-            Task.from_fn("backward", work, reads=["loss"], writes=["step_result"]),
-        ]
-    )
 
 
 class NvtxProbe:
@@ -66,7 +56,7 @@ class NvtxProbe:
 def test_nvtx_range_per_task_inside_its_stream_scope(monkeypatch, executor):
     probe = NvtxProbe()
     monkeypatch.setattr(plan_runner_module, "nvtx", probe)
-    task_graph = plan()
+    task_graph = traced_plan(work)
     pool = StreamPool.create(task_graph.stream_slots, "cuda")
     with PlanRunner(task_graph, pool, EXECUTORS[executor]()) as runner:  # NVTX on: the pool is CUDA
         list(runner.iterate(range(BATCHES)))
@@ -89,7 +79,7 @@ def test_nvtx_range_per_task_inside_its_stream_scope(monkeypatch, executor):
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
 def test_profiler_trace_shows_each_task_and_its_kernels_on_its_stream(tmp_path, executor):
-    task_graph = plan()
+    task_graph = traced_plan(work)
     pool = StreamPool.create(task_graph.stream_slots, "cuda")
     labels = {t.label for t in task_graph.tasks}
     with PlanRunner(task_graph, pool, EXECUTORS[executor](), observer=RecordFunctionRanges()) as runner:

@@ -26,12 +26,11 @@ import sys
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before CUDA starts
 
 import torch
-import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.engine import TaskObserver
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run
+from recsys_pipe.testing import end_rank, load_run
 from recsys_pipe.train import build_model, build_plan_runner, build_state, training_plan
 from recsys_pipe.train.dense_ddp import megatron_ddp
 from recsys_pipe.train.optim import dense_optimizer_factory
@@ -158,13 +157,8 @@ def main():
         for dense in DENSE
     }
     results["torchrec_imported"] = "torchrec" in sys.modules
-    torch.save(results, os.path.join(args.out, f"rank{info.rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(os.path.join(args.out, f"rank{info.rank}.pt"), results)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

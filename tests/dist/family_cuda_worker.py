@@ -10,29 +10,24 @@ stream. Writes rank<r>.json (per-step losses, trained sample ids, a hash of ever
 parameter) into argv[1].
 """
 
-import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run, run_stale_embedding_reference, run_torchrec_pipeline
+from recsys_pipe.testing import (
+    end_rank,
+    load_run,
+    parity_overrides,
+    run_stale_embedding_reference,
+    run_torchrec_pipeline,
+)
 from recsys_pipe.train import Trainer, build_model, build_parts, local_parameters, training_plan
 
 STEPS = 16
-COMMON = [
-    "optimizer=sgd",
-    "trainer.progress_bar=false",
-    "trainer.eval_every=0",
-    "trainer.device=cuda",
-    "trainer.backend=nccl",
-    "data.batch_size=16",
-    f"data.num_batches={STEPS}",
-    "trainer.max_steps=null",
-]
+COMMON = parity_overrides(STEPS, "cuda", "nccl")
 WARM = "pipeline.tasks.start_embedding_lookup.options.start_batch=5"
 PLANS = {
     "serial": ["pipeline=serial"],
@@ -91,14 +86,8 @@ def main():
         "sample_ids": ids,
         "params": digest(local_parameters(model)),
     }
-    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(os.path.join(sys.argv[1], f"rank{info.rank}.json"), out)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -8,30 +8,19 @@ through several plans and records per-step losses, trained sample ids and final 
 variant of a group bitwise with the group's reference. Writes rank<r>.json into argv[1].
 """
 
-import json
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run, run_torchrec_pipeline
+from recsys_pipe.testing import end_rank, load_run, parity_overrides, run_torchrec_pipeline
 from recsys_pipe.train import Trainer, build_model, build_parts, local_parameters, training_plan
 
 STEPS = 10
-COMMON = [
-    "optimizer=sgd",
-    "trainer.progress_bar=false",
-    "trainer.eval_every=0",
-    "trainer.device=cpu",
-    "trainer.backend=gloo",
-    "data.batch_size=16",
-    f"data.num_batches={STEPS}",
-    "trainer.max_steps=null",
-]
+COMMON = parity_overrides(STEPS)
 THREADED = ["pipeline.executor=threaded"]
 #: group -> (overrides of every variant, {variant: its overrides}); the first variant is the reference
 SEQUENCES = "{out}/sequences_rank{rank}.txt"  # one copy per rank: no rank waits for another's file
@@ -184,14 +173,8 @@ def main():
             result["variants"]["torchrec_TrainPipelineSparseDist"] = train_torchrec(info, common, batches)
         out[group] = result
 
-    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(os.path.join(sys.argv[1], f"rank{info.rank}.json"), out)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

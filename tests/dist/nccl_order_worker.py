@@ -12,7 +12,6 @@ backward (zero gradients, no unused-parameter error), where a plain detached rep
 fail.
 """
 
-import json
 import os
 import random
 import sys
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recsys_pipe.engine import PlanRunner, Task, TaskFailedError, TaskGraph, ThreadedExecutor
+from recsys_pipe.testing import end_rank
 
 SIZES = {"shuffle": 3, "start_dist": 5, "wait_dist": 7, "tokens": 1, "backward": 11, "finalize": 13}
 
@@ -145,11 +145,7 @@ def main():
         "ddp_grafted": ddp_through_skipped_task(detached=False),
         "ddp_detached": ddp_through_skipped_task(detached=True),
     }
-    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    time.sleep(0.2)  # let gloo's threads wind down before interpreter teardown
+    end_rank(os.path.join(sys.argv[1], f"rank{rank}.json"), out)
 
 
 if __name__ == "__main__":

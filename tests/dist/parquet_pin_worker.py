@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_pipe.data import make_dataloader
-from recsys_pipe.data.parquet_sequences import item_vocab_metadata
+from recsys_pipe.data.parquet.decode import item_vocab_metadata
 from recsys_pipe.runtime import init_distributed, teardown
 from recsys_pipe.testing import fit_run, load_run
 

@@ -13,18 +13,19 @@ Each rank saves `rank<r>.pt` as pp_parity_worker does, plus its mesh coordinates
 import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, microbatch_seed
+from recsys_pipe.models.dropout import microbatch_seed
+from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mesh import PipelineMesh
 from recsys_pipe.pp.schedules import resolve_schedule
 from recsys_pipe.pp_schedules.actions import PipelineSchedule
+from recsys_pipe.testing import end_rank
 
 
 def _sibling(name):
@@ -128,10 +129,7 @@ def main():
     results["ours/ZBVZeroBubble"] = run_actions("ZBVZeroBubble", mesh, link)
     if dist.get_rank() == 0:
         results["reference"] = reference()
-    torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    time.sleep(0.2)
+    end_rank(os.path.join(out_dir, f"rank{dist.get_rank()}.pt"), results)
 
 
 if __name__ == "__main__":

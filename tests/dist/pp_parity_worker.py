@@ -20,7 +20,6 @@ Each rank saves `rank<r>.pt`: {variant: {"losses": [per step, per microbatch], "
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -39,14 +38,17 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from recsys_pipe.autosched.pipeline_parallel import measured_result
 from recsys_pipe.engine import SpanRecorder
-from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime, microbatch_seed
+from recsys_pipe.models.dropout import microbatch_seed
+from recsys_pipe.models.hstu_cut import hstu_stages
+from recsys_pipe.models.retrieval_cut import sasrec_stages
+from recsys_pipe.pp import ChainedStages, PeerLink, StageRuntime
 from recsys_pipe.pp.actions import ActionOrderRunner, stage_ranks
 from recsys_pipe.pp.mlp import TorchStageAdapter, mlp_stages
-from recsys_pipe.pp.models import hstu_stages, sasrec_stages
 from recsys_pipe.pp.schedules import resolve_schedule
 from recsys_pipe.pp.timeline import compute_spans, gather_spans
 from recsys_pipe.pp_schedules.actions import PipelineSchedule, from_csv, to_csv
 from recsys_pipe.pp_schedules.generators import build
+from recsys_pipe.testing import end_rank
 
 WIDTH, BATCH, M, STEPS, P_DROP, LR = 32, 16, 4, 2, 0.2, 0.05
 SPLIT2 = ((0, 1), (2, 3))
@@ -264,7 +266,7 @@ def train_hstu(runner, model, stages, microbatches):
 
 def sasrec_setup(num_blocks, out_dir, rank):
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
     from recsys_pipe.models.sasrec import SASRecConfig
 
     path = os.path.join(out_dir, f"sequences_rank{rank}.txt")  # one copy per rank: no waiting
@@ -354,10 +356,7 @@ def main():
         results["sasrec/reference2"] = model_reference("sasrec", 2, out_dir)
     for value in results.values():
         value.pop("opt_state", None)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    time.sleep(0.2)
+    end_rank(os.path.join(out_dir, f"rank{rank}.pt"), results)
 
 
 if __name__ == "__main__":

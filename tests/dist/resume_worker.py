@@ -24,7 +24,6 @@ a control resume from step 4 without the saved lookups (semi_sync) or kept gradi
 (semi_sync_stash); writes semi_sync_rank<r>.json.
 """
 
-import json
 import os
 import shutil
 import sys
@@ -33,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, load_run
-from recsys_pipe.train import Trainer, build_parts, local_parameters, resolve_resume, training_plan
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, built_trainer, end_rank
+from recsys_pipe.train import local_parameters, resolve_resume
 
 CONFIG = [
     "trainer=smoke",
@@ -64,21 +63,14 @@ PLANS = {
 DENSE_KERNEL = ["pipeline=hstu_prefetch", "model.compute_kernel=dense", "model.sharding=row_wise"]
 
 
-def trainer(info, run_dir, *overrides):
-    run = load_run(*CONFIG, *overrides)
-    if run_dir is not None and info.is_main:
-        os.makedirs(run_dir, exist_ok=True)
-    return Trainer(build_parts(run, training_plan(run), info, run_dir))
-
-
-def fit(t, restore=None):
-    try:
+def fit(info, run_dir, *overrides, restore=None):
+    """A run of CONFIG and `overrides` trained to its end (`built_trainer`; checkpoints into
+    `run_dir` if given), after restoring the checkpoint `restore` if given: its summary and this
+    rank's final parameters."""
+    with built_trainer(info, [*CONFIG, *overrides], run_dir) as t:
         if restore is not None:
             t.restore(restore)
-        summary = t.fit(record_steps=True)
-        return summary, local_parameters(t.state.model)
-    finally:
-        t.close()
+        return t.fit(record_steps=True), local_parameters(t.state.model)
 
 
 def digest(params):
@@ -88,9 +80,9 @@ def digest(params):
 def main(out):
     info = init_distributed("cpu", "gloo")
     result = {"plans": {}}
-    t = trainer(info, None, "pipeline=serial", "trainer.max_steps=30")
-    loader_ids = [b.sample_ids.tolist() for b in t.data.train_loader(epochs=2)]  # both epochs, in order
-    ref, ref_params = fit(t)
+    with built_trainer(info, [*CONFIG, "pipeline=serial", "trainer.max_steps=30"]) as t:
+        loader_ids = [b.sample_ids.tolist() for b in t.data.train_loader(epochs=2)]  # both epochs, in order
+        ref, ref_params = t.fit(record_steps=True), local_parameters(t.state.model)
     result["reference"] = {
         "losses": ref.losses,
         "params": digest(ref_params),
@@ -101,14 +93,12 @@ def main(out):
     }
     for name, overrides in PLANS.items():
         run_dir = os.path.join(out, name.replace("/", "_"))
-        first, params15 = fit(
-            trainer(info, run_dir, *overrides, "trainer.max_steps=15", "trainer.checkpoint.interval=15")
-        )
+        first, params15 = fit(info, run_dir, *overrides, "trainer.max_steps=15", "trainer.checkpoint.interval=15")
         if name == "serial":
             torch.save(params15, os.path.join(out, f"rank{info.rank}_step15.pt"))
         dist.barrier()
         path = str(resolve_resume(run_dir, "unused"))  # a run directory: its newest checkpoint
-        second, params = fit(trainer(info, None, *overrides, "trainer.max_steps=30"), restore=path)
+        second, params = fit(info, None, *overrides, "trainer.max_steps=30", restore=path)
         result["plans"][name] = {
             "checkpoint": os.path.relpath(path, out),
             "first_losses": first.losses,
@@ -127,12 +117,9 @@ def main(out):
         shutil.copytree(os.path.join(out, "serial", "checkpoints", "step_15"), no_rng)
         shutil.rmtree(os.path.join(no_rng, "rng"))
     dist.barrier()
-    control, _ = fit(trainer(info, None, "pipeline=serial", "trainer.max_steps=30"), restore=no_rng)
+    control, _ = fit(info, None, "pipeline=serial", "trainer.max_steps=30", restore=no_rng)
     result["no_rng_losses"] = control.losses
-    with open(os.path.join(out, f"rank{info.rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(os.path.join(out, f"rank{info.rank}.json"), result)
 
 
 def dense_kernel(info, out):
@@ -140,12 +127,12 @@ def dense_kernel(info, out):
     global shapes under which the checkpoint holds the tables' Adam moments."""
     from recsys_pipe.train.checkpoint import read_metadata
 
-    ref, ref_params = fit(trainer(info, None, *DENSE_KERNEL, "trainer.max_steps=30"))
+    ref, ref_params = fit(info, None, *DENSE_KERNEL, "trainer.max_steps=30")
     run_dir = os.path.join(out, "dense_kernel")
-    first, _ = fit(trainer(info, run_dir, *DENSE_KERNEL, "trainer.max_steps=15", "trainer.checkpoint.interval=15"))
+    first, _ = fit(info, run_dir, *DENSE_KERNEL, "trainer.max_steps=15", "trainer.checkpoint.interval=15")
     dist.barrier()
     path = resolve_resume(run_dir, "unused")
-    second, params = fit(trainer(info, None, *DENSE_KERNEL, "trainer.max_steps=30"), restore=str(path))
+    second, params = fit(info, None, *DENSE_KERNEL, "trainer.max_steps=30", restore=str(path))
     saved = read_metadata(path).state_dict_metadata
     moments = {key: list(meta.size) for key, meta in saved.items() if key.endswith("exp_avg") and "embeddings" in key}
     tables = {
@@ -164,8 +151,7 @@ def dense_kernel(info, out):
 def reshard(checkpoint, out, kernel="fused"):
     info = init_distributed("cpu", "gloo")
     overrides = DENSE_KERNEL if kernel == "dense" else ["pipeline=hstu_prefetch"]
-    t = trainer(info, None, *overrides, "trainer.max_steps=20")
-    try:
+    with built_trainer(info, [*CONFIG, *overrides, "trainer.max_steps=20"]) as t:
         t.restore(checkpoint)
         loaded = local_parameters(t.state.model)
         start = t.step, t.position.batch
@@ -175,12 +161,11 @@ def reshard(checkpoint, out, kernel="fused"):
             if "embeddings" in name and p in t.optimizer.dense.state
         }
         summary = t.fit(record_steps=True)
-    finally:
-        t.close()
     torch.save(loaded, os.path.join(out, "resharded.pt"))
-    with open(os.path.join(out, "reshard.json"), "w") as f:
-        json.dump({"start": start, "losses": summary.losses, "end_step": summary.end_step, "moments": moments}, f)
-    dist.destroy_process_group()
+    end_rank(
+        os.path.join(out, "reshard.json"),
+        {"start": start, "losses": summary.losses, "end_step": summary.end_step, "moments": moments},
+    )
 
 
 #: 4 micro-steps per optimizer step (2 warm-up micro-steps), checkpoints at window ends
@@ -199,17 +184,17 @@ def accumulation(out, plans):
     for plan in plans:
         overrides = [*ACCUMULATION, f"pipeline={plan}"]
         ref_dir = os.path.join(out, plan, "reference")
-        ref, ref_params = fit(trainer(info, ref_dir, *overrides))
+        ref, ref_params = fit(info, ref_dir, *overrides)
         dist.barrier()
-        resumed, params = fit(trainer(info, None, *overrides), restore=os.path.join(ref_dir, "checkpoints", "step_8"))
+        resumed, params = fit(info, None, *overrides, restore=os.path.join(ref_dir, "checkpoints", "step_8"))
         stop_dir = os.path.join(out, plan, "sigterm")
         os.environ[FAULT_ENV] = f"sigterm:{info.world_size - 1}:13"
         try:
-            stopped, _ = fit(trainer(info, stop_dir, *overrides, FAULT_OVERRIDE))
+            stopped, _ = fit(info, stop_dir, *overrides, FAULT_OVERRIDE)
         finally:
             del os.environ[FAULT_ENV]
         dist.barrier()
-        after, after_params = fit(trainer(info, None, *overrides), restore=str(resolve_resume(stop_dir, "unused")))
+        after, after_params = fit(info, None, *overrides, restore=str(resolve_resume(stop_dir, "unused")))
         result[plan] = {
             "ref_losses": ref.losses,
             "ref_params": digest(ref_params),
@@ -222,10 +207,7 @@ def accumulation(out, plans):
             "after_losses": after.losses,
             "after_params": digest(after_params),
         }
-    with open(os.path.join(out, f"accumulation_rank{info.rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(os.path.join(out, f"accumulation_rank{info.rank}.json"), result)
 
 
 #: semi-synchronous plans with a synchronous warm-up of batches 0..2 (start_batch=2), checkpoints every 2 steps
@@ -256,13 +238,13 @@ def semi_sync(out, plans):
     for plan in plans:
         overrides = [*SEMI_SYNC, *SEMI_SYNC_PLANS[plan]]
         ref_dir = os.path.join(out, plan.replace("/", "_"))
-        ref, ref_params = fit(trainer(info, ref_dir, *overrides))
+        ref, ref_params = fit(info, ref_dir, *overrides)
         dist.barrier()
         checkpoints = os.path.join(ref_dir, "checkpoints")
         got = {"ref_losses": ref.losses, "ref_params": digest(ref_params), "resumes": {}, "in_flight": {}}
         for step in SEMI_SYNC_RESUMES:
             path = os.path.join(checkpoints, f"step_{step}")
-            resumed, params = fit(trainer(info, None, *overrides), restore=path)
+            resumed, params = fit(info, None, *overrides, restore=path)
             own = torch.load(os.path.join(path, "rng", f"rank{info.rank}.pt"), weights_only=True)["in_flight"]
             got["in_flight"][step] = {
                 "lookup_steps": sorted(own.get("lookups", {})),
@@ -280,12 +262,9 @@ def semi_sync(out, plans):
                 del state["in_flight"][SEMI_SYNC_CONTROL[plan]]
                 torch.save(state, rank_file.path)
         dist.barrier()
-        lost, _ = fit(trainer(info, None, *overrides), restore=control)
+        lost, _ = fit(info, None, *overrides, restore=control)
         got["control_losses"] = lost.losses
-    with open(os.path.join(out, f"semi_sync_rank{info.rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(os.path.join(out, f"semi_sync_rank{info.rank}.json"), result)
 
 
 if __name__ == "__main__":
@@ -298,6 +277,3 @@ if __name__ == "__main__":
         semi_sync(sys.argv[2], sys.argv[3:])
     else:
         main(sys.argv[2])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -9,17 +9,21 @@ rank<r>.json (and the accumulation check's tables as rank<r>_accumulate_<name>.p
 directory given as argv[1]; the test asserts on them.
 """
 
-import json
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import load_run, run_stale_embedding_reference, run_torchrec_pipeline
+from recsys_pipe.testing import (
+    end_rank,
+    load_run,
+    parity_overrides,
+    run_stale_embedding_reference,
+    run_torchrec_pipeline,
+)
 from recsys_pipe.train import Trainer, build_model, build_parts, local_parameters, training_plan
 
 STEPS = 24
@@ -64,16 +68,7 @@ VARIANTS = {
     "global/serial": ["pipeline=serial", "model.loss_normalization=global_tokens"],
     "global/hstu_prefetch/threaded": ["pipeline=hstu_prefetch", "model.loss_normalization=global_tokens"],
 }
-COMMON = [
-    "optimizer=sgd",
-    "trainer.progress_bar=false",
-    "trainer.eval_every=0",
-    "trainer.device=cpu",
-    "trainer.backend=gloo",
-    "data.batch_size=16",
-    f"data.num_batches={STEPS}",
-    "trainer.max_steps=null",
-]
+COMMON = parity_overrides(STEPS)
 
 
 # Hand-written CPU costs (seconds) for which the tuner changes threads and lookaheads.
@@ -277,14 +272,8 @@ def main():
     finally:
         learn.close()
 
-    with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
-        f.write(json.dumps(out))  # json.dumps uses the C encoder, json.dump the pure-Python one
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(os.path.join(sys.argv[1], f"rank{info.rank}.json"), out)
 
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -5,12 +5,13 @@ Throughput figures are not asserted (they belong to benchmark runs, docs/benchma
 report's structure is, and that every measurement moved data (samples > 0, a peak RSS)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from recsys_pipe.testing import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ def test_bench_data_quick_reports_every_part_and_the_target_ratios(tmp_path):
         text=True,
         timeout=220,
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        env=worker_env(PYTHONPATH=str(ROOT)),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,12 +6,13 @@ imbalance. The script itself asserts that each balanced step trained exactly the
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from recsys_pipe.testing import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def test_bench_shuffle_reports_imbalance_and_ratios():
         text=True,
         timeout=150,
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        env=worker_env(PYTHONPATH=str(ROOT)),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

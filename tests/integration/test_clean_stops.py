@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from recsys_pipe.runtime.launcher import exit_code_of
+from recsys_pipe.testing import worker_env
 
 BIN = Path(sys.executable).parent
 CONFIG = [  # long enough to be stopped or to fill a disk
@@ -64,7 +65,7 @@ def _stop_mid_run(tmp: Path, sig: signal.Signals) -> tuple[int, str, dict]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's job
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     lines = []
     deadline = time.monotonic() + 120
@@ -136,7 +137,7 @@ def test_a_full_disk_ends_the_run_in_one_line_keeping_earlier_checkpoints(tmp_pa
             capture_output=True,
             text=True,
             timeout=240,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=worker_env(),
         )
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr[-3000:]

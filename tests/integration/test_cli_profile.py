@@ -3,7 +3,6 @@ that recsys-plan reads its costs; its config errors; and `trainer.torch_profiler
 profiler trace of a step window, each task a record_function range on its own thread)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from recsys_pipe.autosched import CostModel
 from recsys_pipe.cli.plan import run as plan_run
 from recsys_pipe.cli.profile import run as profile_run
 from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, Task, TaskGraph, ThreadedExecutor
-from recsys_pipe.testing import fork_ranks, load_run
+from recsys_pipe.testing import fork_ranks, load_run, worker_env
 from recsys_pipe.train.torch_profile import StepWindow
 
 BIN = Path(sys.executable).parent
@@ -148,7 +147,7 @@ def test_step_window_traces_only_its_steps_with_a_range_per_task_on_each_thread(
 
 @pytest.mark.timeout(120)
 def test_recsys_train_writes_the_torch_trace_of_the_configured_steps(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = worker_env()
     proc = subprocess.run(
         [
             str(BIN / "recsys-train"),

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from recsys_pipe.testing import fork_ranks
+from recsys_pipe.testing import fork_ranks, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
 def run(args, tmp_path, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = worker_env(PATH=f"{BIN}:{os.environ['PATH']}")
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
 
 
@@ -135,7 +135,7 @@ def test_sigterm_checkpoints_exits_75_and_latest_resumes(tmp_path):
         "trainer.eval_every=0",
         f"trainer.output_dir={tmp_path}/r",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env = worker_env(PATH=f"{BIN}:{os.environ['PATH']}")
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     try:
         deadline = time.monotonic() + 120

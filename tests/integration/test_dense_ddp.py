@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from recsys_pipe.cli.plan import run as plan_cli
 from recsys_pipe.cli.train import run as train_run
 from recsys_pipe.config import ConfigError
 from recsys_pipe.runtime import DistInfo
-from recsys_pipe.testing import load_run
+from recsys_pipe.testing import load_run, worker_env
 from recsys_pipe.train import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +130,7 @@ def test_a_missing_megatron_core_is_a_config_error(tmp_path):
         capture_output=True,
         text=True,
         timeout=150,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
@@ -203,6 +202,6 @@ def test_parallel_state_lives_as_long_as_the_megatron_models():
         capture_output=True,
         text=True,
         timeout=150,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]

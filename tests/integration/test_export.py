@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from recsys_pipe.cli import export as export_cli
+from recsys_pipe.testing import worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -72,7 +73,7 @@ def _train(tmp: Path, *overrides: str, nproc: int = 1) -> Path:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (out / "recsys-train").iterdir()
@@ -216,7 +217,7 @@ def _eval(run_dir: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
 
 

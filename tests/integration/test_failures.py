@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError, TaskConfig, compile_plan, structure_only
 from recsys_pipe.data import CriteoDataConfig, MovieLensDataConfig, RankData
-from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, fork_ranks
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, fork_ranks, worker_env
 from recsys_pipe.train.config import load_run_config
 
 
@@ -977,7 +977,7 @@ ONE_RANK = {"nproc": 1, "timeout": 180}
 
 
 def _env(**extra: str) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{os.environ['PATH']}", **extra}
+    return worker_env(PATH=f"{BIN}:{os.environ['PATH']}", **extra)
 
 
 def _status(run_dir: Path) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, check_torchrun, fork_ranks, read_rank_results
+from recsys_pipe.testing import FAULT_ENV, FAULT_OVERRIDE, check_torchrun, fork_ranks, read_rank_results, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -125,7 +125,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(plain, tmp_path):
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     loaded = torch.load(tmp_path / "resharded.pt")
@@ -152,7 +152,7 @@ def test_two_rank_dense_kernel_checkpoint_resumes_on_one_rank(plain, tmp_path):
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "reshard.json").read_text())
@@ -179,7 +179,7 @@ def _torchrun(
         text=True,
         timeout=TIMEOUT,
         cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env=worker_env(**(env or {})),
     )
 
 
@@ -322,7 +322,7 @@ def test_two_torchrun_agents_train_like_one_agent_with_two_processes(reference, 
     """`--nnodes 2` on one machine (c10d rendezvous on 127.0.0.1): one run directory, the same
     per-step losses and final checkpoint as one agent with 2 processes."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = worker_env()
     agents = [
         subprocess.Popen(
             [

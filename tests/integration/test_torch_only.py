@@ -5,7 +5,6 @@ torchrec tables. Run in fresh interpreters in which importing them fails."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 from _launcher_runs import assert_runs_match_serial, run_launcher_worker
 
-from recsys_pipe.testing import check_torchrun, run_torchrun
+from recsys_pipe.testing import check_torchrun, run_torchrun, worker_env
 
 BLOCK = """\
 import sys
@@ -44,7 +43,7 @@ def test_imports_without_torchrec():
         """\
         import recsys_pipe.data, recsys_pipe.models, recsys_pipe.train
         import recsys_pipe.train.tasks, recsys_pipe.train.state, recsys_pipe.train.trainer, recsys_pipe.train.build
-        import recsys_pipe.data.batch, recsys_pipe.data.criteo, recsys_pipe.models.dlrm, recsys_pipe.cli.train
+        import recsys_pipe.data.batch, recsys_pipe.data.in_memory.criteo, recsys_pipe.models.dlrm, recsys_pipe.cli.train
         from recsys_pipe.train import Trainer, training_plan
         print("ok")
         """
@@ -69,7 +68,7 @@ def test_plain_torch_dlrm_trains_without_torchrec(tmp_path, pipeline):
         capture_output=True,
         text=True,
         timeout=250,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _metrics(tmp_path / "runs")
@@ -99,7 +98,7 @@ def test_a_model_with_torchrec_tables_needs_it(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=worker_env(),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (

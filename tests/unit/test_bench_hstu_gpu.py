@@ -23,8 +23,7 @@ def test_allowed_pairs_count_the_mask() -> None:
 def test_step_flops_are_the_counted_matmul_flops() -> None:
     """Projections and head from torch's FLOP counter on the model's own layers; the attention
     term is 4 D per allowed pair (q.k and A.v, 2 d per head each); backward twice forward."""
-    from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY
-    from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, DataSpec
     from recsys_pipe.models.hstu import HSTURanker
     from recsys_pipe.models.hstu_config import HSTUConfig
 

@@ -16,19 +16,16 @@ from pathlib import Path
 import pytest
 
 from recsys_pipe.cli.plan import run
+from recsys_pipe.testing import recsys_plan
 
 RECSYS_PLAN = shutil.which("recsys-plan") or str(Path(sys.executable).with_name("recsys-plan"))
-
-
-def plan(tmp_path: Path, *argv: str) -> int:
-    return run([*argv, f"hydra.run.dir={tmp_path}"])
 
 
 # -- happy paths ----------------------------------------------------------------------------------
 
 
 def test_prints_the_resolved_plan(tmp_path, capsys):
-    assert plan(tmp_path, "pipeline=hstu_prefetch", *REFERENCE_LAYOUT) == 0
+    assert recsys_plan(tmp_path, "pipeline=hstu_prefetch", *REFERENCE_LAYOUT) == 0
     out = capsys.readouterr().out
     for fragment in [
         "plan: hstu_prefetch",
@@ -59,7 +56,7 @@ def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipe
     """The plans are Hydra derivations of one task set (serial <- sparse_dist <- hstu_sparse_dist;
     sparse_dist <- prefetch <- hstu_prefetch); each must compile to exactly the task graph it
     printed as a stand-alone file."""
-    assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}", *REFERENCE_LAYOUT) == 0
+    assert recsys_plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}", *REFERENCE_LAYOUT) == 0
     expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()
     assert (tmp_path / "plan.txt").read_text() == expected
 
@@ -67,7 +64,7 @@ def test_shipped_plans_print_exactly_their_reference_text(tmp_path, capsys, pipe
 @pytest.mark.parametrize("pipeline", ["serial_balanced", "hstu_sparse_dist_balanced", "hstu_prefetch_balanced"])
 def test_balanced_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline):
     """With the default thread map (hstu_default: the shuffle tasks on io with h2d)."""
-    assert plan(tmp_path, f"pipeline={pipeline}", *REFERENCE_LAYOUT) == 0
+    assert recsys_plan(tmp_path, f"pipeline={pipeline}", *REFERENCE_LAYOUT) == 0
     assert (tmp_path / "plan.txt").read_text() == (GOLDEN / f"plan_{pipeline}.default.txt").read_text()
 
 
@@ -88,7 +85,7 @@ def test_derived_plans_restate_only_what_differs():
 
 
 def test_overrides_show_in_output_and_saved_config(tmp_path, capsys):
-    assert plan(tmp_path, "thread_map=per_task", "pipeline.tasks.h2d.lookahead=3") == 0
+    assert recsys_plan(tmp_path, "thread_map=per_task", "pipeline.tasks.h2d.lookahead=3") == 0
     out = capsys.readouterr().out
     assert "in-flight batches: 4" in out
     assert "thread map: per_task" in out
@@ -98,7 +95,7 @@ def test_overrides_show_in_output_and_saved_config(tmp_path, capsys):
 
 
 def test_plot_writes_pngs(tmp_path, capsys):
-    assert plan(tmp_path, "pipeline=hstu_prefetch", "plot=true") == 0
+    assert recsys_plan(tmp_path, "pipeline=hstu_prefetch", "plot=true") == 0
     for name in ("plan_timing.png", "plan_dag.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
@@ -159,7 +156,7 @@ def test_hydra_composes_the_config_once_besides_the_check(tmp_path, capsys, monk
 
 
 def test_structure_only_mode(tmp_path, capsys):
-    assert plan(tmp_path, "check_fns=false", "pipeline.tasks.forward.fn=not_imported_xyz:forward") == 0
+    assert recsys_plan(tmp_path, "check_fns=false", "pipeline.tasks.forward.fn=not_imported_xyz:forward") == 0
 
 
 def _user_conf(tmp_path: Path, name: str, body: str) -> str:
@@ -186,7 +183,7 @@ tasks:
     cross_iter_depends_on: [h2d]
 """,
     )
-    assert plan(tmp_path / "run", searchpath, "pipeline=my_plan") == 0
+    assert recsys_plan(tmp_path / "run", searchpath, "pipeline=my_plan") == 0
     out = capsys.readouterr().out
     assert "plan: my_plan" in out
     assert re.search(r"\baux_stats +2 +memcpy", out)
@@ -196,7 +193,7 @@ def test_typo_in_a_plan_file_is_refused_with_its_path(tmp_path, capsys):
     searchpath = _user_conf(
         tmp_path, "typo_plan", "defaults:\n  - serial\n  - _self_\ntasks:\n  h2d:\n    lookahed: 1\n"
     )
-    assert plan(tmp_path / "run", searchpath, "pipeline=typo_plan") == 2
+    assert recsys_plan(tmp_path / "run", searchpath, "pipeline=typo_plan") == 2
     err = capsys.readouterr().err
     assert "pipeline.tasks.h2d.lookahed" in err and "Traceback" not in err
 
@@ -369,7 +366,7 @@ BAD = [
 
 @pytest.mark.parametrize("overrides,path,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_config_exits_2_naming_the_path(tmp_path, capsys, overrides, path, fragment):
-    assert plan(tmp_path, *overrides) == 2
+    assert recsys_plan(tmp_path, *overrides) == 2
     captured = capsys.readouterr()
     err = captured.err
     assert path in err, err
@@ -383,7 +380,7 @@ def test_catalogue_is_big_enough():
 
 
 def test_error_lines_are_one_per_problem(tmp_path, capsys):
-    code = plan(
+    code = recsys_plan(
         tmp_path,
         "pipeline=hstu_sparse_dist",  # the task and stream lists below are this plan's
         "pipeline.tasks.forward.depends_on=[fwd]",
@@ -403,7 +400,7 @@ def test_error_lines_are_one_per_problem(tmp_path, capsys):
 
 
 def test_debug_true_shows_traceback(tmp_path, capsys):
-    assert plan(tmp_path, "pipeline.tasks.forward.depends_on=[fwd]", "debug=true") == 2
+    assert recsys_plan(tmp_path, "pipeline.tasks.forward.depends_on=[fwd]", "debug=true") == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "error: pipeline.tasks.forward.depends_on[0]" in err
 
@@ -470,7 +467,7 @@ def _costs(tmp_path: Path, drop: str | None = None) -> Path:
 
 
 def test_costs_print_the_simulated_step(tmp_path, capsys):
-    assert plan(tmp_path, "pipeline=serial", f"costs={_costs(tmp_path)}") == 0
+    assert recsys_plan(tmp_path, "pipeline=serial", f"costs={_costs(tmp_path)}") == 0
     out = capsys.readouterr().out
     # one thread runs every task in turn: the step is the sum of the costs
     assert f"predicted step: {sum(COSTS_MS.values()):.4g} ms" in out
@@ -487,7 +484,7 @@ def test_tuned_prefetch_plan_keeps_its_torchrec_context(tmp_path, capsys):
     data = json.loads(costs.read_text())
     data["tasks"]["prefetch_embeddings"] = {"cpu_s": 0.0005, "device_s": 0.0}
     costs.write_text(json.dumps(data))
-    assert plan(tmp_path, "pipeline=hstu_prefetch", f"costs={costs}", "tune=true", "tune_time_limit_s=3") == 0
+    assert recsys_plan(tmp_path, "pipeline=hstu_prefetch", f"costs={costs}", "tune=true", "tune_time_limit_s=3") == 0
     tuned = training_plan(
         load_run("pipeline=hstu_prefetch_tuned", "thread_map=plan", f"hydra.searchpath=[file://{tmp_path}]")
     )
@@ -498,7 +495,9 @@ def test_tune_writes_a_plan_file_that_loads_as_tuned(tmp_path, capsys):
     from recsys_pipe.testing import load_run
     from recsys_pipe.train import training_plan
 
-    code = plan(tmp_path, "pipeline=hstu_sparse_dist", f"costs={_costs(tmp_path)}", "tune=true", "tune_time_limit_s=5")
+    code = recsys_plan(
+        tmp_path, "pipeline=hstu_sparse_dist", f"costs={_costs(tmp_path)}", "tune=true", "tune_time_limit_s=5"
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "predicted step of the configured plan 'hstu_sparse_dist': 14.3 ms" in out
@@ -530,7 +529,7 @@ def test_tune_writes_a_plan_file_that_loads_as_tuned(tmp_path, capsys):
 def test_bad_costs_are_config_errors(tmp_path, capsys, args, path, fragment):
     missing = _costs(tmp_path, drop="forward")
     args = [a.replace("{costs_without_forward}", str(missing)) for a in args]
-    assert plan(tmp_path, *args) == 2
+    assert recsys_plan(tmp_path, *args) == 2
     err = capsys.readouterr().err
     assert f"error: {path}: " in err and fragment in err and "Traceback" not in err
 
@@ -544,7 +543,7 @@ def test_cpu_prefetch_layout(tmp_path, capsys, pipeline):
 
     def order(device: str) -> list[str]:
         out = tmp_path / device
-        assert plan(out, f"pipeline={pipeline}", f"trainer.device={device}") == 0
+        assert recsys_plan(out, f"pipeline={pipeline}", f"trainer.device={device}") == 0
         text = (out / "plan.txt").read_text().split("tasks, in topological order", 1)[1]
         rows = text.split("\n\n", 1)[0].splitlines()[3:]
         return [row.split()[1] for row in rows if row.strip() and row.split()[0].isdigit()]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from recsys_pipe.testing import worker_env
+
 BIN = Path(sys.executable).parent
 
 
@@ -49,7 +51,7 @@ def test_a_ctrl_c_swallowed_while_the_model_module_loads_ends_the_start(tmp_path
     builder, imported while the config is checked) swallows the Ctrl-C; nothing is trained."""
     tests = Path(__file__).resolve().parents[1]
     (tmp_path / "swallowing_model.py").write_text(SWALLOWS + "from custom_components import build_model\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(tests)])}
+    env = worker_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(tests)]))
     overrides = ["model=custom", "model.builder=swallowing_model:build_model", "+model.hidden=8"]
     overrides += ["data=custom", "data.builder=custom_components:build_data", "trainer=smoke"]
     proc = subprocess.run(

@@ -13,10 +13,10 @@ import pytest
 
 from recsys_pipe.cli.data import main as run
 from recsys_pipe.config import ConfigError
-from recsys_pipe.data import text_files
-from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, read_criteo
-from recsys_pipe.data.interactions_file import CsvConfig
-from recsys_pipe.data.sequences import read_interactions
+from recsys_pipe.data.in_memory.sequences import read_interactions
+from recsys_pipe.data.text import files as text_files
+from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, read_criteo
+from recsys_pipe.data.text.interactions import CsvConfig
 
 BIN = Path(sys.executable).parent
 

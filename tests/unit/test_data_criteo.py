@@ -13,7 +13,7 @@ import torch
 
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import CriteoBatch, CriteoDataConfig, CriteoSyntheticDataConfig, make_dataloader, read_criteo
-from recsys_pipe.data.criteo import CATEGORICAL_KEYS, NUM_CATEGORICAL, transform_dense
+from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, NUM_CATEGORICAL, transform_dense
 from recsys_pipe.testing import fork_ranks
 
 BIN = Path(sys.executable).parent

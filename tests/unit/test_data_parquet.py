@@ -13,15 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.config import ConfigError
-from recsys_pipe.data.criteo import CriteoDataConfig
 from recsys_pipe.data.ids import fnv1a64, splitmix64
-from recsys_pipe.data.loader import RankData
+from recsys_pipe.data.in_memory.criteo import CriteoDataConfig
+from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.data.negatives import TRAIN, unseen_items
-from recsys_pipe.data.parquet import ParquetDataConfig
-from recsys_pipe.data.parquet_files import DataFileError
-from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig, item_vocab_metadata
-from recsys_pipe.data.sequences import SequencesDataConfig
-from recsys_pipe.data.stream import Layout, rank_pieces
+from recsys_pipe.data.parquet.decode import item_vocab_metadata
+from recsys_pipe.data.parquet.files import DataFileError
+from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig
+from recsys_pipe.data.parquet.stream import Layout, rank_pieces
+from recsys_pipe.data.parquet.tabular import ParquetDataConfig
+from recsys_pipe.data.source import RankData
 
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(13)), *(f"cat_{i}" for i in range(26))]
 
@@ -221,7 +222,7 @@ def test_another_global_batch_size_is_refused_in_one_line(criteo):
 def test_a_map_style_source_continues_the_same_epoch_on_another_world_size(caplog):
     """The 2-rank checkpoint at step 170 of 256-batch epochs resumed on 1 rank: it continues in
     epoch 1 at the same share of it (it used to jump to the epoch's end and train nothing)."""
-    from recsys_pipe.data.synthetic import SyntheticDataConfig
+    from recsys_pipe.data.in_memory.synthetic import SyntheticDataConfig
 
     cfg = SyntheticDataConfig(num_batches=256, batch_size=2, synthetic={"num_samples": 1024})
     data = RankData(cfg, 0, 1)
@@ -256,7 +257,7 @@ def test_workers_hand_windows_over_in_reused_blocks_and_every_batch_stays_intact
     falls; 3, the default: always in blocks."""
     from unittest import mock
 
-    from recsys_pipe.data import stream
+    from recsys_pipe.data.parquet import stream
 
     glob, _ = criteo
     kw = {"batch_size": batch_size, "shuffle": shuffle, "shuffle_window": window, "seed": 3}
@@ -272,7 +273,7 @@ def _assert_handed_over_intact(handed, local, fields, handoffs, depth) -> None:
     """Every batch a worker handed over equals (values and dtypes) the one decoded in this process,
     and the pieces crossed as ring depth `depth` says: 0, always fresh shared memory; the
     default (`_PREFETCH + 1`), always reused blocks."""
-    from recsys_pipe.data import stream
+    from recsys_pipe.data.parquet import stream
 
     for a, b in zip(handed, local, strict=True):
         assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(fields(a), fields(b)))
@@ -588,8 +589,8 @@ def test_sequence_workers_hand_parts_over_in_reused_blocks_and_every_batch_stays
     every time, 3 (the default): always blocks."""
     from unittest import mock
 
-    import recsys_pipe.data.parquet_sequences as source
-    from recsys_pipe.data import stream
+    import recsys_pipe.data.parquet.sequences as source
+    from recsys_pipe.data.parquet import stream
 
     path = stamped_sequences if stamped else sequences[1]
     kw = {"path": path, "batch_size": 8, "shuffle": True, "shuffle_window": 40, "max_seq_len": 6, "seed": 5}
@@ -632,7 +633,7 @@ def test_sequence_negatives_depend_on_the_user_not_its_batch_rank_or_worker(sequ
 def test_sequence_windows_give_the_same_batches_in_parts_of_any_size(sequences, monkeypatch):
     """A window is handed out in parts (`_PART_ROWS` users); the size of the parts changes no
     batch: parts of one batch, of three, and whole windows give bitwise the same batches."""
-    import recsys_pipe.data.parquet_sequences as source
+    import recsys_pipe.data.parquet.sequences as source
 
     _, pqt = sequences
     cfg = ParquetSequencesDataConfig(path=pqt, batch_size=8, shuffle=True, shuffle_window=40, num_workers=1)

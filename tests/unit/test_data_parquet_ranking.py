@@ -1,4 +1,4 @@
-"""`data=parquet_sequences` for HSTU ranking (`recsys_pipe.data.parquet_ranking`): the model picks
+"""`data=parquet_sequences` for HSTU ranking (`recsys_pipe.data.parquet.ranking`): the model picks
 what the source serves, windowed Parquet gives `data=movielens`' batches, shuffles and resumes by
 position with workers, and bad files are refused in one line naming file, row group and column.
 (Training losses against `data=movielens`: tests/unit/test_data_file_vs_parquet.py.)"""
@@ -13,13 +13,13 @@ import torch
 
 from recsys_pipe.cli.data import main as recsys_data
 from recsys_pipe.config import ConfigError
-from recsys_pipe.data import parquet_sequences
 from recsys_pipe.data.batch import MASKED_ACTION
-from recsys_pipe.data.loader import RankData, SequenceDataConfig
-from recsys_pipe.data.movielens import MovieLensDataConfig
-from recsys_pipe.data.parquet_files import DataFileError
-from recsys_pipe.data.parquet_ranking import ParquetRankingDataConfig
-from recsys_pipe.data.parquet_sequences import ParquetSequencesDataConfig
+from recsys_pipe.data.in_memory.movielens import MovieLensDataConfig
+from recsys_pipe.data.parquet import sequences as parquet_sequences
+from recsys_pipe.data.parquet.files import DataFileError
+from recsys_pipe.data.parquet.ranking import ParquetRankingDataConfig
+from recsys_pipe.data.parquet.sequences import ParquetSequencesDataConfig
+from recsys_pipe.data.source import RankData, SequenceDataConfig
 from recsys_pipe.testing import load_run
 
 

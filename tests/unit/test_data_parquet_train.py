@@ -26,7 +26,7 @@ def info():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """900 Criteo-layout rows in two files, row groups of 100; and sequence Parquet of 80 users."""
-    from recsys_pipe.data.parquet_sequences import item_vocab_metadata
+    from recsys_pipe.data.parquet.decode import item_vocab_metadata
 
     d = tmp_path_factory.mktemp("train")
     rng = np.random.default_rng(0)

@@ -8,10 +8,11 @@ from _profiling import (
     chrome_trace_events,
     kernel_streams_by_label,
     profile_all_threads,
+    traced_plan,
 )
 from torch.profiler import ProfilerActivity, profile
 
-from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, Task, TaskGraph, ThreadedExecutor
+from recsys_pipe.engine import PlanRunner, RecordFunctionRanges, ThreadedExecutor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,19 +23,8 @@ def work(ctx):
     ctx.slots.set(ctx.task.writes[0].name, torch.ones(8) * ctx.batch_index)
 
 
-def plan():
-    return TaskGraph.single_group(
-        [
-            Task.from_fn("h2d", work, stream="memcpy", lookahead=2, writes=["gpu"], nvtx_tag="copy batch"),
-            Task.from_fn("dist", work, stream="comm", lookahead=1, reads=["gpu"], writes=["dist"]),
-            Task.from_fn("forward", work, reads=["dist"], writes=["loss"]),
-            Task.from_fn("backward", work, reads=["loss"], writes=["step_result"]),
-        ]
-    )
-
-
 def profiled_ranges(tmp_path, **profile_kwargs):
-    task_graph = plan()
+    task_graph = traced_plan(work)
     labels = {t.label for t in task_graph.tasks}
     with PlanRunner(task_graph, executor=ThreadedExecutor("by_stream"), observer=RecordFunctionRanges()) as runner:
         list(runner.iterate(range(2)))  # the worker threads exist before the profiler starts

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys_pipe.cli.plan import run
+from recsys_pipe.testing import recsys_plan
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
@@ -27,21 +27,17 @@ FAMILY = {
 }
 
 
-def plan(tmp_path: Path, *argv: str) -> int:
-    return run([*argv, f"hydra.run.dir={tmp_path}"])
-
-
 @pytest.mark.parametrize("pipeline", sorted(FAMILY))
 @pytest.mark.parametrize("thread_map", ["hstu_default", "by_stream", "per_task"])
 def test_family_plans_print_exactly_their_reference_text(tmp_path, capsys, pipeline, thread_map):
-    assert plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}", "trainer.device=cuda") == 0
+    assert recsys_plan(tmp_path, f"pipeline={pipeline}", f"thread_map={thread_map}", "trainer.device=cuda") == 0
     expected = (GOLDEN / f"plan_{pipeline}.{thread_map}.txt").read_text()  # as declared: planned for a GPU
     assert (tmp_path / "plan.txt").read_text() == expected
 
 
 @pytest.mark.parametrize("pipeline", sorted(FAMILY))
 def test_family_plans_are_drawn(tmp_path, capsys, pipeline):
-    assert plan(tmp_path, f"pipeline={pipeline}", "plot=true") == 0
+    assert recsys_plan(tmp_path, f"pipeline={pipeline}", "plot=true") == 0
     for name in ("plan_timing.png", "plan_dag.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
@@ -66,7 +62,7 @@ def test_schedules_follow_torchrecs_order(tmp_path, capsys):
     """The order each iteration submits the tasks in is torchrec's order within `progress()`."""
 
     def order(pipeline: str) -> list[str]:
-        assert plan(tmp_path / pipeline, f"pipeline={pipeline}") == 0
+        assert recsys_plan(tmp_path / pipeline, f"pipeline={pipeline}") == 0
         text = (tmp_path / pipeline / "plan.txt").read_text().split("tasks, in topological order", 1)[1]
         rows = text.split("\n\n", 1)[0].splitlines()[3:]
         return [row.split()[1] for row in rows if row.strip() and row.split()[0].isdigit()]

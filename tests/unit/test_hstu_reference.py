@@ -32,7 +32,8 @@ from recsys_pipe.bench.hstu import (
     reference_gradients,
     reference_inputs,
 )
-from recsys_pipe.data.sequences import INPUT_KEY, SequencesDataConfig, collate_retrieval
+from recsys_pipe.data.batch import INPUT_KEY, collate_retrieval
+from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalConfig, build_hstu_retrieval
 from recsys_pipe.models.retrieval import ITEM_TABLE, left_pad, padded_times
 

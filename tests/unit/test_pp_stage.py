@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from recsys_pipe.pp import ChainedStages, StageRuntime, microbatch_seed, seeded_dropout
+from recsys_pipe.models.dropout import microbatch_seed, seeded_dropout
+from recsys_pipe.pp import ChainedStages, StageRuntime
 from recsys_pipe.pp.p2p import PeerLink
 
 
@@ -110,7 +111,7 @@ def test_stage_neighbours_are_checked():
 def test_hstu_split_into_stages_computes_the_models_loss_and_gradients_bitwise(use_user, relative_bias):
     from recsys_pipe.data import SyntheticConfig, SyntheticDataConfig, make_dataloader
     from recsys_pipe.models import HSTUConfig, build_hstu
-    from recsys_pipe.pp.models import hstu_stages
+    from recsys_pipe.models.hstu_cut import hstu_stages
 
     synthetic = SyntheticConfig(num_items=100, num_users=50, num_clusters=4)
     data = SyntheticDataConfig(
@@ -176,9 +177,9 @@ def test_sasrec_split_into_stages_computes_the_models_loss_and_gradients_bitwise
     """Chained on one rank under one microbatch key: the keyed dropout sites (the attention
     weights' too) draw the same masks in the model and in its stages."""
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
+    from recsys_pipe.models.retrieval_cut import sasrec_stages
     from recsys_pipe.models.sasrec import SASRecConfig
-    from recsys_pipe.pp.models import sasrec_stages
 
     data = SequencesDataConfig(path=str(_sequences_file(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
     torch.manual_seed(0)
@@ -199,9 +200,9 @@ def test_hstu_retrieval_split_into_stages_computes_the_models_loss_and_gradients
     """Chained on one rank under one microbatch key: the keyed dropout sites draw the same masks
     in the model and in its stages."""
     from recsys_pipe.data import make_dataloader
-    from recsys_pipe.data.sequences import SequencesDataConfig
+    from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
     from recsys_pipe.models.retrieval_config import HSTURetrievalConfig
-    from recsys_pipe.pp.models import hstu_retrieval_stages
+    from recsys_pipe.models.retrieval_cut import hstu_retrieval_stages
 
     data = SequencesDataConfig(path=str(_sequences_file(tmp_path)), batch_size=8, max_seq_len=20, eval_negatives=5)
     torch.manual_seed(0)

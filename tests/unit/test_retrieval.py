@@ -25,19 +25,10 @@ from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNorm
 from recsys_pipe.cli import train as train_cli
 from recsys_pipe.config import ConfigError
 from recsys_pipe.data import make_dataloader
-from recsys_pipe.data.loader import RankData
+from recsys_pipe.data.batch import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, POS_KEY, collate_retrieval
+from recsys_pipe.data.in_memory.sequences import SequencesDataConfig, SequencesDataset, read_interactions
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
-from recsys_pipe.data.sequences import (
-    CAND_KEY,
-    CATALOG_KEY,
-    INPUT_KEY,
-    NEG_KEY,
-    POS_KEY,
-    SequencesDataConfig,
-    SequencesDataset,
-    collate_retrieval,
-    read_interactions,
-)
+from recsys_pipe.data.source import RankData
 from recsys_pipe.models.hstu_retrieval import HSTURetrievalConfig
 from recsys_pipe.models.retrieval import gathered_scores, left_pad, padded_times
 from recsys_pipe.models.sasrec import SASRecConfig
@@ -116,7 +107,7 @@ def test_recsys_train_refuses_a_bad_file_with_exit_2(tmp_path, capsys, no_proces
 
 def test_leave_one_out_split_is_the_papers():
     seqs = [[0, 1, 2, 3, 4], [5, 6], [7, 8, 9]]
-    from recsys_pipe.data.sequences import Interactions
+    from recsys_pipe.data.in_memory.sequences import Interactions
 
     data = Interactions([1, 2, 3], [list(s) for s in seqs], [list(range(len(s))) for s in seqs])
     ds = SequencesDataset(data, max_seq_len=50, eval_negatives=2)
@@ -134,7 +125,7 @@ def test_leave_one_out_split_is_the_papers():
 
 
 def test_long_sequences_keep_their_last_items():
-    from recsys_pipe.data.sequences import Interactions
+    from recsys_pipe.data.in_memory.sequences import Interactions
 
     seq = list(range(20))
     other = [100, 101]  # items user 1 never saw, for its negatives

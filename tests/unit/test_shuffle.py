@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsys_pipe.data import ITEM_KEY, SequenceBatch, SyntheticConfig, SyntheticDataConfig, make_dataloader
-from recsys_pipe.data.batch import jagged_select, kjt_concat, kjt_select
-from recsys_pipe.data.criteo import CriteoBatch
+from recsys_pipe.data.batch import CriteoBatch, jagged_select, kjt_concat, kjt_select
 from recsys_pipe.engine import PlanRunner, StreamPool, Task, TaskGraph, ThreadedExecutor
 from recsys_pipe.models import HSTUConfig
 from recsys_pipe.train import tasks

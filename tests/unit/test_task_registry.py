@@ -114,9 +114,14 @@ def test_the_shipped_tasks_see_a_typed_state():
         assert typing.get_origin(hint) is TaskContext and typing.get_args(hint) == (TrainState,), name
 
 
-def test_lookup_imports_the_builtin_task_modules():
+def test_the_training_package_names_its_task_modules_and_a_lookup_imports_them():
+    """`recsys_pipe.config` names no task module (it sits below the training package); importing
+    `recsys_pipe.train` names the shipped ones, and the first lookup imports them."""
     code = (
-        "import sys\nfrom recsys_pipe.config import TASKS\n"
+        "import sys\nfrom recsys_pipe.config import TASKS, UnknownTaskError\n"
+        "try:\n    TASKS.lookup('h2d')\nexcept UnknownTaskError:\n    pass\n"
+        "else:\n    raise AssertionError('the config package found a shipped task by itself')\n"
+        "import recsys_pipe.train\n"
         "assert 'recsys_pipe.train.tasks' not in sys.modules\n"
         "spec = TASKS.lookup('h2d')\n"
         "assert 'recsys_pipe.train.tasks' in sys.modules and spec.fn is sys.modules['recsys_pipe.train.tasks'].h2d\n"
@@ -364,14 +369,14 @@ def _strings(tree: ast.AST) -> list[str]:
 
 def test_no_module_names_a_task_by_its_import_path():
     """Behaviour is decided by registry entries: no source string spells a task module or a task's
-    import path, except the registry's list of the modules to import."""
+    import path, except the training package's list of its task modules."""
     modules = {spec.fn.__module__ for spec in map(TASKS.lookup, TASKS.names)}
-    registry = Path(recsys_pipe.__file__).parent / "config" / "task_registry.py"
+    train = Path(recsys_pipe.__file__).parent / "train" / "__init__.py"
     for path in SOURCES:
         tree = ast.parse(path.read_text())
         for text in _strings(tree):
-            if path == registry and text in modules:
-                continue  # BUILTIN_TASK_MODULES
+            if path == train and text in modules:
+                continue  # TASK_MODULES
             for module in modules:
                 assert module not in text, f"{path}: {text!r}"
 

@@ -12,7 +12,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from recsys_pipe.config import CompiledPlan
-    from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.data.batch import DataSpec
     from recsys_pipe.engine import StreamPool
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.train.config import RunConfig

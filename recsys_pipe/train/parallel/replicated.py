@@ -18,7 +18,7 @@ from recsys_pipe.train.parallel.base import Parallelism
 
 if TYPE_CHECKING:
     from recsys_pipe.config import CompiledPlan
-    from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.data.batch import DataSpec
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.train.parallel.topology import Topology
     from recsys_pipe.train.rng import RngState

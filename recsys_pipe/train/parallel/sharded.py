@@ -20,7 +20,7 @@ from recsys_pipe.train.parallel.replicated import seeded_model
 
 if TYPE_CHECKING:
     from recsys_pipe.config import CompiledPlan
-    from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.data.batch import DataSpec
     from recsys_pipe.engine import StreamPool
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.train.parallel.topology import Topology

@@ -22,7 +22,7 @@ from recsys_pipe.train.parallel.sharded import describe_sharding
 
 if TYPE_CHECKING:
     from recsys_pipe.config import CompiledPlan
-    from recsys_pipe.data.spec import DataSpec
+    from recsys_pipe.data.batch import DataSpec
     from recsys_pipe.pp.schedules import ResolvedSchedule
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.train.parallel.topology import Topology

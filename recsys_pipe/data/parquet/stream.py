@@ -19,7 +19,7 @@ need every row group of the epoch before the first batch.
 **Position.** Batch `p` of a run is batch `p % P` of epoch `p // P`; its window and its offset in
 the window follow from the metadata, so a run resumed at `p` starts decoding at that window and
 drops the rows before the offset: nothing is replayed. The number of batches trained is the
-whole data state (as for the map-style sources, `recsys_pipe.data.loader`).
+whole data state (as for the map-style sources, `recsys_pipe.data.source`).
 
 **Workers.** A window is one item of a map-style dataset (`WindowDataset`): one DataLoader worker
 decodes it whole, into rows that are tensors (`Rows`), and the main process cuts the windows'
@@ -61,8 +61,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.loader import PositionalSource
-from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles
+from recsys_pipe.data.source import PositionalSource
 
 __all__ = [
     "Alloc",

@@ -16,7 +16,7 @@ this module imports no torchrec (a plain-torch DLRM trains on it where torchrec 
 
 Rank `r` of `w` owns the contiguous rows `[N r / w, N (r + 1) / w)` of the file's N rows (at most
 `data.max_rows`): it counts the file's line ends (a byte scan) and parses only its own lines,
-through pyarrow (`recsys_pipe.data.criteo_tsv`), keeping them in memory. A malformed row stops the
+through pyarrow (`recsys_pipe.data.text.criteo_tsv`), keeping them in memory. A malformed row stops the
 rank that owns it with `<file>:<line>: <problem>`. For files larger than memory, convert them
 (`recsys-data convert criteo`) and train with `data=parquet`, which streams.
 """
@@ -24,47 +24,35 @@ rank that owns it with `<file>:<line>: <problem>`. For files larger than memory,
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
-import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import Section, builder_field
-from recsys_pipe.data.batch import TensorBatch
-from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
-from recsys_pipe.data.loader import readable_file
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.tabular import TabularDataConfig
+from recsys_pipe.data.batch import CriteoSample, DataSpec, collate_criteo
+from recsys_pipe.data.source import TabularDataConfig, readable_file
+from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
 
 if TYPE_CHECKING:
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    pass
 
 __all__ = [
     "CATEGORICAL_KEYS",
     "DENSE_NAMES",
-    "CriteoBatch",
     "CriteoDataConfig",
     "CriteoDataset",
     "CriteoSyntheticConfig",
     "CriteoSyntheticDataConfig",
     "CriteoSyntheticDataset",
     "CriteoLayoutConfig",
-    "collate_criteo",
     "criteo_dataset",
     "criteo_synthetic_dataset",
     "read_criteo",
     "transform_dense",
     "transform_dense_into",
 ]
-
-
-CriteoSample = tuple[np.ndarray, np.ndarray, float, int]
-"""(dense features [13] float32, hashed categorical ids [26] int64, label, sample id)."""
 
 
 def transform_dense(raw: np.ndarray) -> np.ndarray:
@@ -85,76 +73,6 @@ def transform_dense_into(raw: np.ndarray, out: np.ndarray, same: np.ndarray, wid
     np.sign(raw, out=same)
     np.multiply(same, wide, out=wide)
     out[...] = wide
-
-
-# -- batch ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class CriteoBatch(TensorBatch):
-    """A collated batch of Criteo rows.
-
-    Attributes:
-        dense_features: `[B, 13]` float32, transformed integer features.
-        sparse_ids: `[B, 26]` int64, hashed categorical ids (one per feature: Criteo's categorical
-            features are single-valued).
-        labels: `[B, 1]` float32 clicks.
-        sample_ids: `[B]` int64, globally unique row ids.
-        keys: the KJT key of each column of `sparse_ids`.
-    """
-
-    dense_features: torch.Tensor
-    sparse_ids: torch.Tensor
-    labels: torch.Tensor
-    sample_ids: torch.Tensor
-    keys: tuple[str, ...] = CATEGORICAL_KEYS
-
-    @cached_property
-    def sparse_features(self) -> KeyedJaggedTensor:
-        """The ids as a torchrec KJT (key-major, one id per sample and key), built on first use on
-        the batch's device; models with torchrec tables read it, plain torch models read
-        `sparse_ids`."""
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        ids = self.sparse_ids
-        return KeyedJaggedTensor(
-            keys=list(self.keys),
-            values=ids.t().reshape(-1),
-            lengths=torch.ones(ids.numel(), dtype=torch.int32, device=ids.device),
-        )
-
-    def num_loss_tokens(self) -> torch.Tensor:
-        """One loss term per sample."""
-        return torch.full((1,), self.sample_ids.numel(), dtype=torch.int64, device=self.sample_ids.device)
-
-    def select(self, index: torch.Tensor) -> CriteoBatch:
-        """The rows at `index` (a `[k]` int64 tensor of positions), as a new batch (for the batch shuffler)."""
-        index = index.to(self.sample_ids.device)
-        return CriteoBatch(
-            self.dense_features[index], self.sparse_ids[index], self.labels[index], self.sample_ids[index], self.keys
-        )
-
-    @classmethod
-    def concat(cls, batches: Sequence[CriteoBatch]) -> CriteoBatch:
-        """The rows of `batches`, in order, as one batch (for the batch shuffler)."""
-        return CriteoBatch(
-            torch.cat([b.dense_features for b in batches]),
-            torch.cat([b.sparse_ids for b in batches]),
-            torch.cat([b.labels for b in batches]),
-            torch.cat([b.sample_ids for b in batches]),
-            batches[0].keys,
-        )
-
-
-def collate_criteo(samples: Sequence[CriteoSample]) -> CriteoBatch:
-    """Stack samples into a `CriteoBatch`."""
-    dense, ids, labels, sample_ids = zip(*samples)
-    return CriteoBatch(
-        dense_features=torch.from_numpy(np.stack(dense)),
-        sparse_ids=torch.from_numpy(np.stack(ids)),
-        labels=torch.tensor(labels, dtype=torch.float32).reshape(-1, 1),
-        sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
-    )
 
 
 # -- configs --------------------------------------------------------------------------------------
@@ -194,7 +112,7 @@ class CriteoDataConfig(CriteoLayoutConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["criteo"] = "criteo"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.criteo:criteo_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.in_memory.criteo:criteo_dataset")
     path: StrictStr = Field(description="Criteo-format TSV: label, 13 integer, 26 hexadecimal categorical columns")
     max_rows: StrictInt | None = Field(
         None, ge=1, description="read at most this many rows from the start of the file (null: all)"
@@ -219,7 +137,7 @@ class CriteoSyntheticDataConfig(CriteoLayoutConfig):
     SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
 
     name: Literal["criteo_synthetic"] = "criteo_synthetic"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.criteo:criteo_synthetic_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.in_memory.criteo:criteo_synthetic_dataset")
     synthetic: CriteoSyntheticConfig = Field(default_factory=CriteoSyntheticConfig, description="the generated world")
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field, StrictBool, StrictStr
 
 from recsys_pipe.config import Section
-from recsys_pipe.data.text_files import fail
+from recsys_pipe.data.text.files import fail
 
 __all__ = ["ROLES", "CsvConfig", "InteractionColumns", "ColumnLayout", "detect_layout", "read_interaction_columns"]
 

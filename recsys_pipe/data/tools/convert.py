@@ -3,7 +3,7 @@
 `convert_criteo`: Criteo TSV files (Kaggle `train.txt`, Terabyte `day_N`) -> one Parquet file per
 input: `label` (int8), `int_0`..`int_12` (int64, raw, empty -> 0), `cat_0`..`cat_25` (int64, the
 hexadecimal id as an integer, empty -> 0), row groups of `row_group_size` rows. The input streams
-through in chunks of whole lines (`recsys_pipe.data.text_files`), parsed by pyarrow's CSV reader on
+through in chunks of whole lines (`recsys_pipe.data.text.files`), parsed by pyarrow's CSV reader on
 a pool of threads, so memory stays bounded whatever the file's size; a bad row stops the
 conversion with the same `<file>:<line>: <problem>` line as `data=criteo` and leaves no output.
 
@@ -11,9 +11,9 @@ conversion with the same `<file>:<line>: <problem>` line as `data=criteo` and le
 per user in sorted raw-id order: `user_id` (int64), `item_ids` (list<int64>, chronological),
 `timestamps` (list<int64>, MovieLens only) and `actions` (list<double>: the ratings, MovieLens
 only). Ids stay raw; the file's key-value metadata carries the sorted distinct item ids
-(`recsys_pipe.data.parquet_sequences.item_vocab_metadata`), from which the reading source numbers
+(`recsys_pipe.data.parquet.sequences.item_vocab_metadata`), from which the reading source numbers
 the items as `data=sequences` does. With `windows` (HSTU ranking), one row per window of a user's
-ratings instead, cut as `data=movielens` cuts them (`recsys_pipe.data.parquet_ranking` says why).
+ratings instead, cut as `data=movielens` cuts them (`recsys_pipe.data.parquet.ranking` says why).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, CriteoRows, parse_criteo_chunk
-from recsys_pipe.data.criteo_tsv import LAYOUT as CRITEO_LAYOUT
-from recsys_pipe.data.interactions_file import CsvConfig
-from recsys_pipe.data.text_files import check_text_head, line_chunks, parallel_map
+from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, CriteoRows, parse_criteo_chunk
+from recsys_pipe.data.text.criteo_tsv import LAYOUT as CRITEO_LAYOUT
+from recsys_pipe.data.text.files import check_text_head, line_chunks, parallel_map
+from recsys_pipe.data.text.interactions import CsvConfig
 
 __all__ = ["ConvertedFile", "convert_criteo", "convert_sequences", "criteo_schema"]
 
@@ -195,14 +195,14 @@ def convert_sequences(
     `num_candidates` events dropped; rows are the windows of the users in sorted raw-id order,
     each user's oldest first. The file needs ratings (they become the action ids and labels).
     The cut (`windows_metadata`) and the user vocabulary (`user_vocab_metadata`) go into the
-    key-value metadata (`recsys_pipe.data.parquet_ranking`).
+    key-value metadata (`recsys_pipe.data.parquet.ranking`).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys_pipe.data.parquet_ranking import user_vocab_metadata, windows_metadata
-    from recsys_pipe.data.parquet_sequences import item_vocab_metadata
-    from recsys_pipe.data.sequences import read_interactions
+    from recsys_pipe.data.in_memory.sequences import read_interactions
+    from recsys_pipe.data.parquet.decode import item_vocab_metadata
+    from recsys_pipe.data.parquet.ranking import user_vocab_metadata, windows_metadata
 
     if windows is not None and not 0 < num_candidates < windows:
         raise _refuse(f"need 0 < --num-candidates ({num_candidates}) < --windows ({windows})", "--num-candidates")

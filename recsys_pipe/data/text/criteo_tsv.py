@@ -5,7 +5,7 @@ the Kaggle display-advertising challenge's `train.txt` and of the Terabyte click
 files. An integer may be empty (read as 0); a categorical value is a hexadecimal id, possibly
 empty (read as 0).
 
-Parsing is chunked (`recsys_pipe.data.text_files`): pyarrow's CSV reader and vectorised checks
+Parsing is chunked (`recsys_pipe.data.text.files`): pyarrow's CSV reader and vectorised checks
 read a chunk of whole lines at once; a chunk they refuse is parsed again line by line
 (`_parse_line`), which names the file and line of the first bad row, or accepts what the strict
 fast path refused (Python's `int(v, 16)` also reads `0x1f` or ` 1f`). This module imports no
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.text_files import Chunk, check_text_head, count_lines, line_chunks, parallel_map, share
+from recsys_pipe.data.text.files import Chunk, check_text_head, count_lines, line_chunks, parallel_map, share
 
 __all__ = [
     "CATEGORICAL_KEYS",
@@ -80,7 +80,7 @@ def read_criteo(
     """Parse this rank's rows of a Criteo TSV file: the contiguous rows `share(N, rank, world_size)`
     of its N rows (at most `max_rows`, from the start).
 
-    The rank finds its lines by counting line ends (`recsys_pipe.data.text_files.count_lines`) and
+    The rank finds its lines by counting line ends (`recsys_pipe.data.text.files.count_lines`) and
     parses only its own, through pyarrow (`parse_criteo_chunk`).
 
     Args:

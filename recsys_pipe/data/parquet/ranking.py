@@ -3,7 +3,7 @@ with `data=movielens`'s keys, samples and labels (`model=hstu`, `hstu_small`).
 
 A model that trains on `Sample` sources (`SequenceDataConfig`, its `ModelConfig.data_kind`) gets
 `data=parquet_sequences` as a `ParquetRankingDataConfig` (`ParquetSequencesDataConfig.as_kind`);
-next-item retrieval models get the same files as users (`recsys_pipe.data.parquet_sequences`).
+next-item retrieval models get the same files as users (`recsys_pipe.data.parquet.sequences`).
 
 **One row is one sample.** A row holds `user_id` (int), `item_ids` (list of int, chronological),
 optionally `timestamps` (list of int, the same lengths; absent: the positions in the row stand
@@ -13,7 +13,7 @@ last `data.num_candidates` are the ranking candidates. A history event's rating 
 action id, `round(2 * rating)` (halves to even, as Python's `round`); a candidate's action id is
 `MASKED_ACTION`, and its rating gives its labels: task `k` is `rating >= data.thresholds[k]`.
 So the batches per epoch follow from the row counts in the footers, as the streaming machinery
-needs (`recsys_pipe.data.stream`).
+needs (`recsys_pipe.data.parquet.stream`).
 
 **Why rows are windows, not users.** `data=movielens` cuts each user's ratings, from the most
 recent end, into windows of at most `max_seq_len`, dropping a window with no history; how many
@@ -56,22 +56,20 @@ import torch
 from pydantic import StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, SequenceBatch
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
+from recsys_pipe.data.in_memory.movielens import NUM_ACTIONS
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
-from recsys_pipe.data.loader import SequenceDataConfig
-from recsys_pipe.data.movielens import NUM_ACTIONS
-from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
-from recsys_pipe.data.parquet_sequences import (
-    ParquetSequenceKeys,
-    PartedStreamSource,
-    _item_vocab,
-    _list_chunks,
-    _list_type,
-    _SequenceDecoder,
+from recsys_pipe.data.parquet.decode import (
+    SequenceDecoder,
     check_sequence_columns,
+    is_list_type,
+    item_vocab,
+    list_chunks,
 )
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Fail
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.sequences import ParquetSequenceKeys, PartedStreamSource
+from recsys_pipe.data.parquet.stream import Fail
+from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = [
     "USER_VOCAB_KEY",
@@ -119,7 +117,7 @@ class ParquetRankingDataConfig(ParquetSequenceKeys, SequenceDataConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["parquet_sequences"] = "parquet_sequences"  # type: ignore[assignment]
-    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet_ranking:parquet_ranking_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet.ranking:parquet_ranking_dataset")
 
     @model_validator(mode="after")
     def _cut_from_the_files(self) -> ParquetRankingDataConfig:
@@ -224,7 +222,7 @@ class _WindowDecoder:
     its next part), the ratings here (kept alike)."""
 
     def __init__(
-        self, cfg: ParquetRankingDataConfig, sequences: _SequenceDecoder, actions: str, users: np.ndarray | None
+        self, cfg: ParquetRankingDataConfig, sequences: SequenceDecoder, actions: str, users: np.ndarray | None
     ) -> None:
         self.sequences, self.actions, self.user_vocab = sequences, actions, users
         self.columns = [*sequences.columns, actions]
@@ -311,7 +309,7 @@ class _WindowDecoder:
             first_row += len(chunk)
         ratings = values[0] if len(values) == 1 else np.concatenate(values)
         ratings_offsets = np.concatenate(offsets)
-        item_offsets = _list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
+        item_offsets = list_chunks(table.column(self.sequences.items), fail, self.sequences.items, "item ids")[1]
         if not np.array_equal(ratings_offsets, item_offsets):
             row = int(np.flatnonzero(np.diff(ratings_offsets) != np.diff(item_offsets))[0])
             raise fail(self.actions, f"lists of other lengths than {self.sequences.items!r}", row)
@@ -378,7 +376,7 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
                 f"has {schema.names}",
             )
         t = schema.field(i).type
-        if not (_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+        if not (is_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
             raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
@@ -406,11 +404,11 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
                 "set those (or null), or convert again with other --windows / --num-candidates",
             )
         )
-    vocab, num_items = _item_vocab(files, cfg.num_items)
+    vocab, num_items = item_vocab(files, cfg.num_items)
     users = _user_vocab(files) if cfg.use_user_feature else None
     vocab_sizes = {ITEM_KEY: num_items, ACTION_KEY: NUM_ACTIONS}
     if users is not None:
         vocab_sizes[USER_KEY] = len(users)
     spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
-    decoder = _WindowDecoder(cfg, _SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
+    decoder = _WindowDecoder(cfg, SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
     return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

@@ -3,7 +3,7 @@ the files' footers alone (nothing is decoded).
 
 Shows the schema, the rows, row groups and sizes of every file, and with a world size and batch
 size the batches per epoch and each rank's rows (the unshuffled epoch's row sequence, as
-`recsys_pipe.data.stream` shares it: rank `r` trains rows `[r * P * B, (r + 1) * P * B)`).
+`recsys_pipe.data.parquet.stream` shares it: rank `r` trains rows `[r * P * B, (r + 1) * P * B)`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import pyarrow.parquet as pq
 
-from recsys_pipe.data.parquet_files import ParquetFiles, open_parquet
-from recsys_pipe.data.stream import EpochOrder
+from recsys_pipe.data.parquet.files import ParquetFiles, open_parquet
+from recsys_pipe.data.parquet.stream import EpochOrder
 
 __all__ = ["describe"]
 

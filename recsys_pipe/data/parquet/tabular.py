@@ -9,7 +9,7 @@ With `data.columns` any columns map to labels (one or several: a multi-task mode
 and sparse features (an integer, string or list column each, with its own vocabulary size and
 id mapping, `recsys_pipe.data.ids`).
 
-How rows are shared, shuffled and resumed: `recsys_pipe.data.stream`. The reference of the keys:
+How rows are shared, shuffled and resumed: `recsys_pipe.data.parquet.stream`. The reference of the keys:
 docs/parquet.md.
 """
 
@@ -26,19 +26,12 @@ import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
-from recsys_pipe.data.criteo import (
-    CATEGORICAL_KEYS,
-    DENSE_NAMES,
-    CriteoBatch,
-    CriteoLayoutConfig,
-    transform_dense_into,
-)
+from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
 from recsys_pipe.data.ids import splitmix64, string_ids
+from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoLayoutConfig, transform_dense_into
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
-from recsys_pipe.data.parquet_files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.stream import Alloc, Fail, ReusedArrays, StreamSource, shared_empty
-from recsys_pipe.data.tabular import TabularBatch
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.stream import Alloc, Fail, ReusedArrays, StreamSource, shared_empty
 
 __all__ = [
     "ParquetDataConfig",
@@ -86,7 +79,7 @@ class ParquetDataConfig(CriteoLayoutConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["parquet"] = "parquet"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet:parquet_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.parquet.tabular:parquet_dataset")
     path: StrictStr | list[StrictStr] = Field(
         description="Parquet file, directory, glob or URI (file://, s3://, gs://, hdfs://), or a list of them"
     )

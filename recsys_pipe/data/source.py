@@ -1,4 +1,7 @@
-"""The per-rank DataLoader of batches, and `DataConfig`, the base of every data source's config.
+"""The source contract: `DataConfig`, the base of every data source's config, and the bases of
+the kinds of source a model trains on (`SequenceDataConfig`: HSTU ranking samples;
+`SequenceSourceConfig`: next-item retrieval users; `TabularDataConfig`: the DLRM family's rows),
+and the per-rank DataLoader of batches (`RankData`, `make_dataloader`).
 
 A data source is a builder and its config class (see `recsys_pipe.config.registry`):
 
@@ -30,20 +33,23 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validator
+from pydantic import Field, PrivateAttr, StrictBool, StrictInt, ValidationInfo, field_validator
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from recsys_pipe.config import Component, ConfigError, ConfigProblem
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import DataSpec
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "SPLITS",
     "DataConfig",
     "EpochSampler",
     "PositionalSource",
     "RankData",
     "SequenceDataConfig",
+    "SequenceSourceConfig",
+    "TabularDataConfig",
     "has_eval_splits",
     "make_dataloader",
     "readable_file",
@@ -116,9 +122,61 @@ class SequenceDataConfig(DataConfig):
         return num_candidates
 
 
+class TabularDataConfig(DataConfig):
+    """Base of the sources of tabular rows that the DLRM models train on.
+
+    A subclass's builder returns batches with `dense_features [B, num_dense]` float32,
+    `sparse_features` (a KJT with one key per feature of `spec().vocab_sizes`), `labels
+    [B, num_tasks]` float32 and `sample_ids [B]`; `spec()` (by default read from a one-rank
+    dataset) sizes the model. `multi_hot_features()` names the features with more than one id
+    per row (only torchrec's pooled tables take them).
+    """
+
+    def multi_hot_features(self) -> list[str]:
+        """The sparse features that hold a list of ids per row (none by default)."""
+        return []
+
+
+class SequenceSourceConfig(DataConfig):
+    """The keys of every next-item retrieval source (`data=sequences`, `data=parquet_sequences`):
+    batches of users, the sample length, the shuffle and the evaluation protocol."""
+
+    batch_size: StrictInt = Field(128, ge=1, description="samples (users) per batch per rank")
+    eval_batch_size: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="users per evaluation batch per rank (null: batch_size); larger batches fetch the catalogue for "
+        "full-corpus ranking less often",
+    )
+    max_seq_len: StrictInt = Field(50, ge=1, description="most recent interactions a sample feeds the model")
+    shuffle: StrictBool = Field(True, description="shuffle the training users every epoch (seeded by data.seed)")
+    eval_negatives: StrictInt = Field(
+        100, ge=1, description="sampled protocol: items the user never interacted with, ranked with the held-out one"
+    )
+    full_eval: StrictBool = Field(
+        True, description="also rank the held-out item against the whole catalogue (full-corpus protocol)"
+    )
+    #: training negatives drawn per target: derived from the model (`ModelConfig.data_for_model`),
+    #: never a key of its own, so the count is set once (`model.num_negatives`)
+    _negatives_per_target: int = PrivateAttr(1)
+
+    @property
+    def negatives_per_target(self) -> int:
+        """Training negatives drawn per target (1 unless the model asked for more)."""
+        return self._negatives_per_target
+
+    def with_negatives_per_target(self, count: int) -> SequenceSourceConfig:
+        """A copy of this config whose source draws `count` training negatives per target."""
+        if count < 1:
+            raise ValueError(f"negatives per target must be >= 1, got {count}")
+        copy = self.model_copy()
+        copy._negatives_per_target = count
+        return copy
+
+
 class PositionalSource(ABC):
     """A source that plans its own batches by position (the Parquet sources'
-    `recsys_pipe.data.stream.StreamSource`): a builder may return one instead of a map-style
+    `recsys_pipe.data.parquet.stream.StreamSource`): a builder may return one instead of a map-style
     dataset, and `RankData` delegates to it. Its data state is still the number of batches
     trained, and it maps a checkpoint's position onto its own layout (`resume_layout`)."""
 
@@ -203,6 +261,11 @@ class EpochSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return (self.epochs * self.batches_per_epoch - self.start) * self.batch_size
+
+
+#: the evaluation splits of a dataset that brings its own (`has_eval_splits`): next-item retrieval's
+#: leave-one-out validation and test items
+SPLITS = ("valid", "test")
 
 
 def has_eval_splits(dataset: Dataset) -> bool:

@@ -32,9 +32,8 @@ from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validato
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import Section, builder_field
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Sample, collate
-from recsys_pipe.data.loader import SequenceDataConfig
-from recsys_pipe.data.spec import DataSpec
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sample, collate
+from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = ["SyntheticConfig", "SyntheticDataConfig", "SyntheticSequenceDataset", "synthetic_dataset"]
 
@@ -73,7 +72,7 @@ class SyntheticDataConfig(SequenceDataConfig):
     SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
 
     name: Literal["synthetic"] = "synthetic"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.synthetic:synthetic_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.in_memory.synthetic:synthetic_dataset")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="the generated world")
 
     def spec(self) -> DataSpec:

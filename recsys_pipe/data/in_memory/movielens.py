@@ -3,7 +3,7 @@
 Reads both public layouts: ml-1m `ratings.dat` (`UserID::MovieID::Rating::Timestamp`, no
 header) and ml-20m/25m `ratings.csv` (header `userId,movieId,rating,timestamp`), and any other
 delimited file of user, item, rating and timestamp columns (`data.csv.*`, with or without a
-header; see `recsys_pipe.data.interactions_file`). Each user's
+header; see `recsys_pipe.data.text.interactions`). Each user's
 ratings are sorted by time and cut, from the most recent end, into windows of at most
 `max_seq_len` ratings (kept in time order); the last `num_candidates` ratings of a window are the ranking
 candidates. The action of a rating is `round(2 * rating)` (half stars in ml-20m), so actions
@@ -27,11 +27,10 @@ from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import builder_field
-from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, Sample, collate
-from recsys_pipe.data.interactions_file import CsvConfig, detect_layout, read_interaction_columns
-from recsys_pipe.data.loader import SequenceDataConfig, readable_file
-from recsys_pipe.data.spec import DataSpec
-from recsys_pipe.data.text_files import fail
+from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sample, collate
+from recsys_pipe.data.source import SequenceDataConfig, readable_file
+from recsys_pipe.data.text.files import fail
+from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, read_interaction_columns
 
 __all__ = ["MovieLensDataConfig", "MovieLensDataset", "movielens_dataset", "read_ratings"]
 
@@ -90,7 +89,7 @@ class MovieLensDataConfig(SequenceDataConfig):
     SIZE_KEY: ClassVar[str] = "data.path"
 
     name: Literal["movielens"] = "movielens"
-    builder: StrictStr | None = builder_field("recsys_pipe.data.movielens:movielens_dataset")
+    builder: StrictStr | None = builder_field("recsys_pipe.data.in_memory.movielens:movielens_dataset")
     path: StrictStr = Field(
         description="MovieLens ratings.dat (ml-1m) or ratings.csv (ml-20m/25m), or any delimited file of user, item, "
         "rating and timestamp columns (data.csv.*)"

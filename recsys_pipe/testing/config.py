@@ -1,0 +1,95 @@
+"""Config helpers for tests and benchmarks: compose a config as the CLIs do (`compose`), validate
+it (`load_run`), build or train its run in this process (`built_trainer`, `fit_run`), the
+overrides the parity workers train with (`parity_overrides`), and `recsys-plan` run in this
+process (`recsys_plan`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recsys_pipe.runtime import DistInfo
+    from recsys_pipe.train import Trainer, TrainSummary
+
+__all__ = ["built_trainer", "compose", "fit_run", "load_run", "parity_overrides", "recsys_plan"]
+
+
+def compose(*overrides: str, config_name: str = "config") -> Any:
+    """The DictConfig Hydra composes for `recsys-train` (config_name="train"/"config") or
+    `recsys-plan` ("plan") with these command-line overrides (without the `hydra` node)."""
+    from omegaconf import open_dict
+
+    from recsys_pipe.cli.compose import compose_config
+
+    cfg = compose_config(*overrides, config_name=config_name)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def load_run(*overrides: str, config_name: str = "config") -> Any:
+    """The validated `RunConfig` for these overrides (raises ConfigError like the CLIs)."""
+    from recsys_pipe.train.config import load_run_config
+
+    return load_run_config(compose(*overrides, config_name=config_name))
+
+
+@contextmanager
+def built_trainer(
+    info: DistInfo, overrides: Sequence[str], run_dir: str | os.PathLike | None = None
+) -> Iterator[Trainer]:
+    """The `Trainer` of the run these overrides configure, built in this process on `info`'s
+    process group the way `recsys-train` builds it, and closed on exit. With a `run_dir`
+    (created if missing) the run writes metrics and checkpoints there."""
+    from recsys_pipe.train import Trainer, build_parts, training_plan
+
+    run = load_run(*overrides)
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(build_parts(run, training_plan(run), info, None if run_dir is None else str(run_dir)))
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+
+
+def fit_run(
+    info: DistInfo,
+    overrides: Sequence[str],
+    run_dir: str | os.PathLike | None = None,
+    restore: str | None = None,
+) -> TrainSummary:
+    """Train the run these overrides configure (`built_trainer`), after restoring the checkpoint
+    at `restore` if given, and return its summary with every step's loss and sample ids."""
+    with built_trainer(info, overrides, run_dir) as trainer:
+        if restore is not None:
+            trainer.restore(restore)
+        return trainer.fit(record_steps=True)
+
+
+def parity_overrides(steps: int, device: str = "cpu", backend: str = "gloo") -> list[str]:
+    """The overrides every parity worker trains its variants with: SGD, no progress bar, no
+    evaluation, `steps` batches of 16 samples per rank and no step cap, on `device` with
+    `backend`."""
+    return [
+        "optimizer=sgd",
+        "trainer.progress_bar=false",
+        "trainer.eval_every=0",
+        f"trainer.device={device}",
+        f"trainer.backend={backend}",
+        "data.batch_size=16",
+        f"data.num_batches={steps}",
+        "trainer.max_steps=null",
+    ]
+
+
+def recsys_plan(run_dir: str | os.PathLike, *argv: str) -> int:
+    """`recsys-plan argv...` in this process with its run directory at `run_dir` (`plan.txt` and
+    the pictures go there); returns its exit code."""
+    from recsys_pipe.cli.plan import run
+
+    return run([*argv, f"hydra.run.dir={run_dir}"])

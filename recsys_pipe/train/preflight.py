@@ -1,0 +1,140 @@
+"""The pre-flight: everything a run refuses before any process group starts, and the build
+entry point of a run that passed it. The commands (`recsys_pipe.cli.launch`) call these two:
+`check_run(cfg)` for the checks (`recsys-train` runs them in `Launch.prepare`, `--check` and the
+sweep check run the same) and `CheckedRun.build(session)` for the trainer; what they do with a
+run in between is supervision (run directory, status, signals).
+
+Why the machine is checked here and not in the config schema: whether CUDA is visible is a fact
+about this machine, not about the config, but it is still the user's input that is wrong
+(`trainer.device=cuda` or `trainer.backend=nccl` on a machine without a GPU), so it is a
+ConfigError (exit 2, one line) found before any process group starts, never a traceback from
+inside `init_process_group`.
+
+`check_inputs` runs the checks that need the data as read but no process group; each lives
+with the component it concerns (the model's `check_spec`, the retrieval evaluation's
+`check_eval_dump`), so that the run and `--check` find the same problems. What the model's
+spread over the ranks needs of the device is `Parallelism.check`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
+from recsys_pipe.data import RankData
+from recsys_pipe.train.config import RunConfig, load_run_config
+from recsys_pipe.train.plan import pipelining_without_effect, training_plan
+
+if TYPE_CHECKING:
+    from recsys_pipe.runtime.session import RunSession
+    from recsys_pipe.train.trainer import Trainer
+
+__all__ = ["CheckedRun", "CommandCheck", "check_inputs", "check_plan", "check_run", "run_device"]
+
+log = logging.getLogger("recsys_pipe")
+
+#: a command's own checks of its run, plan and this rank's data (ConfigError), after the shared ones
+CommandCheck = Callable[[Any, CompiledPlan, RankData], None]
+
+
+def run_device(trainer: Any) -> Any:
+    """The `torch.device` this rank trains on (`trainer.device`), checked against
+    `trainer.backend`: NCCL needs CUDA tensors."""
+    from recsys_pipe.runtime import resolve_device
+
+    try:
+        device = resolve_device(trainer.device)
+    except RuntimeError as exc:
+        raise ConfigError(ConfigProblem("trainer.device", str(exc))) from None
+    if trainer.backend == "nccl" and device.type != "cuda":
+        where = "no CUDA device is visible" if trainer.device == "auto" else f"trainer.device={trainer.device}"
+        raise ConfigError(
+            ConfigProblem("trainer.backend", f"nccl needs CUDA and {where}; use trainer.backend=gloo (or auto)")
+        )
+    return device
+
+
+def check_inputs(run: Any, data: Any) -> None:
+    """ConfigError for what `run` would refuse after start-up, given this rank's `data` (a
+    `RankData`, read): the model against the data as read, and `trainer.eval_dump`."""
+    from recsys_pipe.train.retrieval_eval import check_eval_dump
+
+    problems = run.model.check_spec(data.spec)
+    if problems:
+        raise ConfigError(problems)
+    check_eval_dump(run.trainer.eval_dump, run.trainer.eval_every, data)
+
+
+@dataclass(frozen=True)
+class CheckedRun:
+    """A run the pre-flight accepted (`check_run`), ready to be built once its session started:
+    the run config, its compiled plan, this rank's data (read once, used by the run) and the
+    checkpoint this rank found for `trainer.resume_from`."""
+
+    run: RunConfig
+    plan: CompiledPlan
+    data: RankData
+    resume: Path | None
+
+    def start_notes(self) -> list[str]:
+        """What the main rank logs when the run starts: a plan that pipelines work the model does
+        not have (`pipelining_without_effect`)."""
+        warning = pipelining_without_effect(self.plan, self.run)
+        return [] if warning is None else [warning]
+
+    def build(self, session: RunSession) -> Trainer:
+        """The build phase in `session` (its process group, run directory, stop request and peer
+        health): every part the loop runs on, once, from the config; the trainer over them. A
+        relative `trainer.eval_dump` becomes a path inside the run directory."""
+        from recsys_pipe.train.build import build_parts
+        from recsys_pipe.train.retrieval_eval import eval_dump_path
+        from recsys_pipe.train.trainer import Trainer
+
+        run = self.run
+        eval_dump = eval_dump_path(run.trainer.eval_dump, session.run_dir)
+        run = run.model_copy(update={"trainer": run.trainer.model_copy(update={"eval_dump": eval_dump})})
+        if session.info.is_main and run.trainer.eval_dump is not None:
+            log.info("trainer.eval_dump: the best evaluation's test ranks go to %s", run.trainer.eval_dump)
+        parts = build_parts(run, self.plan, session.info, session.run_dir, data=self.data)
+        return Trainer(parts, stop=session.stop, health=session.health)
+
+
+def check_plan(cfg: DictConfig, schema: type[RunConfig] = RunConfig) -> tuple[RunConfig, CompiledPlan]:
+    """The config validated (`RunConfig`, or the command's `schema`) and its plan compiled: the
+    check of every job of a sweep before Hydra runs it (ConfigError, with config paths)."""
+    run = load_run_config(cfg, schema)
+    return run, training_plan(run)
+
+
+def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> CheckedRun:
+    """What a run refuses before any process group starts, except its directory: the config,
+    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
+    on this device and hosts (`Parallelism.check`), the table shapes of the checkpoint, this rank's data and the model and eval dump against
+    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
+    the first one starts."""
+    from recsys_pipe.train.build import rank_data
+    from recsys_pipe.train.checkpoint import resolve_resume
+    from recsys_pipe.train.parallel import Topology, parallelism_of
+
+    run, plan = check_plan(cfg, schema)
+    device = run_device(run.trainer)
+    problems = run.model.check_device(device.type)
+    if problems:
+        raise ConfigError(problems)
+    parallelism = parallelism_of(run)
+    topology = Topology.of_job(device.type)  # WORLD_SIZE, LOCAL_WORLD_SIZE as torchrun sets them
+    parallelism.check(topology)
+    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
+    rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
+    data = rank_data(run, rank, world_size)
+    check_inputs(run, data)
+    if check is not None:
+        check(run, plan, data)
+    return CheckedRun(run, plan, data, resume)
