@@ -80,11 +80,7 @@ def _check(cfg: DictConfig) -> None:
     """`--check`: every check a job makes before its process group (`Launch.prepare`), then the
     estimated peak memory of this job's ranks (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`): one line, and
     a warning where the largest rank does not fit."""
-    from recsys_pipe.train.memory import check_memory
-    from recsys_pipe.train.plan import planned_device_type
-
-    launch = Launch.prepare(cfg)
-    line, warning = check_memory(launch.run, launch.plan, planned_device_type(launch.run.trainer.device))
+    line, warning = Launch.prepare(cfg).checked.memory_check()
     print(line)
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)

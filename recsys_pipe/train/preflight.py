@@ -89,6 +89,14 @@ class CheckedRun:
         warning = pipelining_without_effect(self.plan, self.run)
         return [] if warning is None else [warning]
 
+    def memory_check(self) -> tuple[str, str | None]:
+        """What `--check` says of this job's memory (`recsys_pipe.train.memory.check_memory`):
+        the estimate's one line, and a warning when its largest rank does not fit (else None)."""
+        from recsys_pipe.train.memory import check_memory
+        from recsys_pipe.train.plan import planned_device_type
+
+        return check_memory(self.run, self.plan, planned_device_type(self.run.trainer.device))
+
     def build(self, session: RunSession) -> Trainer:
         """The build phase in `session` (its process group, run directory, stop request and peer
         health): every part the loop runs on, once, from the config; the trainer over them. A
@@ -115,10 +123,10 @@ def check_plan(cfg: DictConfig, schema: type[RunConfig] = RunConfig) -> tuple[Ru
 
 def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> CheckedRun:
     """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
-    on this device and hosts (`Parallelism.check`), the table shapes of the checkpoint, this rank's data and the model and eval dump against
-    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
-    the first one starts."""
+    the compiled plan, the device, how the model is spread over this job's ranks on this device
+    and hosts (`Parallelism.check`), `resume_from` (the checkpoint's table shapes included), this
+    rank's data and the model and eval dump against it (`check_inputs`), and the command's own
+    `check`. A sweep runs it for every job before the first one starts."""
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.checkpoint import resolve_resume
     from recsys_pipe.train.parallel import Topology, parallelism_of
