@@ -89,6 +89,14 @@ class CheckedRun:
         warning = pipelining_without_effect(self.plan, self.run)
         return [] if warning is None else [warning]
 
+    def memory_check(self) -> tuple[str, str | None]:
+        """What `--check` says of this job's memory (`recsys_pipe.train.memory.check_memory`):
+        the estimate's one line, and a warning when its largest rank does not fit (else None)."""
+        from recsys_pipe.train.memory import check_memory
+        from recsys_pipe.train.plan import planned_device_type
+
+        return check_memory(self.run, self.plan, planned_device_type(self.run.trainer.device))
+
     def build(self, session: RunSession) -> Trainer:
         """The build phase in `session` (its process group, run directory, stop request and peer
         health): every part the loop runs on, once, from the config; the trainer over them. A
@@ -115,22 +123,24 @@ def check_plan(cfg: DictConfig, schema: type[RunConfig] = RunConfig) -> tuple[Ru
 
 def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> CheckedRun:
     """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
-    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
-    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
-    the first one starts."""
+    the compiled plan, the device, how the model is spread over this job's ranks on this device
+    and hosts (`Parallelism.check`), `resume_from` (the checkpoint's table shapes included), this
+    rank's data and the model and eval dump against it (`check_inputs`), and the command's own
+    `check`. A sweep runs it for every job before the first one starts."""
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.checkpoint import resolve_resume
-    from recsys_pipe.train.parallel import parallelism_of
+    from recsys_pipe.train.parallel import Topology, parallelism_of
 
     run, plan = check_plan(cfg, schema)
     device = run_device(run.trainer)
     problems = run.model.check_device(device.type)
     if problems:
         raise ConfigError(problems)
-    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    parallelism_of(run).check(world_size, device.type)
+    parallelism = parallelism_of(run)
+    topology = Topology.of_job(device.type)  # WORLD_SIZE, LOCAL_WORLD_SIZE as torchrun sets them
+    parallelism.check(topology)
+    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
+    rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)
     if check is not None:
