@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,19 +124,23 @@ class ResumeChoice:
 
 
 def choose_resume(
-    spec: str | None, output_dir: str, model_name: str | None = None, mine: RunFingerprint | None = None
+    spec: str | None,
+    output_dir: str,
+    model_name: str | None = None,
+    mine: RunFingerprint | None = None,
+    tables: Callable[[], Mapping[str, tuple[int, int]] | None] | None = None,
 ) -> ResumeChoice:
     """`resolve_resume`, where `latest` takes the newest checkpoint of the experiment `mine`
     names, passing over those of others (ConfigError naming the newest of them when there is no
     other)."""
     if spec != "latest" or mine is None:
-        return ResumeChoice(resolve_resume(spec, output_dir, model_name))
+        return ResumeChoice(resolve_resume(spec, output_dir, model_name, tables))
     skipped: list[tuple[Path, str]] = []
     for path in newest_checkpoints(output_dir):
         saved = saved_fingerprint(path, saved_world_size(read_metadata(path)))
         difference = "its fingerprint cannot be read" if saved is None else mine.difference(saved)
         if difference is None:
-            check_checkpoint(path, model_name)
+            check_checkpoint(path, model_name, tables() if tables is not None else None)
             return ResumeChoice(path, tuple(skipped))
         skipped.append((path, difference))
     if skipped:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +102,14 @@ class CheckedRun:
         warning = pipelining_without_effect(self.plan, self.run)
         return [] if warning is None else [warning]
 
+    def memory_check(self) -> tuple[str, str | None]:
+        """What `--check` says of this job's memory (`recsys_pipe.train.memory.check_memory`):
+        the estimate's one line, and a warning when its largest rank does not fit (else None)."""
+        from recsys_pipe.train.memory import check_memory
+        from recsys_pipe.train.plan import planned_device_type
+
+        return check_memory(self.run, self.plan, planned_device_type(self.run.trainer.device))
+
     def build(self, session: RunSession) -> Trainer:
         """The build phase in `session` (its process group, run directory, stop request and peer
         health): every part the loop runs on, once, from the config; the trainer over them. A
@@ -128,12 +136,13 @@ def check_plan(cfg: DictConfig, schema: type[RunConfig] = RunConfig) -> tuple[Ru
 
 def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> CheckedRun:
     """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device, `resume_from` (`latest`: of this experiment, `check_resume`),
-    how the model is spread over this job's ranks on this device (`Parallelism.check`), this
-    rank's data and the model and eval dump against it (`check_inputs`), and the command's own
-    `check`. A sweep runs it for every job before the first one starts."""
+    the compiled plan, the device, how the model is spread over this job's ranks on this device
+    and hosts (`Parallelism.check`), `resume_from` (`latest`: of this experiment, `check_resume`;
+    the checkpoint's table shapes included), this rank's data and the model and eval dump against
+    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before the
+    first one starts."""
     from recsys_pipe.train.build import rank_data
-    from recsys_pipe.train.parallel import parallelism_of
+    from recsys_pipe.train.parallel import Topology, parallelism_of
 
     run, plan = check_plan(cfg, schema)
     _ctrl_c.pause_point("check")
@@ -141,9 +150,11 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     problems = run.model.check_device(device.type)
     if problems:
         raise ConfigError(problems)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    resume = check_resume(run, world_size)
-    parallelism_of(run).check(world_size, device.type)
+    parallelism = parallelism_of(run)
+    topology = Topology.of_job(device.type)  # WORLD_SIZE, LOCAL_WORLD_SIZE as torchrun sets them
+    parallelism.check(topology)
+    rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
+    resume = check_resume(run, world_size, parallelism.table_shapes)
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)
     if resume.path is not None and data.stream is not None:
@@ -153,14 +164,17 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     return CheckedRun(run, plan, data, resume)
 
 
-def check_resume(run: RunConfig, world_size: int) -> ResumeChoice:
+def check_resume(
+    run: RunConfig, world_size: int, tables: Callable[[], Mapping[str, tuple[int, int]] | None] | None = None
+) -> ResumeChoice:
     """The checkpoint `trainer.resume_from` names; `latest` takes the newest of this experiment
-    (the same model, data and global batch on `world_size` ranks: `recsys_pipe.train.fingerprint`)."""
+    (the same model, data and global batch on `world_size` ranks: `recsys_pipe.train.fingerprint`);
+    `tables`: the run's torchrec tables' shapes by name, checked against the checkpoint's."""
     from recsys_pipe.train.fingerprint import choose_resume, fingerprint
 
     trainer = run.trainer
     mine = fingerprint(run, world_size) if trainer.resume_from == "latest" else None
-    return choose_resume(trainer.resume_from, trainer.output_dir, run.model.name, mine)
+    return choose_resume(trainer.resume_from, trainer.output_dir, run.model.name, mine, tables)
 
 
 def check_global_batch(run: RunConfig, world_size: int, checkpoint: Path) -> None:
