@@ -13,8 +13,18 @@ module imports only the standard library until a helper is called.
 
 from __future__ import annotations
 
-from recsys_pipe.testing.config import built_trainer, compose, fit_run, load_run, parity_overrides, recsys_plan
-from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, inject_fault, zero_grad_with_fault
+from recsys_pipe.testing.config import (
+    built_trainer,
+    compose,
+    fit_resumed,
+    fit_run,
+    load_run,
+    parity_overrides,
+    parquet_criteo_overrides,
+    recsys_plan,
+    train_here,
+)
+from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, PAUSE_ENV, inject_fault, zero_grad_with_fault
 from recsys_pipe.testing.launching import (
     PRELOADED,
     check_torchrun,
@@ -34,23 +44,27 @@ from recsys_pipe.testing.reference import (
 __all__ = [
     "FAULT_ENV",
     "FAULT_OVERRIDE",
+    "PAUSE_ENV",
     "PRELOADED",
     "StaleEmbeddingLoop",
     "built_trainer",
     "check_torchrun",
     "compose",
     "end_rank",
+    "fit_resumed",
     "fit_run",
     "fork_ranks",
     "inject_fault",
     "load_run",
     "parity_overrides",
+    "parquet_criteo_overrides",
     "read_rank_results",
     "recsys_plan",
     "run_stale_embedding_reference",
     "run_torchrec_pipeline",
     "run_torchrun",
     "torchrec_pipeline",
+    "train_here",
     "worker_env",
     "zero_grad_with_fault",
 ]

@@ -14,8 +14,11 @@ metadata (which it does only after every rank's data is written). A crash mid-sa
 most a `.partial` directory, which is never loaded.
 
 `resume_from` accepts a checkpoint directory, a run directory (its newest complete checkpoint),
-or `latest` (the newest complete checkpoint under `trainer.output_dir`, or a fresh start when
-there is none, so a requeued job can always pass it).
+or `latest`: the newest complete checkpoint under `trainer.output_dir` of the same experiment
+(`recsys_pipe.train.fingerprint`: model, data, global batch; newer ones of other experiments
+are passed over and logged), or a fresh start when there is none at all, so a requeued job can
+always pass it; when there are only other experiments' checkpoints the run is refused, naming
+the newest and how to force it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, StrictBool, StrictInt
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.train.checkpoint_errors import writing_checkpoint
 
@@ -45,10 +49,12 @@ __all__ = [
     "compare_state",
     "find_checkpoints",
     "load_checkpoint",
+    "newest_checkpoints",
     "read_metadata",
     "resolve_resume",
     "saved_config",
     "saved_model_name",
+    "saved_world_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,26 +97,39 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def resolve_resume(spec: str | None, output_dir: str, model_name: str | None = None) -> Path | None:
-    """The checkpoint `trainer.resume_from` names (see the module docstring); None for a fresh
-    start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint, or
-    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains)."""
-    path = _resolve(spec, output_dir)
+def resolve_resume(
+    spec: str | None,
+    output_dir: str,
+    model_name: str | None = None,
+    tables: Callable[[], Mapping[str, tuple[int, int]] | None] | None = None,
+) -> Path | None:
+    """The checkpoint `trainer.resume_from` names (see the module docstring; `latest` here: the
+    newest of any experiment, `recsys_pipe.train.fingerprint.choose_resume` takes this run's);
+    None for a fresh start. ConfigError (at `trainer.resume_from`) if the path holds no complete
+    checkpoint, or one that cannot fit (`check_checkpoint`; `model_name`: the model this run
+    trains; `tables`: gives its torchrec tables' shapes by name, asked only when there is a
+    checkpoint)."""
+    if spec == "latest":
+        newest = newest_checkpoints(output_dir)
+        path = newest[0] if newest else None
+    else:
+        path = _resolve(spec)
     if path is not None:
-        check_checkpoint(path, model_name)
+        check_checkpoint(path, model_name, tables() if tables is not None else None)
     return path
 
 
-def _resolve(spec: str | None, output_dir: str) -> Path | None:
+def newest_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint of every run under `output_dir`, the newest written first."""
+    candidates = [c.path for run in _run_dirs(Path(os.path.expanduser(str(output_dir)))) for c in find_checkpoints(run)]
+    return sorted(candidates, key=lambda p: (p / _METADATA).stat().st_mtime_ns, reverse=True)
+
+
+def _resolve(spec: str | None) -> Path | None:
     if spec is None:
         return None
     key = RESUME_KEY
-    if spec == "latest":
-        candidates = [c.path for run in _run_dirs(Path(output_dir)) for c in find_checkpoints(run)]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda p: (p / _METADATA).stat().st_mtime_ns)
-    path = Path(spec)
+    path = Path(os.path.expanduser(spec))
     if not path.exists():
         raise ConfigError(ConfigProblem(key, f"no such checkpoint or run directory: {spec}"))
     if (path / _METADATA).is_file():
@@ -127,11 +146,14 @@ def _resolve(spec: str | None, output_dir: str) -> Path | None:
     return found[-1].path
 
 
-def check_checkpoint(path: Path, model_name: str | None = None) -> None:
+def check_checkpoint(
+    path: Path, model_name: str | None = None, tables: Mapping[str, tuple[int, int]] | None = None
+) -> None:
     """What can be checked of a checkpoint from its own files, before DCP reads any tensor:
-    its metadata reads, every data file it names is there and long enough, and (when the run
-    directory's `config.yaml` says which model wrote it) the model is `model_name`.
-    ConfigError at `trainer.resume_from` naming what differs."""
+    its metadata reads, every data file it names is there and long enough, (when the run
+    directory's `config.yaml` says which model wrote it) the model is `model_name`, and every
+    table of `tables` (name -> (rows, dim), the config's) has that shape in it.
+    ConfigError at `trainer.resume_from` naming what differs (the first table that differs)."""
     metadata = read_metadata(path)
     sizes: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -147,6 +169,28 @@ def check_checkpoint(path: Path, model_name: str | None = None) -> None:
     saved = saved_model_name(path)
     if model_name is not None and saved is not None and saved != model_name:
         raise _mismatch(path, f"it holds model '{saved}' (its run's config.yaml), this run trains '{model_name}'")
+    if tables:
+        _check_tables(path, metadata, tables)
+
+
+def _check_tables(path: Path, metadata: Any, tables: Mapping[str, tuple[int, int]]) -> None:
+    """ConfigError naming the first of `tables` whose weight the checkpoint holds in another
+    shape (a table is found by its name, `...<name>.weight` under the model; DCP's metadata
+    keeps each table's global size whatever its sharding)."""
+    stored: dict[str, tuple[int, ...]] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        parts = key.split(".")
+        if key.startswith("train.model.") and parts[-1] == "weight" and getattr(item, "size", None) is not None:
+            stored.setdefault(parts[-2], tuple(item.size))
+    for name, shape in tables.items():
+        have = stored.get(name)
+        if have is not None and have != tuple(shape):
+            raise _mismatch(
+                path,
+                f"table {name} is {list(have)} (rows, dim) in the checkpoint and {list(shape)} in this config: "
+                "its rows come from the data (e.g. data.num_embeddings) and its width from model.embedding_dim; "
+                "resume with the checkpoint's sizes",
+            )
 
 
 def read_metadata(path: Path) -> Any:
@@ -179,7 +223,7 @@ def saved_model_name(path: Path) -> str | None:
     return str(name) if name is not None else None
 
 
-def _saved_world_size(metadata: Any) -> int:
+def saved_world_size(metadata: Any) -> int:
     """Ranks that wrote the checkpoint: DCP's data files are named `__<rank>_<n>.distcp`."""
     ranks = {m.group(1) for i in metadata.storage_data.values() if (m := re.match(r"__(\d+)_", i.relative_path))}
     return max(len(ranks), 1)
@@ -216,10 +260,25 @@ def compare_state(state: dict[str, Any], metadata: Any, path: Path, world_size: 
     others = [_name(k) for k in saved if k not in state]
     if missing and others:
         text += f"; it holds {', '.join(others[:2])}" + (f" and {len(others) - 2} more" if len(others) > 2 else "")
-    saved_ranks = _saved_world_size(metadata)
+    saved_ranks = saved_world_size(metadata)
     if saved_ranks != world_size:
         text += f"; written by {saved_ranks} rank(s), loading on {world_size}"
+    if any(_column_shard_state(key, saved.get(key), state[key]) for key in state if key in saved):
+        text += (
+            " (fbgemm's row-wise state of a column-sharded table keeps one value per row of each column shard: "
+            "resume with as many column shards, or train with optimizer.sparse.name=adagrad, whose state reshards)"
+        )
     raise _mismatch(path, text)
+
+
+def _column_shard_state(key: str, stored: Any, value: Any) -> bool:
+    """Whether `key` is fbgemm's row-wise optimizer state (`momentum1`, one dimension) of a table
+    sharded into another number of column shards than the checkpoint's."""
+    size, have = _global_size(value), getattr(stored, "size", None)
+    if not key.endswith("momentum1") or size is None or have is None or len(size) != 1 or len(have) != 1:
+        return False
+    low, high = sorted((size[0], have[0]))
+    return low > 0 and low != high and high % low == 0
 
 
 def _global_size(value: Any) -> Any:
@@ -318,6 +377,8 @@ class Checkpointer:
         self.rank = rank
         self._pending: tuple[Future, CheckpointInfo, Path] | None = None
         self.last: CheckpointInfo | None = None
+        #: small files rank 0 writes into every checkpoint (name -> text), e.g. its fingerprint
+        self.files: dict[str, str] = {}
         #: called with each checkpoint once it is visible (rank 0): e.g. to log it
         self.on_published: Callable[[CheckpointInfo], None] | None = None
 
@@ -340,6 +401,9 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)  # left by a crash of an earlier attempt
                 partial.mkdir(parents=True)
+                for name, text in self.files.items():
+                    (partial / name).write_text(text)
+            _ctrl_c.pause_point("checkpoint")
             if dist.is_initialized():
                 dist.barrier(group=self.group)
             if rank_state is not None:  # before DCP's collectives: written once rank 0 publishes
@@ -373,12 +437,13 @@ class Checkpointer:
             self._publish(info, partial)
 
     def _publish(self, info: CheckpointInfo, partial: Path) -> None:
-        self.last = info
         if self.rank != 0:
+            self.last = info
             return
         if info.path.exists():  # the same step saved again (e.g. a rerun into this run dir)
             shutil.rmtree(info.path)
         os.replace(partial, info.path)
+        self.last = info  # once it is there: what an interrupted run's status.json names
         if self.on_published is not None:
             self.on_published(info)
         if self.cfg.keep_latest:

@@ -24,8 +24,9 @@ import bisect
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from functools import partial
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
@@ -33,6 +34,7 @@ from torch.utils.data import Dataset
 
 from recsys_pipe.config import Section, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sample, collate
+from recsys_pipe.data.serving import ACTION_IDS, SEQUENCE_COLUMNS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = ["SyntheticConfig", "SyntheticDataConfig", "SyntheticSequenceDataset", "synthetic_dataset"]
@@ -165,6 +167,28 @@ class SyntheticSequenceDataset(Dataset[Sample]):
             raise IndexError(index)
         global_index = index * self.world_size + self.rank
         return self._generate(global_index)
+
+    def serving_features(self) -> dict[str, Any]:
+        """Generated ids, taken as they are (`recsys_pipe.data.serving`)."""
+        users = id_record("as_is", self.cfg.num_users) if self.spec.vocab_sizes.get(USER_KEY) else None
+        items = id_record("as_is", self.cfg.num_items)
+        return sequence_features(items, ACTION_IDS, True, self.max_seq_len, self.num_candidates, users)
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """The generated samples `sample_ids` as rows: every event's action, the candidates' too."""
+        rows = []
+        for index in map(int, sample_ids):
+            s = self._generate(index)
+            actions = s.history_actions + [1 + sum(int(b) << k for k, b in enumerate(bits)) for bits in s.labels]
+            rows.append(
+                {
+                    SEQUENCE_COLUMNS["user"]: s.user,
+                    SEQUENCE_COLUMNS["items"]: s.items,
+                    SEQUENCE_COLUMNS["timestamps"]: s.timestamps,
+                    SEQUENCE_COLUMNS["actions"]: actions,
+                }
+            )
+        return rows
 
     def _length(self, rng: random.Random) -> int:
         distribution = self.cfg.length_distribution
