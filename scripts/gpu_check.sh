@@ -114,7 +114,7 @@ fi
 for dir in ${WHEELS[@]+"${WHEELS[@]}"}; do
   [[ -d "$dir" ]] || bad_usage "--wheels $dir is not a directory"
 done
-ALL_STEPS=",cuda_tests,launcher_cuda,megatron_cuda,bench_gpu,bench_engine,engine_costs,bench_attention,torchrec_cuda,bench_hstu_step,bench_train,torch_profile,"
+ALL_STEPS=",cuda_tests,launcher_cuda,megatron_cuda,bench_gpu,bench_engine,engine_costs,bench_attention,torchrec_cuda,host_step,bench_hstu_step,bench_train,torch_profile,"
 if [[ -n "$ONLY_STEPS" ]]; then
   IFS=',' read -ra wanted_steps <<<"${ONLY_STEPS:1:-1}"
   for name in "${wanted_steps[@]}"; do
@@ -348,8 +348,9 @@ if ((QUICK)); then
 fi
 
 TRAINING_TESTS=(tests/cuda/test_cuda_launcher.py tests/cuda/test_cuda_megatron.py tests/cuda/test_cuda_torchrec.py)
+HOST_TEST=tests/cuda/test_cuda_host_sync.py # needs torchrec: run by host_step
 run_step cuda_tests 180 "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider \
-  "${TRAINING_TESTS[@]/#/--ignore=}"
+  "${TRAINING_TESTS[@]/#/--ignore=}" "--ignore=$HOST_TEST"
 run_step launcher_cuda 120 "$PY" -m pytest "${TRAINING_TESTS[0]}" -q -rs -p no:cacheprovider
 run_step megatron_cuda 60 "$PY" -m pytest "${TRAINING_TESTS[1]}" -q -rs -p no:cacheprovider
 run_step bench_gpu 120 "$PY" -m recsys_pipe.bench.gpu ${bench_args[@]+"${bench_args[@]}"}
@@ -389,6 +390,18 @@ last_json bench_attention
 TORCHREC_NOTE=""
 if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
   run_step torchrec_cuda 180 "$PY" -m pytest "${TRAINING_TESTS[2]}" -q -rs -p no:cacheprovider
+  # the host side of the benchmark's HSTU step at batch 1024 (one GPU: world size 1): the dense step
+  # under CUDA's sync detection, then CPU ms against GPU ms per step with the operators, kernel
+  # launches and host syncs of each task (recsys-bench train --host)
+  if ((QUICK)); then
+    host_args=(--quick --host)
+  else
+    host_args=(--host --batch-sizes 1024 --repeats 3 --variants serial,sparse_dist,hstu_prefetch/threaded)
+  fi
+  run_step host_step 180 bash -c '"$0" -m pytest "$1" -q -rs -p no:cacheprovider && py="$0" && shift &&
+    "$py" -m torch.distributed.run --standalone --nproc_per_node 1 -m recsys_pipe.bench.train "$@"' \
+    "$PY" "$HOST_TEST" "${host_args[@]}"
+  last_json host_step
   # the HSTU step at production sizes and the benchmark's small model: MFU, CPU and GPU ms per
   # step, padded against triton attention
   step_args=(--only step --shapes e2e,dlrmv4,small_256,small_1024)
@@ -415,7 +428,7 @@ if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
   keep torch_profile_ops.txt
 elif ((STAGED)); then # the staged site was to bring torchrec: its absence fails the run
   TORCHREC_NOTE="torchrec does not import from the staged site: ${torchrec_error##*$'\n'}"
-  for name in torchrec_cuda bench_hstu_step bench_train torch_profile; do
+  for name in torchrec_cuda host_step bench_hstu_step bench_train torch_profile; do
     selected "$name" && record "$name" "failed (no torchrec)" 0
   done
 else
@@ -504,7 +517,30 @@ def engine_costs_result():
     r = load("engine_costs.json")
     if r is None:
         return "no report"
-    return f"µs per call ({r['streams']}): " + ", ".join(f"{k} {med(v)}" for k, v in r["us_per_call"].items())
+    text = f"µs per call ({r['streams']}): " + ", ".join(f"{k} {med(v)}" for k, v in r["us_per_call"].items())
+    plan = r.get("plan")
+    if plan:
+        text += "; per task: " + ", ".join(f"{k} {med(v)} µs" for k, v in plan["us_per_task"].items())
+    return text
+
+
+def host_step_result():
+    r = load("host_step.json")
+    if r is None:
+        return "no report"
+    parts = []
+    for batch_size, entry in r["batches"].items():
+        for name, row in entry["variants"].items():
+            host = row.get("host")
+            if host is None:
+                continue
+            parts.append(
+                f"{name} @ {batch_size}: {med(row['ms_per_step'])} ms/step, CPU {med(row['cpu_ms_per_step'])} vs "
+                f"GPU {host.get('gpu_ms_per_step')} ms/step; {host['ops_per_step']:.0f} ops, "
+                f"{host['launches_per_step']:.0f} launches, {host['syncs_per_step']} syncs "
+                f"({host.get('cuda_sync_warnings_per_step')} by CUDA) per step"
+            )
+    return "; ".join(parts) or "no host figures"
 
 
 def hstu_gpu_result(name, part):
@@ -570,6 +606,7 @@ results = {
     "bench_attention": lambda: hstu_gpu_result("bench_attention", "attention"),
     "bench_hstu_step": lambda: hstu_gpu_result("bench_hstu_step", "step"),
     "torchrec_cuda": lambda: tests_result("torchrec_cuda"),
+    "host_step": host_step_result,
     "bench_train": bench_train_result,
     "torch_profile": torch_profile_result,
 }

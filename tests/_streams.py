@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from recsys_pipe.engine import DataSlot, DependencyGraph, StreamPool, Task, TaskGraph, TaskGroup
+from recsys_pipe.engine import DataSlot, PlanRunner, StreamPool, Task, TaskGraph, TaskGroup
 from recsys_pipe.engine.testing import RecordingStream, StreamLog, cuda_spin, required_producers
 
 _SALT = itertools.count(1)
@@ -25,8 +25,11 @@ class EventLogPool(StreamPool):
     after it; with `drop_waits_of=<stream>` that stream's waits (of the kinds in `drop_kinds`:
     "event", "stream") are logged but not emitted, standing for a broken engine.
 
-    The plan runner calls `wait_event` / `wait_stream` just before `use(stream, (task, batch))` and
-    `record_event` just after it, all on the task's thread; a thread-local links them to the label.
+    The plan runner calls `wait_event` / `wait_stream` just before `scope(stream, (task, batch))`
+    and `record_event` just after it, all on the task's thread; a thread-local links them to the
+    label. The engine records an event object again for a later batch (one per producer and ring
+    position), so an event is logged as `(event, how many times it was recorded)`: a wait is on
+    the record that was the latest when it was issued.
     """
 
     def __init__(self, streams: Any):
@@ -36,6 +39,7 @@ class EventLogPool(StreamPool):
         self.dropped = 0
         self.waits: dict[tuple[str, int], list[tuple[str, Any]]] = {}
         self.recorded: dict[tuple[str, int], Any] = {}
+        self._records: dict[int, int] = {}  # id(event) -> times recorded
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -54,6 +58,10 @@ class EventLogPool(StreamPool):
         log = StreamLog()
         return cls({n: RecordingStream(n, log) for n in names}), log
 
+    @property
+    def has_scopes(self) -> bool:
+        return True  # the plan runner then opens `scope` per task, which links the waits to it
+
     def _pending(self) -> list:
         pending = getattr(self._local, "pending", None)
         if pending is None:
@@ -68,7 +76,9 @@ class EventLogPool(StreamPool):
         return False
 
     def wait_event(self, name: str, event: Any) -> None:
-        self._pending().append(("event", event))
+        with self._lock:
+            record = (event, self._records.get(id(event), 0))
+        self._pending().append(("event", record))
         if not self._dropped(name, "event"):
             super().wait_event(name, event)
 
@@ -77,49 +87,67 @@ class EventLogPool(StreamPool):
         if not self._dropped(name, "stream"):
             super().wait_stream(name, other)
 
-    def use(self, name: str, label: Any = None):
+    def scope(self, name: str, label: Any):
         waits, self._local.pending = self._pending(), []
         with self._lock:
             self.waits[label] = waits
         self._local.label = label
-        return super().use(name, label)
+        return super().scope(name, label)
 
-    def record_event(self, name: str) -> Any:
-        event = super().record_event(name)
+    def record_event(self, name: str, event: Any = None) -> Any:
+        event = super().record_event(name, event)
         with self._lock:
-            self.recorded[self._local.label] = event
+            count = self._records[id(event)] = self._records.get(id(event), 0) + 1
+            self.recorded[self._local.label] = (event, count)
         return event
 
 
-def wait_violations(graph: DependencyGraph, pool: EventLogPool, ran: Iterable[tuple[str, int]]) -> list[str]:
+def wait_violations(runner: PlanRunner, pool: EventLogPool, ran: Iterable[tuple[str, int]], batches: int) -> list[str]:
     """Each (task, batch) that ran must have waited, for each cross-stream producer, on exactly the
-    event that producer recorded for the batch whose store sits at the wait's ring offset (events
-    move down the ring as it rotates), or, if that producer instance never ran (prefill, drain),
-    on the producer's whole stream.
+    record of the event that producer made for the batch whose store sits at the wait's ring offset
+    (events move down the ring as it rotates), or, if that producer instance never ran (prefill,
+    drain), on the producer's whole stream; in the steady state, after `runner.implied.
+    from_iteration`, without the waits stream order implies (`runner.implied`).
 
     Derived from the ring layout, not from the engine's lookup: at internal iteration i,
     `ring.at(k)` holds batch i - L + k, so a task of lookahead c on batch b finds at offset k the
     store of batch b - c + k, where a producer records its event when it processes that batch.
     """
+    graph, implied = runner.graph, runner.implied
     tasks = {t.name: t for t in graph.order}
+    L = graph.max_lookahead
     problems = []
     for name, batch in ran:
+        i = batch + L - tasks[name].lookahead
+        steady = implied.from_iteration is not None and max(L, implied.from_iteration) <= i < batches
         expected = []
-        for wait in graph.event_waits[name]:
-            event = pool.recorded.get((wait.producer, batch - tasks[name].lookahead + wait.slot_offset))
-            expected.append(("event", event) if event is not None else ("stream", wait.producer_stream))
+        for w, wait in enumerate(graph.event_waits[name]):
+            if steady and (name, w) in implied.implied:
+                continue
+            record = pool.recorded.get((wait.producer, batch - tasks[name].lookahead + wait.slot_offset))
+            expected.append(("event", record) if record is not None else ("stream", wait.producer_stream))
         got = pool.waits.get((name, batch), [])
-        if len(got) != len(expected) or any(g[0] != e[0] or g[1] is not e[1] for g, e in zip(got, expected)):
+        if len(got) != len(expected) or any(not _same(g, e) for g, e in zip(got, expected)):
             problems.append(
                 f"{name}[batch {batch}] waited on {_describe(got, pool)}, expected {_describe(expected, pool)}"
             )
     return problems
 
 
+def _same(got: tuple[str, Any], expected: tuple[str, Any]) -> bool:
+    if got[0] != expected[0]:
+        return False
+    if got[0] == "stream":
+        return got[1] == expected[1]
+    return got[1][0] is expected[1][0] and got[1][1] == expected[1][1]
+
+
 def _describe(waits: list[tuple[str, Any]], pool: EventLogPool) -> str:
-    owner = {id(event): label for label, event in pool.recorded.items()}
+    owner = {(id(event), count): label for label, (event, count) in pool.recorded.items()}
     return (
-        "[" + ", ".join(f"event of {owner.get(id(a), '?')}" if k == "event" else f"stream {a}" for k, a in waits) + "]"
+        "["
+        + ", ".join(f"event of {owner.get((id(a[0]), a[1]), '?')}" if k == "event" else f"stream {a}" for k, a in waits)
+        + "]"
     )
 
 

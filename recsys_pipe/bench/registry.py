@@ -67,6 +67,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         "recsys_pipe.bench.hstu_gpu",
         "HSTU at production sizes: MFU, samples/s, CPU/GPU ms per step; padded vs Triton attention (a GPU)",
     ),
+    "compare": Benchmark(
+        "recsys_pipe.bench.compare",
+        "before and after: a benchmark run alternately on this tree and on a baseline (a git ref), figures paired",
+    ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
     ),

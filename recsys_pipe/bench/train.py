@@ -80,6 +80,15 @@ What a column means (per rank; the larger of the ranks):
   run and measure the same thing (checked: README). On CUDA also the peak allocated and
   reserved device memory (`torch.cuda.max_memory_allocated/reserved`, reset per run).
 
+`--host`: what the host does per step, task by task (`recsys_pipe.bench.host_ops`): after the
+timed repetitions, one more run of every plan counts, over `--host-steps` steps of the window,
+the aten operators each task dispatches, those that launch a kernel on a GPU, and the host syncs
+with their call sites; on CUDA also the GPU's busy time per step (torch.profiler's kernels and
+copies) and the syncs CUDA itself reports (`torch.cuda.set_sync_debug_mode`). With the timed
+window's ms/step and CPU ms/step this says whether the step is host-bound: CPU ms per step
+above GPU ms per step. Before / after a change, side by side:
+`recsys-bench compare --baseline main train --host --batch-sizes 32 --variants serial`.
+
 Run (2 ranks; without torchrun the module re-executes itself under it). Hold the shared CPU
 lock and bound it:
 
@@ -225,6 +234,25 @@ class Bench:
             assert summary.steps == len(self.batches), (summary.steps, len(self.batches))
             losses = summary.losses if not self.cuda else [summary.first_loss, summary.last_loss]
             return losses, {"breakdown": timer.breakdown()}
+        finally:
+            trainer.close()
+
+    def count_host(self, name: str, steps: int) -> dict[str, Any]:
+        """One more run of plan `name` counting what the host does per task over `steps` steps of
+        the window (`HostOps`); this rank's figures."""
+        from recsys_pipe.bench.host_ops import HostOps
+        from recsys_pipe.train import Trainer, build_parts, training_plan
+
+        run = self.runs[name]
+        plan = training_plan(run)
+        trainer = Trainer(build_parts(run, plan, self.info))
+        try:
+            first = self.warmup + plan.task_graph.max_lookahead
+            host = HostOps(first, first + steps, self.cuda)
+            trainer.plan_runner.observer = host
+            with host.counting():
+                trainer.fit(iter(self.batches))
+            return host.report(steps)
         finally:
             trainer.close()
 
@@ -416,6 +444,31 @@ def print_table(batch_size: int, steps: int, repeats: int, world: int, rows: dic
     )
 
 
+def print_host(rows: dict[str, Any]) -> None:
+    """Print rank 0's host work per step (`--host`): operators, launches, syncs, by task."""
+    print("rank 0 host work per step (--host): aten operators / of them launching a kernel / host syncs")
+    for name, r in rows.items():
+        host = r.get("host")
+        if host is None:
+            continue
+        device = ""
+        if "gpu_ms_per_step" in host:
+            device = (
+                f"; GPU busy {host['gpu_ms_per_step']:.3f} ms/step against CPU {r['cpu_ms_per_step']['median']:.2f}, "
+                f"CUDA-reported syncs {host['cuda_sync_warnings_per_step']}/step"
+            )
+        print(
+            f"  {name:<36} {host['ops_per_step']:.0f} / {host['launches_per_step']:.0f} / "
+            f"{host['syncs_per_step']:.1f}{device}"
+        )
+        print(
+            "    by task: "
+            + ", ".join(f"{t} {v['ops']:.0f}/{v['launches']:.0f}/{v['syncs']:.1f}" for t, v in host["by_task"].items())
+        )
+        for site, n in host["sync_sites"].items():
+            print(f"    sync {n:g}/step  {site}")
+
+
 def print_breakdown(rows: dict[str, Any]) -> None:
     """Print rank 0's per-task times and where the engine's time falls, per variant."""
     print("rank 0 task bodies, ms/step (median), by task [thread]:")
@@ -477,6 +530,13 @@ def parse_args() -> argparse.Namespace:
         help=f"fail when a plan's median speed vs its torchrec class is below this in a clean window "
         f"(default {MIN_VS_CLASS}; 0 turns the gate off; --quick: off)",
     )
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="also count, per plan and task, the aten operators, kernel launches and host syncs of a step "
+        "(recsys_pipe.bench.host_ops); on CUDA also the GPU's busy ms per step",
+    )
+    parser.add_argument("--host-steps", type=int, default=4, help="steps --host counts (default 4)")
     parser.add_argument("--quick", action="store_true", help="CI smoke test: batch 16, 3 steps, 1 repetition")
     args = parser.parse_args()
     if args.quick:  # a smoke test: keep whatever the machine gives
@@ -609,6 +669,9 @@ def measure_batch_size(
     records, discarded = repetitions(bench, args, batch_size, steps, variants, main_rank)
     equal = check_losses(records, cuda, info.rank)
     rows = aggregate(records, batch_size, steps, info.world_size, cores)
+    if args.host:
+        for name in (v for v in variants if v in plans):
+            rows[name]["host"] = bench.count_host(name, min(args.host_steps, steps))
     report["batches"][str(batch_size)] = {
         "steps": steps,
         "warmup": warmup,
@@ -619,6 +682,8 @@ def measure_batch_size(
     if main_rank:
         print_table(batch_size, steps, args.repeats, info.world_size, rows)
         print_breakdown(rows)
+        if args.host:
+            print_host(rows)
         print(f"losses: {equal['note']}", flush=True)
     return bench.memory.problem
 

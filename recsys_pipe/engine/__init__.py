@@ -26,6 +26,7 @@ from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, Span
 from recsys_pipe.engine.plan_runner import PlanRunner, fires
 from recsys_pipe.engine.shortcut import shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
+from recsys_pipe.engine.stream_order import ImpliedWaits, implied_waits
 from recsys_pipe.engine.streams import DEFAULT_STREAM, CudaTimer, NoOpEvent, NoOpStream, StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, DataSlot, DeclaredIO, FnTask, Task, declare_effects
 from recsys_pipe.engine.task_graph import TaskGraph, TaskGroup
@@ -46,6 +47,7 @@ __all__ = [
     "EventWait",
     "Executor",
     "FnTask",
+    "ImpliedWaits",
     "IterationSpan",
     "NoOpEvent",
     "NoOpStream",
@@ -70,6 +72,7 @@ __all__ = [
     "cpu_edges",
     "declare_effects",
     "fires",
+    "implied_waits",
     "resolve_thread_map",
     "shortcut_refusal",
 ]

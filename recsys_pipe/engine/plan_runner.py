@@ -5,11 +5,22 @@ lookahead k with `L - k <= i < M + L - k` (M = batches pulled so far, final once
 exhausted); that task processes batch `i - L + k`. The first `progress()` therefore absorbs L
 prefill iterations, and after the iterator ends `progress()` keeps draining the in-flight batches
 before raising StopIteration. Every pulled batch passes through every task exactly once.
+
+What a task costs on real streams, and how it is kept small:
+
+* its event waits, minus those stream order already implies in the steady state
+  (`recsys_pipe.engine.stream_order`);
+* its stream made current (`StreamPool.enter`) only when the thread's current stream is another:
+  consecutive tasks of one thread on one stream switch once per iteration, tasks on the stream
+  the caller already uses not at all; the caller's stream is restored when the iteration ends;
+* its completion event, where another stream waits on it, recorded into the event object its
+  ring position already holds (`SlotStore.spare_event`) rather than a new one.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +33,7 @@ from recsys_pipe.engine.executor import Executor, SequentialExecutor
 from recsys_pipe.engine.observe import TaskObserver
 from recsys_pipe.engine.shortcut import ShortcutRun, shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing
+from recsys_pipe.engine.stream_order import ImpliedWaits, implied_waits
 from recsys_pipe.engine.streams import StreamPool
 from recsys_pipe.engine.task import BATCH_CPU, STEP_RESULT, Task
 from recsys_pipe.engine.task_graph import TaskGraph
@@ -49,17 +61,27 @@ class _TaskRecord:
     lookups: its event waits, whether it records an event, its NVTX label, and what runs it
     (`task.run`, or a `ShortcutRun` while a shortcut is enabled)."""
 
-    __slots__ = ("task", "run", "name", "lookahead", "stream", "label", "waits", "records_event")
+    __slots__ = ("task", "run", "name", "lookahead", "stream", "label", "waits", "steady_waits", "records_event")
 
-    def __init__(self, task: Task, graph: DependencyGraph, needs_event: set[str]):
+    def __init__(self, task: Task, graph: DependencyGraph, needs_event: set[str], implied: ImpliedWaits):
         self.task = task
         self.run: Callable[[TaskContext], Any] = task.run
         self.name = task.name
         self.lookahead = task.lookahead
         self.stream = task.stream
         self.label = task.label
-        self.waits = tuple((w.slot_offset, w.producer, w.producer_stream) for w in graph.event_waits[task.name])
+        waits = graph.event_waits[task.name]
+        self.waits = tuple((w.slot_offset, w.producer, w.producer_stream) for w in waits)
+        #: the waits of the steady state: those stream order does not already imply
+        self.steady_waits = tuple(self.waits[i] for i in implied.kept(graph, task.name))
         self.records_event = task.name in needs_event
+
+
+class _ThreadStream(threading.local):
+    """Per thread: the stream the plan runner made current there in iteration `seq`."""
+
+    seq = -1
+    stream: str | None = None
 
 
 class PlanRunner:
@@ -102,12 +124,22 @@ class PlanRunner:
         self._nvtx = self.stream_pool.is_cuda if nvtx_ranges is None else bool(nvtx_ranges)
         # No-op streams order nothing: skip event waits, records and stream scopes entirely.
         self._stream_ops = not self.stream_pool.is_noop
+        self._scoped = self.stream_pool.has_scopes
         # Per task just `task.run(ctx)`: no stream work, no NVTX, no observer and no shortcut (a
         # shortcut is run through `_run_observed`, which calls `record.run`, so this path stays as is).
         self._plain_possible = not self._stream_ops and not self._nvtx
         self._plain = self._plain_possible
         needs_event = {w.producer for waits in self.graph.event_waits.values() for w in waits}
-        self._records = {t: _TaskRecord(t, self.graph, needs_event) for t in self.graph.order}
+        #: the waits stream order implies in the steady state (none where streams order nothing)
+        self.implied = implied_waits(self.graph) if self._stream_ops else ImpliedWaits(frozenset(), None)
+        self._records = {t: _TaskRecord(t, self.graph, needs_event, self.implied) for t in self.graph.order}
+        self._thread_stream = _ThreadStream()
+        self._seq = 0  # iterations run, for `_ThreadStream.seq`
+        # Whether the iterations since the last reset followed the schedule `implied_waits` replayed
+        # (a prefill pulling one batch per iteration, then steady iterations): only then may the
+        # steady state skip the implied waits.
+        self._replayed = True
+        self._steady = False  # the running iteration skips the implied waits
         self._group_orders = self.graph.group_orders
         self._active_cache: dict[tuple[bool, ...], tuple[tuple[Task, ...], ...]] = {}
         self._iterator: Iterator | None = None
@@ -289,6 +321,7 @@ class PlanRunner:
         self._pulled = 0
         self._exhausted = False
         self._seeded = False
+        self._replayed = True
         self.ring.clear()
 
     def _run_iteration(self, pull: bool) -> tuple[bool, Any]:
@@ -310,9 +343,12 @@ class PlanRunner:
         self._running_iteration = i
         self._running_observer = observer
         try:
-            for group_tasks in self._active(i):
-                if group_tasks:
-                    self.executor.execute(group_tasks, self._run_task, self.graph)
+            if self._stream_ops:
+                self._run_on_streams(i)
+            else:  # `_run_on_streams` without the streams: this loop is the no-op pool's whole iteration
+                for group_tasks in self._active(i):
+                    if group_tasks:
+                        self.executor.execute(group_tasks, self._run_task, self.graph)
         except BaseException as exc:
             self._broken = str(exc) if isinstance(exc, TaskFailedError) else f"{type(exc).__name__} in iteration {i}"
             if observer is not None:
@@ -327,6 +363,28 @@ class PlanRunner:
         if observer is not None:
             observer.iteration_finished(i, False)
         return completed, result
+
+    def _run_on_streams(self, i: int) -> None:
+        """Iteration `i`'s tasks where the streams order work: first whether it skips the implied
+        waits; the calling thread gets its current stream back at the end."""
+        L, m = self.max_lookahead, self._pulled
+        steady = L <= i < m
+        if not (steady or (i < L and m == i + 1)):
+            self._replayed = False  # not the replayed schedule (a short or exhausted iterator)
+        start = self.implied.from_iteration
+        self._steady = steady and self._replayed and start is not None and i >= start
+        self._seq += 1
+        local, pool = self._thread_stream, self.stream_pool
+        saved = pool.current()
+        local.seq, local.stream = self._seq, pool.current_name()
+        entered = local.stream
+        try:
+            for group_tasks in self._active(i):
+                if group_tasks:
+                    self.executor.execute(group_tasks, self._run_task, self.graph)
+        finally:
+            if local.stream != entered:
+                pool.restore(saved)
 
     def _active(self, i: int) -> tuple[tuple[Task, ...], ...]:
         """The tasks that fire at iteration `i`, per group, in topological order."""
@@ -358,18 +416,26 @@ class PlanRunner:
             raise TaskFailedError(task.name, batch_index, i) from exc
 
     def _run_ordered(self, record: _TaskRecord, ctx: TaskContext, observer: TaskObserver | None) -> None:
-        """Event waits before the task, its work under its stream, its completion event after."""
-        pool, ring = self.stream_pool, self.ring
-        for slot_offset, producer, producer_stream in record.waits:
+        """Event waits before the task, its work on its stream, its completion event after."""
+        pool, ring, stream = self.stream_pool, self.ring, record.stream
+        for slot_offset, producer, producer_stream in record.steady_waits if self._steady else record.waits:
             event = ring.at(slot_offset).event(producer)
             if event is None:  # producer has not run yet (prefill): order after its stream
-                pool.wait_stream(record.stream, producer_stream)
+                pool.wait_stream(stream, producer_stream)
             else:
-                pool.wait_event(record.stream, event)
-        with pool.use(record.stream, (record.name, ctx.batch_index)):
+                pool.wait_event(stream, event)
+        local = self._thread_stream
+        if local.stream != stream or local.seq != self._seq:  # once per run of this thread's tasks on it
+            pool.enter(stream)
+            local.seq, local.stream = self._seq, stream
+        if self._scoped:
+            with pool.scope(stream, (record.name, ctx.batch_index)):
+                self._run_observed(record, ctx, observer)
+        else:
             self._run_observed(record, ctx, observer)
         if record.records_event:  # after all of the task's work on its stream
-            ring.at(record.lookahead).record_event(record.name, pool.record_event(record.stream))
+            store = ring.at(record.lookahead)
+            store.record_event(record.name, pool.record_event(stream, store.spare_event(record.name)))
 
     def _run_observed(self, record: _TaskRecord, ctx: TaskContext, observer: TaskObserver | None) -> None:
         """`task.run(ctx)` inside its NVTX range (if enabled), between the observer's hooks."""

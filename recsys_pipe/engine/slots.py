@@ -3,6 +3,13 @@
 Data and completion events move across iterations by rotating stores, never by copying values:
 a value written for batch K stays in K's store, which slides one position down the ring per
 internal iteration until batch K is trained and its store is dropped.
+
+The event objects outlive the stores: when the ring drops a store, the store that takes the top
+position inherits its events, and a producer records its event there again for its next batch
+(`spare_event`). A CUDA event is made once per producer and ring position instead of once per
+task and iteration. Recording it again is safe: every wait on the earlier record was issued
+while that batch was in flight, before the ring dropped its store, and a wait keeps the record
+it was issued against.
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ _MISSING = object()
 class SlotStore:
     """One batch's slot values plus the completion events of tasks that processed it."""
 
-    __slots__ = ("_values", "_events")
+    __slots__ = ("_values", "_events", "_spare")
 
-    def __init__(self) -> None:
+    def __init__(self, spare_events: dict[str, Any] | None = None) -> None:
         self._values: dict[str, Any] = {}
         self._events: dict[str, Any] = {}
+        #: every event object this ring position has held, by producer, to be recorded again
+        self._spare: dict[str, Any] = spare_events if spare_events is not None else {}
 
     def __getitem__(self, name: str) -> Any:
         try:
@@ -56,10 +65,16 @@ class SlotStore:
     def record_event(self, producer: str, event: Any) -> None:
         """Keep `producer`'s completion event for this batch, where its consumers look it up."""
         self._events[producer] = event
+        self._spare[producer] = event
 
     def event(self, producer: str) -> Any:
         """The event `producer` recorded for this batch, or None if it has not run on it."""
         return self._events.get(producer)
+
+    def spare_event(self, producer: str) -> Any:
+        """The event object `producer` recorded at this ring position for an earlier batch, to
+        record again for this one (None: it has not recorded here yet)."""
+        return self._spare.get(producer)
 
     def __repr__(self) -> str:
         return f"SlotStore(slots={sorted(self._values)}, events={sorted(self._events)})"
@@ -91,10 +106,11 @@ class BatchRing:
         return self._stores[offset]
 
     def advance(self) -> None:
-        """Drop offset 0, shift every store down by one, append an empty store on top."""
-        del self._stores[0]
-        self._stores.append(SlotStore())
+        """Drop offset 0, shift every store down by one, append an empty store on top (which
+        keeps the dropped store's event objects, to record again)."""
+        self._stores.append(SlotStore(self._stores.pop(0)._spare))
 
     def clear(self) -> None:
-        """Replace every store by an empty one (drops every in-flight value and event)."""
-        self._stores = [SlotStore() for _ in self._stores]
+        """Replace every store by an empty one (drops every in-flight value and recorded event;
+        the event objects stay, to record again)."""
+        self._stores = [SlotStore(store._spare) for store in self._stores]

@@ -8,6 +8,7 @@ task graph runs unchanged on a laptop (and CPU tensors never see `record_stream`
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -125,6 +126,8 @@ class StreamPool:
             raise ValueError("a StreamPool needs at least one stream")
         self._streams = dict(streams)
         self._cuda = {n for n, s in self._streams.items() if isinstance(s, torch.cuda.Stream)}
+        #: each thread's current stream where the streams are not CUDA's (`enter`, `current`)
+        self._local = threading.local()
 
     @classmethod
     def create(cls, names: Iterable[str], device: torch.device | str | None = None) -> StreamPool:
@@ -170,15 +173,61 @@ class StreamPool:
         observing backends; real streams ignore it."""
         if name in self._cuda:
             return torch.cuda.stream(self._streams[name])
+        scope = getattr(self._streams[name], "scope", None)  # `scope`, inlined: once per task of a no-op pool
+        return scope(label) if scope is not None else _NULL_CONTEXT
+
+    def scope(self, name: str, label: Any) -> AbstractContextManager:
+        """The span of work `label` on stream `name` for observing backends (a stream object with
+        a `scope(label)` method, such as the recording streams of `recsys_pipe.engine.testing`);
+        a null context for real and no-op streams. It does not change the current stream."""
         scope = getattr(self._streams[name], "scope", None)
         return scope(label) if scope is not None else _NULL_CONTEXT
 
-    def record_event(self, name: str) -> Any:
-        """Record an event on stream `name` and return it.
+    @property
+    def has_scopes(self) -> bool:
+        """Whether any stream observes spans of work (`scope`)."""
+        return any(hasattr(s, "scope") for s in self._streams.values())
+
+    def enter(self, name: str) -> None:
+        """Make stream `name` the calling thread's current stream until another `enter` or
+        `restore`: unlike `use`, nothing is undone when the work ends, so consecutive work on one
+        stream pays for one switch (the plan runner's tasks). On CUDA `torch.cuda.set_stream`
+        (which also makes the stream's device current); other streams are tracked per thread, so
+        that `current_name` can tell where work would go."""
+        if name in self._cuda:
+            torch.cuda.set_stream(self._streams[name])
+        else:
+            self._local.current = name
+
+    def current(self) -> Any:
+        """The calling thread's current stream, as `restore` takes it back: a CUDA stream, or the
+        name `enter` last gave on this thread (`default` before any)."""
+        if self._cuda:
+            return torch.cuda.current_stream(self._streams[next(iter(self._cuda))].device)
+        return getattr(self._local, "current", DEFAULT_STREAM)
+
+    def restore(self, stream: Any) -> None:
+        """Make `stream` (what `current` returned) the calling thread's current stream again."""
+        if self._cuda:
+            torch.cuda.set_stream(stream)
+        else:
+            self._local.current = stream
+
+    def current_name(self) -> str | None:
+        """The pool's name of the calling thread's current stream (None: not one of the pool's)."""
+        current = self.current()
+        if not self._cuda:
+            return current
+        return next((n for n in self._cuda if self._streams[n] == current), None)
+
+    def record_event(self, name: str, event: Any = None) -> Any:
+        """Record an event on stream `name` and return it: `event` recorded again where given
+        (re-recording reuses the event: a wait already issued on it keeps the earlier record),
+        else a new one.
 
         Returns:
             The event; another stream that `wait_event`s it runs after the work queued on `name` so far."""
-        return self._streams[name].record_event()
+        return self._streams[name].record_event(event)
 
     def wait_event(self, name: str, event: Any) -> None:
         """Make stream `name` wait for `event` (recorded on another stream) before its later work."""

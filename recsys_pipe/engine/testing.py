@@ -63,6 +63,12 @@ class StreamLog:
             self.ops.append(StreamOp(stream, "record", event.id))
         return event
 
+    def record_again(self, stream: str, event: RecordingEvent) -> RecordingEvent:
+        """`event` recorded once more, now on `stream`: as a CUDA event recorded again, a later
+        wait on it waits for this record (a wait logged before it keeps the earlier one)."""
+        self.append(StreamOp(stream, "record", event.id))
+        return event
+
 
 class RecordingStream:
     """Logs what would be submitted to a CUDA stream. `drop_waits` simulates a broken engine
@@ -82,6 +88,8 @@ class RecordingStream:
             self.log.append(StreamOp(self.name, "wait_stream", other.name))
 
     def record_event(self, event: Any = None) -> RecordingEvent:
+        if isinstance(event, RecordingEvent):
+            return self.log.record_again(self.name, event)
         return self.log.new_event(self.name)
 
     @contextlib.contextmanager

@@ -37,6 +37,7 @@ from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY
 from recsys_pipe.data.source import DataConfig
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu_attention import (
+    MaskStatics,
     RelativeBias,
     SummedBackwardLookup,
     attention_mask,
@@ -135,7 +136,8 @@ class HSTULayer(nn.Module):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             qkv = torch.cat([q, k, v], dim=-1)
             padded = torch.ops.fbgemm.jagged_to_padded_dense(qkv, [offsets], [self.max_len], 0.0)
-            return torch.ops.fbgemm.dense_to_jagged(self._attend(padded, mask, bias), [offsets])[0]
+            # the token count from the host-known shape: without it fbgemm reads offsets[-1] (a host sync on CUDA)
+            return torch.ops.fbgemm.dense_to_jagged(self._attend(padded, mask, bias), [offsets], q.shape[0])[0]
 
         return self._block(x, attend)
 
@@ -186,6 +188,7 @@ class HSTURanker(nn.Module):
         self.attention = cfg.attention
         self.input_dropout = Dropout(cfg.dropout)
         self.bias = RelativeBias(self.padded_len, cfg.num_time_buckets) if cfg.relative_bias else None
+        self.mask_statics = MaskStatics(self.padded_len)
         self.layers = nn.ModuleList(HSTULayer(cfg, self.padded_len) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(d)
         self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, spec.num_tasks))
@@ -211,7 +214,7 @@ class HSTURanker(nn.Module):
             for layer in self.layers:
                 x = layer.forward_jagged(x, offsets, num_candidates, jagged_bias)
         else:
-            mask = attention_mask(lengths, num_candidates, self.padded_len)
+            mask = attention_mask(lengths, num_candidates, self.padded_len, self.mask_statics)
             bias = None
             if self.bias is not None:
                 padded_ts = torch.ops.fbgemm.jagged_1d_to_dense(timestamps, offsets, self.padded_len, 0)
@@ -228,7 +231,8 @@ class HSTURanker(nn.Module):
             "labels": labels,
             "loss_sum": per_token.sum(),
             "task_losses": task_losses.detach(),
-            "num_candidates": torch.tensor(labels.shape[0], device=logits.device),
+            # a device fill, not torch.tensor(..., device=...): that copies from the host and waits for it on CUDA
+            "num_candidates": torch.full((), labels.shape[0], dtype=torch.int64, device=logits.device),
             "num_tokens": offsets[-1].detach(),
         }
         return task_losses.sum(), aux
@@ -334,7 +338,7 @@ class _CandidateScores(nn.Module):
             tokens = torch.cat([self.users[users][:, None], tokens], dim=1)
             timestamps = torch.cat([timestamps[:, :1], timestamps], dim=1)
             lengths = lengths + 1
-        mask = attention_mask(lengths, num_candidates, ranker.padded_len)
+        mask = attention_mask(lengths, num_candidates, ranker.padded_len, ranker.mask_statics)
         bias = ranker.bias(timestamps) if ranker.bias is not None else None
         x = ranker.input_dropout(tokens)
         for layer in ranker.layers:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TIME_BUCKET_WIDTH",
+    "MaskStatics",
     "RelativeBias",
     "SummedBackwardLookup",
     "attention_mask",
@@ -87,8 +88,11 @@ class SummedBackwardLookup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (index,) = ctx.saved_tensors
         flat = index.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
-        per_entry = torch.bincount(flat, minlength=ctx.entries)
+        ordered, order = torch.sort(flat, stable=True)
+        # each entry's run in the sorted positions, found by binary search: `torch.bincount` would
+        # size its output by the largest index, a read of a device value (a host sync on CUDA)
+        edges = torch.searchsorted(ordered, torch.arange(ctx.entries + 1, device=flat.device))
+        per_entry = edges[1:] - edges[:-1]
         # `unsafe`: the lengths sum to the data's length by construction (no check, no host sync)
         summed = torch.segment_reduce(grad.reshape(-1)[order], "sum", lengths=per_entry, unsafe=True)
         return summed, None
@@ -106,6 +110,10 @@ class RelativeBias(nn.Module):
         self.num_time_buckets = num_time_buckets
         self.position = nn.Parameter(torch.empty(2 * max_len - 1).normal_(0.0, 0.02))
         self.time = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(0.0, 0.02))
+        # the position table's index of each (query, key), `j - i + N - 1`: the same every step, so
+        # made once (moved with the module; not part of its state)
+        pos = torch.arange(max_len)
+        self.register_buffer("relative_index", pos[None, :] - pos[:, None] + max_len - 1, persistent=False)
 
     def bucketize(self, key_times: torch.Tensor, query_times: torch.Tensor | None = None) -> torch.Tensor:
         """Padded `[B, N]` timestamps of the keys and of the queries (default: the keys') -> the
@@ -133,9 +141,7 @@ class RelativeBias(nn.Module):
 
     def from_buckets(self, bucket: torch.Tensor) -> torch.Tensor:
         """`[B, N, N]` buckets (`bucketize`) -> the bias `[B, N, N]` (query, key)."""
-        n = self.max_len
-        pos = torch.arange(n, device=bucket.device)
-        position_bias = bias_lookup(self.position, pos[None, :] - pos[:, None] + n - 1)
+        position_bias = bias_lookup(self.position, self.relative_index)
         return position_bias[None] + bias_lookup(self.time, bucket)
 
     def forward(self, key_times: torch.Tensor, query_times: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,12 +162,28 @@ def padded_attention(qkv: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor |
     return torch.einsum("bhnm,bmhd->bnhd", attn, v).reshape(b, n, -1)
 
 
-def attention_mask(lengths: torch.Tensor, num_candidates: torch.Tensor, n: int) -> torch.Tensor:
-    """`[B, N, N]` float mask: causal over valid tokens; candidate keys only for themselves."""
-    pos = torch.arange(n, device=lengths.device)
+def attention_mask(
+    lengths: torch.Tensor, num_candidates: torch.Tensor, n: int, static: MaskStatics | None = None
+) -> torch.Tensor:
+    """`[B, N, N]` float mask: causal over valid tokens; candidate keys only for themselves.
+    `static`: the parts that do not depend on the batch, made once by the caller (default: made
+    here, on the lengths' device)."""
+    static = static if static is not None else MaskStatics(n).to(lengths.device)
+    pos = static.positions
     valid = pos[None] < lengths[:, None]
     candidate = valid & (pos[None] >= (lengths - num_candidates)[:, None])
-    causal = pos[:, None] >= pos[None, :]
-    eye = torch.eye(n, dtype=torch.bool, device=lengths.device)
-    allowed = valid[:, :, None] & valid[:, None, :] & causal & (~candidate[:, None, :] | eye)
+    allowed = valid[:, :, None] & valid[:, None, :] & static.causal & (~candidate[:, None, :] | static.eye)
     return allowed.float()
+
+
+class MaskStatics(nn.Module):
+    """What `attention_mask` reuses from step to step at length `n`: the positions `[N]`, the
+    causal mask and the identity `[N, N]` (buffers: they move with the model and are not part
+    of its state)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        pos = torch.arange(n)
+        self.register_buffer("positions", pos, persistent=False)
+        self.register_buffer("causal", pos[:, None] >= pos[None, :], persistent=False)
+        self.register_buffer("eye", torch.eye(n, dtype=torch.bool), persistent=False)

@@ -132,12 +132,31 @@ class TrainerConfig(Section):
     compile_options: CompileOptions = Field(
         default_factory=CompileOptions, description="torch.compile's options for trainer.compile=true"
     )
+    cuda_graphs: StrictBool = Field(
+        False,
+        description="capture the step's static-shape parts in CUDA graphs: not supported (always refused, on every "
+        "device): the HSTU step's shapes change with every batch; see docs/gpu.md#cuda-graphs",
+    )
     dense_ddp: Literal["torch", "megatron"] = Field(
         "torch",
         description="data parallelism of the replicated (dense) part: torch: torch DDP, gradients all-reduced during "
         "backward; megatron: megatron-core's DDP (CUDA only; models with plain torch tables), gradients reduced by the "
         "finalize_model_grads task",
     )
+
+    @field_validator("cuda_graphs")
+    @classmethod
+    def _no_cuda_graphs(cls, value: bool) -> bool:
+        if value:
+            raise ConfigError(
+                ConfigProblem(
+                    "trainer.cuda_graphs",
+                    "CUDA graphs are not supported: on the CPU there are none, and on a GPU no part of the step worth "
+                    "capturing has static shapes (the jagged tokens change with every batch; docs/gpu.md#cuda-graphs); "
+                    "leave it false",
+                )
+            )
+        return value
 
     @model_validator(mode="after")
     def _accumulation_fits(self) -> TrainerConfig:

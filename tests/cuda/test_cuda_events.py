@@ -30,10 +30,10 @@ EXECUTORS = {
 
 
 def run(task_graph, executor, pool, batches=BATCHES):
-    """Train `batches` batches (the bodies ignore the payload); return the compiled graph."""
+    """Train `batches` batches (the bodies ignore the payload); return the plan runner."""
     with PlanRunner(task_graph, pool, executor) as runner:
         assert len(list(runner.iterate(range(batches)))) == batches
-        return runner.graph
+        return runner
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
@@ -42,11 +42,11 @@ def test_each_dependency_kind_reads_its_producers_value_for_the_right_batch(kind
     specs, edge_kind, delta = KINDS[kind]
     trace = DeviceTrace(delay_ms={"X": LONG_MS})
     pool = EventLogPool.cuda(STREAMS)
-    graph = run(trace.build(specs, STREAMS), EXECUTORS[executor](), pool)
-    (dependency,) = [d for d in graph.dependencies if d.consumer == "C"]
+    runner = run(trace.build(specs, STREAMS), EXECUTORS[executor](), pool)
+    (dependency,) = [d for d in runner.graph.dependencies if d.consumer == "C"]
     assert (dependency.edge_kind, dependency.delta) == (edge_kind, delta)  # the plan tests what it says
     assert trace.violations() == []
-    assert wait_violations(graph, pool, trace.ran) == []
+    assert wait_violations(runner, pool, trace.ran, BATCHES) == []
     # Not vacuous: all batches but at most one (before the first / after the last) read X's
     # output, and each of those reads was ordered by one of X's events.
     assert len(trace.reads) >= BATCHES - 1
@@ -81,10 +81,10 @@ def test_prefill_fallback_orders_after_earlier_work_on_the_producers_stream(exec
     task_graph = trace.build(specs, STREAMS)
     with torch.cuda.stream(pool.get("s1")):
         trace.preset("X", -1, LONG_MS)  # the batch before batch 0, produced before the plan runner starts
-    graph = run(task_graph, EXECUTORS[executor](), pool)
+    runner = run(task_graph, EXECUTORS[executor](), pool)
     assert pool.waits[("C", 0)] == [("stream", "s1")]
     assert all([kind for kind, _ in pool.waits[("C", b)]] == ["event"] for b in range(1, BATCHES))
-    assert wait_violations(graph, pool, trace.ran) == []
+    assert wait_violations(runner, pool, trace.ran, BATCHES) == []
     violations = trace.violations()
     if dropped:
         assert pool.dropped == 1
@@ -109,7 +109,7 @@ def test_random_plans_read_every_producer_after_it_wrote(specs, batches, executo
         chosen = EXECUTORS[executor]()
     trace = DeviceTrace(delay_ms=delays)
     pool = EventLogPool.cuda(STREAMS)
-    graph = run(trace.build(specs, STREAMS), chosen, pool, batches)
+    runner = run(trace.build(specs, STREAMS), chosen, pool, batches)
     assert sorted(trace.ran) == sorted((name, b) for name in names for b in range(batches))
     assert trace.violations() == []
-    assert wait_violations(graph, pool, trace.ran) == []
+    assert wait_violations(runner, pool, trace.ran, batches) == []

@@ -377,6 +377,14 @@ CATALOGUE = [
         "trainer.torch_profiler.steps",
         "ends after the last step (trainer.max_steps=5)",
     ),
+    (
+        "cuda graphs",
+        ["trainer.cuda_graphs=true"],
+        None,
+        1,
+        "trainer.cuda_graphs",
+        "CUDA graphs are not supported",
+    ),
     # Criteo files that are no Criteo text
     (
         "binary criteo file",

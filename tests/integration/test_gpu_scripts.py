@@ -373,6 +373,7 @@ def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
         "engine_costs",
         "bench_attention",
         "torchrec_cuda",
+        "host_step",
         "bench_hstu_step",
         "bench_train",
         "torch_profile",
@@ -380,7 +381,7 @@ def test_budget_leaves_steps_for_resume_which_runs_only_those(tmp_path):
     for name in ("cuda_tests", "launcher_cuda", "megatron_cuda", "bench_gpu", "bench_engine", "engine_costs"):
         assert " passed " in rows[name], rows[name]
     assert "stub: -m pytest tests/cuda/test_cuda_launcher.py" in rows["launcher_cuda"]
-    for name in ("torchrec_cuda", "bench_hstu_step", "bench_train", "torch_profile"):
+    for name in ("torchrec_cuda", "host_step", "bench_hstu_step", "bench_train", "torch_profile"):
         assert "failed (no torchrec)" in rows[name] and "torchrec does not import from the staged site" in rows[name]
     assert overall == "overall: FAILED"
     assert "cuda_tests.log" in packed_logs(second)

@@ -29,19 +29,18 @@ def traced(specs, executor, batches):
     pool, log = EventLogPool.recording(STREAMS)
     with PlanRunner(task_graph, pool, executor) as runner:
         assert len(list(runner.iterate(range(batches)))) == batches
-        graph = runner.graph
-    return graph, pool, list(trace.reads), check_happens_before(log, task_graph)
+    return runner, pool, list(trace.reads), check_happens_before(log, task_graph)
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
 @pytest.mark.parametrize("kind", sorted(DEPENDENCY_KINDS))
 def test_each_kind_waits_on_the_event_of_the_right_batch(kind, executor):
     specs, edge_kind, delta = DEPENDENCY_KINDS[kind]
-    graph, pool, ran, happens_before = traced(specs, EXECUTORS[executor](), 6)
-    (dependency,) = [d for d in graph.dependencies if d.consumer == "C"]
+    runner, pool, ran, happens_before = traced(specs, EXECUTORS[executor](), 6)
+    (dependency,) = [d for d in runner.graph.dependencies if d.consumer == "C"]
     assert (dependency.edge_kind, dependency.delta) == (edge_kind, delta)
     assert happens_before == []
-    assert wait_violations(graph, pool, ran) == []
+    assert wait_violations(runner, pool, ran, 6) == []
     kinds = [[k for k, _ in pool.waits[("C", b)]] for b in range(6)]
     assert kinds.count(["event"]) >= 5 and set(map(tuple, kinds)) <= {("event",), ("stream",)}
 
@@ -50,7 +49,7 @@ def test_prefill_fallback_is_a_wait_for_the_producers_stream():
     """C needs X's previous batch: for batch 0 no event of X exists, so C's stream waits for X's
     stream; from batch 1 on, for the event X recorded one iteration earlier."""
     specs, _, _ = DEPENDENCY_KINDS["cross_iter_delta_1"]
-    graph, pool, ran, _ = traced(specs, "sequential", 4)
+    runner, pool, ran, _ = traced(specs, "sequential", 4)
     assert pool.waits[("C", 0)] == [("stream", "s1")]
     for b in range(1, 4):
         assert pool.waits[("C", b)] == [("event", pool.recorded[("X", b - 1)])]
@@ -59,18 +58,18 @@ def test_prefill_fallback_is_a_wait_for_the_producers_stream():
 def test_wait_check_catches_a_wait_on_the_wrong_batch():
     """Not vacuous: shifting every recorded event by one batch breaks the check."""
     specs, _, _ = DEPENDENCY_KINDS["depends_on_across_lookaheads"]
-    graph, pool, ran, _ = traced(specs, "sequential", 4)
+    runner, pool, ran, _ = traced(specs, "sequential", 4)
     pool.recorded = {(name, b + 1): event for (name, b), event in pool.recorded.items()}
-    problems = wait_violations(graph, pool, ran)
+    problems = wait_violations(runner, pool, ran, 4)
     assert problems and problems[0].startswith("C[batch ") and "expected" in problems[0]
 
 
 @given(specs=task_graph_specs(), batches=st.integers(0, 6), executor=st.sampled_from(sorted(EXECUTORS)))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_random_plans_wait_on_the_event_of_the_right_batch(specs, batches, executor):
-    graph, pool, ran, happens_before = traced(specs, EXECUTORS[executor](), batches)
+    runner, pool, ran, happens_before = traced(specs, EXECUTORS[executor](), batches)
     assert happens_before == []
-    assert wait_violations(graph, pool, ran) == []
+    assert wait_violations(runner, pool, ran, batches) == []
 
 
 @given(specs=task_graph_specs(), batches=st.integers(0, 6), executor=st.sampled_from(sorted(EXECUTORS)))
@@ -83,10 +82,9 @@ def test_device_trace_bookkeeping_on_cpu(specs, batches, executor):
     pool, _ = EventLogPool.recording(STREAMS)
     with PlanRunner(task_graph, pool, EXECUTORS[executor]()) as runner:
         list(runner.iterate(range(batches)))
-        graph = runner.graph
     assert sorted(trace.ran) == sorted((s["name"], b) for s in specs for b in range(batches))
     assert trace.violations() == []
-    assert wait_violations(graph, pool, trace.ran) == []
+    assert wait_violations(runner, pool, trace.ran, batches) == []
 
 
 def test_device_trace_reports_a_read_that_saw_an_unwritten_output():

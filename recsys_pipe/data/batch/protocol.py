@@ -63,7 +63,10 @@ class TensorBatch:
             with torch.get_device_module(data_copy_stream.device).stream(data_copy_stream):
                 data_copy_stream.wait_stream(current)
                 return moved.copy_(self, non_blocking=non_blocking)
-        moved = {name: value.to(device, non_blocking=non_blocking) for name, value in self._tensor_fields().items()}
+        fields = self._tensor_fields()
+        for value in fields.values():
+            _host_metadata(value)
+        moved = {name: value.to(device, non_blocking=non_blocking) for name, value in fields.items()}
         return dataclasses.replace(self, **moved)  # type: ignore[type-var]
 
     def record_stream(self, stream: Any) -> None:
@@ -118,6 +121,15 @@ class TensorBatch:
 
         Subclasses implement it for the batch shuffler; this base raises NotImplementedError."""
         raise NotImplementedError(f"{cls.__name__} cannot concatenate batches (needed by the batch shuffler)")
+
+
+def _host_metadata(value: Any) -> None:
+    """Before a KJT leaves the host: its keys' lengths and offsets, as host lists (torchrec keeps
+    them in the KJT, and `to()` carries them over). Computed on the device they would be a read of
+    device values, a host sync, in every input distribution (`KeyedJaggedTensor.length_per_key`);
+    here they are a sum over a host tensor. Other fields are left alone."""
+    if hasattr(value, "length_per_key") and hasattr(value, "offset_per_key") and value.device().type == "cpu":
+        value.offset_per_key()  # computes (and keeps) length_per_key first
 
 
 def register_with_torchrec() -> None:
