@@ -59,6 +59,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bias_lookup": Benchmark(
         "recsys_pipe.bench.bias_lookup", "HSTU's attention-bias lookup: indexing's backward against a sorted sum"
     ),
+    "multi_host": Benchmark(
+        "recsys_pipe.bench.multi_host",
+        "8 ranks as 2 hosts x 4: every sharding type against one rank, resharded resumes, memory estimate vs RSS",
+    ),
     "hstu_gpu": Benchmark(
         "recsys_pipe.bench.hstu_gpu",
         "HSTU at production sizes: MFU, samples/s, CPU/GPU ms per step; padded vs Triton attention (a GPU)",

@@ -3,11 +3,17 @@
     recsys-plan pipeline=hstu_prefetch thread_map=per_task pipeline.tasks.h2d.lookahead=3
     recsys-plan pipeline=serial plot=true        # + PNG timing diagram and DAG in the run dir
     recsys-plan model=dlrm model.sharding=planner world_size=8 local_world_size=4
+    recsys-plan model=dlrm world_size=64 local_world_size=8 device=cuda memory_gib=80 dry_run=true
 
 After the task graph it shows the model's side: torchrec's printout of the embedding sharding plan
 for `world_size` ranks (`local_world_size` per host) on the trainer's device type, or, for a model
 with plain torch tables, its data parallelism (`trainer.dense_ddp`); and which tasks have nothing
 to do.
+
+With `memory_gib` (the memory of one rank's device) it prints the estimated peak memory of every
+rank, broken down by part, and one line: the largest rank, its GiB and whether it fits
+(`recsys_pipe.train.memory`); with `dry_run=true` it also builds one rank's table shards for
+real under torch's fake process group (one process) and compares them with the estimate.
 
 Same config tree and loader as `recsys-train`, so a plan that prints here is the plan that
 trains, and a plan refused here (exit 2, `error: <path>: <message>`) is refused there.
@@ -18,15 +24,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from recsys_pipe.cli.app import HydraApp
-from recsys_pipe.config import ConfigError, ConfigProblem, render_plan, structure_only
+from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem, render_plan, structure_only
 from recsys_pipe.train.build import describe_model
 from recsys_pipe.train.config import RunConfig, load_run_config
 from recsys_pipe.train.dense_ddp import check_dense_ddp
+from recsys_pipe.train.parallel import Topology
 from recsys_pipe.train.plan import planned_device_type, training_plan
 
 __all__ = ["PlanCommandConfig", "plan_task", "run", "main"]
@@ -40,6 +48,18 @@ class PlanCommandConfig(RunConfig):
     num_batches: StrictInt = Field(4, ge=1, le=64, description="batches drawn in the timing table")
     world_size: StrictInt = Field(1, ge=1, description="ranks the embedding sharding plan is shown for")
     local_world_size: StrictInt | None = Field(None, ge=1, description="ranks per host (null: world_size)")
+    device: Literal["cpu", "cuda"] | None = Field(
+        None, description="device type the plans are made for (null: trainer.device's; auto: cuda if visible)"
+    )
+    memory_gib: float | None = Field(
+        None, gt=0, description="memory of one rank's device: print the estimated peak memory per rank and if it fits"
+    )
+    dry_run: StrictBool = Field(
+        False,
+        description="also build rank dry_run_rank's table shards for real under torch's fake process group (one "
+        "process, no GPU needed) and compare them with the estimate",
+    )
+    dry_run_rank: StrictInt = Field(0, ge=0, description="the rank the dry run builds")
     costs: StrictStr | None = Field(
         None, description="per-task costs (costs.json of the profiler): print the simulated step time"
     )
@@ -61,7 +81,8 @@ def plan_task(cfg: DictConfig) -> None:
     if run_cfg.tune and run_cfg.costs is None:
         raise ConfigError(ConfigProblem("tune", "tune=true needs costs=<costs.json> (per-task costs to simulate)"))
     plan = training_plan(run_cfg, resolve_fn=None if run_cfg.check_fns else structure_only)
-    check_dense_ddp(run_cfg, planned_device_type(run_cfg.trainer.device))
+    topology = _topology(run_cfg)
+    check_dense_ddp(run_cfg, topology.device_type)
     costs = None
     if run_cfg.costs is not None:
         from recsys_pipe.cli.predict import load_costs
@@ -70,13 +91,10 @@ def plan_task(cfg: DictConfig) -> None:
     text = render_plan(plan, run_cfg.num_batches)
     model_text = None
     if run_cfg.check_fns:  # structure-only mode imports no model code either
-        model_text = describe_model(
-            run_cfg,
-            plan,
-            run_cfg.world_size,
-            run_cfg.local_world_size or run_cfg.world_size,
-            planned_device_type(run_cfg.trainer.device),
-        )
+        model_text = describe_model(run_cfg, plan, topology.world_size, topology.local_world_size, topology.device_type)
+        memory_text = _memory(run_cfg, plan, topology)
+        if memory_text:
+            model_text += "\n\n" + memory_text
     print(text)
     from recsys_pipe.train.parallel import parallelism_of
 
@@ -119,6 +137,34 @@ def plan_task(cfg: DictConfig) -> None:
     for p in written:
         print(f"wrote {p}")
     sys.stdout.flush()
+
+
+def _topology(run_cfg: PlanCommandConfig) -> Topology:
+    """The ranks the plans are shown for, checked (ConfigError at `local_world_size`)."""
+    device = run_cfg.device or planned_device_type(run_cfg.trainer.device)
+    topology = Topology(run_cfg.world_size, run_cfg.local_world_size or run_cfg.world_size, device, "local_world_size")
+    topology.check()
+    return topology
+
+
+def _memory(run_cfg: PlanCommandConfig, plan: CompiledPlan, topology: Topology) -> str | None:
+    """The memory table (`memory_gib` or `dry_run`) and the dry run's comparison, if asked for."""
+    if run_cfg.memory_gib is None and not run_cfg.dry_run:
+        return None
+    from recsys_pipe.train.memory import NOT_ESTIMATED, dry_run_report, dry_run_tables, estimate_memory
+
+    estimate = estimate_memory(run_cfg, plan, topology, run_cfg.memory_gib)
+    if estimate is None:
+        return NOT_ESTIMATED
+    text = estimate.render()
+    if run_cfg.dry_run:
+        if run_cfg.dry_run_rank >= topology.world_size:
+            raise ConfigError(
+                ConfigProblem("dry_run_rank", f"rank {run_cfg.dry_run_rank} is not one of {topology.world_size}")
+            )
+        measured = dry_run_tables(run_cfg, topology, run_cfg.dry_run_rank)
+        text += "\n" + dry_run_report(estimate, measured, run_cfg.dry_run_rank)
+    return text
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -76,6 +76,16 @@ def check_config(cfg: DictConfig) -> None:
     check_run(cfg)
 
 
+def _check(cfg: DictConfig) -> None:
+    """`--check`: every check a job makes before its process group (`Launch.prepare`), then the
+    estimated peak memory of this job's ranks (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`): one line, and
+    a warning where the largest rank does not fit."""
+    line, warning = Launch.prepare(cfg).checked.memory_check()
+    print(line)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 _app = HydraApp(
     train_task,
     config_name="train",
@@ -84,7 +94,7 @@ _app = HydraApp(
     # a single job's config before Hydra runs it (the job repeats all of `check_run` first
     # thing, so reading its data twice is left to sweeps)
     validate=check_plan,
-    check=Launch.prepare,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE
+    check=_check,  # `--check`: every check before a process group, for this RANK/WORLD_SIZE, and memory
     sweep_check=check_config,
 )
 

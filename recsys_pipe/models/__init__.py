@@ -7,6 +7,9 @@ plain-torch DLRM (`dlrm_torch`); for next-item retrieval SASRec (`sasrec`) and H
 (`hstu_retrieval`), see `recsys_pipe.models.retrieval`. Their dropout sites are `Dropout`
 modules drawing from the run's `DropoutRng` (`recsys_pipe.models.dropout`).
 
+Tables are sharded by torchrec's sharders, or by a project sharder that offers more types on the
+CPU (`recsys_pipe.models.sharders`), with the plans of `recsys_pipe.models.sharding`.
+
 Names are imported on first use (PEP 562): choosing one model never imports the others, and
 `import recsys_pipe.models` loads no torchrec.
 """
@@ -58,6 +61,10 @@ _EXPORTS = {
     "HSTURetrievalConfig": "retrieval_config",
     "HSTURetrievalEncoder": "hstu_retrieval",
     "build_hstu_retrieval": "hstu_retrieval",
+    "SHARDERS": "sharders",
+    "offered_on_cpu": "sharders",
+    "project_sharders": "sharders",
+    "sharder_for": "sharders",
     "make_optimizer": "sharding",
     "make_sharded_model": "sharding",
     "sharding_plan": "sharding",

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 #: torchrec sharding types a table can be constrained to (`model.sharding_constraints`).
-ShardingType = Literal["row_wise", "column_wise", "table_wise", "table_row_wise", "data_parallel"]
+ShardingType = Literal["row_wise", "column_wise", "table_wise", "table_column_wise", "table_row_wise", "data_parallel"]
 SHARDING_TYPES: tuple[str, ...] = ShardingType.__args__
 
 
@@ -156,15 +156,19 @@ class ModelConfig(Component):
 class ShardedModelConfig(ModelConfig):
     """A model with torchrec embedding tables, sharded over the ranks by `DistributedModelParallel`."""
 
-    sharding: Literal["table_wise", "row_wise", "planner"] = Field(
-        "table_wise",
-        description="table_wise: whole tables round-robin over ranks; row_wise: every table split by rows over all "
-        "ranks; planner: torchrec's EmbeddingShardingPlanner for this topology (with sharding_constraints)",
+    sharding: Literal["table_wise", "row_wise", "column_wise", "table_column_wise", "table_row_wise", "planner"] = (
+        Field(
+            "table_wise",
+            description="table_wise: whole tables round-robin over ranks; row_wise: every table split by rows over "
+            "all ranks; column_wise: each table split by columns over several ranks; table_column_wise / "
+            "table_row_wise: each table split by columns / rows over the ranks of one host (table_row_wise needs 2+ "
+            "hosts); planner: torchrec's EmbeddingShardingPlanner for this topology (with sharding_constraints)",
+        )
     )
     sharding_constraints: dict[str, list[ShardingType]] = Field(
         default_factory=dict,
         description="model.sharding=planner only: {table: [allowed sharding types]}, types from row_wise, "
-        "column_wise, table_wise, table_row_wise, data_parallel (null: none)",
+        "column_wise, table_wise, table_column_wise, table_row_wise, data_parallel (null: none)",
     )
     compute_kernel: Literal["fused", "dense"] = Field(
         "fused",
@@ -187,7 +191,7 @@ class ShardedModelConfig(ModelConfig):
             )
         if self.compute_kernel == "dense" and self.sharding == "planner":
             raise ValueError(
-                "compute_kernel=dense needs a hand-built plan (model.sharding=row_wise or table_wise): torchrec's "
+                "compute_kernel=dense needs a hand-built plan (model.sharding=row_wise, table_wise, ...): torchrec's "
                 "planner offers the dense kernel for data_parallel tables only"
             )
         empty = [table for table, types in self.sharding_constraints.items() if not types]

@@ -1,19 +1,35 @@
 """Shard a model's torchrec tables with DistributedModelParallel, and build its optimizer.
 
 The sharding plan (`model.sharding`) covers every `EmbeddingCollection` and
-`EmbeddingBagCollection` of the model:
+`EmbeddingBagCollection` of the model. Hand-built plans (`construct_module_sharding_plan`), the
+same rule for every table, tables taken in model order (table `i`):
 
-* `table_wise`: whole tables round-robin over the ranks; `row_wise`: every table split by rows
-  over all ranks. Constructed directly (`construct_module_sharding_plan`).
+* `table_wise`: table `i` whole on rank `i % world_size`;
+* `row_wise`: every table split by rows over all ranks;
+* `column_wise`: table `i` split by columns into `k` shards on `k` consecutive ranks (starting at
+  rank `i * k`, wrapping around), `k` the most shards, up to the world size, whose widths divide
+  the embedding dimension into multiples of 4 (torchrec's smallest column block);
+* `table_column_wise`: the same within one host: table `i` on host `i % hosts`, `k` up to the
+  ranks per host;
+* `table_row_wise`: table `i` split by rows over the ranks of host `i % hosts` (needs 2+ hosts:
+  on one host it would be `row_wise` with extra process groups, and is refused);
 * `planner`: torchrec's `EmbeddingShardingPlanner` for the real topology -- world size, the
   ranks per host (`LOCAL_WORLD_SIZE`, as torchrun sets it) and the compute device -- with the
   per-table `model.sharding_constraints`.
 
-Every rank computes the same plan itself, with no collective. torchrec's `collective_plan`
-plans on rank 0 and broadcasts, so a planner failure there leaves the other ranks waiting in
-the broadcast; planning everywhere makes a failure happen on every rank alike, and each exits
-with the planner's message as a config error. (The planner is deterministic given the model,
-topology and constraints: it does not read the devices.)
+Every type must be offered by the table's sharder on the device (`recsys_pipe.models.sharders`:
+torchrec's, with `row_wise` and `table_row_wise` of bag tables also offered on the CPU); a type
+that is not is refused as a config error naming the table, before any process group starts.
+
+Every rank plans itself, then takes rank 0's plan. torchrec's `collective_plan` plans on rank 0
+only and broadcasts, so a planner failure there leaves the other ranks waiting in the broadcast;
+planning everywhere makes a failure happen on every rank alike (before the broadcast), and each
+exits with the planner's message as a config error. The broadcast is still needed: torchrec's
+planner breaks ties between equally good plans in the order it iterates sets of strings, which
+differs between processes (Python randomises string hashing per process). Seen with two torchrun
+agents: the ranks of one host planned a table `column_wise` that the other host's ranks planned
+`table_wise`, and their first all-to-all failed. (Ranks forked from one process share the hash
+seed and agree; hand-built plans agree anyway.)
 
 data_parallel `EmbeddingCollection` tables do not work on CPU in torchrec, so on CPU the planner
 is not offered that choice and a constraint asking for it is refused.
@@ -29,6 +45,8 @@ are not part of it.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -36,15 +54,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory
 from torchrec.distributed.planner.types import TrainerConfig as PlannerTrainerConfig
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.distributed.sharding_plan import (
+    ParameterShardingGenerator,
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -53,8 +76,11 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.batch import register_with_torchrec
 from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.models.sharders import project_sharders, sharder_for
 
 __all__ = [
+    "MULTI_HOST_TYPES",
+    "column_shards",
     "embedding_modules",
     "has_torchrec_tables",
     "local_world_size",
@@ -62,16 +88,18 @@ __all__ = [
     "make_sharded_model",
     "optimize_tables_in_backward",
     "sharding_plan",
+    "table_features",
+    "table_shapes",
 ]
 
 register_with_torchrec()  # our batches are torchrec Pipelineables wherever torchrec shards a model
 
 #: fraction of each device's memory the planner leaves for everything but the tables
 STORAGE_RESERVATION = 0.15
-
-
-def _sharder(module: nn.Module) -> ModuleSharder:
-    return EmbeddingCollectionSharder() if isinstance(module, EmbeddingCollection) else EmbeddingBagCollectionSharder()
+#: sharding types that place each table within one host and need several hosts
+MULTI_HOST_TYPES = ("table_row_wise",)
+#: torchrec's column shards are a multiple of this many columns wide (`_find_base_dim`)
+COLUMN_BLOCK = 4
 
 
 def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -84,15 +112,40 @@ def has_torchrec_tables(model: nn.Module) -> bool:
     return bool(embedding_modules(model))
 
 
+def _table_configs(module: nn.Module) -> list[Any]:
+    return module.embedding_configs() if isinstance(module, EmbeddingCollection) else module.embedding_bag_configs()
+
+
 def _tables(module: nn.Module) -> list[str]:
-    configs = module.embedding_configs() if isinstance(module, EmbeddingCollection) else module.embedding_bag_configs()
-    return [cfg.name for cfg in configs]
+    return [cfg.name for cfg in _table_configs(module)]
+
+
+def table_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every torchrec table of `model` by name: (rows, embedding dimension)."""
+    return {
+        cfg.name: (cfg.num_embeddings, cfg.embedding_dim)
+        for module in embedding_modules(model).values()
+        for cfg in _table_configs(module)
+    }
+
+
+def table_features(module: nn.Module) -> dict[str, list[str]]:
+    """Each table of an `EmbeddingCollection`/`EmbeddingBagCollection` by name: the KJT features
+    it looks up."""
+    return {cfg.name: list(cfg.feature_names) for cfg in _table_configs(module)}
 
 
 def local_world_size(world_size: int) -> int:
     """Ranks on this host: `LOCAL_WORLD_SIZE` as torchrun sets it; `world_size` (one host) when
     the process was not started by torchrun."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def column_shards(dim: int, ranks: int) -> int:
+    """Column shards of a table `dim` wide over `ranks` ranks: the most, up to `ranks`, whose
+    equal widths are multiples of `COLUMN_BLOCK` (1 when none is)."""
+    fits = [k for k in range(1, ranks + 1) if dim % k == 0 and (dim // k) % COLUMN_BLOCK == 0]
+    return max(fits, default=1)
 
 
 def sharding_plan(
@@ -110,50 +163,85 @@ def sharding_plan(
         cfg: the model's config (`sharding`, `sharding_constraints`, `compute_kernel`).
         world_size: the number of ranks.
         device_type: `cpu` or `cuda`.
-        local_size: ranks per host (default: `local_world_size(world_size)`).
+        local_size: ranks per host (default: `local_world_size(world_size)`); divides `world_size`.
         batch_size: the per-rank batch size, for the planner's estimates.
 
     Returns:
         torchrec's `ShardingPlan`. Raises ConfigError (at `model.sharding` /
-        `model.sharding_constraints.<table>`) when the choice cannot work: a sharding type torchrec
-        does not offer for the table on this device, a constraint naming no table, or a planner
-        failure (with the planner's message)."""
+        `model.sharding_constraints.<table>`) when the choice cannot work: a sharding type the
+        table's sharder does not offer on this device, `table_row_wise` on one host, a constraint
+        naming no table, or a planner failure (with the planner's message)."""
     local_size = local_world_size(world_size) if local_size is None else local_size
+    if local_size < 1 or world_size % local_size:
+        raise ValueError(f"{local_size} ranks per host do not divide {world_size} ranks")
     modules = embedding_modules(model)
     if cfg.sharding == "planner":
         return _planner_plan(model, modules, cfg, world_size, local_size, device_type, batch_size)
+    if cfg.sharding in MULTI_HOST_TYPES and world_size == local_size:
+        raise ConfigError(ConfigProblem("model.sharding", _one_host(cfg.sharding, world_size)))
     plan: dict[str, Any] = {}
-    position = 0
+    index = 0
     for fqn, module in modules.items():
-        sharder = _sharder(module)
+        sharder = sharder_for(module)
         offered = sharder.sharding_types(device_type)
         if cfg.sharding not in offered:
+            first = _tables(module)[0]
             raise ConfigError(
                 ConfigProblem(
                     "model.sharding",
-                    f"{cfg.sharding} is not offered by torchrec's {type(sharder).__name__} on {device_type} "
-                    f"(module '{fqn}'); it offers {', '.join(offered)}: use model.sharding=planner, with "
-                    "model.sharding_constraints to choose per table",
+                    f"{cfg.sharding} is not offered for table '{first}' (module '{fqn}', {type(module).__name__}) "
+                    f"by {type(sharder).__name__} on {device_type}; it offers {', '.join(offered)}: use one of those, "
+                    "or model.sharding=planner with model.sharding_constraints to choose per table",
                 )
             )
         per_table = {}
-        for name in _tables(module):
-            kernel = cfg.compute_kernel
-            per_table[name] = (
-                table_wise(rank=position % world_size, compute_kernel=kernel)
-                if cfg.sharding == "table_wise"
-                else row_wise(compute_kernel=kernel)
+        for table in _table_configs(module):
+            per_table[table.name] = _placement(
+                cfg.sharding, index, table.embedding_dim, world_size, local_size, cfg.compute_kernel
             )
-            position += 1
+            index += 1
         plan[fqn] = construct_module_sharding_plan(
-            module,
-            per_table,
-            sharder=sharder,
-            local_size=local_size,
-            world_size=world_size,
-            device_type=device_type,
+            module, per_table, sharder=sharder, local_size=local_size, world_size=world_size, device_type=device_type
         )
     return ShardingPlan(plan)
+
+
+def _one_host(sharding: str, world_size: int) -> str:
+    return (
+        f"{sharding} splits each table over the ranks of one host and needs 2 or more hosts; these {world_size} "
+        "rank(s) are one host (local_world_size = world_size): use row_wise, or start more hosts"
+    )
+
+
+def _placement(
+    sharding: str, index: int, dim: int, world_size: int, local_size: int, kernel: str
+) -> ParameterShardingGenerator:
+    """torchrec's generator of table `index`'s shards for a hand-built `sharding` (module docstring)."""
+    hosts = world_size // local_size
+    if sharding == "table_wise":
+        return table_wise(rank=index % world_size, compute_kernel=kernel)
+    if sharding == "row_wise":
+        return row_wise(compute_kernel=kernel)
+    if sharding == "table_row_wise":
+        return _with(table_row_wise(host_index=index % hosts), compute_kernel=kernel)
+    within_host = sharding == "table_column_wise"
+    group = local_size if within_host else world_size
+    first = (index % hosts) * local_size if within_host else 0
+    k = column_shards(dim, group)
+    start = (index // hosts if within_host else index) * k
+    generator = column_wise(ranks=[first + (start + j) % group for j in range(k)], compute_kernel=kernel)
+    return _with(generator, sharding_type="table_column_wise") if within_host else generator
+
+
+def _with(generator: ParameterShardingGenerator, **fields: str) -> ParameterShardingGenerator:
+    """`generator` with `fields` of its `ParameterSharding` replaced (torchrec's `table_row_wise`
+    takes no kernel; there is no `table_column_wise` generator: it is column-wise shards placed
+    within one host)."""
+
+    def generate(*args: Any) -> Any:
+        return dataclasses.replace(generator(*args), **fields)
+
+    return generate
 
 
 def _planner_plan(
@@ -165,32 +253,7 @@ def _planner_plan(
     device_type: str,
     batch_size: int,
 ) -> ShardingPlan:
-    tables = {name: module for module in modules.values() for name in _tables(module)}
-    problems = [
-        ConfigProblem(
-            f"model.sharding_constraints.{name}", f"no table '{name}' in the model (tables: {', '.join(tables)})"
-        )
-        for name in cfg.sharding_constraints
-        if name not in tables
-    ]
-    constraints: dict[str, ParameterConstraints] = {}
-    for name, module in tables.items():
-        allowed = list(cfg.sharding_constraints.get(name, []))
-        if isinstance(module, EmbeddingCollection) and device_type == "cpu":
-            if "data_parallel" in allowed:
-                problems.append(
-                    ConfigProblem(
-                        f"model.sharding_constraints.{name}",
-                        "data_parallel does not work for EmbeddingCollection tables on CPU (torchrec's data-parallel "
-                        "EmbeddingCollection fails there); allow row_wise, column_wise or table_wise",
-                    )
-                )
-            elif not allowed:  # keep the planner from choosing it on its own
-                allowed = [t for t in EmbeddingCollectionSharder().sharding_types("cpu") if t != "data_parallel"]
-        if allowed:
-            constraints[name] = ParameterConstraints(sharding_types=allowed)
-    if problems:
-        raise ConfigError(problems)
+    constraints = _planner_constraints(modules, cfg, world_size, local_size, device_type)
     topology = TopologyFactory.create_topology(
         PlannerTrainerConfig(world_size=world_size, local_world_size=local_size),
         kernel_config=KernelConfig(compute_device=device_type),
@@ -202,11 +265,58 @@ def _planner_plan(
         storage_reservation=FixedPercentageStorageReservation(STORAGE_RESERVATION),
         debug=False,
     )
-    sharders = list({type(s): s for s in (_sharder(m) for m in modules.values())}.values())
     try:
-        return planner.plan(model, sharders)
+        return planner.plan(model, project_sharders(list(modules.values())))
     except Exception as exc:  # any planner failure: every rank reports it the same way and exits
         raise ConfigError(ConfigProblem("model.sharding", f"torchrec's planner found no plan: {exc}")) from None
+
+
+def _planner_constraints(
+    modules: Mapping[str, nn.Module], cfg: ShardedModelConfig, world_size: int, local_size: int, device_type: str
+) -> dict[str, ParameterConstraints]:
+    """`model.sharding_constraints` as torchrec's, each type checked against what the table's
+    sharder offers on `device_type`; ConfigError naming every table whose constraint cannot work."""
+    tables = {name: module for module in modules.values() for name in _tables(module)}
+    problems = [
+        ConfigProblem(
+            f"model.sharding_constraints.{name}", f"no table '{name}' in the model (tables: {', '.join(tables)})"
+        )
+        for name in cfg.sharding_constraints
+        if name not in tables
+    ]
+    constraints: dict[str, ParameterConstraints] = {}
+    for name, module in tables.items():
+        allowed = list(cfg.sharding_constraints.get(name, []))
+        key = f"model.sharding_constraints.{name}"
+        if isinstance(module, EmbeddingCollection) and device_type == "cpu":
+            if "data_parallel" in allowed:
+                problems.append(
+                    ConfigProblem(
+                        key,
+                        "data_parallel does not work for EmbeddingCollection tables on CPU (torchrec's data-parallel "
+                        "EmbeddingCollection fails there); allow row_wise, column_wise or table_wise",
+                    )
+                )
+                continue
+            if not allowed:  # keep the planner from choosing it on its own
+                allowed = [t for t in sharder_for(module).sharding_types("cpu") if t != "data_parallel"]
+        offered = sharder_for(module).sharding_types(device_type)
+        refused = [t for t in allowed if t not in offered]
+        if refused:
+            problems.append(
+                ConfigProblem(
+                    key,
+                    f"{', '.join(refused)} not offered for table '{name}' ({type(module).__name__}) by "
+                    f"{type(sharder_for(module)).__name__} on {device_type}; it offers {', '.join(offered)}",
+                )
+            )
+        elif world_size == local_size and any(t in MULTI_HOST_TYPES for t in allowed):
+            problems.append(ConfigProblem(key, _one_host("table_row_wise", world_size)))
+        elif allowed:
+            constraints[name] = ParameterConstraints(sharding_types=allowed)
+    if problems:
+        raise ConfigError(problems)
+    return constraints
 
 
 def optimize_tables_in_backward(
@@ -229,6 +339,7 @@ def make_sharded_model(
     embedding_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
     embedding_optimizer_kwargs: Mapping[str, Any] | None = None,
     data_parallel: bool = True,
+    plan: ShardingPlan | None = None,
 ) -> DistributedModelParallel:
     """Wrap `model` in DistributedModelParallel over `pg`, its tables sharded by `cfg.sharding` on
     `cfg.compute_kernel`. Works for world size 1 and up.
@@ -245,6 +356,7 @@ def make_sharded_model(
         embedding_optimizer_kwargs: its arguments (`lr`, ...).
         data_parallel: wrap the rest of the model in DMP's DDP over `pg`; False leaves its
             gradients alone (pipeline stages average theirs themselves, `recsys_pipe.pp.stage`).
+        plan: the sharding plan to use (default: `sharding_plan` for `pg`'s ranks and `device`).
 
     Returns:
         The `DistributedModelParallel` model."""
@@ -259,20 +371,68 @@ def make_sharded_model(
         )
     if cfg.compute_kernel == "fused":
         optimize_tables_in_backward(model, embedding_optimizer, embedding_optimizer_kwargs)
-    plan = sharding_plan(model, cfg, pg.size(), device.type, batch_size=batch_size)
+    ranks = pg.size()
+    if plan is None:
+        # the ranks of `pg` per host; a group of some ranks of each host (a pipeline stage's
+        # replicas) may not hold whole hosts: the largest count dividing both stands in
+        local = math.gcd(local_world_size(ranks), ranks)
+        plan = sharding_plan(model, cfg, ranks, device.type, local, batch_size=batch_size)
+        if cfg.sharding == "planner" and ranks > 1:  # the same tie-breaks on every rank: rank 0's
+            chosen = [plan]
+            dist.broadcast_object_list(chosen, src=dist.get_global_rank(pg, 0), group=pg)
+            plan = chosen[0]
+    weights = _table_weights(model)
     sharded = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg),
         device=device,
         plan=plan,
-        sharders=[EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()],
+        sharders=project_sharders(),
         init_data_parallel=data_parallel,
     )
+    _load_shards(sharded, weights)
     if cfg.compute_kernel == "dense" and device.type == "cpu":
         from recsys_pipe.models.cpu_dense_lookup import use_unpooled_cpu_lookups
 
         use_unpooled_cpu_lookups(sharded)
     return sharded
+
+
+def _table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model's table weights by state-dict key (references, not copies)."""
+    prefixes = tuple(f"{fqn}." for fqn in embedding_modules(model))
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k.startswith(prefixes) and v.dim() == 2}
+
+
+def _load_shards(sharded: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy each table's rows and columns of this rank's shards from the unsharded `weights`,
+    then free the unsharded tables' memory.
+
+    torchrec's sharded modules initialise their shards afresh (each rank draws its own shards'
+    values), so without the copy a table's initial values would depend on the sharding type and
+    the world size. With it, every layout starts from the weights the seeded model was built
+    with, and N ranks train what one rank trains (`tests/integration/test_multi_host.py`).
+
+    torchrec keeps the unsharded parameters referenced after sharding (its sharding infos, and
+    the in-backward optimizer hooks), so every rank would hold the whole unsharded tables for
+    the rest of the run; their storage is released here instead (shape kept, as FSDP frees a
+    parameter's storage). Skipped for a model built on the meta device (nothing to copy)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    in_use = set()
+    for key, value in sharded.state_dict().items():
+        full = weights.get(key)
+        if full is None or full.is_meta or not isinstance(value, ShardedTensor):
+            continue
+        with torch.no_grad():
+            for shard in value.local_shards():
+                (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(full[row : row + rows, col : col + cols])
+                in_use.add(shard.tensor.untyped_storage().data_ptr())
+    for full in weights.values():
+        storage = full.untyped_storage()
+        if not full.is_meta and storage.data_ptr() not in in_use:
+            storage.resize_(0)
 
 
 def make_optimizer(

@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,13 +91,19 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def resolve_resume(spec: str | None, output_dir: str, model_name: str | None = None) -> Path | None:
+def resolve_resume(
+    spec: str | None,
+    output_dir: str,
+    model_name: str | None = None,
+    tables: Callable[[], Mapping[str, tuple[int, int]] | None] | None = None,
+) -> Path | None:
     """The checkpoint `trainer.resume_from` names (see the module docstring); None for a fresh
     start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint, or
-    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains)."""
+    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains; `tables`:
+    gives its torchrec tables' shapes by name, asked only when there is a checkpoint)."""
     path = _resolve(spec, output_dir)
     if path is not None:
-        check_checkpoint(path, model_name)
+        check_checkpoint(path, model_name, tables() if tables is not None else None)
     return path
 
 
@@ -127,11 +133,14 @@ def _resolve(spec: str | None, output_dir: str) -> Path | None:
     return found[-1].path
 
 
-def check_checkpoint(path: Path, model_name: str | None = None) -> None:
+def check_checkpoint(
+    path: Path, model_name: str | None = None, tables: Mapping[str, tuple[int, int]] | None = None
+) -> None:
     """What can be checked of a checkpoint from its own files, before DCP reads any tensor:
-    its metadata reads, every data file it names is there and long enough, and (when the run
-    directory's `config.yaml` says which model wrote it) the model is `model_name`.
-    ConfigError at `trainer.resume_from` naming what differs."""
+    its metadata reads, every data file it names is there and long enough, (when the run
+    directory's `config.yaml` says which model wrote it) the model is `model_name`, and every
+    table of `tables` (name -> (rows, dim), the config's) has that shape in it.
+    ConfigError at `trainer.resume_from` naming what differs (the first table that differs)."""
     metadata = read_metadata(path)
     sizes: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -147,6 +156,28 @@ def check_checkpoint(path: Path, model_name: str | None = None) -> None:
     saved = saved_model_name(path)
     if model_name is not None and saved is not None and saved != model_name:
         raise _mismatch(path, f"it holds model '{saved}' (its run's config.yaml), this run trains '{model_name}'")
+    if tables:
+        _check_tables(path, metadata, tables)
+
+
+def _check_tables(path: Path, metadata: Any, tables: Mapping[str, tuple[int, int]]) -> None:
+    """ConfigError naming the first of `tables` whose weight the checkpoint holds in another
+    shape (a table is found by its name, `...<name>.weight` under the model; DCP's metadata
+    keeps each table's global size whatever its sharding)."""
+    stored: dict[str, tuple[int, ...]] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        parts = key.split(".")
+        if key.startswith("train.model.") and parts[-1] == "weight" and getattr(item, "size", None) is not None:
+            stored.setdefault(parts[-2], tuple(item.size))
+    for name, shape in tables.items():
+        have = stored.get(name)
+        if have is not None and have != tuple(shape):
+            raise _mismatch(
+                path,
+                f"table {name} is {list(have)} (rows, dim) in the checkpoint and {list(shape)} in this config: "
+                "its rows come from the data (e.g. data.num_embeddings) and its width from model.embedding_dim; "
+                "resume with the checkpoint's sizes",
+            )
 
 
 def read_metadata(path: Path) -> Any:
@@ -219,7 +250,22 @@ def compare_state(state: dict[str, Any], metadata: Any, path: Path, world_size: 
     saved_ranks = _saved_world_size(metadata)
     if saved_ranks != world_size:
         text += f"; written by {saved_ranks} rank(s), loading on {world_size}"
+    if any(_column_shard_state(key, saved.get(key), state[key]) for key in state if key in saved):
+        text += (
+            " (fbgemm's row-wise state of a column-sharded table keeps one value per row of each column shard: "
+            "resume with as many column shards, or train with optimizer.sparse.name=adagrad, whose state reshards)"
+        )
     raise _mismatch(path, text)
+
+
+def _column_shard_state(key: str, stored: Any, value: Any) -> bool:
+    """Whether `key` is fbgemm's row-wise optimizer state (`momentum1`, one dimension) of a table
+    sharded into another number of column shards than the checkpoint's."""
+    size, have = _global_size(value), getattr(stored, "size", None)
+    if not key.endswith("momentum1") or size is None or have is None or len(size) != 1 or len(have) != 1:
+        return False
+    low, high = sorted((size[0], have[0]))
+    return low > 0 and low != high and high % low == 0
 
 
 def _global_size(value: Any) -> Any:

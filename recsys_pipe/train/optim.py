@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, StrictInt, StrictStr
@@ -51,10 +51,19 @@ class SparseOptimizerConfig(Section):
     eps: float = Field(1e-8, gt=0, description="epsilon of adaptive optimizers")
     weight_decay: float = Field(0.0, ge=0, description="weight decay of the embedding tables")
 
+    def state_elements(self, rows: int, cols: int) -> int:
+        """Floats of fbgemm's state for a table shard of `rows` x `cols` under this optimizer."""
+        per_entry = {"sgd": 0, "adagrad": 1, "adam": 2}
+        return rows if self.name == "rowwise_adagrad" else per_entry[self.name] * rows * cols
+
 
 class OptimizerConfig(Component):
     """What every dense optimizer config has (`optimizer.*`), plus the fused sparse one
     (`optimizer.sparse`). A builder whose config parameter is not annotated gets this class."""
+
+    #: floats of optimizer state per parameter entry (the memory estimate's); a custom optimizer
+    #: is assumed to keep two, as Adam does, unless its config class says otherwise
+    state_copies: ClassVar[float] = 2
 
     lr: float = Field(1e-3, gt=0, description="dense learning rate")
     weight_decay: float = Field(0.0, ge=0, description="dense weight decay")
@@ -85,6 +94,10 @@ class SGDConfig(OptimizerConfig):
     builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_sgd")
     momentum: float = Field(0.0, ge=0, description="momentum")
 
+    @property
+    def state_copies(self) -> float:  # type: ignore[override]
+        return 1 if self.momentum else 0
+
 
 class AdamConfig(OptimizerConfig):
     """`optimizer=adam` (and `optimizer.name=adamw`)."""
@@ -104,6 +117,8 @@ class AdamWConfig(AdamConfig):
 
 class AdagradConfig(OptimizerConfig):
     """`optimizer.name=adagrad`."""
+
+    state_copies: ClassVar[float] = 1
 
     name: Literal["adagrad"] = "adagrad"
     builder: StrictStr | None = builder_field("recsys_pipe.train.optim:build_adagrad")
@@ -252,6 +267,9 @@ class TrainOptimizer:
         params = dict(self.dense.params) if self.keyed else _named(self.dense, model)
         self.sharded_tables = _sharded_tables(params, model)
         tables = {id(params[key]) for key in self.sharded_tables}
+        #: the state of tables without a shard on this rank, left out of `state_dict` (the ranks
+        #: holding their rows save it) and put back by `load_state_dict`
+        self._held: dict[str, Any] = {}
         #: the parameters gradient clipping covers: the dense network's
         self.dense_params = [p for group in self.dense.param_groups for p in group["params"] if id(p) not in tables]
         self.max_grad_norm = cfg.clip_grad_norm
@@ -290,8 +308,12 @@ class TrainOptimizer:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=self._dcp_options())
+        self._held = {}
         for key, table in self.sharded_tables.items():
-            _map_param_state(optim_state, key, lambda value, table=table: _like_table(value, table))
+            if not table.local_shards():  # e.g. table_row_wise on another host: the ranks holding it save it
+                self._held[key] = _pop_param_state(optim_state, key)
+            else:
+                _map_param_state(optim_state, key, lambda value, table=table: _like_table(value, table))
         return {"optimizer": optim_state, "lr_scheduler": self.scheduler.state_dict()}
 
     def prepare_load(self) -> None:
@@ -307,7 +329,10 @@ class TrainOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict()` returned (after DCP loaded it into this optimizer's tensors) in place."""
         for key in self.sharded_tables:  # DCP loaded into the shards, which are the state's tensors
-            _map_param_state(state["optimizer"], key, _local)
+            if key in self._held:
+                _put_param_state(state["optimizer"], key, self._held[key])
+            else:
+                _map_param_state(state["optimizer"], key, _local)
         if self.keyed:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
@@ -348,6 +373,46 @@ def _sharded_tables(params: Mapping[str, torch.Tensor], model: torch.nn.Module) 
     return tables
 
 
+def _pop_param_state(optim_state: dict[str, Any], key: str) -> Any:
+    """Remove parameter `key`'s state from an optimizer state dict, nested or flattened
+    (`_map_param_state`), and return it."""
+    if isinstance(optim_state.get("state"), dict):
+        return optim_state["state"].pop(key, None)
+    prefix = f"state.{key}."
+    return {name: optim_state.pop(name) for name in [k for k in optim_state if k.startswith(prefix)]}
+
+
+def _put_param_state(optim_state: dict[str, Any], key: str, held: Any) -> None:
+    """Put back what `_pop_param_state` removed."""
+    if held is None:
+        return
+    if isinstance(optim_state.get("state"), dict):
+        optim_state["state"][key] = held
+    else:
+        optim_state.update(held)
+
+
+def _like_table(value: Any, table: Any) -> Any:
+    """`value` (a state tensor of a sharded table's local shard, e.g. an Adam moment) as a
+    `ShardedTensor` with the table's layout, sharing `value`'s storage (so DCP loads in place);
+    anything else (a step count) unchanged."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = table.local_shards()
+    if not isinstance(value, torch.Tensor) or value.shape != shards[0].tensor.shape:
+        return value
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        [Shard(value, shards[0].metadata)], table.metadata()
+    )
+
+
+def _local(value: Any) -> Any:
+    """The local tensor of a `ShardedTensor` made by `_like_table`; anything else unchanged."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value
+
+
 def _map_param_state(optim_state: dict[str, Any], key: str, fn: Callable[[Any], Any]) -> None:
     """Replace each state value of parameter `key` (e.g. its Adam moments) by `fn(value)`, in an
     optimizer state dict nested (`state[key][name]`) or flattened by DCP (`state.<key>.<name>`,
@@ -360,24 +425,3 @@ def _map_param_state(optim_state: dict[str, Any], key: str, fn: Callable[[Any], 
     prefix = f"state.{key}."
     for name in [k for k in optim_state if k.startswith(prefix)]:
         optim_state[name] = fn(optim_state[name])
-
-
-def _like_table(value: Any, table: Any) -> Any:
-    """`value` (a state tensor of a sharded table's local shard, e.g. an Adam moment) as a
-    `ShardedTensor` with the table's layout, sharing `value`'s storage (so DCP loads in place);
-    anything else (a step count) unchanged."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    shards = table.local_shards()
-    if not isinstance(value, torch.Tensor) or not shards or value.shape != shards[0].tensor.shape:
-        return value
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        [Shard(value, shards[0].metadata)], table.metadata()
-    )
-
-
-def _local(value: Any) -> Any:
-    """The local tensor of a `ShardedTensor` made by `_like_table`; anything else unchanged."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
 from recsys_pipe.train.config import RunConfig, load_run_config
-from recsys_pipe.train.plan import pipelining_without_effect, training_plan
+from recsys_pipe.train.plan import pipelining_without_effect, planned_device_type, training_plan
 
 if TYPE_CHECKING:
     from recsys_pipe.runtime.session import RunSession
@@ -89,6 +89,13 @@ class CheckedRun:
         warning = pipelining_without_effect(self.plan, self.run)
         return [] if warning is None else [warning]
 
+    def memory_check(self) -> tuple[str, str | None]:
+        """The estimated peak memory of this job's ranks (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`): one
+        line, and a warning where the largest rank does not fit (`check_memory`)."""
+        from recsys_pipe.train.memory import check_memory
+
+        return check_memory(self.run, self.plan, planned_device_type(self.run.trainer.device))
+
     def build(self, session: RunSession) -> Trainer:
         """The build phase in `session` (its process group, run directory, stop request and peer
         health): every part the loop runs on, once, from the config; the trainer over them. A
@@ -121,16 +128,18 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     the first one starts."""
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.checkpoint import resolve_resume
-    from recsys_pipe.train.parallel import parallelism_of
+    from recsys_pipe.train.parallel import Topology, parallelism_of
 
     run, plan = check_plan(cfg, schema)
     device = run_device(run.trainer)
     problems = run.model.check_device(device.type)
     if problems:
         raise ConfigError(problems)
-    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name)
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    parallelism_of(run).check(world_size, device.type)
+    parallelism = parallelism_of(run)
+    topology = Topology.of_job(device.type)
+    parallelism.check(topology)
+    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
+    rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)
     if check is not None:

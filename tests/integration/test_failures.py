@@ -693,8 +693,10 @@ def test_library_warnings_once_per_job_on_rank_0_and_all_with_debug(recwarn):
 
 @pytest.mark.timeout(400)
 def test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads(tmp_path):
-    """Shapes and keys are compared with the checkpoint's metadata in DCP's load planner, before
-    any tensor is read: exit 2 and one line naming the parameters that differ."""
+    """A table of another shape is refused before any process group starts (its shape read from
+    the checkpoint's metadata, `check_checkpoint`); other keys (and shapes: tests/unit/
+    test_checkpoint_shapes.py) are compared with the metadata in DCP's load planner, before any
+    tensor is read: exit 2 and one line naming the table or the parameters that differ."""
     train = ["pipeline=serial", *SMOKE, "trainer.max_steps=2"]  # one rank, forked (`fork_ranks`)
     save = ["trainer.checkpoint.interval=2", f"hydra.run.dir={tmp_path}/old"]
     saved = fork_ranks(BIN / "recsys-train", *train, *save, **ONE_RANK, cwd=tmp_path)
@@ -705,7 +707,7 @@ def test_a_checkpoint_of_another_shape_or_model_is_named_before_dcp_loads(tmp_pa
     for overrides, fragment in [
         (
             ["model.embedding_dim=64"],
-            "model.ec.embeddings.action_table.weight is [5, 32] in the checkpoint, [5, 64] here",
+            "table item_table is [1000, 32] (rows, dim) in the checkpoint and [1000, 64] in this config",
         ),
         (["model=dlrm", "data=criteo_synthetic"], "it has no model.model."),
     ]:

@@ -126,7 +126,9 @@ def test_check_says_so_on_success(tmp_path, capsys, no_process_group):
     code = train_cli.run(["--check", "-m", "trainer.max_steps=3,4", f"trainer.output_dir={tmp_path}/runs"])
     out = capsys.readouterr().out
     assert code == 0
-    assert out.strip().splitlines() == ["recsys-train: config OK: 2 job(s) checked, nothing was started"]
+    lines = out.strip().splitlines()
+    assert lines[-1] == "recsys-train: config OK: 2 job(s) checked, nothing was started"
+    assert len(lines) == 3 and all(line.startswith("estimated peak memory: largest rank 0, ") for line in lines[:2])
 
 
 def test_a_missing_file_is_named_once(tmp_path, capsys, no_process_group):

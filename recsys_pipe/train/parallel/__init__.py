@@ -29,6 +29,7 @@ _EXPORTS = {
     "Replicated": "replicated",
     "ShardedTables": "sharded",
     "PipelineStages": "stages",
+    "Topology": "topology",
 }
 
 __all__ = sorted(_EXPORTS)

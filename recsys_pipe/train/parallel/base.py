@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from recsys_pipe.engine import StreamPool
     from recsys_pipe.runtime.distributed import DistInfo
     from recsys_pipe.train.config import RunConfig
+    from recsys_pipe.train.parallel.topology import Topology
     from recsys_pipe.train.rng import RngState
 
 __all__ = ["Parallelism"]
@@ -36,9 +37,14 @@ class Parallelism(ABC):
     # -- before any process group -----------------------------------------------------------------
 
     @abstractmethod
-    def check(self, world_size: int, device_type: str) -> None:
-        """ConfigError (with config paths) for what this layout cannot train on `world_size`
-        ranks of `device_type`; checked before any process group starts."""
+    def check(self, topology: Topology) -> None:
+        """ConfigError (with config paths) for what this layout cannot train on `topology`'s
+        ranks; checked before any process group starts."""
+
+    def table_shapes(self) -> dict[str, tuple[int, int]] | None:
+        """The config's torchrec tables by name, (rows, dim), for checking a checkpoint before
+        it is loaded; None for a layout without torchrec tables."""
+        return None
 
     def check_export(self) -> None:
         """ConfigError (with config paths) if a checkpoint of this layout cannot be loaded as one
@@ -88,6 +94,13 @@ class Parallelism(ABC):
     def describe_model(self, plan: CompiledPlan, world_size: int, local_size: int, device_type: str) -> str:
         """What `recsys-plan` says about how the model is spread over `world_size` ranks
         (`local_size` per host) on `device_type` (no table memory is allocated)."""
+
+    def planned_model(self, topology: Topology) -> tuple[nn.Module, Any] | None:
+        """For the memory estimate (`recsys_pipe.train.memory`): the model built on the meta
+        device and torchrec's sharding plan of its tables over `topology`'s ranks (None when no
+        tables are sharded); None when this layout's memory is not estimated."""
+        with torch.device("meta"):
+            return self.run.model.build(self.run.data.spec()), None
 
     def describe_steps(self) -> str | None:
         """What `recsys-plan` shows of each rank's share of one step beyond the plan, if anything."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from recsys_pipe.config import CompiledPlan
     from recsys_pipe.data.batch import DataSpec
     from recsys_pipe.runtime.distributed import DistInfo
+    from recsys_pipe.train.parallel.topology import Topology
     from recsys_pipe.train.rng import RngState
 
 __all__ = ["Replicated", "seeded_model"]
@@ -46,8 +47,9 @@ def _has_torchrec_tables(model: nn.Module) -> bool:
 class Replicated(Parallelism):
     """Every rank holds the whole model; DDP averages the gradients."""
 
-    def check(self, world_size: int, device_type: str) -> None:
-        check_dense_ddp(self.run, device_type)
+    def check(self, topology: Topology) -> None:
+        topology.check()
+        check_dense_ddp(self.run, topology.device_type)
 
     def build_model(self, spec: DataSpec, info: DistInfo, rng: RngState) -> tuple[nn.Module, Any]:
         run = self.run

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recsys_pipe.config import UserCodeError
 from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.train.dense_ddp import check_dense_ddp
 from recsys_pipe.train.optim import check_sparse_device, dense_optimizer_factory, sparse_optimizer
@@ -22,18 +23,35 @@ if TYPE_CHECKING:
     from recsys_pipe.data.batch import DataSpec
     from recsys_pipe.engine import StreamPool
     from recsys_pipe.runtime.distributed import DistInfo
+    from recsys_pipe.train.parallel.topology import Topology
     from recsys_pipe.train.rng import RngState
 
-__all__ = ["ShardedTables", "describe_sharding"]
+__all__ = ["ShardedTables", "describe_sharding", "meta_model", "planned_sharding"]
 
 
 class ShardedTables(Parallelism):
     """torchrec shards the tables over every rank; DDP averages the dense part's gradients."""
 
-    def check(self, world_size: int, device_type: str) -> None:
-        check_dense_ddp(self.run, device_type)
+    def check(self, topology: Topology) -> None:
+        """Besides the devices' support of the optimizers: the sharding plan for these ranks, made
+        on the meta device (a type a table's sharder does not offer on the device,
+        `table_row_wise` on one host, a planner that finds no plan: ConfigError naming the key)."""
+        topology.check()
+        check_dense_ddp(self.run, topology.device_type)
         if self.run.model.compute_kernel == "fused":
-            check_sparse_device(self.run.optimizer.sparse, device_type)
+            check_sparse_device(self.run.optimizer.sparse, topology.device_type)
+        try:
+            planned_sharding(self.run, self.run.model, *_sizes(topology))
+        except UserCodeError:  # the user's builder fails on the meta device: their build after start reports it
+            return
+
+    def planned_model(self, topology: Topology) -> tuple[nn.Module, Any]:
+        return planned_sharding(self.run, self.run.model, *_sizes(topology))
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        from recsys_pipe.models.sharding import table_shapes
+
+        return table_shapes(meta_model(self.run))
 
     def build_model(self, spec: DataSpec, info: DistInfo, rng: RngState) -> tuple[nn.Module, Any]:
         from recsys_pipe.models.sharding import make_optimizer, make_sharded_model
@@ -62,19 +80,41 @@ class ShardedTables(Parallelism):
         return describe_sharding(self.run, self.run.model, world_size, local_size, device_type)
 
 
+def _sizes(topology: Topology) -> tuple[int, int, str]:
+    return topology.world_size, topology.local_world_size, topology.device_type
+
+
+def meta_model(run: Any, cfg: ShardedModelConfig | None = None) -> nn.Module:
+    """The run's model built on the meta device (shapes, no memory), its tables' optimizer
+    fused into backward as in training when `cfg` (default: `run.model`) has them on the fused
+    kernel: what planning needs."""
+    from recsys_pipe.models.sharding import optimize_tables_in_backward
+
+    with torch.device("meta"):
+        module = run.model.build(run.data.spec())
+    if (cfg or run.model).compute_kernel == "fused":
+        optimize_tables_in_backward(module, *sparse_optimizer(run.optimizer.sparse))
+    return module
+
+
+def planned_sharding(
+    run: Any, cfg: ShardedModelConfig, ranks: int, local_size: int, device_type: str
+) -> tuple[nn.Module, Any]:
+    """The meta model (`meta_model`) and torchrec's sharding plan `cfg` gives it over `ranks`
+    ranks (`local_size` per host) on `device_type`; ConfigError where the choice cannot work."""
+    from recsys_pipe.models.sharding import sharding_plan
+
+    module = meta_model(run, cfg)
+    return module, sharding_plan(module, cfg, ranks, device_type, local_size, batch_size=run.data.batch_size)
+
+
 def describe_sharding(
     run: Any, cfg: ShardedModelConfig, ranks: int, local_size: int, device_type: str, where: str = ""
 ) -> str:
     """The model's tables as `cfg` shards them over `ranks` ranks (`local_size` per host): the
     heading and torchrec's printout of the sharding plan for this topology, built on the meta
     device (no table memory). `where` names the ranks, when not the whole world."""
-    from recsys_pipe.models.sharding import optimize_tables_in_backward, sharding_plan
-
-    with torch.device("meta"):
-        module = run.model.build(run.data.spec())
-    if cfg.compute_kernel == "fused":  # as in training
-        optimize_tables_in_backward(module, *sparse_optimizer(run.optimizer.sparse))
-    sharding = sharding_plan(module, cfg, ranks, device_type, local_size, batch_size=run.data.batch_size)
+    _, sharding = planned_sharding(run, cfg, ranks, local_size, device_type)
     heading = (
         f"model: {run.model.label} (torchrec tables, model.sharding={run.model.sharding}; sharding plan for "
         f"{ranks} rank(s){where}, {local_size} per host, on {device_type})"

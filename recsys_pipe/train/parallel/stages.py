@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from recsys_pipe.data.batch import DataSpec
     from recsys_pipe.pp.schedules import ResolvedSchedule
     from recsys_pipe.runtime.distributed import DistInfo
+    from recsys_pipe.train.parallel.topology import Topology
     from recsys_pipe.train.rng import RngState
 
 __all__ = ["PipelineStages"]
@@ -37,10 +38,11 @@ class PipelineStages(Parallelism):
     #: ranks hold different parameters (their stages)
     flat_optimizer_state = True
 
-    def check(self, world_size: int, device_type: str) -> None:
+    def check(self, topology: Topology) -> None:
         # the first stage's tables train on torchrec's dense kernel: no fused optimizer to check
-        check_dense_ddp(self.run, device_type)
-        check_pipeline_parallel(self.run, world_size)
+        topology.check()
+        check_dense_ddp(self.run, topology.device_type)
+        check_pipeline_parallel(self.run, topology.world_size)
 
     def check_export(self) -> None:
         raise ConfigError(
@@ -71,6 +73,9 @@ class PipelineStages(Parallelism):
         ranks = max(1, world_size // run.parallel.pp.size)  # the first stage's tables, over its replicas
         cfg = pipelined_tables(run.model)
         return describe_sharding(run, cfg, ranks, min(local_size, ranks), device_type, " (the first stage's replicas)")
+
+    def planned_model(self, topology: Topology) -> None:
+        return None  # the memory estimate does not cut the model into stages yet
 
     def describe_steps(self) -> str | None:
         from recsys_pipe.train.parallel.stage_text import render_pipeline_parallel
