@@ -6,15 +6,86 @@ string is first folded to 64 bits with FNV-1a over its UTF-8 bytes; the row is t
 modulo `n`. Both are fixed arithmetic on uint64 (numpy wraps around), never Python's `hash`,
 which is salted per process. Python's `hashlib` would be as stable but works one value at a time;
 these run over whole columns.
+
+`managed` mode does not map ids to rows here: the source passes each raw id on and the model's
+managed-collision tables (torchrec's `MCHManagedCollisionModule`, `recsys_pipe.models.managed`)
+give it a row of its own while it is frequent or recent enough (`ManagedIds`). Here the raw id
+only has to lie in the id space the tables split over the ranks, `[0, input_hash_size)`: an
+integer id outside it is refused (`raw_ids_problem`), a string id is hashed into it
+(`managed_string_ids`: FNV-1a, then the remainder).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import Field, StrictInt
 
-__all__ = ["fnv1a64", "splitmix64", "splitmix64_inplace", "string_ids"]
+from recsys_pipe.config import Section
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "MAX_INPUT_HASH_SIZE",
+    "ManagedFeature",
+    "ManagedIds",
+    "fnv1a64",
+    "managed_string_ids",
+    "raw_id_message",
+    "raw_ids_problem",
+    "splitmix64",
+    "splitmix64_inplace",
+    "string_ids",
+]
+
+#: the eviction policies of `ids: managed` (torchrec's LFU, LRU and distance-LFU)
+EVICTION_POLICIES = ("lfu", "lru", "distance_lfu")
+#: the largest raw id space: every non-negative int64
+MAX_INPUT_HASH_SIZE = 2**63 - 1
+
+
+class ManagedIds(Section):
+    """How `ids: managed` gives raw ids their rows (`<feature>.managed.*`; docs/raw-ids.md).
+
+    The table's rows hold the raw ids the eviction policy keeps: every `eviction_interval`
+    training steps the ids seen since the last eviction compete with the ids in the table, and
+    the policy's lowest-scored ones leave (their rows are re-initialised for the newcomers). An
+    id without a row (new, or evicted) is looked up in the table's last row, which every such
+    id shares until it wins one of its own."""
+
+    eviction_policy: Literal["lfu", "lru", "distance_lfu"] = Field(
+        "lfu",
+        description="which ids keep their rows: lfu (the most frequent since admitted), lru (the most recently "
+        "seen), distance_lfu (frequency divided by the steps since last seen)",
+    )
+    eviction_interval: StrictInt = Field(
+        1, ge=1, description="training steps between evictions (new ids wait for the next one in the shared row)"
+    )
+    input_hash_size: StrictInt = Field(
+        MAX_INPUT_HASH_SIZE,
+        ge=2,
+        le=MAX_INPUT_HASH_SIZE,
+        description="the raw id space [0, input_hash_size): integer ids outside it are refused, string ids are "
+        "hashed into it; row-wise sharding gives each rank an equal slice of it",
+    )
+
+
+@dataclass(frozen=True)
+class ManagedFeature:
+    """A feature with `ids: managed`, as the data tells the model (`DataSpec.managed`): its
+    settings and `key`, the config path of its mapping (`data.columns.sparse.<feature>`, or
+    `data` for a source's own features), which its problems are reported at."""
+
+    ids: ManagedIds
+    key: str
+
+    def problem_key(self, name: str) -> str:
+        """The config path of the mapping's key `name` (`num_embeddings`, `managed.input_hash_size`)."""
+        return f"{self.key}.{name}"
+
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
@@ -66,3 +137,26 @@ def fnv1a64(strings: pa.Array) -> np.ndarray:
 def string_ids(strings: pa.Array) -> np.ndarray:
     """Stable 64-bit ids of strings (FNV-1a), as int64 bit patterns."""
     return fnv1a64(strings).view(np.int64)
+
+
+def managed_string_ids(strings: pa.Array, input_hash_size: int) -> np.ndarray:
+    """Raw ids of strings for `ids: managed`: their FNV-1a hash (`fnv1a64`, as `ids: hash` reads
+    strings) reduced into `[0, input_hash_size)`, int64."""
+    return (fnv1a64(strings) % np.uint64(input_hash_size)).astype(np.int64)
+
+
+def raw_ids_problem(values: np.ndarray, input_hash_size: int) -> tuple[int, str] | None:
+    """The first integer id of `values` outside `[0, input_hash_size)` (`ids: managed`) as
+    (its position, what is wrong), or None when every id lies in it."""
+    if not values.size or (values.min() >= 0 and values.max() < input_hash_size):
+        return None
+    at = int(np.flatnonzero((values < 0) | (values >= input_hash_size))[0])
+    return at, raw_id_message(int(values[at]), input_hash_size)
+
+
+def raw_id_message(value: int, input_hash_size: int) -> str:
+    """Why the integer raw id `value` is refused with `ids: managed`."""
+    return (
+        f"raw id {value} is outside [0, input_hash_size={input_hash_size}) with ids=managed (integer ids are "
+        "taken as they are: raise managed.input_hash_size, or use string ids, which are hashed into it)"
+    )

@@ -1,6 +1,7 @@
 """Builders of `model=dlrm` and `model=dlrm_dcn`: torchrec's DLRM models over an
-`EmbeddingBagCollection` (one table per categorical feature, `<feature>_table`), wrapped so that
-`forward(batch)` follows the model protocol.
+`EmbeddingBagCollection` (one table per categorical feature, `<feature>_table`; the features
+with `ids: managed` in a managed-collision collection beside it, `recsys_pipe.models.managed`),
+wrapped so that `forward(batch)` follows the model protocol.
 
 torchrec's pipeline finds the collection's input by FX-tracing `DLRMRanker.forward`: the
 collection is called (through `DLRM.sparse_arch`) on `batch.sparse_features`, an attribute of the
@@ -13,10 +14,10 @@ import torch
 from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_pipe.data.batch import CATEGORICAL_KEYS, CriteoBatch, DataSpec
 from recsys_pipe.models.dlrm import DLRMArch, DLRMConfig, DLRMDCNConfig, ModelOutput, click_loss, click_serving
+from recsys_pipe.models.managed import split_bag_collection
 from recsys_pipe.models.serving import ServingForm
 
 __all__ = ["DLRMRanker", "build_dlrm", "build_dlrm_dcn", "embedding_bag_tables"]
@@ -92,7 +93,7 @@ def _ranker(model: type[DLRM], cfg: DLRMArch, spec: DataSpec, **interaction: int
     over one table per sparse feature, sized by the data, in `DLRMRanker`."""
     return DLRMRanker(
         model(
-            embedding_bag_collection=EmbeddingBagCollection(tables=embedding_bag_tables(cfg, spec)),
+            embedding_bag_collection=split_bag_collection(embedding_bag_tables(cfg, spec), spec.managed),
             dense_in_features=spec.num_dense,
             dense_arch_layer_sizes=list(cfg.dense_arch_layer_sizes),
             over_arch_layer_sizes=[*cfg.over_arch_layer_sizes, spec.num_tasks],

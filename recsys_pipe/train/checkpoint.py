@@ -49,6 +49,7 @@ __all__ = [
     "resolve_resume",
     "saved_config",
     "saved_model_name",
+    "saved_world_size",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ def saved_model_name(path: Path) -> str | None:
     return str(name) if name is not None else None
 
 
-def _saved_world_size(metadata: Any) -> int:
+def saved_world_size(metadata: Any) -> int:
     """Ranks that wrote the checkpoint: DCP's data files are named `__<rank>_<n>.distcp`."""
     ranks = {m.group(1) for i in metadata.storage_data.values() if (m := re.match(r"__(\d+)_", i.relative_path))}
     return max(len(ranks), 1)
@@ -247,7 +248,7 @@ def compare_state(state: dict[str, Any], metadata: Any, path: Path, world_size: 
     others = [_name(k) for k in saved if k not in state]
     if missing and others:
         text += f"; it holds {', '.join(others[:2])}" + (f" and {len(others) - 2} more" if len(others) > 2 else "")
-    saved_ranks = _saved_world_size(metadata)
+    saved_ranks = saved_world_size(metadata)
     if saved_ranks != world_size:
         text += f"; written by {saved_ranks} rank(s), loading on {world_size}"
     if any(_column_shard_state(key, saved.get(key), state[key]) for key in state if key in saved):

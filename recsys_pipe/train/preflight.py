@@ -128,6 +128,7 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     the first one starts."""
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.checkpoint import resolve_resume
+    from recsys_pipe.train.managed import check_resume
     from recsys_pipe.train.parallel import Topology, parallelism_of
 
     run, plan = check_plan(cfg, schema)
@@ -139,6 +140,7 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     topology = Topology.of_job(device.type)
     parallelism.check(topology)
     resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
+    check_resume(resume, topology.world_size)
     rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)

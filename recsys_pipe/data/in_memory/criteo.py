@@ -24,22 +24,21 @@ rank that owns it with `<file>:<line>: <problem>`. For files larger than memory,
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import Section, builder_field
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import CriteoSample, DataSpec, collate_criteo
+from recsys_pipe.data.ids import ManagedFeature, ManagedIds, raw_ids_problem, splitmix64
 from recsys_pipe.data.source import TabularDataConfig, readable_file
 from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "CATEGORICAL_KEYS",
+    "CRITEO_ID_SPACE",
     "DENSE_NAMES",
     "CriteoDataConfig",
     "CriteoDataset",
@@ -77,6 +76,9 @@ def transform_dense_into(raw: np.ndarray, out: np.ndarray, same: np.ndarray, wid
 
 # -- configs --------------------------------------------------------------------------------------
 
+#: Criteo's categorical values are 32-bit hexadecimal ids: the raw id space of `ids=managed`
+CRITEO_ID_SPACE = 2**32
+
 
 class CriteoLayoutConfig(TabularDataConfig):
     """Sources of Criteo-format rows (13 dense and 26 categorical features, one click label):
@@ -85,6 +87,15 @@ class CriteoLayoutConfig(TabularDataConfig):
     num_embeddings: StrictInt | list[StrictInt] = Field(
         100_000,
         description="hash buckets (embedding rows) per categorical feature: one number for all 26, or a list of 26",
+    )
+    ids: Literal["modulo", "managed"] = Field(
+        "modulo",
+        description="how the categorical ids become rows: modulo (id % num_embeddings) or managed (the raw ids go to "
+        "managed-collision tables of num_embeddings rows: data.managed, docs/raw-ids.md)",
+    )
+    managed: ManagedIds = Field(
+        default_factory=lambda: ManagedIds(input_hash_size=CRITEO_ID_SPACE),
+        description="ids=managed: eviction and the raw id space (Criteo's ids are 32-bit: input_hash_size 2^32)",
     )
 
     @field_validator("num_embeddings")
@@ -103,7 +114,21 @@ class CriteoLayoutConfig(TabularDataConfig):
         return [n] * NUM_CATEGORICAL if isinstance(n, int) else list(n)
 
     def spec(self) -> DataSpec:
-        return DataSpec(num_tasks=1, vocab_sizes=dict(zip(CATEGORICAL_KEYS, self.vocab_sizes())), num_dense=NUM_DENSE)
+        managed = ManagedFeature(self.managed, "data") if self.ids == "managed" else None
+        return DataSpec(
+            num_tasks=1,
+            vocab_sizes=dict(zip(CATEGORICAL_KEYS, self.vocab_sizes())),
+            num_dense=NUM_DENSE,
+            managed={} if managed is None else dict.fromkeys(CATEGORICAL_KEYS, managed),
+        )
+
+    def row_ids(self, raw: np.ndarray) -> np.ndarray:
+        """The categorical ids the batches carry for `raw` (`[N, 26]` non-negative ids): the rows
+        (`id % num_embeddings`), or with `ids=managed` the raw ids themselves (checked to lie in
+        the raw id space by the caller)."""
+        if self.ids == "managed":
+            return raw
+        return raw % np.array(self.vocab_sizes(), dtype=np.int64)
 
 
 class CriteoDataConfig(CriteoLayoutConfig):
@@ -154,9 +179,15 @@ class CriteoDataset(Dataset[CriteoSample]):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         dense, cats, labels, lines = read_criteo(cfg.path, rank, world_size, cfg.max_rows)
-        buckets = np.array(cfg.vocab_sizes(), dtype=np.int64)
+        if cfg.ids == "managed":
+            bad = raw_ids_problem(cats.reshape(-1), cfg.managed.input_hash_size)
+            if bad is not None:
+                at, message = bad
+                raise ConfigError(
+                    ConfigProblem("data.path", f"{cfg.path}:{int(lines[at // NUM_CATEGORICAL])}: {message}")
+                )
         self.dense = transform_dense(dense)
-        self.ids = cats % buckets
+        self.ids = cfg.row_ids(cats)
         self.labels = labels
         self.sample_ids = lines - 1
         self.spec = cfg.spec()
@@ -192,6 +223,7 @@ class _ClickWorld:
 
     def __init__(self, cfg: CriteoSyntheticDataConfig) -> None:
         rng = np.random.default_rng([cfg.seed, 0xC417E0])
+        self.cfg = cfg
         self.signal = cfg.synthetic.signal
         self.vocab = cfg.vocab_sizes()
         self.dense_mu = rng.uniform(0.0, 3.0, NUM_DENSE)
@@ -217,7 +249,14 @@ class _ClickWorld:
         interaction = float(np.dot(self.latent[0][ids[0]], self.latent[1][ids[1]]))
         logit = -1.0 + self.signal * (0.7 * dense_part + 1.5 * sparse_part + 0.8 * interaction)
         label = float(rng.random() < 1.0 / (1.0 + math.exp(-logit)))
-        return dense, ids, label, index
+        return dense, self.raw_ids(ids) if self.cfg.ids == "managed" else ids, label, index
+
+    def raw_ids(self, ids: np.ndarray) -> np.ndarray:
+        """With `ids=managed`, what feature f's generated id k is sent as: a raw id spread over
+        the raw id space (SplitMix64 of `(f, k)` reduced into `[0, input_hash_size)`), as real
+        ids are, so that row-wise shards each get their share."""
+        keys = np.arange(NUM_CATEGORICAL, dtype=np.int64) << 40 | ids
+        return (splitmix64(keys) % np.uint64(self.cfg.managed.input_hash_size)).astype(np.int64)
 
 
 class CriteoSyntheticDataset(Dataset[CriteoSample]):

@@ -27,7 +27,15 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
-from recsys_pipe.data.ids import splitmix64, string_ids
+from recsys_pipe.data.ids import (
+    ManagedFeature,
+    ManagedIds,
+    managed_string_ids,
+    raw_id_message,
+    raw_ids_problem,
+    splitmix64,
+    string_ids,
+)
 from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoLayoutConfig, transform_dense_into
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
@@ -42,7 +50,7 @@ __all__ = [
     "parquet_dataset",
 ]
 
-IdMapping = Literal["as_is", "modulo", "hash"]
+IdMapping = Literal["as_is", "modulo", "hash", "managed"]
 
 
 class SparseColumn(Section):
@@ -53,7 +61,11 @@ class SparseColumn(Section):
     ids: IdMapping = Field(
         "hash",
         description="how raw ids become rows: as_is (ids already in [0, num_embeddings), checked), modulo "
-        "(id % num_embeddings, Criteo's rule; ids >= 0) or hash (a stable 64-bit hash, any integer or string id)",
+        "(id % num_embeddings, Criteo's rule; ids >= 0), hash (a stable 64-bit hash, any integer or string id) or "
+        "managed (the raw id gets a row of its own while the eviction policy keeps it: `managed`, docs/raw-ids.md)",
+    )
+    managed: ManagedIds = Field(
+        default_factory=ManagedIds, description="ids=managed: the eviction policy and the raw id space"
     )
 
 
@@ -110,6 +122,11 @@ class ParquetDataConfig(CriteoLayoutConfig):
             num_tasks=len(c.labels),
             vocab_sizes={name: s.num_embeddings for name, s in c.sparse.items()},
             num_dense=len(c.dense),
+            managed={
+                name: ManagedFeature(s.managed, f"data.columns.sparse.{name}")
+                for name, s in c.sparse.items()
+                if s.ids == "managed"
+            },
         )
 
     def multi_hot_features(self) -> list[str]:
@@ -138,6 +155,8 @@ class _Feature:
     column: str
     num_embeddings: int
     ids: IdMapping
+    #: `ids: managed`: the raw id space `[0, input_hash_size)`
+    input_hash_size: int = 0
 
 
 @dataclass
@@ -318,7 +337,7 @@ class TabularDecoder:
             if flat.null_count:
                 row = int(np.searchsorted(offsets, _first_null(flat), side="right")) - 1
                 raise fail(f.column, f"{flat.null_count} null id(s)", row)
-            values = _id_values(flat)
+            values = _id_values(flat, f)
             if f.ids != "hash":
                 _check_ids(values, f, fail, offsets)
             mapped, shared_offsets = alloc((len(values),), torch.int64), alloc((n + 1,), torch.int64)
@@ -387,9 +406,11 @@ def _numpy(table: pa.Table, name: str, fail: Fail, scratch: Scratch | None = Non
     return _joined([c.to_numpy(zero_copy_only=False) for c in col.chunks], scratch)
 
 
-def _id_values(col: pa.Array) -> np.ndarray:
+def _id_values(col: pa.Array, f: _Feature) -> np.ndarray:
+    """A column's ids as int64: integers as they are, strings hashed (`ids: hash` reads their
+    64-bit FNV-1a; `ids: managed` that hash in its raw id space)."""
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_binary(col.type):
-        return string_ids(col)
+        return managed_string_ids(col, f.input_hash_size) if f.ids == "managed" else string_ids(col)
     return col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
@@ -398,11 +419,20 @@ def _ids(table: pa.Table, f: _Feature, fail: Fail, scratch: Scratch | None = Non
     if col.null_count:
         col = col.combine_chunks()
         raise fail(f.column, f"{col.null_count} null id(s)", _first_null(col))
-    return _joined([_id_values(c) for c in col.chunks], scratch)
+    return _joined([_id_values(c, f) for c in col.chunks], scratch)
 
 
 def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray | None = None) -> None:
-    """Negative ids (modulo, as_is) and ids over the vocabulary (as_is), named by their row."""
+    """Negative ids (modulo, as_is), ids over the vocabulary (as_is) and raw ids outside the raw
+    id space (managed), named by their row."""
+    if f.ids == "managed":
+        bad = raw_ids_problem(values, f.input_hash_size)
+        if bad is not None:
+            at, message = bad
+            raise fail(
+                f.column, message, at if offsets is None else int(np.searchsorted(offsets, at, side="right")) - 1
+            )
+        return
     if values.size and (values.min() < 0 or (f.ids == "as_is" and values.max() >= f.num_embeddings)):
         bad = values < 0 if f.ids == "modulo" else (values < 0) | (values >= f.num_embeddings)
         at = int(np.flatnonzero(bad)[0])
@@ -416,7 +446,8 @@ def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray 
 
 
 def _map_ids(raw: np.ndarray, f: _Feature) -> np.ndarray:
-    """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed)."""
+    """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed); raw ids with
+    `ids: managed` (the model's managed-collision tables give them rows)."""
     if f.ids == "hash":
         return (splitmix64(raw) % np.uint64(f.num_embeddings)).astype(np.int64)
     if f.ids == "modulo":
@@ -431,9 +462,15 @@ def _features(cfg: ParquetDataConfig) -> tuple[list[str], list[str], str, list[_
             ["label"],
             list(DENSE_NAMES),
             "signed_log1p",
-            [_Feature(k, k, n, "modulo") for k, n in zip(CATEGORICAL_KEYS, cfg.vocab_sizes())],
+            [
+                _Feature(k, k, n, cfg.ids, cfg.managed.input_hash_size)
+                for k, n in zip(CATEGORICAL_KEYS, cfg.vocab_sizes())
+            ],
         )
-    features = [_Feature(name, s.column or name, s.num_embeddings, s.ids) for name, s in c.sparse.items()]
+    features = [
+        _Feature(name, s.column or name, s.num_embeddings, s.ids, s.managed.input_hash_size)
+        for name, s in c.sparse.items()
+    ]
     return list(c.labels), list(c.dense), c.dense_transform, features
 
 
@@ -465,9 +502,11 @@ def _check_schema(
         t = field_of(f.column).type
         inner = t.value_type if _is_list(t) else t
         strings = pa.types.is_string(inner) or pa.types.is_large_string(inner) or pa.types.is_binary(inner)
-        if strings and f.ids != "hash":
+        if strings and f.ids not in ("hash", "managed"):
             raise DataFileError(
-                key, files.where(0, column=f.column), f"string ids need ids: hash (feature {f.key!r} has ids={f.ids})"
+                key,
+                files.where(0, column=f.column),
+                f"string ids need ids: hash or managed (feature {f.key!r} has ids={f.ids})",
             )
         if not (pa.types.is_integer(inner) or strings):
             raise DataFileError(
@@ -488,6 +527,11 @@ def _stats_check(features: list[_Feature]) -> Any:
             if st.null_count and not _is_list(files.schema.field(name).type):  # a list leaf counts empty lists
                 raise DataFileError(files.key, where, f"{st.null_count} null value(s)")
             if f is None or f.ids == "hash" or not isinstance(st.min, int):
+                continue
+            if f.ids == "managed":
+                outside = st.min if st.min < 0 else st.max if st.max >= f.input_hash_size else None
+                if outside is not None:
+                    raise DataFileError(files.key, where, raw_id_message(outside, f.input_hash_size))
                 continue
             if st.min < 0:
                 raise DataFileError(files.key, where, f"a negative id ({st.min}) with ids={f.ids}")
