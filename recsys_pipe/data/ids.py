@@ -17,6 +17,7 @@ integer id outside it is refused (`raw_ids_problem`), a string id is hashed into
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,10 +33,12 @@ __all__ = [
     "MAX_INPUT_HASH_SIZE",
     "ManagedFeature",
     "ManagedIds",
+    "SequenceIds",
     "fnv1a64",
     "managed_string_ids",
     "raw_id_message",
     "raw_ids_problem",
+    "spread_ids",
     "splitmix64",
     "splitmix64_inplace",
     "string_ids",
@@ -76,14 +79,16 @@ class ManagedIds(Section):
 @dataclass(frozen=True)
 class ManagedFeature:
     """A feature with `ids: managed`, as the data tells the model (`DataSpec.managed`): its
-    settings and `key`, the config path of its mapping (`data.columns.sparse.<feature>`, or
-    `data` for a source's own features), which its problems are reported at."""
+    settings, `key`, the config path of its mapping (`data.columns.sparse.<feature>`, or `data`
+    for a source's own features), and `rows_key`, the config path of its table's rows; its
+    problems are reported there."""
 
     ids: ManagedIds
     key: str
+    rows_key: str
 
     def problem_key(self, name: str) -> str:
-        """The config path of the mapping's key `name` (`num_embeddings`, `managed.input_hash_size`)."""
+        """The config path of the mapping's key `name` (`ids`, `managed.input_hash_size`)."""
         return f"{self.key}.{name}"
 
 
@@ -139,6 +144,39 @@ def string_ids(strings: pa.Array) -> np.ndarray:
     return fnv1a64(strings).view(np.int64)
 
 
+class SequenceIds(Section):
+    """How a sequence source's item and user ids become rows (`data.ids`, `data.managed`,
+    `data.item_rows`, `data.user_rows`)."""
+
+    ids: Literal["vocabulary", "managed"] = Field(
+        "vocabulary",
+        description="vocabulary: the source's dense ids (each distinct item/user its row); managed: the raw ids go "
+        "to managed-collision tables (data.managed, data.item_rows, data.user_rows; docs/raw-ids.md)",
+    )
+    managed: ManagedIds = Field(
+        default_factory=ManagedIds, description="ids=managed: the eviction policy and the raw id space"
+    )
+    item_rows: StrictInt | None = Field(
+        None, ge=2, description="ids=managed: rows of the item table (null: as many as the source has items)"
+    )
+    user_rows: StrictInt | None = Field(
+        None, ge=2, description="ids=managed: rows of the user table (null: as many as the source has users)"
+    )
+
+    def managed_features(self, rows_keys: Mapping[str, str]) -> dict[str, ManagedFeature]:
+        """`DataSpec.managed` for the source's id features (items, users; each with the config
+        path of its rows): all or none."""
+        if self.ids != "managed":
+            return {}
+        return {f: ManagedFeature(self.managed, "data", key) for f, key in rows_keys.items()}
+
+    def table_rows(self, vocabulary: int, which: Literal["item", "user"]) -> int:
+        """Rows of the item or user table: the source's `vocabulary`, or with `ids=managed` the
+        `item_rows` / `user_rows` given."""
+        rows = self.item_rows if which == "item" else self.user_rows
+        return rows if self.ids == "managed" and rows is not None else vocabulary
+
+
 def managed_string_ids(strings: pa.Array, input_hash_size: int) -> np.ndarray:
     """Raw ids of strings for `ids: managed`: their FNV-1a hash (`fnv1a64`, as `ids: hash` reads
     strings) reduced into `[0, input_hash_size)`, int64."""
@@ -160,3 +198,12 @@ def raw_id_message(value: int, input_hash_size: int) -> str:
         f"raw id {value} is outside [0, input_hash_size={input_hash_size}) with ids=managed (integer ids are "
         "taken as they are: raise managed.input_hash_size, or use string ids, which are hashed into it)"
     )
+
+
+def spread_ids(ids: np.ndarray, salt: int | np.ndarray, input_hash_size: int) -> np.ndarray:
+    """Raw ids that a generated source sends for its dense `ids` (non-negative, below 2^40) with
+    `ids: managed`: SplitMix64 of `salt * 2^40 + id` reduced into `[0, input_hash_size)`, spread
+    over the raw id space as real ids are (row-wise shards each get their share). A different
+    `salt` per feature keeps features' raw ids apart (an array: one per id)."""
+    keys = np.asarray(ids, dtype=np.int64) + (np.asarray(salt, dtype=np.int64) << np.int64(40))
+    return (splitmix64(keys) % np.uint64(input_hash_size)).astype(np.int64)

@@ -7,7 +7,9 @@ Layout, chosen for torchrec's sparse-dist pipeline:
   `HSTURanker`. `_rewrite_model` FX-traces that forward with the ranker as a leaf
   (it holds no sharded module), finds the `ec` call whose argument is the `getattr` chain
   `batch.sparse_features`, and can then run the EC's input_dist ahead of the forward.
-  Anything data-dependent lives inside the ranker, which FX never traces.
+  Anything data-dependent lives inside the ranker, which FX never traces. With `ids: managed`
+  items (and users) `ec` is a `SplitCollection` (`recsys_pipe.models.managed`): the action
+  table and the managed-collision tables, each called on that same argument.
 * The ranker works on jagged token values `[T, D]`: LayerNorm, projections and the output
   MLP never see padding. The attention (`model.attention`) either pads to `[B, N, ...]` and
   back with fbgemm's `jagged_to_padded_dense` / `dense_to_jagged` (`padded`), or runs fused
@@ -30,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
@@ -45,6 +46,7 @@ from recsys_pipe.models.hstu_attention import (
     uses_triton,
 )
 from recsys_pipe.models.hstu_config import HSTUConfig
+from recsys_pipe.models.managed import split_collection
 from recsys_pipe.models.serving import ServingForm
 
 if TYPE_CHECKING:
@@ -244,7 +246,7 @@ class HSTUModel(nn.Module):
 
     def __init__(self, cfg: HSTUConfig, spec: DataSpec, device: torch.device | None = None) -> None:
         super().__init__()
-        self.ec = EmbeddingCollection(tables=embedding_tables(cfg, spec), device=device)
+        self.ec = split_collection(embedding_tables(cfg, spec), spec.managed, device=device)
         self.ranker = HSTURanker(cfg, spec)
 
     def dense_modules(self) -> list[nn.Module]:

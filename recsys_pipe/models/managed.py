@@ -313,6 +313,12 @@ def _waited(value: Any) -> Any:
     return value.wait() if isinstance(value, Awaitable) else value
 
 
+#: evicted rows are re-initialised in place without autograd's version check: a plan may have
+#: looked a batch up (its backward still to come) when the next batch's lookup evicts rows
+#: (semi-synchronous plans), as torchrec's flag is meant for
+_IN_PLACE = {"allow_in_place_embed_weight_update": True}
+
+
 def split_bag_collection(
     configs: Sequence[EmbeddingBagConfig], managed: Mapping[str, Any]
 ) -> EmbeddingBagCollection | SplitBagCollection:
@@ -323,7 +329,7 @@ def split_bag_collection(
     if not kept:
         return EmbeddingBagCollection(tables=list(configs))
     bags = ManagedCollisionEmbeddingBagCollection(
-        EmbeddingBagCollection(tables=kept), _collision_collection(kept, managed)
+        EmbeddingBagCollection(tables=kept), _collision_collection(kept, managed), **_IN_PLACE
     )
     return SplitBagCollection(EmbeddingBagCollection(tables=plain) if plain else None, bags)
 
@@ -336,6 +342,6 @@ def split_collection(
     if not kept:
         return EmbeddingCollection(tables=list(configs), device=device)
     tables = ManagedCollisionEmbeddingCollection(
-        EmbeddingCollection(tables=kept, device=device), _collision_collection(kept, managed)
+        EmbeddingCollection(tables=kept, device=device), _collision_collection(kept, managed), **_IN_PLACE
     )
     return SplitCollection(EmbeddingCollection(tables=plain, device=device) if plain else None, tables)

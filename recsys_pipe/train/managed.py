@@ -97,7 +97,7 @@ def _check_shard_rows(managed: Any, table: str, sharding: Any) -> None:
     if shards and min(shards) < 2:
         raise ConfigError(
             ConfigProblem(
-                managed.problem_key("num_embeddings"),
+                managed.rows_key,
                 f"table {table} has {rows} rows, split over {len(shards)} rank(s) into shards of {shards} rows: each "
                 "shard of a managed table keeps its last row for the ids without a row of their own, so it needs 2 "
                 f"rows at least ({2 * len(shards)} rows or more for {len(shards)} rank(s))",

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import CriteoSample, DataSpec, collate_criteo
-from recsys_pipe.data.ids import ManagedFeature, ManagedIds, raw_ids_problem, splitmix64
+from recsys_pipe.data.ids import ManagedFeature, ManagedIds, raw_ids_problem, spread_ids
 from recsys_pipe.data.source import TabularDataConfig, readable_file
 from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
 
@@ -114,7 +114,7 @@ class CriteoLayoutConfig(TabularDataConfig):
         return [n] * NUM_CATEGORICAL if isinstance(n, int) else list(n)
 
     def spec(self) -> DataSpec:
-        managed = ManagedFeature(self.managed, "data") if self.ids == "managed" else None
+        managed = ManagedFeature(self.managed, "data", "data.num_embeddings") if self.ids == "managed" else None
         return DataSpec(
             num_tasks=1,
             vocab_sizes=dict(zip(CATEGORICAL_KEYS, self.vocab_sizes())),
@@ -252,11 +252,9 @@ class _ClickWorld:
         return dense, self.raw_ids(ids) if self.cfg.ids == "managed" else ids, label, index
 
     def raw_ids(self, ids: np.ndarray) -> np.ndarray:
-        """With `ids=managed`, what feature f's generated id k is sent as: a raw id spread over
-        the raw id space (SplitMix64 of `(f, k)` reduced into `[0, input_hash_size)`), as real
-        ids are, so that row-wise shards each get their share."""
-        keys = np.arange(NUM_CATEGORICAL, dtype=np.int64) << 40 | ids
-        return (splitmix64(keys) % np.uint64(self.cfg.managed.input_hash_size)).astype(np.int64)
+        """With `ids=managed`, what feature f's generated id k is sent as (`spread_ids`, salted
+        by the feature)."""
+        return spread_ids(ids, np.arange(NUM_CATEGORICAL), self.cfg.managed.input_hash_size)
 
 
 class CriteoSyntheticDataset(Dataset[CriteoSample]):

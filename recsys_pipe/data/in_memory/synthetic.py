@@ -27,12 +27,14 @@ import random
 from functools import partial
 from typing import ClassVar, Literal
 
+import numpy as np
 import torch
 from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import Section, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sample, collate
+from recsys_pipe.data.ids import SequenceIds, spread_ids
 from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = ["SyntheticConfig", "SyntheticDataConfig", "SyntheticSequenceDataset", "synthetic_dataset"]
@@ -66,7 +68,7 @@ class SyntheticConfig(Section):
         return num_clusters
 
 
-class SyntheticDataConfig(SequenceDataConfig):
+class SyntheticDataConfig(SequenceIds, SequenceDataConfig):
     """`data=synthetic`: learnable user histories generated on the fly (no download)."""
 
     SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
@@ -76,15 +78,18 @@ class SyntheticDataConfig(SequenceDataConfig):
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="the generated world")
 
     def spec(self) -> DataSpec:
-        return _spec(self.synthetic, self.use_user_feature)
+        return _spec(self.synthetic, self.use_user_feature, self)
 
 
-def _spec(cfg: SyntheticConfig, use_user_feature: bool) -> DataSpec:
-    """Items, actions (the masked action 0, then one per combination of task outcomes) and users."""
-    vocab = {ITEM_KEY: cfg.num_items, ACTION_KEY: 2**cfg.num_tasks + 1}
+def _spec(cfg: SyntheticConfig, use_user_feature: bool, ids: SequenceIds) -> DataSpec:
+    """Items, actions (the masked action 0, then one per combination of task outcomes) and users;
+    with `data.ids=managed`, items and users get managed tables of as many rows."""
+    vocab = {ITEM_KEY: ids.table_rows(cfg.num_items, "item"), ACTION_KEY: 2**cfg.num_tasks + 1}
+    rows = {ITEM_KEY: "data.item_rows" if ids.item_rows else "data.synthetic.num_items"}
     if use_user_feature:
-        vocab[USER_KEY] = cfg.num_users
-    return DataSpec(num_tasks=cfg.num_tasks, vocab_sizes=vocab)
+        vocab[USER_KEY] = ids.table_rows(cfg.num_users, "user")
+        rows[USER_KEY] = "data.user_rows" if ids.user_rows else "data.synthetic.num_users"
+    return DataSpec(num_tasks=cfg.num_tasks, vocab_sizes=vocab, managed=ids.managed_features(rows))
 
 
 def synthetic_dataset(cfg: SyntheticDataConfig, rank: int, world_size: int) -> SyntheticSequenceDataset:
@@ -97,6 +102,7 @@ def synthetic_dataset(cfg: SyntheticDataConfig, rank: int, world_size: int) -> S
         rank,
         world_size,
         use_user_feature=cfg.use_user_feature,
+        ids=cfg,
     )
 
 
@@ -129,6 +135,8 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         num_candidates: trailing tokens of each sample that are ranking candidates.
         rank, world_size: which disjoint share of the global samples this dataset serves.
         use_user_feature: whether batches carry the user id (the spec then sizes a user table).
+        ids: how items and users are sent (`data.ids`): as generated (dense), or with `managed`
+            as raw ids spread over the raw id space (`recsys_pipe.data.ids.spread_ids`).
     """
 
     def __init__(
@@ -140,6 +148,7 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         rank: int = 0,
         world_size: int = 1,
         use_user_feature: bool = False,
+        ids: SequenceIds | None = None,
     ) -> None:
         if not 0 < num_candidates < max_seq_len:
             raise ValueError(f"need 0 < num_candidates ({num_candidates}) < max_seq_len ({max_seq_len})")
@@ -154,7 +163,8 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         self.world_size = world_size
         self._world = _World(cfg, seed)
         self._length_cdf = _zipf_cdf(self.max_seq_len - self.min_seq_len + 1, cfg.zipf_alpha)
-        self.spec = _spec(cfg, use_user_feature)
+        self.ids = ids or SequenceIds()
+        self.spec = _spec(cfg, use_user_feature, self.ids)
         self.collate = partial(collate, use_user_feature=use_user_feature)
 
     def __len__(self) -> int:
@@ -195,6 +205,9 @@ class SyntheticSequenceDataset(Dataset[Sample]):
             item = chain[item] if rng.random() < cfg.chain_prob else rng.choice(home)
             t += 1 + int(rng.expovariate(1.0) * math.e ** rng.uniform(2.0, 12.0))
         n_hist = length - self.num_candidates
+        if self.ids.ids == "managed":
+            size = self.ids.managed.input_hash_size
+            items, user = spread_ids(np.array(items), 0, size).tolist(), int(spread_ids(np.array([user]), 1, size)[0])
         return Sample(
             sample_id=global_index,
             user=user,

@@ -123,9 +123,12 @@ class ParquetDataConfig(CriteoLayoutConfig):
             vocab_sizes={name: s.num_embeddings for name, s in c.sparse.items()},
             num_dense=len(c.dense),
             managed={
-                name: ManagedFeature(s.managed, f"data.columns.sparse.{name}")
+                name: ManagedFeature(
+                    s.managed, f"data.columns.sparse.{name}", f"data.columns.sparse.{name}.num_embeddings"
+                )
                 for name, s in c.sparse.items()
                 if s.ids == "managed"
+                for key in [f"data.columns.sparse.{name}"]
             },
         )
 
