@@ -27,6 +27,7 @@ torchrec's pipeline still input-distributes both ahead of the forward), their ou
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "ManagedRows",
     "SplitBagCollection",
     "SplitCollection",
+    "counting_paused",
     "eviction_policy",
     "managed_modules",
     "managed_rows",
@@ -195,6 +197,22 @@ def managed_rows(model: nn.Module) -> Iterator[tuple[str, ManagedRows]]:
     for fqn, module in model.named_modules():
         if isinstance(module, ManagedRows):
             yield fqn, module
+
+
+@contextmanager
+def counting_paused(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """The managed tables of `modules` look ids up without counting them or evicting (as in
+    evaluation) inside the block: for a lookup that runs again on a state that already counted
+    it (a resumed semi-synchronous plan's lookup in flight at the checkpoint)."""
+    rows = [r for module in modules for _, r in managed_rows(module)]
+    modes = [r.training for r in rows]
+    for r in rows:
+        r.training = False
+    try:
+        yield
+    finally:
+        for r, mode in zip(rows, modes, strict=True):
+            r.training = mode
 
 
 def plan_buckets(model: nn.Module, world_size: int) -> None:
