@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
 from recsys_pipe.train.config import RunConfig, load_run_config
-from recsys_pipe.train.plan import pipelining_without_effect, planned_device_type, training_plan
+from recsys_pipe.train.plan import pipelining_without_effect, training_plan
 
 if TYPE_CHECKING:
     from recsys_pipe.runtime.session import RunSession
@@ -90,9 +90,10 @@ class CheckedRun:
         return [] if warning is None else [warning]
 
     def memory_check(self) -> tuple[str, str | None]:
-        """The estimated peak memory of this job's ranks (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`): one
-        line, and a warning where the largest rank does not fit (`check_memory`)."""
+        """What `--check` says of this job's memory (`recsys_pipe.train.memory.check_memory`):
+        the estimate's one line, and a warning when its largest rank does not fit (else None)."""
         from recsys_pipe.train.memory import check_memory
+        from recsys_pipe.train.plan import planned_device_type
 
         return check_memory(self.run, self.plan, planned_device_type(self.run.trainer.device))
 
@@ -122,10 +123,10 @@ def check_plan(cfg: DictConfig, schema: type[RunConfig] = RunConfig) -> tuple[Ru
 
 def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> CheckedRun:
     """What a run refuses before any process group starts, except its directory: the config,
-    the compiled plan, the device, `resume_from`, how the model is spread over this job's ranks
-    on this device (`Parallelism.check`), this rank's data and the model and eval dump against
-    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before
-    the first one starts."""
+    the compiled plan, the device, how the model is spread over this job's ranks on this device
+    and hosts (`Parallelism.check`), `resume_from` (the checkpoint's table shapes included), this
+    rank's data and the model and eval dump against it (`check_inputs`), and the command's own
+    `check`. A sweep runs it for every job before the first one starts."""
     from recsys_pipe.train.build import rank_data
     from recsys_pipe.train.checkpoint import resolve_resume
     from recsys_pipe.train.managed import check_resume
@@ -137,7 +138,7 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     if problems:
         raise ConfigError(problems)
     parallelism = parallelism_of(run)
-    topology = Topology.of_job(device.type)
+    topology = Topology.of_job(device.type)  # WORLD_SIZE, LOCAL_WORLD_SIZE as torchrun sets them
     parallelism.check(topology)
     resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
     check_resume(resume, topology.world_size)

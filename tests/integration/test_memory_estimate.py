@@ -96,13 +96,15 @@ def test_recsys_train_check_prints_the_line_and_warns(monkeypatch, capsys, no_pr
     assert re.search(
         r"^estimated peak memory: largest rank \d, [\d.]+ GiB of [\d.]+ GiB per rank: fits$", captured.out, re.M
     )
-    big = ["data.num_embeddings=2000000", "model.embedding_dim=128", "model.dense_arch_layer_sizes=[128]"]
-    assert train_cli.run([*DLRM, *big, "model.sharding=row_wise", "trainer=smoke", "--check"]) == 0  # a warning only
+    import recsys_pipe.train.memory as memory
+
+    monkeypatch.setattr(memory, "device_capacity", lambda device, local: 100 * 2**20)  # a rank with 100 MiB
+    assert train_cli.run([*DLRM, "model.sharding=row_wise", "trainer=smoke", "--check"]) == 0  # a warning only
     captured = capsys.readouterr()
-    assert "per rank: does NOT fit" in captured.out
+    assert "GiB of 0.10 GiB per rank: does NOT fit" in captured.out
     (warning,) = [line for line in captured.err.splitlines() if line.startswith("warning: ")]
     assert re.match(
-        r"warning: rank \d needs an estimated [\d.]+ GiB, more than the [\d.]+ GiB one rank has here", warning
+        r"warning: rank \d needs an estimated [\d.]+ GiB, more than the 0.10 GiB one rank has here", warning
     )
 
 
