@@ -22,6 +22,9 @@ for arg in "$@"; do
       exec recsys-train "$@" ;;
   esac
 done
+# Ctrl-C at any moment ends the script with 130: while the check runs (the check exits 130) and
+# between the check and torchrun (this trap; exec hands SIGINT to the launcher, which stops the ranks).
+trap 'exit 130' INT
 # The last rank's share of the data is checked: the smallest one when the data does not split evenly.
 status=0
 WORLD_SIZE="$NPROC" RANK="$((NPROC - 1))" recsys-train --check "$@" || status=$?

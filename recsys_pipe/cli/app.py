@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.cli.compose import compose_config
 from recsys_pipe.cli.hydra_adapter import (
     HYDRA_MODE_UNKNOWN,
@@ -35,6 +36,7 @@ from recsys_pipe.cli.hydra_adapter import (
     hydra_main,
     hydra_runtime,
     parse_hydra_args,
+    quoted_home,
     sweep_jobs,
 )
 from recsys_pipe.cli.reporting import debug_requested, first_to_report, report_config_error
@@ -181,7 +183,7 @@ class HydraApp:
         argv = list(sys.argv[1:] if argv is None else argv)
         self._keep_going = KEEP_GOING in argv
         self._check_only = CHECK_ONLY in argv
-        argv = [a for a in argv if a not in (KEEP_GOING, CHECK_ONLY)]
+        argv = [quoted_home(a) for a in argv if a not in (KEEP_GOING, CHECK_ONLY)]
         try:
             checked = self._check_jobs(argv)
         except UserCodeError as exc:  # `--check` ran the user's builder, which raised
@@ -244,7 +246,9 @@ class HydraApp:
         return code
 
     def _interrupted_at_start(self) -> int:
-        """Ctrl-C outside training (which handles its own): one line (rank 0's), exit 130."""
+        """Ctrl-C outside training (which handles its own): one line (rank 0's), exit 130 (the
+        Ctrl-C consumed: a process that goes on starts its next run without it)."""
+        _ctrl_c.settle(0)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{self.prog}: interrupted (Ctrl-C); nothing was trained", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -320,10 +324,10 @@ class HydraApp:
                 break
             except Exception as exc:
                 key = self._schema_key_not_in_yaml(exc, overrides)
-                if key is None:
+                if not isinstance(key, str):
                     if debug_requested() or "debug=true" in overrides:
                         traceback.print_exc()
-                    return self._composition_error(exc, search_dirs)
+                    return key or self._composition_error(exc, search_dirs)
                 added.add(key)
                 overrides = [f"++{o}" if o.split("=", 1)[0] == key else o for o in overrides]
         else:
@@ -343,11 +347,13 @@ class HydraApp:
                 return exc
         return None
 
-    def _schema_key_not_in_yaml(self, exc: BaseException, overrides: list[str]) -> str | None:
-        """The override key Hydra refused as not in the config although the schema has it."""
+    def _schema_key_not_in_yaml(self, exc: BaseException, overrides: list[str]) -> str | ConfigError | None:
+        """The override key Hydra refused as not in the config although the schema has it; or
+        the ConfigError of an override below the key Hydra names that the schema does not have
+        (`data.columns.sparse.user.num_embedings`: named as typed, with the keys it is close to)."""
         from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-        from recsys_pipe.cli.keys import describe_keys
+        from recsys_pipe.cli.keys import closest_listed, describe_keys, format_suggestions, key_matches, misspelt_entry
         from recsys_pipe.config import import_fn
 
         if not self.schema:
@@ -364,8 +370,13 @@ class HydraApp:
         if key is None:
             return None
         values = OmegaConf.to_container(parent._get_root(), resolve=False)
-        known = {p for p, _, _ in describe_keys(import_fn(self.schema), values)}
-        return key if key in known else None
+        known = [p for p, _, _ in describe_keys(import_fn(self.schema), values)]
+        pattern = next((pattern for pattern in known if key_matches(key, pattern)), None)
+        if pattern is not None:
+            return None if misspelt_entry(key, pattern, values) else key
+        if key == path:
+            return None  # Hydra's own error names it
+        return ConfigError(ConfigProblem(key, f"unknown key{format_suggestions(closest_listed(key, known))}"))
 
     def _composition_error(self, exc: BaseException, search_dirs: list[Path]) -> ConfigError:
         from recsys_pipe.cli.compose_errors import composition_error

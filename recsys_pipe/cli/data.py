@@ -6,9 +6,10 @@ with positional paths, not training runs; the work lives in `recsys_pipe.data`).
 - `recsys-data convert sequences SRC DST`: a "user item" file (SASRec) or MovieLens ratings to
   sequence Parquet, one row per user, what `data=parquet_sequences` reads; with `--windows L`,
   one row per window of ratings, what it reads for HSTU ranking.
-- `recsys-data inspect PATH [--world-size N --batch-size B]`: a Parquet data set's schema,
-  rows, row groups and sizes, and each rank's share and the batches per epoch
-  (`recsys_pipe.data.tools.inspect.describe`).
+- `recsys-data inspect PATH [--world-size N --batch-size B] [--scan [key=value ...]]`: a
+  Parquet data set's schema, rows, row groups and sizes, and each rank's share and the batches per
+  epoch (`recsys_pipe.data.tools.inspect.describe`); with `--scan`, every bad row, read with all
+  cores (`recsys_pipe.data.tools.scan`).
 
 A bad input exits 2 with one line `error: <what>: <message>`.
 """
@@ -19,8 +20,9 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
-from recsys_pipe.config import ConfigError
+from recsys_pipe.config import ConfigError, ConfigProblem
 
 __all__ = ["main"]
 
@@ -30,8 +32,41 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 2
 def _inspect(args: argparse.Namespace) -> int:
     from recsys_pipe.data.tools.inspect import describe
 
-    print(describe(args.path if len(args.path) > 1 else args.path[0], args.world_size, args.batch_size))
-    return EXIT_OK
+    paths = [p for p in args.path if "=" not in p]
+    overrides = [p for p in args.path if "=" in p]
+    if not paths:
+        raise ConfigError(ConfigProblem("PATH", "names no file (key=value arguments are overrides of --scan)"))
+    path = paths if len(paths) > 1 else paths[0]
+    if overrides and not args.scan:
+        raise ConfigError(ConfigProblem(overrides[0], "key=value overrides go with --scan"))
+    print(describe(path, args.world_size, args.batch_size))
+    if not args.scan:
+        return EXIT_OK
+    from recsys_pipe.data.tools.scan import scan
+
+    report = scan(_scanned_source(path, overrides), args.workers)
+    print(report.text())
+    return EXIT_BAD_INPUT if report.bad_rows else EXIT_OK
+
+
+def _scanned_source(path: str | list[str], overrides: list[str]):  # -> StreamSource
+    """The training source that reads `path`, its layout from the files (`scan.layout`) and
+    `overrides` (a key of the schema is added as recsys-train adds it), skipping bad rows, so that
+    nothing but an unreadable config or file stops the scan (ConfigError)."""
+    from omegaconf import open_dict
+
+    from recsys_pipe.cli.compose import compose_config
+    from recsys_pipe.data.tools.scan import layout
+    from recsys_pipe.train.config import load_run_config
+
+    overrides = [f"++{o.lstrip('+')}" if "." in o.split("=", 1)[0] else o for o in overrides]
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    chosen = [o for o in layout(path) if o.split("=", 1)[0].lstrip("+") not in given]
+    paths = path if isinstance(path, str) else "[" + ",".join(path) + "]"
+    cfg = compose_config(*chosen, f"data.path={paths}", "++data.on_bad_row=skip", *overrides, config_name="train")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return load_run_config(cfg).data.dataset(0, 1)
 
 
 def _convert_criteo(args: argparse.Namespace) -> int:
@@ -58,6 +93,7 @@ def _convert_sequences(args: argparse.Namespace) -> int:
             csv=csv,
             windows=args.windows,
             num_candidates=args.num_candidates,
+            rating_scale=args.rating_scale,
         )
     ]
     return _report(files, time.perf_counter() - start)
@@ -78,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser("convert", help="convert a text format to Parquet")
     formats = convert.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    _add_convert_criteo(formats)
+    _add_convert_sequences(formats)
+    _add_inspect(commands)
+    return parser
+
+
+def _add_convert_criteo(formats: Any) -> None:
     criteo = formats.add_parser(
         "criteo",
         help="Criteo TSV (Kaggle train.txt, Terabyte day_N) -> Parquet, one file per input",
@@ -91,11 +134,14 @@ def _parser() -> argparse.ArgumentParser:
     criteo.add_argument("--workers", type=int, default=None, help="parsing threads (default: every core)")
     criteo.set_defaults(run=_convert_criteo)
 
+
+def _add_convert_sequences(formats: Any) -> None:
     seqs = formats.add_parser(
         "sequences",
         help='"user item" lines (SASRec) or MovieLens ratings -> sequence Parquet (one row per user)',
         description="Convert an interactions file to sequence Parquet (read by data=parquet_sequences): user_id, "
-        "item_ids (chronological), timestamps and actions (the ratings) where the file has them.",
+        "item_ids (chronological), timestamps and actions (the ratings) where the file has them. Text ids (u17, "
+        "B00005N7P0) are numbered in sorted order, their texts kept in the metadata.",
     )
     seqs.add_argument("src", metavar="SRC", help="ratings.dat, ratings.csv, or a 'user item' file")
     seqs.add_argument("dst", metavar="DST", help="output directory (created if missing)")
@@ -125,20 +171,42 @@ def _parser() -> argparse.ArgumentParser:
         metavar="C",
         help="with --windows: trailing ratings of a window that are ranked (data.num_candidates; default 4)",
     )
+    seqs.add_argument(
+        "--rating-scale",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="ratings lie in (0, S] (default 5, MovieLens's stars); HSTU ranking reads data.thresholds in this scale",
+    )
     seqs.set_defaults(run=_convert_sequences)
 
+
+def _add_inspect(commands: Any) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="schema, rows, row groups and sizes of Parquet files; with --world-size and --batch-size, each "
         "rank's share",
         description="Show a Parquet data set from its footers: schema, rows, row groups, sizes; with --world-size "
-        "and --batch-size also the batches per epoch and each rank's rows.",
+        "and --batch-size also the batches per epoch and each rank's rows; with --scan every bad row.",
     )
-    inspect.add_argument("path", nargs="+", help="file, directory, glob or URI (as data.path)")
+    inspect.add_argument(
+        "path",
+        nargs="+",
+        help="file, directory, glob or URI (as data.path); with --scan also key=value overrides of the training "
+        "config that reads them (a column mapping, model=..., data.num_candidates=...)",
+    )
     inspect.add_argument("--world-size", type=int, metavar="N", help="ranks sharing the data")
     inspect.add_argument("--batch-size", type=int, metavar="B", help="rows per batch per rank (data.batch_size)")
+    inspect.add_argument(
+        "--scan",
+        action="store_true",
+        help="read every row (all cores) with the training source's checks and list every bad row: file, row "
+        "group, row, column (exit 2 if any)",
+    )
+    inspect.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="--scan: processes (default: every core)"
+    )
     inspect.set_defaults(run=_inspect)
-    return parser
 
 
 def _output_options(command: argparse.ArgumentParser, row_group_size: int) -> None:
@@ -151,7 +219,11 @@ def _output_options(command: argparse.ArgumentParser, row_group_size: int) -> No
 def main(argv: list[str] | None = None) -> int:
     """Run `recsys-data`; returns its exit code (0 ok, 2 bad input or usage)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "inspect" or any("=" not in e or e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # `inspect PATH --scan key=value ...`: overrides after the options
+        args.path += extra
     if args.command == "inspect":
         if (args.world_size is None) != (args.batch_size is None):
             parser.error("--world-size and --batch-size go together")

@@ -4,10 +4,13 @@ without this package (`recsys_pipe.train.export`).
     recsys-export runs/recsys-train/2026-11-27_06-47-57 exported/
     recsys-export RUN_DIR OUT checkpoint=step_400            # another checkpoint than the newest
     recsys-export RUN_DIR OUT data.path=/data/heldout.tsv    # the run's config, with overrides
+    recsys-export RUN_DIR OUT --overwrite                    # replace OUT whole
 
 One process, no torchrun: the checkpoint's shards are gathered into whole tables on load.
-Exit codes: 0 written; 2 a bad argument, run directory, checkpoint or override (one line each);
-1 the export failed (the program's scores differ from the trained model's).
+Exit codes: 0 written; 2 a bad argument, run directory, checkpoint, override or OUT (a file, or
+a directory that is not empty without --overwrite; one line each, nothing written); 1 the
+export failed (the saved program or preprocess.py does not reproduce the trained model's scores;
+OUT is left as it was).
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ PROG = "recsys-export"
 
 def parse_overrides(items: Sequence[str]) -> tuple[str | None, dict[str, object]]:
     """`checkpoint=step_N` and `key=value` overrides (values as Hydra's grammar reads them)."""
-    from recsys_pipe.cli.hydra_adapter import parse_override_value
+    from recsys_pipe.cli.hydra_adapter import parse_override_value, quoted_home
 
     checkpoint, overrides = None, {}
     for item in items:
-        key, sep, value = item.partition("=")
+        key, sep, value = quoted_home(item).partition("=")
         if not sep or not key:
             raise ConfigError(ConfigProblem(item, "expected key=value (e.g. checkpoint=step_100, data.path=...)"))
         try:
@@ -58,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "overrides", nargs="*", help="checkpoint=step_N (default: the newest), key=value changes of the run's config"
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT whole if it is not empty")
     return parser
 
 
@@ -69,7 +73,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         from recsys_pipe.train.export import export_run
 
         checkpoint, overrides = parse_overrides(args.overrides)
-        result = export_run(args.run_dir, args.out, checkpoint, overrides)
+        result = export_run(args.run_dir, args.out, checkpoint, overrides, overwrite=args.overwrite)
     except ConfigError as exc:
         report_config_error(exc, PROG, outcome="nothing was exported")
         return EXIT_CONFIG_ERROR
@@ -77,7 +81,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILURE
     names = ", ".join(p.name for p in result.files)
-    print(f"exported the {result.kind} model to {result.out}: {names} (max |score diff| {result.max_abs_diff:.2g})")
+    checked = f"checked: max |score diff| {result.max_abs_diff:.2g}"
+    print(f"exported the {result.kind} model to {result.out}: {names} ({checked})")
     return 0
 
 

@@ -209,6 +209,16 @@ def parse_hydra_args(argv: list[str]) -> argparse.Namespace:
     return get_args_parser().parse_args(argv)
 
 
+def quoted_home(arg: str) -> str:
+    """`key=~/x` as `key='~/x'`: Hydra's override grammar has no `~` in an unquoted value (it
+    stops with "LexerNoViableAltException"), and a shell expands `~` only at the start of a
+    word; quoted, the value reaches the path key's validator, which expands it (`home_expanded`)."""
+    key, sep, value = arg.partition("=")
+    if not sep or arg.startswith("-") or "~" not in value or value[:1] in ("'", '"', "[", "{"):
+        return arg
+    return key + "='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def parse_override_value(text: str) -> Any:
     """The value of `key=<text>` as Hydra's override grammar reads it (`[a,b]` a list, `null` None)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser

@@ -23,7 +23,15 @@ from pydantic_core import PydanticUndefined
 
 from recsys_pipe.config import ConfigError
 
-__all__ = ["closest_keys", "describe_keys", "format_keys", "format_suggestions"]
+__all__ = [
+    "closest_keys",
+    "closest_listed",
+    "describe_keys",
+    "format_keys",
+    "format_suggestions",
+    "key_matches",
+    "misspelt_entry",
+]
 
 _UNSET = object()
 
@@ -35,6 +43,43 @@ def describe_keys(model: type[BaseModel], values: Any = None) -> list[tuple[str,
     rows: list[tuple[str, str, str]] = []
     _walk(model, values if isinstance(values, Mapping) else {}, "", rows)
     return rows
+
+
+def key_matches(key: str, pattern: str) -> bool:
+    """Whether the dotted `key` is the listed key `pattern`, where a `<name>` part of the
+    pattern (a map of sections: `data.columns.sparse.<name>.num_embeddings`) stands for any name."""
+    parts, wanted = key.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(w in (p, "<name>") for p, w in zip(parts, wanted))
+
+
+def misspelt_entry(key: str, pattern: str, values: Any) -> bool:
+    """Whether `key` (which `pattern` lists with `<name>` for a map's entry) names a new entry one
+    typo or so away from an entry the map has (`pipeline.tasks.h2dd` for `h2d`): a misspelling,
+    not a new entry such as `data.columns.sparse.user`."""
+    parts = key.split(".")
+    for at, part in enumerate(pattern.split(".")):
+        if part != "<name>":
+            continue
+        entries: Any = values
+        for step in parts[:at]:
+            entries = entries.get(step) if isinstance(entries, Mapping) else None
+        names = list(entries) if isinstance(entries, Mapping) else []
+        if parts[at] not in names and _closest(parts[at], names, 1, cutoff=0.75):
+            return True
+    return False
+
+
+def closest_listed(key: str, listed: Sequence[str], n: int = 3) -> list[str]:
+    """The listed keys (`describe_keys` paths, `<name>` parts filled with `key`'s names) closest
+    to the unknown `key` below its parent; never `key` itself."""
+    parent, _, leaf = key.rpartition(".")
+    depth = key.count(".")
+    named = set()
+    for pattern in listed:
+        if pattern.count(".") == depth and key_matches(parent, pattern.rpartition(".")[0]):
+            named.add(pattern.rpartition(".")[2])
+    named.discard(leaf)
+    return [f"{parent}.{c}" for c in _closest(leaf, sorted(named), n, cutoff=0.6)]
 
 
 def format_keys(rows: list[tuple[str, str, str]]) -> str:
@@ -127,20 +172,32 @@ def _map_of_sections(annotation: Any) -> type[BaseModel] | None:
 
 
 def _format_value(value: Any) -> str:
+    """The value as `path=<value>` on a command line sets it: the plain form where Hydra's override
+    grammar reads it back as the same value, else quoted (never cut: what is printed can be set)."""
     if value is None:
         return "null"
     if isinstance(value, BaseModel):
         return ""
+    if value == "???":  # a required key not given yet
+        return value
     if isinstance(value, str):
-        text = value
-    elif isinstance(value, (bool, int, float)):
-        text = json.dumps(value)
+        forms = [value, "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"]
     else:
         try:
-            text = json.dumps(value, default=str).replace('"', "")
+            exact = json.dumps(value)
         except (TypeError, ValueError):
-            text = str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+            return str(value)
+        forms = [exact.replace('"', ""), exact]
+    return next((text for text in forms if _reads_back(text, value)), forms[-1])
+
+
+def _reads_back(text: str, value: Any) -> bool:
+    from recsys_pipe.cli.hydra_adapter import parse_override_value
+
+    try:
+        return parse_override_value(text) == value
+    except Exception:  # the grammar's own errors: this form does not read back
+        return False
 
 
 def closest_keys(
@@ -181,7 +238,7 @@ def closest_keys(
     for candidate in sorted(elsewhere):
         by_leaf.setdefault(candidate.rpartition(".")[2], []).append(candidate)
     matches = _closest(leaf, list(by_leaf), n, cutoff=0.75)
-    return [p for m in matches for p in by_leaf[m]][:n]
+    return [p for m in matches for p in by_leaf[m] if p != path][:n]  # never the key refused itself
 
 
 def _closest(word: str, candidates: list[str], n: int, cutoff: float) -> list[str]:

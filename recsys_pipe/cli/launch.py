@@ -101,18 +101,31 @@ class Launch:
     def start(self, prog: str) -> tuple[RunSession, Path | None]:
         """Start this rank's session, agree on the checkpoint to resume from (rank 0's: `latest`
         must mean the same directory on every rank) and, on rank 0, write the run's config.yaml.
-        ConfigError if the requested run directory was taken meanwhile."""
-        import torch.distributed as dist
-
+        ConfigError if the requested run directory was taken meanwhile; SystemExit(130) after a
+        Ctrl-C once the session started (recorded in status.json)."""
         session = RunSession.start(
             prog, self.run.trainer, self.requested, self.run.debug, plan=self.run.pipeline.name, resumed_from=None
         )
-        resume = [self.checked.resume if session.info.is_main else None]
+        try:
+            return session, self._started(session)
+        except KeyboardInterrupt:  # Ctrl-C while the session starts: recorded, the group left, 130
+            code = session.interrupted(0, checkpoint=None)
+            _ctrl_c.settle(0)  # this Ctrl-C, consumed
+            raise SystemExit(session.close(code)) from None
+
+    def _started(self, session: RunSession) -> Path | None:
+        """The checkpoint every rank resumes from (rank 0's), and the run's config.yaml and first lines."""
+        import torch.distributed as dist
+
+        _ctrl_c.pause_point("start")
+        resume = [self.checked.resume.path if session.info.is_main else None]
         dist.broadcast_object_list(resume, src=0)
         if resume[0] is not None:
             session.status.info["resumed_from"] = str(resume[0])
         info = session.info
         if info.is_main:
+            for path, why in self.checked.resume.skipped:
+                log.info("trainer.resume_from=latest: skipped %s, a checkpoint of another experiment (%s)", path, why)
             container = OmegaConf.to_container(self.cfg, resolve=True)
             with open(os.path.join(session.run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml({k: v for k, v in container.items() if k != "hydra"}))
@@ -126,7 +139,7 @@ class Launch:
             )
             for note in self.checked.start_notes():
                 log.warning("%s", note)
-        return session, resume[0]
+        return resume[0]
 
 
 def run_job(
@@ -154,7 +167,7 @@ def run_job(
     try:
         # returns with Ctrl-C ignored: the outcome is recorded, the group is left in order
         code = _supervised(launch, session, prog, lambda trainer: work(launch, trainer, resume))
-        code = session.close(code, keep_group=launch.requested.sweep)
+        code = _ctrl_c.settle(session.close(code, keep_group=launch.requested.sweep))  # a Ctrl-C while closing: 130
     finally:  # the process goes on (a sweep's next job): Ctrl-C works again
         signal.signal(signal.SIGINT, previous)
     if code:
@@ -168,9 +181,10 @@ def _supervised(launch: Launch, session: RunSession, prog: str, work: Callable[[
 
     trainer = None
     ctrl_c = CtrlC()
-    # what SIGINT does once the handlers below are gone again: nothing (the run's outcome is then
-    # being recorded and the process group left; `run_job` restores Ctrl-C)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what SIGINT does once the handlers below are gone again: it is remembered, and the command
+    # exits 130 (the run's outcome is then being recorded and the process group left; `run_job`
+    # restores Ctrl-C)
+    _ctrl_c.record()
     try:
         # a Ctrl-C asks every rank to stop after a step and checkpoint (130), as SIGTERM does (75),
         # also while the parts are built: the loop stops after its first step; a second Ctrl-C
@@ -210,11 +224,15 @@ def _user_code_owners(run: RunConfig) -> dict[str, str]:
 
 
 def _interrupted(session: RunSession, trainer: Trainer | None) -> int:
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT: finish cleaning up
+    previous = signal.getsignal(signal.SIGINT)
+    _ctrl_c.record()  # torchrun forwards a second SIGINT: finish cleaning up (the code is 130 anyway)
     try:
-        code = session.interrupted(trainer.step if trainer is not None else 0)
+        # the last checkpoint published before the Ctrl-C (one being written is not: `.partial`)
+        checkpoint = trainer.checkpointer.last_path if trainer is not None else None
+        code = session.interrupted(trainer.step if trainer is not None else 0, checkpoint=checkpoint)
         if trainer is not None:
             trainer.close()
     finally:  # the process goes on (a caller of `run`, the next job): Ctrl-C works again
+        _ctrl_c.settle(0)  # a second Ctrl-C while cleaning up is this same interruption: consumed
         signal.signal(signal.SIGINT, previous)
     return code

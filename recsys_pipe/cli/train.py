@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.cli.app import HydraApp
 from recsys_pipe.cli.console import show_library_warnings
 from recsys_pipe.cli.launch import Launch, Outcome, run_job
@@ -66,7 +66,12 @@ def _fit(launch: Launch, trainer: Trainer, resume: Path | None) -> Outcome:
         "checkpoint": summary.checkpoint,
         "eval": summary.evals[-1] if summary.evals else None,
     }
-    return Outcome(summary.stop_reason == PREEMPTED, fields)
+    if summary.skipped is not None:  # data.on_bad_row=skip: the bad rows left out, over all ranks
+        fields["skipped_rows"] = summary.skipped
+    # a signal during the last checkpoint or evaluation stops nothing more, but is not ignored:
+    # the run ends as a stopped one (130 for Ctrl-C, 75 for SIGTERM), its checkpoint recorded
+    stopped = summary.stop_reason == PREEMPTED or trainer.stop.requested.is_set()
+    return Outcome(stopped, fields)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -109,14 +114,15 @@ def main() -> None:
     can abort an orderly interpreter shutdown (seen ~1 run in 10)."""
     show_library_warnings(int(os.environ.get("RANK", 0)), debug="debug=true" in sys.argv)  # before any import warns
     code = _app.run()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run is over (its code decided): only the exit is left
+    _ctrl_c.record()  # the run is over (its code decided): a Ctrl-C from now on makes it 130, never ignored
+    _ctrl_c.pause_point("exit")
     if code == 0:
         from recsys_pipe.runtime.distributed import teardown
 
         teardown()  # after a sweep, whose jobs shared the process group
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(_ctrl_c.settle(code))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ the base of every component's config; `Registry` maps component names to their c
 from recsys_pipe.config.compile import CompiledPlan, CpuEdge, compile_plan, plan_from_any, thread_assignment
 from recsys_pipe.config.errors import ConfigError, ConfigProblem, UserCodeError, format_path, suggest
 from recsys_pipe.config.load import to_container, validate_section
-from recsys_pipe.config.paths import CONF_DIR
+from recsys_pipe.config.paths import CONF_DIR, home_expanded
 from recsys_pipe.config.registry import Component, Registry, builder_config_class, builder_field
 from recsys_pipe.config.render import firing_table, render_plan
 from recsys_pipe.config.resolve import FnResolveError, import_fn, structure_only
@@ -31,6 +31,7 @@ from recsys_pipe.config.task_registry import (
 
 __all__ = [
     "CONF_DIR",
+    "home_expanded",
     "TASKS",
     "TASK_FIELDS",
     "CompiledPlan",

@@ -8,8 +8,9 @@ The sub-packages are its layers: the batch contract (`batch`: the batch protocol
 types, their keys, `DataSpec`; models, pipeline stages and task functions import them from
 there), the source contract (`source`: `DataConfig`, the bases of the kinds of source,
 `RankData`), in-memory sources (`in_memory`), text parsers (`text`), streaming Parquet
-(`parquet`), the negative sampler (`negatives`), raw ids mapped to rows (`ids`) and the
-`recsys-data` tools (`tools`).
+(`parquet`), the negative sampler (`negatives`), raw ids mapped to rows (`ids`), what an
+export ships to turn raw rows into a model's inputs (`preprocess`, numpy and torch only, and
+`serving`: each source's description of its features) and the `recsys-data` tools (`tools`).
 
 Each source is a builder and its `DataConfig` subclass, registered by name in `DATA_SOURCES`;
 `make_dataloader(cfg, rank, world_size)` turns any of them into batches.
@@ -70,7 +71,7 @@ _EXPORTS = {
     "ParquetSequencesDataConfig": "parquet.sequences",
     "ParquetRankingDataConfig": "parquet.ranking",
     "USER_VOCAB_KEY": "parquet.ranking",
-    "WINDOWS_KEY": "parquet.ranking",
+    "WINDOWS_KEY": "parquet.decode",
     "user_vocab_metadata": "parquet.ranking",
     "windows_metadata": "parquet.ranking",
     "SequenceColumns": "parquet.decode",
@@ -84,6 +85,10 @@ _EXPORTS = {
     "SequencesDataset": "in_memory.sequences",
     "read_interactions": "in_memory.sequences",
     "unseen_items": "negatives",
+    "ServedSource": "serving",
+    "served_source": "serving",
+    "preprocess_file": "serving",
+    "FEATURES_FORMAT": "serving",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,9 @@ modulo `n`. Both are fixed arithmetic on uint64 (numpy wraps around), never Pyth
 which is salted per process. Python's `hashlib` would be as stable but works one value at a time;
 these run over whole columns.
 
+The kernels live in `recsys_pipe.data.preprocess`, the file an export ships for serving: training
+and serving hash with the same code. This module reads Arrow's string buffers into them.
+
 `managed` mode does not map ids to rows here: the source passes each raw id on and the model's
 managed-collision tables (torchrec's `MCHManagedCollisionModule`, `recsys_pipe.models.managed`)
 give it a row of its own while it is frequent or recent enough (`ManagedIds`). Here the raw id
@@ -27,6 +30,8 @@ import pyarrow.compute as pc
 from pydantic import Field, StrictInt
 
 from recsys_pipe.config import Section
+from recsys_pipe.data.preprocess import fnv1a64 as _fnv1a64_bytes
+from recsys_pipe.data.preprocess import raw_id_message, splitmix64, splitmix64_inplace
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -43,6 +48,7 @@ __all__ = [
     "splitmix64_inplace",
     "string_ids",
 ]
+
 
 #: the eviction policies of `ids: managed` (torchrec's LFU, LRU and distance-LFU)
 EVICTION_POLICIES = ("lfu", "lru", "distance_lfu")
@@ -92,33 +98,8 @@ class ManagedFeature:
         return f"{self.key}.{name}"
 
 
-_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
-_FNV_PRIME = np.uint64(0x100000001B3)
-
-
-def splitmix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function of `values` (any integer dtype, viewed as uint64), as a new
-    uint64 array."""
-    return splitmix64_inplace(values.astype(np.int64).view(np.uint64))
-
-
-def splitmix64_inplace(words: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function applied to the uint64 array `words` in place (one scratch
-    array: two passes of memory per step, not three new arrays); returns `words`."""
-    scratch = np.empty_like(words)
-    words += np.uint64(0x9E3779B97F4A7C15)
-    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        np.right_shift(words, np.uint64(shift), out=scratch)
-        words ^= scratch
-        words *= np.uint64(multiplier)
-    np.right_shift(words, np.uint64(31), out=scratch)
-    words ^= scratch
-    return words
-
-
 def fnv1a64(strings: pa.Array) -> np.ndarray:
-    """FNV-1a (64-bit) of each string's UTF-8 bytes, column-wise: one numpy pass per byte
-    position up to the longest string, not one Python call per value."""
+    """FNV-1a (64-bit) of each string's UTF-8 bytes, column-wise, read from the Arrow buffers."""
     strings = pc.cast(strings, pa.large_binary())
     n = len(strings)
     offsets = np.frombuffer(strings.buffers()[1], dtype=np.int64)[strings.offset : strings.offset + n + 1]
@@ -127,16 +108,7 @@ def fnv1a64(strings: pa.Array) -> np.ndarray:
         if strings.buffers()[2] is not None
         else np.zeros(0, np.uint8)
     )
-    starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
-    h = np.full(n, _FNV_OFFSET, dtype=np.uint64)
-    longest = int(lengths.max()) if n else 0
-    with np.errstate(over="ignore"):
-        for j in range(longest):
-            live = lengths > j
-            byte = np.zeros(n, dtype=np.uint64)
-            byte[live] = data[starts[live] + j]
-            h = np.where(live, (h ^ byte) * _FNV_PRIME, h)
-    return h
+    return _fnv1a64_bytes(data, offsets)
 
 
 def string_ids(strings: pa.Array) -> np.ndarray:
@@ -190,14 +162,6 @@ def raw_ids_problem(values: np.ndarray, input_hash_size: int) -> tuple[int, str]
         return None
     at = int(np.flatnonzero((values < 0) | (values >= input_hash_size))[0])
     return at, raw_id_message(int(values[at]), input_hash_size)
-
-
-def raw_id_message(value: int, input_hash_size: int) -> str:
-    """Why the integer raw id `value` is refused with `ids: managed`."""
-    return (
-        f"raw id {value} is outside [0, input_hash_size={input_hash_size}) with ids=managed (integer ids are "
-        "taken as they are: raise managed.input_hash_size, or use string ids, which are hashed into it)"
-    )
 
 
 def spread_ids(ids: np.ndarray, salt: int | np.ndarray, input_hash_size: int) -> np.ndarray:

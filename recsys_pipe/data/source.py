@@ -30,13 +30,13 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, PrivateAttr, StrictBool, StrictInt, ValidationInfo, field_validator
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from recsys_pipe.config import Component, ConfigError, ConfigProblem
+from recsys_pipe.config import Component, ConfigError, ConfigProblem, home_expanded
 from recsys_pipe.data.batch import DataSpec
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ __all__ = [
 
 
 def readable_file(path: str) -> str:
-    """`path` if it is a readable file, else ValueError (for a `data.path` field validator)."""
+    """`path` (`~` expanded) if it is a readable file, else ValueError (for a `data.path` field validator)."""
+    path = home_expanded(path)
     if os.path.isdir(path):
         raise ValueError(f"{path} is a directory; data.path names a file")
     if not os.path.isfile(path):
@@ -82,6 +83,11 @@ class DataConfig(Component):
     shuffle: StrictBool = Field(False, description="shuffle the training samples every epoch (seeded by data.seed)")
     num_workers: StrictInt = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: StrictBool = Field(False, description="pin host batches (CUDA: asynchronous host-to-device copies)")
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail",
+        description="a row the source refuses while training (Parquet sources): fail (stop the run naming file, row "
+        "and column) or skip (leave it out of its batch, counted in the log, metrics.jsonl and status.json)",
+    )
 
     def dataset(self, rank: int, world_size: int) -> Dataset:
         """This rank's disjoint share of the source (the builder's result): `.spec` sizes the
@@ -290,6 +296,14 @@ class RankData:
         self.dataset = cfg.dataset(rank, world_size)
         #: a source that plans its own batches (the Parquet sources)
         self.stream = self.dataset if isinstance(self.dataset, PositionalSource) else None
+        if self.stream is None and cfg.on_bad_row == "skip":
+            raise ConfigError(
+                ConfigProblem(
+                    "data.on_bad_row",
+                    f"skip is for the Parquet sources (data=parquet, parquet_sequences), which read rows while "
+                    f"training; data={cfg.label} reads every row before the first step and refuses a bad one there",
+                )
+            )
         if self.stream is not None:
             self.stream.prepare(eval_batches)
             self.eval_batches = self.stream.eval_batches

@@ -15,6 +15,8 @@ over tasks (the same convention as HSTU).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -23,7 +25,7 @@ from pydantic import Field, StrictInt, StrictStr, model_validator
 from torch import nn
 
 from recsys_pipe.config import ConfigProblem, Section, builder_field
-from recsys_pipe.data.batch import CriteoBatch, DataSpec
+from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
 from recsys_pipe.data.source import DataConfig, TabularDataConfig
 from recsys_pipe.models.base import ModelConfig, ShardedModelConfig
 from recsys_pipe.models.serving import ServingForm
@@ -32,6 +34,7 @@ __all__ = [
     "DLRMArch",
     "DLRMConfig",
     "DLRMDCNConfig",
+    "TabularLayout",
     "TorchDLRM",
     "TorchDLRMConfig",
     "build_dlrm_torch",
@@ -162,9 +165,10 @@ class TorchDLRM(nn.Module):
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self._pairs[0], self._pairs[1]]
         return self.over_arch(torch.cat([dense, dots], dim=1))
 
-    def serving(self) -> ServingForm:
-        """`scores(dense_features, sparse_ids)` as the serving program (`Servable`)."""
-        return click_serving(_Scores(self))
+    def serving(self, data: DataConfig) -> ServingForm:
+        """`scores(dense_features, sparse_ids)` as the serving program (`Servable`); the plain
+        tables take one id per row (`TorchDLRMConfig.check_data`), in the spec's feature order."""
+        return click_serving(_Scores(self), TabularLayout(tuple(self.features), ()))
 
 
 class _Scores(nn.Module):
@@ -178,13 +182,53 @@ class _Scores(nn.Module):
         return self.model.scores(dense_features, sparse_ids)
 
 
-def click_serving(module: nn.Module) -> ServingForm:
-    """The serving form of a click model whose `module(dense_features, sparse_ids)` gives the logits."""
+@dataclass(frozen=True)
+class TabularLayout:
+    """How a click model's serving program takes the sparse features of tabular rows: the
+    single-hot ones as the columns of `sparse_ids [B, len(single)]`, the multi-hot ones (list
+    columns) as `list_ids [B, len(multi), L]` right-padded with `list_lengths [B, len(multi)]`."""
+
+    single: tuple[str, ...]
+    multi: tuple[str, ...]
+
+    @classmethod
+    def of(cls, features: Sequence[str], data: DataConfig) -> TabularLayout:
+        """The layout of `features` (the model's order) in batches of `data`."""
+        multi = set(data.multi_hot_features()) if isinstance(data, TabularDataConfig) else set()
+        return cls(tuple(f for f in features if f not in multi), tuple(f for f in features if f in multi))
+
+    def inputs(self, batch: CriteoBatch | TabularBatch) -> tuple[torch.Tensor, ...]:
+        """The program's inputs for a batch of tabular rows."""
+        if isinstance(batch, CriteoBatch):
+            ids = batch.sparse_ids[:, [batch.keys.index(k) for k in self.single]]
+            return batch.dense_features, ids
+        per_key = batch.sparse_features.to_dict()
+        n = batch.labels.shape[0]
+        columns = [per_key[k].values().long() for k in self.single]
+        ids = torch.stack(columns, dim=1) if columns else torch.zeros(n, 0, dtype=torch.int64)
+        if not self.multi:
+            return batch.dense_features, ids
+        lengths = torch.stack([per_key[k].lengths().long() for k in self.multi], dim=1)
+        longest = max(2, int(lengths.max()))  # >= 2: torch.export would take a size of 1 for a constant
+        lists = torch.stack([per_key[k].to_padded_dense(longest, 0).long() for k in self.multi], dim=1)
+        return batch.dense_features, ids, lists, lengths
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return ("dense_features", "sparse_ids") + (("list_ids", "list_lengths") if self.multi else ())
+
+
+def click_serving(module: nn.Module, layout: TabularLayout) -> ServingForm:
+    """The serving form of a click model whose `module(dense_features, sparse_ids[, list_ids,
+    list_lengths])` gives the logits (`TabularLayout`)."""
     return ServingForm(
         module=module,
-        input_names=("dense_features", "sparse_ids"),
-        inputs=lambda batch: (batch.dense_features, batch.sparse_ids),
+        input_names=layout.input_names,
+        inputs=layout.inputs,
         reference=lambda batch, outputs: outputs["logits"],
+        ragged=("list_ids",) if layout.multi else (),
+        program="tabular",
+        slots={"sparse_ids": layout.single, "list_ids": layout.multi, "list_lengths": layout.multi},
     )
 
 

@@ -15,8 +15,17 @@ from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from recsys_pipe.data.batch import CATEGORICAL_KEYS, CriteoBatch, DataSpec
-from recsys_pipe.models.dlrm import DLRMArch, DLRMConfig, DLRMDCNConfig, ModelOutput, click_loss, click_serving
+from recsys_pipe.data.batch import CriteoBatch, DataSpec
+from recsys_pipe.data.source import DataConfig
+from recsys_pipe.models.dlrm import (
+    DLRMArch,
+    DLRMConfig,
+    DLRMDCNConfig,
+    ModelOutput,
+    TabularLayout,
+    click_loss,
+    click_serving,
+)
 from recsys_pipe.models.managed import split_bag_collection
 from recsys_pipe.models.serving import ServingForm
 
@@ -49,33 +58,52 @@ class DLRMRanker(nn.Module):
         logits = self.model(batch.dense_features, batch.sparse_features)
         return click_loss(logits, batch.labels)
 
-    def serving(self) -> ServingForm:
-        """The serving program (`Servable`): `(dense_features [B, 13], sparse_ids [B, 26]) -> [B, T]`,
-        the tables read as plain tensors (column i of `sparse_ids` is feature `cat_<i>`)."""
-        return click_serving(_DenseLookupDLRM(self.model, CATEGORICAL_KEYS))
+    def serving(self, data: DataConfig) -> ServingForm:
+        """The serving program (`Servable`): `(dense_features [B, D], sparse_ids [B, F][, list_ids
+        [B, M, L], list_lengths [B, M]]) -> [B, T]` (`TabularLayout`: the Criteo layout's 26
+        features are `sparse_ids`' columns `cat_0 .. cat_25`), the tables read as plain tensors."""
+        layout = TabularLayout.of(self.model.sparse_arch.sparse_feature_names, data)
+        return click_serving(_DenseLookupDLRM(self.model, layout), layout)
 
 
 class _DenseLookupDLRM(nn.Module):
-    """torchrec's DLRM with its `EmbeddingBagCollection` replaced by one row lookup per feature.
+    """torchrec's DLRM with its `EmbeddingBagCollection` replaced by plain row lookups.
 
-    Why: a Criteo feature holds one id per sample, so the collection's sum-pooled bag of one id is
-    that id's row; looking it up in a plain tensor gives the same numbers, and a program of plain
-    tensor operations loads where neither torchrec nor fbgemm is installed. The dense, interaction
-    and over arches are the trained modules themselves."""
+    Why: a single-hot feature's sum-pooled bag of one id is that id's row, and a multi-hot
+    feature's bag is the sum of its ids' rows (the collection's default pooling), so plain tensor
+    indexing gives the same numbers; a program of plain tensor operations loads where neither
+    torchrec nor fbgemm is installed. The dense, interaction and over arches are the trained
+    modules themselves."""
 
-    def __init__(self, model: DLRM, keys: tuple[str, ...]) -> None:
+    def __init__(self, model: DLRM, layout: TabularLayout) -> None:
         super().__init__()
         self.dense_arch, self.inter_arch, self.over_arch = model.dense_arch, model.inter_arch, model.over_arch
         bags = model.sparse_arch.embedding_bag_collection
         table_of = {f: c.name for c in bags.embedding_bag_configs() for f in c.feature_names}
         names = model.sparse_arch.sparse_feature_names
-        self.columns = [keys.index(name) for name in names]
+        #: per feature in the model's order: (is it multi-hot, its column in sparse_ids or list_ids)
+        self.sources = [
+            (True, layout.multi.index(n)) if n in layout.multi else (False, layout.single.index(n)) for n in names
+        ]
         self.tables = nn.ParameterList(bags.embedding_bags[table_of[name]].weight for name in names)
 
-    def forward(self, dense_features: torch.Tensor, sparse_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        dense_features: torch.Tensor,
+        sparse_ids: torch.Tensor,
+        list_ids: torch.Tensor | None = None,
+        list_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         dense = self.dense_arch(dense_features)
-        sparse = torch.stack([table[sparse_ids[:, c]] for c, table in zip(self.columns, self.tables)], dim=1)
-        return self.over_arch(self.inter_arch(dense, sparse))
+        pooled = []
+        for (multi, column), table in zip(self.sources, self.tables):
+            if multi and list_ids is not None and list_lengths is not None:
+                ids = list_ids[:, column]
+                kept = torch.arange(ids.shape[1], device=ids.device)[None] < list_lengths[:, column, None]
+                pooled.append((table[ids] * kept[..., None]).sum(dim=1))
+            else:
+                pooled.append(table[sparse_ids[:, column]])
+        return self.over_arch(self.inter_arch(dense, torch.stack(pooled, dim=1)))
 
 
 def build_dlrm(cfg: DLRMConfig, spec: DataSpec) -> DLRMRanker:

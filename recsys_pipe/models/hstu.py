@@ -35,6 +35,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
+from recsys_pipe.data.source import DataConfig
 from recsys_pipe.models.dropout import Dropout
 from recsys_pipe.models.hstu_attention import (
     RelativeBias,
@@ -257,7 +258,7 @@ class HSTUModel(nn.Module):
         embeddings = self.ec(batch.sparse_features)
         return self.ranker(embeddings, batch.timestamps, batch.num_candidates, batch.labels)
 
-    def serving(self) -> ServingForm:
+    def serving(self, data: DataConfig) -> ServingForm:
         """The serving program (`Servable`): `(items, actions, timestamps, lengths,
         num_candidates[, users]) -> logits [B, L, num_tasks]`.
 
@@ -297,6 +298,9 @@ class HSTUModel(nn.Module):
             reference=reference,
             output=f"logits [B, {length}, num_tasks]: [b, j] scores candidate j of sample b, zero from "
             "num_candidates[b] on",
+            program="sequence_ranking",
+            slots={"items": ("item",), "actions": ("action",), "timestamps": ("timestamp",), "users": ("user",)},
+            params={"max_seq_len": length},
         )
 
 

@@ -1,4 +1,4 @@
-"""The HSTU ranking model (`model=hstu`, the main job's) cut into pipeline stages (the
+"""The HSTU ranking model (`model=hstu_small`, the main job's) cut into pipeline stages (the
 `stage_split` its config declares, `HSTUConfig.stage_split`).
 
 `hstu_stages(model, split)` cuts an `HSTUModel` into stage modules that share its parameters:

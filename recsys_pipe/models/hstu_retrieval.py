@@ -116,6 +116,31 @@ class HSTURetrievalEncoder(nn.Module):
         out[valid] = tokens / norm
         return out
 
+    def forward_padded(self, x: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`forward` on the left-padded tensors as they are, with no jagged operator: the serving
+        program (`RetrievalModel.serving`), which then loads with torch alone.
+
+        Why it equals `forward` at the valid positions: every token-wise step is the same, and
+        the attention sees the same keys at the same relative positions. The relative bias reads
+        `j - i` and the time gaps, which a shift of the sequence leaves as they are; the mask keeps
+        padding keys out (padding queries compute junk that `finish`'s zeros replace). A
+        program of fbgemm's jagged operators cannot be loaded back anyway: `dense_to_jagged`
+        returns `(Tensor, Tensor[])`, and torch.export's deserializer names the list's `getitem`
+        node itself, a name a later node of the saved graph can hold ("Node redefined name
+        getitem_N", torch 2.13)."""
+        n = self.max_len
+        lengths = valid.sum(dim=1)
+        pos = torch.arange(n, device=x.device)
+        index = (pos[None] - (n - lengths)[:, None]).clamp(min=0)  # each item's place, oldest at 0
+        tokens = self.dropout(x * self.scale + self.position.weight[index])
+        mask = (valid[:, :, None] & valid[:, None, :] & (pos[:, None] >= pos[None, :])).float()
+        buckets = self.biases[0].bucketize(timestamps[:, :n], timestamps[:, 1:]) if self.biases is not None else None
+        for i, layer in enumerate(self.layers):
+            bias = None if buckets is None or self.biases is None else self.biases[i].from_buckets(buckets)
+            tokens = layer.forward_padded(tokens, mask, bias)
+        norm = torch.linalg.vector_norm(tokens, dim=-1, keepdim=True).clamp(min=OUTPUT_NORM_EPS)
+        return torch.where(valid[..., None], tokens / norm, 0.0)
+
     def forward(self, x: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         offsets, mask = self.geometry(valid)
         tokens = self.embed(x, valid)

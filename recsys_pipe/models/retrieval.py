@@ -54,6 +54,7 @@ from recsys_pipe.data.batch import (
     DataSpec,
     RetrievalBatch,
 )
+from recsys_pipe.data.source import DataConfig
 from recsys_pipe.models.retrieval_config import RetrievalConfig
 from recsys_pipe.models.serving import ServingForm
 
@@ -340,7 +341,7 @@ class RetrievalModel(nn.Module):
         embeddings = self.ec(batch.sparse_features)
         return self.head(embeddings, batch.sparse_features, batch.timestamps, batch.target_timestamps, batch.neg_index)
 
-    def serving(self) -> ServingForm:
+    def serving(self, data: DataConfig) -> ServingForm:
         """The serving program (`Servable`): `(items, timestamps, valid)` -> the user vectors
         `[B, D]`; `items` and `valid` are `[B, max_seq_len]` and left-padded, `timestamps` is
         `[B, max_seq_len + 1]` (`padded_times`: the last column is the time of the item to come).
@@ -365,6 +366,9 @@ class RetrievalModel(nn.Module):
             reference=lambda batch, outputs: outputs["logits"].view(users(batch), -1),
             item_table=head._normalise(weight.detach()[:, : head.dim]).clone(),
             candidates=lambda batch: feature_ids(batch.sparse_features, CAND_KEY).view(users(batch), -1),
+            program="retrieval",
+            slots={"items": ("item",), "timestamps": ("timestamp",)},
+            params={"max_seq_len": n},
         )
 
 
@@ -379,5 +383,7 @@ class _UserEncoder(nn.Module):
 
     def forward(self, items: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         x = torch.where(valid[..., None], self.weight[items][..., : self.head.dim], 0.0)  # left_pad's zeros
-        h = self.head.encoder(x, timestamps, valid)
+        # an encoder whose training forward runs jagged operators offers the same on padded tensors
+        encode = getattr(self.head.encoder, "forward_padded", self.head.encoder)
+        h = encode(x, timestamps, valid)
         return self.head._normalise(h[:, -1])

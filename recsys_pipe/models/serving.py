@@ -19,11 +19,14 @@ can be checked against the model it came from.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from recsys_pipe.data.source import DataConfig
 
 __all__ = ["Servable", "ServingForm"]
 
@@ -44,6 +47,11 @@ class ServingForm:
         candidates: retrieval only: the `[B, C]` item ids `reference` scores, per user.
         dynamic_batch: whether the program accepts any batch size (dimension 0 of every input).
         output: what the program returns, for `serving.json` (default: by the kind of model).
+        ragged: inputs whose last dimension is any size too (padded lists), by name.
+        program: how raw rows become the inputs (`recsys_pipe.data.preprocess.PROGRAMS`).
+        slots: per input, the data's features in its columns, in order (inputs it does not name
+            take the data source's own order, e.g. its dense columns).
+        params: the program's sizes for `features.json` (`max_seq_len`: its padded length).
     """
 
     module: nn.Module
@@ -54,6 +62,10 @@ class ServingForm:
     candidates: Callable[[Any], torch.Tensor] | None = None
     dynamic_batch: bool = True
     output: str | None = None
+    ragged: tuple[str, ...] = ()
+    program: str = "tabular"
+    slots: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def retrieval(self) -> bool:
@@ -65,6 +77,7 @@ class ServingForm:
 class Servable(Protocol):
     """A model module that can be exported for serving (every shipped model)."""
 
-    def serving(self) -> ServingForm:
-        """The model's serving program, sharing this module's (trained) weights."""
+    def serving(self, data: DataConfig) -> ServingForm:
+        """The model's serving program for batches of `data`, sharing this module's (trained)
+        weights."""
         ...

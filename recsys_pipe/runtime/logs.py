@@ -6,7 +6,11 @@ import logging
 import os
 import sys
 
-__all__ = ["setup_logging"]
+__all__ = ["FILE_ONLY", "setup_logging"]
+
+#: a record logged with `extra={FILE_ONLY: True}` goes to train.log only: its console line was
+#: printed already, in another form (a bad input's `error: <key>: <message>`)
+FILE_ONLY = "file_only"
 
 
 class _OneLine(logging.Formatter):
@@ -50,6 +54,7 @@ def setup_logging(rank: int, run_dir: str, debug: bool) -> None:
     pattern = f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s"
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(pattern, "%H:%M:%S") if debug else _OneLine(pattern, "%H:%M:%S"))
+    console.addFilter(lambda record: not getattr(record, FILE_ONLY, False))
     root.addHandler(console)
     file = _RunLog(os.path.join(run_dir, "train.log"))  # appends: one line per write
     file.setFormatter(logging.Formatter(pattern, "%H:%M:%S"))

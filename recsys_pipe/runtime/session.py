@@ -29,7 +29,7 @@ from recsys_pipe.runtime.failures import (
     user_code_report,
 )
 from recsys_pipe.runtime.health import PeerFailure, PeerHealth
-from recsys_pipe.runtime.logs import setup_logging
+from recsys_pipe.runtime.logs import FILE_ONLY, setup_logging
 from recsys_pipe.runtime.preemption import StopRequest
 from recsys_pipe.runtime.rundir import shared_run_dir
 from recsys_pipe.runtime.status import RunStatus
@@ -117,14 +117,16 @@ class RunSession:
                 log.warning("exiting with code %d (%s, resumable from %s)", code, state, fields.get("checkpoint"))
         return code
 
-    def interrupted(self, step: int) -> int:
-        """Record a Ctrl-C after `step` (the last completed step; nothing is saved).
+    def interrupted(self, step: int, checkpoint: str | None) -> int:
+        """Record a Ctrl-C that stopped the run at once after `step` (the last completed step):
+        nothing more is saved; `checkpoint` is the newest complete one the run wrote before (or None).
 
         Returns:
             The exit code to end with, `EXIT_INTERRUPTED` (130)."""
-        log.warning("interrupted (Ctrl-C): stopping after step %d, the last completed one; nothing saved", step)
+        saved = f"resumable from {checkpoint}" if checkpoint else "no checkpoint was written"
+        log.warning("interrupted (Ctrl-C): stopping after step %d, the last completed one; %s", step, saved)
         if self.info.is_main:
-            self.status.write("interrupted", exit_code=EXIT_INTERRUPTED, step=step)
+            self.status.write("interrupted", exit_code=EXIT_INTERRUPTED, step=step, checkpoint=checkpoint)
         return EXIT_INTERRUPTED
 
     def failed(self, exc: BaseException, owners: Mapping[str, str] | None = None) -> int:
@@ -140,15 +142,22 @@ class RunSession:
         if self.health is not None and is_communication_error(exc):  # maybe a symptom of a peer's failure
             failure = self.health.diagnose() or failure
         first = self._record(failure, code)
+        # bad input is on the console once already, as `error: <key>: <message>`: train.log only
+        extra = {FILE_ONLY: bad_input is not None}
         if first.rank == self.info.rank and report is not None:  # the user's bug: their frames, on the console too
             log.error("training failed on rank %d:\n%s", self.info.rank, report, exc_info=exc)
         elif first.rank == self.info.rank:
-            log.error("training failed on rank %d: %s", self.info.rank, first.message, exc_info=exc)
+            log.error("training failed on rank %d: %s", self.info.rank, first.message, exc_info=exc, extra=extra)
         elif first.message == message:  # the same error on every rank (a checkpoint's write, a collective's)
-            log.error("rank %d failed first: %s (here too)", first.rank, first.message, exc_info=exc)
+            log.error("rank %d failed first: %s (here too)", first.rank, first.message, exc_info=exc, extra=extra)
         else:
             log.error(
-                "rank %d failed first: %s (seen here as %s)", first.rank, first.message, one_line(exc), exc_info=exc
+                "rank %d failed first: %s (seen here as %s)",
+                first.rank,
+                first.message,
+                one_line(exc),
+                exc_info=exc,
+                extra=extra,
             )
         return code
 

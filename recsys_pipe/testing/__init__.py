@@ -13,8 +13,16 @@ module imports only the standard library until a helper is called.
 
 from __future__ import annotations
 
-from recsys_pipe.testing.config import built_trainer, compose, fit_run, load_run, parity_overrides, recsys_plan
-from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, inject_fault, zero_grad_with_fault
+from recsys_pipe.testing.config import (
+    built_trainer,
+    compose,
+    fit_run,
+    load_run,
+    parity_overrides,
+    recsys_plan,
+    train_here,
+)
+from recsys_pipe.testing.faults import FAULT_ENV, FAULT_OVERRIDE, PAUSE_ENV, inject_fault, zero_grad_with_fault
 from recsys_pipe.testing.launching import (
     PRELOADED,
     check_torchrun,
@@ -34,6 +42,7 @@ from recsys_pipe.testing.reference import (
 __all__ = [
     "FAULT_ENV",
     "FAULT_OVERRIDE",
+    "PAUSE_ENV",
     "PRELOADED",
     "StaleEmbeddingLoop",
     "built_trainer",
@@ -51,6 +60,7 @@ __all__ = [
     "run_torchrec_pipeline",
     "run_torchrun",
     "torchrec_pipeline",
+    "train_here",
     "worker_env",
     "zero_grad_with_fault",
 ]

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from recsys_pipe.runtime import DistInfo
     from recsys_pipe.train import Trainer, TrainSummary
 
-__all__ = ["built_trainer", "compose", "fit_run", "load_run", "parity_overrides", "recsys_plan"]
+__all__ = ["built_trainer", "compose", "fit_run", "load_run", "parity_overrides", "recsys_plan", "train_here"]
 
 
 def compose(*overrides: str, config_name: str = "config") -> Any:
@@ -93,3 +93,24 @@ def recsys_plan(run_dir: str | os.PathLike, *argv: str) -> int:
     from recsys_pipe.cli.plan import run
 
     return run([*argv, f"hydra.run.dir={run_dir}"])
+
+
+def train_here(*args: str) -> int:
+    """`recsys-train args` in this process (torch and torchrec are imported already, a launch would
+    import them again: a short run takes about a second); returns its exit code. The run's log
+    handlers, the package's log level and the warning filters are as before afterwards."""
+    import logging
+    import warnings
+
+    from recsys_pipe.cli import train as train_cli
+
+    root, package = logging.getLogger(), logging.getLogger("recsys_pipe")
+    handlers, level = list(root.handlers), package.level
+    try:
+        with warnings.catch_warnings():
+            return train_cli.run(list(args))
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        package.setLevel(level)

@@ -8,8 +8,12 @@ import signal
 import time
 from typing import Any
 
-__all__ = ["FAULT_ENV", "FAULT_OVERRIDE", "inject_fault", "zero_grad_with_fault"]
+from recsys_pipe import _ctrl_c
 
+__all__ = ["FAULT_ENV", "FAULT_OVERRIDE", "PAUSE_ENV", "inject_fault", "zero_grad_with_fault"]
+
+#: environment variable naming the moment a command waits at for a test's Ctrl-C (`pause_point`)
+PAUSE_ENV = _ctrl_c.PAUSE_ENV
 #: environment variable naming the fault `inject_fault` injects: "<kind>:<rank>:<step>"
 FAULT_ENV = "RECSYS_PIPE_FAULT"
 #: the override that makes any shipped plan inject that fault: its zero_grad task (the first

@@ -213,6 +213,7 @@ def build_parts(
         parallelism.replicas(info.world_size),
         retrieval,
         compiled,
+        skipping=run.data.on_bad_row == "skip",
     )
     return TrainParts(
         run=run,

@@ -14,8 +14,11 @@ metadata (which it does only after every rank's data is written). A crash mid-sa
 most a `.partial` directory, which is never loaded.
 
 `resume_from` accepts a checkpoint directory, a run directory (its newest complete checkpoint),
-or `latest` (the newest complete checkpoint under `trainer.output_dir`, or a fresh start when
-there is none, so a requeued job can always pass it).
+or `latest`: the newest complete checkpoint under `trainer.output_dir` of the same experiment
+(`recsys_pipe.train.fingerprint`: model, data, global batch; newer ones of other experiments
+are passed over and logged), or a fresh start when there is none at all, so a requeued job can
+always pass it; when there are only other experiments' checkpoints the run is refused, naming
+the newest and how to force it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, StrictBool, StrictInt
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.train.checkpoint_errors import writing_checkpoint
 
@@ -45,6 +49,7 @@ __all__ = [
     "compare_state",
     "find_checkpoints",
     "load_checkpoint",
+    "newest_checkpoints",
     "read_metadata",
     "resolve_resume",
     "saved_config",
@@ -98,26 +103,33 @@ def resolve_resume(
     model_name: str | None = None,
     tables: Callable[[], Mapping[str, tuple[int, int]] | None] | None = None,
 ) -> Path | None:
-    """The checkpoint `trainer.resume_from` names (see the module docstring); None for a fresh
-    start. ConfigError (at `trainer.resume_from`) if the path holds no complete checkpoint, or
-    one that cannot fit (`check_checkpoint`; `model_name`: the model this run trains; `tables`:
-    gives its torchrec tables' shapes by name, asked only when there is a checkpoint)."""
-    path = _resolve(spec, output_dir)
+    """The checkpoint `trainer.resume_from` names (see the module docstring; `latest` here: the
+    newest of any experiment, `recsys_pipe.train.fingerprint.choose_resume` takes this run's);
+    None for a fresh start. ConfigError (at `trainer.resume_from`) if the path holds no complete
+    checkpoint, or one that cannot fit (`check_checkpoint`; `model_name`: the model this run
+    trains; `tables`: gives its torchrec tables' shapes by name, asked only when there is a
+    checkpoint)."""
+    if spec == "latest":
+        newest = newest_checkpoints(output_dir)
+        path = newest[0] if newest else None
+    else:
+        path = _resolve(spec)
     if path is not None:
         check_checkpoint(path, model_name, tables() if tables is not None else None)
     return path
 
 
-def _resolve(spec: str | None, output_dir: str) -> Path | None:
+def newest_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint of every run under `output_dir`, the newest written first."""
+    candidates = [c.path for run in _run_dirs(Path(os.path.expanduser(str(output_dir)))) for c in find_checkpoints(run)]
+    return sorted(candidates, key=lambda p: (p / _METADATA).stat().st_mtime_ns, reverse=True)
+
+
+def _resolve(spec: str | None) -> Path | None:
     if spec is None:
         return None
     key = RESUME_KEY
-    if spec == "latest":
-        candidates = [c.path for run in _run_dirs(Path(output_dir)) for c in find_checkpoints(run)]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda p: (p / _METADATA).stat().st_mtime_ns)
-    path = Path(spec)
+    path = Path(os.path.expanduser(spec))
     if not path.exists():
         raise ConfigError(ConfigProblem(key, f"no such checkpoint or run directory: {spec}"))
     if (path / _METADATA).is_file():
@@ -365,6 +377,8 @@ class Checkpointer:
         self.rank = rank
         self._pending: tuple[Future, CheckpointInfo, Path] | None = None
         self.last: CheckpointInfo | None = None
+        #: small files rank 0 writes into every checkpoint (name -> text), e.g. its fingerprint
+        self.files: dict[str, str] = {}
         #: called with each checkpoint once it is visible (rank 0): e.g. to log it
         self.on_published: Callable[[CheckpointInfo], None] | None = None
 
@@ -387,6 +401,9 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)  # left by a crash of an earlier attempt
                 partial.mkdir(parents=True)
+                for name, text in self.files.items():
+                    (partial / name).write_text(text)
+            _ctrl_c.pause_point("checkpoint")
             if dist.is_initialized():
                 dist.barrier(group=self.group)
             if rank_state is not None:  # before DCP's collectives: written once rank 0 publishes
@@ -420,12 +437,13 @@ class Checkpointer:
             self._publish(info, partial)
 
     def _publish(self, info: CheckpointInfo, partial: Path) -> None:
-        self.last = info
         if self.rank != 0:
+            self.last = info
             return
         if info.path.exists():  # the same step saved again (e.g. a rerun into this run dir)
             shutil.rmtree(info.path)
         os.replace(partial, info.path)
+        self.last = info  # once it is there: what an interrupted run's status.json names
         if self.on_published is not None:
             self.on_published(info)
         if self.cfg.keep_latest:

@@ -30,6 +30,7 @@ from recsys_pipe.config import (
     PlanConfig,
     Registry,
     Section,
+    home_expanded,
     to_container,
     validate_section,
 )
@@ -118,6 +119,8 @@ class TrainerConfig(Section):
     torch_profiler: TorchProfilerConfig = Field(
         default_factory=TorchProfilerConfig, description="torch.profiler trace of some steps (<run dir>/torch_trace/)"
     )
+
+    _home = field_validator("output_dir", "eval_dump", "resume_from")(home_expanded)
     grad_accumulation: GradAccumulationConfig = Field(
         default_factory=GradAccumulationConfig,
         description="micro-batches per optimizer step, DDP no_sync between (torchrec's GradientAccumulationWrapper)",

@@ -12,7 +12,7 @@ Refused before any process starts, each with one line naming the key:
   one, so each shard needs two rows at least, at the feature's `num_embeddings`;
 * a resume (or `recsys-eval`) on another number of ranks: each rank's shard of a managed table
   holds the raw ids of its slice of the id space, and the slices move with the rank count;
-  the remapping is not resharded (`check_resume`), at `trainer.resume_from`.
+  the remapping is not resharded (`check_resume_ranks`), at `trainer.resume_from`.
 
 A checkpoint holds a managed table's weights, its remapping and the eviction policy's counts or
 ages (torchrec's buffers, sharded with the table by DCP), and, in each rank's own file, the ids
@@ -32,7 +32,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem
 __all__ = [
     "MANAGED_STATE_KEY",
     "check_model",
-    "check_resume",
+    "check_resume_ranks",
     "history_state",
     "load_history_state",
     "refuse_managed",
@@ -105,7 +105,7 @@ def _check_shard_rows(managed: Any, table: str, sharding: Any) -> None:
         )
 
 
-def check_resume(path: Path | None, world_size: int, key: str = "trainer.resume_from") -> None:
+def check_resume_ranks(path: Path | None, world_size: int, key: str = "trainer.resume_from") -> None:
     """ConfigError at `key` if the checkpoint at `path` holds managed tables written by another
     number of ranks than `world_size` (module docstring)."""
     if path is None:

@@ -20,23 +20,34 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
+from recsys_pipe import _ctrl_c
 from recsys_pipe.config import CompiledPlan, ConfigError, ConfigProblem
 from recsys_pipe.data import RankData
 from recsys_pipe.train.config import RunConfig, load_run_config
+from recsys_pipe.train.fingerprint import ResumeChoice
 from recsys_pipe.train.plan import pipelining_without_effect, training_plan
 
 if TYPE_CHECKING:
     from recsys_pipe.runtime.session import RunSession
     from recsys_pipe.train.trainer import Trainer
 
-__all__ = ["CheckedRun", "CommandCheck", "check_inputs", "check_plan", "check_run", "run_device"]
+__all__ = [
+    "CheckedRun",
+    "CommandCheck",
+    "check_global_batch",
+    "check_inputs",
+    "check_plan",
+    "check_resume",
+    "check_run",
+    "run_device",
+]
 
 log = logging.getLogger("recsys_pipe")
 
@@ -81,7 +92,9 @@ class CheckedRun:
     run: RunConfig
     plan: CompiledPlan
     data: RankData
-    resume: Path | None
+    #: the checkpoint this rank found for `trainer.resume_from`, and the newer checkpoints of
+    #: other experiments `latest` passed over
+    resume: ResumeChoice
 
     def start_notes(self) -> list[str]:
         """What the main rank logs when the run starts: a plan that pipelines work the model does
@@ -124,15 +137,16 @@ def check_plan(cfg: DictConfig, schema: type[RunConfig] = RunConfig) -> tuple[Ru
 def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: CommandCheck | None = None) -> CheckedRun:
     """What a run refuses before any process group starts, except its directory: the config,
     the compiled plan, the device, how the model is spread over this job's ranks on this device
-    and hosts (`Parallelism.check`), `resume_from` (the checkpoint's table shapes included), this
-    rank's data and the model and eval dump against it (`check_inputs`), and the command's own
-    `check`. A sweep runs it for every job before the first one starts."""
+    and hosts (`Parallelism.check`), `resume_from` (`latest`: of this experiment, `check_resume`;
+    the checkpoint's table shapes included), this rank's data and the model and eval dump against
+    it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before the
+    first one starts."""
     from recsys_pipe.train.build import rank_data
-    from recsys_pipe.train.checkpoint import resolve_resume
-    from recsys_pipe.train.managed import check_resume
+    from recsys_pipe.train.managed import check_resume_ranks
     from recsys_pipe.train.parallel import Topology, parallelism_of
 
     run, plan = check_plan(cfg, schema)
+    _ctrl_c.pause_point("check")
     device = run_device(run.trainer)
     problems = run.model.check_device(device.type)
     if problems:
@@ -140,11 +154,51 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     parallelism = parallelism_of(run)
     topology = Topology.of_job(device.type)  # WORLD_SIZE, LOCAL_WORLD_SIZE as torchrun sets them
     parallelism.check(topology)
-    resume = resolve_resume(run.trainer.resume_from, run.trainer.output_dir, run.model.name, parallelism.table_shapes)
-    check_resume(resume, topology.world_size)
     rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
+    resume = check_resume(run, world_size, parallelism.table_shapes)
+    check_resume_ranks(resume.path, world_size)
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)
+    if resume.path is not None and data.stream is not None:
+        check_global_batch(run, world_size, resume.path)
     if check is not None:
         check(run, plan, data)
     return CheckedRun(run, plan, data, resume)
+
+
+def check_resume(
+    run: RunConfig, world_size: int, tables: Callable[[], Mapping[str, tuple[int, int]] | None] | None = None
+) -> ResumeChoice:
+    """The checkpoint `trainer.resume_from` names; `latest` takes the newest of this experiment
+    (the same model, data and global batch on `world_size` ranks: `recsys_pipe.train.fingerprint`);
+    `tables`: the run's torchrec tables' shapes by name, checked against the checkpoint's."""
+    from recsys_pipe.train.fingerprint import choose_resume, fingerprint
+
+    trainer = run.trainer
+    mine = fingerprint(run, world_size) if trainer.resume_from == "latest" else None
+    return choose_resume(trainer.resume_from, trainer.output_dir, run.model.name, mine, tables)
+
+
+def check_global_batch(run: RunConfig, world_size: int, checkpoint: Path) -> None:
+    """A streaming source continues an epoch exactly only at the checkpoint's global batch
+    (`StreamSource.resume_layout`): another one is refused here, before the start."""
+    from recsys_pipe.train.checkpoint import read_metadata, saved_world_size
+    from recsys_pipe.train.fingerprint import fingerprint, saved_fingerprint
+
+    saved = saved_fingerprint(checkpoint, saved_world_size(read_metadata(checkpoint)))
+    mine = fingerprint(run, world_size)
+    if saved is None or saved.global_batch == mine.global_batch:
+        return
+    ranks = mine.global_batch // run.data.batch_size
+    per_rank, rest = divmod(saved.global_batch, ranks)
+    fix = (
+        f"set data.batch_size={per_rank}" if not rest else f"use a number of replicas that divides {saved.global_batch}"
+    )
+    raise ConfigError(
+        ConfigProblem(
+            "data.batch_size",
+            f"the checkpoint {checkpoint} trained a global batch of {saved.global_batch} rows; this run's is "
+            f"{mine.global_batch} ({ranks} replica(s) x data.batch_size={run.data.batch_size}), and the epoch "
+            f"would not continue exactly: {fix}",
+        )
+    )

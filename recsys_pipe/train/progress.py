@@ -4,6 +4,7 @@ checkpointer saves the position, the reporter reads it for its log lines."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,9 @@ class RunPosition:
     step: int = 0
     #: the next training batch to train, counted across epochs
     batch: int = 0
+    #: bad rows this rank's source skipped in the batches this run trained, by epoch (1-based;
+    #: `data.on_bad_row=skip`; not checkpointed: a resumed run counts from where it resumed)
+    skipped: Counter[int] = field(default_factory=Counter)
 
 
 @dataclass
@@ -48,6 +52,9 @@ class TrainSummary:
     checkpoint: str | None = None
     #: what torch.compile did during this fit (`trainer.compile=true`), else None
     compiled: CompileStats | None = None
+    #: `data.on_bad_row=skip`: the bad rows skipped over all ranks, `{"total": n, "per_epoch":
+    #: {epoch: n}}`; None otherwise
+    skipped: dict[str, Any] | None = None
 
     @property
     def end_step(self) -> int:

@@ -51,6 +51,8 @@ class Reporter:
         replicas: data-parallel replicas: a step trains `replicas` x a rank's samples.
         retrieval: a retrieval source's evaluation (it words its own evaluation line), or None.
         compiled: torch.compile's state (`trainer.compile=true`), None in eager mode.
+        skipping: whether the source skips bad rows (`data.on_bad_row=skip`): log steps and the
+            end then count them over the replicas (`position.skipped`).
     """
 
     def __init__(
@@ -65,7 +67,9 @@ class Reporter:
         replicas: int,
         retrieval: RetrievalEvaluation | None = None,
         compiled: CompiledDense | None = None,
+        skipping: bool = False,
     ):
+        self.skipping = skipping
         self.cfg, self.info, self.metrics, self.optimizer = cfg, info, metrics, optimizer
         self.position, self.batches_per_epoch = position, batches_per_epoch
         self.global_mean, self.replicas = global_mean, replicas
@@ -111,8 +115,23 @@ class Reporter:
         step = self.position.step
         if self.due(step):
             self._log_step(result)
-        if per_epoch is not None and self.position.batch % per_epoch == 0 and self.info.is_main:
-            log.info("epoch %d/%d done at step %d", self.position.batch // per_epoch, self.cfg.epochs, step)
+        if per_epoch is not None and self.position.batch % per_epoch == 0:
+            epoch = self.position.batch // per_epoch
+            skipped = self.skipped_rows()  # every rank: a collective when skipping
+            if self.info.is_main:
+                bad = f" ({skipped['per_epoch'].get(epoch, 0)} bad row(s) skipped)" if skipped else ""
+                log.info("epoch %d/%d done at step %d%s", epoch, self.cfg.epochs, step, bad)
+
+    def skipped_rows(self) -> dict[str, Any] | None:
+        """The bad rows skipped so far over every replica, `{"total": n, "per_epoch": {epoch: n}}`
+        (a collective on every rank); None when the source does not skip (`data.on_bad_row=fail`)."""
+        if not self.skipping:
+            return None
+        epochs = sorted(set(self.position.skipped) | {(max(self.position.batch, 1) - 1) // self.batches_per_epoch + 1})
+        counts = torch.tensor([float(self.position.skipped[e]) for e in epochs])
+        totals = [round(self.global_mean(c) * self.replicas) for c in counts]
+        per_epoch = {e: n for e, n in zip(epochs, totals) if n}
+        return {"total": sum(totals), "per_epoch": per_epoch}
 
     def due(self, step: int) -> bool:
         """Whether `step` is a log step (every `trainer.log_every` steps)."""
@@ -205,16 +224,24 @@ class Reporter:
         record["mem_gib"] = round(_memory_gib(self.info.device), 3)
         if compiled is not None:
             record.update(compiled.record())
+        epoch = (self.position.batch - 1) // self.batches_per_epoch + 1
+        skipped = self.skipped_rows()
+        bad = ""
+        if skipped is not None:
+            record["skipped_rows"] = skipped["total"]
+            record["skipped_rows_epoch"] = skipped["per_epoch"].get(epoch, 0)
+            bad = f" | skipped {record['skipped_rows_epoch']} bad row(s) this epoch, {skipped['total']} in all"
         self.metrics.write(record)
         if self.info.is_main:
             log.info(
-                "step %d | epoch %d | loss %.4f | %.0f samples/s | lr %.3g | mem %.2f GiB",
+                "step %d | epoch %d | loss %.4f | %.0f samples/s | lr %.3g | mem %.2f GiB%s",
                 step,
-                (self.position.batch - 1) // self.batches_per_epoch + 1,
+                epoch,
                 loss,
                 samples_per_s,
                 record["lr"],
                 record["mem_gib"],
+                bad,
             )
         return loss
 

@@ -19,6 +19,7 @@ from recsys_pipe.data import RankData
 from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint, read_metadata, saved_config
 from recsys_pipe.train.config import RunConfig
+from recsys_pipe.train.fingerprint import FINGERPRINT_FILE, fingerprint
 from recsys_pipe.train.managed import MANAGED_STATE_KEY, history_state, load_history_state
 from recsys_pipe.train.optim import TrainOptimizer
 from recsys_pipe.train.progress import RunPosition
@@ -70,6 +71,8 @@ class RunCheckpointer:
         self.position, self.planned_steps, self.writer = position, planned_steps, writer
         if writer is not None and info.is_main:
             writer.on_published = lambda c: log.info("checkpoint step %d -> %s", c.step, c.path)
+            # which experiment each checkpoint is of (`trainer.resume_from=latest` takes only its own)
+            writer.files[FINGERPRINT_FILE] = fingerprint(run, info.world_size).to_json()
         #: the step of the last checkpoint this run saved
         self.last_saved: int | None = None
 

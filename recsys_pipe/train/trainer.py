@@ -65,6 +65,7 @@ class Trainer:
         self.plan_runner, self.evaluator = parts.plan_runner, parts.evaluator
         self.checkpointer, self.reporter, self.position = parts.checkpointer, parts.reporter, parts.position
         self.stop = stop or StopRequest(self.info.control_group, self.run.trainer.preemption_check_s)
+        self._skipped: Any = None
         self.health = health
 
     @property
@@ -115,6 +116,9 @@ class Trainer:
         if result is not None:
             self.position.step += 1
             self.position.batch += 1
+            if self._skipped:  # the bad rows its source left out of the batch just trained
+                epoch = (self.position.batch - 1) // self.data.batches_per_epoch + 1
+                self.position.skipped[epoch] += self._skipped.popleft()
             if self.health is not None:
                 self.health.step = self.step
         return result
@@ -163,6 +167,7 @@ class Trainer:
             summary.compiled = self.parts.compiled.stats().since(compile_start)  # type: ignore[union-attr]
         traced.close()
         self.reporter.end(summary, last)
+        summary.skipped = self.reporter.skipped_rows()
         if summary.stop_reason != PREEMPTED:
             if self.evaluator.enabled and (not summary.evals or summary.evals[-1]["step"] != self.step):
                 self._evaluate(summary, record_steps)
@@ -194,7 +199,10 @@ class Trainer:
     def _start(self, batches: Iterator | None) -> Iterator[StepResult] | None:
         """Seed the training plan runner with the first batch (`TrainState.bootstrap`) and return its
         results; None if there is no batch to train."""
-        it = iter(self.data.train_loader(self.run.trainer.epochs, self.position.batch)) if batches is None else batches
+        loader = self.data.train_loader(self.run.trainer.epochs, self.position.batch) if batches is None else None
+        it = iter(loader) if loader is not None else batches
+        #: a streaming source's count of skipped rows per batch made (`data.on_bad_row=skip`)
+        self._skipped = getattr(loader, "skipped", None)
         try:
             first = next(it)
         except StopIteration:

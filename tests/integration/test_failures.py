@@ -159,7 +159,7 @@ CATALOGUE = [
     (
         "not a number",
         [*ML, "data.path={}"],
-        _write("r.dat", "1::2::4::100\nalice::3::5::101\n"),
+        _write("r.dat", "1::2::4::100\n2::3::five::101\n"),
         1,
         "data.path",
         "r.dat:2: fields must be integer user, movie, timestamp and a numeric rating",

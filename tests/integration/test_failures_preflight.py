@@ -208,11 +208,15 @@ def test_a_tuned_semi_sync_plan_keeps_the_start_batch_interpolation(tmp_path, ca
 
 
 def test_an_interrupted_run_gives_ctrl_c_back():
+    import os
+
     from recsys_pipe.cli.launch import _interrupted
 
     class Session:
-        def interrupted(self, step: int) -> int:
-            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C waits for the clean-up
+        def interrupted(self, step: int, checkpoint: str | None) -> int:
+            # a second Ctrl-C waits for the clean-up: only recorded (the command exits 130)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert checkpoint is None
             return 130
 
     before = signal.getsignal(signal.SIGINT)

@@ -172,10 +172,13 @@ def test_convert_sequences_from_user_item_lines_and_its_errors(tmp_path, capsys)
     assert run(["convert", "sequences", str(path), str(tmp_path / "out")]) == 0
     table = pq.read_table(tmp_path / "out" / "Games.parquet")
     assert table.to_pydict() == {"user_id": [1, 2], "item_ids": [[9, 9], [5, 3, 7]]}  # file order, no timestamps
-    path.write_text("1 2\n1 3\n1 four\n")
-    assert run(["convert", "sequences", str(path), str(tmp_path / "out2")]) == 2
+    path.write_text("1 2\n1 3\n1 four\n")  # a text id among the first lines: every id is read as text
+    assert run(["convert", "sequences", str(path), str(tmp_path / "out2")]) == 0
+    assert pq.read_table(tmp_path / "out2" / "Games.parquet").column("item_ids").to_pylist() == [[0, 1, 2]]
+    path.write_text("1 2\n1 3\n1\n")
+    assert run(["convert", "sequences", str(path), str(tmp_path / "out3")]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {path}:3: user and item must be integers, got '1 four'\n"
+    assert err.startswith(f"error: {path}:3: expected two fields `user item`, got '1'")
 
 
 def test_csv_keys_read_headers_and_headerless_files_for_the_sources(tmp_path):
@@ -229,3 +232,60 @@ def test_help_lists_a_sources_keys_before_its_path_is_set(source, keys, capsys):
     assert "keys not listed" not in out
     for key in keys:
         assert f"  {key} " in out, key
+
+
+CLICKS = "1700000000;u17;i4;5.0\n1700000100;u17;i9;3.0\n1700000200;u17;i4;4.0\n1700000300;u17;i2;2.0\n"
+CLICKS += "1700000000;u3;i9;5.0\n1700000060;u3;i2;1.0\n1700000120;u3;i7;4.5\n1700000180;u3;i4;5.0\n"
+
+
+def test_text_ids_are_numbered_and_their_texts_kept(tmp_path, capsys):
+    """The docs' `1700000000;u17;i4;5.0` lines: converted, and trained on as text (data.md)."""
+    import json
+
+    from recsys_pipe.data.parquet.decode import ITEM_NAMES_KEY, USER_NAMES_KEY
+
+    (tmp_path / "clicks.txt").write_text(CLICKS)
+    args = ["--delimiter", ";", "--no-header", "--columns", "timestamp,user,item,rating"]
+    assert run(["convert", "sequences", str(tmp_path / "clicks.txt"), str(tmp_path / "out"), *args]) == 0
+    table = pq.read_table(tmp_path / "out" / "clicks.parquet")
+    names = {k: json.loads(v) for k, v in table.schema.metadata.items() if k in (ITEM_NAMES_KEY, USER_NAMES_KEY)}
+    assert names == {USER_NAMES_KEY: ["u17", "u3"], ITEM_NAMES_KEY: ["i2", "i4", "i7", "i9"]}
+    assert table.column("item_ids").to_pylist() == [[1, 3, 1, 0], [3, 0, 2, 1]]  # i4 i9 i4 i2 | i9 i2 i7 i4
+    csv = CsvConfig(delimiter=";", header=False, columns=["timestamp", "user", "item", "rating"])
+    read = read_interactions(tmp_path / "clicks.txt", csv)  # data=sequences reads the text as well
+    assert read.users == ["u17", "u3"] and read.items[0] == ["i4", "i9", "i4", "i2"]
+
+
+def test_ratings_on_another_scale_with_rating_scale(tmp_path, capsys):
+    from recsys_pipe.data import RankData
+    from recsys_pipe.data.parquet.ranking import ParquetRankingDataConfig
+
+    lines = [f"{u}::{i}::{(u * i) % 10 + 1}::{1000 + i}" for u in range(1, 9) for i in range(1, 9)]
+    (tmp_path / "ratings.dat").write_text("\n".join(lines) + "\n")
+    convert = ["convert", "sequences", str(tmp_path / "ratings.dat"), str(tmp_path / "out"), "--windows", "6"]
+    assert run([*convert, "--num-candidates", "2"]) == 2
+    assert "rating '6' is outside (0, 5]" in capsys.readouterr().err
+    assert run([*convert, "--num-candidates", "2", "--rating-scale", "10"]) == 0
+    path = tmp_path / "out" / "ratings.parquet"
+    cfg = ParquetRankingDataConfig(path=str(path), batch_size=4, thresholds=[8.0, 10.0])
+    (batch,) = list(RankData(cfg, 0, 1, eval_batches=0).train_loader())[:1]
+    ratings = [r for row in pq.read_table(path).column("actions").to_pylist()[:4] for r in row[-2:]]
+    assert batch.labels.tolist() == [[float(r >= 8), float(r >= 10)] for r in ratings]  # thresholds in its scale
+    actions = batch.sparse_features["action"].values().tolist()
+    history = [r for row in pq.read_table(path).column("actions").to_pylist()[:4] for r in row[:-2]]
+    assert [a for a in actions if a] == [round(r) for r in history]  # round(10 / 10 x rating)
+
+
+def test_a_retrieval_model_on_windows_is_refused_in_one_line(tmp_path, capsys, no_process_group):
+    from recsys_pipe.testing import train_here
+
+    lines = [f"{u}::{i}::{(u * i) % 5 + 1}::{1000 + i}" for u in range(1, 9) for i in range(1, 9)]
+    (tmp_path / "ratings.dat").write_text("\n".join(lines) + "\n")
+    assert run(["convert", "sequences", str(tmp_path / "ratings.dat"), str(tmp_path), "--windows", "6"]) == 0
+    path = tmp_path / "ratings.parquet"
+    assert train_here("--check", "model=sasrec", "data=parquet_sequences", f"data.path={path}") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        f"error: data.path: {path}: its rows are windows of ratings for HSTU ranking (recsys-pipe/windows), not one "
+        "row per user: a retrieval model reads users (convert without --windows)"
+    )

@@ -493,7 +493,9 @@ def test_a_negative_id_without_statistics_is_found_when_decoded(tmp_path):
     table = criteo_table(40).set_column(14, "cat_0", pa.array([1] * 30 + [-1] * 10, pa.int64()))
     path = _bad(tmp_path, "nostats.parquet", table, row_group_size=20, write_statistics=False)
     data = RankData(parquet(path, batch_size=10), 0, 1)
-    with pytest.raises(DataFileError, match=r"nostats.parquet, row group 1, column 'cat_0': a negative id \(-1\)"):
+    with pytest.raises(
+        DataFileError, match=r"nostats.parquet, row 30 \(row group 1\), column 'cat_0': a negative id \(-1\)"
+    ):
         list(data.train_loader())
 
 
@@ -653,11 +655,14 @@ def test_sequence_files_without_a_vocabulary_need_num_items(tmp_path):
     pq.write_table(t, tmp_path / "s.parquet")
     with pytest.raises(ConfigError, match="no item vocabulary .* set data.num_items"):
         RankData(ParquetSequencesDataConfig(path=str(tmp_path / "s.parquet"), batch_size=1, eval_negatives=2), 0, 1)
-    data = RankData(ParquetSequencesDataConfig(path=str(tmp_path), batch_size=1, eval_negatives=2, num_items=9), 0, 1)
-    with pytest.raises(
+    cfg = ParquetSequencesDataConfig(path=str(tmp_path), batch_size=1, eval_negatives=2, num_items=9)
+    with pytest.raises(  # the row group's statistics show it: before the start
         DataFileError, match=r"s.parquet, row group 0, column 'item_ids': item id 9 outside \[0, data.num_items=9\)"
     ):
-        list(data.train_loader())
+        RankData(cfg, 0, 1)
+    pq.write_table(t, tmp_path / "s.parquet", write_statistics=False)  # then only decoding finds it
+    with pytest.raises(DataFileError, match=r"s.parquet, row 1 \(row group 0\), column 'item_ids': item id 9 outside"):
+        list(RankData(cfg, 0, 1).train_loader())
 
 
 def test_a_bad_sequence_id_names_its_row_group_when_decoded_in_shuffled_parts(tmp_path):
@@ -666,11 +671,11 @@ def test_a_bad_sequence_id_names_its_row_group_when_decoded_in_shuffled_parts(tm
     seqs = [[u % 7, (u + 1) % 7, (u + 2) % 7, (u + 3) % 7] for u in range(24)]
     seqs[21][2] = 12  # row group 2 (rows 16..23)
     t = pa.table({"user_id": pa.array(range(24)), "item_ids": pa.array(seqs, pa.list_(pa.int64()))})
-    pq.write_table(t, tmp_path / "s.parquet", row_group_size=8)
+    pq.write_table(t, tmp_path / "s.parquet", row_group_size=8, write_statistics=False)
     cfg = ParquetSequencesDataConfig(
         path=str(tmp_path / "s.parquet"), batch_size=2, eval_negatives=2, num_items=9, shuffle_window=24
     )
-    with pytest.raises(DataFileError, match=r"row group 2, column 'item_ids': item id 12 outside"):
+    with pytest.raises(DataFileError, match=r"row 21 \(row group 2\), column 'item_ids': item id 12 outside"):
         list(RankData(cfg, 0, 1).train_loader())
 
 

@@ -191,26 +191,27 @@ def test_bad_rating_columns_are_refused_in_one_line_naming_file_row_group_and_co
     )
     high = [[3.0] * 6] * 10 + [[3.0] * 5 + [5.5]] + [[3.0] * 6] * 9
     big = good.set_column(2, "actions", pa.array(high, pa.list_(pa.float64())))
-    message = "row group 1, column 'actions': rating 5.5 gives the action id round(2 * rating) outside [0, 10]"
-    _refused_at_start(_write(tmp_path, "big.parquet", big), f"big.parquet, {message}")  # from the statistics
-    _refused_when_decoded(_write(tmp_path, "big_nostats.parquet", big, write_statistics=False), message)
+    message = "column 'actions': rating 5.5 gives the action id round(2 * rating) outside [0, 10]"
+    _refused_at_start(_write(tmp_path, "big.parquet", big), f"big.parquet, row group 1, {message}")  # statistics
+    nostats = _write(tmp_path, "big_nostats.parquet", big, write_statistics=False)
+    _refused_when_decoded(nostats, f"row 10 (row group 1), {message}")
     nulls = good.set_column(
         2, "actions", pa.array([[1.0] * 6] * 13 + [[1.0, None, 2.0, 2.0, 2.0, 2.0]] * 7, pa.list_(pa.float64()))
     )
     _refused_when_decoded(
-        _write(tmp_path, "null.parquet", nulls), "null.parquet, row group 1, column 'actions': a null rating"
+        _write(tmp_path, "null.parquet", nulls), "null.parquet, row 13 (row group 1), column 'actions': a null rating"
     )
     ragged = good.set_column(2, "actions", pa.array([[1.0] * 6] * 15 + [[1.0] * 5] * 5, pa.list_(pa.float64())))
     _refused_when_decoded(
         _write(tmp_path, "ragged.parquet", ragged),
-        "ragged.parquet, row group 1, column 'actions': lists of other lengths than 'item_ids'",
+        "ragged.parquet, row 15 (row group 1), column 'actions': lists of other lengths than 'item_ids'",
     )
     lists = good.to_pydict()
     lists["item_ids"][3], lists["actions"][3] = [1, 2], [1.0, 2.0]
     short = pa.table(lists, schema=good.schema)
     _refused_when_decoded(
         _write(tmp_path, "short.parquet", short),
-        "short.parquet, row group 0, column 'item_ids': a row of 2 event(s): a sample needs more than "
+        "short.parquet, row 3 (row group 0), column 'item_ids': a row of 2 event(s): a sample needs more than "
         "data.num_candidates=2",
     )
     plain = _write(tmp_path, "plain.parquet", good)

@@ -167,6 +167,9 @@ def key_problem(key: str) -> str | None:
     for depth, part in enumerate(parts):
         if part.startswith("<") and isinstance(node, dict):
             return None
+        if isinstance(node, dict) and part not in node and "<name>" in node:  # an entry of a map of sections
+            node = node["<name>"]
+            continue
         if not isinstance(node, dict) or part not in node:
             return f"no key {part!r} under {'.'.join(parts[:depth]) or 'the config root'}"
         node = node[part]
@@ -218,6 +221,8 @@ def test_key_check_refuses_keys_that_do_not_exist() -> None:
     assert key_problem("pipeline.tasks.h2d.options.inplace") is not None
     assert key_problem("pipeline.tasks.h3d.stream") is not None
     assert key_problem("data.columns.labels") is None  # under a section that is null by default
+    assert key_problem("data.columns.sparse.user.num_embeddings") is None  # a map's entry, named
+    assert key_problem("data.columns.sparse.user.num_embedings") is not None
     assert key_problem("trainer.max_steps.x") is not None
     line = "`recsys-train trainer.max_steps=5 pipeline.tasks.h2d.lookahead=3 +model.x=1`, recsys_pipe.data.batch"
     line += ", costs.json, pipeline.enable_shortcut(names)"

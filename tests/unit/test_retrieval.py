@@ -81,7 +81,7 @@ def test_movielens_ratings_are_sorted_by_time(tmp_path):
     "content, fragment",
     [
         ("1 2\n1 2 3\n", "s.txt:2: expected two fields `user item`"),
-        ("1 2\nx 3\n", "s.txt:2: user and item must be integers"),
+        ("1 2\n" * 3000 + "x 3\n", "s.txt:3001: user and item must be integers"),  # integer ids in its first lines
         ("", "s.txt: the file has no interactions"),
         (b"\x00\x01\x02", "s.txt: a binary file"),
         ("1::2::4::100\n1::3::9::101\n", "s.txt:2: rating '9' is outside (0, 5]"),
@@ -97,11 +97,11 @@ def test_bad_files_name_the_file_and_line(tmp_path, content, fragment):
 
 def test_recsys_train_refuses_a_bad_file_with_exit_2(tmp_path, capsys, no_process_group):
     path = tmp_path / "bad.txt"
-    path.write_text("1 2\n1 3\n1 four\n")
+    path.write_text("1 2\n1 3\n" * 1500 + "1 four\n")  # integer ids in its first lines: a text id later is bad
     code = train_cli.run(["data=sequences", f"data.path={path}", "model=sasrec", f"trainer.output_dir={tmp_path}/runs"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "error: data.path" in err and "bad.txt:3: user and item must be integers" in err
+    assert "error: data.path" in err and "bad.txt:3001: user and item must be integers" in err
     assert "Traceback" not in err
 
 

@@ -24,7 +24,8 @@ rank that owns it with `<file>:<line>: <problem>`. For files larger than memory,
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, StrictInt, StrictStr, field_validator
@@ -33,8 +34,17 @@ from torch.utils.data import Dataset
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import CriteoSample, DataSpec, collate_criteo
 from recsys_pipe.data.ids import ManagedFeature, ManagedIds, raw_ids_problem, spread_ids
+from recsys_pipe.data.preprocess import signed_log1p
+from recsys_pipe.data.serving import id_record
 from recsys_pipe.data.source import TabularDataConfig, readable_file
-from recsys_pipe.data.text.criteo_tsv import CATEGORICAL_KEYS, DENSE_NAMES, NUM_CATEGORICAL, NUM_DENSE, read_criteo
+from recsys_pipe.data.text.criteo_tsv import (
+    CATEGORICAL_KEYS,
+    DENSE_NAMES,
+    NUM_CATEGORICAL,
+    NUM_DENSE,
+    raw_criteo_rows,
+    read_criteo,
+)
 
 __all__ = [
     "CATEGORICAL_KEYS",
@@ -47,31 +57,17 @@ __all__ = [
     "CriteoSyntheticDataset",
     "CriteoLayoutConfig",
     "criteo_dataset",
+    "criteo_features",
     "criteo_synthetic_dataset",
     "read_criteo",
     "transform_dense",
-    "transform_dense_into",
 ]
 
 
 def transform_dense(raw: np.ndarray) -> np.ndarray:
-    """`sign(x) * log(1 + |x|)` as float32: compresses the heavy-tailed counts."""
-    out = np.empty(raw.shape, dtype=np.float32)
-    flat = np.ascontiguousarray(raw).reshape(-1)
-    transform_dense_into(flat, out.reshape(-1), np.empty_like(flat), np.empty(flat.shape, dtype=np.float64))
-    return out
-
-
-def transform_dense_into(raw: np.ndarray, out: np.ndarray, same: np.ndarray, wide: np.ndarray) -> None:
-    """`transform_dense` of the 1-D `raw` (int64 or float64) written into `out` (float32, any
-    stride), through the scratch arrays `same` (`raw`'s shape and dtype) and `wide` (float64):
-    no temporaries, so a decoder can reuse its scratch window after window. The same elementwise
-    operations as `transform_dense` (which calls it), so the features are bitwise the same."""
-    np.abs(raw, out=same)
-    np.log1p(same, out=wide)
-    np.sign(raw, out=same)
-    np.multiply(same, wide, out=wide)
-    out[...] = wide
+    """`sign(x) * log(1 + |x|)` as float32: compresses the heavy-tailed counts (the kernel an
+    export's `preprocess.py` runs too: `recsys_pipe.data.preprocess.signed_log1p`)."""
+    return signed_log1p(raw)
 
 
 # -- configs --------------------------------------------------------------------------------------
@@ -130,6 +126,12 @@ class CriteoLayoutConfig(TabularDataConfig):
             return raw
         return raw % np.array(self.vocab_sizes(), dtype=np.int64)
 
+    def id_records(self) -> list[dict[str, Any]]:
+        """Each categorical feature's id mapping as `features.json` holds it (`id_record`)."""
+        if self.ids == "managed":
+            return [id_record("managed", n, input_hash_size=self.managed.input_hash_size) for n in self.vocab_sizes()]
+        return [id_record("modulo", n) for n in self.vocab_sizes()]
+
 
 class CriteoDataConfig(CriteoLayoutConfig):
     """`data=criteo`: a Criteo-format TSV file (`data.path`: Kaggle `train.txt`, Terabyte `day_N`)."""
@@ -166,6 +168,20 @@ class CriteoSyntheticDataConfig(CriteoLayoutConfig):
     synthetic: CriteoSyntheticConfig = Field(default_factory=CriteoSyntheticConfig, description="the generated world")
 
 
+def criteo_features(id_records: list[dict[str, Any]], categorical: str) -> dict[str, Any]:
+    """The Criteo layout's transforms (`ServedSource.serving_features`): each integer column
+    `int_<i>` as `sign(x) * log(1 + |x|)` (empty: 0), each categorical column `cat_<i>` read as
+    `categorical` (`hex` in a TSV file, `int` in Parquet; empty: 0) and mapped by its record of
+    `id_records` (`CriteoLayoutConfig.id_records`: modulo its table's rows, or managed)."""
+    features: dict[str, Any] = {
+        name: {"column": name, "parse": "int", "missing": 0, "transform": {"kind": "signed_log1p"}}
+        for name in DENSE_NAMES
+    }
+    for name, ids in zip(CATEGORICAL_KEYS, id_records):
+        features[name] = {"column": name, "parse": categorical, "missing": 0, "ids": ids}
+    return {"features": features, "params": {}, "inputs": {"dense_features": list(DENSE_NAMES)}}
+
+
 # -- the file source ------------------------------------------------------------------------------
 
 
@@ -192,6 +208,15 @@ class CriteoDataset(Dataset[CriteoSample]):
         self.sample_ids = lines - 1
         self.spec = cfg.spec()
         self.collate = collate_criteo
+        self.path, self.id_records = cfg.path, cfg.id_records()
+
+    def serving_features(self) -> dict[str, Any]:
+        """The transforms of the file's columns (`recsys_pipe.data.serving.ServedSource`)."""
+        return criteo_features(self.id_records, "hex")
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """The rows of `sample_ids` (0-based positions in the file) as the file holds them."""
+        return raw_criteo_rows(self.path, [int(i) + 1 for i in sample_ids])
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -237,6 +262,11 @@ class _ClickWorld:
         self.id_cdf = [cdfs[n] for n in self.vocab]
 
     def sample(self, seed: int, index: int) -> CriteoSample:
+        _, dense, ids, label = self.draw(seed, index)
+        return dense, ids, label, index
+
+    def draw(self, seed: int, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Row `index`: its integer counts `[13]` raw and transformed, its ids `[26]` and click."""
         rng = np.random.default_rng([seed, index])
         u = rng.random(NUM_CATEGORICAL)
         ids = np.array(
@@ -249,7 +279,7 @@ class _ClickWorld:
         interaction = float(np.dot(self.latent[0][ids[0]], self.latent[1][ids[1]]))
         logit = -1.0 + self.signal * (0.7 * dense_part + 1.5 * sparse_part + 0.8 * interaction)
         label = float(rng.random() < 1.0 / (1.0 + math.exp(-logit)))
-        return dense, self.raw_ids(ids) if self.cfg.ids == "managed" else ids, label, index
+        return counts, dense, self.raw_ids(ids) if self.cfg.ids == "managed" else ids, label
 
     def raw_ids(self, ids: np.ndarray) -> np.ndarray:
         """With `ids=managed`, what feature f's generated id k is sent as (`spread_ids`, salted
@@ -271,6 +301,22 @@ class CriteoSyntheticDataset(Dataset[CriteoSample]):
         self._world = _ClickWorld(cfg)
         self.spec = cfg.spec()
         self.collate = collate_criteo
+        self.id_records = cfg.id_records()
+
+    def serving_features(self) -> dict[str, Any]:
+        """The Criteo layout's transforms (`recsys_pipe.data.serving.ServedSource`)."""
+        return criteo_features(self.id_records, "int")
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """The generated rows `sample_ids` (global indices) raw: counts and ids before the transform."""
+        rows = []
+        for index in sample_ids:
+            counts, _, ids, label = self._world.draw(self.seed, int(index))
+            row: dict[str, Any] = {"label": int(label)}
+            row.update({k: int(v) for k, v in zip(DENSE_NAMES, counts)})
+            row.update({k: int(v) for k, v in zip(CATEGORICAL_KEYS, ids)})
+            rows.append(row)
+        return rows
 
     def __len__(self) -> int:
         return self.num_samples // self.world_size

@@ -21,16 +21,17 @@ from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import ClassVar, Literal, NoReturn
+from typing import Any, ClassVar, Literal, NoReturn
 
 from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sample, collate
+from recsys_pipe.data.serving import RATING_ACTIONS, SEQUENCE_COLUMNS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig, readable_file
 from recsys_pipe.data.text.files import fail
-from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, read_interaction_columns
+from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, has_string_ids, read_interaction_columns
 
 __all__ = ["MovieLensDataConfig", "MovieLensDataset", "movielens_dataset", "read_ratings"]
 
@@ -60,7 +61,7 @@ def read_ratings(path: str | Path, csv: CsvConfig | None = None) -> list[Rating]
     missing = [r for r in ("rating", "timestamp") if r not in layout.roles]
     if missing:
         _fail(path, 1, f"no {' and no '.join(missing)} column (columns: {list(layout.roles)}); {_LAYOUT}")
-    columns = read_interaction_columns(path, layout, _LAYOUT)
+    columns = read_interaction_columns(path, layout, _LAYOUT, string_ids=has_string_ids(path, layout))
     if not len(columns):
         _fail(path, None, "the file has no ratings (header only)")
     assert columns.rating is not None and columns.timestamp is not None
@@ -166,6 +167,27 @@ class MovieLensDataset(Dataset[Sample]):
                 self._windows.append((user_index[raw_user], seq[max(0, end - max_seq_len) : end]))
         self._movie_index = movie_index
         self._num_candidates = num_candidates
+        self._max_seq_len = max_seq_len
+        self._raw_users = sorted(user_index) if use_user_feature else None
+
+    def serving_features(self) -> dict[str, Any]:
+        """Movies and users through their sorted raw ids, ratings as action ids (`recsys_pipe.data.serving`)."""
+        items = id_record("vocabulary", len(self._movie_index), sorted(self._movie_index))
+        users = None if self._raw_users is None else id_record("vocabulary", len(self._raw_users), self._raw_users)
+        return sequence_features(items, RATING_ACTIONS, True, self._max_seq_len, self._num_candidates, users)
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """The windows `sample_ids` (global indices) as rows of raw ids, ratings and times."""
+        columns = SEQUENCE_COLUMNS
+        return [
+            {
+                columns["user"]: window[0][0],
+                columns["items"]: [r[1] for r in window],
+                columns["timestamps"]: [r[3] for r in window],
+                columns["actions"]: [r[2] for r in window],
+            }
+            for window in (self._windows[int(i)][1] for i in sample_ids)
+        ]
 
     @property
     def num_windows(self) -> int:

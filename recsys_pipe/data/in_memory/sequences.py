@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn
 
 import numpy as np
 from pydantic import Field, StrictStr, field_validator
@@ -50,8 +50,9 @@ from torch.utils.data import Dataset
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import INPUT_KEY, DataSpec, RetrievalSample, collate_retrieval
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
+from recsys_pipe.data.serving import id_record, retrieval_features, retrieval_row
 from recsys_pipe.data.source import SPLITS, SequenceSourceConfig, readable_file
-from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, read_interaction_columns
+from recsys_pipe.data.text.interactions import CsvConfig, detect_layout, has_string_ids, read_interaction_columns
 
 if TYPE_CHECKING:
     pass
@@ -90,16 +91,21 @@ class Interactions:
     ratings: list[list[float]] | None = None
 
 
-def read_interactions(path: str | Path, csv: CsvConfig | None = None) -> Interactions:
+def read_interactions(
+    path: str | Path, csv: CsvConfig | None = None, rating_scale: float = 5.0, string_ids: bool | None = None
+) -> Interactions:
     """Parse a "user item" file, a MovieLens ratings file or another delimited file (`csv`) into
     per-user sequences: with a timestamp column, each user's events sorted by (timestamp, item);
-    without, in file order.
+    without, in file order. Ratings in (0, `rating_scale`]; user and item ids integers, or text
+    with `string_ids` (None: text where the file's first lines hold an id that is not an integer).
 
     A bad file is a `ConfigError` at `data.path` naming the file and line (`recsys-train` exits 2).
     """
     path = str(path)
     layout = detect_layout(path, csv or CsvConfig(), _LAYOUT)
-    columns = read_interaction_columns(path, layout, _LAYOUT) if layout.roles else None
+    if string_ids is None:
+        string_ids = bool(layout.roles) and has_string_ids(path, layout)
+    columns = read_interaction_columns(path, layout, _LAYOUT, rating_scale, string_ids) if layout.roles else None
     if columns is None or not len(columns):
         _fail(path, None, f"the file has no interactions; {_LAYOUT}")
     stamps = columns.timestamp
@@ -187,6 +193,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         self.raw_users = data.users
         self.sequences = [[item_index[i] for i in seq] for seq in data.items]
         self.timestamps = data.timestamps
+        self.has_timestamps = data.has_timestamps
         self.num_items = len(self.raw_items)
         if eval_negatives > self.num_items - 1:
             raise ConfigError(
@@ -207,6 +214,24 @@ class SequencesDataset(Dataset[RetrievalSample]):
         self._train_items = np.fromiter((i for seq in self.sequences for i in seq), np.int64)
         self._train_starts = np.cumsum([0, *map(len, self.sequences[:-1])], dtype=np.int64)
         self._train_lengths = lengths
+
+    def serving_features(self) -> dict[str, Any]:
+        """Items through the sorted vocabulary of raw ids (`recsys_pipe.data.serving`)."""
+        items = id_record("vocabulary", self.num_items, self.raw_items)
+        return retrieval_features(items, self.has_timestamps, self.max_seq_len)
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """Each user's row cut before its held-out item of `split`, raw ids as the file holds them."""
+        return [
+            retrieval_row(
+                self.raw_users[u],
+                [self.raw_items[i] for i in self.sequences[u]],
+                self.timestamps[u],
+                split,
+                self.has_timestamps,
+            )
+            for u in map(int, sample_ids)
+        ]
 
     def _train_part(self, user: int) -> list[int]:
         seq = self.sequences[user]

@@ -24,8 +24,9 @@ import bisect
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from functools import partial
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from torch.utils.data import Dataset
 from recsys_pipe.config import Section, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sample, collate
 from recsys_pipe.data.ids import SequenceIds, spread_ids
+from recsys_pipe.data.serving import ACTION_IDS, SEQUENCE_COLUMNS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = ["SyntheticConfig", "SyntheticDataConfig", "SyntheticSequenceDataset", "synthetic_dataset"]
@@ -175,6 +177,36 @@ class SyntheticSequenceDataset(Dataset[Sample]):
             raise IndexError(index)
         global_index = index * self.world_size + self.rank
         return self._generate(global_index)
+
+    def serving_features(self) -> dict[str, Any]:
+        """Generated ids, taken as they are, or with `data.ids=managed` remapped by the program
+        (`recsys_pipe.data.serving`)."""
+        users = self._id_record(USER_KEY) if self.spec.vocab_sizes.get(USER_KEY) else None
+        return sequence_features(
+            self._id_record(ITEM_KEY), ACTION_IDS, True, self.max_seq_len, self.num_candidates, users
+        )
+
+    def _id_record(self, feature: str) -> dict[str, Any]:
+        rows = self.spec.vocab_sizes[feature]
+        if self.ids.ids == "managed":
+            return id_record("managed", rows, input_hash_size=self.ids.managed.input_hash_size)
+        return id_record("as_is", rows)
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """The generated samples `sample_ids` as rows: every event's action, the candidates' too."""
+        rows = []
+        for index in map(int, sample_ids):
+            s = self._generate(index)
+            actions = s.history_actions + [1 + sum(int(b) << k for k, b in enumerate(bits)) for bits in s.labels]
+            rows.append(
+                {
+                    SEQUENCE_COLUMNS["user"]: s.user,
+                    SEQUENCE_COLUMNS["items"]: s.items,
+                    SEQUENCE_COLUMNS["timestamps"]: s.timestamps,
+                    SEQUENCE_COLUMNS["actions"]: actions,
+                }
+            )
+        return rows
 
     def _length(self, rng: random.Random) -> int:
         distribution = self.cfg.length_distribution

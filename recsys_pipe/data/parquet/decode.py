@@ -13,6 +13,7 @@ The column checks of the files' schema (`check_sequence_columns`) and the vocabu
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,12 +28,19 @@ from recsys_pipe.config import Section
 from recsys_pipe.data.batch import RETRIEVAL_KEYS, RetrievalBatch
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.negatives import TRAIN, unseen_items
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles
+from recsys_pipe.data.parquet.checks import RowProblems, list_column, null_rows
+from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats
 from recsys_pipe.data.parquet.stream import Alloc, Fail, ReusedArrays, shared_empty
+from recsys_pipe.data.serving import id_record
 
 __all__ = [
+    "ITEM_NAMES_KEY",
     "ITEM_VOCAB_KEY",
+    "RATING_SCALE_KEY",
+    "USER_NAMES_KEY",
+    "WINDOWS_KEY",
     "DecodedColumns",
+    "ItemStats",
     "SequenceColumns",
     "SequenceDecoder",
     "TrainRows",
@@ -42,10 +50,30 @@ __all__ = [
     "item_vocab",
     "item_vocab_metadata",
     "list_chunks",
+    "names_metadata",
+    "stored_names",
 ]
 
 
 ITEM_VOCAB_KEY = b"recsys-pipe/items"
+#: text ids: the file holds their numbers, these keys their texts in that order (a JSON list)
+ITEM_NAMES_KEY, USER_NAMES_KEY = b"recsys-pipe/item-names", b"recsys-pipe/user-names"
+#: the ratings' scale, `(0, scale]` (text; absent: 5, MovieLens's stars)
+RATING_SCALE_KEY = b"recsys-pipe/rating-scale"
+#: the window cut of files whose rows are windows, for HSTU ranking (`recsys_pipe.data.parquet.ranking`)
+WINDOWS_KEY = b"recsys-pipe/windows"
+
+
+def names_metadata(users: Sequence[str], items: Sequence[str]) -> dict[bytes, bytes]:
+    """The key-value metadata of text ids: the users' and the items' texts, in the order of their
+    numbers (a converter numbers text ids in sorted order)."""
+    return {USER_NAMES_KEY: json.dumps(list(users)).encode(), ITEM_NAMES_KEY: json.dumps(list(items)).encode()}
+
+
+def stored_names(files: ParquetFiles, key: bytes) -> list[str] | None:
+    """The texts of the ids numbered by a converter (`names_metadata`), or None."""
+    stored = files.metadata.get(key)
+    return None if stored is None else json.loads(stored)
 
 
 def item_vocab_metadata(raw_items: np.ndarray) -> dict[bytes, bytes]:
@@ -293,8 +321,12 @@ class SequenceDecoder:
         num_items: int,
         stamps: str | None,
         negatives_per_target: int = 1,
+        names: ParquetFiles | None = None,
     ):
         c = cfg.columns
+        #: the texts of ids a converter numbered (`names_metadata`), read from `names`' metadata
+        self.item_names = None if names is None else stored_names(names, ITEM_NAMES_KEY)
+        self.user_names = None if names is None else stored_names(names, USER_NAMES_KEY)
         self.user, self.items, self.stamps = c.user, c.items, stamps
         self.columns = [c.user, c.items] + ([stamps] if stamps else [])
         self.vocab, self.num_items = vocab, num_items
@@ -311,6 +343,53 @@ class SequenceDecoder:
             self._lookup[vocab] = np.arange(len(vocab))
         self._cached: DecodedColumns | None = None
         self._arrays = ReusedArrays()
+
+    def items_record(self) -> dict[str, Any]:
+        """How raw item ids become table rows (`features.json`): the vocabulary (of texts, where a
+        converter numbered text ids), or the ids as they are."""
+        if self.vocab is None:
+            return id_record("as_is", self.num_items)
+        return id_record("vocabulary", len(self.vocab), self.vocab if self.item_names is None else self.item_names)
+
+    def named_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A row as read (`read_rows`), its numbered user and item ids as the texts they were."""
+        row = dict(row)
+        if self.item_names is not None:
+            row[self.items] = [self.item_names[i] for i in row[self.items]]
+        if self.user_names is not None:
+            row[self.user] = self.user_names[row[self.user]]
+        return row
+
+    def validate(self, table: pa.Table) -> RowProblems:
+        """Every row `__call__` would refuse, check by check (`recsys_pipe.data.parquet.checks`)."""
+        problems = RowProblems(table.num_rows)
+        problems.add(self.user, null_rows(table.column(self.user)), "a null user id")
+        flat, offsets, null_lists = list_column(table.column(self.items))
+        problems.add(self.items, null_lists, "a null list of item ids")
+        nulls = np.asarray(flat.is_null()) if flat.null_count else np.zeros(len(flat), dtype=bool)
+        problems.add_values(self.items, nulls, offsets, "a null item id")
+        raw = flat.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        problems.add_values(self.items, self._unknown(raw), offsets, lambda at: self._unknown_message(int(raw[at])))
+        if self.stamps is not None:
+            stamps, stamp_offsets, null_stamps = list_column(table.column(self.stamps))
+            problems.add(self.stamps, null_stamps, "a null list of timestamps")
+            bad = np.diff(stamp_offsets) != np.diff(offsets)
+            problems.add(self.stamps, bad & ~null_stamps, f"a list of another length than {self.items!r}'s")
+            stamp_nulls = np.asarray(stamps.is_null()) if stamps.null_count else np.zeros(len(stamps), dtype=bool)
+            problems.add_values(self.stamps, stamp_nulls, stamp_offsets, "a null timestamp")
+        return problems
+
+    def _unknown(self, raw: np.ndarray) -> np.ndarray:
+        """The raw item ids the decoder cannot map: not in the vocabulary, or outside [0, num_items)."""
+        if self.vocab is None:
+            return (raw < 0) | (raw >= self.num_items)
+        place = np.minimum(np.searchsorted(self.vocab, raw), len(self.vocab) - 1)
+        return self.vocab[place] != raw
+
+    def _unknown_message(self, raw: int) -> str:
+        if self.vocab is None:
+            return f"item id {raw} outside [0, data.num_items={self.num_items})"
+        return f"item id {raw} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})"
 
     def copy(self) -> SequenceDecoder:
         """A decoder of the same columns with a cache and arrays of its own."""
@@ -395,13 +474,13 @@ class SequenceDecoder:
             unknown = (out >= len(self.vocab)) | (self.vocab[np.minimum(out, len(self.vocab) - 1)] != raw)
         if unknown is not None and unknown.any():
             bad, row = _first_bad(raw, unknown, at, offsets)
-            raise fail(self.items, f"item id {bad} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})", row)
+            raise fail(self.items, self._unknown_message(bad), row)
 
     def _check_range(self, raw: np.ndarray, at: int, offsets: np.ndarray, fail: Fail) -> None:
         """Dense ids as they are (no vocabulary): in `[0, num_items)`."""
         if raw.size and (raw.min() < 0 or raw.max() >= self.num_items):
             bad, row = _first_bad(raw, (raw < 0) | (raw >= self.num_items), at, offsets)
-            raise fail(self.items, f"item id {bad} outside [0, data.num_items={self.num_items})", row)
+            raise fail(self.items, self._unknown_message(bad), row)
 
 
 def _first_bad(raw: np.ndarray, bad: np.ndarray, at: int, offsets: np.ndarray) -> tuple[int, int]:
@@ -467,11 +546,43 @@ def check_sequence_columns(files: ParquetFiles, columns: SequenceColumns) -> str
             want = "a list of integers" if list_column else "an integer"
             raise DataFileError(files.key, files.where(0, column=name), f"must be {want}, it is {t}")
 
-    require(columns.user, False)
-    require(columns.items, True)
+    found = Collected()  # every missing or wrong column in one run
+    for name, is_list in ((columns.user, False), (columns.items, True)):
+        with found:
+            require(name, is_list)
     stamps = columns.timestamps
     if stamps is not None and schema.get_field_index(stamps) < 0 and stamps == SequenceColumns().timestamps:
-        return None  # the default name, absent: positions stand in for time
-    if stamps is not None:
-        require(stamps, True)
+        stamps = None  # the default name, absent: positions stand in for time
+    elif stamps is not None:
+        with found:
+            require(stamps, True)
+    found.raise_all()
     return stamps
+
+
+class ItemStats:
+    """The item vocabulary of sequence files (read with the first file's schema) and the check of
+    each row group's item statistics against it: an item id below or above every id it holds
+    (or outside `[0, data.num_items)` without one) is refused before the start."""
+
+    def __init__(self, num_items: int | None) -> None:
+        self.configured = num_items
+        self.vocab: np.ndarray | None = None
+        self.num_items = 0
+
+    def read(self, files: ParquetFiles) -> None:
+        self.vocab, self.num_items = item_vocab(files, self.configured)
+
+    def check(self, files: ParquetFiles, file: int, group: int, st: RowGroupStats | None, column: str) -> None:
+        if st is None or not isinstance(st.min, int) or not isinstance(st.max, int):
+            return
+        low, high = (0, self.num_items - 1) if self.vocab is None else (int(self.vocab[0]), int(self.vocab[-1]))
+        outside = st.min if st.min < low else st.max if st.max > high else None
+        if outside is not None:
+            where = files.where(file, group, column)
+            message = (
+                f"item id {outside} outside [0, data.num_items={self.num_items})"
+                if self.vocab is None
+                else f"item id {outside} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})"
+            )
+            raise DataFileError(files.key, where, f"{message} (its statistics)")

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 
-__all__ = ["DataFileError", "ParquetFiles", "RowGroupStats", "open_parquet"]
+__all__ = ["Collected", "DataFileError", "ParquetFiles", "RowGroupStats", "open_parquet", "read_rows"]
 
 _GLOB_CHARS = "*?["
 
@@ -43,6 +43,49 @@ class DataFileError(ConfigError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.key, self.where, self.message))
+
+
+class Collected:
+    """The problems of several checks that each raise a ConfigError, raised together
+    (`raise_all`): a config with three missing columns says so in one run, not in three.
+
+        found = Collected()
+        for name in names:
+            with found:
+                check(name)
+        found.raise_all()
+    """
+
+    #: problems kept; the rest are counted into one last problem
+    LIMIT = 20
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+        self.more = 0
+
+    def __enter__(self) -> Collected:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> bool:
+        if not isinstance(error, ConfigError):
+            return False
+        if len(self.errors) < self.LIMIT:
+            self.errors.append(error)
+        else:
+            self.more += len(error.problems)
+        return True
+
+    def raise_all(self) -> None:
+        """Raise what was collected: one error as it is, several as one ConfigError."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if not self.errors:
+            return
+        problems = [p for error in self.errors for p in error.problems]
+        if self.more:
+            hint = "(`recsys-data inspect --scan` lists every bad row)"
+            problems.append(ConfigProblem(problems[-1].path, f"and {self.more} more problem(s) {hint}"))
+        raise ConfigError(problems)
 
 
 @dataclass(frozen=True)
@@ -99,10 +142,13 @@ class ParquetFiles:
         """`[U]` rows of each row group, in `units()` order."""
         return np.array([n for groups in self.row_groups for n in groups], dtype=np.int64)
 
-    def where(self, file: int, row_group: int | None = None, column: str | None = None) -> str:
-        """`path[, row group g][, column c]`: what an error names."""
+    def where(self, file: int, row_group: int | None = None, column: str | None = None, row: int | None = None) -> str:
+        """`path[, row r (row group g) | , row group g][, column c]`: what an error names; `row`
+        is the row within the row group, named as the 0-based row of the file."""
         text = self.scheme + self.paths[file]
-        if row_group is not None:
+        if row_group is not None and row is not None:
+            text += f", row {sum(self.row_groups[file][:row_group]) + row} (row group {row_group})"
+        elif row_group is not None:
             text += f", row group {row_group}"
         if column is not None:
             text += f", column {column!r}"
@@ -248,6 +294,7 @@ def open_parquet(
     paths = sorted(set(paths))
     assert filesystem is not None
     files = ParquetFiles(key, filesystem, paths, [], pa.schema([]), {}, scheme=_scheme(entries[0]))
+    found = Collected()  # every row group's statistics are checked: all their problems in one run
     for index, file_path in enumerate(paths):
         try:
             meta = pq.ParquetFile(filesystem.open_input_file(file_path)).metadata
@@ -269,12 +316,13 @@ def open_parquet(
                 )
         files.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
         if check_stats is not None and stats_columns:
-            _check_stats(files, index, meta, stats_columns, check_stats)
+            _check_stats(files, index, meta, stats_columns, check_stats, found)
+    found.raise_all()
     return files
 
 
 def _check_stats(
-    files: ParquetFiles, file: int, meta: pq.FileMetaData, columns: Sequence[str], check: StatsCheck
+    files: ParquetFiles, file: int, meta: pq.FileMetaData, columns: Sequence[str], check: StatsCheck, found: Collected
 ) -> None:
     # leaf columns by dotted path: a list column's values are `name.list.element` (or `.item`)
     leaves: dict[str, int] = {}
@@ -298,4 +346,21 @@ def _check_stats(
                 st.max if has_minmax else None,
                 st.null_count if st.has_null_count else None,
             )
-        check(files, file, g, kept)
+        with found:
+            check(files, file, g, kept)
+
+
+def read_rows(files: ParquetFiles, positions: Sequence[int], columns: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows at global `positions` (in that order), `columns` of each, as Python values
+    (`{column: value}`; a list column's value a list): what an export shows raw."""
+    units = files.units()
+    wanted = np.asarray(positions, dtype=np.int64)
+    unit = np.searchsorted(units[:, 2], wanted, side="right") - 1
+    rows: list[dict[str, Any]] = [{} for _ in positions]
+    for u in np.unique(unit).tolist():
+        file, group, first = (int(x) for x in units[u])
+        table = files.read(file, group, list(dict.fromkeys(columns)))
+        at = np.flatnonzero(unit == u)
+        for i, row in zip(at.tolist(), table.take(pa.array(wanted[at] - first)).to_pylist()):
+            rows[i] = row
+    return rows

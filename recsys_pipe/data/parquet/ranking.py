@@ -1,5 +1,5 @@
 """`data=parquet_sequences` for HSTU ranking: windows of user interactions streamed from Parquet,
-with `data=movielens`'s keys, samples and labels (`model=hstu`, `hstu_small`).
+with `data=movielens`'s keys, samples and labels (`model=hstu_small`).
 
 A model that trains on `Sample` sources (`SequenceDataConfig`, its `ModelConfig.data_kind`) gets
 `data=parquet_sequences` as a `ParquetRankingDataConfig` (`ParquetSequencesDataConfig.as_kind`);
@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -59,16 +59,20 @@ from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
 from recsys_pipe.data.in_memory.movielens import NUM_ACTIONS
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
+from recsys_pipe.data.parquet.checks import RowProblems, list_column
 from recsys_pipe.data.parquet.decode import (
+    RATING_SCALE_KEY,
+    WINDOWS_KEY,
+    ItemStats,
     SequenceDecoder,
     check_sequence_columns,
     is_list_type,
-    item_vocab,
     list_chunks,
 )
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.sequences import ParquetSequenceKeys, PartedStreamSource
 from recsys_pipe.data.parquet.stream import Fail
+from recsys_pipe.data.serving import RATING_ACTIONS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig
 
 __all__ = [
@@ -82,7 +86,6 @@ __all__ = [
 ]
 
 USER_VOCAB_KEY = b"recsys-pipe/users"
-WINDOWS_KEY = b"recsys-pipe/windows"
 
 
 def user_vocab_metadata(raw_users: np.ndarray) -> dict[bytes, bytes]:
@@ -124,15 +127,22 @@ class ParquetRankingDataConfig(ParquetSequenceKeys, SequenceDataConfig):
         if self.max_seq_len is not None and self.num_candidates is not None:
             return self
         cut = _stored_windows(open_parquet(self.path, "data.path"))
-        if cut is None:
-            missing = "data.max_seq_len" if self.max_seq_len is None else "data.num_candidates"
-            raise ConfigError(
+        if cut is None:  # every key missing, and what else the files lack, in one run
+            problems = [
                 ConfigProblem(
-                    missing,
+                    key,
                     f"HSTU ranking needs it: the files record no window cut ({WINDOWS_KEY.decode()}, written by "
                     "`recsys-data convert sequences --windows`)",
                 )
-            )
+                for key, value in (("data.max_seq_len", self.max_seq_len), ("data.num_candidates", self.num_candidates))
+                if value is None
+            ]
+            try:
+                columns, items = self.columns, ItemStats(self.num_items)
+                open_parquet(self.path, "data.path", lambda files: _check_window_columns(files, columns, items))
+            except ConfigError as exc:
+                problems += exc.problems
+            raise ConfigError(problems)
         # set without validating the assignment again (that would run this validator again)
         self.__dict__["max_seq_len"] = self.max_seq_len or cut[0]
         self.__dict__["num_candidates"] = self.num_candidates or cut[1]
@@ -222,14 +232,70 @@ class _WindowDecoder:
     its next part), the ratings here (kept alike)."""
 
     def __init__(
-        self, cfg: ParquetRankingDataConfig, sequences: SequenceDecoder, actions: str, users: np.ndarray | None
+        self,
+        cfg: ParquetRankingDataConfig,
+        sequences: SequenceDecoder,
+        actions: str,
+        users: np.ndarray | None,
+        rating_scale: float = 5.0,
     ) -> None:
         self.sequences, self.actions, self.user_vocab = sequences, actions, users
+        #: a rating's action id is `rint(factor * rating)`: 2 for MovieLens's five stars, in [0, 10] on any scale
+        self.factor = action_factor(rating_scale)
         self.columns = [*sequences.columns, actions]
         self.max_seq_len, self.num_candidates = int(cfg.max_seq_len), int(cfg.num_candidates)  # type: ignore[arg-type]
         self.thresholds = np.asarray(cfg.thresholds, dtype=np.float64)
         #: the last window's sample ids, ratings (flat) and their offsets
         self._cached: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def validate(self, table: pa.Table) -> RowProblems:
+        """Every row `__call__` would refuse, check by check (`recsys_pipe.data.parquet.checks`):
+        the sequence decoder's, and the ratings', the candidates' and the users' own."""
+        problems = self.sequences.validate(table)
+        items, item_offsets, _ = list_column(table.column(self.sequences.items))
+        ratings, offsets, null_lists = list_column(table.column(self.actions))
+        problems.add(self.actions, null_lists, "a null list")
+        problems.add(self.actions, (np.diff(offsets) != np.diff(item_offsets)) & ~null_lists, "lists of other lengths")
+        nulls = np.asarray(ratings.is_null()) if ratings.null_count else np.zeros(len(ratings), dtype=bool)
+        problems.add_values(self.actions, nulls, offsets, "a null rating")
+        values = ratings.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        action_ids = np.rint(self.factor * values)
+        problems.add_values(
+            self.actions,
+            ~((action_ids >= 0) & (action_ids < NUM_ACTIONS)),
+            offsets,
+            lambda at: _rating(values[at], self.factor),
+        )
+        short = np.diff(item_offsets) <= self.num_candidates
+        problems.add(
+            self.sequences.items, short, lambda row: _short(int(np.diff(item_offsets)[row]), self.num_candidates)
+        )
+        if self.user_vocab is not None:
+            raw = table.column(self.sequences.user).fill_null(0).to_numpy().astype(np.int64)
+            place = np.minimum(np.searchsorted(self.user_vocab, raw), len(self.user_vocab) - 1)
+            unknown = self.user_vocab[place] != raw
+            problems.add(self.sequences.user, unknown, lambda row: _unknown_user(int(raw[row])))
+        return problems
+
+    def serving_features(self) -> dict[str, Any]:
+        """Items and users through the stored vocabularies, ratings as action ids (`recsys_pipe.data.serving`)."""
+        seq = self.sequences
+        items = seq.items_record()
+        users = None
+        if self.user_vocab is not None:
+            names = seq.user_names
+            users = id_record("vocabulary", len(self.user_vocab), self.user_vocab if names is None else names)
+        columns = {"user": seq.user, "items": seq.items, "actions": self.actions}
+        if seq.stamps is not None:
+            columns["timestamps"] = seq.stamps
+        actions = {**RATING_ACTIONS, "transform": {"kind": "scaled_round", "scale": self.factor}}
+        return sequence_features(
+            items, actions, seq.stamps is not None, self.max_seq_len, self.num_candidates, users, columns
+        )
+
+    def named_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A row as read, its numbered ids as the texts they were (`SequenceDecoder.named_row`)."""
+        return self.sequences.named_row(row)
 
     def __call__(self, table: pa.Table, sample_ids: np.ndarray, order: np.ndarray | None, fail: Fail) -> WindowRows:
         window_ratings, window_offsets = self._ratings(table, sample_ids, fail)
@@ -241,29 +307,20 @@ class _WindowDecoder:
             ratings = window_ratings[concat_ranges(starts, window_offsets[1:][order] - starts)]
             window_fail = fail
 
-            def part_fail(column: str, message: str, row: int = 0) -> DataFileError:
-                return window_fail(column, message, int(order[row]))
+            def part_fail(column: str, message: str, row: int | None = None) -> DataFileError:
+                return window_fail(column, message, None if row is None else int(order[row]))
 
         n = np.diff(rows.offsets)
         c, length = self.num_candidates, self.max_seq_len
         short = np.flatnonzero(n <= c)
         if len(short):
             row = int(short[0])
-            raise part_fail(
-                self.sequences.items,
-                f"a row of {n[row]} event(s): a sample needs more than data.num_candidates={c} (history, then "
-                "candidates)",
-                row,
-            )
-        action_ids = np.rint(2.0 * ratings)  # halves to even, as Python's round(), which data=movielens uses
+            raise part_fail(self.sequences.items, _short(int(n[row]), c), row)
+        action_ids = np.rint(self.factor * ratings)  # halves to even, as Python's round(), which data=movielens uses
         bad = np.flatnonzero(~((action_ids >= 0) & (action_ids < NUM_ACTIONS)))
         if len(bad):
             at = int(bad[0])
-            raise part_fail(
-                self.actions,
-                f"rating {ratings[at]} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]",
-                _row_of(rows.offsets, at),
-            )
+            raise part_fail(self.actions, _rating(ratings[at], self.factor), _row_of(rows.offsets, at))
         users = self._users(rows.users, part_fail)
         keep = np.minimum(n, length)
         gather = concat_ranges(rows.offsets[:-1] + n - keep, keep)
@@ -324,16 +381,69 @@ class _WindowDecoder:
         unknown = np.flatnonzero((dense >= len(vocab)) | (vocab[np.minimum(dense, len(vocab) - 1)] != raw))
         if len(unknown):
             row = int(unknown[0])
-            raise fail(
-                self.sequences.user,
-                f"user id {raw[row]} is not in the stored user vocabulary ({USER_VOCAB_KEY.decode()})",
-                row,
-            )
+            raise fail(self.sequences.user, _unknown_user(int(raw[row])), row)
         return dense.astype(np.int64)
+
+
+def _check_window_columns(files: ParquetFiles, columns: Any, items: ItemStats) -> str | None:
+    """Every missing or wrong column of windows, and a missing item vocabulary, in one
+    ConfigError; returns the timestamp column to read (`check_sequence_columns`)."""
+    found, stamps = Collected(), None
+    with found:
+        stamps = check_sequence_columns(files, columns)
+    with found:
+        items.read(files)
+    with found:
+        if columns.actions is None:
+            raise ConfigError(ConfigProblem("data.columns.actions", "HSTU ranking needs the rating list column"))
+        _check_actions(files, columns.actions)
+    found.raise_all()
+    return stamps
+
+
+def _check_actions(files: ParquetFiles, actions: str) -> None:
+    schema = files.schema
+    i = schema.get_field_index(actions)
+    if i < 0:
+        raise DataFileError(
+            files.key,
+            files.where(0),
+            f"no column {actions!r} (data.columns.actions names it: each event's rating, for HSTU ranking); it "
+            f"has {schema.names}",
+        )
+    t = schema.field(i).type
+    if not (is_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
+        raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
+
+
+def _short(events: int, num_candidates: int) -> str:
+    return (
+        f"a row of {events} event(s): a sample needs more than data.num_candidates={num_candidates} (history, then "
+        "candidates)"
+    )
+
+
+def action_factor(rating_scale: float) -> float:
+    """What a rating is multiplied by for its action id: `(NUM_ACTIONS - 1) / scale` (2.0 on 5 stars)."""
+    return (NUM_ACTIONS - 1) / rating_scale
+
+
+def _rating(rating: float, factor: float = 2.0) -> str:
+    return f"rating {rating} gives the action id round({factor:g} * rating) outside [0, {NUM_ACTIONS - 1}]"
+
+
+def _unknown_user(user: int) -> str:
+    return f"user id {user} is not in the stored user vocabulary ({USER_VOCAB_KEY.decode()})"
 
 
 def _row_of(offsets: np.ndarray, event: int) -> int:
     return int(np.searchsorted(offsets, event, side="right")) - 1
+
+
+def rating_scale(files: ParquetFiles) -> float:
+    """The scale of the files' ratings, `(0, scale]` (`RATING_SCALE_KEY`; absent: 5 stars)."""
+    stored = files.metadata.get(RATING_SCALE_KEY)
+    return float(stored) if stored is not None else 5.0
 
 
 def _user_vocab(files: ParquetFiles) -> np.ndarray:
@@ -362,38 +472,28 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
         raise ConfigError(ConfigProblem("data.columns.actions", "HSTU ranking needs the rating list column"))
     actions: str = c.actions
     stamps: str | None = None
+    items = ItemStats(cfg.num_items)
+
+    factor = action_factor(5.0)
 
     def check_schema(files: ParquetFiles) -> None:
-        nonlocal stamps
-        stamps = check_sequence_columns(files, c)
-        schema = files.schema
-        i = schema.get_field_index(actions)
-        if i < 0:
-            raise DataFileError(
-                files.key,
-                files.where(0),
-                f"no column {actions!r} (data.columns.actions names it: each event's rating, for HSTU ranking); it "
-                f"has {schema.names}",
-            )
-        t = schema.field(i).type
-        if not (is_list_type(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type))):
-            raise DataFileError(files.key, files.where(0, column=actions), f"must be a list of numbers, it is {t}")
+        nonlocal stamps, factor
+        stamps = _check_window_columns(files, c, items)
+        factor = action_factor(rating_scale(files))
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:
             raise DataFileError(
                 files.key, files.where(file, group, c.user), f"{stats[c.user].null_count} null user id(s)"
             )
+        items.check(files, file, group, stats.get(c.items), c.items)
         st = stats.get(actions)
         for value in (st.min, st.max) if st is not None else ():
-            if value is not None and not 0 <= round(2 * float(value)) < NUM_ACTIONS:
-                raise DataFileError(
-                    files.key,
-                    files.where(file, group, actions),
-                    f"rating {value} gives the action id round(2 * rating) outside [0, {NUM_ACTIONS - 1}]",
-                )
+            if value is not None and not 0 <= round(factor * float(value)) < NUM_ACTIONS:
+                raise DataFileError(files.key, files.where(file, group, actions), _rating(value, factor))
 
-    files = open_parquet(cfg.path, "data.path", check_schema, check_stats, stats_columns=[c.user, actions])
+    stats = None if cfg.on_bad_row == "skip" else check_stats  # skipped as decoded, then
+    files = open_parquet(cfg.path, "data.path", check_schema, stats, stats_columns=[c.user, c.items, actions])
     cut = _stored_windows(files)
     if cut is not None and cut != (cfg.max_seq_len, cfg.num_candidates):
         raise ConfigError(
@@ -404,11 +504,12 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
                 "set those (or null), or convert again with other --windows / --num-candidates",
             )
         )
-    vocab, num_items = item_vocab(files, cfg.num_items)
+    vocab, num_items = items.vocab, items.num_items
     users = _user_vocab(files) if cfg.use_user_feature else None
     vocab_sizes = {ITEM_KEY: num_items, ACTION_KEY: NUM_ACTIONS}
     if users is not None:
         vocab_sizes[USER_KEY] = len(users)
     spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
-    decoder = _WindowDecoder(cfg, SequenceDecoder(cfg, vocab, num_items, stamps), actions, users)  # type: ignore[arg-type]
+    sequences = SequenceDecoder(cfg, vocab, num_items, stamps, names=files)  # type: ignore[arg-type]
+    decoder = _WindowDecoder(cfg, sequences, actions, users, rating_scale(files))  # type: ignore[arg-type]
     return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar, Literal
 
@@ -52,19 +53,29 @@ import pyarrow as pa
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch.utils.data import Dataset, get_worker_info
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, import_fn, validate_section
+from recsys_pipe.config import (
+    ConfigError,
+    ConfigProblem,
+    Section,
+    builder_field,
+    home_expanded,
+    import_fn,
+    validate_section,
+)
 from recsys_pipe.data.batch import INPUT_KEY, DataSpec, RetrievalSample, collate_retrieval
 from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.data.negatives import EVAL, unseen_items
 from recsys_pipe.data.parquet.decode import (
+    WINDOWS_KEY,
+    ItemStats,
     SequenceColumns,
     SequenceDecoder,
     UserRows,
     check_sequence_columns,
-    item_vocab,
 )
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.stream import EpochOrder, Piece, StreamSource, WindowDataset
+from recsys_pipe.data.serving import SEQUENCE_COLUMNS, retrieval_features, retrieval_row
 from recsys_pipe.data.source import SPLITS, DataConfig
 
 __all__ = [
@@ -122,7 +133,7 @@ class ParquetSequenceKeys(Section):
     def _readable_file(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("an empty list names no file")
-        return value
+        return home_expanded(value)
 
     # replaces a parent's check of num_candidates against max_seq_len: either may be null here
     @field_validator("num_candidates")
@@ -168,32 +179,44 @@ class ParquetSequencesDataConfig(ParquetSequenceKeys, SequencesDataConfig):
 
 
 class _Rows:
-    """Random access to users by global position (evaluation, dumps), one row group cached."""
+    """Random access to users by global position (evaluation, dumps), one row group cached.
+    With `skip` (`data.on_bad_row=skip`), a bad user is None (evaluation padding)."""
 
-    def __init__(self, files: ParquetFiles, decoder: SequenceDecoder) -> None:
+    def __init__(self, files: ParquetFiles, decoder: SequenceDecoder, skip: bool = False) -> None:
         self.files, self.decoder = files, decoder.copy()  # its rows are kept while training decodes
+        self.skip = skip
         units = files.units()
         self.first = units[:, 2]
         self.units = units
-        self._cached: tuple[int, UserRows] | None = None
+        #: the cached row group: its number, its (good) users, and each row's place among them (-1: bad)
+        self._cached: tuple[int, UserRows, np.ndarray] | None = None
 
-    def user(self, row: int) -> tuple[int, np.ndarray, np.ndarray]:
+    def user(self, row: int) -> tuple[int, np.ndarray, np.ndarray] | None:
         """(raw user id, dense items, timestamps) of the user at global position `row`."""
         u = int(np.searchsorted(self.first, row, side="right")) - 1
         if self._cached is None or self._cached[0] != u:
-            file, group, first = (int(x) for x in self.units[u])
-            files = self.files
-
-            def fail(column: str, message: str, row: int = 0) -> DataFileError:
-                return DataFileError(files.key, files.where(file, group, column), message)
-
-            table = files.read(file, group, self.decoder.columns)
-            ids = np.arange(first, first + table.num_rows, dtype=np.int64)
-            self._cached = (u, self.decoder(table, ids, None, fail))
-        rows = self._cached[1]
-        i = row - int(self.first[u])
+            self._cached = (u, *self._group(u))
+        _, rows, place = self._cached
+        i = int(place[row - int(self.first[u])])
+        if i < 0:
+            return None
         lo, hi = rows.offsets[i], rows.offsets[i + 1]
         return int(rows.users[i]), rows.items[lo:hi], rows.stamps[lo:hi]
+
+    def _group(self, u: int) -> tuple[UserRows, np.ndarray]:
+        file, group, first = (int(x) for x in self.units[u])
+        files = self.files
+        table = files.read(file, group, self.decoder.columns)
+        good = ~self.decoder.validate(table).bad if self.skip else np.ones(table.num_rows, dtype=bool)
+        at = np.flatnonzero(good)
+
+        def fail(column: str, message: str, row: int | None = None) -> DataFileError:
+            within = None if row is None else int(at[row])
+            return DataFileError(files.key, files.where(file, group, column, within), message)
+
+        ids = np.arange(first, first + table.num_rows, dtype=np.int64)[good]
+        table = table if good.all() else table.filter(pa.array(good))
+        return self.decoder(table, ids, None, fail), np.where(good, np.cumsum(good) - 1, -1)
 
 
 class _RawUsers:
@@ -202,8 +225,9 @@ class _RawUsers:
     def __init__(self, rows: _Rows) -> None:
         self.rows = rows
 
-    def __getitem__(self, user: int) -> int:
-        return self.rows.user(user)[0]
+    def __getitem__(self, user: int) -> int | None:
+        found = self.rows.user(user)
+        return None if found is None else found[0]
 
 
 #: users of a window that a worker turns into training rows at a time: a length-200 user's
@@ -218,8 +242,10 @@ class _Windows(WindowDataset):
     can span), so each part of a window reads none of them again (with one worker the parts of a
     window reach it in turn; with several, each worker reads the window's groups once)."""
 
-    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: SequenceDecoder, window: int) -> None:
-        super().__init__(files, order, decoder)
+    def __init__(
+        self, files: ParquetFiles, order: EpochOrder, decoder: SequenceDecoder, window: int, skip: bool = False
+    ) -> None:
+        super().__init__(files, order, decoder, skip)
         self._groups: dict[tuple[int, int], pa.Table] = {}
         self._keep_rows = window + 2 * int(files.unit_rows().max(initial=0))
 
@@ -272,7 +298,8 @@ class PartedStreamSource(StreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(eval_batches)
-        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window)  # type: ignore[arg-type]
+        skip = self.train_windows.skip
+        self.train_windows = _Windows(self.files, self.order, self.decoder, self.window, skip)  # type: ignore[arg-type]
 
     @property
     def piece_rows(self) -> int:
@@ -301,11 +328,37 @@ class ParquetSequences(PartedStreamSource):
         self.seed, self.max_seq_len = cfg.seed, cfg.max_seq_len
         self.eval_negatives, self.full_eval = cfg.eval_negatives, cfg.full_eval
         self.raw_items = decoder.vocab if decoder.vocab is not None else np.arange(decoder.num_items)
-        self._rows = _Rows(files, decoder)
+        self._rows = _Rows(files, decoder, skip=cfg.on_bad_row == "skip")
         self.raw_users = _RawUsers(self._rows)
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
+
+    def serving_features(self) -> dict[str, Any]:
+        """Items through the stored vocabulary, or as dense ids (`recsys_pipe.data.serving`)."""
+        decoder = self.decoder
+        assert isinstance(decoder, SequenceDecoder)
+        return retrieval_features(decoder.items_record(), decoder.stamps is not None, self.max_seq_len, self.columns)
+
+    @property
+    def columns(self) -> dict[str, str]:
+        c = self.cfg.columns
+        return {"user": c.user, "items": c.items, "timestamps": c.timestamps or SEQUENCE_COLUMNS["timestamps"]}
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """Each user's row (by global position) cut before its held-out item of `split`."""
+        decoder = self.decoder
+        assert isinstance(decoder, SequenceDecoder)
+        rows = []
+        for user in map(int, sample_ids):
+            found = self._rows.user(user)
+            assert found is not None  # a held-out sample is never a skipped row
+            raw_user, seq, stamps = found
+            named = raw_user if decoder.user_names is None else decoder.user_names[raw_user]
+            raw = self.raw_items[seq].tolist()
+            raw = raw if decoder.item_names is None else [decoder.item_names[i] for i in raw]
+            rows.append(retrieval_row(named, raw, stamps.tolist(), split, decoder.stamps is not None, self.columns))
+        return rows
 
     @property
     def num_users(self) -> int:
@@ -313,11 +366,17 @@ class ParquetSequences(PartedStreamSource):
 
     def held_out(self, user: int, split: str) -> int:
         """The dense id of `user`'s held-out item of `split`."""
-        return int(self._rows.user(user)[1][-2 if split == "valid" else -1])
+        found = self._rows.user(user)
+        assert found is not None, f"user {user} was skipped as bad, so it has no held-out item"
+        return int(found[1][-2 if split == "valid" else -1])
 
     def eval_sample(self, user: int, split: str) -> RetrievalSample | None:
-        """`user`'s evaluation sample of `split` (`SequencesDataset.eval_sample`), None below 3 items."""
-        _, seq, stamps = self._rows.user(user)
+        """`user`'s evaluation sample of `split` (`SequencesDataset.eval_sample`), None below 3
+        items or for a bad row skipped (`data.on_bad_row=skip`)."""
+        found = self._rows.user(user)
+        if found is None:
+            return None
+        _, seq, stamps = found
         if len(seq) < 3:
             return None
         end = len(seq) - (2 if split == "valid" else 1)
@@ -376,24 +435,39 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
     cfg = cfg.as_kind(SequencesDataConfig)  # type: ignore[assignment]
     c = cfg.columns
     stamps = c.timestamps
+    items = ItemStats(cfg.num_items)
 
     def check_schema(files: ParquetFiles) -> None:
         nonlocal stamps
-        stamps = check_sequence_columns(files, c)
+        found = Collected()
+        if WINDOWS_KEY in files.metadata:
+            raise DataFileError(
+                files.key,
+                files.where(0),
+                f"its rows are windows of ratings for HSTU ranking ({WINDOWS_KEY.decode()}), not one row per user: "
+                "a retrieval model reads users (convert without --windows)",
+            )
+        with found:
+            stamps = check_sequence_columns(files, c)
+        with found:
+            items.read(files)
+        found.raise_all()
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:
             raise DataFileError(
                 files.key, files.where(file, group, c.user), f"{stats[c.user].null_count} null user id(s)"
             )
+        items.check(files, file, group, stats.get(c.items), c.items)
 
-    files = open_parquet(cfg.path, "data.path", check_schema, check_stats, stats_columns=[c.user])
-    vocab, num_items = item_vocab(files, cfg.num_items)
+    stats = None if cfg.on_bad_row == "skip" else check_stats  # skipped as decoded, then
+    files = open_parquet(cfg.path, "data.path", check_schema, stats, stats_columns=[c.user, c.items])
+    vocab, num_items = items.vocab, items.num_items
     if cfg.eval_negatives > num_items - 1:
         raise ConfigError(
             ConfigProblem(
                 "data.eval_negatives", f"{cfg.eval_negatives} exceeds the {num_items - 1} other items of the data"
             )
         )
-    decoder = SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target)
+    decoder = SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target, names=files)
     return ParquetSequences(files, decoder, rank, world_size, cfg)

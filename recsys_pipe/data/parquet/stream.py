@@ -38,6 +38,13 @@ that was about a quarter of a worker's time (24 of 93 ms per window of 65,536 Cr
 worker whose blocks are all still in use (it cannot be, with the DataLoader's prefetching
 bounded as it is, but nothing relies on that) decodes into fresh shared memory instead.
 
+**Bad rows** (`data.on_bad_row`). By default a row the decoder refuses stops the run with one
+line naming the file, the row and the column. With `skip`, a window's bad rows are found first
+(the decoder's `validate`, `recsys_pipe.data.parquet.checks`) and left out of its decoding, but
+they keep their positions: batch `p` is still the rows of its positions, less its bad ones, so no
+other batch changes and a resume stays exact (a batch with bad rows is smaller; one with no good
+row stops the run). `BatchStream.skipped` counts each batch's skipped rows, in order.
+
 **A change of world size** (`resume_layout`): with the global batch size `W * B` kept, the
 epoch has the same `P` batches, and the rest of the interrupted epoch is what the old ranks had
 not trained yet, concatenated in old-rank order and cut into `W'` equal parts: every row of the
@@ -50,7 +57,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import multiprocessing
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -61,7 +68,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles
+from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, read_rows
 from recsys_pipe.data.source import PositionalSource
 
 __all__ = [
@@ -281,14 +288,24 @@ class _Failed:
         self.error = error
 
 
+@dataclass
+class _Marked:
+    """A window's rows without its bad ones (None: none good), and which of its positions (in
+    epoch order) they are: `kept[i]` is False for a skipped row (`data.on_bad_row=skip`)."""
+
+    rows: Any
+    kept: np.ndarray
+
+
 class WindowDataset(Dataset):
     """Map-style: `dataset[piece]` decodes one window (a `Piece`) into `Rows`, its used rows
     in their epoch order. The window's row-group slices are joined as Arrow chunks (no copy) and
     decoded once, the permutation applied while the columns are copied out. One row group's
-    table is kept for the next window of the same worker (windows smaller than row groups)."""
+    table is kept for the next window of the same worker (windows smaller than row groups).
+    With `skip`, bad rows are left out (`_Marked`)."""
 
-    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: Decoder) -> None:
-        self.files, self.order, self.decoder = files, order, decoder
+    def __init__(self, files: ParquetFiles, order: EpochOrder, decoder: Decoder, skip: bool = False) -> None:
+        self.files, self.order, self.decoder, self.skip = files, order, decoder, skip
         self._last: tuple[tuple[int, int], pa.Table] | None = None
 
     def __len__(self) -> int:  # indexed by pieces, not by integers
@@ -313,22 +330,50 @@ class WindowDataset(Dataset):
         files = self.files
         bounds = np.cumsum([0] + [hi - lo for _, _, lo, hi, _ in slices])
 
-        def fail(column: str, message: str, row: int = 0) -> DataFileError:
-            f, g, *_ = slices[int(np.searchsorted(bounds, row, side="right")) - 1]
-            return DataFileError(files.key, files.where(f, g, column), message)
+        def fail(column: str, message: str, row: int | None = None) -> DataFileError:
+            at = int(np.searchsorted(bounds, row or 0, side="right")) - 1
+            f, g, lo, *_ = slices[at]
+            within = None if row is None else lo + row - int(bounds[at])
+            return DataFileError(files.key, files.where(f, g, column, within), message)
 
         try:
             tables = [self._group(f, g).slice(lo, hi - lo) for f, g, lo, hi, _ in slices]
             table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
             ids = np.concatenate([np.arange(first, first + hi - lo, dtype=np.int64) for _, _, lo, hi, first in slices])
-            if isinstance(self.decoder, BlockDecoder):
-                rows = self.decoder(table, ids, order, fail, alloc)
-            else:
-                rows = self.decoder(table, ids, order, fail)
-            finish = getattr(rows, "finish", None)  # rows that depend on the epoch (negatives drawn per epoch)
-            return finish(piece.epoch) if finish is not None else rows
+            if not self.skip:
+                return self._decode(table, ids, order, fail, alloc, piece.epoch)
+            return self._decode_good(table, ids, order, fail, alloc, piece.epoch)
         except DataFileError as exc:
             return _Failed(exc)
+
+    def _decode(self, table: pa.Table, ids: np.ndarray, order: Any, fail: Fail, alloc: Alloc, epoch: int) -> Rows:
+        if isinstance(self.decoder, BlockDecoder):
+            rows = self.decoder(table, ids, order, fail, alloc)
+        else:
+            rows = self.decoder(table, ids, order, fail)
+        finish = getattr(rows, "finish", None)  # rows that depend on the epoch (negatives drawn per epoch)
+        return finish(epoch) if finish is not None else rows
+
+    def _decode_good(
+        self, table: pa.Table, ids: np.ndarray, order: Any, fail: Fail, alloc: Alloc, epoch: int
+    ) -> Rows | _Marked:
+        """The window less its bad rows (`validate`), which keep their positions (`_Marked`)."""
+        bad = self.decoder.validate(table).bad  # type: ignore[attr-defined]
+        if not bad.any():
+            return self._decode(table, ids, order, fail, alloc, epoch)
+        good = ~bad
+        kept = good if order is None else good[order]
+        if not kept.any():
+            return _Marked(None, kept)
+        place = np.cumsum(good) - 1  # each good row's place in the table without the bad ones
+        at = np.flatnonzero(good)
+
+        def fail_good(column: str, message: str, row: int | None = None) -> DataFileError:
+            return fail(column, message, None if row is None else int(at[row]))
+
+        good_order = None if order is None else place[order[kept]]
+        rows = self._decode(table.filter(pa.array(good)), ids[good], good_order, fail_good, alloc, epoch)
+        return _Marked(rows, kept)
 
 
 class ReusedArrays:
@@ -523,6 +568,76 @@ class _RingWindows(Dataset):
         return self.ring.stage(index, rows)
 
 
+class _Cutter:
+    """Cuts the rows of consecutive windows into batches of `batch_size` rows, in order."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.pending: list[Rows] = []
+        self.held = 0
+
+    def add(self, rows: Rows) -> list[Any]:
+        """The batches complete once `rows` (the next window's) are added."""
+        self.pending.append(rows)
+        self.held += len(rows)
+        if self.held < self.batch_size:
+            return []
+        joined = self.pending[0] if len(self.pending) == 1 else type(self.pending[0]).concat(self.pending)
+        full = self.held // self.batch_size * self.batch_size
+        batches = [joined.slice(s, s + self.batch_size).batch() for s in range(0, full, self.batch_size)]
+        self.pending = [joined.slice(full, self.held)] if full < self.held else []
+        self.held -= full
+        return batches
+
+    def own(self) -> None:
+        """Copy the rows held back into memory of their own (their block is about to be reused)."""
+        self.pending = [p.copy() for p in self.pending]
+
+
+class _SkippingCutter(_Cutter):
+    """`_Cutter` by positions: a batch is the good rows of its `batch_size` positions (`_Marked`
+    windows), and `skipped` gets the count of its bad ones."""
+
+    def __init__(self, batch_size: int, skipped: deque[int]) -> None:
+        super().__init__(batch_size)
+        self.skipped = skipped
+        self.kept: list[np.ndarray] = []
+        self.positions = 0
+
+    def add(self, rows: Rows | _Marked) -> list[Any]:
+        kept = rows.kept if isinstance(rows, _Marked) else np.ones(len(rows), dtype=bool)
+        rows = rows.rows if isinstance(rows, _Marked) else rows
+        if rows is not None:
+            self.pending.append(rows)
+        self.kept.append(kept)
+        self.positions += len(kept)
+        if self.positions < self.batch_size:
+            return []
+        joined = None
+        if self.pending:
+            joined = self.pending[0] if len(self.pending) == 1 else type(self.pending[0]).concat(self.pending)
+        kept_all = np.concatenate(self.kept)
+        full = self.positions // self.batch_size * self.batch_size
+        batches, at = [], 0
+        for start in range(0, full, self.batch_size):
+            good = int(kept_all[start : start + self.batch_size].sum())
+            if not good or joined is None:
+                raise ConfigError(
+                    ConfigProblem(
+                        "data.on_bad_row",
+                        f"every row of a batch of {self.batch_size} was bad and skipped: nothing to train on",
+                    )
+                )
+            batches.append(joined.slice(at, at + good).batch())
+            self.skipped.append(self.batch_size - good)
+            at += good
+        left = 0 if joined is None else len(joined) - at
+        self.pending = [joined.slice(at, at + left)] if left and joined is not None else []
+        self.kept = [kept_all[full:]]
+        self.positions -= full
+        return batches
+
+
 class BatchStream:
     """The batches of a sequence of pieces: windows decoded by `num_workers` DataLoader workers
     (or in this process), cut into batches of `batch_size` rows in order, pinned with `pin_memory`
@@ -548,6 +663,9 @@ class BatchStream:
         #: how the windows of the last iteration crossed from the workers: in a reused shared
         #: block ("block") or in fresh shared memory ("fresh")
         self.handoffs: Counter[str] = Counter()
+        #: with `data.on_bad_row=skip`: the rows skipped in each batch made so far, in order (the
+        #: trainer takes one as it trains each batch)
+        self.skipped: deque[int] = deque()
 
     def __iter__(self) -> Iterator[Any]:
         ring = None
@@ -569,8 +687,7 @@ class BatchStream:
             # its own generator: creating an iterator must not draw from the global torch RNG
             generator=torch.Generator().manual_seed(0),
         )
-        pending: list[Rows] = []
-        held = 0
+        cutter = _SkippingCutter(self.batch_size, self.skipped) if self.dataset.skip else _Cutter(self.batch_size)
         pin = self.pin_memory and torch.cuda.is_available()
         for rows in loader:
             index = None
@@ -580,17 +697,9 @@ class BatchStream:
                 raise rows.error
             if self.num_workers:
                 self.handoffs["fresh" if index is None else "block"] += 1
-            pending.append(rows)
-            held += len(rows)
-            batches = []
-            if held >= self.batch_size:
-                joined = pending[0] if len(pending) == 1 else type(pending[0]).concat(pending)
-                full = held // self.batch_size * self.batch_size
-                batches = [joined.slice(s, s + self.batch_size).batch() for s in range(0, full, self.batch_size)]
-                pending = [joined.slice(full, held)] if full < held else []
-                held -= full
+            batches = cutter.add(rows)
             if index is not None:  # nothing may point into the block once it is released
-                pending = [p.copy() for p in pending]
+                cutter.own()
                 ring.release(index)
             for batch in batches:
                 yield batch.pin_memory() if pin else batch
@@ -691,8 +800,21 @@ class StreamSource(PositionalSource):
                 )
             )
         self.order = EpochOrder(files, 0, total - held_out, cfg.shuffle, cfg.seed)
-        self.train_windows = WindowDataset(files, self.order, self.decoder)
-        self.eval_windows = WindowDataset(eval_source, self.eval_order, self.decoder)
+        skip = cfg.on_bad_row == "skip"
+        self.train_windows = WindowDataset(files, self.order, self.decoder, skip)
+        self.eval_windows = WindowDataset(eval_source, self.eval_order, self.decoder, skip)
+
+    def serving_features(self) -> dict[str, Any]:
+        """How the decoder transforms each feature (`recsys_pipe.data.serving.ServedSource`)."""
+        return self.decoder.serving_features()  # type: ignore[attr-defined]
+
+    def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
+        """The rows at the global positions `sample_ids` (of `data.eval_path`'s files for the
+        split `eval` when it names some), the columns the decoder reads, as the files hold them."""
+        files = self.eval_files if split == "eval" and self.eval_files is not None else self.files
+        rows = read_rows(files, sample_ids, self.decoder.columns)  # type: ignore[attr-defined]
+        named = getattr(self.decoder, "named_row", None)  # numbered text ids back to their texts
+        return rows if named is None else [named(row) for row in rows]
 
     @property
     def piece_rows(self) -> int:

@@ -25,21 +25,16 @@ import pyarrow as pa
 import torch
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
-from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, home_expanded
 from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
-from recsys_pipe.data.ids import (
-    ManagedFeature,
-    ManagedIds,
-    managed_string_ids,
-    raw_id_message,
-    raw_ids_problem,
-    splitmix64,
-    string_ids,
-)
-from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoLayoutConfig, transform_dense_into
+from recsys_pipe.data.ids import ManagedFeature, ManagedIds, managed_string_ids, raw_id_message, string_ids
+from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoLayoutConfig
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
-from recsys_pipe.data.parquet.files import DataFileError, ParquetFiles, RowGroupStats, open_parquet
+from recsys_pipe.data.parquet.checks import RowProblems, list_column, null_rows
+from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.stream import Alloc, Fail, ReusedArrays, StreamSource, shared_empty
+from recsys_pipe.data.preprocess import map_ids, signed_log1p_into
+from recsys_pipe.data.serving import id_record
 
 __all__ = [
     "ParquetDataConfig",
@@ -112,7 +107,7 @@ class ParquetDataConfig(CriteoLayoutConfig):
     def _names_files(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("an empty list names no file")
-        return value
+        return home_expanded(value)
 
     def spec(self) -> DataSpec:
         if self.columns is None:
@@ -123,9 +118,7 @@ class ParquetDataConfig(CriteoLayoutConfig):
             vocab_sizes={name: s.num_embeddings for name, s in c.sparse.items()},
             num_dense=len(c.dense),
             managed={
-                name: ManagedFeature(
-                    s.managed, f"data.columns.sparse.{name}", f"data.columns.sparse.{name}.num_embeddings"
-                )
+                name: ManagedFeature(s.managed, key, f"{key}.num_embeddings")
                 for name, s in c.sparse.items()
                 if s.ids == "managed"
                 for key in [f"data.columns.sparse.{name}"]
@@ -160,6 +153,13 @@ class _Feature:
     ids: IdMapping
     #: `ids: managed`: the raw id space `[0, input_hash_size)`
     input_hash_size: int = 0
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The feature's id mapping as `features.json` describes it (`recsys_pipe.data.preprocess`)."""
+        if self.ids == "managed":
+            return id_record(self.ids, self.num_embeddings, input_hash_size=self.input_hash_size)
+        return id_record(self.ids, self.num_embeddings)
 
 
 @dataclass
@@ -295,6 +295,8 @@ class TabularDecoder:
             {f.key: i for i, f in enumerate(self.single)},
             {f.key: i for i, f in enumerate(self.multi)},
         )
+        #: dense columns are read as int64 when all are integers, else as float64 (`_dense`)
+        self.dense_integers = all(pa.types.is_integer(schema.field(name).type) for name in self.dense)
         # per table row: labels and dense float32, single-hot ids and its sample id int64; per
         # window row: its place in `order` (int64)
         self.row_bytes = 4 * len(self.labels) + 4 * len(self.dense) + 8 * len(self.single) + 16
@@ -302,6 +304,45 @@ class TabularDecoder:
 
     def _joined(self, n: int, dtype: Any) -> np.ndarray:
         return self._buffer("joined", n, dtype)
+
+    def validate(self, table: pa.Table) -> RowProblems:
+        """Every row `__call__` would refuse, check by check (`recsys_pipe.data.parquet.checks`)."""
+        problems = RowProblems(table.num_rows)
+        for name in [*self.labels, *self.dense, *(f.column for f in self.single)]:
+            problems.add(name, null_rows(table.column(name)), "a null value")
+        for name in self.labels:
+            values = table.column(name).fill_null(0).to_numpy()
+            problems.add(name, (values < 0) | (values > 1), lambda row, v=values: f"label {v[row]} outside [0, 1]")
+        for f in self.single:
+            if f.ids == "hash":  # any id (integer or string) has a row
+                continue
+            raw = _id_values(table.column(f.column).combine_chunks().fill_null(0), f)
+            bad = _bad_ids(raw, f)
+            if bad is not None:
+                problems.add(f.column, bad, lambda row, v=raw, f=f: _id_message(int(v[row]), f))
+        for f in self.multi:
+            flat, offsets, null_lists = list_column(table.column(f.column))
+            problems.add(f.column, null_lists, "a null list")
+            nulls = np.asarray(flat.is_null()) if flat.null_count else np.zeros(len(flat), dtype=bool)
+            problems.add_values(f.column, nulls, offsets, "a null id")
+            if f.ids == "hash":
+                continue
+            raw = _id_values(flat.fill_null(0), f)
+            bad = _bad_ids(raw, f)
+            if bad is not None:
+                problems.add_values(f.column, bad, offsets, lambda at, v=raw, f=f: _id_message(int(v[at]), f))
+        return problems
+
+    def serving_features(self) -> dict[str, Any]:
+        """Each column's transform as this decoder applies it (`recsys_pipe.data.serving`)."""
+        parse = "int" if self.dense_integers else "float"
+        transform = {"kind": self.dense_transform}
+        features: dict[str, Any] = {
+            name: {"column": name, "parse": parse, "transform": transform} for name in self.dense
+        }
+        for f in [*self.single, *self.multi]:
+            features[f.key] = {"column": f.column, "parse": "id", "ids": f.record}
+        return {"features": features, "params": {}, "inputs": {"dense_features": list(self.dense)}}
 
     def __call__(
         self,
@@ -318,7 +359,8 @@ class TabularDecoder:
         for j, name in enumerate(self.labels):
             values = _numpy(table, name, fail, self._joined)
             if values.size and (values.min() < 0 or values.max() > 1):
-                raise fail(name, "a label outside [0, 1]", int(np.flatnonzero((values < 0) | (values > 1))[0]))
+                row = int(np.flatnonzero((values < 0) | (values > 1))[0])
+                raise fail(name, f"label {values[row]} outside [0, 1]", row)
             labels[:, j] = values
         ids = alloc((n, len(self.single)), torch.int64).numpy()
         for j, f in enumerate(self.single):
@@ -369,14 +411,13 @@ class TabularDecoder:
             return out
         array = out.numpy()
         # as `transform_dense` of the columns as one matrix: int64 if all are integers, else float64
-        integers = all(pa.types.is_integer(table.schema.field(name).type) for name in self.dense)
-        kind = np.int64 if integers else np.float64
+        kind = np.int64 if self.dense_integers else np.float64
         raw = self._buffer("raw", n, kind)
         for j, name in enumerate(self.dense):
             raw[:] = _numpy(table, name, fail, self._joined)
             if self.dense_transform == "signed_log1p":  # data=criteo's own function: bitwise the same features
                 same, wide = self._buffer("same", n, kind), self._buffer("wide", n, np.float64)
-                transform_dense_into(raw, array[:, j], same, wide)
+                signed_log1p_into(raw, array[:, j], same, wide)
             else:
                 array[:, j] = raw
         return out
@@ -425,34 +466,43 @@ def _ids(table: pa.Table, f: _Feature, fail: Fail, scratch: Scratch | None = Non
     return _joined([_id_values(c, f) for c in col.chunks], scratch)
 
 
-def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray | None = None) -> None:
-    """Negative ids (modulo, as_is), ids over the vocabulary (as_is) and raw ids outside the raw
-    id space (managed), named by their row."""
+def _bad_ids(values: np.ndarray, f: _Feature) -> np.ndarray | None:
+    """Ids the feature's mapping refuses (negative, for `as_is` over the vocabulary, for `managed`
+    outside the raw id space), or None."""
+    if f.ids == "hash" or not values.size:
+        return None
     if f.ids == "managed":
-        bad = raw_ids_problem(values, f.input_hash_size)
-        if bad is not None:
-            at, message = bad
-            raise fail(
-                f.column, message, at if offsets is None else int(np.searchsorted(offsets, at, side="right")) - 1
-            )
-        return
-    if values.size and (values.min() < 0 or (f.ids == "as_is" and values.max() >= f.num_embeddings)):
-        bad = values < 0 if f.ids == "modulo" else (values < 0) | (values >= f.num_embeddings)
+        if values.min() >= 0 and values.max() < f.input_hash_size:
+            return None
+        return (values < 0) | (values >= f.input_hash_size)
+    if values.min() >= 0 and (f.ids != "as_is" or values.max() < f.num_embeddings):
+        return None
+    return values < 0 if f.ids == "modulo" else (values < 0) | (values >= f.num_embeddings)
+
+
+def _id_message(value: int, f: _Feature) -> str:
+    if f.ids == "managed":
+        return raw_id_message(value, f.input_hash_size)
+    if value < 0:
+        return f"a negative id ({value}) with ids={f.ids}"
+    return f"id {value} >= num_embeddings={f.num_embeddings} with ids=as_is (set ids: hash or modulo)"
+
+
+def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray | None = None) -> None:
+    """The ids `_bad_ids` finds, the first named by its row."""
+    bad = _bad_ids(values, f)
+    if bad is not None:
         at = int(np.flatnonzero(bad)[0])
         row = at if offsets is None else int(np.searchsorted(offsets, at, side="right")) - 1
-        value = int(values[at])
-        if value < 0:
-            raise fail(f.column, f"a negative id ({value}) with ids={f.ids}", row)
-        raise fail(
-            f.column, f"id {value} >= num_embeddings={f.num_embeddings} with ids=as_is (set ids: hash or modulo)", row
-        )
+        raise fail(f.column, _id_message(int(values[at]), f), row)
 
 
 def _map_ids(raw: np.ndarray, f: _Feature) -> np.ndarray:
-    """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed); raw ids with
-    `ids: managed` (the model's managed-collision tables give them rows)."""
+    """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed): the mapping an
+    export's `preprocess.py` applies (`map_ids`), the checked modes without checking again; raw
+    ids with `ids: managed` (the model's managed-collision tables give them rows)."""
     if f.ids == "hash":
-        return (splitmix64(raw) % np.uint64(f.num_embeddings)).astype(np.int64)
+        return map_ids(raw, f.record)
     if f.ids == "modulo":
         return raw % f.num_embeddings
     return raw
@@ -493,34 +543,43 @@ def _check_schema(
             raise DataFileError(key, files.where(0), f"no column {name!r}{hint}; it has {schema.names}")
         return schema.field(i)
 
+    found = Collected()  # every missing or wrong column in one run
     for name in labels:
-        t = field_of(name).type
-        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-            raise DataFileError(key, files.where(0, column=name), f"a label column must be numeric, it is {t}")
+        with found:
+            t = field_of(name).type
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+                raise DataFileError(key, files.where(0, column=name), f"a label column must be numeric, it is {t}")
     for name in dense:
-        t = field_of(name).type
-        if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
-            raise DataFileError(key, files.where(0, column=name), f"a dense column must be numeric, it is {t}")
+        with found:
+            t = field_of(name).type
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+                raise DataFileError(key, files.where(0, column=name), f"a dense column must be numeric, it is {t}")
     for f in features:
-        t = field_of(f.column).type
-        inner = t.value_type if _is_list(t) else t
-        strings = pa.types.is_string(inner) or pa.types.is_large_string(inner) or pa.types.is_binary(inner)
-        if strings and f.ids not in ("hash", "managed"):
-            raise DataFileError(
-                key,
-                files.where(0, column=f.column),
-                f"string ids need ids: hash or managed (feature {f.key!r} has ids={f.ids})",
-            )
-        if not (pa.types.is_integer(inner) or strings):
-            raise DataFileError(
-                key,
-                files.where(0, column=f.column),
-                f"a sparse column must hold integer or string ids (or lists of them), it is {t}",
-            )
+        with found:
+            _check_sparse(files, key, f, field_of(f.column).type)
+    found.raise_all()
 
 
-def _stats_check(features: list[_Feature]) -> Any:
-    """What the row groups' statistics show: nulls, negative ids, ids over the vocabulary."""
+def _check_sparse(files: ParquetFiles, key: str, f: _Feature, t: pa.DataType) -> None:
+    inner = t.value_type if _is_list(t) else t
+    strings = pa.types.is_string(inner) or pa.types.is_large_string(inner) or pa.types.is_binary(inner)
+    if strings and f.ids not in ("hash", "managed"):
+        raise DataFileError(
+            key,
+            files.where(0, column=f.column),
+            f"string ids need ids: hash or managed (feature {f.key!r} has ids={f.ids})",
+        )
+    if not (pa.types.is_integer(inner) or strings):
+        raise DataFileError(
+            key,
+            files.where(0, column=f.column),
+            f"a sparse column must hold integer or string ids (or lists of them), it is {t}",
+        )
+
+
+def _stats_check(features: list[_Feature], labels: Sequence[str]) -> Any:
+    """What the row groups' statistics show: nulls, labels outside [0, 1], negative ids, ids over
+    the vocabulary."""
     by_column = {f.column: f for f in features}
 
     def check(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
@@ -529,6 +588,9 @@ def _stats_check(features: list[_Feature]) -> Any:
             where = files.where(file, group, name)
             if st.null_count and not _is_list(files.schema.field(name).type):  # a list leaf counts empty lists
                 raise DataFileError(files.key, where, f"{st.null_count} null value(s)")
+            if name in labels and isinstance(st.min, (int, float)) and (st.min < 0 or st.max > 1):
+                outside = st.min if st.min < 0 else st.max
+                raise DataFileError(files.key, where, f"label {outside} outside [0, 1] (its statistics)")
             if f is None or f.ids == "hash" or not isinstance(st.min, int):
                 continue
             if f.ids == "managed":
@@ -549,13 +611,14 @@ def _stats_check(features: list[_Feature]) -> Any:
 
 
 def _open_checked(
-    path: Any, key: str, labels: list[str], dense: list[str], features: list[_Feature], mapped: bool
+    path: Any, key: str, labels: list[str], dense: list[str], features: list[_Feature], mapped: bool, skip: bool
 ) -> ParquetFiles:
+    """The files, their schema checked and (unless bad rows are skipped) their statistics."""
     return open_parquet(
         path,
         key,
         check_schema=lambda files: _check_schema(files, labels, dense, features, mapped),
-        check_stats=_stats_check(features),
+        check_stats=None if skip else _stats_check(features, labels),
         stats_columns=[*labels, *(f.column for f in features)],
     )
 
@@ -564,10 +627,11 @@ def parquet_dataset(cfg: ParquetDataConfig, rank: int, world_size: int) -> Strea
     """Builder of `data=parquet`: this rank's share of the files, checked from their metadata."""
     labels, dense, transform, features = _features(cfg)
     mapped = cfg.columns is not None
-    files = _open_checked(cfg.path, "data.path", labels, dense, features, mapped)
+    skip = cfg.on_bad_row == "skip"  # the statistics' bad rows are then skipped as decoded
+    files = _open_checked(cfg.path, "data.path", labels, dense, features, mapped, skip)
     eval_files = None
     if cfg.eval_path is not None:
-        eval_files = _open_checked(cfg.eval_path, "data.eval_path", labels, dense, features, mapped)
+        eval_files = _open_checked(cfg.eval_path, "data.eval_path", labels, dense, features, mapped, skip)
         if eval_files.schema.remove_metadata() != files.schema.remove_metadata():
             raise ConfigError(
                 ConfigProblem("data.eval_path", f"{eval_files.where(0)}: a schema that differs from {files.where(0)}'s")

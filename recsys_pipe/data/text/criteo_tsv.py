@@ -33,6 +33,7 @@ __all__ = [
     "CriteoRows",
     "decode_hex_ids",
     "parse_criteo_chunk",
+    "raw_criteo_rows",
     "read_criteo",
 ]
 
@@ -107,6 +108,25 @@ def read_criteo(
         np.concatenate([p.labels for p in parts]).astype(np.float32),
         np.arange(lo + 1, hi + 1, dtype=np.int64),
     )
+
+
+def raw_criteo_rows(path: str, lines: list[int]) -> list[dict[str, int | str | None]]:
+    """The rows at the 1-based line numbers `lines` (in that order) as the file holds them:
+    `{label: 0|1, int_<i>: int or None (empty), cat_<i>: the hexadecimal string or None}`."""
+    wanted = set(lines)
+    found: dict[int, dict[str, int | str | None]] = {}
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        for number, line in enumerate(f, 1):
+            if number in wanted:
+                _parse_line(path, number, line)  # the reader's checks: a row that trained is valid
+                fields = line.rstrip("\r\n").split("\t")
+                row: dict[str, int | str | None] = {"label": int(fields[0])}
+                row.update({k: int(v) if v else None for k, v in zip(DENSE_NAMES, fields[1 : 1 + NUM_DENSE])})
+                row.update({k: v or None for k, v in zip(CATEGORICAL_KEYS, fields[1 + NUM_DENSE :])})
+                found[number] = row
+                if len(found) == len(wanted):
+                    break
+    return [found[n] for n in lines]
 
 
 def parse_criteo_chunk(path: str, chunk: Chunk) -> CriteoRows:

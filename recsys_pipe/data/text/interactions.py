@@ -26,7 +26,15 @@ from pydantic import Field, StrictBool, StrictStr
 from recsys_pipe.config import Section
 from recsys_pipe.data.text.files import fail
 
-__all__ = ["ROLES", "CsvConfig", "InteractionColumns", "ColumnLayout", "detect_layout", "read_interaction_columns"]
+__all__ = [
+    "ROLES",
+    "ColumnLayout",
+    "CsvConfig",
+    "InteractionColumns",
+    "detect_layout",
+    "has_string_ids",
+    "read_interaction_columns",
+]
 
 ROLES = ("user", "item", "rating", "timestamp")
 #: header names (lower case) that name each role when `data.csv.columns` is not given
@@ -143,14 +151,34 @@ def _is_int(text: str) -> bool:
     return True
 
 
-def read_interaction_columns(path: str, layout: ColumnLayout, layout_help: str) -> InteractionColumns:
-    """Every event of the file, checked: integer user, item and timestamp in [0, 2^62), a rating in
-    (0, 5]. A bad row is a ConfigError at `data.path` naming the file and line."""
-    columns = _arrow_columns(path, layout)
-    return columns if columns is not None else _python_columns(path, layout, layout_help)
+def read_interaction_columns(
+    path: str, layout: ColumnLayout, layout_help: str, rating_scale: float = 5.0, string_ids: bool = False
+) -> InteractionColumns:
+    """Every event of the file, checked: integer user and item ids (or, with `string_ids`, any
+    text: str arrays), a timestamp in [0, 2^62), a rating in (0, rating_scale]. A bad row is a
+    ConfigError at `data.path` naming the file and line."""
+    columns = _arrow_columns(path, layout, rating_scale, string_ids)
+    return columns if columns is not None else _python_columns(path, layout, layout_help, rating_scale, string_ids)
 
 
-def _arrow_columns(path: str, layout: ColumnLayout) -> InteractionColumns | None:
+def has_string_ids(path: str, layout: ColumnLayout) -> bool:
+    """Whether the first lines of the file (its first 8 KiB) hold a user or item id that is not an
+    integer (`u17`, `B00005N7P0`): such a file's ids are read as text."""
+    with open(path, encoding="latin-1", newline="") as f:
+        f.seek(layout.bom)
+        text = f.read(8192)
+    lines = text.splitlines()[int(layout.header) :]
+    if len(text) == 8192:
+        lines = lines[:-1]  # cut in the middle
+    ids = [i for i, r in enumerate(layout.roles) if r in ("user", "item")]
+    for line in lines:
+        row = _split(line, layout.delimiter)
+        if len(row) == len(layout.roles) and any(not _is_int(row[i].strip()) for i in ids):
+            return True
+    return False
+
+
+def _arrow_columns(path: str, layout: ColumnLayout, rating_scale: float, string_ids: bool) -> InteractionColumns | None:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.csv as pacsv
@@ -164,7 +192,9 @@ def _arrow_columns(path: str, layout: ColumnLayout) -> InteractionColumns | None
         names = [f"c{i}" for i in range(len(roles))]
         role_of = dict(zip(names, roles))
         separators = []
-    types = {n: {"rating": pa.float64(), None: pa.binary()}.get(r, pa.int64()) for n, r in role_of.items()}
+    text = {"user": pa.string(), "item": pa.string()} if string_ids else {}
+    kinds = {"rating": pa.float64(), None: pa.binary(), **text}
+    types = {n: kinds.get(r, pa.int64()) for n, r in role_of.items()}
     types.update(dict.fromkeys(separators, pa.binary()))
     delimiter = {None: " ", "::": ":"}.get(layout.delimiter, layout.delimiter)
     if len(delimiter) != 1:
@@ -185,9 +215,11 @@ def _arrow_columns(path: str, layout: ColumnLayout) -> InteractionColumns | None
         return None
     if any(pc.max(pc.binary_length(table.column(s))).as_py() for s in separators if table.num_rows):
         return None
-    got = {r: table.column(n).to_numpy() for n, r in role_of.items() if r is not None}
+    got = {r: table.column(n).to_numpy(zero_copy_only=False) for n, r in role_of.items() if r is not None}
+    if string_ids:
+        got["user"], got["item"] = (np.asarray(got[r], dtype=str) for r in ("user", "item"))
     rating, stamp = got.get("rating"), got.get("timestamp")
-    if rating is not None and not np.all((rating > 0) & (rating <= 5)):
+    if rating is not None and not np.all((rating > 0) & (rating <= rating_scale)):
         return None
     if stamp is not None and not np.all((stamp >= 0) & (stamp < MAX_TIMESTAMP)):
         return None
@@ -198,7 +230,9 @@ def _arrow_columns(path: str, layout: ColumnLayout) -> InteractionColumns | None
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _python_columns(path: str, layout: ColumnLayout, layout_help: str) -> InteractionColumns:
+def _python_columns(
+    path: str, layout: ColumnLayout, layout_help: str, rating_scale: float, string_ids: bool
+) -> InteractionColumns:
     """The line-by-line reader: the reference for what is accepted and for every error message."""
     roles = layout.roles
     wanted = {r: i for i, r in enumerate(roles) if r is not None}
@@ -213,22 +247,31 @@ def _python_columns(path: str, layout: ColumnLayout, layout_help: str) -> Intera
                 if len(row) != len(roles):
                     _wrong_width(path, number, line, row, layout, layout_help)
                 try:
-                    parsed = {r: (float if r == "rating" else int)(row[i]) for r, i in wanted.items()}
+                    parsed = {r: _PARSE[r if r in _PARSE else "id"](row[i], string_ids) for r, i in wanted.items()}
                 except ValueError:
                     _not_numbers(path, number, line, row, layout)
                 for r in ("user", "item"):
-                    if r in parsed and not _INT64_MIN <= parsed[r] <= _INT64_MAX:
+                    if r in parsed and not string_ids and not _INT64_MIN <= parsed[r] <= _INT64_MAX:
                         fail(path, number, f"{r} id {row[wanted[r]]!r} does not fit in a 64-bit integer")
-                if "rating" in parsed and not 0 < parsed["rating"] <= 5:  # MovieLens stars; also refuses nan and inf
-                    fail(path, number, f"rating {row[wanted['rating']]!r} is outside (0, 5]")
+                if "rating" in parsed and not 0 < parsed["rating"] <= rating_scale:  # also refuses nan and inf
+                    fail(path, number, f"rating {row[wanted['rating']]!r} is outside (0, {rating_scale:g}]")
                 if "timestamp" in parsed and not 0 <= parsed["timestamp"] < MAX_TIMESTAMP:
                     fail(path, number, f"timestamp {row[wanted['timestamp']]!r} is not a unix time in seconds")
                 for r, v in parsed.items():
                     values[r].append(v)
     except OSError as exc:
         fail(path, None, f"cannot read the file ({exc.strerror or exc})")
-    arrays = {r: np.array(v, dtype=np.float64 if r == "rating" else np.int64) for r, v in values.items()}
+    kinds = {"rating": np.float64, "user": str if string_ids else np.int64, "item": str if string_ids else np.int64}
+    arrays = {r: np.array(v, dtype=kinds.get(r, np.int64)) for r, v in values.items()}
     return InteractionColumns(arrays["user"], arrays["item"], arrays.get("rating"), arrays.get("timestamp"))
+
+
+#: how the line-by-line reader reads a field of each role (`id`: a user or an item)
+_PARSE = {
+    "rating": lambda text, string_ids: float(text),
+    "timestamp": lambda text, string_ids: int(text),
+    "id": lambda text, string_ids: text.strip() if string_ids else int(text),
+}
 
 
 def _labels(layout: ColumnLayout) -> list[str]:

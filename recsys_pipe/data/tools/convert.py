@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -181,6 +182,7 @@ def convert_sequences(
     csv: CsvConfig | None = None,
     windows: int | None = None,
     num_candidates: int = 4,
+    rating_scale: float = 5.0,
 ) -> ConvertedFile:
     """Convert a "user item" file or MovieLens ratings to sequence Parquet in `destination` (a
     directory, created if missing), named after the input (`ratings.dat` -> `ratings.parquet`):
@@ -196,46 +198,46 @@ def convert_sequences(
     each user's oldest first. The file needs ratings (they become the action ids and labels).
     The cut (`windows_metadata`) and the user vocabulary (`user_vocab_metadata`) go into the
     key-value metadata (`recsys_pipe.data.parquet.ranking`).
+
+    Ids that are text (`u17`, `B00005N7P0`: detected from the file's first lines) are numbered in
+    sorted order, users and items each; the file holds those numbers and its metadata the texts
+    in that order (`names_metadata`: what an export's `features.json` maps raw ids with). Ratings
+    may be on any scale `(0, rating_scale]`; the scale goes into the metadata too, and HSTU
+    ranking reads the ratings and `data.thresholds` in it (`RATING_SCALE_KEY`).
     """
+    if not rating_scale > 0:
+        raise _refuse(f"--rating-scale must be > 0, got {rating_scale}", "--rating-scale")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from recsys_pipe.data.in_memory.sequences import read_interactions
-    from recsys_pipe.data.parquet.decode import item_vocab_metadata
+    from recsys_pipe.data.parquet.decode import RATING_SCALE_KEY, item_vocab_metadata
     from recsys_pipe.data.parquet.ranking import user_vocab_metadata, windows_metadata
 
     if windows is not None and not 0 < num_candidates < windows:
         raise _refuse(f"need 0 < --num-candidates ({num_candidates}) < --windows ({windows})", "--num-candidates")
     (output,) = _plan_outputs([source], destination, overwrite)
-    data = read_interactions(source, csv)
+    data = read_interactions(source, csv, rating_scale, string_ids=None)
     if windows is not None and data.ratings is None:
         raise _refuse(
             f"{source}: --windows (HSTU ranking) needs a rating per event (they become the action ids and labels); "
             "the file has no rating column"
         )
     lengths = np.fromiter((len(s) for s in data.items), dtype=np.int64, count=len(data.items))
-    user_ids = np.asarray(data.users, dtype=np.int64)
-    items = _flat(data.items, np.int64)
+    user_ids, items, metadata = _numbered(data)
     flat = {"item_ids": (items, pa.int64())}
     if data.has_timestamps:
         flat["timestamps"] = (_flat(data.timestamps, np.int64), pa.int64())
     if data.ratings is not None:
         flat["actions"] = (_flat(data.ratings, np.float64), pa.float64())
-    metadata = item_vocab_metadata(items)
+        metadata[RATING_SCALE_KEY] = repr(float(rating_scale)).encode()
+    metadata |= item_vocab_metadata(items)
     if windows is not None:
         owner, gather, lengths = _windows(lengths, windows, num_candidates)
+        metadata |= user_vocab_metadata(user_ids) | windows_metadata(windows, num_candidates)
         user_ids = user_ids[owner]
         flat = {name: (values[gather], kind) for name, (values, kind) in flat.items()}
-        metadata |= user_vocab_metadata(np.asarray(data.users)) | windows_metadata(windows, num_candidates)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32 if lengths.sum() < 2**31 else np.int64)
-    list_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-
-    def lists(values: np.ndarray, kind):  # -> pyarrow array of lists
-        array = list_type.from_arrays(pa.array(offsets), pa.array(values, kind))
-        return array.cast(pa.list_(kind)) if list_type is pa.LargeListArray else array
-
-    columns = {"user_id": pa.array(user_ids)}
-    columns |= {name: lists(values, kind) for name, (values, kind) in flat.items()}
+    columns = {"user_id": pa.array(user_ids), **_list_columns(flat, lengths)}
     # the item vocabulary travels in the file's metadata, so data=parquet_sequences numbers items
     # as data=sequences does without scanning them before the first step
     schema = sequence_schema(data.has_timestamps, data.ratings is not None).with_metadata(metadata)
@@ -248,6 +250,33 @@ def convert_sequences(
         if os.path.exists(partial_path):
             os.remove(partial_path)
     return ConvertedFile(source, output, table.num_rows, pq.ParquetFile(output).num_row_groups)
+
+
+def _list_columns(flat: dict[str, tuple[np.ndarray, Any]], lengths: np.ndarray) -> dict[str, Any]:
+    """The flat `values` of each column as Arrow lists of `lengths` (64-bit offsets past 2^31 values)."""
+    import pyarrow as pa
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32 if lengths.sum() < 2**31 else np.int64)
+    list_type = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
+
+    def lists(values: np.ndarray, kind):  # -> pyarrow array of lists
+        array = list_type.from_arrays(pa.array(offsets), pa.array(values, kind))
+        return array.cast(pa.list_(kind)) if list_type is pa.LargeListArray else array
+
+    return {name: lists(values, kind) for name, (values, kind) in flat.items()}
+
+
+def _numbered(data: Any) -> tuple[np.ndarray, np.ndarray, dict[bytes, bytes]]:
+    """The users' and the events' item ids as int64, and the metadata of their names: integer ids
+    as they are (none); text ids numbered in sorted order (users come sorted already)."""
+    from recsys_pipe.data.parquet.decode import names_metadata
+
+    if not data.users or not isinstance(data.users[0], str):
+        return np.asarray(data.users, dtype=np.int64), _flat(data.items, np.int64), {}
+    raw = np.array([item for seq in data.items for item in seq], dtype=str)
+    item_names, items = np.unique(raw, return_inverse=True)
+    users = np.arange(len(data.users), dtype=np.int64)
+    return users, items.astype(np.int64), names_metadata(data.users, item_names.tolist())
 
 
 def _windows(lengths: np.ndarray, size: int, num_candidates: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
