@@ -26,7 +26,7 @@ from recsys_pipe.models.dlrm import (
     click_loss,
     click_serving,
 )
-from recsys_pipe.models.managed import split_bag_collection
+from recsys_pipe.models.managed import served_tables, split_bag_collection
 from recsys_pipe.models.serving import ServingForm
 
 __all__ = ["DLRMRanker", "build_dlrm", "build_dlrm_dcn", "embedding_bag_tables"]
@@ -85,7 +85,10 @@ class _DenseLookupDLRM(nn.Module):
         self.sources = [
             (True, layout.multi.index(n)) if n in layout.multi else (False, layout.single.index(n)) for n in names
         ]
-        self.tables = nn.ParameterList(bags.embedding_bags[table_of[name]].weight for name in names)
+        weights, remaps = served_tables(bags)
+        self.tables = nn.ParameterList(weights[table_of[name]] for name in names)
+        #: managed features (`ids: managed`) take raw ids: the program remaps them as the model did
+        self.remaps = nn.ModuleList(remaps.get(name, nn.Identity()) for name in names)
 
     def forward(
         self,
@@ -96,13 +99,13 @@ class _DenseLookupDLRM(nn.Module):
     ) -> torch.Tensor:
         dense = self.dense_arch(dense_features)
         pooled = []
-        for (multi, column), table in zip(self.sources, self.tables):
+        for (multi, column), table, remap in zip(self.sources, self.tables, self.remaps):
             if multi and list_ids is not None and list_lengths is not None:
-                ids = list_ids[:, column]
+                ids = remap(list_ids[:, column])
                 kept = torch.arange(ids.shape[1], device=ids.device)[None] < list_lengths[:, column, None]
                 pooled.append((table[ids] * kept[..., None]).sum(dim=1))
             else:
-                pooled.append(table[sparse_ids[:, column]])
+                pooled.append(table[remap(sparse_ids[:, column])])
         return self.over_arch(self.inter_arch(dense, torch.stack(pooled, dim=1)))
 
 

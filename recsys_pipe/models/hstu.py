@@ -47,7 +47,7 @@ from recsys_pipe.models.hstu_attention import (
     uses_triton,
 )
 from recsys_pipe.models.hstu_config import HSTUConfig
-from recsys_pipe.models.managed import split_collection
+from recsys_pipe.models.managed import served_tables, split_collection
 from recsys_pipe.models.serving import ServingForm
 
 if TYPE_CHECKING:
@@ -311,10 +311,13 @@ class _CandidateScores(nn.Module):
 
     def __init__(self, model: HSTUModel, length: int) -> None:
         super().__init__()
-        tables = model.ec.embeddings
-        self.items = tables[f"{ITEM_KEY}_table"].weight
-        self.actions = tables[f"{ACTION_KEY}_table"].weight
-        self.users = tables[f"{USER_KEY}_table"].weight if model.ranker.with_user else None
+        tables, remaps = served_tables(model.ec)
+        self.items = tables[f"{ITEM_KEY}_table"]
+        self.actions = tables[f"{ACTION_KEY}_table"]
+        self.users = tables[f"{USER_KEY}_table"] if model.ranker.with_user else None
+        #: managed items and users (`ids: managed`) come as raw ids: the program remaps them
+        self.item_rows = remaps.get(ITEM_KEY, nn.Identity())
+        self.user_rows = remaps.get(USER_KEY, nn.Identity())
         self.ranker = model.ranker
         self.length = length
 
@@ -331,9 +334,9 @@ class _CandidateScores(nn.Module):
         pos = torch.arange(self.length, device=items.device)
         candidate = pos[None] >= (lengths - num_candidates)[:, None]
         actions = torch.where(candidate, MASKED_ACTION, actions)
-        tokens = self.items[items] + self.actions[actions]
+        tokens = self.items[self.item_rows(items)] + self.actions[actions]
         if self.users is not None and users is not None:  # `prepend_context`: at the first item's time
-            tokens = torch.cat([self.users[users][:, None], tokens], dim=1)
+            tokens = torch.cat([self.users[self.user_rows(users)][:, None], tokens], dim=1)
             timestamps = torch.cat([timestamps[:, :1], timestamps], dim=1)
             lengths = lengths + 1
         mask = attention_mask(lengths, num_candidates, ranker.padded_len)

@@ -52,6 +52,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 __all__ = [
     "MANAGED_TABLE_TYPES",
     "ManagedRows",
+    "RawIdRemap",
     "SplitBagCollection",
     "SplitCollection",
     "counting_paused",
@@ -60,6 +61,7 @@ __all__ = [
     "managed_rows",
     "plan_buckets",
     "remap_raw_ids",
+    "served_tables",
     "split_bag_collection",
     "split_collection",
 ]
@@ -190,6 +192,43 @@ class ManagedRows(MCHManagedCollisionModule):
                     f"_history_{name}", torch.zeros(size, dtype=torch.int64, device=device), persistent=False
                 )
                 self._history_metadata[name] = getattr(self, f"_history_{name}")
+
+
+class RawIdRemap(nn.Module):
+    """A managed table's remapping as plain tensors, for an exported program: `forward(raw ids)
+    -> rows`, as the trained model looked them up (`remap_raw_ids` over the module's raw ids,
+    their rows and its shards' shared rows, `ManagedRows.shard_miss_rows`)."""
+
+    def __init__(self, rows: ManagedRows) -> None:
+        super().__init__()
+        miss_rows, self.block_size = rows.shard_miss_rows()
+        self.register_buffer("sorted_raw_ids", rows._mch_sorted_raw_ids.detach().clone())
+        self.register_buffer("rows", rows._mch_remapped_ids_mapping.detach().clone())
+        self.register_buffer("miss_rows", miss_rows)
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        return remap_raw_ids(values, self.sorted_raw_ids, self.rows, self.miss_rows, self.block_size)
+
+
+def served_tables(collection: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, RawIdRemap]]:
+    """What a serving program reads of a (split) table collection: each table's weight by table
+    name, and a `RawIdRemap` for each managed feature by feature name (none for the others)."""
+    plain, managed = (collection.plain, collection.managed) if isinstance(collection, _SPLITS) else (collection, None)
+    weights = dict(_weights(plain)) if plain is not None else {}
+    remaps: dict[str, RawIdRemap] = {}
+    if managed is not None:
+        weights.update(_weights(managed._embedding_module))
+        modules = managed._managed_collision_collection._managed_collision_modules
+        for table, features in managed._managed_collision_collection._table_to_features.items():
+            remap = RawIdRemap(modules[table])
+            remaps.update(dict.fromkeys(features, remap))
+    return weights, remaps
+
+
+def _weights(tables: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    bags = isinstance(tables, EmbeddingBagCollection)
+    for name, module in (tables.embedding_bags if bags else tables.embeddings).items():
+        yield name, module.weight
 
 
 def managed_rows(model: nn.Module) -> Iterator[tuple[str, ManagedRows]]:
@@ -335,6 +374,9 @@ def _waited(value: Any) -> Any:
 #: looked a batch up (its backward still to come) when the next batch's lookup evicts rows
 #: (semi-synchronous plans), as torchrec's flag is meant for
 _IN_PLACE = {"allow_in_place_embed_weight_update": True}
+
+
+_SPLITS = (SplitBagCollection, SplitCollection)
 
 
 def split_bag_collection(

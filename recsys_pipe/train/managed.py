@@ -3,13 +3,13 @@ model: the pre-flight refusals, and the part of the tables' state torchrec does 
 
 Refused before any process starts, each with one line naming the key:
 
-* a layout without torchrec's managed-collision modules: plain torch tables (`dlrm_torch`),
-  pipeline stages (their first stage's tables are on torchrec's dense kernel, which the
-  managed-collision sharders do not offer), or a model that builds no managed-collision table
-  for the feature (`check_model`), at the feature's `ids`;
+* a layout without torchrec's managed-collision modules (`refuse_managed`, called by each
+  `Parallelism` that cannot hold them: plain torch tables, `dlrm_torch`; tables on torchrec's
+  dense kernel), or a model that builds no managed-collision table for the feature
+  (`check_model`), at the feature's `ids`;
 * `model.compute_kernel=dense` (the managed-collision sharders offer the fused kernel only);
 * a table too small for the policy: every row-wise shard keeps its last row for the ids without
-  one, so each shard needs two rows at least, at the feature's `num_embeddings`;
+  one, so each shard needs two rows at least, at the key of the feature's rows;
 * a resume (or `recsys-eval`) on another number of ranks: each rank's shard of a managed table
   holds the raw ids of its slice of the id space, and the slices move with the rank count;
   the remapping is not resharded (`check_resume_ranks`), at `trainer.resume_from`.

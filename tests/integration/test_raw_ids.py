@@ -6,9 +6,12 @@ in the same order on the same batches, the remapping and the evictions included.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from _serving_snippet import load_fresh
 
 from recsys_pipe.testing import fork_ranks
 
@@ -99,3 +102,108 @@ def test_each_rank_remaps_the_raw_ids_of_its_slice_of_the_id_space(two_ranks):
         layout = data["layout"]
         assert layout["ids"] and all(rank * layout["block"] <= i < (rank + 1) * layout["block"] for i in layout["ids"])
         assert layout["offset"] == rank * 12  # 24 rows, 12 per rank
+
+
+# -- a trained run with managed tables: export, recsys-eval, resume on another rank count ----------
+
+TRAIN = [
+    "trainer=smoke",
+    "trainer.checkpoint.interval=4",
+    "trainer.eval_every=4",
+    "trainer.eval_batches=1",
+    "trainer.tensorboard=false",
+    "model=dlrm",
+    "model.sharding=row_wise",
+    "data=criteo_synthetic",
+    "data.ids=managed",
+    "data.num_embeddings=24",
+    "data.managed.eviction_policy=distance_lfu",
+]
+
+
+@pytest.fixture(scope="module")
+def managed_run(tmp_path_factory) -> Path:
+    """DLRM with managed tables sharded row-wise over 2 ranks (recsys-train as 2 forked ranks),
+    8 steps, checkpoints and evaluations at 4 and 8."""
+    out = tmp_path_factory.mktemp("managed") / "runs"
+    proc = fork_ranks(Path(sys.executable).parent / "recsys-train", *TRAIN, f"trainer.output_dir={out}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (out / "recsys-train").iterdir()
+    return run_dir
+
+
+def test_exported_program_remaps_raw_ids_as_the_trained_model(managed_run, tmp_path):
+    """The program takes raw ids and remaps them itself: fed both ranks' held-out batches (raw
+    ids, some without a row: each rank's shard has its own shared row), it reproduces the log
+    loss and AUC the 2-rank sharded model logged at step 4 within 1e-5."""
+    from torchmetrics.classification import BinaryAUROC
+
+    from recsys_pipe.cli import export as export_cli
+    from recsys_pipe.data import RankData
+    from recsys_pipe.train.export import load_run
+
+    out = tmp_path / "served4"
+    assert export_cli.run([str(managed_run), str(out), "checkpoint=step_4"]) == 0
+    program = torch.export.load(str(out / "program.pt2")).module()
+    run = load_run(managed_run, managed_run / "checkpoints" / "step_4", {})
+    logits, labels = [], []
+    for rank in range(2):
+        (batch,) = list(RankData(run.data, rank, 2, eval_batches=1).eval_loader())
+        assert int(batch.sparse_ids.max()) >= 2**16  # raw 32-bit ids, not rows
+        logits.append(program(batch.dense_features, batch.sparse_ids))
+        labels.append(batch.labels)
+    logits, labels = torch.cat(logits), torch.cat(labels)
+    logged = [json.loads(line) for line in (managed_run / "metrics.jsonl").read_text().splitlines()]
+    (at4,) = [r for r in logged if r["step"] == 4 and "auc" in r]
+    log_loss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
+    assert abs(log_loss - at4["log_loss"]) <= 1e-5
+    assert abs(float(BinaryAUROC()(logits[:, 0], labels[:, 0].int())) - at4["auc"]) <= 1e-5
+
+
+def test_exported_managed_model_serves_raw_rows_without_recsys_pipe(managed_run, tmp_path):
+    """The docs' serving snippet on raw rows (preprocess.py passes managed ids on as raw ids) in
+    an interpreter where recsys_pipe, torchrec and fbgemm cannot be imported: the trained scores."""
+    from recsys_pipe.cli import export as export_cli
+
+    out = tmp_path / "served"
+    assert export_cli.run([str(managed_run), str(out)]) == 0
+    record = json.loads((out / "features.json").read_text())["features"]["cat_0"]["ids"]
+    assert record == {"mapping": "managed", "num_embeddings": 24, "input_hash_size": 2**32, "strings": "fnv1a64"}
+    got = load_fresh(out)
+    assert got["diff"] <= 1e-5 and got["loaded"] == []
+
+
+def test_another_rank_count_is_refused_in_one_line(managed_run, capsys, monkeypatch):
+    """The remapping is not resharded: recsys-eval and a resume on 1 rank (of 2 that trained)
+    are refused before anything starts."""
+    from recsys_pipe.cli import eval as eval_cli
+    from recsys_pipe.cli import train as train_cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert eval_cli.run([str(managed_run), "checkpoint=step_4"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        err[0].startswith("error: checkpoint: checkpoint ") and "(ids=managed) of 2 rank(s), this run has 1" in err[0]
+    )
+    assert train_cli.run(["--check", *TRAIN, f"trainer.resume_from={managed_run}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: trainer.resume_from: checkpoint ") and "run on 2 rank(s)" in err[0]
+
+
+def test_exported_hstu_remaps_managed_items_and_users(tmp_path):
+    """HSTU ranking with managed items and users (one rank, trained in this process): the
+    program takes raw item and user ids and scores the candidates as the trained model."""
+    from recsys_pipe.cli import export as export_cli
+    from recsys_pipe.testing import train_here
+
+    args = ["trainer=smoke", "trainer.max_steps=2", "trainer.checkpoint.interval=2", "trainer.eval_every=0"]
+    args += ["trainer.eval_batches=1", "data.num_batches=8", "data.use_user_feature=true", "data.ids=managed"]
+    args += ["data.item_rows=64", "model.sharding=row_wise", "trainer.tensorboard=false"]
+    assert train_here(*args, f"trainer.output_dir={tmp_path / 'runs'}") == 0
+    (run_dir,) = (tmp_path / "runs" / "recsys-train").iterdir()
+    out = tmp_path / "served"
+    assert export_cli.run([str(run_dir), str(out)]) == 0
+    inputs = torch.load(out / "example_inputs.pt")
+    assert int(inputs["items"].max()) > 2**40 and int(inputs["users"].max()) > 2**40  # raw ids
+    got = load_fresh(out)
+    assert got["diff"] <= 1e-5 and got["loaded"] == []

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import CriteoSample, DataSpec, collate_criteo
-from recsys_pipe.data.ids import ManagedFeature, ManagedIds, raw_ids_problem, spread_ids
+from recsys_pipe.data.ids import MAX_INPUT_HASH_SIZE, ManagedFeature, ManagedIds, raw_ids_problem, spread_ids
 from recsys_pipe.data.preprocess import signed_log1p
 from recsys_pipe.data.serving import id_record
 from recsys_pipe.data.source import TabularDataConfig, readable_file
@@ -49,6 +49,7 @@ from recsys_pipe.data.text.criteo_tsv import (
 __all__ = [
     "CATEGORICAL_KEYS",
     "CRITEO_ID_SPACE",
+    "CriteoManagedIds",
     "DENSE_NAMES",
     "CriteoDataConfig",
     "CriteoDataset",
@@ -76,6 +77,18 @@ def transform_dense(raw: np.ndarray) -> np.ndarray:
 CRITEO_ID_SPACE = 2**32
 
 
+class CriteoManagedIds(ManagedIds):
+    """`data.managed` of the Criteo layout: `ManagedIds` over Criteo's 32-bit id space."""
+
+    input_hash_size: StrictInt = Field(
+        CRITEO_ID_SPACE,
+        ge=2,
+        le=MAX_INPUT_HASH_SIZE,
+        description="the raw id space [0, input_hash_size): Criteo's ids are 32-bit (2^32); integer ids outside "
+        "it are refused; row-wise sharding gives each rank an equal slice of it",
+    )
+
+
 class CriteoLayoutConfig(TabularDataConfig):
     """Sources of Criteo-format rows (13 dense and 26 categorical features, one click label):
     `data=criteo`, `criteo_synthetic` and `parquet` without a column mapping."""
@@ -89,9 +102,8 @@ class CriteoLayoutConfig(TabularDataConfig):
         description="how the categorical ids become rows: modulo (id % num_embeddings) or managed (the raw ids go to "
         "managed-collision tables of num_embeddings rows: data.managed, docs/raw-ids.md)",
     )
-    managed: ManagedIds = Field(
-        default_factory=lambda: ManagedIds(input_hash_size=CRITEO_ID_SPACE),
-        description="ids=managed: eviction and the raw id space (Criteo's ids are 32-bit: input_hash_size 2^32)",
+    managed: CriteoManagedIds = Field(
+        default_factory=CriteoManagedIds, description="ids=managed: the eviction policy and the raw id space"
     )
 
     @field_validator("num_embeddings")
