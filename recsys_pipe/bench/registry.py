@@ -67,6 +67,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         "recsys_pipe.bench.hstu_gpu",
         "HSTU at production sizes: MFU, samples/s, CPU/GPU ms per step; padded vs Triton attention (a GPU)",
     ),
+    "raw_ids": Benchmark(
+        "recsys_pipe.bench.raw_ids",
+        "ids: managed (each eviction policy) vs hash and modulo on a skewed, drifting id stream: AUC, speed, memory",
+    ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
     ),

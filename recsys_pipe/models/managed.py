@@ -213,7 +213,9 @@ class RawIdRemap(nn.Module):
 def served_tables(collection: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, RawIdRemap]]:
     """What a serving program reads of a (split) table collection: each table's weight by table
     name, and a `RawIdRemap` for each managed feature by feature name (none for the others)."""
-    plain, managed = (collection.plain, collection.managed) if isinstance(collection, _SPLITS) else (collection, None)
+    plain, managed = (
+        (collection.plain, collection.managed) if isinstance(collection, _SplitTables) else (collection, None)
+    )
     weights = dict(_weights(plain)) if plain is not None else {}
     remaps: dict[str, RawIdRemap] = {}
     if managed is not None:
@@ -304,24 +306,35 @@ def _split(
     return plain, kept
 
 
-class SplitBagCollection(nn.Module):
-    """An `EmbeddingBagCollection` in two parts: `plain` (a torchrec `EmbeddingBagCollection`, or
-    None) and `managed` (a `ManagedCollisionEmbeddingBagCollection`), both called on the whole
-    KJT; `forward` returns one `KeyedTensor` of every feature, as the collection it replaces. So
-    a model written for one collection (torchrec's `DLRM`) takes it as is."""
+class _SplitTables(nn.Module):
+    """A table collection in two parts: `plain` (torchrec's collection, or None) and `managed`
+    (its managed-collision twin), both called on the whole KJT (each takes its own features)."""
 
-    def __init__(self, plain: EmbeddingBagCollection | None, managed: ManagedCollisionEmbeddingBagCollection) -> None:
+    def __init__(self, plain: nn.Module | None, managed: nn.Module) -> None:
         super().__init__()
         self.plain = plain
         self.managed = managed
 
+    def _configs(self, method: str) -> list[Any]:
+        plain = getattr(self.plain, method)() if self.plain is not None else []
+        return [*plain, *getattr(self.managed._embedding_module, method)()]
+
+    def _parts(self, features: KeyedJaggedTensor) -> tuple[Any, Any]:
+        managed, _ = self.managed(features)  # (embeddings, remapped ids: not asked for)
+        return self.plain(features) if self.plain is not None else None, managed
+
+
+class SplitBagCollection(_SplitTables):
+    """An `EmbeddingBagCollection` in two parts (`_SplitTables`: an `EmbeddingBagCollection` and a
+    `ManagedCollisionEmbeddingBagCollection`); `forward` returns one `KeyedTensor` of every
+    feature, as the collection it replaces, so a model written for one collection (torchrec's
+    `DLRM`) takes it as is."""
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        plain = self.plain.embedding_bag_configs() if self.plain is not None else []
-        return [*plain, *self.managed._embedding_module.embedding_bag_configs()]
+        return self._configs("embedding_bag_configs")
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        managed, _ = self.managed(features)
-        return _joined_bags(self.plain(features) if self.plain is not None else None, managed)
+        return _joined_bags(*self._parts(features))
 
 
 @torch.fx.wrap
@@ -339,22 +352,15 @@ def _joined_bags(plain: Any, managed: Any) -> KeyedTensor:
     )
 
 
-class SplitCollection(nn.Module):
+class SplitCollection(_SplitTables):
     """An `EmbeddingCollection` in two parts (`SplitBagCollection`'s unpooled twin): `forward`
     returns one dict of every feature's `JaggedTensor`s."""
 
-    def __init__(self, plain: EmbeddingCollection | None, managed: ManagedCollisionEmbeddingCollection) -> None:
-        super().__init__()
-        self.plain = plain
-        self.managed = managed
-
     def embedding_configs(self) -> list[EmbeddingConfig]:
-        plain = self.plain.embedding_configs() if self.plain is not None else []
-        return [*plain, *self.managed._embedding_module.embedding_configs()]
+        return self._configs("embedding_configs")
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        managed, _ = self.managed(features)
-        return _joined_sequences(self.plain(features) if self.plain is not None else None, managed)
+        return _joined_sequences(*self._parts(features))
 
 
 @torch.fx.wrap
@@ -374,9 +380,6 @@ def _waited(value: Any) -> Any:
 #: looked a batch up (its backward still to come) when the next batch's lookup evicts rows
 #: (semi-synchronous plans), as torchrec's flag is meant for
 _IN_PLACE = {"allow_in_place_embed_weight_update": True}
-
-
-_SPLITS = (SplitBagCollection, SplitCollection)
 
 
 def split_bag_collection(
