@@ -134,7 +134,7 @@ def _train(info: Any, overrides: list[str], warmup: int, steps: int) -> dict[str
 
 
 #: the sizes of a run, and of `--quick` (an option given on the command line wins over both)
-SIZES = {"ids": 10_000_000, "rows": 100_000, "steps": 250, "batch": 4096, "eval_rows": 50_000, "eviction_interval": 30}
+SIZES = {"ids": 10_000_000, "rows": 100_000, "steps": 250, "batch": 4096, "eval_rows": 50_000, "eviction_interval": 10}
 QUICK = {"ids": 20_000, "rows": 1_000, "steps": 40, "batch": 128, "eval_rows": 4_000, "eviction_interval": 4}
 
 

@@ -71,7 +71,10 @@ class ManagedIds(Section):
         "seen), distance_lfu (frequency divided by the steps since last seen)",
     )
     eviction_interval: StrictInt = Field(
-        1, ge=1, description="training steps between evictions (new ids wait for the next one in the shared row)"
+        10,
+        ge=1,
+        description="training steps between evictions (new ids wait for the next one in the shared row; each "
+        "eviction sorts the table: docs/raw-ids.md has the trade-off measured)",
     )
     input_hash_size: StrictInt = Field(
         MAX_INPUT_HASH_SIZE,

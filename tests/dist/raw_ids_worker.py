@@ -13,7 +13,7 @@ they see, so ids are evicted while the plans train (`evicted_rows` counts the re
   that admit every id (no row a batch used is evicted), the semi-synchronous plans against the
   stale-embedding reference loop.
 * resume: per plan, a run with checkpoints every 4 steps, resumed from step 4 (the middle of an
-  eviction interval of 3), against the unbroken run; and a control resume that drops the ids
+  eviction interval of 3), against the unbroken run (steps 5 and 6); and a control resume that drops the ids
   counted since the last eviction, which must differ.
 * evaluation: `Trainer.evaluate` looks ids up without counting or evicting (the remapping and
   every table unchanged).
@@ -30,13 +30,14 @@ from recsys_pipe.runtime import init_distributed
 from recsys_pipe.testing import built_trainer, end_rank, load_run, parity_overrides, run_stale_embedding_reference
 from recsys_pipe.train import build_model, local_parameters
 
-STEPS = 8
+STEPS = 6
 DLRM = [
     "model=dlrm",
     "data=criteo_synthetic",
     "data.ids=managed",
     "data.num_embeddings=24",
     "data.synthetic.num_samples=4000",
+    "data.managed.eviction_interval=2",
     "model.sharding=row_wise",
 ]
 HSTU = [
@@ -44,6 +45,7 @@ HSTU = [
     "data=synthetic",
     "data.ids=managed",
     "data.managed.eviction_policy=lru",
+    "data.managed.eviction_interval=2",
     "data.use_user_feature=true",
     "data.synthetic.num_items=40",
     "data.synthetic.num_users=30",
