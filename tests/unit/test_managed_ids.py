@@ -266,3 +266,19 @@ def test_a_managed_sequence_table_is_an_embedding_collection_with_managed_rows()
     assert isinstance(split, SplitCollection)
     (rows,) = split.managed._managed_collision_collection._managed_collision_modules.values()
     assert isinstance(rows, ManagedRows) and type(rows._eviction_policy).__name__ == "DistanceLFU_EvictionPolicy"
+
+
+def test_a_criteo_file_id_outside_the_32_bit_space_is_refused_at_its_line(tmp_path):
+    from recsys_pipe.config import ConfigError
+    from recsys_pipe.data.in_memory.criteo import CriteoDataConfig, CriteoDataset
+
+    row = ["1", *["3"] * 13, *["0a1b2c3d"] * 26]
+    wide = [*row[:14], "1ffffffff", *row[15:]]  # 33 bits
+    path = tmp_path / "day.tsv"
+    path.write_text("\n".join("\t".join(r) for r in (row, row, wide)) + "\n")
+    CriteoDataset(CriteoDataConfig(path=str(tmp_path / "day.tsv"), ids="managed", max_rows=2))
+    with pytest.raises(ConfigError) as caught:
+        CriteoDataset(CriteoDataConfig(path=str(path), ids="managed"))
+    assert str(caught.value).startswith(
+        f"data.path: {path}:3: raw id 8589934591 is outside [0, input_hash_size=4294967296)"
+    )
