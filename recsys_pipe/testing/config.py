@@ -1,7 +1,8 @@
 """Config helpers for tests and benchmarks: compose a config as the CLIs do (`compose`), validate
-it (`load_run`), build or train its run in this process (`built_trainer`, `fit_run`), the
-overrides the parity workers train with (`parity_overrides`), and `recsys-plan` run in this
-process (`recsys_plan`)."""
+it (`load_run`), build or train its run in this process (`built_trainer`, `fit_run`; stopped at
+a checkpoint and resumed: `fit_resumed`), the overrides the parity workers train with
+(`parity_overrides`) and of a DLRM run on Criteo-layout Parquet (`parquet_criteo_overrides`),
+and `recsys-plan` run in this process (`recsys_plan`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,17 @@ if TYPE_CHECKING:
     from recsys_pipe.runtime import DistInfo
     from recsys_pipe.train import Trainer, TrainSummary
 
-__all__ = ["built_trainer", "compose", "fit_run", "load_run", "parity_overrides", "recsys_plan", "train_here"]
+__all__ = [
+    "built_trainer",
+    "compose",
+    "fit_resumed",
+    "fit_run",
+    "load_run",
+    "parity_overrides",
+    "parquet_criteo_overrides",
+    "recsys_plan",
+    "train_here",
+]
 
 
 def compose(*overrides: str, config_name: str = "config") -> Any:
@@ -69,6 +80,39 @@ def fit_run(
         if restore is not None:
             trainer.restore(restore)
         return trainer.fit(record_steps=True)
+
+
+def fit_resumed(
+    info: DistInfo, overrides: Sequence[str], step: int, run_dir: str | os.PathLike
+) -> tuple[TrainSummary, TrainSummary]:
+    """The run these overrides configure trained to `step` with a checkpoint there (in
+    `run_dir`), then trained on from that checkpoint: both summaries (`fit_run`)."""
+    from recsys_pipe.train import resolve_resume
+
+    stop = [f"trainer.max_steps={step}", f"trainer.checkpoint.interval={step}"]
+    first = fit_run(info, [*overrides, *stop], run_dir=run_dir)
+    return first, fit_run(info, overrides, restore=str(resolve_resume(run_dir, "unused")))
+
+
+def parquet_criteo_overrides(path: str, max_steps: int) -> list[str]:
+    """DLRM on the Criteo-layout Parquet at `path`, 64 rows a batch shuffled in windows of
+    three, two epochs (at most `max_steps`), no logging, evaluation or TensorBoard."""
+    return [
+        "trainer=smoke",
+        f"trainer.max_steps={max_steps}",
+        "trainer.epochs=2",
+        "trainer.log_every=100",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=1",
+        "trainer.tensorboard=false",
+        "model=dlrm",
+        "data=parquet",
+        f"data.path={path}",
+        "data.num_embeddings=64",
+        "data.batch_size=64",
+        "data.shuffle=true",
+        "data.shuffle_window=192",
+    ]
 
 
 def parity_overrides(steps: int, device: str = "cpu", backend: str = "gloo") -> list[str]:

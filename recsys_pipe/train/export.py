@@ -298,8 +298,9 @@ def verify_exports(outs: Sequence[Path]) -> list[dict[str, Any]]:
     """Score the saved files of each export in one fresh interpreter where recsys_pipe, torchrec
     and fbgemm cannot be imported (`recsys_pipe.train.serving_check`); one record per export."""
     script = Path(__file__).with_name("serving_check.py")
+    # -B: importing the export's preprocess.py must not leave a __pycache__ folder in OUT
     proc = subprocess.run(
-        [sys.executable, "-I", str(script), *map(str, outs)], capture_output=True, text=True, timeout=600
+        [sys.executable, "-I", "-B", str(script), *map(str, outs)], capture_output=True, text=True, timeout=600
     )
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()

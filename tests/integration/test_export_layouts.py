@@ -251,4 +251,14 @@ def test_the_cli_verifies_and_refuses_a_used_output(exports, tmp_path, capsys):
     assert export_cli.run([str(run_dir), str(out), "--overwrite"]) == 0
     assert "exported the ranking model" in capsys.readouterr().out
     assert not (out / "stale.pt").exists() and (out / "program.pt2").is_file()
+    # exactly the documented files: the saved-file check leaves no __pycache__ of preprocess.py
+    assert sorted(p.name for p in out.iterdir()) == [
+        "example_inputs.pt",
+        "expected_scores.pt",
+        "features.json",
+        "preprocess.py",
+        "program.pt2",
+        "raw_example.jsonl",
+        "serving.json",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # nothing left beside it

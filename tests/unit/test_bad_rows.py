@@ -14,8 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from _process_group import one_rank_group
 
-from recsys_pipe.testing import fit_run, train_here
-from recsys_pipe.train import resolve_resume
+from recsys_pipe.testing import fit_resumed, fit_run, parquet_criteo_overrides, train_here
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,23 +47,7 @@ def criteo(tmp_path_factory) -> str:
 
 
 def _run(path: str) -> list[str]:
-    return [
-        "trainer=smoke",
-        "trainer.max_steps=20",
-        "trainer.epochs=2",
-        "trainer.log_every=100",
-        "trainer.eval_every=0",
-        "trainer.eval_batches=1",
-        "trainer.tensorboard=false",
-        "model=dlrm",
-        "data=parquet",
-        f"data.path={path}",
-        "data.num_embeddings=64",
-        "data.batch_size=64",
-        "data.shuffle=true",
-        "data.shuffle_window=192",
-        "data.on_bad_row=skip",
-    ]
+    return [*parquet_criteo_overrides(path, 20), "data.on_bad_row=skip"]
 
 
 def test_skipped_rows_leave_their_batch_and_a_resume_stays_exact(info, criteo, tmp_path):
@@ -79,8 +62,7 @@ def test_skipped_rows_leave_their_batch_and_a_resume_stays_exact(info, criteo, t
     assert sorted(len(ids) for ids in trained).count(63) == 6 and len(trained) == 18  # one bad row each, twice
     assert reference.skipped == {"total": 6, "per_epoch": {1: 3, 2: 3}}
     plan = [*base, "pipeline=sparse_dist", "data.num_workers=2"]
-    first = fit_run(info, [*plan, "trainer.max_steps=7", "trainer.checkpoint.interval=7"], run_dir=tmp_path / "a")
-    second = fit_run(info, plan, restore=str(resolve_resume(tmp_path / "a", "unused")))
+    first, second = fit_resumed(info, plan, 7, tmp_path / "a")
     assert first.losses + second.losses == reference.losses
     assert [s.tolist() for s in first.sample_ids + second.sample_ids] == [s.tolist() for s in reference.sample_ids]
     assert first.skipped["total"] + second.skipped["total"] == 6  # each run counts what it trained

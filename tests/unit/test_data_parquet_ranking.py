@@ -248,3 +248,19 @@ def test_inspect_shows_the_window_cut(ratings, capsys):
     assert "actions: list<element: double>" in out
     assert 'recsys-pipe/windows: {"max_seq_len": 10, "num_candidates": 3}' in out
     assert "recsys-pipe/items:" not in out  # binary vocabularies are named, not shown
+
+
+def test_every_missing_key_and_column_of_ones_own_file_is_named_in_one_run(tmp_path, capsys, no_process_group):
+    """A user's own HSTU Parquet (other column names, no window cut, no vocabulary): one --check
+    names all that is missing, each once, and exits 2."""
+    from recsys_pipe.testing import train_here
+
+    lists = {"movies": [[1, 2, 3, 4]] * 3, "stars": [[1.0, 2.0, 3.0, 4.0]] * 3}
+    table = pa.table({"uid": [1, 2, 3], **{k: pa.array(v) for k, v in lists.items()}})
+    pq.write_table(table, tmp_path / "own.parquet")
+    assert train_here("--check", "model=hstu_small", "data=parquet_sequences", f"data.path={tmp_path}") == 2
+    lines = capsys.readouterr().err.splitlines()
+    named = ("data.max_seq_len:", "data.num_candidates:", "no column 'user_id'", "no column 'item_ids'")
+    named += ("no item vocabulary", "no column 'actions'")
+    assert [sum(n in line for line in lines) for n in named] == [1] * len(named)
+    assert lines[-1].startswith("recsys-train: 6 config errors, nothing was started")

@@ -11,7 +11,7 @@ import pytest
 from _process_group import one_rank_group
 
 from recsys_pipe.config import ConfigError
-from recsys_pipe.testing import fit_run
+from recsys_pipe.testing import fit_resumed, fit_run, parquet_criteo_overrides
 from recsys_pipe.train import resolve_resume
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,21 +50,7 @@ def files(tmp_path_factory):
 
 
 def _criteo(path: str) -> list[str]:
-    return [
-        "trainer=smoke",
-        "trainer.max_steps=24",
-        "trainer.epochs=2",
-        "trainer.log_every=100",
-        "trainer.eval_every=5",
-        "trainer.tensorboard=false",
-        "model=dlrm",
-        "data=parquet",
-        f"data.path={path}",
-        "data.num_embeddings=64",
-        "data.batch_size=64",
-        "data.shuffle=true",
-        "data.shuffle_window=192",
-    ]
+    return [*parquet_criteo_overrides(path, 24), "trainer.eval_every=5"]
 
 
 def test_a_resume_mid_epoch_is_bitwise_under_a_lookahead_plan_with_workers(info, files, tmp_path):
@@ -74,8 +60,7 @@ def test_a_resume_mid_epoch_is_bitwise_under_a_lookahead_plan_with_workers(info,
     reference = fit_run(info, [*base, "pipeline=serial"])
     assert len(reference.losses) == 24
     plan = [*base, "pipeline=sparse_dist", "data.num_workers=2"]
-    first = fit_run(info, [*plan, "trainer.max_steps=7", "trainer.checkpoint.interval=7"], run_dir=tmp_path / "a")
-    second = fit_run(info, plan, restore=str(resolve_resume(tmp_path / "a", "unused")))
+    first, second = fit_resumed(info, plan, 7, tmp_path / "a")
     assert first.losses + second.losses == reference.losses
     assert first.sample_ids[0].tolist() == reference.sample_ids[0].tolist()
     assert [s.tolist() for s in second.sample_ids] == [s.tolist() for s in reference.sample_ids[7:]]
@@ -99,8 +84,7 @@ def test_retrieval_trains_on_sequence_parquet_and_resumes_bitwise(info, files, t
         "model.max_seq_len=8",
     ]
     reference = fit_run(info, base)
-    first = fit_run(info, [*base, "trainer.max_steps=4", "trainer.checkpoint.interval=4"], run_dir=tmp_path / "s")
-    second = fit_run(info, base, restore=str(resolve_resume(tmp_path / "s", "unused")))
+    first, second = fit_resumed(info, base, 4, tmp_path / "s")
     assert first.losses + second.losses == reference.losses
     assert reference.evals and "valid" in reference.evals[-1]
 
