@@ -167,6 +167,19 @@ def test_exported_program_remaps_raw_ids_as_the_trained_model(managed_run, tmp_p
     assert got["diff"] <= 1e-5 and got["loaded"] == []
 
 
+def test_recsys_eval_on_the_ranks_that_trained_equals_the_logged_evaluation(managed_run):
+    """recsys-eval of step 4 on the 2 ranks that trained: the remapping is looked up as in the
+    training run's evaluation (nothing counted or evicted since), so the metrics are the same."""
+    proc = fork_ranks(Path(sys.executable).parent / "recsys-eval", str(managed_run), "checkpoint=step_4", timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluated = json.loads((managed_run / "eval.json").read_text())
+    logged = [json.loads(line) for line in (managed_run / "metrics.jsonl").read_text().splitlines()]
+    (at4,) = [r for r in logged if r["step"] == 4 and "auc" in r]
+    assert evaluated["world_size"] == 2
+    for key in ("eval_loss", "log_loss", "auc"):
+        assert evaluated[key] == at4[key], key
+
+
 def test_another_rank_count_is_refused_in_one_line(managed_run, capsys, monkeypatch):
     """The remapping is not resharded: recsys-eval and a resume on 1 rank (of 2 that trained)
     are refused before anything starts."""
