@@ -71,6 +71,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         "recsys_pipe.bench.compare",
         "before and after: a benchmark run alternately on this tree and on a baseline (a git ref), figures paired",
     ),
+    "raw_ids": Benchmark(
+        "recsys_pipe.bench.raw_ids",
+        "ids: managed (each eviction policy) vs hash and modulo on a skewed, drifting id stream: AUC, speed, memory",
+    ),
     "compile": Benchmark(
         "recsys_pipe.bench.compile", "trainer.compile=true against eager: ms/step, compile time, loss deviation"
     ),

@@ -9,18 +9,96 @@ these run over whole columns.
 
 The kernels live in `recsys_pipe.data.preprocess`, the file an export ships for serving: training
 and serving hash with the same code. This module reads Arrow's string buffers into them.
+
+`managed` mode does not map ids to rows here: the source passes each raw id on and the model's
+managed-collision tables (torchrec's `MCHManagedCollisionModule`, `recsys_pipe.models.managed`)
+give it a row of its own while it is frequent or recent enough (`ManagedIds`). Here the raw id
+only has to lie in the id space the tables split over the ranks, `[0, input_hash_size)`: an
+integer id outside it is refused (`raw_ids_problem`), a string id is hashed into it
+(`managed_string_ids`: FNV-1a, then the remainder).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import Field, StrictInt
 
+from recsys_pipe.config import Section
 from recsys_pipe.data.preprocess import fnv1a64 as _fnv1a64_bytes
-from recsys_pipe.data.preprocess import splitmix64, splitmix64_inplace
+from recsys_pipe.data.preprocess import raw_id_message, splitmix64, splitmix64_inplace
 
-__all__ = ["fnv1a64", "splitmix64", "splitmix64_inplace", "string_ids"]
+__all__ = [
+    "EVICTION_POLICIES",
+    "MAX_INPUT_HASH_SIZE",
+    "ManagedFeature",
+    "ManagedIds",
+    "SequenceIds",
+    "fnv1a64",
+    "managed_string_ids",
+    "raw_id_message",
+    "raw_ids_problem",
+    "spread_ids",
+    "splitmix64",
+    "splitmix64_inplace",
+    "string_ids",
+]
+
+
+#: the eviction policies of `ids: managed` (torchrec's LFU, LRU and distance-LFU)
+EVICTION_POLICIES = ("lfu", "lru", "distance_lfu")
+#: the largest raw id space: every non-negative int64
+MAX_INPUT_HASH_SIZE = 2**63 - 1
+
+
+class ManagedIds(Section):
+    """How `ids: managed` gives raw ids their rows (`<feature>.managed.*`; docs/raw-ids.md).
+
+    The table's rows hold the raw ids the eviction policy keeps: every `eviction_interval`
+    training steps the ids seen since the last eviction compete with the ids in the table, and
+    the policy's lowest-scored ones leave (their rows are re-initialised for the newcomers). An
+    id without a row (new, or evicted) is looked up in the table's last row, which every such
+    id shares until it wins one of its own."""
+
+    eviction_policy: Literal["lfu", "lru", "distance_lfu"] = Field(
+        "lfu",
+        description="which ids keep their rows: lfu (the most frequent since admitted), lru (the most recently "
+        "seen), distance_lfu (frequency divided by the steps since last seen)",
+    )
+    eviction_interval: StrictInt = Field(
+        10,
+        ge=1,
+        description="training steps between evictions (new ids wait for the next one in the shared row; each "
+        "eviction sorts the table: docs/raw-ids.md has the trade-off measured)",
+    )
+    input_hash_size: StrictInt = Field(
+        MAX_INPUT_HASH_SIZE,
+        ge=2,
+        le=MAX_INPUT_HASH_SIZE,
+        description="the raw id space [0, input_hash_size): integer ids outside it are refused, string ids are "
+        "hashed into it; row-wise sharding gives each rank an equal slice of it",
+    )
+
+
+@dataclass(frozen=True)
+class ManagedFeature:
+    """A feature with `ids: managed`, as the data tells the model (`DataSpec.managed`): its
+    settings, `key`, the config path of its mapping (`data.columns.sparse.<feature>`, or `data`
+    for a source's own features), and `rows_key`, the config path of its table's rows; its
+    problems are reported there."""
+
+    ids: ManagedIds
+    key: str
+    rows_key: str
+
+    def problem_key(self, name: str) -> str:
+        """The config path of the mapping's key `name` (`ids`, `managed.input_hash_size`)."""
+        return f"{self.key}.{name}"
 
 
 def fnv1a64(strings: pa.Array) -> np.ndarray:
@@ -39,3 +117,60 @@ def fnv1a64(strings: pa.Array) -> np.ndarray:
 def string_ids(strings: pa.Array) -> np.ndarray:
     """Stable 64-bit ids of strings (FNV-1a), as int64 bit patterns."""
     return fnv1a64(strings).view(np.int64)
+
+
+class SequenceIds(Section):
+    """How a sequence source's item and user ids become rows (`data.ids`, `data.managed`,
+    `data.item_rows`, `data.user_rows`)."""
+
+    ids: Literal["vocabulary", "managed"] = Field(
+        "vocabulary",
+        description="vocabulary: the source's dense ids (each distinct item/user its row); managed: the raw ids go "
+        "to managed-collision tables (data.managed, data.item_rows, data.user_rows; docs/raw-ids.md)",
+    )
+    managed: ManagedIds = Field(
+        default_factory=ManagedIds, description="ids=managed: the eviction policy and the raw id space"
+    )
+    item_rows: StrictInt | None = Field(
+        None, ge=2, description="ids=managed: rows of the item table (null: as many as the source has items)"
+    )
+    user_rows: StrictInt | None = Field(
+        None, ge=2, description="ids=managed: rows of the user table (null: as many as the source has users)"
+    )
+
+    def managed_features(self, rows_keys: Mapping[str, str]) -> dict[str, ManagedFeature]:
+        """`DataSpec.managed` for the source's id features (items, users; each with the config
+        path of its rows): all or none."""
+        if self.ids != "managed":
+            return {}
+        return {f: ManagedFeature(self.managed, "data", key) for f, key in rows_keys.items()}
+
+    def table_rows(self, vocabulary: int, which: Literal["item", "user"]) -> int:
+        """Rows of the item or user table: the source's `vocabulary`, or with `ids=managed` the
+        `item_rows` / `user_rows` given."""
+        rows = self.item_rows if which == "item" else self.user_rows
+        return rows if self.ids == "managed" and rows is not None else vocabulary
+
+
+def managed_string_ids(strings: pa.Array, input_hash_size: int) -> np.ndarray:
+    """Raw ids of strings for `ids: managed`: their FNV-1a hash (`fnv1a64`, as `ids: hash` reads
+    strings) reduced into `[0, input_hash_size)`, int64."""
+    return (fnv1a64(strings) % np.uint64(input_hash_size)).astype(np.int64)
+
+
+def raw_ids_problem(values: np.ndarray, input_hash_size: int) -> tuple[int, str] | None:
+    """The first integer id of `values` outside `[0, input_hash_size)` (`ids: managed`) as
+    (its position, what is wrong), or None when every id lies in it."""
+    if not values.size or (values.min() >= 0 and values.max() < input_hash_size):
+        return None
+    at = int(np.flatnonzero((values < 0) | (values >= input_hash_size))[0])
+    return at, raw_id_message(int(values[at]), input_hash_size)
+
+
+def spread_ids(ids: np.ndarray, salt: int | np.ndarray, input_hash_size: int) -> np.ndarray:
+    """Raw ids that a generated source sends for its dense `ids` (non-negative, below 2^40) with
+    `ids: managed`: SplitMix64 of `salt * 2^40 + id` reduced into `[0, input_hash_size)`, spread
+    over the raw id space as real ids are (row-wise shards each get their share). A different
+    `salt` per feature keeps features' raw ids apart (an array: one per id)."""
+    keys = np.asarray(ids, dtype=np.int64) + (np.asarray(salt, dtype=np.int64) << np.int64(40))
+    return (splitmix64(keys) % np.uint64(input_hash_size)).astype(np.int64)

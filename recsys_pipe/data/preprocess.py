@@ -24,8 +24,10 @@ raw rows.
   `int`, `float`, `hex`, `id`; `missing`: the value of an empty or absent cell), and its
   transform: `transform` for numbers (`none`, `signed_log1p`, `scaled_round` with `scale`) or
   `ids` for ids (`mapping`: `as_is`, `modulo`, `hash` with its `function`, `seed` and `strings`
-  hash, or `vocabulary` with its sorted raw `values`; all with `num_embeddings`). A new mapping
-  joins `ID_MAPPINGS` under its name with the parameters its record holds;
+  hash, `vocabulary` with its sorted raw `values`, or `managed` with its `input_hash_size`: the
+  program remaps raw ids itself, so they pass as raw ids, string ids hashed into
+  `[0, input_hash_size)` first; all with `num_embeddings`). A new mapping joins `ID_MAPPINGS`
+  under its name with the parameters its record holds;
 * `params`: the program's sizes (`max_seq_len`: its padded length; `history`: the most recent
   events a sample keeps; `num_candidates`) and the row keys it reads besides the features
   (`candidates_column`, `next_timestamp_column`).
@@ -52,6 +54,7 @@ __all__ = [
     "load_features",
     "map_ids",
     "parse_cells",
+    "raw_id_message",
     "signed_log1p",
     "signed_log1p_into",
     "splitmix64",
@@ -179,12 +182,33 @@ def _vocabulary(raw: Any, ids: Mapping[str, Any]) -> np.ndarray:
     return np.where(inside, place, -1).astype(np.int64)
 
 
-#: id mapping name -> `map(raw ids, its record) -> table rows` (int64)
+def raw_id_message(value: int, input_hash_size: int) -> str:
+    """Why the integer raw id `value` is refused with `ids: managed`."""
+    return (
+        f"raw id {value} is outside [0, input_hash_size={input_hash_size}) with ids=managed (integer ids are "
+        "taken as they are: raise managed.input_hash_size, or use string ids, which are hashed into it)"
+    )
+
+
+def _managed(raw: Any, ids: Mapping[str, Any]) -> np.ndarray:
+    """Raw ids as a program that remaps them itself takes them (`ids: managed`): a string's
+    FNV-1a hash reduced into `[0, input_hash_size)`, an integer as it is (refused outside it)."""
+    size = ids["input_hash_size"]
+    if isinstance(raw, list):
+        return (fnv1a64(*utf8(raw)) % np.uint64(size)).astype(np.int64)
+    bad = (raw < 0) | (raw >= size)
+    if raw.size and bad.any():
+        raise ValueError(raw_id_message(int(raw[np.flatnonzero(bad)[0]]), size))
+    return raw
+
+
+#: id mapping name -> `map(raw ids, its record) -> table rows` (int64; `managed`: raw ids)
 ID_MAPPINGS: dict[str, Callable[[Any, Mapping[str, Any]], np.ndarray]] = {
     "as_is": lambda raw, ids: _bounded(raw, ids, "as_is"),
     "modulo": lambda raw, ids: _bounded(raw, ids, "modulo") % ids["num_embeddings"],
     "hash": _hash,
     "vocabulary": _vocabulary,
+    "managed": _managed,
 }
 #: value transform name -> `transform(numbers, its record) -> numbers`
 VALUE_TRANSFORMS: dict[str, Callable[[np.ndarray, Mapping[str, Any]], np.ndarray]] = {

@@ -57,13 +57,21 @@ ACTION_IDS = {"parse": "int", "transform": {"kind": "none"}}
 NEXT_TIMESTAMP, NUM_CANDIDATES = "next_timestamp", "num_candidates"
 
 
-def id_record(mapping: str, num_embeddings: int, values: Sequence[Any] | np.ndarray | None = None) -> dict[str, Any]:
-    """An id mapping as `features.json` holds it (`recsys_pipe.data.preprocess.ID_MAPPINGS`)."""
+def id_record(
+    mapping: str,
+    num_embeddings: int,
+    values: Sequence[Any] | np.ndarray | None = None,
+    input_hash_size: int | None = None,
+) -> dict[str, Any]:
+    """An id mapping as `features.json` holds it (`recsys_pipe.data.preprocess.ID_MAPPINGS`):
+    `values` of a vocabulary, `input_hash_size` of managed ids."""
     record: dict[str, Any] = {"mapping": mapping, "num_embeddings": int(num_embeddings)}
     if mapping == "hash":
         record.update(function="splitmix64", seed=0, strings="fnv1a64")
     if mapping == "vocabulary":
         record["values"] = np.asarray(values).tolist()
+    if mapping == "managed":
+        record.update(input_hash_size=int(input_hash_size or 0), strings="fnv1a64")
     return record
 
 

@@ -1,6 +1,7 @@
 """Builders of `model=dlrm` and `model=dlrm_dcn`: torchrec's DLRM models over an
-`EmbeddingBagCollection` (one table per categorical feature, `<feature>_table`), wrapped so that
-`forward(batch)` follows the model protocol.
+`EmbeddingBagCollection` (one table per categorical feature, `<feature>_table`; the features
+with `ids: managed` in a managed-collision collection beside it, `recsys_pipe.models.managed`),
+wrapped so that `forward(batch)` follows the model protocol.
 
 torchrec's pipeline finds the collection's input by FX-tracing `DLRMRanker.forward`: the
 collection is called (through `DLRM.sparse_arch`) on `batch.sparse_features`, an attribute of the
@@ -13,7 +14,6 @@ import torch
 from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_pipe.data.batch import CriteoBatch, DataSpec
 from recsys_pipe.data.source import DataConfig
@@ -26,6 +26,7 @@ from recsys_pipe.models.dlrm import (
     click_loss,
     click_serving,
 )
+from recsys_pipe.models.managed import served_tables, split_bag_collection
 from recsys_pipe.models.serving import ServingForm
 
 __all__ = ["DLRMRanker", "build_dlrm", "build_dlrm_dcn", "embedding_bag_tables"]
@@ -84,7 +85,10 @@ class _DenseLookupDLRM(nn.Module):
         self.sources = [
             (True, layout.multi.index(n)) if n in layout.multi else (False, layout.single.index(n)) for n in names
         ]
-        self.tables = nn.ParameterList(bags.embedding_bags[table_of[name]].weight for name in names)
+        weights, remaps = served_tables(bags)
+        self.tables = nn.ParameterList(weights[table_of[name]] for name in names)
+        #: managed features (`ids: managed`) take raw ids: the program remaps them as the model did
+        self.remaps = nn.ModuleList(remaps.get(name, nn.Identity()) for name in names)
 
     def forward(
         self,
@@ -95,13 +99,13 @@ class _DenseLookupDLRM(nn.Module):
     ) -> torch.Tensor:
         dense = self.dense_arch(dense_features)
         pooled = []
-        for (multi, column), table in zip(self.sources, self.tables):
+        for (multi, column), table, remap in zip(self.sources, self.tables, self.remaps):
             if multi and list_ids is not None and list_lengths is not None:
-                ids = list_ids[:, column]
+                ids = remap(list_ids[:, column])
                 kept = torch.arange(ids.shape[1], device=ids.device)[None] < list_lengths[:, column, None]
                 pooled.append((table[ids] * kept[..., None]).sum(dim=1))
             else:
-                pooled.append(table[sparse_ids[:, column]])
+                pooled.append(table[remap(sparse_ids[:, column])])
         return self.over_arch(self.inter_arch(dense, torch.stack(pooled, dim=1)))
 
 
@@ -120,7 +124,7 @@ def _ranker(model: type[DLRM], cfg: DLRMArch, spec: DataSpec, **interaction: int
     over one table per sparse feature, sized by the data, in `DLRMRanker`."""
     return DLRMRanker(
         model(
-            embedding_bag_collection=EmbeddingBagCollection(tables=embedding_bag_tables(cfg, spec)),
+            embedding_bag_collection=split_bag_collection(embedding_bag_tables(cfg, spec), spec.managed),
             dense_in_features=spec.num_dense,
             dense_arch_layer_sizes=list(cfg.dense_arch_layer_sizes),
             over_arch_layer_sizes=[*cfg.over_arch_layer_sizes, spec.num_tasks],

@@ -7,7 +7,9 @@ Layout, chosen for torchrec's sparse-dist pipeline:
   `HSTURanker`. `_rewrite_model` FX-traces that forward with the ranker as a leaf
   (it holds no sharded module), finds the `ec` call whose argument is the `getattr` chain
   `batch.sparse_features`, and can then run the EC's input_dist ahead of the forward.
-  Anything data-dependent lives inside the ranker, which FX never traces.
+  Anything data-dependent lives inside the ranker, which FX never traces. With `ids: managed`
+  items (and users) `ec` is a `SplitCollection` (`recsys_pipe.models.managed`): the action
+  table and the managed-collision tables, each called on that same argument.
 * The ranker works on jagged token values `[T, D]`: LayerNorm, projections and the output
   MLP never see padding. The attention (`model.attention`) either pads to `[B, N, ...]` and
   back with fbgemm's `jagged_to_padded_dense` / `dense_to_jagged` (`padded`), or runs fused
@@ -30,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
@@ -47,6 +48,7 @@ from recsys_pipe.models.hstu_attention import (
     uses_triton,
 )
 from recsys_pipe.models.hstu_config import HSTUConfig
+from recsys_pipe.models.managed import served_tables, split_collection
 from recsys_pipe.models.serving import ServingForm
 
 if TYPE_CHECKING:
@@ -249,7 +251,7 @@ class HSTUModel(nn.Module):
 
     def __init__(self, cfg: HSTUConfig, spec: DataSpec, device: torch.device | None = None) -> None:
         super().__init__()
-        self.ec = EmbeddingCollection(tables=embedding_tables(cfg, spec), device=device)
+        self.ec = split_collection(embedding_tables(cfg, spec), spec.managed, device=device)
         self.ranker = HSTURanker(cfg, spec)
 
     def dense_modules(self) -> list[nn.Module]:
@@ -313,10 +315,13 @@ class _CandidateScores(nn.Module):
 
     def __init__(self, model: HSTUModel, length: int) -> None:
         super().__init__()
-        tables = model.ec.embeddings
-        self.items = tables[f"{ITEM_KEY}_table"].weight
-        self.actions = tables[f"{ACTION_KEY}_table"].weight
-        self.users = tables[f"{USER_KEY}_table"].weight if model.ranker.with_user else None
+        tables, remaps = served_tables(model.ec)
+        self.items = tables[f"{ITEM_KEY}_table"]
+        self.actions = tables[f"{ACTION_KEY}_table"]
+        self.users = tables[f"{USER_KEY}_table"] if model.ranker.with_user else None
+        #: managed items and users (`ids: managed`) come as raw ids: the program remaps them
+        self.item_rows = remaps.get(ITEM_KEY, nn.Identity())
+        self.user_rows = remaps.get(USER_KEY, nn.Identity())
         self.ranker = model.ranker
         self.length = length
 
@@ -333,9 +338,9 @@ class _CandidateScores(nn.Module):
         pos = torch.arange(self.length, device=items.device)
         candidate = pos[None] >= (lengths - num_candidates)[:, None]
         actions = torch.where(candidate, MASKED_ACTION, actions)
-        tokens = self.items[items] + self.actions[actions]
+        tokens = self.items[self.item_rows(items)] + self.actions[actions]
         if self.users is not None and users is not None:  # `prepend_context`: at the first item's time
-            tokens = torch.cat([self.users[users][:, None], tokens], dim=1)
+            tokens = torch.cat([self.users[self.user_rows(users)][:, None], tokens], dim=1)
             timestamps = torch.cat([timestamps[:, :1], timestamps], dim=1)
             lengths = lengths + 1
         mask = attention_mask(lengths, num_candidates, ranker.padded_len, ranker.mask_statics)

@@ -76,6 +76,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.data.batch import register_with_torchrec
 from recsys_pipe.models.base import ShardedModelConfig
+from recsys_pipe.models.managed import MANAGED_TABLE_TYPES, plan_buckets
 from recsys_pipe.models.sharders import project_sharders, sharder_for
 
 __all__ = [
@@ -100,12 +101,17 @@ STORAGE_RESERVATION = 0.15
 MULTI_HOST_TYPES = ("table_row_wise",)
 #: torchrec's column shards are a multiple of this many columns wide (`_find_base_dim`)
 COLUMN_BLOCK = 4
+#: the modules whose tables DMP shards (a managed-collision collection holds its table module)
+_TABLE_MODULES = (EmbeddingCollection, EmbeddingBagCollection, *MANAGED_TABLE_TYPES)
 
 
 def embedding_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The torchrec tables' modules of `model` by qualified name (`EmbeddingCollection`s and
-    `EmbeddingBagCollection`s)."""
-    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, (EmbeddingCollection, EmbeddingBagCollection))}
+    """The torchrec tables' modules of `model` by qualified name: its `EmbeddingCollection`s,
+    `EmbeddingBagCollection`s and managed-collision collections (`recsys_pipe.models.managed`),
+    which torchrec shards as one module with the collection inside them."""
+    found = {fqn: m for fqn, m in model.named_modules() if isinstance(m, _TABLE_MODULES)}
+    inside = {f"{fqn}._embedding_module" for fqn, m in found.items() if isinstance(m, MANAGED_TABLE_TYPES)}
+    return {fqn: m for fqn, m in found.items() if fqn not in inside}
 
 
 def has_torchrec_tables(model: nn.Module) -> bool:
@@ -113,6 +119,8 @@ def has_torchrec_tables(model: nn.Module) -> bool:
 
 
 def _table_configs(module: nn.Module) -> list[Any]:
+    if isinstance(module, MANAGED_TABLE_TYPES):
+        module = module._embedding_module
     return module.embedding_configs() if isinstance(module, EmbeddingCollection) else module.embedding_bag_configs()
 
 
@@ -254,6 +262,7 @@ def _planner_plan(
     batch_size: int,
 ) -> ShardingPlan:
     constraints = _planner_constraints(modules, cfg, world_size, local_size, device_type)
+    plan_buckets(model, world_size)
     topology = TopologyFactory.create_topology(
         PlannerTrainerConfig(world_size=world_size, local_world_size=local_size),
         kernel_config=KernelConfig(compute_device=device_type),

@@ -68,6 +68,9 @@ class StaleEmbeddingLoop:
     No pipelining machinery: the model's own forward (DistributedModelParallel), with each local
     table shard swapped to its previous-step copy for the forward and back to the current weights
     before backward, whose fused update then applies batch i's gradients to the current tables.
+    Rows the lookup itself re-initialises (managed tables admitting ids, `ids: managed`) are
+    re-initialised in the current tables too: exact where the previous batch did not update
+    them (rows admitted into free slots), as in the plans the re-initialisation comes first.
     With `stash_gradients` the dense step after batch i >= start_batch applies batch i-1's
     gradients (the first such step none). It steps through `self._optimizer`, so torchrec's
     `GradientAccumulationWrapper` can wrap it like one of torchrec's pipelines.
@@ -95,7 +98,9 @@ class StaleEmbeddingLoop:
             weight.data.copy_(old)  # .data: the lookup's saved weights keep their autograd version
         self._optimizer.zero_grad()
         loss, _ = self._model(batch)
-        for weight, now in zip(self._tables, current, strict=True):
+        for weight, now, before in zip(self._tables, current, stale, strict=True):
+            reset = (weight.data != before).any(dim=1)  # rows the lookup re-initialised
+            now[reset] = weight.data[reset]
             weight.data.copy_(now)
         loss.backward()
         if self._stash and i >= self._start:
@@ -156,6 +161,7 @@ def _local_table_weights(model: Any) -> list[Any]:
         for value in model.state_dict().values()
         if isinstance(value, ShardedTensor)
         for shard in value.local_shards()
+        if shard.tensor.is_floating_point() and shard.tensor.dim() == 2  # not a managed table's remap
     ]
     if not weights:
         raise ValueError("the model has no sharded tables")

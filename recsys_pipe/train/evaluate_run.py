@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +46,13 @@ def evaluate_run(
     line and writes `<run_dir>/eval.json`."""
     from recsys_pipe.runtime.distributed import init_distributed, teardown
     from recsys_pipe.train.build import build_parts, rank_data
+    from recsys_pipe.train.managed import check_resume_ranks
     from recsys_pipe.train.plan import training_plan
     from recsys_pipe.train.trainer import Trainer
 
     run_dir = Path(run_dir)
     path = resolve_checkpoint(run_dir, checkpoint)
+    check_resume_ranks(path, int(os.environ.get("WORLD_SIZE", "1")), key="checkpoint")
     run = load_run(run_dir, path, overrides or {})
     plan = training_plan(run)
     info = init_distributed(run.trainer.device, run.trainer.backend, timeout_s=run.trainer.peer_timeout_s)

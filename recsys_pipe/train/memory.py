@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from recsys_pipe.config import ConfigError, ConfigProblem
+
 if TYPE_CHECKING:
     from recsys_pipe.config import CompiledPlan
     from recsys_pipe.train.config import RunConfig
@@ -245,7 +247,7 @@ def _add_tables(
     fused_in_backward = run.model.compute_kernel == "fused"
     legend = {}
     for fqn, tables_module in embedding_modules(module).items():
-        pooled = not hasattr(tables_module, "embedding_configs")
+        pooled = "embedding_bags." in _prefix(tables_module)
         features = table_features(tables_module)
         for table, placement in sharding.plan[fqn].items():
             weight = dict(tables_module.named_parameters())[f"{_prefix(tables_module)}{table}.weight"]
@@ -260,6 +262,12 @@ def _add_tables(
                 weights_key = f"tables {kernel}"
                 mem.add(weights_key, shard_rows * shard_cols * elem)
                 legend[weights_key] = f"{weights_key}: the shards' weights on the {kernel} kernel"
+                remap = _remap_bytes(tables_module, table)
+                if remap:
+                    mem.add("managed remap", shard_rows * remap)
+                    legend["managed remap"] = (
+                        "managed remap: the managed tables' raw ids, rows and eviction counts/ages (ids=managed)"
+                    )
                 if kernel == "dense" and not fused_in_backward:
                     state_key = f"{run.optimizer.name} state+grads (dense)"
                     mem.add(state_key, shard_rows * shard_cols * (elem + 4 * dense_copies))
@@ -289,7 +297,21 @@ def _add_tables(
 
 
 def _prefix(tables_module: Any) -> str:
+    """Where a table module keeps its tables' weights (a managed-collision module: in its table module)."""
+    inner = getattr(tables_module, "_embedding_module", None)
+    if inner is not None:
+        return "_embedding_module." + _prefix(inner)
     return "embeddings." if hasattr(tables_module, "embedding_configs") else "embedding_bags."
+
+
+def _remap_bytes(tables_module: Any, table: str) -> int:
+    """Bytes per row of a managed table's remapping (torchrec's buffers: the sorted raw ids, their
+    rows, and the eviction policy's counts and/or ages, int64 each); 0 for other tables."""
+    collection = getattr(tables_module, "_managed_collision_collection", None)
+    if collection is None:
+        return 0
+    policy = collection._managed_collision_modules[table]._eviction_policy
+    return 8 * (2 + sum(1 for info in policy.metadata_info if info.is_mch_metadata))
 
 
 def _add_dense(run: RunConfig, module: Any, ranks: list[RankMemory]) -> list[str]:
@@ -404,6 +426,15 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
 
     if dist.is_initialized():
         raise RuntimeError("dry_run_tables needs a process without a process group")
+    if run.data.spec().managed:
+        raise ConfigError(
+            ConfigProblem(
+                "dry_run",
+                "the dry run cannot build managed-collision tables (ids=managed): torchrec's sharded "
+                "managed-collision collection gathers its shards' metadata from every rank, which torch's fake "
+                "process group does not carry; the estimate (memory_gib) counts their remapping",
+            )
+        )
     _, plan = planned_sharding(run, run.model, topology.world_size, topology.local_world_size, topology.device_type)
     saved_env = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(topology.local_world_size)  # torchrec's host groups read it

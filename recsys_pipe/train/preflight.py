@@ -142,6 +142,7 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     it (`check_inputs`), and the command's own `check`. A sweep runs it for every job before the
     first one starts."""
     from recsys_pipe.train.build import rank_data
+    from recsys_pipe.train.managed import check_resume_ranks
     from recsys_pipe.train.parallel import Topology, parallelism_of
 
     run, plan = check_plan(cfg, schema)
@@ -155,6 +156,7 @@ def check_run(cfg: DictConfig, schema: type[RunConfig] = RunConfig, check: Comma
     parallelism.check(topology)
     rank, world_size = int(os.environ.get("RANK", 0)), topology.world_size
     resume = check_resume(run, world_size, parallelism.table_shapes)
+    check_resume_ranks(resume.path, world_size)
     data = rank_data(run, rank, world_size)
     check_inputs(run, data)
     if resume.path is not None and data.stream is not None:

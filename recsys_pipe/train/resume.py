@@ -20,6 +20,7 @@ from recsys_pipe.runtime.distributed import DistInfo
 from recsys_pipe.train.checkpoint import Checkpointer, load_checkpoint, read_metadata, saved_config
 from recsys_pipe.train.config import RunConfig
 from recsys_pipe.train.fingerprint import FINGERPRINT_FILE, fingerprint
+from recsys_pipe.train.managed import MANAGED_STATE_KEY, history_state, load_history_state
 from recsys_pipe.train.optim import TrainOptimizer
 from recsys_pipe.train.progress import RunPosition
 from recsys_pipe.train.retrieval_eval import RetrievalEvaluation
@@ -256,10 +257,11 @@ class _TrainingState:
 
 
 class _RankState:
-    """`Stateful` of what a checkpoint holds for one rank only: its RNG states (`RngState`) and
+    """`Stateful` of what a checkpoint holds for one rank only: its RNG states (`RngState`),
     what is in flight (`TrainState.in_flight`: a semi-synchronous plan's started lookups and
-    kept gradients, absent otherwise). `lookups_restored` says whether the loaded file had
-    lookups in flight."""
+    kept gradients, absent otherwise) and its managed tables' ids counted since their last
+    eviction (`recsys_pipe.train.managed.history_state`, absent without managed tables).
+    `lookups_restored` says whether the loaded file had lookups in flight."""
 
     def __init__(self, owner: RunCheckpointer):
         self.owner = owner
@@ -270,10 +272,14 @@ class _RankState:
         in_flight = self.owner.state.in_flight()
         if in_flight:
             state[IN_FLIGHT_KEY] = in_flight
+        managed = history_state(self.owner.state.model)
+        if managed:
+            state[MANAGED_STATE_KEY] = managed
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.owner.rng.load_state_dict(state)
+        load_history_state(self.owner.state.model, state.get(MANAGED_STATE_KEY, {}))
         in_flight = state.get(IN_FLIGHT_KEY, {})
         self.owner.state.restore_in_flight(in_flight)
         self.lookups_restored = bool(in_flight.get("lookups"))

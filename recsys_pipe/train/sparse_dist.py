@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_pipe.engine import StreamPool
+from recsys_pipe.models.managed import counting_paused
 
 __all__ = ["CONTEXTS", "TorchrecSparseDist"]
 
@@ -211,12 +213,15 @@ class TorchrecSparseDist:
                 f"to semi_sync or fused (it is {self.context_kind})"
             )
         target = self.stream("default")
-        for module in self.pipelined_modules:
-            _start_embedding_lookup(module, context, self.stream("data_dist"), target, torch.cuda.stream)
+        with self._lock:
+            saved = self._restored.pop(step, None) if step is not None else None
+        # a restored lookup runs again on tables that counted its ids already (ids: managed)
+        with counting_paused(self.pipelined_modules) if saved is not None else nullcontext():
+            for module in self.pipelined_modules:
+                _start_embedding_lookup(module, context, self.stream("data_dist"), target, torch.cuda.stream)
         if step is not None:
             with self._lock:
                 self._started[step] = context
-                saved = self._restored.pop(step, None)
             if saved is not None:
                 _substitute(context, saved, step)
         return context.embedding_a2a_requests

@@ -33,6 +33,26 @@ VARIANTS = {
 MODELS = {
     "dlrm_torch": ["model=dlrm_torch", "data=criteo_synthetic"],  # plain torch tables (DDP)
     "hstu_small": ["model=hstu_small", "data=synthetic"],  # torchrec tables (DMP, the input-dist tasks)
+    # managed-collision tables (ids: managed, row-wise), evicting every 2 steps: DLRM's pooled ones on
+    # its row-wise Adagrad (torchrec's eviction resets that state with fbgemm's CUDA kernel), HSTU's
+    "dlrm_managed": [
+        "model=dlrm",
+        "data=criteo_synthetic",
+        "data.ids=managed",
+        "data.num_embeddings=64",
+        "data.managed.eviction_interval=2",
+        "model.sharding=row_wise",
+    ],
+    "hstu_managed": [
+        "model=hstu_small",
+        "data=synthetic",
+        "data.ids=managed",
+        "data.item_rows=64",
+        "data.use_user_feature=true",
+        "data.managed.eviction_policy=lru",
+        "data.managed.eviction_interval=2",
+        "model.sharding=row_wise",
+    ],
 }
 #: what init_distributed sets for a plain process; cleared so each run makes its own group
 GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

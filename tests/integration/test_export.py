@@ -17,14 +17,13 @@ the evaluation the training run logged after that step, exactly (same data, same
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _serving_snippet import load_fresh
 
 from recsys_pipe.cli import export as export_cli
 from recsys_pipe.testing import worker_env
@@ -34,40 +33,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SMOKE = ["trainer=smoke", "trainer.checkpoint.interval=4", "trainer.eval_every=4", "trainer.tensorboard=false"]
-
-#: prepended to the docs' serving snippet: recsys_pipe, torchrec and fbgemm cannot be imported
-BLOCKER = """
-import importlib.abc, json, sys
-BLOCKED = {"recsys_pipe", "torchrec", "fbgemm_gpu"}
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked")
-sys.meta_path.insert(0, Block())
-"""
-#: appended: the snippet's scores against the trained model's, another batch size, what it loaded
-REPORT = """
-got = program(*preprocess.inputs(rows).values())
-expected = torch.load(f"{out}/expected_scores.pt")
-if "candidates" in expected:
-    table = torch.load(f"{out}/item_table.pt")
-    got = (got[:, None, :] * table[expected["candidates"]]).sum(-1)
-    known = set(preprocess.item_ids(range(len(table))).tolist())
-    assert scores.shape == (len(rows), 10) and set(scores.flatten().tolist()) <= known
-inputs = torch.load(f"{out}/example_inputs.pt")
-half = {k: v[: max(1, len(v) // 2)] for k, v in inputs.items()}
-program(*half.values())
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
-print(json.dumps({"diff": float((got - expected["scores"]).abs().max()), "loaded": loaded, "n": got.shape[0]}))
-"""
-
-
-def serving_snippet() -> str:
-    """The ten lines docs/operations/serving.md shows (its only python block)."""
-    page = (ROOT / "docs" / "operations" / "serving.md").read_text()
-    (block,) = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert len([line for line in block.strip().splitlines() if line.strip()]) <= 10
-    return block
 
 
 def _train(tmp: Path, *overrides: str, nproc: int = 1) -> Path:
@@ -86,22 +51,6 @@ def _train(tmp: Path, *overrides: str, nproc: int = 1) -> Path:
     return run_dir
 
 
-def _load_fresh(out: Path) -> dict:
-    """Run the docs' snippet on `out` in a fresh interpreter (cwd: `out`'s parent)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = BLOCKER + serving_snippet().replace('out = "exported"', f"out = {out.name!r}") + REPORT
-    proc = subprocess.run(  # any UserWarning (a requires_grad one, say) fails the snippet
-        [sys.executable, "-W", "error::UserWarning", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=out.parent,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def dlrm_run(tmp_path_factory) -> Path:
     """DLRM (torchrec tables sharded over 2 ranks), 8 steps, checkpoints at 4 and 8."""
@@ -115,7 +64,7 @@ def test_exported_dlrm_scores_without_recsys_pipe(dlrm_run, tmp_path, capsys):
     assert "exported the ranking model" in capsys.readouterr().out
     described = json.loads((out / "serving.json").read_text())
     assert described["step"] == 8 and described["kind"] == "ranking" and described["max_abs_diff"] <= 1e-5
-    got = _load_fresh(out)
+    got = load_fresh(out)
     assert got["diff"] <= 1e-5 and got["loaded"] == [] and got["n"] == 64
 
 
@@ -162,7 +111,7 @@ def test_exported_retrieval_encoder_and_item_table(sasrec_run, tmp_path):
     assert export_cli.run([str(run_dir), str(out)]) == 0
     table = torch.load(out / "item_table.pt")
     assert table.shape == (30, 50)
-    got = _load_fresh(out)
+    got = load_fresh(out)
     assert got["diff"] <= 1e-5 and got["loaded"] == [] and got["n"] == 4
 
 
@@ -194,7 +143,7 @@ def test_exported_hstu_ranking_scores_candidates_without_recsys_pipe(hstu_run, t
     counts = inputs["num_candidates"]
     scored = expected.ne(0).any(-1)  # a candidate's logits are never exactly zero on both tasks
     assert scored.sum() == counts.sum() and scored.sum(1).eq(counts).all()
-    got = _load_fresh(out)
+    got = load_fresh(out)
     assert got["diff"] <= 1e-5 and got["loaded"] == [] and got["n"] == 32
 
 

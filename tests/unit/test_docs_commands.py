@@ -38,6 +38,9 @@ RUN_BY = {
     "python -m recsys_pipe.runtime.launcher --standalone --nproc_per_node 2 --no-python recsys-eval": (
         "tests/integration/test_export.py::test_recsys_eval_on_two_ranks_equals_the_logged_evaluation"
     ),
+    "recsys-bench raw_ids": (
+        "tests/integration/test_bench_raw_ids.py::test_bench_raw_ids_quick_reports_every_variant_side_by_side"
+    ),
     "recsys-bench pp": (
         "tests/integration/test_pp_bench.py::test_bench_pp_quick_reports_every_schedule_and_draws_gantts"
     ),

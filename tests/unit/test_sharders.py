@@ -19,6 +19,8 @@ from recsys_pipe.models import DLRMConfig, HSTUConfig
 from recsys_pipe.models.sharders import (
     SHARDERS,
     CpuEmbeddingBagCollectionSharder,
+    ManagedBagSharder,
+    ManagedSequenceSharder,
     offered_on_cpu,
     project_sharders,
     sharder_for,
@@ -66,7 +68,12 @@ def test_offered_on_cpu_is_one_mechanism_for_any_sharder():
 
     bags = MyBags(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=3, feature_names=["f"])])
     assert isinstance(sharder_for(bags), CpuEmbeddingBagCollectionSharder)  # the most specific class in SHARDERS
-    assert {type(s) for s in project_sharders()} == {CpuEmbeddingBagCollectionSharder, EmbeddingCollectionSharder}
+    assert {type(s) for s in project_sharders()} == {
+        CpuEmbeddingBagCollectionSharder,
+        EmbeddingCollectionSharder,
+        ManagedBagSharder,
+        ManagedSequenceSharder,
+    }
     with pytest.raises(TypeError, match="no sharder for Linear"):
         sharder_for(torch.nn.Linear(2, 2))
 

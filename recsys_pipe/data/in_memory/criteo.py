@@ -31,8 +31,9 @@ import numpy as np
 from pydantic import Field, StrictInt, StrictStr, field_validator
 from torch.utils.data import Dataset
 
-from recsys_pipe.config import Section, builder_field
+from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field
 from recsys_pipe.data.batch import CriteoSample, DataSpec, collate_criteo
+from recsys_pipe.data.ids import MAX_INPUT_HASH_SIZE, ManagedFeature, ManagedIds, raw_ids_problem, spread_ids
 from recsys_pipe.data.preprocess import signed_log1p
 from recsys_pipe.data.serving import id_record
 from recsys_pipe.data.source import TabularDataConfig, readable_file
@@ -47,6 +48,8 @@ from recsys_pipe.data.text.criteo_tsv import (
 
 __all__ = [
     "CATEGORICAL_KEYS",
+    "CRITEO_ID_SPACE",
+    "CriteoManagedIds",
     "DENSE_NAMES",
     "CriteoDataConfig",
     "CriteoDataset",
@@ -70,6 +73,21 @@ def transform_dense(raw: np.ndarray) -> np.ndarray:
 
 # -- configs --------------------------------------------------------------------------------------
 
+#: Criteo's categorical values are 32-bit hexadecimal ids: the raw id space of `ids=managed`
+CRITEO_ID_SPACE = 2**32
+
+
+class CriteoManagedIds(ManagedIds):
+    """`data.managed` of the Criteo layout: `ManagedIds` over Criteo's 32-bit id space."""
+
+    input_hash_size: StrictInt = Field(
+        CRITEO_ID_SPACE,
+        ge=2,
+        le=MAX_INPUT_HASH_SIZE,
+        description="the raw id space [0, input_hash_size): Criteo's ids are 32-bit (2^32); integer ids outside "
+        "it are refused; row-wise sharding gives each rank an equal slice of it",
+    )
+
 
 class CriteoLayoutConfig(TabularDataConfig):
     """Sources of Criteo-format rows (13 dense and 26 categorical features, one click label):
@@ -78,6 +96,14 @@ class CriteoLayoutConfig(TabularDataConfig):
     num_embeddings: StrictInt | list[StrictInt] = Field(
         100_000,
         description="hash buckets (embedding rows) per categorical feature: one number for all 26, or a list of 26",
+    )
+    ids: Literal["modulo", "managed"] = Field(
+        "modulo",
+        description="how the categorical ids become rows: modulo (id % num_embeddings) or managed (the raw ids go to "
+        "managed-collision tables of num_embeddings rows: data.managed, docs/raw-ids.md)",
+    )
+    managed: CriteoManagedIds = Field(
+        default_factory=CriteoManagedIds, description="ids=managed: the eviction policy and the raw id space"
     )
 
     @field_validator("num_embeddings")
@@ -96,7 +122,27 @@ class CriteoLayoutConfig(TabularDataConfig):
         return [n] * NUM_CATEGORICAL if isinstance(n, int) else list(n)
 
     def spec(self) -> DataSpec:
-        return DataSpec(num_tasks=1, vocab_sizes=dict(zip(CATEGORICAL_KEYS, self.vocab_sizes())), num_dense=NUM_DENSE)
+        managed = ManagedFeature(self.managed, "data", "data.num_embeddings") if self.ids == "managed" else None
+        return DataSpec(
+            num_tasks=1,
+            vocab_sizes=dict(zip(CATEGORICAL_KEYS, self.vocab_sizes())),
+            num_dense=NUM_DENSE,
+            managed={} if managed is None else dict.fromkeys(CATEGORICAL_KEYS, managed),
+        )
+
+    def row_ids(self, raw: np.ndarray) -> np.ndarray:
+        """The categorical ids the batches carry for `raw` (`[N, 26]` non-negative ids): the rows
+        (`id % num_embeddings`), or with `ids=managed` the raw ids themselves (checked to lie in
+        the raw id space by the caller)."""
+        if self.ids == "managed":
+            return raw
+        return raw % np.array(self.vocab_sizes(), dtype=np.int64)
+
+    def id_records(self) -> list[dict[str, Any]]:
+        """Each categorical feature's id mapping as `features.json` holds it (`id_record`)."""
+        if self.ids == "managed":
+            return [id_record("managed", n, input_hash_size=self.managed.input_hash_size) for n in self.vocab_sizes()]
+        return [id_record("modulo", n) for n in self.vocab_sizes()]
 
 
 class CriteoDataConfig(CriteoLayoutConfig):
@@ -134,16 +180,17 @@ class CriteoSyntheticDataConfig(CriteoLayoutConfig):
     synthetic: CriteoSyntheticConfig = Field(default_factory=CriteoSyntheticConfig, description="the generated world")
 
 
-def criteo_features(vocab_sizes: list[int], categorical: str) -> dict[str, Any]:
+def criteo_features(id_records: list[dict[str, Any]], categorical: str) -> dict[str, Any]:
     """The Criteo layout's transforms (`ServedSource.serving_features`): each integer column
     `int_<i>` as `sign(x) * log(1 + |x|)` (empty: 0), each categorical column `cat_<i>` read as
-    `categorical` (`hex` in a TSV file, `int` in Parquet; empty: 0) and taken modulo its table's rows."""
+    `categorical` (`hex` in a TSV file, `int` in Parquet; empty: 0) and mapped by its record of
+    `id_records` (`CriteoLayoutConfig.id_records`: modulo its table's rows, or managed)."""
     features: dict[str, Any] = {
         name: {"column": name, "parse": "int", "missing": 0, "transform": {"kind": "signed_log1p"}}
         for name in DENSE_NAMES
     }
-    for name, n in zip(CATEGORICAL_KEYS, vocab_sizes):
-        features[name] = {"column": name, "parse": categorical, "missing": 0, "ids": id_record("modulo", n)}
+    for name, ids in zip(CATEGORICAL_KEYS, id_records):
+        features[name] = {"column": name, "parse": categorical, "missing": 0, "ids": ids}
     return {"features": features, "params": {}, "inputs": {"dense_features": list(DENSE_NAMES)}}
 
 
@@ -160,18 +207,24 @@ class CriteoDataset(Dataset[CriteoSample]):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         dense, cats, labels, lines = read_criteo(cfg.path, rank, world_size, cfg.max_rows)
-        buckets = np.array(cfg.vocab_sizes(), dtype=np.int64)
+        if cfg.ids == "managed":
+            bad = raw_ids_problem(cats.reshape(-1), cfg.managed.input_hash_size)
+            if bad is not None:
+                at, message = bad
+                raise ConfigError(
+                    ConfigProblem("data.path", f"{cfg.path}:{int(lines[at // NUM_CATEGORICAL])}: {message}")
+                )
         self.dense = transform_dense(dense)
-        self.ids = cats % buckets
+        self.ids = cfg.row_ids(cats)
         self.labels = labels
         self.sample_ids = lines - 1
         self.spec = cfg.spec()
         self.collate = collate_criteo
-        self.path, self.vocab_sizes = cfg.path, cfg.vocab_sizes()
+        self.path, self.id_records = cfg.path, cfg.id_records()
 
     def serving_features(self) -> dict[str, Any]:
         """The transforms of the file's columns (`recsys_pipe.data.serving.ServedSource`)."""
-        return criteo_features(self.vocab_sizes, "hex")
+        return criteo_features(self.id_records, "hex")
 
     def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
         """The rows of `sample_ids` (0-based positions in the file) as the file holds them."""
@@ -207,6 +260,7 @@ class _ClickWorld:
 
     def __init__(self, cfg: CriteoSyntheticDataConfig) -> None:
         rng = np.random.default_rng([cfg.seed, 0xC417E0])
+        self.cfg = cfg
         self.signal = cfg.synthetic.signal
         self.vocab = cfg.vocab_sizes()
         self.dense_mu = rng.uniform(0.0, 3.0, NUM_DENSE)
@@ -237,7 +291,12 @@ class _ClickWorld:
         interaction = float(np.dot(self.latent[0][ids[0]], self.latent[1][ids[1]]))
         logit = -1.0 + self.signal * (0.7 * dense_part + 1.5 * sparse_part + 0.8 * interaction)
         label = float(rng.random() < 1.0 / (1.0 + math.exp(-logit)))
-        return counts, dense, ids, label
+        return counts, dense, self.raw_ids(ids) if self.cfg.ids == "managed" else ids, label
+
+    def raw_ids(self, ids: np.ndarray) -> np.ndarray:
+        """With `ids=managed`, what feature f's generated id k is sent as (`spread_ids`, salted
+        by the feature)."""
+        return spread_ids(ids, np.arange(NUM_CATEGORICAL), self.cfg.managed.input_hash_size)
 
 
 class CriteoSyntheticDataset(Dataset[CriteoSample]):
@@ -254,11 +313,11 @@ class CriteoSyntheticDataset(Dataset[CriteoSample]):
         self._world = _ClickWorld(cfg)
         self.spec = cfg.spec()
         self.collate = collate_criteo
-        self.vocab_sizes = cfg.vocab_sizes()
+        self.id_records = cfg.id_records()
 
     def serving_features(self) -> dict[str, Any]:
         """The Criteo layout's transforms (`recsys_pipe.data.serving.ServedSource`)."""
-        return criteo_features(self.vocab_sizes, "int")
+        return criteo_features(self.id_records, "int")
 
     def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
         """The generated rows `sample_ids` (global indices) raw: counts and ids before the transform."""

@@ -28,12 +28,14 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import Section, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, USER_KEY, DataSpec, Sample, collate
+from recsys_pipe.data.ids import SequenceIds, spread_ids
 from recsys_pipe.data.serving import ACTION_IDS, SEQUENCE_COLUMNS, id_record, sequence_features
 from recsys_pipe.data.source import SequenceDataConfig
 
@@ -68,7 +70,7 @@ class SyntheticConfig(Section):
         return num_clusters
 
 
-class SyntheticDataConfig(SequenceDataConfig):
+class SyntheticDataConfig(SequenceIds, SequenceDataConfig):
     """`data=synthetic`: learnable user histories generated on the fly (no download)."""
 
     SIZE_KEY: ClassVar[str] = "data.synthetic.num_samples"
@@ -78,15 +80,18 @@ class SyntheticDataConfig(SequenceDataConfig):
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="the generated world")
 
     def spec(self) -> DataSpec:
-        return _spec(self.synthetic, self.use_user_feature)
+        return _spec(self.synthetic, self.use_user_feature, self)
 
 
-def _spec(cfg: SyntheticConfig, use_user_feature: bool) -> DataSpec:
-    """Items, actions (the masked action 0, then one per combination of task outcomes) and users."""
-    vocab = {ITEM_KEY: cfg.num_items, ACTION_KEY: 2**cfg.num_tasks + 1}
+def _spec(cfg: SyntheticConfig, use_user_feature: bool, ids: SequenceIds) -> DataSpec:
+    """Items, actions (the masked action 0, then one per combination of task outcomes) and users;
+    with `data.ids=managed`, items and users get managed tables of as many rows."""
+    vocab = {ITEM_KEY: ids.table_rows(cfg.num_items, "item"), ACTION_KEY: 2**cfg.num_tasks + 1}
+    rows = {ITEM_KEY: "data.item_rows" if ids.item_rows else "data.synthetic.num_items"}
     if use_user_feature:
-        vocab[USER_KEY] = cfg.num_users
-    return DataSpec(num_tasks=cfg.num_tasks, vocab_sizes=vocab)
+        vocab[USER_KEY] = ids.table_rows(cfg.num_users, "user")
+        rows[USER_KEY] = "data.user_rows" if ids.user_rows else "data.synthetic.num_users"
+    return DataSpec(num_tasks=cfg.num_tasks, vocab_sizes=vocab, managed=ids.managed_features(rows))
 
 
 def synthetic_dataset(cfg: SyntheticDataConfig, rank: int, world_size: int) -> SyntheticSequenceDataset:
@@ -99,6 +104,7 @@ def synthetic_dataset(cfg: SyntheticDataConfig, rank: int, world_size: int) -> S
         rank,
         world_size,
         use_user_feature=cfg.use_user_feature,
+        ids=cfg,
     )
 
 
@@ -131,6 +137,8 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         num_candidates: trailing tokens of each sample that are ranking candidates.
         rank, world_size: which disjoint share of the global samples this dataset serves.
         use_user_feature: whether batches carry the user id (the spec then sizes a user table).
+        ids: how items and users are sent (`data.ids`): as generated (dense), or with `managed`
+            as raw ids spread over the raw id space (`recsys_pipe.data.ids.spread_ids`).
     """
 
     def __init__(
@@ -142,6 +150,7 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         rank: int = 0,
         world_size: int = 1,
         use_user_feature: bool = False,
+        ids: SequenceIds | None = None,
     ) -> None:
         if not 0 < num_candidates < max_seq_len:
             raise ValueError(f"need 0 < num_candidates ({num_candidates}) < max_seq_len ({max_seq_len})")
@@ -156,7 +165,8 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         self.world_size = world_size
         self._world = _World(cfg, seed)
         self._length_cdf = _zipf_cdf(self.max_seq_len - self.min_seq_len + 1, cfg.zipf_alpha)
-        self.spec = _spec(cfg, use_user_feature)
+        self.ids = ids or SequenceIds()
+        self.spec = _spec(cfg, use_user_feature, self.ids)
         self.collate = partial(collate, use_user_feature=use_user_feature)
 
     def __len__(self) -> int:
@@ -169,10 +179,18 @@ class SyntheticSequenceDataset(Dataset[Sample]):
         return self._generate(global_index)
 
     def serving_features(self) -> dict[str, Any]:
-        """Generated ids, taken as they are (`recsys_pipe.data.serving`)."""
-        users = id_record("as_is", self.cfg.num_users) if self.spec.vocab_sizes.get(USER_KEY) else None
-        items = id_record("as_is", self.cfg.num_items)
-        return sequence_features(items, ACTION_IDS, True, self.max_seq_len, self.num_candidates, users)
+        """Generated ids, taken as they are, or with `data.ids=managed` remapped by the program
+        (`recsys_pipe.data.serving`)."""
+        users = self._id_record(USER_KEY) if self.spec.vocab_sizes.get(USER_KEY) else None
+        return sequence_features(
+            self._id_record(ITEM_KEY), ACTION_IDS, True, self.max_seq_len, self.num_candidates, users
+        )
+
+    def _id_record(self, feature: str) -> dict[str, Any]:
+        rows = self.spec.vocab_sizes[feature]
+        if self.ids.ids == "managed":
+            return id_record("managed", rows, input_hash_size=self.ids.managed.input_hash_size)
+        return id_record("as_is", rows)
 
     def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
         """The generated samples `sample_ids` as rows: every event's action, the candidates' too."""
@@ -219,6 +237,9 @@ class SyntheticSequenceDataset(Dataset[Sample]):
             item = chain[item] if rng.random() < cfg.chain_prob else rng.choice(home)
             t += 1 + int(rng.expovariate(1.0) * math.e ** rng.uniform(2.0, 12.0))
         n_hist = length - self.num_candidates
+        if self.ids.ids == "managed":
+            size = self.ids.managed.input_hash_size
+            items, user = spread_ids(np.array(items), 0, size).tolist(), int(spread_ids(np.array([user]), 1, size)[0])
         return Sample(
             sample_id=global_index,
             user=user,

@@ -27,7 +27,7 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, Section, builder_field, home_expanded
 from recsys_pipe.data.batch import CriteoBatch, DataSpec, TabularBatch
-from recsys_pipe.data.ids import string_ids
+from recsys_pipe.data.ids import ManagedFeature, ManagedIds, managed_string_ids, raw_id_message, string_ids
 from recsys_pipe.data.in_memory.criteo import CATEGORICAL_KEYS, DENSE_NAMES, CriteoLayoutConfig
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.checks import RowProblems, list_column, null_rows
@@ -45,7 +45,7 @@ __all__ = [
     "parquet_dataset",
 ]
 
-IdMapping = Literal["as_is", "modulo", "hash"]
+IdMapping = Literal["as_is", "modulo", "hash", "managed"]
 
 
 class SparseColumn(Section):
@@ -56,7 +56,11 @@ class SparseColumn(Section):
     ids: IdMapping = Field(
         "hash",
         description="how raw ids become rows: as_is (ids already in [0, num_embeddings), checked), modulo "
-        "(id % num_embeddings, Criteo's rule; ids >= 0) or hash (a stable 64-bit hash, any integer or string id)",
+        "(id % num_embeddings, Criteo's rule; ids >= 0), hash (a stable 64-bit hash, any integer or string id) or "
+        "managed (the raw id gets a row of its own while the eviction policy keeps it: `managed`, docs/raw-ids.md)",
+    )
+    managed: ManagedIds = Field(
+        default_factory=ManagedIds, description="ids=managed: the eviction policy and the raw id space"
     )
 
 
@@ -113,6 +117,12 @@ class ParquetDataConfig(CriteoLayoutConfig):
             num_tasks=len(c.labels),
             vocab_sizes={name: s.num_embeddings for name, s in c.sparse.items()},
             num_dense=len(c.dense),
+            managed={
+                name: ManagedFeature(s.managed, key, f"{key}.num_embeddings")
+                for name, s in c.sparse.items()
+                if s.ids == "managed"
+                for key in [f"data.columns.sparse.{name}"]
+            },
         )
 
     def multi_hot_features(self) -> list[str]:
@@ -141,10 +151,14 @@ class _Feature:
     column: str
     num_embeddings: int
     ids: IdMapping
+    #: `ids: managed`: the raw id space `[0, input_hash_size)`
+    input_hash_size: int = 0
 
     @property
     def record(self) -> dict[str, Any]:
         """The feature's id mapping as `features.json` describes it (`recsys_pipe.data.preprocess`)."""
+        if self.ids == "managed":
+            return id_record(self.ids, self.num_embeddings, input_hash_size=self.input_hash_size)
         return id_record(self.ids, self.num_embeddings)
 
 
@@ -302,7 +316,7 @@ class TabularDecoder:
         for f in self.single:
             if f.ids == "hash":  # any id (integer or string) has a row
                 continue
-            raw = _id_values(table.column(f.column).combine_chunks().fill_null(0))
+            raw = _id_values(table.column(f.column).combine_chunks().fill_null(0), f)
             bad = _bad_ids(raw, f)
             if bad is not None:
                 problems.add(f.column, bad, lambda row, v=raw, f=f: _id_message(int(v[row]), f))
@@ -313,7 +327,7 @@ class TabularDecoder:
             problems.add_values(f.column, nulls, offsets, "a null id")
             if f.ids == "hash":
                 continue
-            raw = _id_values(flat.fill_null(0))
+            raw = _id_values(flat.fill_null(0), f)
             bad = _bad_ids(raw, f)
             if bad is not None:
                 problems.add_values(f.column, bad, offsets, lambda at, v=raw, f=f: _id_message(int(v[at]), f))
@@ -368,7 +382,7 @@ class TabularDecoder:
             if flat.null_count:
                 row = int(np.searchsorted(offsets, _first_null(flat), side="right")) - 1
                 raise fail(f.column, f"{flat.null_count} null id(s)", row)
-            values = _id_values(flat)
+            values = _id_values(flat, f)
             if f.ids != "hash":
                 _check_ids(values, f, fail, offsets)
             mapped, shared_offsets = alloc((len(values),), torch.int64), alloc((n + 1,), torch.int64)
@@ -436,9 +450,11 @@ def _numpy(table: pa.Table, name: str, fail: Fail, scratch: Scratch | None = Non
     return _joined([c.to_numpy(zero_copy_only=False) for c in col.chunks], scratch)
 
 
-def _id_values(col: pa.Array) -> np.ndarray:
+def _id_values(col: pa.Array, f: _Feature) -> np.ndarray:
+    """A column's ids as int64: integers as they are, strings hashed (`ids: hash` reads their
+    64-bit FNV-1a; `ids: managed` that hash in its raw id space)."""
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_binary(col.type):
-        return string_ids(col)
+        return managed_string_ids(col, f.input_hash_size) if f.ids == "managed" else string_ids(col)
     return col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
@@ -447,26 +463,33 @@ def _ids(table: pa.Table, f: _Feature, fail: Fail, scratch: Scratch | None = Non
     if col.null_count:
         col = col.combine_chunks()
         raise fail(f.column, f"{col.null_count} null id(s)", _first_null(col))
-    return _joined([_id_values(c) for c in col.chunks], scratch)
+    return _joined([_id_values(c, f) for c in col.chunks], scratch)
 
 
 def _bad_ids(values: np.ndarray, f: _Feature) -> np.ndarray | None:
-    """Ids the feature's mapping refuses (negative, and for `as_is` over the vocabulary), or None."""
+    """Ids the feature's mapping refuses (negative, for `as_is` over the vocabulary, for `managed`
+    outside the raw id space), or None."""
     if f.ids == "hash" or not values.size:
         return None
+    if f.ids == "managed":
+        if values.min() >= 0 and values.max() < f.input_hash_size:
+            return None
+        return (values < 0) | (values >= f.input_hash_size)
     if values.min() >= 0 and (f.ids != "as_is" or values.max() < f.num_embeddings):
         return None
     return values < 0 if f.ids == "modulo" else (values < 0) | (values >= f.num_embeddings)
 
 
 def _id_message(value: int, f: _Feature) -> str:
+    if f.ids == "managed":
+        return raw_id_message(value, f.input_hash_size)
     if value < 0:
         return f"a negative id ({value}) with ids={f.ids}"
     return f"id {value} >= num_embeddings={f.num_embeddings} with ids=as_is (set ids: hash or modulo)"
 
 
 def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray | None = None) -> None:
-    """Negative ids (modulo, as_is) and ids over the vocabulary (as_is), named by their row."""
+    """The ids `_bad_ids` finds, the first named by its row."""
     bad = _bad_ids(values, f)
     if bad is not None:
         at = int(np.flatnonzero(bad)[0])
@@ -476,7 +499,8 @@ def _check_ids(values: np.ndarray, f: _Feature, fail: Fail, offsets: np.ndarray 
 
 def _map_ids(raw: np.ndarray, f: _Feature) -> np.ndarray:
     """Rows of the feature's table (`raw` checked by `_check_ids` unless hashed): the mapping an
-    export's `preprocess.py` applies (`map_ids`), the checked modes without checking again."""
+    export's `preprocess.py` applies (`map_ids`), the checked modes without checking again; raw
+    ids with `ids: managed` (the model's managed-collision tables give them rows)."""
     if f.ids == "hash":
         return map_ids(raw, f.record)
     if f.ids == "modulo":
@@ -491,9 +515,15 @@ def _features(cfg: ParquetDataConfig) -> tuple[list[str], list[str], str, list[_
             ["label"],
             list(DENSE_NAMES),
             "signed_log1p",
-            [_Feature(k, k, n, "modulo") for k, n in zip(CATEGORICAL_KEYS, cfg.vocab_sizes())],
+            [
+                _Feature(k, k, n, cfg.ids, cfg.managed.input_hash_size)
+                for k, n in zip(CATEGORICAL_KEYS, cfg.vocab_sizes())
+            ],
         )
-    features = [_Feature(name, s.column or name, s.num_embeddings, s.ids) for name, s in c.sparse.items()]
+    features = [
+        _Feature(name, s.column or name, s.num_embeddings, s.ids, s.managed.input_hash_size)
+        for name, s in c.sparse.items()
+    ]
     return list(c.labels), list(c.dense), c.dense_transform, features
 
 
@@ -533,9 +563,11 @@ def _check_schema(
 def _check_sparse(files: ParquetFiles, key: str, f: _Feature, t: pa.DataType) -> None:
     inner = t.value_type if _is_list(t) else t
     strings = pa.types.is_string(inner) or pa.types.is_large_string(inner) or pa.types.is_binary(inner)
-    if strings and f.ids != "hash":
+    if strings and f.ids not in ("hash", "managed"):
         raise DataFileError(
-            key, files.where(0, column=f.column), f"string ids need ids: hash (feature {f.key!r} has ids={f.ids})"
+            key,
+            files.where(0, column=f.column),
+            f"string ids need ids: hash or managed (feature {f.key!r} has ids={f.ids})",
         )
     if not (pa.types.is_integer(inner) or strings):
         raise DataFileError(
@@ -560,6 +592,11 @@ def _stats_check(features: list[_Feature], labels: Sequence[str]) -> Any:
                 outside = st.min if st.min < 0 else st.max
                 raise DataFileError(files.key, where, f"label {outside} outside [0, 1] (its statistics)")
             if f is None or f.ids == "hash" or not isinstance(st.min, int):
+                continue
+            if f.ids == "managed":
+                outside = st.min if st.min < 0 else st.max if st.max >= f.input_hash_size else None
+                if outside is not None:
+                    raise DataFileError(files.key, where, raw_id_message(outside, f.input_hash_size))
                 continue
             if st.min < 0:
                 raise DataFileError(files.key, where, f"a negative id ({st.min}) with ids={f.ids}")

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.train.dense_ddp import check_dense_ddp, megatron_ddp
+from recsys_pipe.train.managed import refuse_managed
 from recsys_pipe.train.optim import dense_optimizer_factory
 from recsys_pipe.train.parallel.base import Parallelism
 
@@ -50,6 +51,11 @@ class Replicated(Parallelism):
     def check(self, topology: Topology) -> None:
         topology.check()
         check_dense_ddp(self.run, topology.device_type)
+        refuse_managed(
+            self.run.data.spec(),
+            f"model '{self.run.model.label}' has plain torch tables; managed ids need torchrec's managed-collision "
+            "tables: use model=dlrm or dlrm_dcn (docs/raw-ids.md)",
+        )
 
     def build_model(self, spec: DataSpec, info: DistInfo, rng: RngState) -> tuple[nn.Module, Any]:
         run = self.run

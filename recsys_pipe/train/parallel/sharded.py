@@ -14,6 +14,7 @@ from torch import nn
 from recsys_pipe.config import UserCodeError
 from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.train.dense_ddp import check_dense_ddp
+from recsys_pipe.train.managed import check_model
 from recsys_pipe.train.optim import check_sparse_device, dense_optimizer_factory, sparse_optimizer
 from recsys_pipe.train.parallel.base import Parallelism
 from recsys_pipe.train.parallel.replicated import seeded_model
@@ -35,15 +36,17 @@ class ShardedTables(Parallelism):
     def check(self, topology: Topology) -> None:
         """Besides the devices' support of the optimizers: the sharding plan for these ranks, made
         on the meta device (a type a table's sharder does not offer on the device,
-        `table_row_wise` on one host, a planner that finds no plan: ConfigError naming the key)."""
+        `table_row_wise` on one host, a planner that finds no plan: ConfigError naming the key),
+        and what managed ids need of the model and the plan (`recsys_pipe.train.managed`)."""
         topology.check()
         check_dense_ddp(self.run, topology.device_type)
         if self.run.model.compute_kernel == "fused":
             check_sparse_device(self.run.optimizer.sparse, topology.device_type)
         try:
-            planned_sharding(self.run, self.run.model, *_sizes(topology))
+            module, plan = planned_sharding(self.run, self.run.model, *_sizes(topology))
         except UserCodeError:  # the user's builder fails on the meta device: their build after start reports it
             return
+        check_model(self.run.data.spec(), module, self.run.model.compute_kernel, plan)
 
     def planned_model(self, topology: Topology) -> tuple[nn.Module, Any]:
         return planned_sharding(self.run, self.run.model, *_sizes(topology))

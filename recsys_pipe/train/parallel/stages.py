@@ -16,6 +16,7 @@ from recsys_pipe.config import ConfigError, ConfigProblem
 from recsys_pipe.models.base import ShardedModelConfig
 from recsys_pipe.pp.config import check_pipeline_parallel, pipelined_tables
 from recsys_pipe.train.dense_ddp import check_dense_ddp
+from recsys_pipe.train.managed import refuse_managed
 from recsys_pipe.train.optim import dense_optimizer_factory
 from recsys_pipe.train.parallel.base import Parallelism
 from recsys_pipe.train.parallel.sharded import describe_sharding
@@ -43,6 +44,11 @@ class PipelineStages(Parallelism):
         topology.check()
         check_dense_ddp(self.run, topology.device_type)
         check_pipeline_parallel(self.run, topology.world_size)
+        refuse_managed(
+            self.run.data.spec(),
+            "pipeline stages (parallel.pp.size > 1) train the first stage's tables on torchrec's dense kernel, which "
+            "managed-collision tables do not offer: train without parallel.pp",
+        )
 
     def check_export(self) -> None:
         raise ConfigError(
