@@ -67,15 +67,21 @@ def noop(ctx: Any) -> None:
 # -- task graphs ------------------------------------------------------------------------------------
 
 
-def chain_task_graph(num_tasks: int) -> TaskGraph:
-    """A chain of no-op tasks over three lookaheads and three streams (one per lookahead)."""
-    streams = ("memcpy", "data_dist", "default")
+def chain_task_graph(
+    num_tasks: int,
+    fn: Callable[[Any], None] = noop,
+    streams: tuple[str, str, str] = ("memcpy", "data_dist", "default"),
+    declared: tuple[str, ...] | None = None,
+) -> TaskGraph:
+    """`num_tasks` tasks running `fn` in a chain over three lookaheads, on `streams` (one per
+    lookahead 2, 1, 0; `declared`: the graph's streams, default those three): the launch-bound
+    chain `recsys-bench engine`, `gpu` and `engine_costs` time."""
     tasks: list[Task] = []
     for i in range(num_tasks):
         la = 2 - min(2, i * 3 // num_tasks)
         deps = [f"t{i - 1}"] if i and tasks[-1].lookahead >= la else []
-        tasks.append(Task.from_fn(f"t{i}", noop, lookahead=la, stream=streams[2 - la], depends_on=deps))
-    return TaskGraph.single_group(tasks, ("default", "memcpy", "data_dist"))
+        tasks.append(Task.from_fn(f"t{i}", fn, lookahead=la, stream=streams[2 - la], depends_on=deps))
+    return TaskGraph.single_group(tasks, declared or (streams[2], streams[0], streams[1]))
 
 
 def shipped_plan(name: str, thread_map: str | None = None) -> tuple[TaskGraph, dict[str, str] | None]:

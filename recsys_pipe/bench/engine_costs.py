@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from recsys_pipe.bench.common import format_summary, summary
+from recsys_pipe.bench.engine import chain_task_graph, noop
 from recsys_pipe.engine import PlanRunner, StreamPool, Task, TaskGraph, ThreadedExecutor
 from recsys_pipe.engine.threaded import closed_latch, open_latch
 
@@ -172,20 +173,10 @@ def _restoring(pool: StreamPool, sync: Callable[[], None]) -> Callable[[], None]
 # -- the plan runner's per-task path ------------------------------------------------------------
 
 
-def noop(ctx: Any) -> None:
-    """A task body that does nothing: what remains is the engine's cost."""
-
-
 def chain_layout(fn: Callable[[Any], None] = noop, num_tasks: int = 10) -> TaskGraph:
-    """`num_tasks` tasks in a chain over three lookaheads and three streams (one per lookahead),
-    as `recsys-bench gpu`'s launch-bound chain."""
-    streams = ("memcpy", "data_dist", "default")
-    tasks: list[Task] = []
-    for i in range(num_tasks):
-        la = 2 - min(2, i * 3 // num_tasks)
-        deps = [f"t{i - 1}"] if i and tasks[-1].lookahead >= la else []
-        tasks.append(Task.from_fn(f"t{i}", fn, lookahead=la, stream=streams[2 - la], depends_on=deps))
-    return TaskGraph.single_group(tasks, PLAN_STREAMS)
+    """`recsys-bench gpu`'s launch-bound chain of `num_tasks` tasks over three lookaheads and
+    streams, declared with the per-task plans' streams."""
+    return chain_task_graph(num_tasks, fn, ("memcpy", "data_dist", "default"), PLAN_STREAMS)
 
 
 def prefetch_layout(fn: Callable[[Any], None] = noop) -> TaskGraph:

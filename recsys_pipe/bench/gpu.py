@@ -52,6 +52,7 @@ from torch import nn
 
 from recsys_pipe.bench.common import format_summary as fmt
 from recsys_pipe.bench.common import summary
+from recsys_pipe.bench.engine import chain_task_graph
 from recsys_pipe.engine import (
     BATCH_CPU,
     STEP_RESULT,
@@ -305,18 +306,12 @@ def losses(config: str, shape: Shape, device: torch.device, batches: list, steps
 def launch_bound_chain(num_tasks: int, device: torch.device) -> TaskGraph:
     """`num_tasks` tasks in a chain over three lookaheads and three streams (one per lookahead),
     each launching one tiny kernel on its own one-element tensor."""
-    streams = ("memcpy", "comm", "default")
     tensors = {f"t{i}": torch.zeros(1, device=device) for i in range(num_tasks)}
 
     def tiny(ctx: Any) -> None:
         tensors[ctx.task.name].add_(1)
 
-    tasks: list[Task] = []
-    for i in range(num_tasks):
-        la = 2 - min(2, i * 3 // num_tasks)
-        deps = [f"t{i - 1}"] if i and tasks[-1].lookahead >= la else []
-        tasks.append(Task.from_fn(f"t{i}", tiny, lookahead=la, stream=streams[2 - la], depends_on=deps))
-    return TaskGraph.single_group(tasks, STREAMS)
+    return chain_task_graph(num_tasks, tiny, ("memcpy", "comm", "default"), STREAMS)
 
 
 def overhead_us_per_task(executor: Any, device: torch.device, iterations: int, num_tasks: int = 10) -> float:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recsys_pipe.engine import Task, TaskObserver
+from recsys_pipe.engine import Task, TaskScopes
 
 __all__ = ["NO_KERNEL", "HostOps", "launches", "sync_kind"]
 
@@ -177,7 +177,7 @@ class _Tally:
             self.launches += 1
 
 
-class HostOps(TaskObserver):
+class HostOps(TaskScopes):
     """Counts, per task, what the host does in internal iterations `[first, stop)` (see the module
     docstring). Install it as a plan runner's observer; `report(steps)` divides by the steps.
 
@@ -186,10 +186,10 @@ class HostOps(TaskObserver):
     """
 
     def __init__(self, first: int, stop: int, device_run: bool):
+        super().__init__()
         self.first, self.stop, self.device_run = first, stop, device_run
         self.tallies: dict[str, _Tally] = collections.defaultdict(_Tally)
         self._active = False
-        self._local = threading.local()
         self._profile: _DeviceTime | None = None
         #: CUDA: the device's busy time over the counted iterations (ms), and the syncs CUDA itself reported
         self.gpu_ms: float | None = None
@@ -207,17 +207,8 @@ class HostOps(TaskObserver):
             self.gpu_ms = self._profile.stop()
             self._profile = None
 
-    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
-        if self._active:
-            mode = _Counting(self.tallies[task.name], self.device_run)
-            mode.__enter__()
-            self._local.mode = mode
-
-    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
-        mode = getattr(self._local, "mode", None)
-        if mode is not None:
-            self._local.mode = None
-            mode.__exit__(None, None, None)
+    def task_scope(self, task: Task, batch_index: int) -> _Counting | None:
+        return _Counting(self.tallies[task.name], self.device_run) if self._active else None
 
     def counting(self) -> Any:
         """A context around the run: `torch.Tensor.tolist` wrapped to count its calls in counted
@@ -291,7 +282,7 @@ class _Counted:
         self.original = original
 
         def tolist(tensor: torch.Tensor) -> Any:
-            mode = getattr(host._local, "mode", None)
+            mode = host.open_scope()
             if mode is not None and tensor.device.type == "cpu" and not host.device_run:
                 mode.tally.sync("tolist", _caller())
             return original(tensor)
@@ -328,7 +319,7 @@ def _triton_launches(host: HostOps) -> list[tuple[type, str, Any]]:
         original = owner.run
 
         def run(kernel: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            mode = getattr(host._local, "mode", None)
+            mode = host.open_scope()
             if mode is None:
                 return _original(kernel, *args, **kwargs)
             if not mode.paused:  # the outermost of an autotuner and its kernel

@@ -22,7 +22,14 @@ from recsys_pipe.engine.errors import (
     TaskGraphValidationError,
 )
 from recsys_pipe.engine.executor import Executor, SequentialExecutor
-from recsys_pipe.engine.observe import IterationSpan, RecordFunctionRanges, SpanRecorder, TaskObserver, TaskSpan
+from recsys_pipe.engine.observe import (
+    IterationSpan,
+    RecordFunctionRanges,
+    SpanRecorder,
+    TaskObserver,
+    TaskScopes,
+    TaskSpan,
+)
 from recsys_pipe.engine.plan_runner import PlanRunner, fires
 from recsys_pipe.engine.shortcut import shortcut_refusal
 from recsys_pipe.engine.slots import BatchRing, SlotStore
@@ -66,6 +73,7 @@ __all__ = [
     "TaskGraphValidationError",
     "TaskGroup",
     "TaskObserver",
+    "TaskScopes",
     "TaskSpan",
     "ThreadedExecutor",
     "compile_dependencies",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,36 @@ class TaskObserver:
 
     def iteration_finished(self, iteration: int, failed: bool) -> None:
         """Every task of `iteration` has stopped; `failed` when one of them raised."""
+
+
+class TaskScopes(TaskObserver):
+    """An observer that holds a context open around each task it chooses (a dispatch mode, a
+    profiler range), entered and left on the task's own thread: subclasses say which context in
+    `task_scope`. A thread runs one task at a time, so the open context is kept per thread, where
+    code running inside the task finds it (`open_scope`)."""
+
+    def __init__(self) -> None:
+        self._open = threading.local()
+
+    def task_scope(self, task: Task, batch_index: int) -> AbstractContextManager | None:
+        """The context to hold open around `task` on `batch_index` (None: none)."""
+        raise NotImplementedError
+
+    def open_scope(self) -> AbstractContextManager | None:
+        """The context open around the task this thread is running (None: none)."""
+        return getattr(self._open, "scope", None)
+
+    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
+        scope = self.task_scope(task, batch_index)
+        if scope is not None:
+            scope.__enter__()
+        self._open.scope = scope
+
+    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
+        scope = self.open_scope()
+        if scope is not None:
+            self._open.scope = None
+            scope.__exit__(None, None, None)
 
 
 @dataclass(frozen=True)
@@ -160,7 +191,7 @@ class SpanRecorder(TaskObserver):
             self._iterations.clear()
 
 
-class RecordFunctionRanges(TaskObserver):
+class RecordFunctionRanges(TaskScopes):
     """Opens a `torch.profiler.record_function` range around every task, named by `task.label`
     (args: the batch index), so a torch.profiler trace shows each task on its thread.
 
@@ -169,13 +200,5 @@ class RecordFunctionRanges(TaskObserver):
     profiler that profiles all threads (`torch.profiler._ExperimentalConfig(profile_all_threads=True)`).
     """
 
-    def __init__(self) -> None:
-        self._open: dict[str, torch.autograd.profiler.record_function] = {}  # a task never overlaps itself
-
-    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
-        scope = torch.autograd.profiler.record_function(task.label, f"batch={batch_index}")
-        scope.__enter__()
-        self._open[task.name] = scope
-
-    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
-        self._open.pop(task.name).__exit__(None, None, None)
+    def task_scope(self, task: Task, batch_index: int) -> AbstractContextManager:
+        return torch.autograd.profiler.record_function(task.label, f"batch={batch_index}")

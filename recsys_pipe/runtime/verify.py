@@ -18,13 +18,12 @@ afterwards); `always` watches every iteration (tests); `off`.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from recsys_pipe.config import ConfigError, ConfigProblem
-from recsys_pipe.engine import PlanRunner, Task, TaskObserver
+from recsys_pipe.engine import PlanRunner, Task, TaskScopes
 
 __all__ = ["CollectiveGuard", "UndeclaredCollectiveError"]
 
@@ -57,7 +56,7 @@ class _RefuseCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class CollectiveGuard(TaskObserver):
+class CollectiveGuard(TaskScopes):
     """The verification mode as an observer of `runner` (installs itself).
 
     Args:
@@ -66,22 +65,13 @@ class CollectiveGuard(TaskObserver):
     """
 
     def __init__(self, runner: PlanRunner, iterations: int | None = None):
+        super().__init__()
         self.runner = runner
         self.remaining = iterations
-        self._local = threading.local()
         runner.observer = self
 
-    def task_started(self, task: Task, batch_index: int, iteration: int) -> None:
-        if not task.nccl:
-            mode = _RefuseCollectives(task.name)
-            mode.__enter__()
-            self._local.mode = mode
-
-    def task_finished(self, task: Task, batch_index: int, iteration: int, failed: bool) -> None:
-        mode = getattr(self._local, "mode", None)
-        if mode is not None:
-            self._local.mode = None
-            mode.__exit__(None, None, None)
+    def task_scope(self, task: Task, batch_index: int) -> _RefuseCollectives | None:
+        return None if task.nccl else _RefuseCollectives(task.name)
 
     def iteration_finished(self, iteration: int, failed: bool) -> None:
         if self.remaining is None:
