@@ -9,13 +9,17 @@ or `preempted` (SIGTERM; a checkpoint to resume from). A run directory whose sta
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import logging
 import os
 import socket
 from typing import Any
 
 __all__ = ["RunStatus"]
+
+log = logging.getLogger("recsys_pipe")
 
 
 class RunStatus:
@@ -32,18 +36,33 @@ class RunStatus:
         self.path = os.path.join(run_dir, self.FILE)
         self.info = {"started": _now(), "host": socket.gethostname(), **info}
 
-    def write(self, status: str, **fields: Any) -> None:
+    def write(self, status: str, **fields: Any) -> bool:
         """Replace `status.json` with `status`, the run's fixed fields, the time and `fields`.
+
+        A write that fails (a full disk, the directory gone) is a warning, not an error: the
+        record is a summary of how the run ended, which the log says too, and raising here would
+        bury the run's own error (often the same full disk) under this one. The previous record
+        stays as it was.
 
         Args:
             status: the run's state, e.g. `running`, `completed`, `preempted`, `failed`.
-            **fields: further keys of this record (exit code, step, error, ...)."""
+            **fields: further keys of this record (exit code, step, error, ...).
+
+        Returns:
+            whether the record was written."""
         record = {"status": status, **self.info, "updated": _now(), **fields}
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=2)
+                f.write("\n")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            log.warning("could not record status %r in %s: %s", status, self.path, exc.strerror or exc)
+            return False
+        return True
 
     def read(self) -> dict[str, Any] | None:
         """The last record written, or None when there is none (or it cannot be read)."""

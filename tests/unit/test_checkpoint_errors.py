@@ -5,12 +5,14 @@ whole run on a real full tmpfs: tests/integration/test_clean_stops.py)."""
 from __future__ import annotations
 
 import errno
+import json
 import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
+from recsys_pipe.runtime.status import RunStatus
 from recsys_pipe.train.checkpoint import CheckpointConfig, Checkpointer, find_checkpoints
 from recsys_pipe.train.checkpoint_errors import CheckpointWriteError, os_error_in
 
@@ -86,3 +88,24 @@ def test_a_full_disk_inside_torch_save_reaches_the_other_ranks(tmp_path, monkeyp
     error = os_error_in(as_sent)
     assert error is not None and error.errno == errno.ENOSPC and error.strerror == "No space left on device"
     assert not (tmp_path / "checkpoints" / ".step_1.partial").exists()
+
+
+def test_a_status_record_the_full_disk_refuses_is_a_warning_and_keeps_the_last_one(tmp_path, monkeypatch, caplog):
+    """status.json on a full disk: the failing write warns in one line and leaves the previous
+    record and no temporary file, so the run's own error (the checkpoint's) stays the one raised."""
+    status = RunStatus(str(tmp_path), world_size=2)
+    assert status.write("running", pid=1)
+
+    def dump_then_full(record, f, **kwargs):
+        f.write("{")
+        _full_disk()
+
+    monkeypatch.setattr(json, "dump", dump_then_full)
+    with caplog.at_level("WARNING", logger="recsys_pipe"):
+        assert not status.write("failed", exit_code=1)
+    monkeypatch.undo()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"could not record status 'failed' in {tmp_path / 'status.json'}: No space left on device"
+    ]
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "running"
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
