@@ -14,6 +14,7 @@ from recsys_pipe.engine import (
     TaskFailedError,
     TaskGraph,
     TaskObserver,
+    TaskScopes,
     ThreadedExecutor,
 )
 from recsys_pipe.engine.testing import StreamOp, check_happens_before, recording_pool
@@ -93,6 +94,53 @@ def test_hooks_bracket_every_task_and_iteration(executor):
         assert iteration_start < position[0] < position[1] < iteration_end
     if executor == "per_task":
         assert len(set(started.values())) == len(SPECS)
+
+
+@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+def test_task_scopes_hold_a_context_around_each_chosen_task_on_its_thread(executor):
+    """A `TaskScopes` context is entered before the task runs and left after it, on the task's
+    thread, where the task finds it (`open_scope`); tasks it chose no context for see none."""
+    events: list[tuple] = []
+    lock = threading.Lock()
+
+    class Scope:
+        def __init__(self, name, batch):
+            self.key = (name, batch)
+
+        def __enter__(self):
+            with lock:
+                events.append(("enter", *self.key, threading.current_thread().name))
+
+        def __exit__(self, *exc):
+            with lock:
+                events.append(("exit", *self.key, threading.current_thread().name))
+
+    class Scopes(TaskScopes):
+        def task_scope(self, task, batch_index):
+            return None if task.name == "fwd" else Scope(task.name, batch_index)
+
+    scopes = Scopes()
+    seen: dict[tuple, tuple] = {}
+
+    def body(ctx):
+        scope = scopes.open_scope()
+        with lock:
+            seen[ctx.task.name, ctx.batch_index] = (scope and scope.key, threading.current_thread().name)
+            events.append(("run", ctx.task.name, ctx.batch_index, threading.current_thread().name))
+
+    tasks = [Task.from_fn(s["name"], body, **{k: v for k, v in s.items() if k != "name"}) for s in SPECS]
+    graph = TaskGraph.single_group(tasks, ("default", "s1", "s2"))
+    with PlanRunner(graph, executor=EXECUTORS[executor](), observer=scopes) as runner:
+        list(runner.iterate(range(4)))
+    assert len(seen) == len(SPECS) * 4
+    for (name, batch), (key, thread) in seen.items():
+        if name == "fwd":
+            assert key is None
+            continue
+        assert key == (name, batch)
+        mine = [e[0] for e in events if e[1:3] == (name, batch)]
+        assert mine == ["enter", "run", "exit"]
+        assert {e[3] for e in events if e[1:3] == (name, batch)} == {thread}
 
 
 @pytest.mark.parametrize("executor", sorted(EXECUTORS))
