@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
@@ -39,10 +40,11 @@ class RunStatus:
     def write(self, status: str, **fields: Any) -> bool:
         """Replace `status.json` with `status`, the run's fixed fields, the time and `fields`.
 
-        A write that fails (a full disk, the directory gone) is a warning, not an error: the
-        record is a summary of how the run ended, which the log says too, and raising here would
-        bury the run's own error (often the same full disk) under this one. The previous record
-        stays as it was.
+        On a full disk the atomic replace needs room for a second file, so the record is then
+        written over the existing file in place, within the blocks it already holds (a record is
+        far under a block). A write that still fails (the directory gone) is a warning, not an
+        error: the record is a summary of how the run ended, which the log says too, and raising
+        here would bury the run's own error (often the same full disk) under this one.
 
         Args:
             status: the run's state, e.g. `running`, `completed`, `preempted`, `failed`.
@@ -50,19 +52,27 @@ class RunStatus:
 
         Returns:
             whether the record was written."""
-        record = {"status": status, **self.info, "updated": _now(), **fields}
+        text = json.dumps({"status": status, **self.info, "updated": _now(), **fields}, indent=2) + "\n"
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump(record, f, indent=2)
-                f.write("\n")
+                f.write(text)
             os.replace(tmp, self.path)
+            return True
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-            log.warning("could not record status %r in %s: %s", status, self.path, exc.strerror or exc)
-            return False
-        return True
+            error = exc
+        if error.errno in (errno.ENOSPC, errno.EDQUOT) and os.path.exists(self.path):
+            try:
+                with open(self.path, "r+") as f:
+                    f.write(text)
+                    f.truncate()
+                return True
+            except OSError as exc:
+                error = exc
+        log.warning("could not record status %r in %s: %s", status, self.path, error.strerror or error)
+        return False
 
     def read(self) -> dict[str, Any] | None:
         """The last record written, or None when there is none (or it cannot be read)."""

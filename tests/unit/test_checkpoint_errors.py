@@ -90,22 +90,25 @@ def test_a_full_disk_inside_torch_save_reaches_the_other_ranks(tmp_path, monkeyp
     assert not (tmp_path / "checkpoints" / ".step_1.partial").exists()
 
 
-def test_a_status_record_the_full_disk_refuses_is_a_warning_and_keeps_the_last_one(tmp_path, monkeypatch, caplog):
-    """status.json on a full disk: the failing write warns in one line and leaves the previous
-    record and no temporary file, so the run's own error (the checkpoint's) stays the one raised."""
+def test_a_status_record_on_a_full_disk_is_written_over_the_last_one(tmp_path, monkeypatch):
+    """status.json on a full disk: the atomic replace has no room for its second file, so the
+    record is written over the previous one in place; no temporary file is left."""
     status = RunStatus(str(tmp_path), world_size=2)
     assert status.write("running", pid=1)
+    monkeypatch.setattr("recsys_pipe.runtime.status.os.replace", _full_disk)
+    assert status.write("failed", exit_code=1, message="cannot write checkpoint x: No space left on device")
+    monkeypatch.undo()
+    record = json.loads((tmp_path / "status.json").read_text())
+    assert record["status"] == "failed" and record["message"].startswith("cannot write checkpoint x")
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
 
-    def dump_then_full(record, f, **kwargs):
-        f.write("{")
-        _full_disk()
 
-    monkeypatch.setattr(json, "dump", dump_then_full)
+def test_a_status_record_that_cannot_be_written_is_a_warning(tmp_path, caplog):
+    """A run directory gone: one warning naming the file and the OS error, no exception that
+    would bury the run's own error."""
+    status = RunStatus(str(tmp_path / "gone"), world_size=2)
     with caplog.at_level("WARNING", logger="recsys_pipe"):
         assert not status.write("failed", exit_code=1)
-    monkeypatch.undo()
     assert [r.getMessage() for r in caplog.records] == [
-        f"could not record status 'failed' in {tmp_path / 'status.json'}: No space left on device"
+        f"could not record status 'failed' in {tmp_path / 'gone' / 'status.json'}: No such file or directory"
     ]
-    assert json.loads((tmp_path / "status.json").read_text())["status"] == "running"
-    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
