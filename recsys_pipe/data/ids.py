@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -36,6 +37,7 @@ from recsys_pipe.data.preprocess import raw_id_message, splitmix64, splitmix64_i
 __all__ = [
     "EVICTION_POLICIES",
     "MAX_INPUT_HASH_SIZE",
+    "ManagedColumn",
     "ManagedFeature",
     "ManagedIds",
     "SequenceIds",
@@ -151,11 +153,53 @@ class SequenceIds(Section):
         rows = self.item_rows if which == "item" else self.user_rows
         return rows if self.ids == "managed" and rows is not None else vocabulary
 
+    def managed_column(self, names: list[str] | None, which: Literal["item", "user"]) -> ManagedColumn | None:
+        """With `ids=managed`, how a file's `which` id column gives raw ids (`ManagedColumn`;
+        `names`: the texts of ids a converter numbered); else None."""
+        return ManagedColumn(self.managed.input_hash_size, names, which) if self.ids == "managed" else None
+
 
 def managed_string_ids(strings: pa.Array, input_hash_size: int) -> np.ndarray:
     """Raw ids of strings for `ids: managed`: their FNV-1a hash (`fnv1a64`, as `ids: hash` reads
     strings) reduced into `[0, input_hash_size)`, int64."""
     return (fnv1a64(strings) % np.uint64(input_hash_size)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ManagedColumn:
+    """How `ids: managed` reads an integer id column whose ids a converter may have numbered
+    (`recsys-data convert sequences` numbers text ids and stores their texts): an integer raw id
+    as it is, in `[0, input_hash_size)`; a numbered text id as its text's raw id
+    (`managed_string_ids`, as the tabular sources and an export's `preprocess.py` hash strings).
+    `names`: the texts in the order of their numbers (None: the ids are the raw ids)."""
+
+    input_hash_size: int
+    names: list[str] | None = None
+    #: what the ids are, for messages ("item", "user")
+    what: str = "id"
+
+    @cached_property
+    def hashed(self) -> np.ndarray | None:
+        """The raw id of each numbered text (None without texts), computed once."""
+        if self.names is None:
+            return None
+        return managed_string_ids(pa.array(self.names, pa.string()), self.input_hash_size)
+
+    def unknown(self, values: np.ndarray) -> np.ndarray:
+        """Which of `values` the column cannot read: outside the raw id space, or numbers no text has."""
+        bound = self.input_hash_size if self.names is None else len(self.names)
+        return (values < 0) | (values >= bound)
+
+    def message(self, value: int) -> str:
+        """Why `value` (one of `unknown`) is refused."""
+        if self.names is None:
+            return f"{self.what}: {raw_id_message(value, self.input_hash_size)}"
+        return f"{self.what} id {value} has no stored text (the converter numbered {len(self.names)} text ids)"
+
+    def raw_ids(self, values: np.ndarray) -> np.ndarray:
+        """The raw ids of `values` (int64, checked with `unknown` first)."""
+        hashed = self.hashed
+        return values if hashed is None else hashed[values]
 
 
 def raw_ids_problem(values: np.ndarray, input_hash_size: int) -> tuple[int, str] | None:

@@ -12,6 +12,8 @@ they see, so ids are evicted while the plans train (`evicted_rows` counts the re
   the balanced ones against theirs, semi_sync's two executors against each other; and, with tables
   that admit every id (no row a batch used is evicted), the semi-synchronous plans against the
   stale-embedding reference loop.
+* HSTU on Parquet windows of raw 64-bit ids (`data=parquet_sequences data.ids=managed`,
+  distance-LFU; `recsys_pipe.testing.raw_id_windows`): HSTU plans against serial.
 * resume: per plan, a run with checkpoints every 4 steps, resumed from step 4 (the middle of an
   eviction interval of 3), against the unbroken run (steps 5 and 6); and a control resume that drops the ids
   counted since the last eviction, which must differ.
@@ -27,7 +29,14 @@ import torch
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import built_trainer, end_rank, load_run, parity_overrides, run_stale_embedding_reference
+from recsys_pipe.testing import (
+    built_trainer,
+    end_rank,
+    load_run,
+    parity_overrides,
+    raw_id_windows,
+    run_stale_embedding_reference,
+)
 from recsys_pipe.train import build_model, local_parameters
 
 STEPS = 6
@@ -99,6 +108,19 @@ RESUME = {
     "hstu/semi_sync": [*HSTU, *EVICTING, "pipeline=semi_sync"],
 }
 INTERVAL = ["data.managed.eviction_interval=3", "trainer.checkpoint.interval=4"]
+
+
+def parquet_variants(out, rank):
+    """HSTU on Parquet windows of raw ids (each rank writes the same file): plans and a resume."""
+    hstu = [
+        *raw_id_windows(os.path.join(out, f"windows{rank}.parquet")),
+        "data.managed.eviction_policy=distance_lfu",
+        "data.managed.eviction_interval=2",
+    ]
+    PLANS["hstu_parquet/serial"] = ([*hstu, "pipeline=serial"], None)
+    for plan in ("hstu_prefetch", "hstu_sparse_dist"):
+        PLANS[f"hstu_parquet/{plan}"] = ([*hstu, f"pipeline={plan}"], "hstu_parquet/serial")
+    RESUME["hstu_parquet/hstu_sparse_dist"] = [*hstu, "pipeline=hstu_sparse_dist"]
 
 
 class EvictionCounter:
@@ -197,6 +219,7 @@ def layout(info):
 def main(out, parts):
     info = init_distributed("cpu", "gloo")
     counter = EvictionCounter()
+    parquet_variants(out, info.rank)
     result = {"world_size": info.world_size}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = [scratch]

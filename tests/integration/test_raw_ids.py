@@ -197,15 +197,21 @@ def test_another_rank_count_is_refused_in_one_line(managed_run, capsys, monkeypa
     assert err[0].startswith("error: trainer.resume_from: checkpoint ") and "run on 2 rank(s)" in err[0]
 
 
-def test_exported_hstu_remaps_managed_items_and_users(tmp_path):
-    """HSTU ranking with managed items and users (one rank, trained in this process): the
-    program takes raw item and user ids and scores the candidates as the trained model."""
+@pytest.mark.parametrize("data", ["synthetic", "parquet_sequences"])
+def test_exported_hstu_remaps_managed_items_and_users(tmp_path, data):
+    """HSTU ranking with managed items and users (one rank, trained in this process), on
+    generated data and on Parquet windows of raw 64-bit ids: the program takes raw item and user
+    ids and scores the candidates as the trained model; `preprocess.py` passes the rows' raw ids on."""
     from recsys_pipe.cli import export as export_cli
-    from recsys_pipe.testing import train_here
+    from recsys_pipe.testing import raw_id_windows, train_here
 
     args = ["trainer=smoke", "trainer.max_steps=2", "trainer.checkpoint.interval=2", "trainer.eval_every=0"]
-    args += ["trainer.eval_batches=1", "data.num_batches=8", "data.use_user_feature=true", "data.ids=managed"]
-    args += ["data.item_rows=64", "model.sharding=row_wise", "trainer.tensorboard=false"]
+    args += ["trainer.eval_batches=1", "trainer.tensorboard=false", "data.batch_size=16"]
+    if data == "synthetic":
+        args += ["data.num_batches=8", "data.use_user_feature=true", "data.ids=managed", "data.item_rows=64"]
+        args += ["model.sharding=row_wise"]
+    else:
+        args += raw_id_windows(tmp_path / "windows.parquet")
     assert train_here(*args, f"trainer.output_dir={tmp_path / 'runs'}") == 0
     (run_dir,) = (tmp_path / "runs" / "recsys-train").iterdir()
     out = tmp_path / "served"

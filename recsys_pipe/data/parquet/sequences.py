@@ -56,13 +56,13 @@ from torch.utils.data import Dataset, get_worker_info
 from recsys_pipe.config import (
     ConfigError,
     ConfigProblem,
-    Section,
     builder_field,
     home_expanded,
     import_fn,
     validate_section,
 )
 from recsys_pipe.data.batch import INPUT_KEY, DataSpec, RetrievalSample, collate_retrieval
+from recsys_pipe.data.ids import SequenceIds
 from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.data.negatives import EVAL, unseen_items
 from recsys_pipe.data.parquet.decode import (
@@ -90,9 +90,11 @@ __all__ = [
 RETRIEVAL_MAX_SEQ_LEN = 50
 
 
-class ParquetSequenceKeys(Section):
+class ParquetSequenceKeys(SequenceIds):
     """The keys `data=parquet_sequences` has for both kinds of model: the files, their columns,
-    the shuffle window, and the sample shape of HSTU ranking (`recsys_pipe.data.parquet.ranking`).
+    the shuffle window, how item and user ids become rows (`SequenceIds`: `data.ids`,
+    `data.managed`, `data.item_rows`, `data.user_rows`), and the sample shape of HSTU ranking
+    (`recsys_pipe.data.parquet.ranking`).
     `ParquetSequencesDataConfig` (what `data=parquet_sequences` validates) and the HSTU ranking
     config it becomes for a ranking model share them."""
 
@@ -433,6 +435,14 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
     """Builder of `data=parquet_sequences` for next-item retrieval: this rank's users, checked
     from the files' metadata (HSTU ranking: `recsys_pipe.data.parquet.ranking`)."""
     cfg = cfg.as_kind(SequencesDataConfig)  # type: ignore[assignment]
+    if cfg.ids == "managed":
+        raise ConfigError(
+            ConfigProblem(
+                "data.ids",
+                "managed is not offered for the retrieval models (their item table also serves the sampled negatives "
+                "and the full-corpus evaluation; docs/raw-ids.md): HSTU ranking takes it",
+            )
+        )
     c = cfg.columns
     stamps = c.timestamps
     items = ItemStats(cfg.num_items)
