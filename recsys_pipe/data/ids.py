@@ -20,10 +20,10 @@ integer id outside it is refused (`raw_ids_problem`), a string id is hashed into
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -34,8 +34,12 @@ from recsys_pipe.config import Section
 from recsys_pipe.data.preprocess import fnv1a64 as _fnv1a64_bytes
 from recsys_pipe.data.preprocess import raw_id_message, splitmix64, splitmix64_inplace
 
+if TYPE_CHECKING:
+    from recsys_pipe.data.batch import DataSpec
+
 __all__ = [
     "EVICTION_POLICIES",
+    "catalogue_raw_ids",
     "MAX_INPUT_HASH_SIZE",
     "ManagedColumn",
     "ManagedFeature",
@@ -92,11 +96,13 @@ class ManagedFeature:
     """A feature with `ids: managed`, as the data tells the model (`DataSpec.managed`): its
     settings, `key`, the config path of its mapping (`data.columns.sparse.<feature>`, or `data`
     for a source's own features), and `rows_key`, the config path of its table's rows; its
-    problems are reported there."""
+    problems are reported there. A feature that is not `counted` is looked up without counting
+    its ids for eviction (the retrieval models' sampled negatives share the item table)."""
 
     ids: ManagedIds
     key: str
     rows_key: str
+    counted: bool = True
 
     def problem_key(self, name: str) -> str:
         """The config path of the mapping's key `name` (`ids`, `managed.input_hash_size`)."""
@@ -140,12 +146,14 @@ class SequenceIds(Section):
         None, ge=2, description="ids=managed: rows of the user table (null: as many as the source has users)"
     )
 
-    def managed_features(self, rows_keys: Mapping[str, str]) -> dict[str, ManagedFeature]:
+    def managed_features(
+        self, rows_keys: Mapping[str, str], uncounted: tuple[str, ...] = ()
+    ) -> dict[str, ManagedFeature]:
         """`DataSpec.managed` for the source's id features (items, users; each with the config
-        path of its rows): all or none."""
+        path of its rows; those of `uncounted` looked up without counting): all or none."""
         if self.ids != "managed":
             return {}
-        return {f: ManagedFeature(self.managed, "data", key) for f, key in rows_keys.items()}
+        return {f: ManagedFeature(self.managed, "data", key, f not in uncounted) for f, key in rows_keys.items()}
 
     def table_rows(self, vocabulary: int, which: Literal["item", "user"]) -> int:
         """Rows of the item or user table: the source's `vocabulary`, or with `ids=managed` the
@@ -153,10 +161,34 @@ class SequenceIds(Section):
         rows = self.item_rows if which == "item" else self.user_rows
         return rows if self.ids == "managed" and rows is not None else vocabulary
 
+    def retrieval_spec(self, num_items: int) -> DataSpec:
+        """The spec of a next-item retrieval source of `num_items` items: its one item table
+        (with `ids=managed`, of `data.item_rows` rows, null: `num_items`, whose ids are counted
+        for eviction where they are the users' own, inputs and targets; the sampled negatives,
+        the candidates and the catalogue are looked up without counting)."""
+        from recsys_pipe.data.batch import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, RETRIEVAL_KEYS, DataSpec
+
+        managed = self.managed_features(
+            dict.fromkeys(RETRIEVAL_KEYS, "data.item_rows"), (NEG_KEY, CAND_KEY, CATALOG_KEY)
+        )
+        return DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: self.table_rows(num_items, "item")}, managed=managed)
+
     def managed_column(self, names: list[str] | None, which: Literal["item", "user"]) -> ManagedColumn | None:
         """With `ids=managed`, how a file's `which` id column gives raw ids (`ManagedColumn`;
         `names`: the texts of ids a converter numbered); else None."""
         return ManagedColumn(self.managed.input_hash_size, names, which) if self.ids == "managed" else None
+
+
+def catalogue_raw_ids(items: Sequence[Any], input_hash_size: int) -> np.ndarray:
+    """The raw ids (`ids: managed`) of a source's items as it read them: strings hashed into the
+    space (`managed_string_ids`), integers as they are (a ValueError naming the first outside it)."""
+    if items and isinstance(items[0], str):
+        return managed_string_ids(pa.array(items, pa.string()), input_hash_size)
+    values = np.asarray(items, dtype=np.int64)
+    problem = raw_ids_problem(values, input_hash_size)
+    if problem is not None:
+        raise ValueError(f"item: {problem[1]}")
+    return values
 
 
 def managed_string_ids(strings: pa.Array, input_hash_size: int) -> np.ndarray:

@@ -60,6 +60,17 @@ def test_every_plan_trains_the_serial_plans_numbers_with_managed_tables(ranks):
         assert len(plans["dlrm/serial"]["losses"]) == 6 and len(plans["dlrm/serial"]["params"]) > 20
 
 
+def test_retrieval_negatives_are_looked_up_in_the_managed_table_without_counting(ranks):
+    """SASRec and HSTU retrieval on raw ids: the ids the item table counted for eviction since its
+    last eviction were all inputs or targets of those steps' batches; their sampled negatives that
+    were neither (there are such) were looked up in the same table but not counted."""
+    for data in ranks:
+        for name in ("sasrec/serial", "hstu_retrieval/serial"):
+            counted = data["plans"][name]["counted_unseen"]
+            assert counted["unseen"] == 0 and counted["counted"] > 20, (name, counted)
+            assert counted["negatives_only"] > 20, (name, counted)
+
+
 def test_semi_synchronous_plans_match_the_stale_embedding_loop(ranks):
     """semi_sync and semi_sync_stash look batch i up in the tables from before batch i-1's update;
     with tables that admit every id (no row a batch updated is re-initialised by the next one's

@@ -37,6 +37,8 @@ _EXPORTS = {
     "RetrievalSample": "retrieval",
     "collate_retrieval": "retrieval",
     "distinct_negatives": "retrieval",
+    "RawItemCollate": "retrieval",
+    "with_raw_items": "retrieval",
     "CATEGORICAL_KEYS": "tabular",
     "CriteoBatch": "tabular",
     "CriteoSample": "tabular",

@@ -203,6 +203,9 @@ class UserRows:
                 target_stamps.zero_()
         at += 1  # the targets
         np.take(window.items, at, out=targets.numpy(), mode="clip")
+        if d.catalogue is not None:  # data.ids=managed: raw ids, drawn by dense id
+            for ids in (inputs, targets, negatives):
+                ids.numpy()[:] = d.catalogue[ids.numpy()]
         offsets.numpy()[0] = 0
         np.cumsum(m, out=offsets.numpy()[1:])
         sample_ids.numpy()[:] = self.sample_ids
@@ -323,13 +326,23 @@ class SequenceDecoder:
         stamps: str | None,
         negatives_per_target: int = 1,
         names: ParquetFiles | None = None,
+        raw_ids: ManagedColumn | None = None,
+        catalogue: np.ndarray | None = None,
     ):
         c = cfg.columns
         #: the texts of ids a converter numbered (`names_metadata`), read from `names`' metadata
         self.item_names = None if names is None else stored_names(names, ITEM_NAMES_KEY)
         self.user_names = None if names is None else stored_names(names, USER_NAMES_KEY)
-        #: `data.ids=managed`: how the item column gives raw ids, passed on to the managed table
-        self.raw_ids = cfg.managed_column(self.item_names, "item")
+        #: HSTU ranking with `data.ids=managed`: how the item column gives raw ids, passed on to
+        #: the managed table as they are (`ItemStats.raw_ids`)
+        self.raw_ids = raw_ids
+        #: retrieval with `data.ids=managed`: the raw id of each dense item id; the training rows
+        #: are drawn by dense id and written as raw ids (`UserRows.finish`)
+        self.catalogue = catalogue
+        #: with a catalogue: the managed item table's rows and raw id space (`items_record`)
+        self.managed_table = (
+            (cfg.table_rows(num_items, "item"), cfg.managed.input_hash_size) if catalogue is not None else None
+        )
         self.user, self.items, self.stamps = c.user, c.items, stamps
         self.columns = [c.user, c.items] + ([stamps] if stamps else [])
         self.vocab, self.num_items = (vocab if self.raw_ids is None else None), num_items
@@ -352,6 +365,12 @@ class SequenceDecoder:
         converter numbered text ids), or the ids as they are."""
         if self.raw_ids is not None:
             return id_record("managed", self.num_items, input_hash_size=self.raw_ids.input_hash_size)
+        if self.catalogue is not None:  # retrieval: the items the table scores, as the files hold them
+            values = np.arange(self.num_items) if self.vocab is None else self.vocab
+            names = self.item_names
+            catalogue = values if names is None else [names[i] for i in values]
+            rows, space = self.managed_table  # type: ignore[misc]
+            return id_record("managed", rows, catalogue, space)
         if self.vocab is None:
             return id_record("as_is", self.num_items)
         return id_record("vocabulary", len(self.vocab), self.vocab if self.item_names is None else self.item_names)

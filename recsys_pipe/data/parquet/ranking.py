@@ -581,6 +581,6 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
         vocab_sizes[USER_KEY] = users.rows
         rows_keys[USER_KEY] = "data.user_rows"
     spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes, managed=cfg.managed_features(rows_keys))
-    sequences = SequenceDecoder(cfg, vocab, num_items, stamps, names=files)  # type: ignore[arg-type]
+    sequences = SequenceDecoder(cfg, vocab, num_items, stamps, names=files, raw_ids=items.raw_ids)  # type: ignore[arg-type]
     decoder = _WindowDecoder(cfg, sequences, actions, users, rating_scale(files))  # type: ignore[arg-type]
     return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

@@ -61,17 +61,20 @@ from recsys_pipe.config import (
     import_fn,
     validate_section,
 )
-from recsys_pipe.data.batch import INPUT_KEY, DataSpec, RetrievalSample, collate_retrieval
+from recsys_pipe.data.batch import RawItemCollate, RetrievalSample, collate_retrieval
 from recsys_pipe.data.ids import SequenceIds
 from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.data.negatives import EVAL, unseen_items
 from recsys_pipe.data.parquet.decode import (
+    ITEM_NAMES_KEY,
+    ITEM_VOCAB_KEY,
     WINDOWS_KEY,
     ItemStats,
     SequenceColumns,
     SequenceDecoder,
     UserRows,
     check_sequence_columns,
+    stored_names,
 )
 from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.stream import EpochOrder, Piece, StreamSource, WindowDataset
@@ -324,8 +327,7 @@ class ParquetSequences(PartedStreamSource):
     leave-one-out evaluation splits (`split`), as `SequencesDataset` offers them."""
 
     def __init__(self, files: ParquetFiles, decoder: SequenceDecoder, rank: int, world_size: int, cfg: Any) -> None:
-        spec = DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: decoder.num_items})
-        super().__init__(files, decoder, rank, world_size, cfg, spec)
+        super().__init__(files, decoder, rank, world_size, cfg, cfg.retrieval_spec(decoder.num_items))
         self.num_items = decoder.num_items
         self.seed, self.max_seq_len = cfg.seed, cfg.max_seq_len
         self.eval_negatives, self.full_eval = cfg.eval_negatives, cfg.full_eval
@@ -335,6 +337,11 @@ class ParquetSequences(PartedStreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
+
+    @property
+    def catalogue(self) -> np.ndarray | None:
+        """`data.ids=managed`: the raw id of each dense item id (what the batches carry)."""
+        return self.decoder.catalogue  # type: ignore[attr-defined]
 
     def serving_features(self) -> dict[str, Any]:
         """Items through the stored vocabulary, or as dense ids (`recsys_pipe.data.serving`)."""
@@ -413,7 +420,9 @@ class _EvalSplit(Dataset[RetrievalSample]):
     def __init__(self, source: ParquetSequences, name: str, first: int, stop: int, size: int) -> None:
         self.source, self.name, self.first, self.stop, self.size = source, name, first, stop, size
         catalog = source.num_items if source.full_eval else 0
-        self.collate = partial(collate_retrieval, catalog_size=catalog)
+        collate = partial(collate_retrieval, catalog_size=catalog)
+        catalogue = source.catalogue
+        self.collate = collate if catalogue is None else RawItemCollate(collate, catalogue)
 
     def __len__(self) -> int:
         return self.size
@@ -431,18 +440,25 @@ class _EvalSplit(Dataset[RetrievalSample]):
         return sample
 
 
+def _catalogue(cfg: Any, files: ParquetFiles, vocab: np.ndarray | None, num_items: int) -> np.ndarray | None:
+    """With `data.ids=managed`, the raw id of each dense item id: the stored vocabulary's ids (or
+    `[0, data.num_items)`), texts a converter numbered hashed (`ManagedColumn`); refused in one
+    line where an id lies outside the raw id space."""
+    column = cfg.managed_column(stored_names(files, ITEM_NAMES_KEY), "item")
+    if column is None:
+        return None
+    numbers = vocab if vocab is not None else np.arange(num_items, dtype=np.int64)
+    bad = np.flatnonzero(column.unknown(numbers))
+    if len(bad):
+        where = f"{ITEM_VOCAB_KEY.decode()}" if vocab is not None else "data.num_items"
+        raise DataFileError(files.key, files.where(0), f"{column.message(int(numbers[bad[0]]))} (of {where})")
+    return column.raw_ids(numbers)
+
+
 def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_size: int) -> ParquetSequences:
     """Builder of `data=parquet_sequences` for next-item retrieval: this rank's users, checked
     from the files' metadata (HSTU ranking: `recsys_pipe.data.parquet.ranking`)."""
     cfg = cfg.as_kind(SequencesDataConfig)  # type: ignore[assignment]
-    if cfg.ids == "managed":
-        raise ConfigError(
-            ConfigProblem(
-                "data.ids",
-                "managed is not offered for the retrieval models (their item table also serves the sampled negatives "
-                "and the full-corpus evaluation; docs/raw-ids.md): HSTU ranking takes it",
-            )
-        )
     c = cfg.columns
     stamps = c.timestamps
     items = ItemStats(cfg.num_items)
@@ -479,5 +495,6 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
                 "data.eval_negatives", f"{cfg.eval_negatives} exceeds the {num_items - 1} other items of the data"
             )
         )
-    decoder = SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target, names=files)
+    catalogue = _catalogue(cfg, files, vocab, num_items)
+    decoder = SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target, names=files, catalogue=catalogue)
     return ParquetSequences(files, decoder, rank, world_size, cfg)
