@@ -16,9 +16,9 @@ they see, so ids are evicted while the plans train (`evicted_rows` counts the re
   distance-LFU; `recsys_pipe.testing.raw_id_windows`): HSTU plans against serial.
 * SASRec on "user item" lines and HSTU retrieval (per-position sampled negatives) on sequence
   Parquet, raw 64-bit item ids (`recsys_pipe.testing.raw_id_sequences`): the plans against
-  serial; the sampled negatives, candidates and catalogue share the managed item table but are
-  not counted (`counted_unseen`: ids counted for eviction that no batch had as an input or a
-  target).
+  serial (a balanced one against serial_balanced); the sampled negatives, candidates and
+  catalogue share the managed item table but are not counted (`counted_unseen`: ids counted for
+  eviction that no batch had as an input or a target).
 * resume: per plan, a run with checkpoints every 4 steps, resumed from step 4 (the middle of an
   eviction interval of 3), against the unbroken run (steps 5 and 6); and a control resume that drops the ids
   counted since the last eviction, which must differ.
@@ -137,6 +137,12 @@ def parquet_variants(out, rank):
             PLANS[f"{name}/{plan}"] = ([*overrides, f"pipeline={plan}"], f"{name}/serial")
         RESUME[f"{name}/hstu_prefetch"] = [*overrides, "pipeline=hstu_prefetch"]
         RETRIEVAL[name] = overrides
+    # rebatched: the per-position negatives' distinct raw ids, made again after the split
+    PLANS["hstu_retrieval/serial_balanced"] = ([*hstu_retrieval, "pipeline=serial_balanced"], None)
+    PLANS["hstu_retrieval/hstu_sparse_dist_balanced"] = (
+        [*hstu_retrieval, "pipeline=hstu_sparse_dist_balanced"],
+        "hstu_retrieval/serial_balanced",
+    )
 
 
 #: retrieval on raw ids: name -> overrides

@@ -233,9 +233,9 @@ def test_exported_hstu_remaps_managed_items_and_users(tmp_path, data):
     assert got["diff"] <= 1e-5 and got["loaded"] == []
 
 
-@pytest.mark.parametrize("model, source", [("sasrec", "users.txt"), ("hstu_retrieval", "users.parquet")])
-def test_retrieval_on_raw_ids_exports_and_evaluates_as_trained(tmp_path, model, source, monkeypatch):
-    """A retrieval model with a managed item table (one rank, trained in this process): the
+def test_retrieval_on_raw_ids_exports_and_evaluates_as_trained(tmp_path, monkeypatch):
+    """HSTU retrieval with a managed item table on sequence Parquet of raw 64-bit item ids (one
+    rank, trained in this process; data=sequences' item record: test_managed_ids): the
     exported program takes raw item ids and scores the catalogue as the trained model (the docs'
     snippet in a torch-only interpreter: top-10 items as raw ids of the catalogue), and
     recsys-eval of the checkpoint gives the metrics the run logged."""
@@ -245,8 +245,8 @@ def test_retrieval_on_raw_ids_exports_and_evaluates_as_trained(tmp_path, model, 
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = ["trainer=smoke", "trainer.max_steps=4", "trainer.checkpoint.interval=4", "trainer.eval_every=4"]
-    args += ["trainer.tensorboard=false", "data.batch_size=16", "data.managed.eviction_interval=2", f"model={model}"]
-    args += raw_id_sequences(tmp_path / source)
+    args += ["trainer.tensorboard=false", "data.batch_size=16", "data.managed.eviction_interval=2"]
+    args += ["model=hstu_retrieval", *raw_id_sequences(tmp_path / "users.parquet")]
     assert train_here(*args, f"trainer.output_dir={tmp_path / 'runs'}") == 0
     (run_dir,) = (tmp_path / "runs" / "recsys-train").iterdir()
     out = tmp_path / "served"
