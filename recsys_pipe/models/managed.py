@@ -17,7 +17,9 @@ things added that this layout needs outside training:
 * a copy built unsharded (`recsys-export`, one process) that loads a `W`-rank checkpoint keeps
   the `W` shared rows (`shard_miss_rows`), so it looks ids up exactly as the trained model did;
 * the ids counted since the last eviction (which torchrec keeps in memory only) can be saved and
-  restored (`history_state`), so a resume is bitwise the unbroken run.
+  restored (`history_state`), so a resume is bitwise the unbroken run;
+* features that are looked up without being counted (a retrieval model's sampled negatives, which
+  share the item table: `ManagedFeature.counted`), through torchrec's read-only features.
 
 A model mixes managed and other tables with `SplitBagCollection` / `SplitCollection`: one torchrec
 module for each kind, both called on the batch's KJT (each takes its own features from it, so

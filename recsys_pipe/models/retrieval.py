@@ -23,6 +23,12 @@ is trained to score `s_{t+1}` highest:
   `shared`, one pool for every position of the batch, the first `num_negatives` of its
   negatives (the data draws one per target): K lookups per batch instead of K per position.
 
+With `data.ids=managed` the item table is a managed-collision table (`split_collection`) and
+every id of the KJT is a raw id: only the inputs and targets are counted for eviction
+(`DataSpec.managed`'s `counted`), and the held-out item's full-corpus column is found by its raw
+id in the catalogue. Ties (items without a row of their own share one) rank against the held-out
+item (docs/raw-ids.md#retrieval-models).
+
 Evaluation (the model in eval mode, batches of an evaluation split): the last position's vector
 scores the held-out item and its sampled negatives (`cand`) and, when the batch carries it, every
 item of the catalogue. `outputs["rank_sampled"]` / `outputs["rank_full"]` (`[B]`) are the 0-based

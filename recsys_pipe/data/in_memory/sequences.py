@@ -32,6 +32,10 @@ and, with `full_eval`, the whole catalogue spread over the batch (every evaluati
 every item id once, so full-corpus ranking goes through the same sharded embedding lookup as
 everything else).
 
+With `data.ids=managed` (docs/raw-ids.md) samples are drawn by dense id as above and the batches
+carry each item's raw id (`RawItemCollate`: integers as the file holds them, text ids hashed into
+the raw id space) for the model's managed item table.
+
 The batches are `RetrievalBatch`es (`recsys_pipe.data.batch.retrieval`, where their keys are).
 """
 

@@ -35,6 +35,11 @@ row per user trains on each user's most recent window). A row with no more event
 of other lengths stop the run in one line naming the file, row group and column (before the
 first step where the row group's statistics show a rating out of range).
 
+With `data.ids=managed` (docs/raw-ids.md) items and users are the raw ids the file holds (text
+ids a converter numbered: their texts' FNV-1a into the raw id space), checked against
+`data.managed.input_hash_size` (statistics before the start, else the row), for managed tables of
+`data.item_rows` / `data.user_rows` rows (null: the stored vocabularies' sizes).
+
 The windows of an epoch are handed out in parts (`PartedStreamSource`, as for the retrieval
 users): a worker decodes a window's columns once and turns one part of its rows at a time into
 samples, so the first batch waits for one part, not the whole window.

@@ -28,6 +28,11 @@ users, whichever batch, rank or worker a user falls in. Nothing is per user. Unl
 alone: a user with fewer than two training transitions (1 or 3 interactions) is a sample without
 targets, which adds nothing to the loss.
 
+With `data.ids=managed` (docs/raw-ids.md) the item table is a managed-collision table: samples
+and negatives are drawn by dense id as above, and the training rows (`UserRows.finish`) and the
+evaluation batches (`RawItemCollate`) carry each item's raw id, the vocabulary's (text ids: their
+FNV-1a into the raw id space), so the catalogue is the vocabulary.
+
 Decoding: a shuffled window (65,536 users by default: 13M items at length 200) is handed out
 in parts of `_PART_ROWS` users, the same rows in the same order (`ParquetSequences.epoch_pieces`):
 the worker reads the window's row groups and maps its item ids to dense ids once (into arrays
