@@ -39,12 +39,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVICTION_POLICIES",
-    "catalogue_raw_ids",
     "MAX_INPUT_HASH_SIZE",
     "ManagedColumn",
     "ManagedFeature",
     "ManagedIds",
     "SequenceIds",
+    "catalogue_raw_ids",
     "fnv1a64",
     "managed_string_ids",
     "raw_id_message",

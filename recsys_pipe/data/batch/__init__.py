@@ -38,6 +38,7 @@ _EXPORTS = {
     "collate_retrieval": "retrieval",
     "distinct_negatives": "retrieval",
     "RawItemCollate": "retrieval",
+    "raw_item_collate": "retrieval",
     "with_raw_items": "retrieval",
     "CATEGORICAL_KEYS": "tabular",
     "CriteoBatch": "tabular",

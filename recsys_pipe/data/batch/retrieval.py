@@ -38,6 +38,7 @@ __all__ = [
     "RetrievalSample",
     "collate_retrieval",
     "distinct_negatives",
+    "raw_item_collate",
     "with_raw_items",
 ]
 
@@ -188,6 +189,12 @@ class RawItemCollate:
 
     def __call__(self, samples: Sequence[RetrievalSample]) -> RetrievalBatch:
         return with_raw_items(self.collate(samples), self.catalogue)
+
+
+def raw_item_collate(collate: Any, catalogue: np.ndarray | None) -> Any:
+    """`collate`, its batches' item ids made raw ids where the source has a `catalogue` of them
+    (`data.ids=managed`: `RawItemCollate`)."""
+    return collate if catalogue is None else RawItemCollate(collate, catalogue)
 
 
 def _replace_negatives(kjt: KeyedJaggedTensor, values: torch.Tensor, lengths: torch.Tensor) -> KeyedJaggedTensor:

@@ -52,7 +52,7 @@ from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
-from recsys_pipe.data.batch import INPUT_KEY, RawItemCollate, RetrievalSample, collate_retrieval
+from recsys_pipe.data.batch import INPUT_KEY, RetrievalSample, collate_retrieval, raw_item_collate
 from recsys_pipe.data.ids import SequenceIds, catalogue_raw_ids
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.serving import id_record, retrieval_features, retrieval_row
@@ -226,7 +226,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
                 _fail(data.source, None, str(exc))
         trainable = [u for u, seq in enumerate(self.sequences) if len(self._train_part(u)) >= 2]
         self._users = trainable[: len(trainable) // world_size * world_size][rank::world_size]
-        self.collate = _raw_collate(collate_retrieval, self.catalogue)
+        self.collate = raw_item_collate(collate_retrieval, self.catalogue)
         lengths = np.array([len(self._train_part(u)) for u in range(len(self.sequences))], dtype=np.int64)
         #: every user's training items, flat, and where each user's are (`unseen_items`' seen items)
         self._train_items = np.fromiter((i for seq in self.sequences for i in seq), np.int64)
@@ -344,7 +344,7 @@ class _EvalSplit(Dataset[RetrievalSample]):
     def __init__(self, source: SequencesDataset, name: str, users: list[int], size: int, batch_size: int) -> None:
         self.source, self.name, self.users, self.size = source, name, users, size
         catalog = source.num_items if source.full_eval else 0
-        self.collate = _raw_collate(partial(collate_retrieval, catalog_size=catalog), source.catalogue)
+        self.collate = raw_item_collate(partial(collate_retrieval, catalog_size=catalog), source.catalogue)
         self.batch_size = batch_size
 
     def __len__(self) -> int:
@@ -358,11 +358,6 @@ class _EvalSplit(Dataset[RetrievalSample]):
             return RetrievalSample(-1, [0], [0], [], [], list(range(self.source.eval_negatives + 1)))
         sample.sample_id = -1
         return sample
-
-
-def _raw_collate(collate: Any, catalogue: np.ndarray | None) -> Any:
-    """`collate`, its batches' item ids made raw ids with `data.ids=managed` (`RawItemCollate`)."""
-    return collate if catalogue is None else RawItemCollate(collate, catalogue)
 
 
 def _check_negatives_exist(data: Interactions, sequences: list[list[int]], num_items: int) -> None:

@@ -354,7 +354,7 @@ class SequenceDecoder:
         self.row_bytes = 8 * ((3 + negatives_per_target) * int(self.max_seq_len) + 4)
         #: raw id -> dense id (-1: unknown) when the raw ids are small enough for a table
         self._lookup: np.ndarray | None = None if self.raw_ids is None else self.raw_ids.hashed
-        if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
+        if self.vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
             self._lookup = np.full(int(vocab[-1]) + 1, -1, dtype=np.int64)
             self._lookup[vocab] = np.arange(len(vocab))
         self._cached: DecodedColumns | None = None

@@ -66,7 +66,7 @@ from recsys_pipe.config import (
     import_fn,
     validate_section,
 )
-from recsys_pipe.data.batch import RawItemCollate, RetrievalSample, collate_retrieval
+from recsys_pipe.data.batch import RetrievalSample, collate_retrieval, raw_item_collate
 from recsys_pipe.data.ids import SequenceIds
 from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.data.negatives import EVAL, unseen_items
@@ -425,9 +425,7 @@ class _EvalSplit(Dataset[RetrievalSample]):
     def __init__(self, source: ParquetSequences, name: str, first: int, stop: int, size: int) -> None:
         self.source, self.name, self.first, self.stop, self.size = source, name, first, stop, size
         catalog = source.num_items if source.full_eval else 0
-        collate = partial(collate_retrieval, catalog_size=catalog)
-        catalogue = source.catalogue
-        self.collate = collate if catalogue is None else RawItemCollate(collate, catalogue)
+        self.collate = raw_item_collate(partial(collate_retrieval, catalog_size=catalog), source.catalogue)
 
     def __len__(self) -> int:
         return self.size
