@@ -20,9 +20,10 @@ integer id outside it is refused (`raw_ids_problem`), a string id is hashed into
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -33,12 +34,17 @@ from recsys_pipe.config import Section
 from recsys_pipe.data.preprocess import fnv1a64 as _fnv1a64_bytes
 from recsys_pipe.data.preprocess import raw_id_message, splitmix64, splitmix64_inplace
 
+if TYPE_CHECKING:
+    from recsys_pipe.data.batch import DataSpec
+
 __all__ = [
     "EVICTION_POLICIES",
     "MAX_INPUT_HASH_SIZE",
+    "ManagedColumn",
     "ManagedFeature",
     "ManagedIds",
     "SequenceIds",
+    "catalogue_raw_ids",
     "fnv1a64",
     "managed_string_ids",
     "raw_id_message",
@@ -90,11 +96,13 @@ class ManagedFeature:
     """A feature with `ids: managed`, as the data tells the model (`DataSpec.managed`): its
     settings, `key`, the config path of its mapping (`data.columns.sparse.<feature>`, or `data`
     for a source's own features), and `rows_key`, the config path of its table's rows; its
-    problems are reported there."""
+    problems are reported there. A feature that is not `counted` is looked up without counting
+    its ids for eviction (the retrieval models' sampled negatives share the item table)."""
 
     ids: ManagedIds
     key: str
     rows_key: str
+    counted: bool = True
 
     def problem_key(self, name: str) -> str:
         """The config path of the mapping's key `name` (`ids`, `managed.input_hash_size`)."""
@@ -138,12 +146,14 @@ class SequenceIds(Section):
         None, ge=2, description="ids=managed: rows of the user table (null: as many as the source has users)"
     )
 
-    def managed_features(self, rows_keys: Mapping[str, str]) -> dict[str, ManagedFeature]:
+    def managed_features(
+        self, rows_keys: Mapping[str, str], uncounted: tuple[str, ...] = ()
+    ) -> dict[str, ManagedFeature]:
         """`DataSpec.managed` for the source's id features (items, users; each with the config
-        path of its rows): all or none."""
+        path of its rows; those of `uncounted` looked up without counting): all or none."""
         if self.ids != "managed":
             return {}
-        return {f: ManagedFeature(self.managed, "data", key) for f, key in rows_keys.items()}
+        return {f: ManagedFeature(self.managed, "data", key, f not in uncounted) for f, key in rows_keys.items()}
 
     def table_rows(self, vocabulary: int, which: Literal["item", "user"]) -> int:
         """Rows of the item or user table: the source's `vocabulary`, or with `ids=managed` the
@@ -151,11 +161,77 @@ class SequenceIds(Section):
         rows = self.item_rows if which == "item" else self.user_rows
         return rows if self.ids == "managed" and rows is not None else vocabulary
 
+    def retrieval_spec(self, num_items: int) -> DataSpec:
+        """The spec of a next-item retrieval source of `num_items` items: its one item table
+        (with `ids=managed`, of `data.item_rows` rows, null: `num_items`, whose ids are counted
+        for eviction where they are the users' own, inputs and targets; the sampled negatives,
+        the candidates and the catalogue are looked up without counting)."""
+        from recsys_pipe.data.batch import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, RETRIEVAL_KEYS, DataSpec
+
+        managed = self.managed_features(
+            dict.fromkeys(RETRIEVAL_KEYS, "data.item_rows"), (NEG_KEY, CAND_KEY, CATALOG_KEY)
+        )
+        return DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: self.table_rows(num_items, "item")}, managed=managed)
+
+    def managed_column(self, names: list[str] | None, which: Literal["item", "user"]) -> ManagedColumn | None:
+        """With `ids=managed`, how a file's `which` id column gives raw ids (`ManagedColumn`;
+        `names`: the texts of ids a converter numbered); else None."""
+        return ManagedColumn(self.managed.input_hash_size, names, which) if self.ids == "managed" else None
+
+
+def catalogue_raw_ids(items: Sequence[Any], input_hash_size: int) -> np.ndarray:
+    """The raw ids (`ids: managed`) of a source's items as it read them: strings hashed into the
+    space (`managed_string_ids`), integers as they are (a ValueError naming the first outside it)."""
+    if items and isinstance(items[0], str):
+        return managed_string_ids(pa.array(items, pa.string()), input_hash_size)
+    values = np.asarray(items, dtype=np.int64)
+    problem = raw_ids_problem(values, input_hash_size)
+    if problem is not None:
+        raise ValueError(f"item: {problem[1]}")
+    return values
+
 
 def managed_string_ids(strings: pa.Array, input_hash_size: int) -> np.ndarray:
     """Raw ids of strings for `ids: managed`: their FNV-1a hash (`fnv1a64`, as `ids: hash` reads
     strings) reduced into `[0, input_hash_size)`, int64."""
     return (fnv1a64(strings) % np.uint64(input_hash_size)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ManagedColumn:
+    """How `ids: managed` reads an integer id column whose ids a converter may have numbered
+    (`recsys-data convert sequences` numbers text ids and stores their texts): an integer raw id
+    as it is, in `[0, input_hash_size)`; a numbered text id as its text's raw id
+    (`managed_string_ids`, as the tabular sources and an export's `preprocess.py` hash strings).
+    `names`: the texts in the order of their numbers (None: the ids are the raw ids)."""
+
+    input_hash_size: int
+    names: list[str] | None = None
+    #: what the ids are, for messages ("item", "user")
+    what: str = "id"
+
+    @cached_property
+    def hashed(self) -> np.ndarray | None:
+        """The raw id of each numbered text (None without texts), computed once."""
+        if self.names is None:
+            return None
+        return managed_string_ids(pa.array(self.names, pa.string()), self.input_hash_size)
+
+    def unknown(self, values: np.ndarray) -> np.ndarray:
+        """Which of `values` the column cannot read: outside the raw id space, or numbers no text has."""
+        bound = self.input_hash_size if self.names is None else len(self.names)
+        return (values < 0) | (values >= bound)
+
+    def message(self, value: int) -> str:
+        """Why `value` (one of `unknown`) is refused."""
+        if self.names is None:
+            return f"{self.what}: {raw_id_message(value, self.input_hash_size)}"
+        return f"{self.what} id {value} has no stored text (the converter numbered {len(self.names)} text ids)"
+
+    def raw_ids(self, values: np.ndarray) -> np.ndarray:
+        """The raw ids of `values` (int64, checked with `unknown` first)."""
+        hashed = self.hashed
+        return values if hashed is None else hashed[values]
 
 
 def raw_ids_problem(values: np.ndarray, input_hash_size: int) -> tuple[int, str] | None:

@@ -366,13 +366,18 @@ def inputs(rows: Sequence[Mapping[str, Any]], features: Mapping[str, Any] | None
 
 
 def item_rows(raw_ids: Sequence[Any], features: Mapping[str, Any] | None = None) -> np.ndarray:
-    """Retrieval: the item table's rows of raw item ids (-1: an item the model has no vector for)."""
+    """Retrieval: the item table's rows of raw item ids (-1: an item the model has no vector for;
+    managed ids: the table holds the `catalogue`'s vectors, in its order)."""
     record = (features if features is not None else load_features())["features"]["item"]
-    return map_ids(parse_cells(list(raw_ids), record.get("parse", "id")), record["ids"])
+    raw, ids = parse_cells(list(raw_ids), record.get("parse", "id")), record["ids"]
+    if ids["mapping"] == "managed":
+        return _vocabulary(raw, {"values": ids["catalogue"]})
+    return map_ids(raw, ids)
 
 
 def item_ids(rows: Any, features: Mapping[str, Any] | None = None) -> np.ndarray:
     """Retrieval: the raw item ids of item table rows (any shape: top-k rows per user, say)."""
     ids = (features if features is not None else load_features())["features"]["item"]["ids"]
     rows = np.asarray(rows)
-    return np.asarray(ids["values"])[rows] if ids["mapping"] == "vocabulary" else rows
+    values = {"vocabulary": "values", "managed": "catalogue"}.get(ids["mapping"])
+    return np.asarray(ids[values])[rows] if values is not None else rows

@@ -64,7 +64,8 @@ def id_record(
     input_hash_size: int | None = None,
 ) -> dict[str, Any]:
     """An id mapping as `features.json` holds it (`recsys_pipe.data.preprocess.ID_MAPPINGS`):
-    `values` of a vocabulary, `input_hash_size` of managed ids."""
+    `values` of a vocabulary, `input_hash_size` of managed ids (and, for a retrieval source's
+    items, `values`: the catalogue the item table scores, as the files hold the ids)."""
     record: dict[str, Any] = {"mapping": mapping, "num_embeddings": int(num_embeddings)}
     if mapping == "hash":
         record.update(function="splitmix64", seed=0, strings="fnv1a64")
@@ -72,6 +73,8 @@ def id_record(
         record["values"] = np.asarray(values).tolist()
     if mapping == "managed":
         record.update(input_hash_size=int(input_hash_size or 0), strings="fnv1a64")
+        if values is not None:
+            record["catalogue"] = np.asarray(values).tolist()
     return record
 
 

@@ -17,7 +17,9 @@ things added that this layout needs outside training:
 * a copy built unsharded (`recsys-export`, one process) that loads a `W`-rank checkpoint keeps
   the `W` shared rows (`shard_miss_rows`), so it looks ids up exactly as the trained model did;
 * the ids counted since the last eviction (which torchrec keeps in memory only) can be saved and
-  restored (`history_state`), so a resume is bitwise the unbroken run.
+  restored (`history_state`), so a resume is bitwise the unbroken run;
+* features that are looked up without being counted (a retrieval model's sampled negatives, which
+  share the item table: `ManagedFeature.counted`), through torchrec's read-only features.
 
 A model mixes managed and other tables with `SplitBagCollection` / `SplitCollection`: one torchrec
 module for each kind, both called on the batch's KJT (each takes its own features from it, so
@@ -103,11 +105,36 @@ class ManagedRows(MCHManagedCollisionModule):
     what the row-wise layout needs outside training (module docstring): the shards' shared rows
     of a loaded checkpoint, and the ids counted since the last eviction as a saveable state."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, uncounted: Sequence[str] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: the row-wise shards' boundaries (row offsets, then the end) a loaded checkpoint was
         #: trained with, when this module holds all of their rows (an unsharded copy)
         self._loaded_shards: list[int] | None = None
+        #: features looked up without counting their ids (`profile`), through torchrec's
+        #: read-only features: its sharded collection then hands `profile` and `remap` the
+        #: features one by one (its per-feature lookups) when a feature ends with the suffix
+        self._set_uncounted(uncounted)
+
+    def rebuild_with_output_id_range(self, *args: Any, **kwargs: Any) -> ManagedRows:
+        """torchrec's rebuild (a row-wise shard's module), the uncounted features kept."""
+        rebuilt = super().rebuild_with_output_id_range(*args, **kwargs)
+        assert isinstance(rebuilt, ManagedRows)
+        rebuilt._set_uncounted(self._uncounted)
+        return rebuilt
+
+    def _set_uncounted(self, uncounted: Sequence[str] | frozenset[str]) -> None:
+        self._uncounted = frozenset(uncounted)
+        if uncounted:
+            self._enable_per_feature_lookups = True
+            self._read_only_suffix = min(uncounted)
+
+    def profile(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+        """torchrec's `profile` (count the ids, evict every `eviction_interval` steps) of the
+        counted features only; every feature is returned, to be remapped."""
+        if self._uncounted:
+            super().profile({k: v for k, v in features.items() if k not in self._uncounted})
+            return features
+        return super().profile(features)
 
     # -- lookups as the trained (sharded) model made them --------------------------------------
 
@@ -278,6 +305,7 @@ def _collision_collection(
     for config in configs:
         ids = managed[config.feature_names[0]].ids
         modules[config.name] = ManagedRows(
+            uncounted=[f for f in config.feature_names if not managed[f].counted],
             zch_size=config.num_embeddings,
             device=torch.device("meta") if _on_meta() else torch.device("cpu"),
             eviction_policy=eviction_policy(ids.eviction_policy),

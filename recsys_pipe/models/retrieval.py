@@ -23,6 +23,12 @@ is trained to score `s_{t+1}` highest:
   `shared`, one pool for every position of the batch, the first `num_negatives` of its
   negatives (the data draws one per target): K lookups per batch instead of K per position.
 
+With `data.ids=managed` the item table is a managed-collision table (`split_collection`) and
+every id of the KJT is a raw id: only the inputs and targets are counted for eviction
+(`DataSpec.managed`'s `counted`), and the held-out item's full-corpus column is found by its raw
+id in the catalogue. Ties (items without a row of their own share one) rank against the held-out
+item (docs/raw-ids.md#retrieval-models).
+
 Evaluation (the model in eval mode, batches of an evaluation split): the last position's vector
 scores the held-out item and its sampled negatives (`cand`) and, when the batch carries it, every
 item of the catalogue. `outputs["rank_sampled"]` / `outputs["rank_full"]` (`[B]`) are the 0-based
@@ -41,7 +47,6 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_pipe.data.batch import (
@@ -55,6 +60,7 @@ from recsys_pipe.data.batch import (
     RetrievalBatch,
 )
 from recsys_pipe.data.source import DataConfig
+from recsys_pipe.models.managed import served_tables, split_collection
 from recsys_pipe.models.retrieval_config import RetrievalConfig
 from recsys_pipe.models.serving import ServingForm
 
@@ -129,8 +135,12 @@ def left_pad(values: torch.Tensor, lengths: torch.Tensor, n: int) -> tuple[torch
 class RetrievalHead(nn.Module):
     """Everything after the item lookup: encoder, loss, evaluation ranks (an FX leaf)."""
 
-    def __init__(self, cfg: RetrievalConfig, encoder: Callable[[RetrievalConfig], nn.Module]) -> None:
+    def __init__(
+        self, cfg: RetrievalConfig, encoder: Callable[[RetrievalConfig], nn.Module], raw_ids: bool = False
+    ) -> None:
         super().__init__()
+        #: the batches carry raw item ids (`data.ids=managed`): the catalogue's are not its positions
+        self.raw_ids = raw_ids
         self.max_len = cfg.max_seq_len
         self.dim = cfg.embedding_dim
         self.loss = cfg.loss
@@ -225,12 +235,18 @@ class RetrievalHead(nn.Module):
         cand = self._normalise(rows[CAND_KEY]).view(b, -1, query.shape[-1])
         scores = torch.einsum("bd,bcd->bc", query, cand)  # [B, 1 + negatives], held-out item first
         # int32 sums: counting a bool matrix into int64 is twice as slow on the CPU
-        rank_sampled = (scores[:, 1:] > scores[:, :1]).sum(dim=1, dtype=torch.int32).long()
+        # raw ids (`data.ids=managed`): items without a row of their own share a row, so their
+        # scores tie; a held-out item ranks below every other item it ties with (docs/raw-ids.md)
+        above = torch.ge if self.raw_ids else torch.gt
+        rank_sampled = above(scores[:, 1:], scores[:, :1]).sum(dim=1, dtype=torch.int32).long()
         catalog = rows[CATALOG_KEY]
         if catalog.numel():
             full = query @ self._normalise(catalog).T  # [B, num_items]
-            held_out = full.gather(1, feature_ids(ids, CAND_KEY).view(b, -1)[:, :1])
-            rank_full = (full > held_out).sum(dim=1, dtype=torch.int32).long()
+            held = feature_ids(ids, CAND_KEY).view(b, -1)[:, :1]
+            if self.raw_ids:  # raw ids: the held-out item's column is where the catalogue holds its id
+                held = (feature_ids(ids, CATALOG_KEY)[None, :] == held).to(torch.int32).argmax(dim=1, keepdim=True)
+            held_out = full.gather(1, held)
+            rank_full = above(full, held_out).sum(dim=1, dtype=torch.int32).long() - int(self.raw_ids)  # not itself
         else:
             rank_full = torch.full_like(rank_sampled, -1)
         labels = torch.zeros_like(scores)
@@ -329,8 +345,8 @@ class RetrievalModel(nn.Module):
         [B, N + 1] (`padded_times`), valid [B, N]) -> [B, N, D]` on left-padded sequences (each model's builder passes
         its own; made after the item table, so the initial weights do not depend on the caller)."""
         super().__init__()
-        self.ec = EmbeddingCollection(tables=[item_table(cfg, spec)], device=device)
-        self.head = RetrievalHead(cfg, encoder)
+        self.ec = split_collection([item_table(cfg, spec)], spec.managed, device=device)
+        self.head = RetrievalHead(cfg, encoder, raw_ids=bool(spec.managed))
 
     def dense_modules(self) -> list[nn.Module]:
         """What `trainer.compile` compiles: the sequence encoder (`DenseSubmodules`); the loss
@@ -346,9 +362,14 @@ class RetrievalModel(nn.Module):
         `[B, D]`; `items` and `valid` are `[B, max_seq_len]` and left-padded, `timestamps` is
         `[B, max_seq_len + 1]` (`padded_times`: the last column is the time of the item to come).
         The item table holds the vectors they score (normalised where the loss normalises), so
-        `user @ item_table[i]` is the score evaluation ranks item `i` by."""
+        `user @ item_table[i]` is the score evaluation ranks item `i` by.
+
+        With a managed item table (`data.ids=managed`) `items` are raw ids, remapped by the
+        program (`RawIdRemap`), and `item_remap` lets the export make the item table the
+        catalogue's vectors (`ServingForm.over_catalogue`)."""
         head = self.head
-        weight = self.ec.embeddings[ITEM_TABLE].weight
+        tables, remaps = served_tables(self.ec)
+        weight, remap = tables[ITEM_TABLE], remaps.get(INPUT_KEY)
         n = head.max_len
 
         def inputs(batch: RetrievalBatch) -> tuple[torch.Tensor, ...]:
@@ -360,7 +381,7 @@ class RetrievalModel(nn.Module):
             return batch.sample_ids.numel()
 
         return ServingForm(
-            module=_UserEncoder(weight, head),
+            module=_UserEncoder(weight, head, remap),
             input_names=("items", "timestamps", "valid"),
             inputs=inputs,
             reference=lambda batch, outputs: outputs["logits"].view(users(batch), -1),
@@ -369,6 +390,7 @@ class RetrievalModel(nn.Module):
             program="retrieval",
             slots={"items": ("item",), "timestamps": ("timestamp",)},
             params={"max_seq_len": n},
+            item_remap=remap,
         )
 
 
@@ -376,13 +398,15 @@ class _UserEncoder(nn.Module):
     """The user side of a `RetrievalModel` on padded tensors: item lookup (a plain tensor index,
     so the program needs no torchrec), the trained encoder, the last position's vector."""
 
-    def __init__(self, weight: torch.Tensor, head: RetrievalHead) -> None:
+    def __init__(self, weight: torch.Tensor, head: RetrievalHead, remap: nn.Module | None = None) -> None:
         super().__init__()
         self.weight = weight
         self.head = head
+        #: raw item ids (`data.ids=managed`) to rows, as the managed table looked them up
+        self.rows = remap if remap is not None else nn.Identity()
 
     def forward(self, items: torch.Tensor, timestamps: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        x = torch.where(valid[..., None], self.weight[items][..., : self.head.dim], 0.0)  # left_pad's zeros
+        x = torch.where(valid[..., None], self.weight[self.rows(items)][..., : self.head.dim], 0.0)  # left_pad's zeros
         # an encoder whose training forward runs jagged operators offers the same on padded tensors
         encode = getattr(self.head.encoder, "forward_padded", self.head.encoder)
         h = encode(x, timestamps, valid)

@@ -19,7 +19,7 @@ can be checked against the model it came from.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -52,6 +52,8 @@ class ServingForm:
         slots: per input, the data's features in its columns, in order (inputs it does not name
             take the data source's own order, e.g. its dense columns).
         params: the program's sizes for `features.json` (`max_seq_len`: its padded length).
+        item_remap: retrieval with a managed item table (`ids: managed`): raw item ids to the
+            rows of `item_table`; the export then scores the catalogue (`over_catalogue`).
     """
 
     module: nn.Module
@@ -66,6 +68,22 @@ class ServingForm:
     program: str = "tabular"
     slots: dict[str, tuple[str, ...]] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
+    item_remap: nn.Module | None = None
+
+    def over_catalogue(self, catalogue: torch.Tensor) -> ServingForm:
+        """A managed item table's form (`item_remap`) over the data's catalogue of raw item ids:
+        `item_table[k]` is catalogue item `k`'s vector (its row's, as evaluation scores it: items
+        without a row of their own share one), and `candidates` are places in the catalogue."""
+        if self.item_remap is None or self.item_table is None or self.candidates is None:
+            return self
+        table, candidates = self.item_table[self.item_remap(catalogue)], self.candidates
+        order = torch.argsort(catalogue)
+
+        def places(batch: Any) -> torch.Tensor:
+            raw = candidates(batch)
+            return order[torch.searchsorted(catalogue[order], raw).clamp(max=catalogue.numel() - 1)]
+
+        return replace(self, item_table=table, candidates=places, item_remap=None)
 
     @property
     def retrieval(self) -> bool:

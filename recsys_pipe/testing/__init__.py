@@ -21,6 +21,8 @@ from recsys_pipe.testing.config import (
     load_run,
     parity_overrides,
     parquet_criteo_overrides,
+    raw_id_sequences,
+    raw_id_windows,
     recsys_plan,
     train_here,
 )
@@ -58,6 +60,8 @@ __all__ = [
     "load_run",
     "parity_overrides",
     "parquet_criteo_overrides",
+    "raw_id_sequences",
+    "raw_id_windows",
     "read_rank_results",
     "recsys_plan",
     "run_stale_embedding_reference",

@@ -115,6 +115,84 @@ def parquet_criteo_overrides(path: str, max_steps: int) -> list[str]:
     ]
 
 
+def raw_id_windows(path: str | os.PathLike, rows: int = 800, seed: int = 0) -> list[str]:
+    """Write HSTU ranking windows with raw 64-bit item and user ids (`data=parquet_sequences`
+    without a vocabulary: rows of 5 to 12 events of 60 items and 30 users, spread over the raw
+    id space, half-star ratings, row groups of 64) to `path`; returns the overrides that train
+    HSTU on it with managed item and user tables (`data.ids=managed`, 16 item rows, 12 user rows)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recsys_pipe.data.ids import MAX_INPUT_HASH_SIZE, spread_ids
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 13, rows)
+    items = spread_ids(rng.zipf(1.3, int(lengths.sum())) % 60, 2, MAX_INPUT_HASH_SIZE)
+    users = spread_ids(rng.integers(0, 30, rows), 3, MAX_INPUT_HASH_SIZE)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    table = pa.table(
+        {
+            "user_id": pa.array(users),
+            "item_ids": pa.ListArray.from_arrays(offsets, pa.array(items)),
+            "timestamps": pa.ListArray.from_arrays(offsets, pa.array(np.arange(len(items), dtype=np.int64))),
+            "actions": pa.ListArray.from_arrays(offsets, pa.array(rng.integers(1, 11, len(items)) / 2)),
+        }
+    )
+    pq.write_table(table, path, row_group_size=64)
+    return [
+        "model=hstu_small",
+        "data=parquet_sequences",
+        f"data.path={path}",
+        "data.max_seq_len=10",
+        "data.num_candidates=2",
+        "data.use_user_feature=true",
+        "data.ids=managed",
+        "data.item_rows=16",
+        "data.user_rows=12",
+        "model.sharding=row_wise",
+    ]
+
+
+def raw_id_sequences(path: str | os.PathLike, users: int = 240, seed: int = 0) -> list[str]:
+    """Write user histories of raw 64-bit item ids (5 to 14 items of 400, Zipf-skewed, spread over
+    the raw id space) for next-item retrieval to `path`: "user item" lines (`data=sequences`), or
+    sequence Parquet with its item vocabulary where `path` ends in `.parquet`
+    (`data=parquet_sequences`); returns the overrides that train on it with a managed item table
+    of 24 rows (`data.ids=managed`)."""
+    import numpy as np
+
+    from recsys_pipe.data.ids import MAX_INPUT_HASH_SIZE, spread_ids
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 15, users)
+    items = spread_ids(rng.zipf(1.3, int(lengths.sum())) % 400, 4, MAX_INPUT_HASH_SIZE)
+    owners = np.repeat(np.arange(users), lengths)
+    if str(path).endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from recsys_pipe.data.parquet.decode import item_vocab_metadata
+
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        table = pa.table({"user_id": np.arange(users), "item_ids": pa.ListArray.from_arrays(offsets, pa.array(items))})
+        pq.write_table(table.replace_schema_metadata(item_vocab_metadata(items)), path, row_group_size=64)
+        source = ["data=parquet_sequences", f"data.path={path}", "data.shuffle=false"]
+    else:
+        with open(path, "w") as f:
+            f.writelines(f"{u} {i}\n" for u, i in zip(owners, items, strict=True))
+        source = ["data=sequences", f"data.path={path}", "data.shuffle=false"]
+    return [
+        *source,
+        "data.eval_negatives=10",
+        "data.max_seq_len=8",
+        "model.max_seq_len=8",
+        "data.ids=managed",
+        "data.item_rows=24",
+        "model.sharding=row_wise",
+    ]
+
+
 def parity_overrides(steps: int, device: str = "cpu", backend: str = "gloo") -> list[str]:
     """The overrides every parity worker trains its variants with: SGD, no progress bar, no
     evaluation, `steps` batches of 16 samples per rank and no step cap, on `device` with

@@ -202,6 +202,8 @@ def export_run(
         )
     form = module.serving(trained.run.data)
     held = _held_out(trained.run)
+    if form.item_remap is not None:  # a managed item table: the catalogue's raw ids are scored
+        form = form.over_catalogue(torch.as_tensor(held.source.catalogue))  # type: ignore[attr-defined]
     example = _example(module, form, held)
     program = _export(form, example.inputs)
     staging = target.staging()

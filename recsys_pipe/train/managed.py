@@ -68,7 +68,8 @@ def check_model(spec: Any, model: nn.Module, kernel: str, plan: Any) -> None:
         refuse_managed(
             _only(spec, missing),
             "the model builds no managed-collision table for it (torchrec's ManagedCollisionEmbeddingBagCollection / "
-            "ManagedCollisionEmbeddingCollection); the shipped models that do: dlrm, dlrm_dcn",
+            "ManagedCollisionEmbeddingCollection); the shipped models that do: dlrm, dlrm_dcn, hstu, hstu_small, "
+            "sasrec, hstu_retrieval",
         )
     if kernel != "fused":
         raise ConfigError(

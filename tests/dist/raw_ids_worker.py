@@ -12,6 +12,13 @@ they see, so ids are evicted while the plans train (`evicted_rows` counts the re
   the balanced ones against theirs, semi_sync's two executors against each other; and, with tables
   that admit every id (no row a batch used is evicted), the semi-synchronous plans against the
   stale-embedding reference loop.
+* HSTU on Parquet windows of raw 64-bit ids (`data=parquet_sequences data.ids=managed`,
+  distance-LFU; `recsys_pipe.testing.raw_id_windows`): HSTU plans against serial.
+* SASRec on "user item" lines and HSTU retrieval (per-position sampled negatives) on sequence
+  Parquet, raw 64-bit item ids (`recsys_pipe.testing.raw_id_sequences`): the plans against
+  serial (a balanced one against serial_balanced); the sampled negatives, candidates and
+  catalogue share the managed item table but are not counted (`counted_unseen`: ids counted for
+  eviction that no batch had as an input or a target).
 * resume: per plan, a run with checkpoints every 4 steps, resumed from step 4 (the middle of an
   eviction interval of 3), against the unbroken run (steps 5 and 6); and a control resume that drops the ids
   counted since the last eviction, which must differ.
@@ -27,7 +34,15 @@ import torch
 
 from recsys_pipe.data import make_dataloader
 from recsys_pipe.runtime import init_distributed
-from recsys_pipe.testing import built_trainer, end_rank, load_run, parity_overrides, run_stale_embedding_reference
+from recsys_pipe.testing import (
+    built_trainer,
+    end_rank,
+    load_run,
+    parity_overrides,
+    raw_id_sequences,
+    raw_id_windows,
+    run_stale_embedding_reference,
+)
 from recsys_pipe.train import build_model, local_parameters
 
 STEPS = 6
@@ -101,6 +116,39 @@ RESUME = {
 INTERVAL = ["data.managed.eviction_interval=3", "trainer.checkpoint.interval=4"]
 
 
+def parquet_variants(out, rank):
+    """HSTU on Parquet windows of raw ids (each rank writes the same file): plans and a resume."""
+    hstu = [
+        *raw_id_windows(os.path.join(out, f"windows{rank}.parquet")),
+        "data.managed.eviction_policy=distance_lfu",
+        "data.managed.eviction_interval=2",
+    ]
+    PLANS["hstu_parquet/serial"] = ([*hstu, "pipeline=serial"], None)
+    for plan in ("hstu_prefetch", "hstu_sparse_dist"):
+        PLANS[f"hstu_parquet/{plan}"] = ([*hstu, f"pipeline={plan}"], "hstu_parquet/serial")
+    RESUME["hstu_parquet/hstu_sparse_dist"] = [*hstu, "pipeline=hstu_sparse_dist"]
+    evicting = ["data.managed.eviction_interval=2"]
+    sasrec = ["model=sasrec", *raw_id_sequences(os.path.join(out, f"users{rank}.txt")), *evicting]
+    hstu_retrieval = ["model=hstu_retrieval", "model.num_negatives=16", *evicting]
+    hstu_retrieval += raw_id_sequences(os.path.join(out, f"users{rank}.parquet"))
+    for name, overrides in (("sasrec", sasrec), ("hstu_retrieval", hstu_retrieval)):
+        PLANS[f"{name}/serial"] = ([*overrides, "pipeline=serial"], None)
+        for plan in ("sparse_dist", "hstu_prefetch"):
+            PLANS[f"{name}/{plan}"] = ([*overrides, f"pipeline={plan}"], f"{name}/serial")
+        RESUME[f"{name}/hstu_prefetch"] = [*overrides, "pipeline=hstu_prefetch"]
+        RETRIEVAL[name] = overrides
+    # rebatched: the per-position negatives' distinct raw ids, made again after the split
+    PLANS["hstu_retrieval/serial_balanced"] = ([*hstu_retrieval, "pipeline=serial_balanced"], None)
+    PLANS["hstu_retrieval/hstu_sparse_dist_balanced"] = (
+        [*hstu_retrieval, "pipeline=hstu_sparse_dist_balanced"],
+        "hstu_retrieval/serial_balanced",
+    )
+
+
+#: retrieval on raw ids: name -> overrides
+RETRIEVAL = {}
+
+
 class EvictionCounter:
     """Counts the rows the sharded managed tables re-initialise (their `_evict`)."""
 
@@ -147,6 +195,8 @@ def plans(info, counter):
         before = counter.rows
         out[name] = train(info, overrides)
         out[name].update(evicted_rows=counter.rows - before, reference=reference)
+    for name, overrides in RETRIEVAL.items():
+        out[f"{name}/serial"]["counted_unseen"] = counted_unseen(info, [*overrides, "pipeline=serial"])
     for name, (overrides, options) in STALE.items():
         out[name] = train(info, overrides)
         out[name]["reference"] = f"{name}/reference"
@@ -156,6 +206,31 @@ def plans(info, counter):
         losses, ids = run_stale_embedding_reference(model, optimizer, list(loader), **options)
         out[f"{name}/reference"] = {"losses": losses, "sample_ids": ids, "params": digest(local_parameters(model))}
     return out
+
+
+def counted_unseen(info, overrides):
+    """What the managed item table counted since its last eviction (at step 4 of 6, an interval
+    of 4): the ids no batch of steps 5-6 (any rank's) had as an input or a target, and how many
+    of those steps' negatives were neither (so that the check is not vacuous)."""
+    from recsys_pipe.data.batch import INPUT_KEY, NEG_KEY, POS_KEY
+    from recsys_pipe.train.managed import history_state
+
+    overrides = [*parity_overrides(STEPS), *overrides, "data.managed.eviction_interval=4"]
+    with built_trainer(info, overrides) as trainer:
+        trainer.fit()
+        counted = {i for state in history_state(trainer.state.model).values() for i in state["ids"].tolist()}
+    run = load_run(*overrides)
+    seen, negatives = set(), set()
+    for step, batch in enumerate(make_dataloader(run.data, info.rank, info.world_size)):
+        if step >= 4:
+            kjt = batch.sparse_features
+            seen |= set(kjt[INPUT_KEY].values().tolist()) | set(kjt[POS_KEY].values().tolist())
+            negatives |= set(kjt[NEG_KEY].values().tolist())
+    everyone = [None] * info.world_size
+    torch.distributed.all_gather_object(everyone, (seen, negatives))
+    seen = set().union(*(s for s, _ in everyone))
+    negatives = set().union(*(n for _, n in everyone))
+    return {"unseen": len(counted - seen), "counted": len(counted), "negatives_only": len(negatives - seen)}
 
 
 def resume(info, scratch):
@@ -197,6 +272,7 @@ def layout(info):
 def main(out, parts):
     info = init_distributed("cpu", "gloo")
     counter = EvictionCounter()
+    parquet_variants(out, info.rank)
     result = {"world_size": info.world_size}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = [scratch]

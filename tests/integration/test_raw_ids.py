@@ -60,6 +60,17 @@ def test_every_plan_trains_the_serial_plans_numbers_with_managed_tables(ranks):
         assert len(plans["dlrm/serial"]["losses"]) == 6 and len(plans["dlrm/serial"]["params"]) > 20
 
 
+def test_retrieval_negatives_are_looked_up_in_the_managed_table_without_counting(ranks):
+    """SASRec and HSTU retrieval on raw ids: the ids the item table counted for eviction since its
+    last eviction were all inputs or targets of those steps' batches; their sampled negatives that
+    were neither (there are such) were looked up in the same table but not counted."""
+    for data in ranks:
+        for name in ("sasrec/serial", "hstu_retrieval/serial"):
+            counted = data["plans"][name]["counted_unseen"]
+            assert counted["unseen"] == 0 and counted["counted"] > 20, (name, counted)
+            assert counted["negatives_only"] > 20, (name, counted)
+
+
 def test_semi_synchronous_plans_match_the_stale_embedding_loop(ranks):
     """semi_sync and semi_sync_stash look batch i up in the tables from before batch i-1's update;
     with tables that admit every id (no row a batch updated is re-initialised by the next one's
@@ -197,15 +208,21 @@ def test_another_rank_count_is_refused_in_one_line(managed_run, capsys, monkeypa
     assert err[0].startswith("error: trainer.resume_from: checkpoint ") and "run on 2 rank(s)" in err[0]
 
 
-def test_exported_hstu_remaps_managed_items_and_users(tmp_path):
-    """HSTU ranking with managed items and users (one rank, trained in this process): the
-    program takes raw item and user ids and scores the candidates as the trained model."""
+@pytest.mark.parametrize("data", ["synthetic", "parquet_sequences"])
+def test_exported_hstu_remaps_managed_items_and_users(tmp_path, data):
+    """HSTU ranking with managed items and users (one rank, trained in this process), on
+    generated data and on Parquet windows of raw 64-bit ids: the program takes raw item and user
+    ids and scores the candidates as the trained model; `preprocess.py` passes the rows' raw ids on."""
     from recsys_pipe.cli import export as export_cli
-    from recsys_pipe.testing import train_here
+    from recsys_pipe.testing import raw_id_windows, train_here
 
     args = ["trainer=smoke", "trainer.max_steps=2", "trainer.checkpoint.interval=2", "trainer.eval_every=0"]
-    args += ["trainer.eval_batches=1", "data.num_batches=8", "data.use_user_feature=true", "data.ids=managed"]
-    args += ["data.item_rows=64", "model.sharding=row_wise", "trainer.tensorboard=false"]
+    args += ["trainer.eval_batches=1", "trainer.tensorboard=false", "data.batch_size=16"]
+    if data == "synthetic":
+        args += ["data.num_batches=8", "data.use_user_feature=true", "data.ids=managed", "data.item_rows=64"]
+        args += ["model.sharding=row_wise"]
+    else:
+        args += raw_id_windows(tmp_path / "windows.parquet")
     assert train_here(*args, f"trainer.output_dir={tmp_path / 'runs'}") == 0
     (run_dir,) = (tmp_path / "runs" / "recsys-train").iterdir()
     out = tmp_path / "served"
@@ -214,3 +231,37 @@ def test_exported_hstu_remaps_managed_items_and_users(tmp_path):
     assert int(inputs["items"].max()) > 2**40 and int(inputs["users"].max()) > 2**40  # raw ids
     got = load_fresh(out)
     assert got["diff"] <= 1e-5 and got["loaded"] == []
+
+
+def test_retrieval_on_raw_ids_exports_and_evaluates_as_trained(tmp_path, monkeypatch):
+    """HSTU retrieval with a managed item table on sequence Parquet of raw 64-bit item ids (one
+    rank, trained in this process; data=sequences' item record: test_managed_ids): the
+    exported program takes raw item ids and scores the catalogue as the trained model (the docs'
+    snippet in a torch-only interpreter: top-10 items as raw ids of the catalogue), and
+    recsys-eval of the checkpoint gives the metrics the run logged."""
+    from recsys_pipe.cli import eval as eval_cli
+    from recsys_pipe.cli import export as export_cli
+    from recsys_pipe.testing import raw_id_sequences, train_here
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = ["trainer=smoke", "trainer.max_steps=4", "trainer.checkpoint.interval=4", "trainer.eval_every=4"]
+    args += ["trainer.tensorboard=false", "data.batch_size=16", "data.managed.eviction_interval=2"]
+    args += ["model=hstu_retrieval", *raw_id_sequences(tmp_path / "users.parquet")]
+    assert train_here(*args, f"trainer.output_dir={tmp_path / 'runs'}") == 0
+    (run_dir,) = (tmp_path / "runs" / "recsys-train").iterdir()
+    out = tmp_path / "served"
+    assert export_cli.run([str(run_dir), str(out)]) == 0
+    record = json.loads((out / "features.json").read_text())["features"]["item"]["ids"]
+    assert record["mapping"] == "managed" and record["num_embeddings"] == 24
+    catalogue = record["catalogue"]
+    assert len(catalogue) > 100 and min(catalogue) > 2**40  # the raw ids the file holds
+    assert torch.load(out / "item_table.pt").shape[0] == len(catalogue)
+    assert int(torch.load(out / "example_inputs.pt")["items"].max()) > 2**40
+    got = load_fresh(out)
+    assert got["diff"] <= 1e-5 and got["loaded"] == []
+    assert eval_cli.run([str(run_dir), "checkpoint=step_4"]) == 0
+    evaluated = json.loads((run_dir / "eval.json").read_text())
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (at4,) = [r for r in logged if r["step"] == 4 and "valid" in r]
+    assert evaluated["valid"]["full"]["HR@10"] > 0
+    assert {k: evaluated[k] for k in ("valid", "test")} == {k: at4[k] for k in ("valid", "test")}

@@ -5,6 +5,8 @@ position with workers, and bad files are refused in one line naming file, row gr
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -264,3 +266,78 @@ def test_every_missing_key_and_column_of_ones_own_file_is_named_in_one_run(tmp_p
     named += ("no item vocabulary", "no column 'actions'")
     assert [sum(n in line for line in lines) for n in named] == [1] * len(named)
     assert lines[-1].startswith("recsys-train: 6 config errors, nothing was started")
+
+
+# -- data.ids=managed: raw item and user ids for managed-collision tables (docs/raw-ids.md) ---------
+
+
+def test_managed_ids_pass_the_files_raw_ids_on(ratings):
+    """The converted file's raw ids reach the batch as they are (the ids the vocabulary run numbers
+    densely), into tables of the stored vocabularies' sizes or data.item_rows / data.user_rows."""
+    _, path = ratings
+    kw = {"batch_size": 8, "shuffle": False, "use_user_feature": True}
+    dense = RankData(ranking(path, **kw), 0, 1, eval_batches=1)
+    raw = RankData(ranking(path, ids="managed", item_rows=24, **kw), 0, 1, eval_batches=1)
+    pq_file = pq.ParquetFile(path)
+    meta = pq_file.schema_arrow.metadata
+    items = np.frombuffer(meta[b"recsys-pipe/items"], "<i8")
+    users = np.frombuffer(meta[b"recsys-pipe/users"], "<i8")
+    assert raw.spec.vocab_sizes == {**dense.spec.vocab_sizes, "item": 24}  # users: as many as the vocabulary
+    assert {f: m.rows_key for f, m in raw.spec.managed.items()} == {"item": "data.item_rows", "user": "data.user_rows"}
+    for a, b in zip(dense.train_loader(), raw.train_loader(), strict=True):
+        x, y = a.sparse_features, b.sparse_features
+        assert y["item"].values().tolist() == items[x["item"].values().numpy()].tolist()
+        assert y["user"].values().tolist() == users[x["user"].values().numpy()].tolist()
+        assert torch.equal(x["action"].values(), y["action"].values()) and torch.equal(a.labels, b.labels)
+
+
+def test_managed_text_ids_are_hashed_as_the_tabular_sources_hash_strings(tmp_path):
+    """Text ids a converter numbered: the raw id of each is FNV-1a of its text into the space."""
+    from recsys_pipe.data.ids import managed_string_ids
+
+    lines = "".join(f"{1000 + 60 * e};u{u};i{(u * 7 + e * 3) % 11};{1 + e % 5}.0\n" for u in range(6) for e in range(9))
+    (tmp_path / "clicks.txt").write_text(lines)
+    args = ["--delimiter", ";", "--no-header", "--columns", "timestamp,user,item,rating", "--windows", "6"]
+    assert recsys_data(["convert", "sequences", str(tmp_path / "clicks.txt"), str(tmp_path / "out"), *args]) == 0
+    path = str(tmp_path / "out" / "clicks.parquet")
+    kw = {"batch_size": 4, "shuffle": False, "use_user_feature": True, "ids": "managed"}
+    data = RankData(ranking(path, managed={"input_hash_size": 1000}, **kw), 0, 1)
+    batch = next(iter(data.train_loader()))
+    table = pq.read_table(path)
+    names = {k: json.loads(table.schema.metadata[f"recsys-pipe/{k}-names".encode()]) for k in ("item", "user")}
+    hashed = {k: managed_string_ids(pa.array(v), 1000) for k, v in names.items()}
+    first = table.slice(0, 4)
+    windows = [row[-6:] for row in first.column("item_ids").to_pylist()]
+    assert batch.sparse_features["item"].values().tolist() == [int(hashed["item"][i]) for w in windows for i in w]
+    assert batch.sparse_features["user"].values().tolist() == hashed["user"][first.column("user_id")].tolist()
+
+
+def test_managed_raw_ids_outside_the_space_are_refused_in_one_line(tmp_path, capsys, no_process_group):
+    """Before the start where the statistics show it (`recsys-train --check`: exit 2), else at the
+    row; and a table with no size."""
+    from recsys_pipe.cli import train as train_cli
+
+    items = [[e % 20 for e in range(row, row + 6)] for row in range(20)]
+    items[12][3] = 27  # row group 1 (rows 10..19)
+    good = _table(item_ids=pa.array(items, pa.list_(pa.int64())))  # users 0..19
+    managed = {"ids": "managed", "managed": {"input_hash_size": 25}, "item_rows": 8}
+    message = "column 'item_ids': item: raw id 27 is outside [0, input_hash_size=25) with ids=managed"
+    path = _write(tmp_path, "items.parquet", good)
+    _refused_at_start(path, f"items.parquet, row group 1, {message}", **managed)
+    argv = ["--check", "model=hstu_small", "data=parquet_sequences", f"data.path={path}", "data.max_seq_len=8"]
+    argv += ["data.num_candidates=2", "data.ids=managed", "data.managed.input_hash_size=25", "data.item_rows=8"]
+    assert train_cli.run(argv) == 2
+    (line, *_) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: data.path: {path}, row group 1, {message}"), line
+    nostats = _write(tmp_path, "items_nostats.parquet", good, write_statistics=False)
+    _refused_when_decoded(nostats, f"items_nostats.parquet, row 12 (row group 1), {message}", **managed)
+    users = good.set_column(0, "user_id", pa.array(np.arange(20) + 20, pa.int64()))
+    small = {**managed, "managed": {"input_hash_size": 30}, "use_user_feature": True, "user_rows": 4}
+    user_message = "column 'user_id': user: raw id 30 is outside [0, input_hash_size=30)"
+    _refused_at_start(_write(tmp_path, "users.parquet", users), f"row group 1, {user_message}", **small)
+    _refused_at_start(
+        path, "data.item_rows: data.ids=managed needs the item table's rows", ids="managed", num_items=None
+    )
+    _refused_at_start(
+        path, "data.user_rows: data.ids=managed with data.use_user_feature needs", ids="managed", use_user_feature=True
+    )

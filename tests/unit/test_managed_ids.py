@@ -223,6 +223,20 @@ REFUSED = [
         "row group 3, column 'u': raw id 1500 is outside [0, input_hash_size=1500) with ids=managed",
     ),
     (
+        "a retrieval file's raw item id outside input_hash_size",
+        lambda tmp: [*_user_items(tmp / "users.txt"), "data.managed.input_hash_size=1000"],
+        1,
+        "data.path",
+        "users.txt: item: raw id 1000 is outside [0, input_hash_size=1000) with ids=managed",
+    ),
+    (
+        "a sequence Parquet vocabulary outside input_hash_size",
+        lambda tmp: [*_user_items(tmp / "users.parquet"), "data.managed.input_hash_size=1000"],
+        1,
+        "data.path",
+        "item: raw id 1000 is outside [0, input_hash_size=1000) with ids=managed",
+    ),
+    (
         "a negative raw id",
         lambda tmp: _columns(_parquet(tmp, np.arange(16) - 3)),
         1,
@@ -230,6 +244,60 @@ REFUSED = [
         "raw id -3 is outside [0, input_hash_size=9223372036854775807)",
     ),
 ]
+
+
+def _user_items(path, texts: bool = False) -> list[str]:
+    """SASRec with managed item ids on 30 users' items 0, 50, ..., 1450 (texts `i<id>` with
+    `texts`), as "user item" lines or, for a `.parquet` path, sequence Parquet with a vocabulary."""
+    users = np.repeat(np.arange(30), 6)
+    items = (np.arange(180) * 7 % 30) * 50
+    if path.suffix == ".parquet":
+        from recsys_pipe.data.parquet.decode import item_vocab_metadata
+
+        lists = pa.array([items[u * 6 : u * 6 + 6].tolist() for u in range(30)], pa.list_(pa.int64()))
+        table = pa.table({"user_id": np.arange(30), "item_ids": lists}).replace_schema_metadata(
+            item_vocab_metadata(items)
+        )
+        pq.write_table(table, path)
+        source = "parquet_sequences"
+    else:
+        path.write_text("".join(f"{u} {'i' if texts else ''}{i}\n" for u, i in zip(users, items, strict=True)))
+        source = "sequences"
+    return [
+        "model=sasrec",
+        f"data={source}",
+        f"data.path={path}",
+        "data.ids=managed",
+        "data.item_rows=8",
+        "data.eval_negatives=5",
+        "data.batch_size=8",
+    ]
+
+
+def test_retrieval_text_ids_are_hashed_into_the_space_and_the_catalogue_served(tmp_path):
+    """data=sequences with text item ids: the batches carry each text's FNV-1a into the space,
+    and the export's item record holds the catalogue as the file has it."""
+    from recsys_pipe.data import RankData
+    from recsys_pipe.testing import load_run
+
+    run = load_run(*_user_items(tmp_path / "users.txt", texts=True), "data.managed.input_hash_size=1000")
+    data = RankData(run.data, 0, 1)
+    names = sorted({f"i{i}" for i in (np.arange(180) * 7 % 30) * 50})
+    raw = managed_string_ids(pa.array(names), 1000)
+    batch = next(iter(data.train_loader()))
+    assert set(batch.sparse_features["item"].values().tolist()) <= set(raw.tolist())
+    assert set(batch.sparse_features["neg"].values().tolist()) <= set(raw.tolist())
+    record = data.dataset.serving_features()["features"]["item"]["ids"]
+    assert record == {
+        "mapping": "managed",
+        "num_embeddings": 8,
+        "input_hash_size": 1000,
+        "strings": "fnv1a64",
+        "catalogue": names,
+    }
+    features = {"features": {"item": {"column": "item_ids", "parse": "id", "ids": record}}}
+    assert preprocess.item_rows(["i50", "i0", "nope"], features).tolist() == [names.index("i50"), 0, -1]
+    assert preprocess.item_ids([1, 0], features).tolist() == [names[1], names[0]]
 
 
 @pytest.mark.timeout(120)

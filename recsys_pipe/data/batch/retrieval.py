@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,10 +33,13 @@ __all__ = [
     "NEG_KEY",
     "POS_KEY",
     "RETRIEVAL_KEYS",
+    "RawItemCollate",
     "RetrievalBatch",
     "RetrievalSample",
     "collate_retrieval",
     "distinct_negatives",
+    "raw_item_collate",
+    "with_raw_items",
 ]
 
 INPUT_KEY, POS_KEY, NEG_KEY, CAND_KEY, CATALOG_KEY = "item", "pos", "neg", "cand", "catalog"
@@ -152,11 +155,46 @@ def distinct_negatives(negatives: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     1.7 million ids of a few thousand items per batch at ML-1M's sizes, where the sort took ~10x longer."""
     if not negatives.numel():
         return negatives, torch.zeros(0, dtype=torch.int64, device=negatives.device)
+    if int(negatives.max()) >= max(_BITMAP_IDS, 4 * negatives.numel()):  # raw ids (data.ids=managed): a sort
+        distinct, place = torch.unique(negatives, sorted=True, return_inverse=True)
+        return distinct, place
     present = torch.zeros(int(negatives.max()) + 1, dtype=torch.bool, device=negatives.device)
     present[negatives] = True
     distinct = present.nonzero().squeeze(1)
     place = torch.cumsum(present, 0, dtype=torch.int64) - 1
     return distinct, place[negatives]
+
+
+#: ids below this many (or 4x the negatives) are made distinct by a bitmap, larger ones by a sort
+_BITMAP_IDS = 1 << 24
+
+
+def with_raw_items(batch: RetrievalBatch, catalogue: torch.Tensor) -> RetrievalBatch:
+    """`batch` with every item id (inputs, targets, negatives, candidates, the catalogue) as
+    the raw id `catalogue[id]` (`data.ids=managed`: the model's managed item table remaps them),
+    in the batch form of `RetrievalBatch.with_negatives` (the distinct raw negatives)."""
+    kjt = batch._per_position()
+    raw = type(kjt)(keys=kjt.keys(), values=catalogue[kjt.values()], lengths=kjt.lengths())
+    several = batch.neg_index.numel() > 0
+    batch = dataclasses.replace(batch, sparse_features=raw, neg_index=torch.zeros(0, dtype=torch.int64))
+    return batch.with_negatives(raw[NEG_KEY].values()) if several else batch
+
+
+class RawItemCollate:
+    """A retrieval source's collate whose batches carry raw item ids (`with_raw_items`): the
+    source samples dense ids (its negatives are drawn by dense id), the model gets raw ones."""
+
+    def __init__(self, collate: Any, catalogue: np.ndarray) -> None:
+        self.collate, self.catalogue = collate, torch.from_numpy(np.asarray(catalogue, dtype=np.int64))
+
+    def __call__(self, samples: Sequence[RetrievalSample]) -> RetrievalBatch:
+        return with_raw_items(self.collate(samples), self.catalogue)
+
+
+def raw_item_collate(collate: Any, catalogue: np.ndarray | None) -> Any:
+    """`collate`, its batches' item ids made raw ids where the source has a `catalogue` of them
+    (`data.ids=managed`: `RawItemCollate`)."""
+    return collate if catalogue is None else RawItemCollate(collate, catalogue)
 
 
 def _replace_negatives(kjt: KeyedJaggedTensor, values: torch.Tensor, lengths: torch.Tensor) -> KeyedJaggedTensor:

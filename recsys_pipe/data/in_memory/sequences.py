@@ -32,6 +32,10 @@ and, with `full_eval`, the whole catalogue spread over the batch (every evaluati
 every item id once, so full-corpus ranking goes through the same sharded embedding lookup as
 everything else).
 
+With `data.ids=managed` (docs/raw-ids.md) samples are drawn by dense id as above and the batches
+carry each item's raw id (`RawItemCollate`: integers as the file holds them, text ids hashed into
+the raw id space) for the model's managed item table.
+
 The batches are `RetrievalBatch`es (`recsys_pipe.data.batch.retrieval`, where their keys are).
 """
 
@@ -48,7 +52,8 @@ from pydantic import Field, StrictStr, field_validator
 from torch.utils.data import Dataset
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
-from recsys_pipe.data.batch import INPUT_KEY, DataSpec, RetrievalSample, collate_retrieval
+from recsys_pipe.data.batch import INPUT_KEY, RetrievalSample, collate_retrieval, raw_item_collate
+from recsys_pipe.data.ids import SequenceIds, catalogue_raw_ids
 from recsys_pipe.data.negatives import EVAL, TRAIN, unseen_items
 from recsys_pipe.data.serving import id_record, retrieval_features, retrieval_row
 from recsys_pipe.data.source import SPLITS, SequenceSourceConfig, readable_file
@@ -129,7 +134,7 @@ def read_interactions(
     return Interactions(users.tolist(), items, times, path, stamps is not None, ratings)
 
 
-class SequencesDataConfig(SequenceSourceConfig):
+class SequencesDataConfig(SequenceIds, SequenceSourceConfig):
     """`data=sequences`: next-item retrieval on a "user item" or MovieLens ratings file."""
 
     SIZE_KEY: ClassVar[str] = "data.path"
@@ -156,6 +161,7 @@ def sequences_dataset(cfg: SequencesDataConfig, rank: int, world_size: int) -> S
         eval_negatives=cfg.eval_negatives,
         full_eval=cfg.full_eval,
         negatives_per_target=cfg.negatives_per_target,
+        ids=cfg,
     )
 
 
@@ -169,6 +175,9 @@ class SequencesDataset(Dataset[RetrievalSample]):
         eval_negatives: sampled items per evaluated user (never items the user interacted with).
         full_eval: evaluation batches carry the whole catalogue.
         negatives_per_target: training negatives per target (target by target in `negatives`).
+        ids: how item ids reach the model (`data.ids`): dense, or with `managed` the raw ids of
+            the file (strings hashed into the raw id space) through a managed item table: samples
+            are drawn by dense id as ever and their batches carry the raw ids (`RawItemCollate`).
     """
 
     #: the training sampler numbers samples across epochs (`epoch * len(self) + i`), so the
@@ -185,6 +194,7 @@ class SequencesDataset(Dataset[RetrievalSample]):
         eval_negatives: int = 100,
         full_eval: bool = True,
         negatives_per_target: int = 1,
+        ids: SequenceIds | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -205,10 +215,18 @@ class SequencesDataset(Dataset[RetrievalSample]):
         self.max_seq_len, self.rank, self.world_size, self.seed = max_seq_len, rank, world_size, seed
         self.eval_negatives, self.full_eval = eval_negatives, full_eval
         self.negatives_per_target = negatives_per_target
-        self.spec = DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: self.num_items})
+        self.ids = ids or SequenceIds()
+        self.spec = self.ids.retrieval_spec(self.num_items)
+        #: data.ids=managed: the raw id of each dense item id (None: the batches carry dense ids)
+        self.catalogue = None
+        if self.ids.ids == "managed":
+            try:
+                self.catalogue = catalogue_raw_ids(self.raw_items, self.ids.managed.input_hash_size)
+            except ValueError as exc:
+                _fail(data.source, None, str(exc))
         trainable = [u for u, seq in enumerate(self.sequences) if len(self._train_part(u)) >= 2]
         self._users = trainable[: len(trainable) // world_size * world_size][rank::world_size]
-        self.collate = collate_retrieval
+        self.collate = raw_item_collate(collate_retrieval, self.catalogue)
         lengths = np.array([len(self._train_part(u)) for u in range(len(self.sequences))], dtype=np.int64)
         #: every user's training items, flat, and where each user's are (`unseen_items`' seen items)
         self._train_items = np.fromiter((i for seq in self.sequences for i in seq), np.int64)
@@ -217,7 +235,11 @@ class SequencesDataset(Dataset[RetrievalSample]):
 
     def serving_features(self) -> dict[str, Any]:
         """Items through the sorted vocabulary of raw ids (`recsys_pipe.data.serving`)."""
-        items = id_record("vocabulary", self.num_items, self.raw_items)
+        if self.catalogue is not None:  # data.ids=managed: raw ids, remapped by the program
+            rows, size = self.spec.vocab_sizes[INPUT_KEY], self.ids.managed.input_hash_size
+            items = id_record("managed", rows, self.raw_items, input_hash_size=size)
+        else:
+            items = id_record("vocabulary", self.num_items, self.raw_items)
         return retrieval_features(items, self.has_timestamps, self.max_seq_len)
 
     def raw_rows(self, sample_ids: Sequence[int], split: str | None) -> list[dict[str, Any]]:
@@ -322,7 +344,7 @@ class _EvalSplit(Dataset[RetrievalSample]):
     def __init__(self, source: SequencesDataset, name: str, users: list[int], size: int, batch_size: int) -> None:
         self.source, self.name, self.users, self.size = source, name, users, size
         catalog = source.num_items if source.full_eval else 0
-        self.collate = partial(collate_retrieval, catalog_size=catalog)
+        self.collate = raw_item_collate(partial(collate_retrieval, catalog_size=catalog), source.catalogue)
         self.batch_size = batch_size
 
     def __len__(self) -> int:

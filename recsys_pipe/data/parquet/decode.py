@@ -24,8 +24,9 @@ import pyarrow as pa
 import torch
 from pydantic import Field, StrictStr
 
-from recsys_pipe.config import Section
+from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.data.batch import RETRIEVAL_KEYS, RetrievalBatch
+from recsys_pipe.data.ids import ManagedColumn, SequenceIds
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.negatives import TRAIN, unseen_items
 from recsys_pipe.data.parquet.checks import RowProblems, list_column, null_rows
@@ -202,6 +203,9 @@ class UserRows:
                 target_stamps.zero_()
         at += 1  # the targets
         np.take(window.items, at, out=targets.numpy(), mode="clip")
+        if d.catalogue is not None:  # data.ids=managed: raw ids, drawn by dense id
+            for ids in (inputs, targets, negatives):
+                ids.numpy()[:] = d.catalogue[ids.numpy()]
         offsets.numpy()[0] = 0
         np.cumsum(m, out=offsets.numpy()[1:])
         sample_ids.numpy()[:] = self.sample_ids
@@ -322,14 +326,26 @@ class SequenceDecoder:
         stamps: str | None,
         negatives_per_target: int = 1,
         names: ParquetFiles | None = None,
+        raw_ids: ManagedColumn | None = None,
+        catalogue: np.ndarray | None = None,
     ):
         c = cfg.columns
         #: the texts of ids a converter numbered (`names_metadata`), read from `names`' metadata
         self.item_names = None if names is None else stored_names(names, ITEM_NAMES_KEY)
         self.user_names = None if names is None else stored_names(names, USER_NAMES_KEY)
+        #: HSTU ranking with `data.ids=managed`: how the item column gives raw ids, passed on to
+        #: the managed table as they are (`ItemStats.raw_ids`)
+        self.raw_ids = raw_ids
+        #: retrieval with `data.ids=managed`: the raw id of each dense item id; the training rows
+        #: are drawn by dense id and written as raw ids (`UserRows.finish`)
+        self.catalogue = catalogue
+        #: with a catalogue: the managed item table's rows and raw id space (`items_record`)
+        self.managed_table = (
+            (cfg.table_rows(num_items, "item"), cfg.managed.input_hash_size) if catalogue is not None else None
+        )
         self.user, self.items, self.stamps = c.user, c.items, stamps
         self.columns = [c.user, c.items] + ([stamps] if stamps else [])
-        self.vocab, self.num_items = vocab, num_items
+        self.vocab, self.num_items = (vocab if self.raw_ids is None else None), num_items
         self.max_seq_len, self.seed = cfg.max_seq_len, cfg.seed
         #: training negatives per target (retrieval; the HSTU ranking decoder draws none)
         self.negatives_per_target = negatives_per_target
@@ -337,8 +353,8 @@ class SequenceDecoder:
         #: negatives of at most `max_seq_len` transitions, its offset, sample id and target time
         self.row_bytes = 8 * ((3 + negatives_per_target) * int(self.max_seq_len) + 4)
         #: raw id -> dense id (-1: unknown) when the raw ids are small enough for a table
-        self._lookup: np.ndarray | None = None
-        if vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
+        self._lookup: np.ndarray | None = None if self.raw_ids is None else self.raw_ids.hashed
+        if self.vocab is not None and vocab[0] >= 0 and vocab[-1] < max(_LOOKUP_ROWS, 4 * len(vocab)):
             self._lookup = np.full(int(vocab[-1]) + 1, -1, dtype=np.int64)
             self._lookup[vocab] = np.arange(len(vocab))
         self._cached: DecodedColumns | None = None
@@ -347,6 +363,14 @@ class SequenceDecoder:
     def items_record(self) -> dict[str, Any]:
         """How raw item ids become table rows (`features.json`): the vocabulary (of texts, where a
         converter numbered text ids), or the ids as they are."""
+        if self.raw_ids is not None:
+            return id_record("managed", self.num_items, input_hash_size=self.raw_ids.input_hash_size)
+        if self.catalogue is not None:  # retrieval: the items the table scores, as the files hold them
+            values = np.arange(self.num_items) if self.vocab is None else self.vocab
+            names = self.item_names
+            catalogue = values if names is None else [names[i] for i in values]
+            rows, space = self.managed_table  # type: ignore[misc]
+            return id_record("managed", rows, catalogue, space)
         if self.vocab is None:
             return id_record("as_is", self.num_items)
         return id_record("vocabulary", len(self.vocab), self.vocab if self.item_names is None else self.item_names)
@@ -380,13 +404,18 @@ class SequenceDecoder:
         return problems
 
     def _unknown(self, raw: np.ndarray) -> np.ndarray:
-        """The raw item ids the decoder cannot map: not in the vocabulary, or outside [0, num_items)."""
+        """The raw item ids the decoder cannot map: not in the vocabulary, or outside [0, num_items)
+        (`data.ids=managed`: outside the raw id space, `ManagedColumn.unknown`)."""
+        if self.raw_ids is not None:
+            return self.raw_ids.unknown(raw)
         if self.vocab is None:
             return (raw < 0) | (raw >= self.num_items)
         place = np.minimum(np.searchsorted(self.vocab, raw), len(self.vocab) - 1)
         return self.vocab[place] != raw
 
     def _unknown_message(self, raw: int) -> str:
+        if self.raw_ids is not None:
+            return self.raw_ids.message(raw)
         if self.vocab is None:
             return f"item id {raw} outside [0, data.num_items={self.num_items})"
         return f"item id {raw} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})"
@@ -443,8 +472,9 @@ class SequenceDecoder:
 
     def _dense(self, chunks: list[np.ndarray], offsets: np.ndarray, fail: Fail) -> np.ndarray:
         """The dense ids of the raw item ids `chunks` (one array), checked: each chunk is mapped
-        straight into its place (no joined copy of the raw ids)."""
-        if self.vocab is None and len(chunks) == 1:
+        straight into its place (no joined copy of the raw ids). With `data.ids=managed` the ids
+        stay raw ids (`ManagedColumn`): checked, texts a converter numbered hashed."""
+        if self.vocab is None and self._lookup is None and len(chunks) == 1:
             self._check_range(chunks[0], 0, offsets, fail)
             return chunks[0]
         dense = self._arrays("items", sum(len(c) for c in chunks), np.int64)
@@ -456,7 +486,7 @@ class SequenceDecoder:
 
     def _dense_into(self, raw: np.ndarray, out: np.ndarray, at: int, offsets: np.ndarray, fail: Fail) -> None:
         """Map the raw ids `raw` (the window's from position `at` on) into `out`."""
-        if self.vocab is None:
+        if self.vocab is None and self._lookup is None:
             self._check_range(raw, at, offsets, fail)
             out[:] = raw
             return
@@ -477,9 +507,11 @@ class SequenceDecoder:
             raise fail(self.items, self._unknown_message(bad), row)
 
     def _check_range(self, raw: np.ndarray, at: int, offsets: np.ndarray, fail: Fail) -> None:
-        """Dense ids as they are (no vocabulary): in `[0, num_items)`."""
-        if raw.size and (raw.min() < 0 or raw.max() >= self.num_items):
-            bad, row = _first_bad(raw, (raw < 0) | (raw >= self.num_items), at, offsets)
+        """Dense ids as they are (no vocabulary): in `[0, num_items)`; raw ids of a managed
+        table (`data.ids=managed`): in `[0, input_hash_size)`."""
+        bound = self.num_items if self.raw_ids is None else self.raw_ids.input_hash_size
+        if raw.size and (raw.min() < 0 or raw.max() >= bound):
+            bad, row = _first_bad(raw, (raw < 0) | (raw >= bound), at, offsets)
             raise fail(self.items, self._unknown_message(bad), row)
 
 
@@ -563,26 +595,51 @@ def check_sequence_columns(files: ParquetFiles, columns: SequenceColumns) -> str
 class ItemStats:
     """The item vocabulary of sequence files (read with the first file's schema) and the check of
     each row group's item statistics against it: an item id below or above every id it holds
-    (or outside `[0, data.num_items)` without one) is refused before the start."""
+    (or outside `[0, data.num_items)` without one) is refused before the start.
 
-    def __init__(self, num_items: int | None) -> None:
+    With `data.ids=managed` (`ids`) the ids are raw ids for a managed table: `vocab` is None, the
+    item table has `data.item_rows` rows (or as many as the stored vocabulary, or
+    `data.num_items`), and the statistics are checked against the raw id space (`ManagedColumn`;
+    texts a converter numbered against their count)."""
+
+    def __init__(self, num_items: int | None, ids: SequenceIds | None = None) -> None:
         self.configured = num_items
+        self.ids = ids if ids is not None and ids.ids == "managed" else None
         self.vocab: np.ndarray | None = None
         self.num_items = 0
+        self.raw_ids: ManagedColumn | None = None
 
     def read(self, files: ParquetFiles) -> None:
-        self.vocab, self.num_items = item_vocab(files, self.configured)
+        if self.ids is None:
+            self.vocab, self.num_items = item_vocab(files, self.configured)
+            return
+        self.raw_ids = self.ids.managed_column(stored_names(files, ITEM_NAMES_KEY), "item")
+        stored = len(item_vocab(files, None)[0]) if ITEM_VOCAB_KEY in files.metadata else self.configured  # type: ignore[arg-type]
+        rows = self.ids.table_rows(stored or 0, "item")
+        if rows < 2:
+            raise ConfigError(
+                ConfigProblem(
+                    "data.item_rows",
+                    "data.ids=managed needs the item table's rows: the files store no item vocabulary "
+                    f"({ITEM_VOCAB_KEY.decode()}) to size it by and data.num_items is null",
+                )
+            )
+        self.num_items = rows
 
     def check(self, files: ParquetFiles, file: int, group: int, st: RowGroupStats | None, column: str) -> None:
         if st is None or not isinstance(st.min, int) or not isinstance(st.max, int):
             return
-        low, high = (0, self.num_items - 1) if self.vocab is None else (int(self.vocab[0]), int(self.vocab[-1]))
-        outside = st.min if st.min < low else st.max if st.max > high else None
+        if self.raw_ids is not None:
+            bad = self.raw_ids.unknown(np.array([st.min, st.max], dtype=np.int64))
+            outside, message = (st.min if bad[0] else st.max if bad[1] else None), self.raw_ids.message
+        else:
+            low, high = (0, self.num_items - 1) if self.vocab is None else (int(self.vocab[0]), int(self.vocab[-1]))
+            outside, message = (st.min if st.min < low else st.max if st.max > high else None), self._message
         if outside is not None:
             where = files.where(file, group, column)
-            message = (
-                f"item id {outside} outside [0, data.num_items={self.num_items})"
-                if self.vocab is None
-                else f"item id {outside} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})"
-            )
-            raise DataFileError(files.key, where, f"{message} (its statistics)")
+            raise DataFileError(files.key, where, f"{message(outside)} (its statistics)")
+
+    def _message(self, outside: int) -> str:
+        if self.vocab is None:
+            return f"item id {outside} outside [0, data.num_items={self.num_items})"
+        return f"item id {outside} is not in the stored vocabulary ({ITEM_VOCAB_KEY.decode()})"

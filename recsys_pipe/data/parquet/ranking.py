@@ -35,6 +35,11 @@ row per user trains on each user's most recent window). A row with no more event
 of other lengths stop the run in one line naming the file, row group and column (before the
 first step where the row group's statistics show a rating out of range).
 
+With `data.ids=managed` (docs/raw-ids.md) items and users are the raw ids the file holds (text
+ids a converter numbered: their texts' FNV-1a into the raw id space), checked against
+`data.managed.input_hash_size` (statistics before the start, else the row), for managed tables of
+`data.item_rows` / `data.user_rows` rows (null: the stored vocabularies' sizes).
+
 The windows of an epoch are handed out in parts (`PartedStreamSource`, as for the retrieval
 users): a worker decodes a window's columns once and turns one part of its rows at a time into
 samples, so the first batch waits for one part, not the whole window.
@@ -57,17 +62,20 @@ from pydantic import StrictStr, model_validator
 
 from recsys_pipe.config import ConfigError, ConfigProblem, builder_field
 from recsys_pipe.data.batch import ACTION_KEY, ITEM_KEY, MASKED_ACTION, USER_KEY, DataSpec, SequenceBatch
+from recsys_pipe.data.ids import ManagedColumn
 from recsys_pipe.data.in_memory.movielens import NUM_ACTIONS
 from recsys_pipe.data.jagged import concat_ranges, offsets_of
 from recsys_pipe.data.parquet.checks import RowProblems, list_column
 from recsys_pipe.data.parquet.decode import (
     RATING_SCALE_KEY,
+    USER_NAMES_KEY,
     WINDOWS_KEY,
     ItemStats,
     SequenceDecoder,
     check_sequence_columns,
     is_list_type,
     list_chunks,
+    stored_names,
 )
 from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.sequences import ParquetSequenceKeys, PartedStreamSource
@@ -138,7 +146,7 @@ class ParquetRankingDataConfig(ParquetSequenceKeys, SequenceDataConfig):
                 if value is None
             ]
             try:
-                columns, items = self.columns, ItemStats(self.num_items)
+                columns, items = self.columns, ItemStats(self.num_items, self)
                 open_parquet(self.path, "data.path", lambda files: _check_window_columns(files, columns, items))
             except ConfigError as exc:
                 problems += exc.problems
@@ -225,6 +233,41 @@ class WindowRows:
         )
 
 
+@dataclass
+class _UserIds:
+    """How the user column becomes the user feature's ids (`data.use_user_feature`): a user's
+    place in the stored user vocabulary, or with `data.ids=managed` its raw id for the managed
+    user table (`raw`, a `ManagedColumn`), of `rows` rows."""
+
+    vocab: np.ndarray | None
+    raw: ManagedColumn | None
+    rows: int
+
+    def unknown(self, users: np.ndarray) -> np.ndarray:
+        """Which of the column's `users` it cannot read."""
+        if self.raw is not None:
+            return self.raw.unknown(users)
+        vocab = self.vocab
+        assert vocab is not None
+        place = np.minimum(np.searchsorted(vocab, users), len(vocab) - 1)
+        return vocab[place] != users
+
+    def message(self, user: int) -> str:
+        return self.raw.message(user) if self.raw is not None else _unknown_user(user)
+
+    def __call__(self, users: np.ndarray) -> np.ndarray:
+        """The ids of `users` (checked with `unknown`): dense ids, or raw ids (`data.ids=managed`)."""
+        if self.raw is not None:
+            return np.array(self.raw.raw_ids(users), dtype=np.int64)  # its own (the column's may be Arrow's)
+        return np.searchsorted(self.vocab, users).astype(np.int64)  # type: ignore[arg-type]
+
+    def record(self, names: list[str] | None) -> dict[str, Any]:
+        """How a raw user id becomes its row (`features.json`)."""
+        if self.raw is not None:
+            return id_record("managed", self.rows, input_hash_size=self.raw.input_hash_size)
+        return id_record("vocabulary", self.rows, self.vocab if names is None else names)
+
+
 class _WindowDecoder:
     """Turns a window's table of sequence Parquet into `WindowRows`, one part of the window at a
     time (`PartedStreamSource`): the items, timestamps and user ids through
@@ -236,10 +279,10 @@ class _WindowDecoder:
         cfg: ParquetRankingDataConfig,
         sequences: SequenceDecoder,
         actions: str,
-        users: np.ndarray | None,
+        users: _UserIds | None,
         rating_scale: float = 5.0,
     ) -> None:
-        self.sequences, self.actions, self.user_vocab = sequences, actions, users
+        self.sequences, self.actions, self.users = sequences, actions, users
         #: a rating's action id is `rint(factor * rating)`: 2 for MovieLens's five stars, in [0, 10] on any scale
         self.factor = action_factor(rating_scale)
         self.columns = [*sequences.columns, actions]
@@ -270,21 +313,17 @@ class _WindowDecoder:
         problems.add(
             self.sequences.items, short, lambda row: _short(int(np.diff(item_offsets)[row]), self.num_candidates)
         )
-        if self.user_vocab is not None:
+        users = self.users
+        if users is not None:
             raw = table.column(self.sequences.user).fill_null(0).to_numpy().astype(np.int64)
-            place = np.minimum(np.searchsorted(self.user_vocab, raw), len(self.user_vocab) - 1)
-            unknown = self.user_vocab[place] != raw
-            problems.add(self.sequences.user, unknown, lambda row: _unknown_user(int(raw[row])))
+            problems.add(self.sequences.user, users.unknown(raw), lambda row: users.message(int(raw[row])))
         return problems
 
     def serving_features(self) -> dict[str, Any]:
         """Items and users through the stored vocabularies, ratings as action ids (`recsys_pipe.data.serving`)."""
         seq = self.sequences
         items = seq.items_record()
-        users = None
-        if self.user_vocab is not None:
-            names = seq.user_names
-            users = id_record("vocabulary", len(self.user_vocab), self.user_vocab if names is None else names)
+        users = None if self.users is None else self.users.record(seq.user_names)
         columns = {"user": seq.user, "items": seq.items, "actions": self.actions}
         if seq.stamps is not None:
             columns["timestamps"] = seq.stamps
@@ -374,15 +413,14 @@ class _WindowDecoder:
         return ratings, ratings_offsets
 
     def _users(self, raw: np.ndarray, fail: Fail) -> np.ndarray | None:
-        vocab = self.user_vocab
-        if vocab is None:
+        users = self.users
+        if users is None:
             return None
-        dense = np.searchsorted(vocab, raw)
-        unknown = np.flatnonzero((dense >= len(vocab)) | (vocab[np.minimum(dense, len(vocab) - 1)] != raw))
+        unknown = np.flatnonzero(users.unknown(raw))
         if len(unknown):
             row = int(unknown[0])
-            raise fail(self.sequences.user, _unknown_user(int(raw[row])), row)
-        return dense.astype(np.int64)
+            raise fail(self.sequences.user, users.message(int(raw[row])), row)
+        return users(raw)
 
 
 def _check_window_columns(files: ParquetFiles, columns: Any, items: ItemStats) -> str | None:
@@ -463,6 +501,38 @@ def _user_vocab(files: ParquetFiles) -> np.ndarray:
     return vocab
 
 
+def _user_ids(cfg: ParquetRankingDataConfig, files: ParquetFiles) -> _UserIds:
+    """The user feature's ids: through the stored user vocabulary, or with `data.ids=managed` as
+    raw ids into a table of `data.user_rows` rows (null: as many as the stored vocabulary holds)."""
+    raw = cfg.managed_column(stored_names(files, USER_NAMES_KEY), "user")
+    if raw is None:
+        vocab = _user_vocab(files)
+        return _UserIds(vocab, None, len(vocab))
+    stored = len(_user_vocab(files)) if USER_VOCAB_KEY in files.metadata else 0
+    rows = cfg.table_rows(stored, "user")
+    if rows < 2:
+        raise ConfigError(
+            ConfigProblem(
+                "data.user_rows",
+                "data.ids=managed with data.use_user_feature needs the user table's rows: the files store no user "
+                f"vocabulary ({USER_VOCAB_KEY.decode()}) to size it by",
+            )
+        )
+    return _UserIds(None, raw, rows)
+
+
+def _check_user_stats(
+    files: ParquetFiles, file: int, group: int, st: RowGroupStats | None, raw: ManagedColumn | None, column: str
+) -> None:
+    """A row group whose user statistics show a raw user id outside the space (`data.ids=managed`)."""
+    if raw is None or st is None or not isinstance(st.min, int) or not isinstance(st.max, int):
+        return
+    bad = raw.unknown(np.array([st.min, st.max], dtype=np.int64))
+    if bad.any():
+        outside = st.min if bad[0] else st.max
+        raise DataFileError(files.key, files.where(file, group, column), f"{raw.message(outside)} (its statistics)")
+
+
 def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size: int) -> PartedStreamSource:
     """Builder of `data=parquet_sequences` for HSTU ranking: this rank's windows, checked from the
     files' metadata (a missing or wrong-typed column, a rating out of range in the statistics, a
@@ -472,14 +542,17 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
         raise ConfigError(ConfigProblem("data.columns.actions", "HSTU ranking needs the rating list column"))
     actions: str = c.actions
     stamps: str | None = None
-    items = ItemStats(cfg.num_items)
+    items = ItemStats(cfg.num_items, cfg)
 
     factor = action_factor(5.0)
+    user_raw: ManagedColumn | None = None  # data.ids=managed: the user ids' statistics are checked
 
     def check_schema(files: ParquetFiles) -> None:
-        nonlocal stamps, factor
+        nonlocal stamps, factor, user_raw
         stamps = _check_window_columns(files, c, items)
         factor = action_factor(rating_scale(files))
+        if cfg.use_user_feature:
+            user_raw = cfg.managed_column(stored_names(files, USER_NAMES_KEY), "user")
 
     def check_stats(files: ParquetFiles, file: int, group: int, stats: dict[str, RowGroupStats]) -> None:
         if c.user in stats and stats[c.user].null_count:
@@ -487,6 +560,7 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
                 files.key, files.where(file, group, c.user), f"{stats[c.user].null_count} null user id(s)"
             )
         items.check(files, file, group, stats.get(c.items), c.items)
+        _check_user_stats(files, file, group, stats.get(c.user), user_raw, c.user)
         st = stats.get(actions)
         for value in (st.min, st.max) if st is not None else ():
             if value is not None and not 0 <= round(factor * float(value)) < NUM_ACTIONS:
@@ -505,11 +579,13 @@ def parquet_ranking_dataset(cfg: ParquetRankingDataConfig, rank: int, world_size
             )
         )
     vocab, num_items = items.vocab, items.num_items
-    users = _user_vocab(files) if cfg.use_user_feature else None
+    users = _user_ids(cfg, files) if cfg.use_user_feature else None
     vocab_sizes = {ITEM_KEY: num_items, ACTION_KEY: NUM_ACTIONS}
+    rows_keys = {ITEM_KEY: "data.item_rows"}
     if users is not None:
-        vocab_sizes[USER_KEY] = len(users)
-    spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes)
-    sequences = SequenceDecoder(cfg, vocab, num_items, stamps, names=files)  # type: ignore[arg-type]
+        vocab_sizes[USER_KEY] = users.rows
+        rows_keys[USER_KEY] = "data.user_rows"
+    spec = DataSpec(num_tasks=len(cfg.thresholds), vocab_sizes=vocab_sizes, managed=cfg.managed_features(rows_keys))
+    sequences = SequenceDecoder(cfg, vocab, num_items, stamps, names=files, raw_ids=items.raw_ids)  # type: ignore[arg-type]
     decoder = _WindowDecoder(cfg, sequences, actions, users, rating_scale(files))  # type: ignore[arg-type]
     return PartedStreamSource(files, decoder, rank, world_size, cfg, spec)

@@ -28,6 +28,11 @@ users, whichever batch, rank or worker a user falls in. Nothing is per user. Unl
 alone: a user with fewer than two training transitions (1 or 3 interactions) is a sample without
 targets, which adds nothing to the loss.
 
+With `data.ids=managed` (docs/raw-ids.md) the item table is a managed-collision table: samples
+and negatives are drawn by dense id as above, and the training rows (`UserRows.finish`) and the
+evaluation batches (`RawItemCollate`) carry each item's raw id, the vocabulary's (text ids: their
+FNV-1a into the raw id space), so the catalogue is the vocabulary.
+
 Decoding: a shuffled window (65,536 users by default: 13M items at length 200) is handed out
 in parts of `_PART_ROWS` users, the same rows in the same order (`ParquetSequences.epoch_pieces`):
 the worker reads the window's row groups and maps its item ids to dense ids once (into arrays
@@ -56,22 +61,25 @@ from torch.utils.data import Dataset, get_worker_info
 from recsys_pipe.config import (
     ConfigError,
     ConfigProblem,
-    Section,
     builder_field,
     home_expanded,
     import_fn,
     validate_section,
 )
-from recsys_pipe.data.batch import INPUT_KEY, DataSpec, RetrievalSample, collate_retrieval
+from recsys_pipe.data.batch import RetrievalSample, collate_retrieval, raw_item_collate
+from recsys_pipe.data.ids import SequenceIds
 from recsys_pipe.data.in_memory.sequences import SequencesDataConfig
 from recsys_pipe.data.negatives import EVAL, unseen_items
 from recsys_pipe.data.parquet.decode import (
+    ITEM_NAMES_KEY,
+    ITEM_VOCAB_KEY,
     WINDOWS_KEY,
     ItemStats,
     SequenceColumns,
     SequenceDecoder,
     UserRows,
     check_sequence_columns,
+    stored_names,
 )
 from recsys_pipe.data.parquet.files import Collected, DataFileError, ParquetFiles, RowGroupStats, open_parquet
 from recsys_pipe.data.parquet.stream import EpochOrder, Piece, StreamSource, WindowDataset
@@ -90,9 +98,11 @@ __all__ = [
 RETRIEVAL_MAX_SEQ_LEN = 50
 
 
-class ParquetSequenceKeys(Section):
+class ParquetSequenceKeys(SequenceIds):
     """The keys `data=parquet_sequences` has for both kinds of model: the files, their columns,
-    the shuffle window, and the sample shape of HSTU ranking (`recsys_pipe.data.parquet.ranking`).
+    the shuffle window, how item and user ids become rows (`SequenceIds`: `data.ids`,
+    `data.managed`, `data.item_rows`, `data.user_rows`), and the sample shape of HSTU ranking
+    (`recsys_pipe.data.parquet.ranking`).
     `ParquetSequencesDataConfig` (what `data=parquet_sequences` validates) and the HSTU ranking
     config it becomes for a ranking model share them."""
 
@@ -322,8 +332,7 @@ class ParquetSequences(PartedStreamSource):
     leave-one-out evaluation splits (`split`), as `SequencesDataset` offers them."""
 
     def __init__(self, files: ParquetFiles, decoder: SequenceDecoder, rank: int, world_size: int, cfg: Any) -> None:
-        spec = DataSpec(num_tasks=1, vocab_sizes={INPUT_KEY: decoder.num_items})
-        super().__init__(files, decoder, rank, world_size, cfg, spec)
+        super().__init__(files, decoder, rank, world_size, cfg, cfg.retrieval_spec(decoder.num_items))
         self.num_items = decoder.num_items
         self.seed, self.max_seq_len = cfg.seed, cfg.max_seq_len
         self.eval_negatives, self.full_eval = cfg.eval_negatives, cfg.full_eval
@@ -333,6 +342,11 @@ class ParquetSequences(PartedStreamSource):
 
     def prepare(self, eval_batches: int) -> None:
         super().prepare(0)  # evaluation is the leave-one-out splits, not held-out rows
+
+    @property
+    def catalogue(self) -> np.ndarray | None:
+        """`data.ids=managed`: the raw id of each dense item id (what the batches carry)."""
+        return self.decoder.catalogue  # type: ignore[attr-defined]
 
     def serving_features(self) -> dict[str, Any]:
         """Items through the stored vocabulary, or as dense ids (`recsys_pipe.data.serving`)."""
@@ -411,7 +425,7 @@ class _EvalSplit(Dataset[RetrievalSample]):
     def __init__(self, source: ParquetSequences, name: str, first: int, stop: int, size: int) -> None:
         self.source, self.name, self.first, self.stop, self.size = source, name, first, stop, size
         catalog = source.num_items if source.full_eval else 0
-        self.collate = partial(collate_retrieval, catalog_size=catalog)
+        self.collate = raw_item_collate(partial(collate_retrieval, catalog_size=catalog), source.catalogue)
 
     def __len__(self) -> int:
         return self.size
@@ -427,6 +441,21 @@ class _EvalSplit(Dataset[RetrievalSample]):
             return RetrievalSample(-1, [0], [0], [], [], list(range(self.source.eval_negatives + 1)))
         sample.sample_id = -1
         return sample
+
+
+def _catalogue(cfg: Any, files: ParquetFiles, vocab: np.ndarray | None, num_items: int) -> np.ndarray | None:
+    """With `data.ids=managed`, the raw id of each dense item id: the stored vocabulary's ids (or
+    `[0, data.num_items)`), texts a converter numbered hashed (`ManagedColumn`); refused in one
+    line where an id lies outside the raw id space."""
+    column = cfg.managed_column(stored_names(files, ITEM_NAMES_KEY), "item")
+    if column is None:
+        return None
+    numbers = vocab if vocab is not None else np.arange(num_items, dtype=np.int64)
+    bad = np.flatnonzero(column.unknown(numbers))
+    if len(bad):
+        where = f"{ITEM_VOCAB_KEY.decode()}" if vocab is not None else "data.num_items"
+        raise DataFileError(files.key, files.where(0), f"{column.message(int(numbers[bad[0]]))} (of {where})")
+    return column.raw_ids(numbers)
 
 
 def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_size: int) -> ParquetSequences:
@@ -469,5 +498,6 @@ def parquet_sequences_dataset(cfg: ParquetSequencesDataConfig, rank: int, world_
                 "data.eval_negatives", f"{cfg.eval_negatives} exceeds the {num_items - 1} other items of the data"
             )
         )
-    decoder = SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target, names=files)
+    catalogue = _catalogue(cfg, files, vocab, num_items)
+    decoder = SequenceDecoder(cfg, vocab, num_items, stamps, cfg.negatives_per_target, names=files, catalogue=catalogue)
     return ParquetSequences(files, decoder, rank, world_size, cfg)
