@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, StrictInt
 
-from recsys_pipe.config import Section
+from recsys_pipe.config import ConfigError, ConfigProblem, Section
 from recsys_pipe.data.preprocess import fnv1a64 as _fnv1a64_bytes
 from recsys_pipe.data.preprocess import raw_id_message, splitmix64, splitmix64_inplace
 
@@ -168,6 +168,13 @@ class SequenceIds(Section):
         the candidates and the catalogue are looked up without counting)."""
         from recsys_pipe.data.batch import CAND_KEY, CATALOG_KEY, INPUT_KEY, NEG_KEY, RETRIEVAL_KEYS, DataSpec
 
+        if self.user_rows is not None:
+            raise ConfigError(
+                ConfigProblem(
+                    "data.user_rows",
+                    "the retrieval models have no user table (a user is their item sequence); leave it null",
+                )
+            )
         managed = self.managed_features(
             dict.fromkeys(RETRIEVAL_KEYS, "data.item_rows"), (NEG_KEY, CAND_KEY, CATALOG_KEY)
         )

@@ -237,6 +237,13 @@ REFUSED = [
         "item: raw id 1000 is outside [0, input_hash_size=1000) with ids=managed",
     ),
     (
+        "a user table for a retrieval model",
+        lambda tmp: [*_user_items(tmp / "users.parquet"), "data.user_rows=10"],
+        1,
+        "data.user_rows",
+        "the retrieval models have no user table",
+    ),
+    (
         "a negative raw id",
         lambda tmp: _columns(_parquet(tmp, np.arange(16) - 3)),
         1,
