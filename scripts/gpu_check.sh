@@ -349,8 +349,9 @@ fi
 
 TRAINING_TESTS=(tests/cuda/test_cuda_launcher.py tests/cuda/test_cuda_megatron.py tests/cuda/test_cuda_torchrec.py)
 HOST_TEST=tests/cuda/test_cuda_host_sync.py # needs torchrec: run by host_step
+RAW_IDS_TEST=tests/cuda/test_cuda_raw_ids.py # needs torchrec: run by torchrec_cuda
 run_step cuda_tests 180 "$PY" -m pytest tests/cuda -q -rs -p no:cacheprovider \
-  "${TRAINING_TESTS[@]/#/--ignore=}" "--ignore=$HOST_TEST"
+  "${TRAINING_TESTS[@]/#/--ignore=}" "--ignore=$HOST_TEST" "--ignore=$RAW_IDS_TEST"
 run_step launcher_cuda 120 "$PY" -m pytest "${TRAINING_TESTS[0]}" -q -rs -p no:cacheprovider
 run_step megatron_cuda 60 "$PY" -m pytest "${TRAINING_TESTS[1]}" -q -rs -p no:cacheprovider
 run_step bench_gpu 120 "$PY" -m recsys_pipe.bench.gpu ${bench_args[@]+"${bench_args[@]}"}
@@ -389,7 +390,7 @@ last_json bench_attention
 # torchrec's steps, where torchrec and its CUDA fbgemm-gpu import (brought by the --stage runs)
 TORCHREC_NOTE=""
 if torchrec_error="$("$PY" -c 'import fbgemm_gpu, torchrec' 2>&1)"; then
-  run_step torchrec_cuda 180 "$PY" -m pytest "${TRAINING_TESTS[2]}" -q -rs -p no:cacheprovider
+  run_step torchrec_cuda 300 "$PY" -m pytest "${TRAINING_TESTS[2]}" "$RAW_IDS_TEST" -q -rs -p no:cacheprovider
   # the host side of the benchmark's HSTU step at batch 1024 (one GPU: world size 1): the dense step
   # under CUDA's sync detection, then CPU ms against GPU ms per step with the operators, kernel
   # launches and host syncs of each task (recsys-bench train --host)
