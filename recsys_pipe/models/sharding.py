@@ -401,6 +401,7 @@ def make_sharded_model(
             plan = chosen[0]
     weights = _table_weights(model)
     configs = _table_configs_by_key(model)
+    _say_meta(modules)
     sharded = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg),
@@ -455,6 +456,17 @@ def _load_shards(sharded: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
         storage = full.untyped_storage()
         if not full.is_meta and storage.data_ptr() not in in_use:
             storage.resize_(0)
+
+
+def _say_meta(modules: Mapping[str, nn.Module]) -> None:
+    """Tell each `EmbeddingCollection` whose tables were built on the meta device that it is
+    there. It records the `device` it was given (the CPU when none, as under `torch.device("meta")`)
+    rather than where its tables are, and torchrec's `ShardedEmbeddingCollection` copies the
+    module's state into its shards unless that device is meta: from meta tables that copy fails
+    ("Cannot copy out of meta tensor"). `EmbeddingBagCollection` reads its tables' device."""
+    for module in modules.values():
+        if isinstance(module, EmbeddingCollection) and all(p.is_meta for p in module.parameters()):
+            module._device = torch.device("meta")
 
 
 def _table_configs_by_key(model: nn.Module) -> dict[str, Any]:
