@@ -69,8 +69,8 @@ GIB = 2**30
 MIB = 2**20
 #: what the estimate says where the unsharded build alone makes a rank not fit
 PER_SHARD_NOTE = (
-    "the tables built on the meta device and each rank drawing only its own shards would drop the build part "
-    "(initial weights then differ from the unsharded build's, docs/operations/multi-node.md#table-init)"
+    "no rank would build the whole tables on the host (the build part); the initial weights then differ from the "
+    "unsharded build's (docs/operations/multi-node.md#table-init)"
 )
 #: what is said of a layout whose memory is not estimated (`Parallelism.planned_model`)
 NOT_ESTIMATED = "estimated peak memory: not estimated for how this run spreads its model over the ranks"
@@ -251,8 +251,8 @@ def estimate_memory(
     if estimate.build_bound():
         top = max(ranks, key=lambda r: r.training_peak)
         notes.append(
-            f"model.table_init=per_shard would fit: {PER_SHARD_NOTE}; rank {top.rank} would then peak at "
-            f"{top.training_peak / GIB:.2f} GiB"
+            f"model.table_init=per_shard would fit, rank {top.rank} at {top.training_peak / GIB:.2f} GiB: "
+            f"{PER_SHARD_NOTE}"
         )
     return estimate
 

@@ -58,7 +58,7 @@ def test_per_shard_tables_drop_the_build_part_and_a_build_bound_job_is_told_so(m
     between = (unsharded.largest.peak + per_shard.largest.peak) / 2 / GIB
     _, tight = _estimate("model.sharding=row_wise", gib=between)
     assert not tight.fits() and tight.build_bound()
-    assert any(n.startswith("model.table_init=per_shard would fit") for n in tight.notes)
+    assert any(n.startswith("model.table_init=per_shard would fit, rank ") for n in tight.notes)
     assert _estimate("model.sharding=row_wise", "model.table_init=per_shard", gib=between)[1].fits()
     _, short = _estimate("model.sharding=row_wise", gib=per_shard.largest.peak / 2 / GIB)
     assert not short.build_bound() and not any("per_shard" in n for n in short.notes)  # not enough either way
