@@ -128,3 +128,15 @@ def test_recsys_train_check_refuses_per_shard_with_pipeline_stages(tmp_path, cap
     assert [line for line in err.splitlines() if line.startswith("error: ")][0].startswith(
         "error: model.table_init: per_shard is not offered with pipeline stages"
     ), err
+
+
+def test_a_resume_does_not_care_how_the_tables_were_initialised():
+    """`model.table_init` decides only the initial weights, which a checkpoint replaces: it is not
+    part of the experiment's fingerprint (`trainer.resume_from=latest` takes the checkpoints of
+    either setting, and of runs from before the key existed)."""
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train.fingerprint import fingerprint
+
+    unsharded = fingerprint(load_run("model=dlrm"), 2)
+    assert "table_init" not in unsharded.model and "sharding" in unsharded.model
+    assert fingerprint(load_run("model=dlrm", "model.table_init=per_shard"), 2) == unsharded
