@@ -401,7 +401,7 @@ def make_sharded_model(
             plan = chosen[0]
     weights = _table_weights(model)
     configs = _table_configs_by_key(model)
-    _say_meta(modules)
+    _mark_meta_collections(modules)
     sharded = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg),
@@ -458,7 +458,7 @@ def _load_shards(sharded: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
             storage.resize_(0)
 
 
-def _say_meta(modules: Mapping[str, nn.Module]) -> None:
+def _mark_meta_collections(modules: Mapping[str, nn.Module]) -> None:
     """Tell each `EmbeddingCollection` whose tables were built on the meta device that it is
     there. It records the `device` it was given (the CPU when none, as under `torch.device("meta")`)
     rather than where its tables are, and torchrec's `ShardedEmbeddingCollection` copies the
