@@ -50,6 +50,14 @@ def build_model(cfg: PooledConfig, spec: DataSpec) -> nn.Module:
     return Pooled(cfg, spec)
 
 
+def build_vocab_dependent_model(cfg: PooledConfig, spec: DataSpec) -> nn.Module:
+    """`Pooled` with a parameter outside its torchrec tables as long as the first vocabulary (a
+    per-row bias): `model.table_init=per_shard` cannot build it."""
+    model = Pooled(cfg, spec)
+    model.row_bias = nn.Parameter(torch.zeros(next(iter(spec.vocab_sizes.values()))))
+    return model
+
+
 class ClicksConfig(DataConfig):
     """data.* keys of the custom source."""
 

@@ -176,6 +176,14 @@ class ShardedModelConfig(ModelConfig):
         "kernel, the tables get gradients and the dense optimizer (optimizer.*) updates them with the other weights",
     )
 
+    table_init: Literal["unsharded", "per_shard"] = Field(
+        "unsharded",
+        description="unsharded: every rank builds the whole tables on the CPU from the seed, then keeps its shards; "
+        "per_shard: the tables are built on the meta device and each rank draws only its own shards, by blocks of "
+        "rows seeded from the seed (no whole tables in host memory; the same tables at every world size and "
+        "sharding type, but other values than unsharded's; not with ids=managed or parallel.pp)",
+    )
+
     @field_validator("sharding_constraints", mode="before")
     @classmethod
     def _null_is_none(cls, value: object) -> object:

@@ -46,6 +46,7 @@ are not part of it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -84,6 +85,7 @@ __all__ = [
     "column_shards",
     "embedding_modules",
     "has_torchrec_tables",
+    "init_table_slice",
     "local_world_size",
     "make_optimizer",
     "make_sharded_model",
@@ -101,6 +103,8 @@ STORAGE_RESERVATION = 0.15
 MULTI_HOST_TYPES = ("table_row_wise",)
 #: torchrec's column shards are a multiple of this many columns wide (`_find_base_dim`)
 COLUMN_BLOCK = 4
+#: rows of a table drawn from one seed by the per-shard initialisation (`init_table_slice`)
+INIT_BLOCK_ROWS = 4096
 #: the modules whose tables DMP shards (a managed-collision collection holds its table module)
 _TABLE_MODULES = (EmbeddingCollection, EmbeddingBagCollection, *MANAGED_TABLE_TYPES)
 
@@ -349,6 +353,7 @@ def make_sharded_model(
     embedding_optimizer_kwargs: Mapping[str, Any] | None = None,
     data_parallel: bool = True,
     plan: ShardingPlan | None = None,
+    init_seed: int | None = None,
 ) -> DistributedModelParallel:
     """Wrap `model` in DistributedModelParallel over `pg`, its tables sharded by `cfg.sharding` on
     `cfg.compute_kernel`. Works for world size 1 and up.
@@ -366,6 +371,10 @@ def make_sharded_model(
         data_parallel: wrap the rest of the model in DMP's DDP over `pg`; False leaves its
             gradients alone (pipeline stages average theirs themselves, `recsys_pipe.pp.stage`).
         plan: the sharding plan to use (default: `sharding_plan` for `pg`'s ranks and `device`).
+        init_seed: `model.table_init=per_shard`: the model's tables are on the meta device and
+            each rank draws its own shards' values from this seed (`init_table_slice`); None:
+            the shards are copied from the built tables (or, built on meta, left as torchrec
+            initialised them).
 
     Returns:
         The `DistributedModelParallel` model."""
@@ -391,6 +400,8 @@ def make_sharded_model(
             dist.broadcast_object_list(chosen, src=dist.get_global_rank(pg, 0), group=pg)
             plan = chosen[0]
     weights = _table_weights(model)
+    configs = _table_configs_by_key(model)
+    _mark_meta_collections(modules)
     sharded = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg),
@@ -399,7 +410,10 @@ def make_sharded_model(
         sharders=project_sharders(),
         init_data_parallel=data_parallel,
     )
-    _load_shards(sharded, weights)
+    if init_seed is None:
+        _load_shards(sharded, weights)
+    else:
+        _init_shards(sharded, configs, init_seed)
     if cfg.compute_kernel == "dense" and device.type == "cpu":
         from recsys_pipe.models.cpu_dense_lookup import use_unpooled_cpu_lookups
 
@@ -442,6 +456,91 @@ def _load_shards(sharded: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
         storage = full.untyped_storage()
         if not full.is_meta and storage.data_ptr() not in in_use:
             storage.resize_(0)
+
+
+def _mark_meta_collections(modules: Mapping[str, nn.Module]) -> None:
+    """Tell each `EmbeddingCollection` whose tables were built on the meta device that it is
+    there. It records the `device` it was given (the CPU when none, as under `torch.device("meta")`)
+    rather than where its tables are, and torchrec's `ShardedEmbeddingCollection` copies the
+    module's state into its shards unless that device is meta: from meta tables that copy fails
+    ("Cannot copy out of meta tensor"). `EmbeddingBagCollection` reads its tables' device."""
+    for module in modules.values():
+        if isinstance(module, EmbeddingCollection) and all(p.is_meta for p in module.parameters()):
+            module._device = torch.device("meta")
+
+
+def _table_configs_by_key(model: nn.Module) -> dict[str, Any]:
+    """Each table's torchrec config (`EmbeddingConfig` / `EmbeddingBagConfig`) by the state-dict
+    key of its weight."""
+    keys = _table_weights(model)
+    configs = {}
+    for fqn, module in embedding_modules(model).items():
+        by_name = {cfg.name: cfg for cfg in _table_configs(module)}
+        for key in keys:
+            name = key.rsplit(".", 2)[-2]
+            if key.startswith(f"{fqn}.") and name in by_name:
+                configs[key] = by_name[name]
+    return configs
+
+
+def init_table_slice(config: Any, seed: int, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """Rows `rows[0]` to `rows[1]` (excluded) and columns `cols[0]` to `cols[1]` of the table of
+    `config` (a torchrec table config) as `model.table_init=per_shard` initialises it, on the CPU
+    in float32.
+
+    The table is cut into blocks of `INIT_BLOCK_ROWS` rows, each drawn whole by the table's own
+    `init_fn` (the unsharded build's: torchrec's uniform by default, a model's own where it sets
+    one) from a generator seeded from (`seed`, table name, block index) alone: a shard computes
+    its slice from the blocks it overlaps, without the rest of the table (a column shard draws
+    its blocks' full width and keeps its columns), and a row gets the same values whatever the
+    sharding type and world size. torchrec's sharded kernels would initialise the shards
+    themselves, but with a uniform between the table's `weight_init_min/max`, not its `init_fn`
+    (`BaseBatchedEmbeddingBag.init_parameters`), and from each rank's global generator."""
+    out = torch.empty(rows[1] - rows[0], cols[1] - cols[0])
+    _fill_table_slice(out, config, seed, rows, cols)
+    return out
+
+
+def _fill_table_slice(
+    target: torch.Tensor, config: Any, seed: int, rows: tuple[int, int], cols: tuple[int, int]
+) -> None:
+    """Write `init_table_slice(config, seed, rows, cols)` into `target` (a shard, on any device)
+    one block at a time: no second copy of the shard is ever held."""
+    (first, stop), (col, col_stop) = rows, cols
+    for block in range(first // INIT_BLOCK_ROWS, (stop - 1) // INIT_BLOCK_ROWS + 1 if stop > first else 0):
+        start = block * INIT_BLOCK_ROWS
+        values = torch.empty(min(INIT_BLOCK_ROWS, config.num_embeddings - start), config.embedding_dim)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_block_seed(seed, config.name, block))
+            drawn = config.init_fn(values)
+        values = values if drawn is None else drawn
+        lo, hi = max(first, start), min(stop, start + values.shape[0])
+        target[lo - first : hi - first].copy_(values[lo - start : hi - start, col:col_stop])
+
+
+def _block_seed(seed: int, table: str, block: int) -> int:
+    """A 63-bit seed for one block of one table (a hash: neighbouring blocks' seeds share nothing)."""
+    digest = hashlib.sha256(f"{seed}/{table}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _init_shards(sharded: nn.Module, configs: Mapping[str, Any], seed: int) -> None:
+    """`model.table_init=per_shard`: fill this rank's shards of every table (`configs`, by
+    state-dict key) with their slices of `init_table_slice`; a table held whole on every rank
+    (data_parallel) gets the whole table, the same on every rank."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    with torch.no_grad():
+        for key, value in sharded.state_dict().items():
+            config = configs.get(key)
+            if config is None:
+                continue
+            if not isinstance(value, ShardedTensor):
+                _fill_table_slice(value, config, seed, (0, value.shape[0]), (0, value.shape[1]))
+                continue
+            for shard in value.local_shards():
+                (row, col), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                _fill_table_slice(shard.tensor, config, seed, (row, row + rows), (col, col + cols))
 
 
 def make_optimizer(

@@ -8,7 +8,8 @@ Another run in the same directory (another model, another data set, another
 global batch) is skipped, and named in the log. Each checkpoint carries `fingerprint.json`: the
 model and data sections as validated (data paths made absolute; the keys that do not change what
 is trained left out: the per-rank batch size, which the global batch replaces, the DataLoader
-workers and pinning) and the global batch. A checkpoint written before fingerprints were saved
+workers and pinning; `model.table_init`, which decides only the initial weights a resume replaces)
+and the global batch. A checkpoint written before fingerprints were saved
 is fingerprinted from its run's `config.yaml` and the ranks that wrote it.
 """
 
@@ -38,6 +39,8 @@ FINGERPRINT_FILE = "fingerprint.json"
 #: data keys that change how rows are read, not which rows are trained
 _INCIDENTAL_DATA_KEYS = ("batch_size", "num_workers", "pin_memory", "eval_batch_size")
 _PATH_KEYS = ("path", "eval_path")
+#: model keys that decide only the initial weights, which a resume replaces with the checkpoint's
+_INITIAL_ONLY_MODEL_KEYS = ("table_init",)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ def fingerprint(run: Any, world_size: int) -> RunFingerprint:
 
     model = run.model.model_dump(mode="json", by_alias=True)
     data = run.data.model_dump(mode="json", by_alias=True)
+    for key in _INITIAL_ONLY_MODEL_KEYS:
+        model.pop(key, None)
     for key in _INCIDENTAL_DATA_KEYS:
         data.pop(key, None)
     for key in _PATH_KEYS:

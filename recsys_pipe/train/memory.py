@@ -24,6 +24,9 @@ The estimate adds up, for each rank, what it holds while training:
   shards it (so that every layout starts from the same seeded weights,
   `recsys_pipe.models.sharding`); its tables are freed once sharded, but they are the peak of a
   CPU run while it lasts. On CUDA that memory is the host's, not the device's: a note says it.
+  With `model.table_init=per_shard` the tables are built on the meta device and each rank
+  draws only its shards: there is no build part. Where the build part alone makes a rank not
+  fit, a note suggests that key.
 
 The peak is the fixed part (tables, their state, dense, runtime) plus the larger of what
 training adds (activations, lookups, batches) and what the build adds (CPU). How close it is:
@@ -64,6 +67,11 @@ __all__ = [
 
 GIB = 2**30
 MIB = 2**20
+#: what the estimate says where the unsharded build alone makes a rank not fit
+PER_SHARD_NOTE = (
+    "no rank would build the whole tables on the host (the build part); the initial weights then differ from the "
+    "unsharded build's (docs/operations/multi-node.md#table-init)"
+)
 #: what is said of a layout whose memory is not estimated (`Parallelism.planned_model`)
 NOT_ESTIMATED = "estimated peak memory: not estimated for how this run spreads its model over the ranks"
 #: tables are cut to at most this many rows for the activation probe
@@ -89,9 +97,17 @@ class RankMemory:
 
     @property
     def peak(self) -> int:
-        fixed = sum(v for k, v in self.parts.items() if k not in TRAINING_PARTS and k != BUILD)
-        training = sum(self.parts.get(k, 0) for k in TRAINING_PARTS)
-        return fixed + max(training, self.parts.get(BUILD, 0))
+        return self.training_peak + max(self.parts.get(BUILD, 0) - self.training_part, 0)
+
+    @property
+    def training_peak(self) -> int:
+        """The peak without the build part: the fixed parts plus what training adds."""
+        return sum(v for k, v in self.parts.items() if k != BUILD)
+
+    @property
+    def training_part(self) -> int:
+        """What training adds on top of the fixed parts (`TRAINING_PARTS`)."""
+        return sum(self.parts.get(k, 0) for k in TRAINING_PARTS)
 
 
 #: what training adds on top of the fixed parts (the build's extra memory is gone by then)
@@ -140,6 +156,13 @@ class MemoryEstimate:
     def fits(self) -> bool | None:
         """Whether the largest rank fits the capacity; None without one."""
         return None if self.capacity is None else self.largest.peak <= self.capacity
+
+    def build_bound(self) -> bool:
+        """Whether some rank does not fit only because of the build part (the unsharded tables),
+        so that every rank would fit with `model.table_init=per_shard`."""
+        if self.fits() is not False or not any(r.parts.get(BUILD) for r in self.ranks):
+            return False
+        return max(r.training_peak for r in self.ranks) <= self.capacity
 
     def verdict(self) -> str:
         """The one line: the largest rank, its GiB, and whether it fits."""
@@ -209,7 +232,7 @@ def estimate_memory(
         rank.add("activations", activations.per_sample * batch)
         rank.add("batches", in_flight * activations.batch_bytes / activations.batch_size * batch)
         rank.add("runtime", runtime)
-    unsharded = _unsharded_table_bytes(module)
+    unsharded = _unsharded_table_bytes(module) if getattr(run.model, "table_init", "") == "unsharded" else 0
     if unsharded:
         if topology.device_type == "cpu":
             legend.append("build: the unsharded tables every rank builds before sharding (freed once sharded)")
@@ -218,13 +241,20 @@ def estimate_memory(
         else:
             notes.append(
                 f"host memory while building: every rank first builds the unsharded tables on the CPU, "
-                f"{unsharded / GIB:.2f} GiB per rank, {unsharded * topology.local_world_size / GIB:.2f} GiB per host"
+                f"{unsharded / GIB:.2f} GiB per rank, {unsharded * topology.local_world_size / GIB:.2f} GiB per host "
+                "(none with model.table_init=per_shard)"
             )
     for rank in ranks:
-        training = sum(rank.parts.get(k, 0) for k in TRAINING_PARTS)
-        rank.phase = "build" if rank.parts.get(BUILD, 0) > training else "training"
+        rank.phase = "build" if rank.parts.get(BUILD, 0) > rank.training_part else "training"
     capacity = None if capacity_gib is None else int(capacity_gib * GIB)
-    return MemoryEstimate(run.model.label, topology, ranks, capacity, legend, notes)
+    estimate = MemoryEstimate(run.model.label, topology, ranks, capacity, legend, notes)
+    if estimate.build_bound():
+        top = max(ranks, key=lambda r: r.training_peak)
+        notes.append(
+            f"model.table_init=per_shard would fit, rank {top.rank} at {top.training_peak / GIB:.2f} GiB: "
+            f"{PER_SHARD_NOTE}"
+        )
+    return estimate
 
 
 def _shard_ranks(sharding: Any, world_size: int) -> list[tuple[int, int, int]]:
@@ -550,8 +580,9 @@ def check_memory(run: RunConfig, plan: CompiledPlan, device_type: str) -> tuple[
     if estimate.fits():
         return estimate.verdict(), None
     top = estimate.largest
+    per_shard = f"; model.table_init=per_shard would fit: {PER_SHARD_NOTE}" if estimate.build_bound() else ""
     return estimate.verdict(), (
         f"rank {top.rank} needs an estimated {top.peak / GIB:.2f} GiB, more than the {capacity / GIB:.2f} GiB one rank "
         f"has here; `recsys-plan <the same overrides> world_size={topology.world_size} "
-        f"local_world_size={topology.local_world_size} memory_gib=...` shows every rank by part"
+        f"local_world_size={topology.local_world_size} memory_gib=...` shows every rank by part{per_shard}"
     )

@@ -3,7 +3,8 @@
 `main <out>` (2 ranks): for each plan, trains 15 steps with checkpoints, then a fresh trainer
 resumes from that run directory and trains to step 30; compares per-step losses and final
 parameters (dense tensors and every local embedding shard) with one uninterrupted 30-step run of
-the serial plan. The configuration exercises everything a checkpoint must restore: Adam moments,
+the serial plan; the same for the tables on the dense kernel and for `model.table_init=per_shard`
+(against its own uninterrupted run). The configuration exercises everything a checkpoint must restore: Adam moments,
 rowwise-Adagrad table state, a cosine LR schedule with warmup, gradient clipping, dropout (RNG),
 two shuffled epochs (the resume lands mid-epoch 1 and crosses into epoch 2) and evaluations.
 Writes rank<r>.json (and the step-15 parameters as rank<r>_step15.pt for `reshard`).
@@ -61,6 +62,8 @@ PLANS = {
 #: the tables on torchrec's dense kernel, split by rows: Adam (the dense optimizer) updates them,
 #: and its moments for the tables are sharded state that every rank must save and get back
 DENSE_KERNEL = ["pipeline=hstu_prefetch", "model.compute_kernel=dense", "model.sharding=row_wise"]
+#: the tables built on the meta device, each rank drawing only its own row shards
+PER_SHARD = ["pipeline=hstu_prefetch", "model.table_init=per_shard", "model.sharding=row_wise"]
 
 
 def fit(info, run_dir, *overrides, restore=None):
@@ -110,6 +113,7 @@ def main(out):
             "stop": second.stop_reason,
         }
     result["dense_kernel"] = dense_kernel(info, out)
+    result["per_shard"] = per_shard(info, out)
     # negative control: the same checkpoint without its RNG states must not resume bitwise
     # (dropout draws from them), or the comparison above would not show they are restored
     no_rng = os.path.join(out, "no_rng")
@@ -145,6 +149,26 @@ def dense_kernel(info, out):
         "params": digest(params),
         "moments": moments,
         "tables": tables,
+    }
+
+
+def per_shard(info, out):
+    """Uninterrupted 30 steps vs 15 + resume + 15 with `model.table_init=per_shard`; this rank's
+    initial parameters (its row shards and the dense part) go to rank<r>_per_shard.pt."""
+    with built_trainer(info, [*CONFIG, *PER_SHARD, "trainer.max_steps=30"]) as t:
+        torch.save(local_parameters(t.state.model), os.path.join(out, f"rank{info.rank}_per_shard.pt"))
+        ref, ref_params = t.fit(record_steps=True), local_parameters(t.state.model)
+    run_dir = os.path.join(out, "per_shard")
+    first, _ = fit(info, run_dir, *PER_SHARD, "trainer.max_steps=15", "trainer.checkpoint.interval=15")
+    dist.barrier()
+    path = str(resolve_resume(run_dir, "unused"))
+    second, params = fit(info, None, *PER_SHARD, "trainer.max_steps=30", restore=path)
+    return {
+        "ref_losses": ref.losses,
+        "ref_params": digest(ref_params),
+        "losses": first.losses + second.losses,
+        "resumed_at": second.start_step,
+        "params": digest(params),
     }
 
 

@@ -43,6 +43,37 @@ def test_the_table_part_is_what_the_plan_places_on_each_rank():
     assert est.ranks[0].phase == "build"
 
 
+def test_per_shard_tables_drop_the_build_part_and_a_build_bound_job_is_told_so(monkeypatch):
+    """model.table_init=per_shard: no rank builds the unsharded tables. Where only the build part
+    keeps a rank from fitting, the estimate's note and `recsys-train --check`'s warning say so."""
+    from recsys_pipe.train.memory import check_memory
+
+    run, unsharded = _estimate("model.sharding=row_wise")
+    _, per_shard = _estimate("model.sharding=row_wise", "model.table_init=per_shard")
+    assert "build" in unsharded.columns and "build" not in per_shard.columns
+    assert all(r.phase == "training" for r in per_shard.ranks)
+    assert [r.parts for r in per_shard.ranks] == [
+        {k: v for k, v in r.parts.items() if k != "build"} for r in unsharded.ranks
+    ]
+    between = (unsharded.largest.peak + per_shard.largest.peak) / 2 / GIB
+    _, tight = _estimate("model.sharding=row_wise", gib=between)
+    assert not tight.fits() and tight.build_bound()
+    assert any(n.startswith("model.table_init=per_shard would fit, rank ") for n in tight.notes)
+    assert _estimate("model.sharding=row_wise", "model.table_init=per_shard", gib=between)[1].fits()
+    _, short = _estimate("model.sharding=row_wise", gib=per_shard.largest.peak / 2 / GIB)
+    assert not short.build_bound() and not any("per_shard" in n for n in short.notes)  # not enough either way
+    _, cuda = _estimate("model.sharding=row_wise", "model.table_init=per_shard", device="cuda")
+    assert not any(n.startswith("host memory while building") for n in cuda.notes)
+
+    import recsys_pipe.train.memory as memory
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(memory, "device_capacity", lambda device, local: int(between * GIB))
+    _, warning = check_memory(run, training_plan(run), "cpu")
+    assert warning is not None and "model.table_init=per_shard would fit" in warning
+
+
 def test_activations_are_measured_per_sample():
     small, large = (probe_activations(load_run(*DLRM, f"data.batch_size={b}")) for b in (16, 64))
     assert small.batch_size == 16 and large.batch_size == 64

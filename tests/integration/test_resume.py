@@ -107,6 +107,34 @@ def test_dense_kernel_tables_resume_bitwise_with_their_sharded_adam_moments(plai
             assert dense["moments"][moment] == size
 
 
+def test_per_shard_tables_train_and_resume_bitwise_from_the_drawn_shards(plain):
+    """`model.table_init=per_shard`, row-wise over the 2 ranks: the tables built on the meta device
+    and each rank drawing its own rows. Both ranks start from the same dense part, their shards
+    together are the whole tables as `init_table_slice` draws them (what one rank would hold), and
+    the run resumes bitwise; it trains from other initial tables than the unsharded build."""
+    from recsys_pipe.models.sharding import embedding_modules, init_table_slice
+    from recsys_pipe.testing import load_run
+    from recsys_pipe.train.parallel.sharded import meta_model
+
+    out, ranks = plain
+    for data in ranks:
+        got = data["per_shard"]
+        assert len(got["ref_losses"]) == 30 and got["resumed_at"] == 15
+        assert got["losses"] == got["ref_losses"] and got["params"] == got["ref_params"]
+        assert got["ref_losses"][0] != data["reference"]["losses"][0]
+    initial = [torch.load(out / f"rank{r}_per_shard.pt", weights_only=True) for r in range(2)]
+    dense = [k for k in initial[0] if "#shard" not in k]
+    assert dense and all(torch.equal(initial[0][k], initial[1][k]) for k in dense)
+    run = load_run("data.batch_size=16", "data.num_batches=20", "model.table_init=per_shard")
+    configs = {c.name: c for m in embedding_modules(meta_model(run)).values() for c in m.embedding_configs()}
+    shards = [k for k in initial[0] if k.endswith("#shard0")]
+    assert {k.split(".")[-2] for k in shards} == set(configs)
+    for key in shards:
+        cfg = configs[key.split(".")[-2]]
+        whole = torch.cat([initial[0][key], initial[1][key]])
+        assert torch.equal(whole, init_table_slice(cfg, run.seed, (0, cfg.num_embeddings), (0, cfg.embedding_dim)))
+
+
 def test_resume_without_rng_state_is_not_bitwise(plain):
     """Negative control: dropout draws from the RNG, so its restored state is what keeps the
     resumed run bitwise above."""

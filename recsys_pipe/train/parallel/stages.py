@@ -44,6 +44,14 @@ class PipelineStages(Parallelism):
         topology.check()
         check_dense_ddp(self.run, topology.device_type)
         check_pipeline_parallel(self.run, topology.world_size)
+        if getattr(self.run.model, "table_init", "unsharded") == "per_shard":
+            raise ConfigError(
+                ConfigProblem(
+                    "model.table_init",
+                    "per_shard is not offered with pipeline stages (parallel.pp.size > 1): their stages are cut from "
+                    "the unsharded model; use model.table_init=unsharded",
+                )
+            )
         refuse_managed(
             self.run.data.spec(),
             "pipeline stages (parallel.pp.size > 1) train the first stage's tables on torchrec's dense kernel, which "
