@@ -449,6 +449,7 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchrec.distributed import collective_utils
     from torchrec.distributed.embedding_types import ShardedEmbeddingModule
+    from torchrec.modules.embedding_modules import EmbeddingCollection
 
     from recsys_pipe.models.sharding import make_sharded_model
     from recsys_pipe.train.optim import sparse_optimizer
@@ -476,6 +477,16 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
     try:
         with torch.device("meta"):
             module = run.model.build(run.data.spec())
+        if topology.world_size > 1 and any(isinstance(m, EmbeddingCollection) for m in module.modules()):
+            raise ConfigError(
+                ConfigProblem(
+                    "dry_run",
+                    f"the dry run cannot build sequence tables (torchrec's EmbeddingCollection, model "
+                    f"{run.model.name!r}) at more than one rank: their sharded module gathers its shards' metadata "
+                    "from every rank, which torch's fake process group does not carry; without dry_run the estimate "
+                    "(memory_gib) holds, and world_size=1 builds them",
+                )
+            )
         optimizer, kwargs = sparse_optimizer(run.optimizer.sparse)
         sharded = make_sharded_model(
             module,

@@ -118,6 +118,18 @@ def test_recsys_plan_prints_the_table_and_the_dry_run(tmp_path, capsys):
     assert (tmp_path / "model.txt").read_text().count("estimated peak memory") == 1
 
 
+def test_a_dry_run_of_sequence_tables_beyond_one_rank_is_refused_in_one_line(tmp_path, capsys):
+    """HSTU's EmbeddingCollection gathers shard metadata the fake process group does not carry:
+    refused naming dry_run; at one rank it builds."""
+    args = ["model.sharding=row_wise", "local_world_size=2", "dry_run=true", f"hydra.run.dir={tmp_path}"]
+    assert plan_cli.run([*args, "world_size=2"]) == 2
+    captured = capsys.readouterr()
+    (error,) = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert error.startswith("error: dry_run: the dry run cannot build sequence tables (torchrec's EmbeddingCollection")
+    assert plan_cli.run(["model.sharding=row_wise", "dry_run=true", f"hydra.run.dir={tmp_path}"]) == 0
+    assert "dry run: rank 0's tables built under a fake process group of 1 ranks" in capsys.readouterr().out
+
+
 def test_recsys_train_check_prints_the_line_and_warns(monkeypatch, capsys, no_process_group):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
