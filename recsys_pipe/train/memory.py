@@ -448,7 +448,6 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchrec.distributed import collective_utils
-    from torchrec.distributed.embedding_types import ShardedEmbeddingModule
     from torchrec.modules.embedding_modules import EmbeddingCollection
 
     from recsys_pipe.models.sharding import make_sharded_model
@@ -499,24 +498,7 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
             data_parallel=False,
             plan=_on_cpu(plan),
         )
-        measured = {"weights": 0, "state": 0, "meta": 0}
-        # a sharded table module keeps its kernels in `_lookups`, a plain list (not a submodule),
-        # whose `named_buffers` yields per-table views: each kernel module's own tensors are read
-        seen: set[int] = set()
-        lookups = [lk for m in sharded.modules() if isinstance(m, ShardedEmbeddingModule) for lk in m._lookups]
-        for kernel in (k for lookup in lookups for k in lookup.modules()):
-            for name, tensor in [*kernel._buffers.items(), *kernel._parameters.items()]:
-                if tensor is None or not tensor.is_floating_point():
-                    continue
-                if tensor.is_meta:  # data_parallel tables are not materialised: counted by shape
-                    measured["meta"] += tensor.numel() * tensor.element_size()
-                    continue
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen:
-                    continue
-                seen.add(storage.data_ptr())
-                measured["weights" if name.startswith("weight") else "state"] += storage.nbytes()
-        return measured
+        return _shard_bytes(sharded)
     finally:
         collective_utils._INITIALIZED = validation
         dist.destroy_process_group()
@@ -524,6 +506,31 @@ def dry_run_tables(run: RunConfig, topology: Topology, rank: int = 0) -> dict[st
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
             os.environ["LOCAL_WORLD_SIZE"] = saved_env
+
+
+def _shard_bytes(sharded: torch.nn.Module) -> dict[str, int]:
+    """Bytes of a sharded model's table shards as its kernels allocated them: `weights`, the
+    fused optimizer's `state`, and `meta` (data_parallel tables, not materialised: by shape)."""
+    from torchrec.distributed.embedding_types import ShardedEmbeddingModule
+
+    measured = {"weights": 0, "state": 0, "meta": 0}
+    # a sharded table module keeps its kernels in `_lookups`, a plain list (not a submodule),
+    # whose `named_buffers` yields per-table views: each kernel module's own tensors are read
+    seen: set[int] = set()
+    lookups = [lk for m in sharded.modules() if isinstance(m, ShardedEmbeddingModule) for lk in m._lookups]
+    for kernel in (k for lookup in lookups for k in lookup.modules()):
+        for name, tensor in [*kernel._buffers.items(), *kernel._parameters.items()]:
+            if tensor is None or not tensor.is_floating_point():
+                continue
+            if tensor.is_meta:
+                measured["meta"] += tensor.numel() * tensor.element_size()
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            measured["weights" if name.startswith("weight") else "state"] += storage.nbytes()
+    return measured
 
 
 def _on_cpu(plan: Any) -> Any:
