@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _bench import bench_report
 
 from recsys_pipe.bench.hstu import _REFERENCE_FILE, LEVERS_OFF, REFERENCE_ENV, write_ml1m_shaped
 
@@ -24,15 +25,7 @@ REFERENCE = os.environ.get(REFERENCE_ENV, "")
     reason=f"needs a clone of meta-recsys/generative-recommenders: set {REFERENCE_ENV} to its path",
 )
 def test_recsys_bench_hstu_quick_trains_both_and_prints_the_ratio():
-    out = subprocess.run(
-        [sys.executable, "-m", "recsys_pipe.bench", "hstu", "--quick", "--levers", "--reference", REFERENCE],
-        capture_output=True,
-        cwd=ROOT,
-        text=True,
-        timeout=220,
-        check=True,
-    )
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report, _ = bench_report("hstu", "--quick", "--levers", "--reference", REFERENCE, timeout=220)
     assert set(report["wall"]) == set(report["cpu"]) == {*LEVERS_OFF, "reference", "reference, shared negatives"}
     assert report["ratio"] == report["wall"]["all levers"]["over_reference"]["median"] > 0
     assert report["sizes"]["attn_len"] == report["sizes"]["data_len"] + 11

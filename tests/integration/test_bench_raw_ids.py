@@ -2,27 +2,13 @@
 on one generated stream, each reported (figures are not asserted: timings belong to benchmark runs,
 docs/benchmarks.md)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _bench import bench_report
 
 
 @pytest.mark.timeout(300)
 def test_bench_raw_ids_quick_reports_every_variant_side_by_side():
-    out = subprocess.run(
-        [sys.executable, "-m", "recsys_pipe.bench", "raw_ids", "--quick", "--steps", "24"],
-        capture_output=True,
-        cwd=ROOT,
-        text=True,
-        timeout=280,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report, printed = bench_report("raw_ids", "--quick", "--steps", "24", timeout=280)
     variants = report["variants"]
     assert list(variants) == ["managed/lfu", "managed/lru", "managed/distance_lfu", "hash", "modulo"]
     for figures in variants.values():
@@ -31,4 +17,4 @@ def test_bench_raw_ids_quick_reports_every_variant_side_by_side():
     targets = report["targets"]
     assert targets["best_managed"].startswith("managed/")
     assert set(targets["samples_per_s_over_hash"]) == {"managed/lfu", "managed/lru", "managed/distance_lfu"}
-    assert report["stream"]["train_rows"] == 24 * 128 and "AUC, best managed" in out.stdout
+    assert report["stream"]["train_rows"] == 24 * 128 and "AUC, best managed" in printed
